@@ -1,0 +1,631 @@
+from ferrum_client._proto.ferrum.executor.v1 import types_pb2 as _types_pb2
+from google.protobuf import struct_pb2 as _struct_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+    FINISH_REASON_CONTENT_FILTER: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_ERROR: FinishReason
+FINISH_REASON_CONTENT_FILTER: FinishReason
+
+class InfoRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("models", "server_version", "contract_version")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[_types_pb2.ModelInfo]
+    server_version: str
+    contract_version: str
+    def __init__(self, models: _Optional[_Iterable[_Union[_types_pb2.ModelInfo, _Mapping]]] = ..., server_version: _Optional[str] = ..., contract_version: _Optional[str] = ...) -> None: ...
+
+class CapabilitiesRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class CapabilitiesResponse(_message.Message):
+    __slots__ = ("model_id", "capabilities")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    capabilities: _types_pb2.ExecutorCapabilities
+    def __init__(self, model_id: _Optional[str] = ..., capabilities: _Optional[_Union[_types_pb2.ExecutorCapabilities, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("model_id", "status", "metrics")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    status: _types_pb2.ExecutorStatus
+    metrics: _types_pb2.ExecutorMetrics
+    def __init__(self, model_id: _Optional[str] = ..., status: _Optional[_Union[_types_pb2.ExecutorStatus, _Mapping]] = ..., metrics: _Optional[_Union[_types_pb2.ExecutorMetrics, _Mapping]] = ...) -> None: ...
+
+class KvCapacityRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class KvCapacityResponse(_message.Message):
+    __slots__ = ("model_id", "capacity")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    capacity: _types_pb2.KvCapacity
+    def __init__(self, model_id: _Optional[str] = ..., capacity: _Optional[_Union[_types_pb2.KvCapacity, _Mapping]] = ...) -> None: ...
+
+class AdmissionLimitsRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class AdmissionLimitsResponse(_message.Message):
+    __slots__ = ("model_id", "limits")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    limits: _types_pb2.ExecutorAdmissionLimits
+    def __init__(self, model_id: _Optional[str] = ..., limits: _Optional[_Union[_types_pb2.ExecutorAdmissionLimits, _Mapping]] = ...) -> None: ...
+
+class PrefillInput(_message.Message):
+    __slots__ = ("token_ids", "cache_id", "logits", "reserve_tokens", "all_positions", "metadata", "request_id")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALL_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_id: str
+    logits: _types_pb2.LogitsPolicy
+    reserve_tokens: int
+    all_positions: bool
+    metadata: _struct_pb2.Struct
+    request_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., all_positions: _Optional[bool] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class PrefillOutput(_message.Message):
+    __slots__ = ("cache", "output", "positions", "embedding")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    cache: _types_pb2.KvCacheHandle
+    output: _types_pb2.LogitsOutput
+    positions: _containers.RepeatedCompositeFieldContainer[_types_pb2.LogitsOutput]
+    embedding: _types_pb2.Tensor
+    def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., output: _Optional[_Union[_types_pb2.LogitsOutput, _Mapping]] = ..., positions: _Optional[_Iterable[_Union[_types_pb2.LogitsOutput, _Mapping]]] = ..., embedding: _Optional[_Union[_types_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("model_id", "input")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    input: PrefillInput
+    def __init__(self, model_id: _Optional[str] = ..., input: _Optional[_Union[PrefillInput, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("output", "timings")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    output: PrefillOutput
+    timings: _types_pb2.StepTimings
+    def __init__(self, output: _Optional[_Union[PrefillOutput, _Mapping]] = ..., timings: _Optional[_Union[_types_pb2.StepTimings, _Mapping]] = ...) -> None: ...
+
+class BatchPrefillRequest(_message.Message):
+    __slots__ = ("model_id", "inputs")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    inputs: _containers.RepeatedCompositeFieldContainer[PrefillInput]
+    def __init__(self, model_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[PrefillInput, _Mapping]]] = ...) -> None: ...
+
+class BatchPrefillResponse(_message.Message):
+    __slots__ = ("outputs", "timings")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[PrefillOutput]
+    timings: _types_pb2.StepTimings
+    def __init__(self, outputs: _Optional[_Iterable[_Union[PrefillOutput, _Mapping]]] = ..., timings: _Optional[_Union[_types_pb2.StepTimings, _Mapping]] = ...) -> None: ...
+
+class DecodeInput(_message.Message):
+    __slots__ = ("cache_id", "token_id", "logits", "position", "metadata")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    token_id: int
+    logits: _types_pb2.LogitsPolicy
+    position: int
+    metadata: _struct_pb2.Struct
+    def __init__(self, cache_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., position: _Optional[int] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class DecodeOutput(_message.Message):
+    __slots__ = ("cache", "output")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    cache: _types_pb2.KvCacheHandle
+    output: _types_pb2.LogitsOutput
+    def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., output: _Optional[_Union[_types_pb2.LogitsOutput, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("model_id", "input")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    input: DecodeInput
+    def __init__(self, model_id: _Optional[str] = ..., input: _Optional[_Union[DecodeInput, _Mapping]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("output", "timings")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    output: DecodeOutput
+    timings: _types_pb2.StepTimings
+    def __init__(self, output: _Optional[_Union[DecodeOutput, _Mapping]] = ..., timings: _Optional[_Union[_types_pb2.StepTimings, _Mapping]] = ...) -> None: ...
+
+class BatchDecodeRequest(_message.Message):
+    __slots__ = ("model_id", "inputs")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    inputs: _containers.RepeatedCompositeFieldContainer[DecodeInput]
+    def __init__(self, model_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[DecodeInput, _Mapping]]] = ...) -> None: ...
+
+class BatchDecodeResponse(_message.Message):
+    __slots__ = ("outputs", "timings")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[DecodeOutput]
+    timings: _types_pb2.StepTimings
+    def __init__(self, outputs: _Optional[_Iterable[_Union[DecodeOutput, _Mapping]]] = ..., timings: _Optional[_Union[_types_pb2.StepTimings, _Mapping]] = ...) -> None: ...
+
+class UnifiedBatchItem(_message.Message):
+    __slots__ = ("seq_id", "q_tokens", "cache_id", "pos_offset", "is_final_chunk", "logits", "metadata")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    Q_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    POS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    IS_FINAL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    q_tokens: _containers.RepeatedScalarFieldContainer[int]
+    cache_id: str
+    pos_offset: int
+    is_final_chunk: bool
+    logits: _types_pb2.LogitsPolicy
+    metadata: _struct_pb2.Struct
+    def __init__(self, seq_id: _Optional[str] = ..., q_tokens: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class UnifiedDecodeRequest(_message.Message):
+    __slots__ = ("model_id", "items")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    items: _containers.RepeatedCompositeFieldContainer[UnifiedBatchItem]
+    def __init__(self, model_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[UnifiedBatchItem, _Mapping]]] = ...) -> None: ...
+
+class UnifiedItemResult(_message.Message):
+    __slots__ = ("seq_id", "cache", "output")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    cache: _types_pb2.KvCacheHandle
+    output: _types_pb2.LogitsOutput
+    def __init__(self, seq_id: _Optional[str] = ..., cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., output: _Optional[_Union[_types_pb2.LogitsOutput, _Mapping]] = ...) -> None: ...
+
+class UnifiedDecodeResponse(_message.Message):
+    __slots__ = ("results", "timings")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[UnifiedItemResult]
+    timings: _types_pb2.StepTimings
+    def __init__(self, results: _Optional[_Iterable[_Union[UnifiedItemResult, _Mapping]]] = ..., timings: _Optional[_Union[_types_pb2.StepTimings, _Mapping]] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("model_id", "input", "logits_dtype")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    input: _types_pb2.Tensor
+    logits_dtype: _types_pb2.DataType
+    def __init__(self, model_id: _Optional[str] = ..., input: _Optional[_Union[_types_pb2.Tensor, _Mapping]] = ..., logits_dtype: _Optional[_Union[_types_pb2.DataType, str]] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("output", "timings")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    output: _types_pb2.Tensor
+    timings: _types_pb2.StepTimings
+    def __init__(self, output: _Optional[_Union[_types_pb2.Tensor, _Mapping]] = ..., timings: _Optional[_Union[_types_pb2.StepTimings, _Mapping]] = ...) -> None: ...
+
+class ForwardVerifyRequest(_message.Message):
+    __slots__ = ("model_id", "cache_id", "token_ids", "logits", "accept_greedy_prefix")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_GREEDY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    cache_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logits: _types_pb2.LogitsPolicy
+    accept_greedy_prefix: bool
+    def __init__(self, model_id: _Optional[str] = ..., cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., accept_greedy_prefix: _Optional[bool] = ...) -> None: ...
+
+class ForwardVerifyResponse(_message.Message):
+    __slots__ = ("outputs", "cache", "base_len", "accepted_drafts", "accepted_tokens", "timings")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    BASE_LEN_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[_types_pb2.LogitsOutput]
+    cache: _types_pb2.KvCacheHandle
+    base_len: int
+    accepted_drafts: int
+    accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
+    timings: _types_pb2.StepTimings
+    def __init__(self, outputs: _Optional[_Iterable[_Union[_types_pb2.LogitsOutput, _Mapping]]] = ..., cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., base_len: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[_types_pb2.StepTimings, _Mapping]] = ...) -> None: ...
+
+class TruncateKvRequest(_message.Message):
+    __slots__ = ("model_id", "cache_id", "new_len")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_LEN_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    cache_id: str
+    new_len: int
+    def __init__(self, model_id: _Optional[str] = ..., cache_id: _Optional[str] = ..., new_len: _Optional[int] = ...) -> None: ...
+
+class TruncateKvResponse(_message.Message):
+    __slots__ = ("cache", "removed_tokens")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cache: _types_pb2.KvCacheHandle
+    removed_tokens: int
+    def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., removed_tokens: _Optional[int] = ...) -> None: ...
+
+class ReleaseCacheRequest(_message.Message):
+    __slots__ = ("model_id", "cache_id")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    cache_id: str
+    def __init__(self, model_id: _Optional[str] = ..., cache_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseCacheResponse(_message.Message):
+    __slots__ = ("released", "freed_bytes", "freed_tokens")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    freed_bytes: int
+    freed_tokens: int
+    def __init__(self, released: _Optional[bool] = ..., freed_bytes: _Optional[int] = ..., freed_tokens: _Optional[int] = ...) -> None: ...
+
+class ReserveKvSlotsRequest(_message.Message):
+    __slots__ = ("model_id", "requests")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    requests: _containers.RepeatedCompositeFieldContainer[_types_pb2.KvSlotRequest]
+    def __init__(self, model_id: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[_types_pb2.KvSlotRequest, _Mapping]]] = ...) -> None: ...
+
+class ReserveKvSlotsResponse(_message.Message):
+    __slots__ = ("reservation",)
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    reservation: _types_pb2.KvSlotReservation
+    def __init__(self, reservation: _Optional[_Union[_types_pb2.KvSlotReservation, _Mapping]] = ...) -> None: ...
+
+class KvSlotCapacityRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class KvSlotCapacityResponse(_message.Message):
+    __slots__ = ("snapshot",)
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    snapshot: _types_pb2.KvSlotCapacitySnapshot
+    def __init__(self, snapshot: _Optional[_Union[_types_pb2.KvSlotCapacitySnapshot, _Mapping]] = ...) -> None: ...
+
+class CacheMetricsRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class CacheMetricsResponse(_message.Message):
+    __slots__ = ("metrics",)
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    metrics: _struct_pb2.Struct
+    def __init__(self, metrics: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class LoraMetricsRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class LoraMetricsResponse(_message.Message):
+    __slots__ = ("metrics",)
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    metrics: _struct_pb2.Struct
+    def __init__(self, metrics: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class WarmupRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class WarmupResponse(_message.Message):
+    __slots__ = ("model_ids", "duration_ns")
+    MODEL_IDS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_NS_FIELD_NUMBER: _ClassVar[int]
+    model_ids: _containers.RepeatedScalarFieldContainer[str]
+    duration_ns: int
+    def __init__(self, model_ids: _Optional[_Iterable[str]] = ..., duration_ns: _Optional[int] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class ShutdownResponse(_message.Message):
+    __slots__ = ("model_ids", "released_caches")
+    MODEL_IDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_CACHES_FIELD_NUMBER: _ClassVar[int]
+    model_ids: _containers.RepeatedScalarFieldContainer[str]
+    released_caches: int
+    def __init__(self, model_ids: _Optional[_Iterable[str]] = ..., released_caches: _Optional[int] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("model_id", "text", "add_special_tokens")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    text: str
+    add_special_tokens: bool
+    def __init__(self, model_id: _Optional[str] = ..., text: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("model_id", "token_ids", "skip_special_tokens")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ApplyChatTemplateRequest(_message.Message):
+    __slots__ = ("model_id", "messages", "add_generation_prompt")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    add_generation_prompt: bool
+    def __init__(self, model_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+
+class ApplyChatTemplateResponse(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class StopConditions(_message.Message):
+    __slots__ = ("max_tokens", "stop_token_ids", "ignore_eos", "stop_sequences")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    stop_sequences: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., stop_sequences: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("model_id", "token_ids", "text", "chat", "cache_id", "last_token_id", "sampling", "stop", "top_logprobs", "keep_cache", "request_id", "stream_text")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CACHE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_TEXT_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    token_ids: TokenIds
+    text: str
+    chat: ChatMessages
+    cache_id: str
+    last_token_id: int
+    sampling: _types_pb2.SamplingParams
+    stop: StopConditions
+    top_logprobs: int
+    keep_cache: bool
+    request_id: str
+    stream_text: bool
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., cache_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., keep_cache: _Optional[bool] = ..., request_id: _Optional[str] = ..., stream_text: _Optional[bool] = ...) -> None: ...
+
+class GenerateStarted(_message.Message):
+    __slots__ = ("cache", "prompt_tokens", "request_id")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    cache: _types_pb2.KvCacheHandle
+    prompt_tokens: int
+    request_id: str
+    def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs", "index", "text")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprob]
+    index: int
+    text: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+
+class GenerateFinished(_message.Message):
+    __slots__ = ("finish_reason", "prompt_tokens", "generated_tokens", "cache", "text", "time_to_first_token_ns", "total_ns")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    generated_tokens: int
+    cache: _types_pb2.KvCacheHandle
+    text: str
+    time_to_first_token_ns: int
+    total_ns: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., text: _Optional[str] = ..., time_to_first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("started", "token", "finished")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    started: GenerateStarted
+    token: TokenEvent
+    finished: GenerateFinished
+    def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ..., finished: _Optional[_Union[GenerateFinished, _Mapping]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("step_id", "prefill", "batch_prefill", "decode", "batch_decode", "unified_decode", "forward_verify", "truncate_kv", "release_cache")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    BATCH_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_DECODE_FIELD_NUMBER: _ClassVar[int]
+    UNIFIED_DECODE_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_VERIFY_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_KV_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    prefill: PrefillRequest
+    batch_prefill: BatchPrefillRequest
+    decode: DecodeRequest
+    batch_decode: BatchDecodeRequest
+    unified_decode: UnifiedDecodeRequest
+    forward_verify: ForwardVerifyRequest
+    truncate_kv: TruncateKvRequest
+    release_cache: ReleaseCacheRequest
+    def __init__(self, step_id: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., batch_prefill: _Optional[_Union[BatchPrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., batch_decode: _Optional[_Union[BatchDecodeRequest, _Mapping]] = ..., unified_decode: _Optional[_Union[UnifiedDecodeRequest, _Mapping]] = ..., forward_verify: _Optional[_Union[ForwardVerifyRequest, _Mapping]] = ..., truncate_kv: _Optional[_Union[TruncateKvRequest, _Mapping]] = ..., release_cache: _Optional[_Union[ReleaseCacheRequest, _Mapping]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("step_id", "prefill", "batch_prefill", "decode", "batch_decode", "unified_decode", "forward_verify", "truncate_kv", "release_cache", "error")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    BATCH_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_DECODE_FIELD_NUMBER: _ClassVar[int]
+    UNIFIED_DECODE_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_VERIFY_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_KV_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    prefill: PrefillResponse
+    batch_prefill: BatchPrefillResponse
+    decode: DecodeResponse
+    batch_decode: BatchDecodeResponse
+    unified_decode: UnifiedDecodeResponse
+    forward_verify: ForwardVerifyResponse
+    truncate_kv: TruncateKvResponse
+    release_cache: ReleaseCacheResponse
+    error: _types_pb2.StepError
+    def __init__(self, step_id: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., batch_prefill: _Optional[_Union[BatchPrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., batch_decode: _Optional[_Union[BatchDecodeResponse, _Mapping]] = ..., unified_decode: _Optional[_Union[UnifiedDecodeResponse, _Mapping]] = ..., forward_verify: _Optional[_Union[ForwardVerifyResponse, _Mapping]] = ..., truncate_kv: _Optional[_Union[TruncateKvResponse, _Mapping]] = ..., release_cache: _Optional[_Union[ReleaseCacheResponse, _Mapping]] = ..., error: _Optional[_Union[_types_pb2.StepError, _Mapping]] = ...) -> None: ...
