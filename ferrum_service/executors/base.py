@@ -1,0 +1,281 @@
+"""The executor interface: ferrum's ``ModelExecutor`` trait in Python.
+
+Every executor (stub, configurable, transformers causal LM, BERT) subclasses :class:`ModelExecutor`.
+The gRPC layer validates requests (token ids inside the vocabulary, caches that exist and are not
+busy, positions that match) and converts messages; executors do the work. Defaults follow ferrum's
+trait defaults: ``batch_prefill`` / ``batch_decode`` / ``forward_verify`` loop serially,
+``unified_decode`` and ``forward`` are unsupported, ``truncate_kv`` only moves the length.
+
+Threading: the server runs each executor's calls one at a time on that executor's own worker
+thread (``inline = True`` executors run on the event loop: they do no heavy work), so an executor
+needs no locking of its own model state.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from typing import Any, Protocol
+
+import torch
+
+from .. import errors
+from ..kv_registry import CacheEntry, CacheRegistry
+from ..types import (
+    AdmissionLimits,
+    CacheHandle,
+    DecodeInput,
+    DecodeOutput,
+    ExecutorCapabilities,
+    ExecutorStatus,
+    KvCapacity,
+    KvSlotCapacitySnapshot,
+    KvSlotRequest,
+    KvSlotReservation,
+    LogitsPolicy,
+    ModelInfo,
+    PrefillInput,
+    PrefillOutput,
+    UnifiedItem,
+    UnifiedResult,
+    VerifyOutput,
+)
+
+
+class Tokenizer(Protocol):
+    """What the server needs of a tokenizer (a transformers tokenizer fits)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class OperationStats:
+    """Counters behind ``status()`` (ferrum's ``ExecutorStatus`` / ``ExecutorMetrics``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.prefill_ops = 0
+        self.decode_ops = 0
+        self.prefill_time_s = 0.0
+        self.decode_time_s = 0.0
+        self.decode_tokens = 0
+        self.last_op: float | None = None
+        self.current_batch_size = 0
+        self._recent_prefill: list[float] = []
+        self._recent_decode: list[float] = []
+
+    def record(self, kind: str, seconds: float, rows: int = 1) -> None:
+        with self._lock:
+            self.last_op = time.monotonic()
+            self.current_batch_size = rows
+            if kind == "prefill":
+                self.prefill_ops += 1
+                self.prefill_time_s += seconds
+                self._recent_prefill = (self._recent_prefill + [seconds])[-512:]
+            else:
+                self.decode_ops += 1
+                self.decode_time_s += seconds
+                self.decode_tokens += rows
+                self._recent_decode = (self._recent_decode + [seconds])[-512:]
+
+    @staticmethod
+    def _p95(xs: list[float]) -> float:
+        if not xs:
+            return 0.0
+        s = sorted(xs)
+        return s[min(len(s) - 1, int(0.95 * len(s)))] * 1e3
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "prefill_ops": self.prefill_ops,
+                "decode_ops": self.decode_ops,
+                "avg_prefill_ms": 1e3 * self.prefill_time_s / self.prefill_ops if self.prefill_ops else 0.0,
+                "avg_decode_ms": 1e3 * self.decode_time_s / self.decode_ops if self.decode_ops else 0.0,
+                "p95_prefill_ms": self._p95(self._recent_prefill),
+                "p95_decode_ms": self._p95(self._recent_decode),
+                "throughput_tps": self.decode_tokens / self.decode_time_s if self.decode_time_s else 0.0,
+                "ns_since_last": None if self.last_op is None else int((time.monotonic() - self.last_op) * 1e9),
+                "current_batch_size": self.current_batch_size,
+            }
+
+
+class ModelExecutor(abc.ABC):
+    """ferrum's ``ModelExecutor``. Subclasses set ``self.registry`` in ``__init__``."""
+
+    #: Executor kind as reported in ``ModelInfo.executor``.
+    kind: str = "abstract"
+    #: True = calls are cheap enough to run on the event loop thread (no worker-thread hop).
+    inline: bool = False
+
+    registry: CacheRegistry
+
+    def __init__(self) -> None:
+        self.stats = OperationStats()
+        self.state = "ready"
+
+    # ---- metadata ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def info(self) -> ModelInfo:
+        """``info()``."""
+
+    @abc.abstractmethod
+    def capabilities(self) -> ExecutorCapabilities:
+        """``capabilities()``."""
+
+    def status(self) -> ExecutorStatus:
+        """``status()``, from the operation counters and the registry."""
+        s = self.stats.snapshot()
+        st = ExecutorStatus(
+            state=self.state,
+            is_ready=self.state in ("ready", "busy"),
+            current_batch_size=s["current_batch_size"],
+            prefill_operations=s["prefill_ops"],
+            decode_operations=s["decode_ops"],
+            avg_prefill_time_ms=s["avg_prefill_ms"],
+            avg_decode_time_ms=s["avg_decode_ms"],
+            ns_since_last_operation=s["ns_since_last"],
+            active_caches=len(self.registry),
+        )
+        used = self.registry.used_tokens * self.registry.bytes_per_token
+        total = self.registry.total_tokens * self.registry.bytes_per_token
+        st.memory_usage.allocated_bytes = total
+        st.memory_usage.used_bytes = used
+        st.memory_usage.peak_bytes = max(used, getattr(self, "_peak_kv_bytes", 0))
+        st.memory_usage.utilization_percent = 100.0 * used / total if total else 0.0
+        return st
+
+    def kv_capacity(self) -> KvCapacity:
+        """``kv_capacity()`` and the budget behind it."""
+        r = self.registry
+        used = r.used_tokens
+        return KvCapacity(
+            per_request_tokens=r.per_request_tokens,
+            total_tokens=r.total_tokens,
+            used_tokens=used,
+            free_tokens=r.free_tokens,
+            reserved_tokens=r.reserved_tokens,
+            total_bytes=r.total_tokens * r.bytes_per_token,
+            used_bytes=used * r.bytes_per_token,
+            bytes_per_token=r.bytes_per_token,
+        )
+
+    def admission_limits(self) -> AdmissionLimits | None:
+        """``admission_limits()``; None = no ceilings."""
+        return None
+
+    # ---- compute -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def prefill(self, inp: PrefillInput) -> PrefillOutput:
+        """``prefill()``: create (or continue, with ``inp.cache_id``) a cache."""
+
+    def batch_prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
+        """``batch_prefill()``; default = serial prefills, undone on failure (all or nothing)."""
+        outs: list[PrefillOutput] = []
+        try:
+            for inp in inputs:
+                outs.append(self.prefill(inp))
+        except Exception:
+            for inp, out in zip(inputs, outs):
+                if not inp.cache_id:
+                    self.release_cache(out.cache.cache_id)
+            raise
+        return outs
+
+    @abc.abstractmethod
+    def decode(self, inp: DecodeInput) -> DecodeOutput:
+        """``decode()``: feed one token, return the next row."""
+
+    def batch_decode(self, inputs: list[DecodeInput]) -> list[DecodeOutput]:
+        """``batch_decode()``; default = serial decodes (ferrum's default)."""
+        return [self.decode(inp) for inp in inputs]
+
+    def unified_decode(self, items: list[UnifiedItem]) -> list[UnifiedResult]:
+        """``unified_decode()``; default unsupported (ferrum's default)."""
+        raise errors.unsupported(f"unified_decode is not implemented by the {self.kind} executor")
+
+    def forward(self, input_ids: torch.Tensor, logits_dtype: str = "fp32") -> torch.Tensor:
+        """``forward()``; default unsupported (ferrum's default)."""
+        raise errors.unsupported(f"forward is not supported by the {self.kind} executor")
+
+    def forward_verify(self, cache_id: str, token_ids: list[int], policy: LogitsPolicy) -> VerifyOutput:
+        """``forward_verify()``; default = N+1 serial decode steps ("correct but slow")."""
+        base = self.registry.get(cache_id).num_tokens
+        rows = []
+        out = None
+        for t in token_ids:
+            out = self.decode(DecodeInput(cache_id=cache_id, token_id=t, policy=policy))
+            rows.append(out.logits)
+        assert out is not None
+        return VerifyOutput(rows=torch.stack(rows), cache=out.cache, base_len=base)
+
+    def truncate_kv(self, cache_id: str, new_len: int) -> tuple[CacheHandle, int]:
+        """``truncate_kv()``; default moves the length only (executors with no KV tensors)."""
+        entry = self.registry.get(cache_id)
+        removed = self.registry.truncate(entry, new_len)
+        return self.handle(entry), removed
+
+    def release_cache(self, cache_id: str, reason: str = "released") -> tuple[bool, int, int]:
+        """``release_cache()``: (released, freed_bytes, freed_tokens); idempotent."""
+        entry = self.registry.release(cache_id, reason=reason)
+        if entry is None:
+            return False, 0, 0
+        freed = self.free_payload(entry)
+        return True, freed, entry.num_tokens
+
+    def free_payload(self, entry: CacheEntry) -> int:
+        """Drop an executor's tensors for a released cache; return the bytes given back."""
+        entry.payload = None
+        return entry.num_tokens * self.registry.bytes_per_token
+
+    def reserve_kv_slots(self, requests: list[KvSlotRequest]) -> KvSlotReservation | None:
+        """``reserve_kv_slots()``; None = no paged admission (ferrum's default ``Ok(None)``)."""
+        return None
+
+    def kv_slot_capacity(self) -> KvSlotCapacitySnapshot | None:
+        """``kv_slot_capacity_snapshot()``; None by default."""
+        return None
+
+    def cache_metrics(self) -> dict[str, Any] | None:
+        """``cache_metrics_snapshot()``; None by default."""
+        return None
+
+    def lora_metrics(self) -> dict[str, Any] | None:
+        """``lora_metrics_snapshot()``; None by default."""
+        return None
+
+    def warmup(self) -> None:
+        """``warmup()``; nothing by default."""
+
+    def shutdown(self) -> int:
+        """``shutdown()``: free every cache, refuse further work. Returns caches freed."""
+        n = 0
+        for entry in self.registry.entries():
+            if self.release_cache(entry.cache_id)[0]:
+                n += 1
+        self.state = "shutdown"
+        return n
+
+    # ---- tokenization ---------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer, or None (then Tokenize/Detokenize answer FAILED_PRECONDITION)."""
+        return None
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise errors.failed_precondition(f"model {self.info().model_id!r} has no chat template", field="model_id")
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def handle(self, entry: CacheEntry) -> CacheHandle:
+        """The wire snapshot of ``entry`` (executors add real memory figures by overriding)."""
+        h = self.registry.handle(entry)
+        info = self.info()
+        h.num_layers = info.num_layers
+        h.num_kv_heads = info.num_kv_heads
+        h.head_dim = info.head_dim
+        return h

@@ -1,0 +1,218 @@
+"""The KV cache registry: every live cache of one executor, its tokens, and the KV budget.
+
+Each executor owns one :class:`CacheRegistry`. The registry does the bookkeeping every executor
+needs in the same way — ids, token history, token budget and reservations, owners, the
+one-step-at-a-time rule — and holds an opaque ``payload`` per cache where a real executor keeps
+its tensors. Admission happens here, before any work: a cache that would not fit the budget is
+refused with RESOURCE_EXHAUSTED.
+
+Thread-safe: the server reads it from the asyncio loop thread while an executor's worker thread
+creates and extends caches; a lock guards the table (payloads belong to the executor).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import errors
+from .types import CacheHandle
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class CacheEntry:
+    """One live cache."""
+
+    cache_id: str
+    model_id: str
+    tokens: list[int]
+    reserved_total: int = 0  # tokens promised to this cache (>= len(tokens) once set)
+    payload: Any = None  # executor-specific state (e.g. K/V tensors)
+    owner: str = ""  # a Session / Generate stream that frees it when it ends ("" = the caller)
+    busy: bool = False
+    created_at: float = field(default_factory=time.monotonic)
+    last_access: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def footprint(self) -> int:
+        """Tokens of budget this cache holds (its tokens, or its reservation if larger)."""
+        return max(len(self.tokens), self.reserved_total)
+
+
+class CacheRegistry:
+    """Live caches of one executor and the KV budget they share."""
+
+    def __init__(
+        self,
+        model_id: str,
+        *,
+        total_tokens: int,
+        block_size: int = 16,
+        bytes_per_token: int = 0,
+        per_request_tokens: int | None = None,
+        max_active: int = 0,
+        id_prefix: str = "kv",
+        on_event: Callable[[str, CacheEntry], None] | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.total_tokens = total_tokens
+        self.block_size = block_size
+        self.bytes_per_token = bytes_per_token
+        self.per_request_tokens = per_request_tokens
+        self.max_active = max_active
+        self.id_prefix = id_prefix
+        self.on_event = on_event
+        self._lock = threading.RLock()
+        self._caches: dict[str, CacheEntry] = {}
+        self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.created_total = 0
+        self.released_total = 0
+        self.reclaimed_total = 0
+
+    # ---- queries -----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def __contains__(self, cache_id: str) -> bool:
+        return cache_id in self._caches
+
+    def entries(self) -> list[CacheEntry]:
+        with self._lock:
+            return list(self._caches.values())
+
+    @property
+    def used_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries())
+
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(e.footprint - e.num_tokens for e in self.entries())
+
+    @property
+    def free_tokens(self) -> int:
+        return max(0, self.total_tokens - sum(e.footprint for e in self.entries()))
+
+    def was_released(self, cache_id: str) -> bool:
+        return cache_id in self._released
+
+    def get(self, cache_id: str, field: str = "cache_id") -> CacheEntry:
+        """The live cache, or NOT_FOUND naming whether it never existed or was released."""
+        entry = self._caches.get(cache_id)
+        if entry is None:
+            if not cache_id:
+                raise errors.invalid(f"{field} is empty", field=field)
+            state = "was released" if cache_id in self._released else "is unknown"
+            raise errors.not_found(
+                f"{field}: cache {cache_id!r} {state} on model {self.model_id!r}",
+                field=field,
+                cache_id=cache_id,
+                model_id=self.model_id,
+            )
+        return entry
+
+    def handle(self, entry: CacheEntry, memory_bytes: int | None = None) -> CacheHandle:
+        """The wire snapshot of a cache."""
+        n = entry.num_tokens
+        blocks = math.ceil(n / self.block_size) if self.block_size else 0
+        return CacheHandle(
+            cache_id=entry.cache_id,
+            model_id=self.model_id,
+            num_tokens=n,
+            block_size=self.block_size,
+            num_blocks=blocks,
+            memory_bytes=memory_bytes if memory_bytes is not None else n * self.bytes_per_token,
+        )
+
+    # ---- admission ---------------------------------------------------------------------------
+    def check_sequence_length(self, total: int, field: str, max_sequence_length: int) -> None:
+        """INVALID_ARGUMENT when one sequence could never hold ``total`` tokens."""
+        limit = max_sequence_length
+        if self.per_request_tokens:
+            limit = min(limit, self.per_request_tokens) if limit else self.per_request_tokens
+        if limit and total > limit:
+            raise errors.invalid(
+                f"{field}: the sequence would hold {total} tokens; this model's limit is {limit}",
+                field=field,
+                limit=limit,
+                requested=total,
+            )
+
+    def admit(self, extra_tokens: int, field: str, *, new_caches: int = 0) -> None:
+        """RESOURCE_EXHAUSTED unless ``extra_tokens`` more tokens of budget are free now."""
+        if self.max_active and len(self._caches) + new_caches > self.max_active:
+            raise errors.exhausted(
+                f"{field}: {len(self._caches)} caches are active; the limit is {self.max_active}",
+                field=field,
+                active=len(self._caches),
+                limit=self.max_active,
+            )
+        free = self.free_tokens
+        if extra_tokens > free:
+            raise errors.exhausted(
+                f"{field}: needs {extra_tokens} KV tokens but only {free} of {self.total_tokens} are free",
+                field=field,
+                needed=extra_tokens,
+                free=free,
+                total=self.total_tokens,
+            )
+
+    def growth(self, entry: CacheEntry, new_len: int) -> int:
+        """Budget tokens ``entry`` needs beyond what it holds to reach ``new_len`` tokens."""
+        return max(0, new_len - entry.footprint)
+
+    # ---- mutation ----------------------------------------------------------------------------
+    def create(self, tokens: list[int], *, reserve_tokens: int = 0, owner: str = "", field: str = "input") -> CacheEntry:
+        """Admit and register a new cache holding ``tokens``."""
+        need = max(len(tokens), reserve_tokens)
+        with self._lock:
+            self.admit(need, field, new_caches=1)
+            cache_id = f"{self.id_prefix}-{next(_ids)}"
+            entry = CacheEntry(cache_id, self.model_id, list(tokens), reserved_total=reserve_tokens, owner=owner)
+            self._caches[cache_id] = entry
+            self.created_total += 1
+        self._emit("created", entry)
+        return entry
+
+    def extend(self, entry: CacheEntry, tokens: list[int]) -> None:
+        """Append tokens (admission must have been checked with :meth:`growth`)."""
+        entry.tokens.extend(tokens)
+        entry.last_access = time.monotonic()
+        self._emit("extended", entry)
+
+    def truncate(self, entry: CacheEntry, new_len: int) -> int:
+        removed = len(entry.tokens) - new_len
+        del entry.tokens[new_len:]
+        entry.last_access = time.monotonic()
+        self._emit("truncated", entry)
+        return removed
+
+    def release(self, cache_id: str, *, reason: str = "released") -> CacheEntry | None:
+        """Forget a cache; None when it is not live. ``reason``: released | reclaimed | evicted."""
+        with self._lock:
+            entry = self._caches.pop(cache_id, None)
+            if entry is None:
+                return None
+            self._released[cache_id] = None
+            while len(self._released) > 65536:
+                self._released.popitem(last=False)
+            if reason == "reclaimed":
+                self.reclaimed_total += 1
+            else:
+                self.released_total += 1
+        self._emit(reason, entry)
+        return entry
+
+    def _emit(self, kind: str, entry: CacheEntry) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, entry)
