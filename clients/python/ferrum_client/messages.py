@@ -1,0 +1,127 @@
+"""Building contract messages from plain Python values (shared by the sync and async clients)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ._proto.ferrum.executor.v1 import executor_pb2 as pb
+from ._proto.ferrum.executor.v1 import types_pb2 as tpb
+
+_DTYPES = {"fp32": tpb.DATA_TYPE_FP32, "fp16": tpb.DATA_TYPE_FP16, "bf16": tpb.DATA_TYPE_BF16}
+
+
+def sampling(temperature: float = 0.0, *, top_k: int = 0, top_p: float | None = None, min_p: float = 0.0,
+             repetition_penalty: float | None = None, penalty_token_ids: Sequence[int] = (),
+             seed: int | None = None, token_mask: bytes = b"") -> tpb.SamplingParams:
+    """``SamplingParams``; the defaults are greedy."""
+    sp = tpb.SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p,
+                            penalty_token_ids=list(penalty_token_ids), token_mask=token_mask)
+    if top_p is not None:
+        sp.top_p = top_p
+    if repetition_penalty is not None:
+        sp.repetition_penalty = repetition_penalty
+    if seed is not None:
+        sp.seed = seed
+    return sp
+
+
+def greedy(top_logprobs: int = 0) -> tpb.LogitsPolicy:
+    """A greedy token (the default policy), optionally with top-k log-probabilities."""
+    return tpb.LogitsPolicy(mode=tpb.OUTPUT_MODE_SAMPLED_TOKEN, top_logprobs=top_logprobs)
+
+
+def sampled(params: tpb.SamplingParams, top_logprobs: int = 0) -> tpb.LogitsPolicy:
+    """A token sampled on the server with ``params``."""
+    return tpb.LogitsPolicy(mode=tpb.OUTPUT_MODE_SAMPLED_TOKEN, sampling=params, top_logprobs=top_logprobs)
+
+
+def full_logits(dtype: str = "fp32") -> tpb.LogitsPolicy:
+    """The whole logits row, in fp32 / fp16 / bf16."""
+    return tpb.LogitsPolicy(mode=tpb.OUTPUT_MODE_FULL_LOGITS, logits_dtype=_DTYPES[dtype])
+
+
+def top_logprobs(k: int) -> tpb.LogitsPolicy:
+    """The k most likely tokens with log-probabilities (nothing sampled)."""
+    return tpb.LogitsPolicy(mode=tpb.OUTPUT_MODE_TOP_LOGPROBS, top_logprobs=k)
+
+
+def no_output() -> tpb.LogitsPolicy:
+    """Nothing back (fill the cache only)."""
+    return tpb.LogitsPolicy(mode=tpb.OUTPUT_MODE_NONE)
+
+
+def tensor_array(t: tpb.Tensor) -> np.ndarray:
+    """A contract ``Tensor`` as a numpy array (float32 for BF16)."""
+    if t.dtype == tpb.DATA_TYPE_FP32:
+        a = np.frombuffer(t.data, dtype="<f4")
+    elif t.dtype == tpb.DATA_TYPE_FP16:
+        a = np.frombuffer(t.data, dtype="<f2")
+    elif t.dtype == tpb.DATA_TYPE_BF16:
+        a = (np.frombuffer(t.data, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    elif t.dtype == tpb.DATA_TYPE_INT32:
+        a = np.frombuffer(t.data, dtype="<i4")
+    elif t.dtype == tpb.DATA_TYPE_INT64:
+        a = np.frombuffer(t.data, dtype="<i8")
+    else:
+        raise ValueError(f"unsupported tensor dtype {tpb.DataType.Name(t.dtype)}")
+    return a.reshape(list(t.shape)) if t.shape else a
+
+
+def logits_array(out: tpb.LogitsOutput) -> np.ndarray:
+    """The full logits row of a ``LogitsOutput`` (policy ``full_logits``)."""
+    return tensor_array(out.logits)
+
+
+def ids_tensor(ids: np.ndarray) -> tpb.Tensor:
+    a = np.ascontiguousarray(ids, dtype="<i8")
+    return tpb.Tensor(dtype=tpb.DATA_TYPE_INT64, shape=list(a.shape), data=a.tobytes())
+
+
+def prefill_input(token_ids: Iterable[int], cache_id: str = "", policy: tpb.LogitsPolicy | None = None,
+                  reserve_tokens: int = 0, all_positions: bool = False, request_id: str = "") -> pb.PrefillInput:
+    return pb.PrefillInput(token_ids=list(token_ids), cache_id=cache_id, logits=policy, reserve_tokens=reserve_tokens,
+                           all_positions=all_positions, request_id=request_id)
+
+
+def decode_input(cache_id: str, token_id: int, policy: tpb.LogitsPolicy | None = None,
+                 position: int | None = None) -> pb.DecodeInput:
+    m = pb.DecodeInput(cache_id=cache_id, token_id=token_id, logits=policy)
+    if position is not None:
+        m.position = position
+    return m
+
+
+def unified_item(q_tokens: Iterable[int], *, cache_id: str = "", pos_offset: int = 0, is_final_chunk: bool = True,
+                 seq_id: str = "", policy: tpb.LogitsPolicy | None = None) -> pb.UnifiedBatchItem:
+    return pb.UnifiedBatchItem(seq_id=seq_id, q_tokens=list(q_tokens), cache_id=cache_id, pos_offset=pos_offset,
+                               is_final_chunk=is_final_chunk, logits=policy)
+
+
+def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, text: str | None = None,
+                     chat: Sequence[tuple[str, str]] | None = None, cache_id: str = "",
+                     last_token_id: int | None = None, max_tokens: int = 16, temperature: float = 0.0,
+                     top_k: int = 0, top_p: float | None = None, min_p: float = 0.0,
+                     repetition_penalty: float | None = None, seed: int | None = None,
+                     stop_token_ids: Sequence[int] = (), stop_sequences: Sequence[str] = (), ignore_eos: bool = False,
+                     top_logprobs: int = 0, keep_cache: bool = False, stream_text: bool = False,
+                     request_id: str = "") -> pb.GenerateRequest:
+    req = pb.GenerateRequest(
+        model_id=model_id, cache_id=cache_id,
+        sampling=sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repetition_penalty=repetition_penalty, seed=seed),
+        stop=pb.StopConditions(max_tokens=max_tokens, stop_token_ids=list(stop_token_ids),
+                               stop_sequences=list(stop_sequences), ignore_eos=ignore_eos),
+        top_logprobs=top_logprobs, keep_cache=keep_cache, stream_text=stream_text, request_id=request_id,
+    )
+    if token_ids is not None:
+        req.token_ids.token_ids.extend(token_ids)
+    elif text is not None:
+        req.text = text
+    elif chat is not None:
+        for role, content in chat:
+            req.chat.messages.add(role=role, content=content)
+    if last_token_id is not None:
+        req.last_token_id = last_token_id
+    return req

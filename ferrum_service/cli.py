@@ -1,0 +1,199 @@
+"""``ferrum-service``: serve executors, or stream a reply from a running server.
+
+Every ``serve`` flag can also come from an environment variable ``FERRUM_<FLAG>`` (e.g.
+``FERRUM_PORT``, ``FERRUM_MODEL`` — several specs separated by ``;``) or from a YAML config file
+(``--config``) with the flags' long names as keys and a ``models:`` list. Precedence: flag >
+environment > config file > default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from . import __version__
+
+SERVE_FLAGS = {
+    # name: (type, default, help)
+    "host": (str, "0.0.0.0", "bind address"),
+    "port": (int, 50051, "gRPC port (0 = pick a free one; the chosen port is logged)"),
+    "metrics_port": (int, 9090, "Prometheus /metrics HTTP port (0 = off)"),
+    "device": (str, "auto", "auto | cpu | cuda | cuda:N (default for models that do not set one)"),
+    "dtype": (str, "auto", "auto | fp32 | fp16 | bf16 (default for models that do not set one)"),
+    "kv_budget_tokens": (int, 0, "KV budget per model in tokens (0 = the executor's default)"),
+    "max_message_bytes": (int, 64 * 1024 * 1024, "largest gRPC message accepted or sent"),
+    "max_batch": (int, 64, "most Generate streams batched into one decode step"),
+    "grace_period": (float, 20.0, "seconds in-flight streams get on SIGTERM"),
+    "log_format": (str, "auto", "json | console | auto"),
+    "log_level": (str, "info", "debug | info | warning | error"),
+    "tls_cert": (str, None, "PEM certificate chain (enables TLS)"),
+    "tls_key": (str, None, "PEM private key"),
+    "tls_client_ca": (str, None, "PEM CA bundle: require and verify client certificates (mutual TLS)"),
+    "auth_token_file": (str, None, "file with bearer tokens (one per line) callers must send"),
+    "admin_token_file": (str, None, "file with tokens allowed to call Warmup/Shutdown"),
+}
+
+
+def _env_name(flag: str) -> str:
+    return "FERRUM_" + flag.upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ferrum-service", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"ferrum-service {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="host executors behind the gRPC contract")
+    s.add_argument("--config", default=os.environ.get("FERRUM_CONFIG"), help="YAML config file")
+    s.add_argument("--model", action="append", default=None, metavar="SPEC",
+                   help="executor to host, EXECUTOR[,key=value...] (repeatable); default: smollm2 + minilm")
+    for name, (typ, _default, help_) in SERVE_FLAGS.items():
+        s.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"{help_} [{_env_name(name)}]")
+    s.add_argument("--no-reflection", action="store_true", default=None, help="turn server reflection off")
+    s.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="allow models that ship code (off: such models are refused)")
+
+    g = sub.add_parser("generate", help="stream a reply from a running server")
+    g.add_argument("prompt", help="the user message (sent through the model's chat template)")
+    g.add_argument("--target", default=os.environ.get("FERRUM_TARGET", "localhost:50051"))
+    g.add_argument("--model-id", default="", help="model to use (default: the first causal LM hosted)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    g.add_argument("--token", default=os.environ.get("FERRUM_TOKEN"), help="bearer token")
+    return p
+
+
+def resolve_serve_settings(args: argparse.Namespace) -> dict:
+    """Merge flags, environment and config file into one settings dict."""
+    cfg: dict = {}
+    if args.config:
+        cfg = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(cfg, dict):
+            raise SystemExit(f"{args.config}: the config file must be a mapping")
+    out: dict = {}
+    for name, (typ, default, _h) in SERVE_FLAGS.items():
+        v = getattr(args, name)
+        if v is None and _env_name(name) in os.environ:
+            v = typ(os.environ[_env_name(name)])
+        if v is None:
+            v = cfg.get(name, cfg.get(name.replace("_", "-"), default))
+        out[name] = v
+    out["reflection"] = not (args.no_reflection or os.environ.get("FERRUM_NO_REFLECTION") == "1"
+                             or cfg.get("reflection") is False)
+    out["trust_remote_code"] = bool(args.trust_remote_code or os.environ.get("FERRUM_TRUST_REMOTE_CODE") == "1"
+                                    or cfg.get("trust_remote_code"))
+    from .model_specs import DEFAULT_MODELS, parse_spec, spec_from_mapping
+
+    if args.model:
+        specs = [parse_spec(m) for m in args.model]
+    elif os.environ.get("FERRUM_MODEL"):
+        specs = [parse_spec(m) for m in os.environ["FERRUM_MODEL"].split(";") if m.strip()]
+    elif cfg.get("models"):
+        specs = [spec_from_mapping(m) if isinstance(m, dict) else parse_spec(str(m)) for m in cfg["models"]]
+    else:
+        specs = [parse_spec(m) for m in DEFAULT_MODELS]
+    out["specs"] = specs
+    return out
+
+
+def _read_tokens(path: str | None) -> list[str]:
+    if not path:
+        return []
+    return [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    st = resolve_serve_settings(args)
+    from . import logs
+
+    logs.configure(st["log_format"], st["log_level"])
+    import structlog
+    import torch
+
+    from .model_specs import build_executor
+    from .server import ServerConfig, serve
+
+    log = structlog.get_logger("ferrum_service.cli")
+    torch.set_num_threads(max(1, int(os.environ.get("FERRUM_TORCH_THREADS", os.cpu_count() or 1))))
+    executors = []
+    for spec in st["specs"]:
+        t0 = time.perf_counter()
+        log.info("loading model", executor=spec.executor, model_id=spec.model_id)
+        try:
+            ex = build_executor(spec, device=st["device"], dtype=st["dtype"],
+                                kv_budget_tokens=st["kv_budget_tokens"] or None,
+                                trust_remote_code=st["trust_remote_code"])
+        except (ValueError, FileNotFoundError, ImportError, OSError) as e:
+            log.error("could not load model", executor=spec.executor, model_id=spec.model_id, error=str(e))
+            return 2
+        info = ex.info()
+        log.info("model ready", model_id=info.model_id, executor=info.executor, device=info.device,
+                 dtype=info.dtype, layers=info.num_layers, vocab=info.vocab_size,
+                 seconds=round(time.perf_counter() - t0, 2))
+        executors.append(ex)
+    cfg = ServerConfig(
+        host=st["host"], port=st["port"], metrics_port=st["metrics_port"],
+        max_message_bytes=st["max_message_bytes"], grace_period=st["grace_period"], reflection=st["reflection"],
+        tls_cert=st["tls_cert"], tls_key=st["tls_key"], tls_client_ca=st["tls_client_ca"],
+        auth_tokens=_read_tokens(st["auth_token_file"]) or
+        ([os.environ["FERRUM_AUTH_TOKEN"]] if os.environ.get("FERRUM_AUTH_TOKEN") else []),
+        admin_tokens=_read_tokens(st["admin_token_file"]) or
+        ([os.environ["FERRUM_ADMIN_TOKEN"]] if os.environ.get("FERRUM_ADMIN_TOKEN") else []),
+        max_batch=st["max_batch"],
+    )
+    asyncio.run(serve(executors, cfg))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ferrum_client import Client, FerrumRpcError
+
+    with Client(args.target, token=args.token) as c:
+        try:
+            model = args.model_id
+            if not model:
+                causal = [m for m in c.info().models if m.executor not in ("bert",)]
+                if not causal:
+                    print("the server hosts no causal LM", file=sys.stderr)
+                    return 1
+                model = causal[0].model_id
+            kw = {"text": args.prompt} if args.raw else {"chat": [("user", args.prompt)]}
+            finished = None
+            for ev in c.generate(model, max_tokens=args.max_tokens, temperature=args.temperature,
+                                 seed=args.seed, stream_text=True, **kw):
+                kind = ev.WhichOneof("event")
+                if kind == "token":
+                    sys.stdout.write(ev.token.text)
+                    sys.stdout.flush()
+                elif kind == "finished":
+                    finished = ev.finished
+            print()
+            if finished is not None:
+                secs = finished.total_ns / 1e9
+                print(f"[{finished.generated_tokens} tokens in {secs:.2f}s, "
+                      f"{finished.generated_tokens / secs if secs else 0:.1f} tok/s, "
+                      f"finish: {type(finished).DESCRIPTOR.fields_by_name['finish_reason'].enum_type.values_by_number[finished.finish_reason].name}]",
+                      file=sys.stderr)
+        except FerrumRpcError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args)
+    return cmd_generate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""``Generate``: the decode loop on the server, one event per token.
+
+The prompt is prefilled on the model's worker, then each step feeds the last token through
+``ModelHost.decode_batched``, which joins concurrent streams of the same model into one batched
+forward (continuous batching). The loop checks for cancellation between steps; whatever ends the
+stream (finish, error, client cancel, deadline, dropped connection), the ``finally`` frees the
+cache it created unless the caller asked to keep it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+from . import errors
+from .convert import check_token, check_tokens, handle_pb, pb, sampling_params
+from .sampling import process_rows
+from .types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
+
+if TYPE_CHECKING:
+    from .host import ModelHost
+    from .operations import Operations
+
+DEFAULT_MAX_TOKENS = 128
+
+
+def _prompt_tokens(host: "ModelHost", req: pb.GenerateRequest) -> list[int]:
+    which = req.WhichOneof("prompt")
+    if which == "token_ids":
+        return check_tokens(req.token_ids.token_ids, host.vocab_size, "token_ids.token_ids", allow_empty=bool(req.cache_id))
+    tok = host.executor.tokenizer
+    if which in ("text", "chat") and tok is None:
+        raise errors.failed_precondition(
+            f"{which}: model {host.model_id!r} has no tokenizer; send token_ids", field=which
+        )
+    if which == "text":
+        ids = list(tok.encode(req.text, add_special_tokens=True))
+        if not ids:
+            raise errors.invalid("text tokenizes to no tokens", field="text")
+        return ids
+    if which == "chat":
+        if not req.chat.messages:
+            raise errors.invalid("chat.messages is empty", field="chat.messages")
+        msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        text = host.executor.apply_chat_template(msgs, add_generation_prompt=True)
+        return list(tok.encode(text, add_special_tokens=False))
+    if not req.cache_id:
+        raise errors.invalid("prompt is not set: send token_ids, text or chat (or a cache_id)", field="prompt")
+    return []
+
+
+class _Detok:
+    """Incremental detokenization: text pieces that concatenate to the decoded whole."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, t: int) -> str:
+        self.ids.append(t)
+        full = self.tok.decode(self.ids, skip_special_tokens=True)
+        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        piece, self.text = full[len(self.text):], full
+        return piece
+
+
+async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str) -> AsyncIterator[pb.GenerateResponse]:
+    """Run one generation; yields ``GenerateResponse`` events."""
+    t_start = time.perf_counter_ns()
+    host = ops.models.get(req.model_id)
+    if not host.executor.capabilities().supports_generation:
+        raise errors.unsupported(
+            f"Generate: model {host.model_id!r} is an encoder and does not support token generation; use Prefill",
+            field="model_id",
+        )
+    sp = sampling_params(req.sampling, host.vocab_size, "sampling")
+    if req.top_logprobs > 64:
+        raise errors.invalid(f"top_logprobs = {req.top_logprobs} exceeds the maximum 64", field="top_logprobs")
+    policy = LogitsPolicy(mode=OutputMode.SAMPLED_TOKEN, sampling=sp, top_logprobs=int(req.top_logprobs))
+    max_tokens = int(req.stop.max_tokens) or DEFAULT_MAX_TOKENS
+    stop_ids = set(check_tokens(req.stop.stop_token_ids, host.vocab_size, "stop.stop_token_ids", allow_empty=True))
+    eos_ids = set() if req.stop.ignore_eos else set(host.info.eos_token_ids)
+    tok = host.executor.tokenizer
+    if req.stop.stop_sequences and tok is None:
+        raise errors.failed_precondition("stop.stop_sequences needs a tokenizer", field="stop.stop_sequences")
+    prompt = _prompt_tokens(host, req)
+    reg = host.executor.registry
+    prior = 0
+    if req.cache_id:
+        prior = ops._entry(host, req.cache_id, "cache_id").num_tokens
+        if not prompt and not req.HasField("last_token_id"):
+            raise errors.invalid("cache_id without a prompt needs last_token_id", field="last_token_id")
+    if req.HasField("last_token_id"):
+        check_token(req.last_token_id, host.vocab_size, "last_token_id")
+    total = prior + len(prompt) + max_tokens
+    reg.check_sequence_length(total, "stop.max_tokens", host.info.max_sequence_length)
+    detok = _Detok(tok) if tok is not None and (req.stream_text or req.stop.stop_sequences) else None
+
+    created = ""
+    cache_id = req.cache_id
+    generated = 0
+    finish = pb.FINISH_REASON_UNSPECIFIED
+    out_ids: list[int] = []
+    ttft = 0
+    try:
+        with host.hold([cache_id], "cache_id"):
+            # --- prefill (or feed the caller's last token into its cache) ---
+            if prompt:
+                inp = PrefillInput(token_ids=prompt, cache_id=cache_id, policy=policy,
+                                   reserve_tokens=total if not cache_id else 0, request_id=req.request_id)
+                if cache_id:
+                    e = reg.get(cache_id)
+                    reg.admit(reg.growth(e, total), "stop.max_tokens")
+                timed = await host.call(ops._run_prefill, host, [inp])
+                out = timed.value[0]
+                if not cache_id:
+                    created = cache_id = out.cache.cache_id
+                    entry = reg.get(cache_id)
+                    if not req.keep_cache:
+                        entry.owner = owner
+                row = process_rows([out.logits], [policy], [reg.get(cache_id).tokens], [out.cache.num_tokens])[0]
+                handle = out.cache
+            else:
+                e = reg.get(cache_id)
+                reg.admit(reg.growth(e, total), "stop.max_tokens")
+                row = await host.decode_batched(
+                    DecodeInput(cache_id=cache_id, token_id=req.last_token_id, policy=policy), e.tokens
+                )
+                handle = host.executor.handle(reg.get(cache_id))
+            yield pb.GenerateResponse(started=pb.GenerateStarted(
+                cache=handle_pb(handle), prompt_tokens=len(prompt), request_id=req.request_id))
+            ttft = time.perf_counter_ns() - t_start
+
+            # --- decode loop ---
+            while True:
+                token = row.token_id
+                generated += 1
+                out_ids.append(token)
+                piece = detok.push(token) if detok is not None else ""
+                ev = pb.TokenEvent(token_id=token, logprob=row.logprob, index=generated - 1,
+                                   text=piece if req.stream_text else "")
+                for t, lp in row.top:
+                    ev.top_logprobs.add(token_id=t, logprob=lp)
+                yield pb.GenerateResponse(token=ev)
+                if token in stop_ids:
+                    finish = pb.FINISH_REASON_STOP
+                    break
+                if token in eos_ids:
+                    finish = pb.FINISH_REASON_EOS
+                    break
+                if detok is not None and any(s and s in detok.text for s in req.stop.stop_sequences):
+                    finish = pb.FINISH_REASON_STOP
+                    break
+                if generated >= max_tokens:
+                    finish = pb.FINISH_REASON_LENGTH
+                    break
+                entry = reg.get(cache_id)
+                row = await host.decode_batched(DecodeInput(cache_id=cache_id, token_id=token, policy=policy),
+                                                entry.tokens)
+        fin = pb.GenerateFinished(
+            finish_reason=finish, prompt_tokens=len(prompt), generated_tokens=generated,
+            time_to_first_token_ns=ttft, total_ns=time.perf_counter_ns() - t_start,
+        )
+        if tok is not None:
+            fin.text = tok.decode(out_ids, skip_special_tokens=True)
+        if cache_id and (req.keep_cache or not created) and cache_id in reg:
+            fin.cache.CopyFrom(handle_pb(host.executor.handle(reg.get(cache_id))))
+        yield pb.GenerateResponse(finished=fin)
+    finally:
+        if created and not req.keep_cache:
+            host.release_soon(created)

@@ -1,0 +1,175 @@
+"""A hosted model: its executor, the worker thread it runs on, and per-cache step exclusion.
+
+``ModelHost.call`` runs one executor method off the event loop on the model's single worker thread
+(so model state needs no locks and forward passes never block the server), or inline for cheap
+executors. ``ModelHost.hold`` marks caches busy for the duration of a step: a second step on a
+busy cache is refused with ABORTED instead of racing it. ``ModelHost.decode_batched`` gathers
+concurrent decode steps (from ``Generate`` streams) into one ``batch_decode`` — the server's own
+continuous batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from . import errors
+from .executors.base import ModelExecutor
+from .sampling import RowResult, process_rows
+from .types import DecodeInput
+
+
+@dataclass
+class Timed:
+    """An executor call's result and where its time went."""
+
+    value: Any
+    queued_ns: int
+    forward_ns: int
+
+
+class ModelHost:
+    """One model served by the server."""
+
+    def __init__(self, model_id: str, executor: ModelExecutor, *, max_batch: int = 64) -> None:
+        self.model_id = model_id
+        self.executor = executor
+        self.info = executor.info()
+        self.vocab_size = self.info.vocab_size
+        self.max_batch = max_batch
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"exec-{model_id}")
+        self._busy: set[str] = set()
+        self._decode_queue: list[tuple[DecodeInput, list[int], asyncio.Future]] = []
+        self._decode_task: asyncio.Task | None = None
+        self.running = 0  # steps executing or queued on the worker
+        self._pending_releases: set[asyncio.Task] = set()
+
+    # ---- running executor methods -------------------------------------------------------------
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Timed:
+        """Run ``fn(*args)`` on the model's worker (inline for cheap executors)."""
+        if self.executor.state == "shutdown":
+            raise errors.unavailable(f"model {self.model_id!r} is shut down", model_id=self.model_id)
+        submitted = time.perf_counter_ns()
+        self.running += 1
+        try:
+            if self.executor.inline:
+                value = fn(*args)
+                done = time.perf_counter_ns()
+                return Timed(value, 0, done - submitted)
+            started: list[int] = []
+
+            def run() -> Any:
+                started.append(time.perf_counter_ns())
+                return fn(*args)
+
+            value = await asyncio.get_running_loop().run_in_executor(self._pool, run)
+            done = time.perf_counter_ns()
+            return Timed(value, started[0] - submitted, done - started[0])
+        finally:
+            self.running -= 1
+
+    @contextlib.contextmanager
+    def hold(self, cache_ids: Iterable[str], field: str):
+        """Mark caches busy for one step; ABORTED if another step holds one of them."""
+        ids = [c for c in cache_ids if c]
+        for c in ids:
+            if c in self._busy:
+                raise errors.busy(
+                    f"{field}: cache {c!r} is busy with another step; steps on one cache must not overlap",
+                    field=field,
+                    cache_id=c,
+                )
+        self._busy.update(ids)
+        try:
+            yield
+        finally:
+            self._busy.difference_update(ids)
+
+    def release_soon(self, cache_id: str, reason: str = "released") -> None:
+        """Free a cache from a ``finally`` that may run inside a cancelled task.
+
+        The release runs as its own task (not the cancelled one), so a second cancellation cannot
+        interrupt it and leak the cache."""
+        if cache_id not in self.executor.registry:
+            return
+        if self.executor.inline:
+            self.executor.release_cache(cache_id, reason)
+            return
+
+        async def _release() -> None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._pool, self.executor.release_cache, cache_id, reason)
+            except Exception:  # noqa: BLE001 - the pool is gone at shutdown; the executor frees all then
+                pass
+
+        task = asyncio.get_running_loop().create_task(_release())
+        self._pending_releases.add(task)
+        task.add_done_callback(self._pending_releases.discard)
+
+    async def drain_releases(self) -> None:
+        """Wait for releases scheduled by :meth:`release_soon`."""
+        while self._pending_releases:
+            await asyncio.gather(*list(self._pending_releases), return_exceptions=True)
+
+    def shutdown_pool(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- continuous batching of Generate decode steps ------------------------------------------
+    async def decode_batched(self, inp: DecodeInput, history: list[int]) -> RowResult:
+        """One decode step + sampling, batched with whatever other streams decode right now."""
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._decode_queue.append((inp, history, fut))
+        if self._decode_task is None or self._decode_task.done():
+            self._decode_task = asyncio.create_task(self._drain_decodes())
+        return await fut
+
+    async def _drain_decodes(self) -> None:
+        while self._decode_queue:
+            # Give streams that are about to submit (their previous step just resolved) one loop
+            # turn to join this batch.
+            await asyncio.sleep(0)
+            batch = self._decode_queue[: self.max_batch]
+            del self._decode_queue[: len(batch)]
+            batch = [b for b in batch if not b[2].cancelled()]
+            if not batch:
+                continue
+            try:
+                results = (await self.call(self._decode_and_sample, batch)).value
+            except errors.FerrumError as e:
+                if len(batch) == 1:
+                    batch[0][2].set_exception(e) if not batch[0][2].done() else None
+                    continue
+                # Isolate the failing step: rerun each alone so one bad stream does not fail others.
+                for item in batch:
+                    try:
+                        r = (await self.call(self._decode_and_sample, [item])).value[0]
+                        if not item[2].done():
+                            item[2].set_result(r)
+                    except Exception as e2:  # noqa: BLE001 - forwarded to the stream that caused it
+                        if not item[2].done():
+                            item[2].set_exception(e2)
+                continue
+            except Exception as e:  # noqa: BLE001
+                for _, _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            for (_, _, fut), r in zip(batch, results):
+                if not fut.done():
+                    fut.set_result(r)
+
+    def _decode_and_sample(self, batch) -> list[RowResult]:
+        t0 = time.perf_counter()
+        inputs = [b[0] for b in batch]
+        outs = self.executor.batch_decode(inputs) if len(inputs) > 1 else [self.executor.decode(inputs[0])]
+        self.executor.stats.record("decode", time.perf_counter() - t0, len(inputs))
+        return process_rows(
+            [o.logits for o in outs],
+            [i.policy for i in inputs],
+            [b[1] for b in batch],
+            [o.cache.num_tokens for o in outs],
+        )

