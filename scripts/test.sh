@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Run every test of the project: the contract checks, the Python suite (server, executors, real
+# models), then each client's and the deployment's own checks against live servers.
+#
+#   scripts/test.sh              everything
+#   scripts/test.sh -k decode    extra arguments go to pytest (the other suites still run)
+#   FERRUM_SKIP="rust go"        skip some of: protos python go typescript rust deploy
+#
+# First run on a fresh machine: installs the venv (torch, transformers, ...) into
+# ~/.cache/ferrum-service; later runs reuse it while pyproject.toml is unchanged.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+venv=$(bash scripts/bootstrap.sh) || { echo "bootstrap failed" >&2; exit 1; }
+export PATH="$venv/bin:$PATH" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export FERRUM_SERVER_CMD="$venv/bin/ferrum-service"
+skip=" ${FERRUM_SKIP:-} "
+failed=()
+run() {  # run NAME COMMAND...
+  local name=$1; shift
+  if [[ "$skip" == *" $name "* ]]; then echo "=== $name: skipped (FERRUM_SKIP)"; return; fi
+  echo "=== $name"
+  local t0=$SECONDS
+  "$@"
+  local rc=$?
+  echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
+  [ $rc -eq 0 ] || failed+=("$name")
+}
+pytest_suite() {
+  python -m pytest -q -ra "$@"
+  local rc=$?
+  if [ $rc -eq 5 ]; then echo "pytest collected no tests" >&2; return 1; fi
+  return $rc
+}
+run protos bash scripts/check_protos.sh
+run python pytest_suite "$@"
+for part in go typescript rust; do
+  [ -f "clients/$part/ci.sh" ] && run "$part" bash "clients/$part/ci.sh"
+done
+[ -f deploy/ci.sh ] && run deploy bash deploy/ci.sh
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "all suites passed"
