@@ -1,0 +1,777 @@
+"""``HfCausalLmExecutor``: any transformers ``AutoModelForCausalLM`` with real, paged KV caches.
+
+What it does
+------------
+Loads a local checkpoint directory (safetensors + config + tokenizer) or a GGUF file, and serves
+ferrum's ``ModelExecutor`` methods with per-sequence KV caches that the executor owns and the
+:class:`~ferrum_service.kv_registry.CacheRegistry` names. Every batched method is **one forward**:
+``batch_prefill``, ``batch_decode``, ``unified_decode`` (prefill chunks and decode steps mixed) and
+``forward_verify`` (N+1 tokens of one sequence) each call the model once.
+
+KV layout, and why
+------------------
+A paged block pool (:mod:`.paged_kv`): per layer one K and one V tensor
+``[num_blocks + 1, block_size, kv_heads, head_dim]`` sized to the configured KV budget, a block
+table (list of block ids) per cache in the registry payload, and a per-forward
+``transformers.Cache`` subclass whose ``update()`` scatters the new tokens' K/V into their slots
+and returns the batch's K/V gathered through the padded block tables. Per-row lengths and
+causality go in an explicit 4-D additive mask (transformers 5.24 passes a 4-D mask through
+unchanged, ``masking_utils._preprocess_mask_arguments``), per-row RoPE positions in
+``position_ids``. Rows of a batch are right-padded to the longest query; pad tokens write nothing.
+
+What is copied per step, per layer:
+
+* written: only the new tokens' K and V (``index_copy_`` into their slots);
+* read: one gather of the batch's blocks into a transient ``[B, kv_heads, max_blocks*block_size,
+  head_dim]`` tensor that SDPA consumes and that is freed right after the layer. It is the same
+  amount of data attention reads anyway (rounded up to the longest row), so it costs a constant
+  factor of the attention's own memory traffic.
+
+What is *not* done: no per-sequence tensor is re-allocated or grown (``DynamicCache.update``
+``torch.cat``-s the whole cache on every step, a full copy per token even at B=1); no caches are
+left-padded and concatenated into a batch cache and split back after the step (the
+"merge caches" recipe copies every cache twice per step and re-pads when lengths change); truncation
+and release are metadata operations (blocks go back to the free list; truncation keeps the blocks
+still needed). Pure PyTorch has no paged-attention kernel that reads blocks in place, hence the one
+gather; a CUDA paged kernel (flash-attn ``block_table``) would remove it and could slot in behind
+the same ``update()``.
+
+Memory: the pool holds exactly ``2 · layers · kv_heads · head_dim · dtype_bytes`` per token slot
+(K and V, nothing else), plus one zero null block; a cache holds ``ceil(max(tokens, reserved) /
+block_size)`` blocks, so the waste is below one block per cache. On CPU the pool is allocated with
+``torch.empty``: the OS commits its pages when a block is first used, so an unused budget costs
+address space, not RAM; on CUDA the budget is committed up front (as vLLM does). Reservations
+(``reserve_tokens``) take their blocks at prefill time, so a reserved sequence can never run out.
+
+Admission happens before any work: a step that needs more blocks than are free, or more tokens of
+budget than the registry has free, is refused with RESOURCE_EXHAUSTED, and nothing is allocated.
+
+Models with sliding-window attention layers are served with the full-attention mask, so their
+context is capped at the window; models with linear-attention (recurrent) layers are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from .. import errors
+from ..kv_registry import CacheEntry, CacheRegistry
+from ..types import (
+    AdmissionLimits,
+    CacheHandle,
+    DecodeInput,
+    DecodeOutput,
+    ExecutorCapabilities,
+    ExecutorMemoryUsage,
+    ExecutorStatus,
+    KvCapacity,
+    LogitsPolicy,
+    MemoryRequirements,
+    ModelInfo,
+    OutputMode,
+    PrefillInput,
+    PrefillOutput,
+    UnifiedItem,
+    UnifiedResult,
+    VerifyOutput,
+)
+from .base import ModelExecutor
+from .paged_kv import BlockPool, PagedBatchCache, PagedSeq
+from .torch_device import DTYPES, device_name, dtype_name, resolve_device, resolve_dtype
+
+log = structlog.get_logger(__name__)
+
+#: KV budget when none is configured (at least one full-length sequence always fits).
+DEFAULT_KV_BUDGET_BYTES = 1 << 30
+
+_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "mixtral": "mistral",
+    "qwen2": "qwen",
+    "qwen3": "qwen",
+    "qwen2_moe": "qwen",
+    "qwen3_moe": "qwen",
+    "phi": "phi",
+    "phi3": "phi",
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3_text": "gemma",
+}
+
+
+@dataclass
+class _Item:
+    """One sequence's share of a step: tokens to append to ``entry`` (None = a new cache)."""
+
+    entry: CacheEntry | None
+    tokens: list[int]
+    want: str  # "none" | "last" | "all": which logits rows to compute
+    reserve: int = 0
+
+
+@dataclass
+class _Row:
+    blocks: list[int]
+    past: int
+    tokens: list[int]
+    want: str
+
+
+class HfCausalLmExecutor(ModelExecutor):
+    """A transformers causal LM with paged per-sequence KV caches (see the module docstring)."""
+
+    kind = "hf-causal-lm"
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        model_id: str,
+        kv_budget_tokens: int | None = None,
+        kv_budget_bytes: int | None = None,
+        block_size: int = 16,
+        max_batch_size: int = 32,
+        max_batch_tokens: int | None = None,
+        source: str = "",
+    ) -> None:
+        """Wrap a loaded model (use :meth:`from_path` to load one).
+
+        ``kv_budget_tokens`` (or ``kv_budget_bytes``) sizes the KV pool over all caches, rounded up
+        to whole blocks; default :data:`DEFAULT_KV_BUDGET_BYTES`, and never less than one
+        full-length sequence. ``max_batch_size`` / ``max_batch_tokens`` bound one forward (rows /
+        new tokens) and are what :meth:`admission_limits` reports.
+        """
+        super().__init__()
+        self.model = model.eval()
+        self._tokenizer = tokenizer
+        self.model_id = model_id
+        self.source = source
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        self.config = model.config
+        self.block_size = block_size
+        self.max_batch_size = max_batch_size
+
+        num_layers, kv_heads, k_dim, v_dim, sliding = self._probe_kv_shape()
+        self.num_layers, self.num_kv_heads, self.head_dim, self.v_head_dim = num_layers, kv_heads, k_dim, v_dim
+        self.max_sequence_length = self._max_sequence_length(sliding)
+        self.max_batch_tokens = max_batch_tokens or max(8192, self.max_sequence_length)
+
+        bpt = num_layers * kv_heads * (k_dim + v_dim) * torch.empty((), dtype=self.dtype).element_size()
+        if kv_budget_tokens is not None:
+            budget = int(kv_budget_tokens)
+        elif kv_budget_bytes is not None:
+            budget = int(kv_budget_bytes) // bpt
+        else:
+            budget = max(DEFAULT_KV_BUDGET_BYTES // bpt, self.max_sequence_length)
+        if budget < 1:
+            raise errors.FerrumError(errors.ErrorKind.CONFIG, f"KV budget of {budget} tokens is too small")
+        num_blocks = math.ceil(budget / block_size)
+        self.pool = BlockPool(
+            num_layers=num_layers,
+            num_kv_heads=kv_heads,
+            head_dim=k_dim,
+            v_head_dim=v_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        total_tokens = num_blocks * block_size
+        self.registry = CacheRegistry(
+            model_id,
+            total_tokens=total_tokens,
+            block_size=block_size,
+            bytes_per_token=bpt,
+            per_request_tokens=total_tokens if total_tokens < self.max_sequence_length else None,
+            id_prefix="hf",
+        )
+        self._pad_id = self._pick_pad_id()
+        self._info = self._build_info()
+        log.info(
+            "kv pool ready",
+            model_id=model_id,
+            blocks=num_blocks,
+            block_size=block_size,
+            budget_tokens=total_tokens,
+            bytes_per_token=bpt,
+            pool_bytes=self.pool.total_bytes,
+        )
+
+    # ---- loading -------------------------------------------------------------------------------
+    @classmethod
+    def from_path(
+        cls,
+        path: str | Path,
+        *,
+        model_id: str | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        gguf_file: str | None = None,
+        kv_budget_tokens: int | None = None,
+        kv_budget_bytes: int | None = None,
+        block_size: int = 16,
+        max_batch_size: int = 32,
+        max_batch_tokens: int | None = None,
+        trust_remote_code: bool = False,
+        attn_implementation: str = "sdpa",
+    ) -> "HfCausalLmExecutor":
+        """Load a local checkpoint directory, or a GGUF file (``gguf_file=`` inside ``path``, or
+        ``path`` itself ending in ``.gguf``).
+
+        ``device``: auto | cpu | cuda | cuda:N. ``dtype``: auto | fp32 | fp16 | bf16 (auto = fp32 on
+        CPU, the checkpoint's half dtype or bf16 on CUDA; GGUF weights are dequantised to it).
+        Remote code runs only with ``trust_remote_code=True``. Nothing is downloaded.
+        """
+        from transformers import AutoModelForCausalLM
+
+        p = Path(path).expanduser()
+        if p.is_file() and p.suffix == ".gguf" and gguf_file is None:
+            p, gguf_file = p.parent, p.name
+        if not p.is_dir():
+            raise errors.FerrumError(errors.ErrorKind.CONFIG, f"model path {str(path)!r} is not a directory or .gguf file")
+        if gguf_file and not (p / gguf_file).is_file():
+            raise errors.FerrumError(errors.ErrorKind.CONFIG, f"GGUF file {gguf_file!r} not found in {str(p)!r}")
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, dev, None if gguf_file else _checkpoint_dtype(p))
+        model_id = model_id or (Path(gguf_file).stem if gguf_file else p.name)
+        log.info(
+            "loading causal LM",
+            model_id=model_id,
+            path=str(p),
+            gguf_file=gguf_file,
+            device=device_name(dev),
+            dtype=dtype_name(torch_dtype),
+        )
+        t0 = time.perf_counter()
+        kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+        if gguf_file:
+            kwargs["gguf_file"] = gguf_file
+        try:
+            model = AutoModelForCausalLM.from_pretrained(p, attn_implementation=attn_implementation, **kwargs)
+        except (ValueError, ImportError) as e:
+            if attn_implementation == "eager":
+                raise
+            log.warning("attention implementation unavailable, using eager", wanted=attn_implementation, error=str(e))
+            model = AutoModelForCausalLM.from_pretrained(p, attn_implementation="eager", **kwargs)
+        t_weights = time.perf_counter() - t0
+        log.info("weights loaded", model_id=model_id, seconds=round(t_weights, 2))
+        model.to(dev)
+        tokenizer = _load_tokenizer(p, gguf_file, trust_remote_code)
+        ex = cls(
+            model,
+            tokenizer,
+            model_id=model_id,
+            kv_budget_tokens=kv_budget_tokens,
+            kv_budget_bytes=kv_budget_bytes,
+            block_size=block_size,
+            max_batch_size=max_batch_size,
+            max_batch_tokens=max_batch_tokens,
+            source=str(p / gguf_file) if gguf_file else str(p),
+        )
+        i = ex._info
+        log.info(
+            "causal LM ready",
+            model_id=model_id,
+            architecture=i.metadata.get("architecture"),
+            parameters=i.num_parameters,
+            layers=i.num_layers,
+            hidden=i.hidden_size,
+            heads=i.num_heads,
+            kv_heads=i.num_kv_heads,
+            head_dim=i.head_dim,
+            vocab=i.vocab_size,
+            max_seq_len=i.max_sequence_length,
+            dtype=i.dtype,
+            device=i.device,
+            attn=i.metadata.get("attn_implementation"),
+            has_tokenizer=i.has_tokenizer,
+            seconds=round(time.perf_counter() - t0, 2),
+        )
+        return ex
+
+    @torch.inference_mode()
+    def _probe_kv_shape(self) -> tuple[int, int, int, int, bool]:
+        """Layers, kv heads, K and V head dims, as the model's own cache stores them (one token)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        kinds = {type(layer).__name__ for layer in cache.layers}
+        if any("Linear" in k for k in kinds):
+            raise errors.FerrumError(
+                errors.ErrorKind.CONFIG,
+                f"{type(self.model).__name__} has linear-attention (recurrent) layers; the paged KV executor "
+                "serves attention-only models",
+            )
+        keys, values = cache.layers[0].keys, cache.layers[0].values
+        for layer in cache.layers:
+            if layer.keys.shape != keys.shape or layer.values.shape != values.shape:
+                raise errors.FerrumError(
+                    errors.ErrorKind.CONFIG, "layers with different KV shapes are not supported by the paged pool"
+                )
+        sliding = any("Sliding" in k for k in kinds)
+        return len(cache.layers), keys.shape[1], keys.shape[-1], values.shape[-1], sliding
+
+    def _max_sequence_length(self, sliding: bool) -> int:
+        cfg = self.config
+        n = getattr(cfg, "max_position_embeddings", None) or 0
+        tok_max = getattr(self._tokenizer, "model_max_length", 0) or 0
+        if not n and 0 < tok_max < 10**7:
+            n = tok_max
+        n = n or 2048
+        window = getattr(cfg, "sliding_window", None)
+        if sliding and window:
+            n = min(n, int(window))
+        return int(n)
+
+    def _pick_pad_id(self) -> int:
+        for v in (getattr(self.config, "pad_token_id", None), getattr(self._tokenizer, "pad_token_id", None)):
+            if isinstance(v, int) and 0 <= v < self.vocab_size:
+                return v
+        return 0
+
+    @property
+    def vocab_size(self) -> int:
+        head = self.model.get_output_embeddings()
+        if head is not None and hasattr(head, "out_features"):
+            return int(head.out_features)
+        return int(self.config.vocab_size)
+
+    def _eos_token_ids(self) -> list[int]:
+        ids: list[int] = []
+        gen = getattr(self.model, "generation_config", None)
+        for v in (getattr(gen, "eos_token_id", None), getattr(self.config, "eos_token_id", None)):
+            for x in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(x, int) and x not in ids:
+                    ids.append(x)
+        tok_eos = getattr(self._tokenizer, "eos_token_id", None)
+        if isinstance(tok_eos, int) and tok_eos not in ids:
+            ids.append(tok_eos)
+        return ids
+
+    def _build_info(self) -> ModelInfo:
+        cfg = self.config
+        mt = getattr(cfg, "model_type", "") or ""
+        tok = self._tokenizer
+        return ModelInfo(
+            model_id=self.model_id,
+            model_type=_MODEL_TYPES.get(mt, "custom"),
+            model_type_detail=mt,
+            num_parameters=sum(p.numel() for p in self.model.parameters()),
+            hidden_size=int(getattr(cfg, "hidden_size", 0) or 0),
+            num_layers=self.num_layers,
+            num_heads=int(getattr(cfg, "num_attention_heads", 0) or 0),
+            num_kv_heads=self.num_kv_heads,
+            vocab_size=self.vocab_size,
+            max_sequence_length=self.max_sequence_length,
+            dtype=dtype_name(self.dtype),
+            device=device_name(self.device),
+            metadata={
+                "architecture": (getattr(cfg, "architectures", None) or [type(self.model).__name__])[0],
+                "source": self.source,
+                "attn_implementation": getattr(cfg, "_attn_implementation", ""),
+                "kv_layout": "paged",
+                "kv_block_size": self.block_size,
+                "kv_budget_tokens": self.registry.total_tokens,
+                "kv_bytes_per_token": self.registry.bytes_per_token,
+            },
+            head_dim=self.head_dim,
+            executor=self.kind,
+            eos_token_ids=self._eos_token_ids(),
+            has_tokenizer=tok is not None,
+            has_chat_template=bool(getattr(tok, "chat_template", None)),
+        )
+
+    # ---- metadata ------------------------------------------------------------------------------
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def capabilities(self) -> ExecutorCapabilities:
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        heads = self._info.num_heads
+        if self.num_kv_heads == 1 and heads > 1:
+            attn = "multi_query"
+        elif self.num_kv_heads < heads:
+            attn = "grouped_query"
+        else:
+            attn = "multi_head"
+        hidden = self._info.hidden_size
+        inter = int(getattr(self.config, "intermediate_size", 0) or 4 * hidden)
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        params += sum(b.numel() * b.element_size() for b in self.model.buffers())
+        return ExecutorCapabilities(
+            max_batch_size=self.max_batch_size,
+            max_sequence_length=self.max_sequence_length,
+            attention_mechanisms=[attn, "paged"],
+            supports_dynamic_batching=True,
+            supports_continuous_batching=True,
+            supports_speculative_decoding=True,
+            supported_dtypes=[dtype_name(self.dtype)],
+            supported_devices=[device_name(self.device)],
+            memory_requirements=MemoryRequirements(
+                parameter_memory_bytes=params,
+                # Rough transient per token of a forward: residual, attention and MLP activations.
+                activation_memory_per_token_bytes=(4 * hidden + 2 * inter) * elt,
+                # Per token per layer, K and V together (ferrum's convention).
+                kv_cache_memory_per_token_bytes=self.num_kv_heads * (self.head_dim + self.v_head_dim) * elt,
+                # The KV pool, allocated at start-up for the whole budget.
+                overhead_memory_bytes=self.pool.total_bytes,
+            ),
+            supports_native_unified_decode=True,
+            supports_generation=True,
+            supports_embeddings=False,
+            supports_forward=True,
+            supports_kv_truncation=True,
+            supports_native_forward_verify=True,
+            kv_block_size=self.block_size,
+        )
+
+    def status(self) -> ExecutorStatus:
+        st = super().status()
+        used = self.pool.used_blocks * self.pool.block_bytes
+        total = self.pool.num_blocks * self.pool.block_bytes
+        st.memory_usage = ExecutorMemoryUsage(
+            allocated_bytes=self.pool.total_bytes,
+            used_bytes=used,
+            peak_bytes=self.pool.peak_used * self.pool.block_bytes,
+            utilization_percent=100.0 * used / total if total else 0.0,
+        )
+        return st
+
+    def kv_capacity(self) -> KvCapacity:
+        """Tokens as the registry counts them; bytes as the pool holds them (whole blocks)."""
+        cap = super().kv_capacity()
+        cap.total_bytes = self.pool.num_blocks * self.pool.block_bytes
+        cap.used_bytes = self.pool.used_blocks * self.pool.block_bytes
+        cap.bytes_per_token = self.pool.bytes_per_token
+        return cap
+
+    def admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(
+            maximum_active_sequences=self.max_batch_size, maximum_scheduled_tokens=self.max_batch_tokens
+        )
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's own tokenizer (None when the checkpoint has none)."""
+        return self._tokenizer
+
+    def handle(self, entry: CacheEntry) -> CacheHandle:
+        blocks = entry.payload.blocks if isinstance(entry.payload, PagedSeq) else []
+        h = self.registry.handle(entry, memory_bytes=len(blocks) * self.pool.block_bytes)
+        h.block_ids = list(blocks[: h.num_blocks])
+        h.num_layers = self.num_layers
+        h.num_kv_heads = self.num_kv_heads
+        h.head_dim = self.head_dim
+        return h
+
+    # ---- compute -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, inp: PrefillInput) -> PrefillOutput:
+        return self._prefill([inp], "input")[0]
+
+    @torch.inference_mode()
+    def batch_prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
+        """All prompts (new or continued caches) in one forward; all or nothing."""
+        return self._prefill(inputs, "inputs")
+
+    def _prefill(self, inputs: list[PrefillInput], field: str) -> list[PrefillOutput]:
+        t0 = time.perf_counter()
+        items = []
+        for inp in inputs:
+            entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id") if inp.cache_id else None
+            if not inp.policy.needs_logits:
+                want = "none"
+            else:
+                want = "all" if inp.all_positions else "last"
+            items.append(_Item(entry, list(inp.token_ids), want, reserve=int(inp.reserve_tokens or 0)))
+        results = self._step(items, field)
+        outs = []
+        for entry, logits in results:
+            out = PrefillOutput(cache=self.handle(entry))
+            if logits is not None and logits.dim() == 2:
+                out.all_logits, out.logits = logits, logits[-1]
+            else:
+                out.logits = logits
+            outs.append(out)
+        self.stats.record("prefill", time.perf_counter() - t0, rows=len(inputs))
+        return outs
+
+    @torch.inference_mode()
+    def decode(self, inp: DecodeInput) -> DecodeOutput:
+        return self._decode([inp], "input")[0]
+
+    @torch.inference_mode()
+    def batch_decode(self, inputs: list[DecodeInput]) -> list[DecodeOutput]:
+        """One token into each cache (any lengths) in one forward; all or nothing."""
+        return self._decode(inputs, "inputs")
+
+    def _decode(self, inputs: list[DecodeInput], field: str) -> list[DecodeOutput]:
+        t0 = time.perf_counter()
+        items = []
+        for inp in inputs:
+            entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id")
+            if inp.position is not None and inp.position != entry.num_tokens:
+                raise errors.failed_precondition(
+                    f"{field}.position: the cache holds {entry.num_tokens} tokens, so the token is written at "
+                    f"{entry.num_tokens}, not {inp.position}",
+                    field=f"{field}.position",
+                )
+            items.append(_Item(entry, [int(inp.token_id)], "last" if inp.policy.needs_logits else "none"))
+        outs = [DecodeOutput(cache=self.handle(e), logits=l) for e, l in self._step(items, field)]
+        self.stats.record("decode", time.perf_counter() - t0, rows=len(inputs))
+        return outs
+
+    @torch.inference_mode()
+    def unified_decode(self, items: list[UnifiedItem]) -> list[UnifiedResult]:
+        """Prefill chunks and decode steps in one forward; logits only for final items."""
+        t0 = time.perf_counter()
+        work = []
+        for k, it in enumerate(items):
+            entry = self.registry.get(it.cache_id, field=f"items[{k}].cache_id") if it.cache_id else None
+            have = entry.num_tokens if entry else 0
+            if it.pos_offset != have:
+                raise errors.failed_precondition(
+                    f"items[{k}].pos_offset is {it.pos_offset} but the cache holds {have} tokens",
+                    field=f"items[{k}].pos_offset",
+                )
+            want = "last" if it.is_final_chunk and it.policy.needs_logits else "none"
+            work.append(_Item(entry, list(it.q_tokens), want))
+        results = self._step(work, "items")
+        out = [
+            UnifiedResult(seq_id=it.seq_id, cache=self.handle(e), logits=l if it.is_final_chunk else None)
+            for it, (e, l) in zip(items, results)
+        ]
+        kind = "decode" if all(len(it.q_tokens) == 1 for it in items) else "prefill"
+        self.stats.record(kind, time.perf_counter() - t0, rows=len(items))
+        return out
+
+    @torch.inference_mode()
+    def forward_verify(self, cache_id: str, token_ids: list[int], policy: LogitsPolicy) -> VerifyOutput:
+        """N+1 tokens into one cache in one forward; row i is the output after ``token_ids[i]``."""
+        t0 = time.perf_counter()
+        entry = self.registry.get(cache_id)
+        base = entry.num_tokens
+        ((entry, rows),) = self._step([_Item(entry, list(token_ids), "all")], "token_ids")
+        self.stats.record("decode", time.perf_counter() - t0, rows=len(token_ids))
+        return VerifyOutput(rows=rows, cache=self.handle(entry), base_len=base)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, logits_dtype: str = "fp32") -> torch.Tensor:
+        """A stateless full forward of ``[batch, seq]`` token ids; logits ``[batch, seq, vocab]``."""
+        ids = torch.as_tensor(input_ids).to(device=self.device, dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        out = self.model(input_ids=ids, use_cache=False)
+        return out.logits.to(DTYPES.get(logits_dtype, torch.float32))
+
+    def truncate_kv(self, cache_id: str, new_len: int) -> tuple[CacheHandle, int]:
+        """Roll the cache back to ``new_len`` tokens; blocks no longer needed go back to the pool."""
+        entry = self.registry.get(cache_id)
+        if not 0 <= new_len <= entry.num_tokens:
+            raise errors.out_of_range(
+                f"new_len must be in [0, {entry.num_tokens}], not {new_len}", field="new_len", num_tokens=entry.num_tokens
+            )
+        removed = self.registry.truncate(entry, new_len)
+        blocks = entry.payload.blocks
+        keep = self.pool.blocks_for(max(new_len, entry.reserved_total))
+        if len(blocks) > keep:
+            self.pool.free(blocks[keep:])
+            del blocks[keep:]
+        return self.handle(entry), removed
+
+    def free_payload(self, entry: CacheEntry) -> int:
+        """Return the cache's blocks to the pool; the bytes they hold."""
+        seq = entry.payload
+        entry.payload = None
+        if not isinstance(seq, PagedSeq):
+            return 0
+        self.pool.free(seq.blocks)
+        freed = len(seq.blocks) * self.pool.block_bytes
+        seq.blocks = []
+        return freed
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One tiny prefill + decode through the paged path (allocates and frees one block)."""
+        if self.pool.free_blocks < 1:
+            return
+        ((entry, _),) = self._step([_Item(None, [self._pad_id], "last")], "warmup")
+        try:
+            self._step([_Item(entry, [self._pad_id], "last")], "warmup")
+        finally:
+            self.release_cache(entry.cache_id)
+
+    # ---- the one forward -----------------------------------------------------------------------
+    def _step(self, items: list[_Item], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
+        """Admit, allocate, run one forward over all items, commit; undo everything on failure."""
+        if self.state == "shutdown":
+            raise errors.unavailable(f"model {self.model_id!r} is shut down")
+        if len(items) > self.max_batch_size:
+            raise errors.exhausted(
+                f"{field}: {len(items)} sequences in one step; this executor's limit is {self.max_batch_size}",
+                field=field,
+                limit=self.max_batch_size,
+            )
+        new_tokens_in_step = sum(len(it.tokens) for it in items)
+        if new_tokens_in_step > self.max_batch_tokens:
+            raise errors.exhausted(
+                f"{field}: {new_tokens_in_step} tokens in one step; this executor's limit is {self.max_batch_tokens}",
+                field=field,
+                limit=self.max_batch_tokens,
+            )
+
+        # Admission, before anything is allocated or computed.
+        pool = self.pool
+        need_blocks = need_tokens = new_caches = 0
+        for it in items:
+            if it.entry is None:
+                target = max(len(it.tokens), it.reserve)
+                need_blocks += pool.blocks_for(target)
+                need_tokens += target
+                new_caches += 1
+            else:
+                target = max(it.entry.num_tokens + len(it.tokens), it.reserve)
+                need_blocks += max(0, pool.blocks_for(target) - len(it.entry.payload.blocks))
+                need_tokens += self.registry.growth(it.entry, target)
+        if need_blocks > pool.free_blocks:
+            raise errors.exhausted(
+                f"{field}: needs {need_blocks} more KV blocks ({self.block_size} tokens each) but only "
+                f"{pool.free_blocks} of {pool.num_blocks} are free",
+                field=field,
+                needed_blocks=need_blocks,
+                free_blocks=pool.free_blocks,
+            )
+        self.registry.admit(need_tokens, field, new_caches=new_caches)
+
+        created: list[CacheEntry] = []
+        grown: list[tuple[CacheEntry, int, int]] = []
+        entries: list[CacheEntry] = []
+        rows: list[_Row] = []
+        try:
+            for it in items:
+                if it.entry is None:
+                    e = self.registry.create(it.tokens, reserve_tokens=it.reserve, field=field)
+                    created.append(e)
+                    e.payload = PagedSeq(pool.allocate(pool.blocks_for(max(len(it.tokens), it.reserve))))
+                    past = 0
+                else:
+                    e, past = it.entry, it.entry.num_tokens
+                    blocks = e.payload.blocks
+                    grown.append((e, len(blocks), e.reserved_total))
+                    target = max(past + len(it.tokens), it.reserve)
+                    blocks.extend(pool.allocate(pool.blocks_for(target) - len(blocks)))
+                    e.reserved_total = max(e.reserved_total, it.reserve)
+                entries.append(e)
+                rows.append(_Row(e.payload.blocks, past, it.tokens, it.want))
+            logits = self._forward_rows(rows)
+        except BaseException:
+            for e in created:
+                self.release_cache(e.cache_id, reason="released")
+            for e, n_blocks, reserved in grown:
+                extra = e.payload.blocks[n_blocks:]
+                if extra:
+                    pool.free(extra)
+                    del e.payload.blocks[n_blocks:]
+                e.reserved_total = reserved
+            raise
+        for it, e in zip(items, entries):
+            if it.entry is not None:
+                self.registry.extend(e, it.tokens)
+        return list(zip(entries, logits))
+
+    def _forward_rows(self, rows: list[_Row]) -> list[torch.Tensor | None]:
+        """One model call over ``rows`` (each: its blocks, past length, new tokens, wanted logits)."""
+        bs, dev = self.block_size, self.device
+        b = len(rows)
+        q = max(len(r.tokens) for r in rows)
+        need = [self.pool.blocks_for(r.past + len(r.tokens)) for r in rows]
+        nb = max(need)
+        ids: list[int] = []
+        pos: list[int] = []
+        table: list[int] = []
+        slots: list[int] = []
+        valid: list[int] = []
+        padded = False
+        for i, r in enumerate(rows):
+            n = len(r.tokens)
+            ids += r.tokens
+            pos += range(r.past, r.past + n)
+            if n < q:
+                padded = True
+                # Pad queries repeat the last real position: finite, harmless, and never written.
+                ids += [self._pad_id] * (q - n)
+                pos += [r.past + n - 1] * (q - n)
+            table += r.blocks[: need[i]] + [0] * (nb - need[i])
+            slots += [r.blocks[p // bs] * bs + p % bs for p in range(r.past, r.past + n)]
+            valid += range(i * q, i * q + n)
+
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev).view(b, q)
+        pos_t = torch.tensor(pos, dtype=torch.long, device=dev).view(b, q)
+        kv_len = nb * bs
+        allowed = torch.arange(kv_len, device=dev).view(1, 1, 1, kv_len) <= pos_t.view(b, 1, q, 1)
+        mask = torch.zeros((b, 1, q, kv_len), dtype=self.dtype, device=dev)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        cache = PagedBatchCache(
+            self.pool,
+            slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            valid=torch.tensor(valid, dtype=torch.long, device=dev) if padded else None,
+            table=torch.tensor(table, dtype=torch.long, device=dev).view(b, nb),
+            kv_length=kv_len,
+        )
+
+        wants = {r.want for r in rows}
+        if wants == {"none"}:
+            keep: int | torch.Tensor = torch.zeros((b, 0), dtype=torch.long, device=dev)  # lm_head skipped
+        elif "all" in wants:
+            keep = 0
+        else:
+            keep = torch.tensor([[len(r.tokens) - 1] for r in rows], dtype=torch.long, device=dev)
+        out = self.model(
+            input_ids=ids_t, attention_mask=mask, position_ids=pos_t, cache=cache, use_cache=True, logits_to_keep=keep
+        )
+        logits = out.logits
+        result: list[torch.Tensor | None] = []
+        for i, r in enumerate(rows):
+            if r.want == "none":
+                result.append(None)
+            elif r.want == "all":
+                result.append(logits[i, : len(r.tokens)].float())
+            else:
+                result.append(logits[i, len(r.tokens) - 1 if isinstance(keep, int) else 0].float())
+        return result
+
+
+def _checkpoint_dtype(path: Path) -> torch.dtype | None:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(name)
+
+
+def _load_tokenizer(path: Path, gguf_file: str | None, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+        if gguf_file:
+            kwargs["gguf_file"] = gguf_file
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except Exception as e:  # a checkpoint without a tokenizer still serves token ids
+        log.warning("no tokenizer loaded", path=str(path), error=str(e))
+        return None
