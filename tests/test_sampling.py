@@ -1,0 +1,77 @@
+"""Server-side sampling (ferrum_service.sampling) on real torch tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from ferrum_service.sampling import encode_row, process_rows
+from ferrum_service.types import LogitsPolicy, OutputMode, SamplingParams
+
+
+def pol(**kw) -> LogitsPolicy:
+    return LogitsPolicy(sampling=SamplingParams(**kw))
+
+
+def row(values: dict[int, float], v: int = 10) -> torch.Tensor:
+    r = torch.zeros(v)
+    for k, x in values.items():
+        r[k] = x
+    return r
+
+
+def test_repetition_penalty_applies_to_history_by_default():
+    r = row({5: 2.0, 6: 1.9})
+    assert process_rows([r], [pol()], [[5]])[0].token_id == 5
+    assert process_rows([r], [pol(repetition_penalty=1.2)], [[5]])[0].token_id == 6  # 2.0/1.2 < 1.9
+    # explicit ids override the history
+    assert process_rows([r], [pol(repetition_penalty=1.2, penalty_token_ids=[6])], [[5]])[0].token_id == 5
+
+
+def test_negative_logits_are_multiplied_by_the_penalty():
+    r = torch.full((10,), -3.0)
+    r[1], r[2] = -1.0, -1.1  # every logit negative; 1 is the best
+    assert process_rows([r], [pol(repetition_penalty=2.0)], [[1]])[0].token_id == 2
+
+
+def test_top_k_one_is_greedy_even_at_high_temperature():
+    r = row({3: 1.0, 4: 0.9})
+    toks = {process_rows([r], [pol(temperature=5.0, top_k=1, seed=s)])[0].token_id for s in range(20)}
+    assert toks == {3}
+
+
+def test_top_p_keeps_the_nucleus():
+    r = row({0: 5.0, 1: 5.0}, v=50)  # two tokens hold ~99% of the mass
+    toks = {process_rows([r], [pol(temperature=1.0, top_p=0.9, seed=s)])[0].token_id for s in range(40)}
+    assert toks == {0, 1}
+
+
+def test_min_p_drops_unlikely_tokens():
+    r = row({0: 3.0, 1: 2.9}, v=50)
+    toks = {process_rows([r], [pol(temperature=1.0, min_p=0.5, seed=s)])[0].token_id for s in range(40)}
+    assert toks == {0, 1}
+
+
+def test_seed_and_position_make_draws_reproducible():
+    r = torch.zeros(1000)
+    a = [process_rows([r], [pol(temperature=1.0, seed=3)], positions=[p])[0].token_id for p in range(10)]
+    b = [process_rows([r], [pol(temperature=1.0, seed=3)], positions=[p])[0].token_id for p in range(10)]
+    assert a == b and len(set(a)) > 5
+
+
+def test_batched_greedy_fast_path_matches_per_row():
+    torch.manual_seed(0)
+    rows = torch.randn(6, 300)
+    fast = process_rows(rows, [pol()] * 6)
+    slow = process_rows(rows, [pol(repetition_penalty=1.0 + 1e-9)] * 6, [[] for _ in range(6)])  # forces per-row path
+    assert [f.token_id for f in fast] == [s.token_id for s in slow] == rows.argmax(-1).tolist()
+    lp = torch.log_softmax(rows, -1).max(-1).values.tolist()
+    assert all(abs(f.logprob - x) < 1e-5 for f, x in zip(fast, lp))
+
+
+def test_modes_none_and_full():
+    r = row({2: 1.5})
+    none, full = process_rows([r, r], [LogitsPolicy(mode=OutputMode.NONE), LogitsPolicy(mode=OutputMode.FULL_LOGITS)])
+    assert none.token_id is None and none.logits is None
+    assert full.logits == encode_row(r, "fp32") and full.vocab == 10
+    bf = encode_row(torch.tensor([1.0, -2.0]), "bf16")
+    assert bf == bytes([0x80, 0x3F, 0x00, 0xC0])  # bf16 1.0 = 0x3F80, -2.0 = 0xC000, little-endian
