@@ -489,7 +489,6 @@ class HfCausalLmExecutor(ModelExecutor):
         return self._prefill(inputs, "inputs")
 
     def _prefill(self, inputs: list[PrefillInput], field: str) -> list[PrefillOutput]:
-        t0 = time.perf_counter()
         items = []
         for inp in inputs:
             entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id") if inp.cache_id else None
@@ -507,7 +506,6 @@ class HfCausalLmExecutor(ModelExecutor):
             else:
                 out.logits = logits
             outs.append(out)
-        self.stats.record("prefill", time.perf_counter() - t0, rows=len(inputs))
         return outs
 
     @torch.inference_mode()
@@ -520,7 +518,6 @@ class HfCausalLmExecutor(ModelExecutor):
         return self._decode(inputs, "inputs")
 
     def _decode(self, inputs: list[DecodeInput], field: str) -> list[DecodeOutput]:
-        t0 = time.perf_counter()
         items = []
         for inp in inputs:
             entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id")
@@ -532,13 +529,11 @@ class HfCausalLmExecutor(ModelExecutor):
                 )
             items.append(_Item(entry, [int(inp.token_id)], "last" if inp.policy.needs_logits else "none"))
         outs = [DecodeOutput(cache=self.handle(e), logits=l) for e, l in self._step(items, field)]
-        self.stats.record("decode", time.perf_counter() - t0, rows=len(inputs))
         return outs
 
     @torch.inference_mode()
     def unified_decode(self, items: list[UnifiedItem]) -> list[UnifiedResult]:
         """Prefill chunks and decode steps in one forward; logits only for final items."""
-        t0 = time.perf_counter()
         work = []
         for k, it in enumerate(items):
             entry = self.registry.get(it.cache_id, field=f"items[{k}].cache_id") if it.cache_id else None
@@ -555,18 +550,14 @@ class HfCausalLmExecutor(ModelExecutor):
             UnifiedResult(seq_id=it.seq_id, cache=self.handle(e), logits=l if it.is_final_chunk else None)
             for it, (e, l) in zip(items, results)
         ]
-        kind = "decode" if all(len(it.q_tokens) == 1 for it in items) else "prefill"
-        self.stats.record(kind, time.perf_counter() - t0, rows=len(items))
         return out
 
     @torch.inference_mode()
     def forward_verify(self, cache_id: str, token_ids: list[int], policy: LogitsPolicy) -> VerifyOutput:
         """N+1 tokens into one cache in one forward; row i is the output after ``token_ids[i]``."""
-        t0 = time.perf_counter()
         entry = self.registry.get(cache_id)
         base = entry.num_tokens
         ((entry, rows),) = self._step([_Item(entry, list(token_ids), "all")], "token_ids")
-        self.stats.record("decode", time.perf_counter() - t0, rows=len(token_ids))
         return VerifyOutput(rows=rows, cache=self.handle(entry), base_len=base)
 
     @torch.inference_mode()
