@@ -29,6 +29,23 @@ def _full(ex: HfCausalLmExecutor, tokens: list[int]) -> torch.Tensor:
         return ex.model(input_ids=torch.tensor([tokens], device=ex.device)).logits[0].float()
 
 
+def _greedy(ex: HfCausalLmExecutor, prompt: list[int], n: int) -> list[int]:
+    """Our greedy loop; EOS ids masked as ``generate(min_new_tokens=n)`` masks them."""
+    eos = ex.info().eos_token_ids
+
+    def pick(row: torch.Tensor) -> int:
+        row = row.clone()
+        row[eos] = float("-inf")
+        return int(row.argmax())
+
+    out = ex.prefill(PrefillInput(token_ids=prompt))
+    got = [pick(out.logits)]
+    while len(got) < n:
+        got.append(pick(ex.decode(DecodeInput(cache_id=out.cache.cache_id, token_id=got[-1])).logits))
+    ex.release_cache(out.cache.cache_id)
+    return got
+
+
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float().cpu() - b.float().cpu()).abs().max().item()
 
@@ -163,11 +180,7 @@ def test_greedy_loop_equals_transformers_generate(ex):
         ref = ex.model.generate(
             torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
         )[0, len(prompt) :].tolist()
-    out = ex.prefill(PrefillInput(token_ids=prompt))
-    got = [int(out.logits.argmax())]
-    while len(got) < n:
-        got.append(int(ex.decode(DecodeInput(cache_id=out.cache.cache_id, token_id=got[-1])).logits.argmax()))
-    assert got == ref
+    assert _greedy(ex, prompt, n) == ref
 
 
 def test_unified_decode_chunks_with_concurrent_decodes_equal_one_prefill(ex):
@@ -364,11 +377,7 @@ def test_smollm2_greedy_decode_equals_transformers_generate(smollm2):
         ref = smollm2.model.generate(
             torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False
         )[0, len(prompt) :].tolist()
-    out = smollm2.prefill(PrefillInput(token_ids=prompt))
-    got = [int(out.logits.argmax())]
-    while len(got) < n:
-        got.append(int(smollm2.decode(DecodeInput(cache_id=out.cache.cache_id, token_id=got[-1])).logits.argmax()))
-    smollm2.release_cache(out.cache.cache_id)
+    got = _greedy(smollm2, prompt, n)
     assert got == ref, (tok.decode(got), tok.decode(ref))
 
 
