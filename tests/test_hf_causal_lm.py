@@ -136,6 +136,15 @@ def test_batch_prefill_is_one_forward_and_rows_equal_single_prefills(ex):
         assert _maxdiff(o.logits, s.logits) < TOL
 
 
+def test_equal_length_fresh_prompts_take_the_causal_fast_path(ex):
+    prompts = [_prompt(60 + i, 24) for i in range(3)]  # no padding, no past: no gather, no mask
+    outs = ex.batch_prefill([PrefillInput(token_ids=p) for p in prompts])
+    for o, p in zip(outs, prompts):
+        assert _maxdiff(o.logits, _full(ex, p)[-1]) < TOL
+        d = ex.decode(DecodeInput(cache_id=o.cache.cache_id, token_id=11))  # the pool holds their K/V
+        assert _maxdiff(d.logits, _full(ex, p + [11])[-1]) < TOL
+
+
 def test_truncate_then_decode_equals_fresh_prefill_of_the_prefix(ex):
     toks = _prompt(4, 60)
     out = ex.prefill(PrefillInput(token_ids=toks, policy=NONE))

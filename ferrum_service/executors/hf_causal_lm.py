@@ -712,16 +712,23 @@ class HfCausalLmExecutor(ModelExecutor):
 
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev).view(b, q)
         pos_t = torch.tensor(pos, dtype=torch.long, device=dev).view(b, q)
-        kv_len = nb * bs
-        allowed = torch.arange(kv_len, device=dev).view(1, 1, 1, kv_len) <= pos_t.view(b, 1, q, 1)
-        mask = torch.zeros((b, 1, q, kv_len), dtype=self.dtype, device=dev)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        # Fresh, equal-length prompts need no gather and no explicit mask (plain causal attention).
+        fresh = not padded and all(r.past == 0 for r in rows)
+        mask: torch.Tensor | None = None
+        if fresh:
+            kv_len = q
+        else:
+            kv_len = nb * bs
+            allowed = torch.arange(kv_len, device=dev).view(1, 1, 1, kv_len) <= pos_t.view(b, 1, q, 1)
+            mask = torch.zeros((b, 1, q, kv_len), dtype=self.dtype, device=dev)
+            mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         cache = PagedBatchCache(
             self.pool,
             slots=torch.tensor(slots, dtype=torch.long, device=dev),
             valid=torch.tensor(valid, dtype=torch.long, device=dev) if padded else None,
             table=torch.tensor(table, dtype=torch.long, device=dev).view(b, nb),
             kv_length=kv_len,
+            passthrough=fresh,
         )
 
         wants = {r.want for r in rows}

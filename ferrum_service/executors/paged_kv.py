@@ -137,8 +137,10 @@ class PagedBatchCache(Cache):
         valid: torch.Tensor | None,
         table: torch.Tensor,
         kv_length: int,
+        passthrough: bool = False,
     ) -> None:
         super().__init__(layers=[])
+        self.passthrough = passthrough
         self.pool = pool
         self.slots = slots
         self.valid = valid
@@ -158,6 +160,8 @@ class PagedBatchCache(Cache):
         if self.valid is not None:
             rows = rows.index_select(0, self.valid)
         pool.view(-1, h, d).index_copy_(0, self.slots, rows.to(pool.dtype))
+        if self.passthrough:
+            return new
         gathered = pool.index_select(0, self.table_flat)  # [B * max_blocks, block_size, h, d]
         return gathered.view(self.batch, self.kv_length, h, d).transpose(1, 2)
 
