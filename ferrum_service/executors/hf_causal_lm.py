@@ -43,6 +43,16 @@ block_size)`` blocks, so the waste is below one block per cache. On CPU the pool
 address space, not RAM; on CUDA the budget is committed up front (as vLLM does). Reservations
 (``reserve_tokens``) take their blocks at prefill time, so a reserved sequence can never run out.
 
+Fast path: when every row is a fresh prompt of the same length (a single prefill, or an
+equal-length batch), the new K/V are the rows' whole K/V, so they are written to the pool and
+handed to attention directly, with no gather and no explicit mask (SDPA's plain causal kernel).
+
+Measured (SmolLM2-135M fp32, 2 CPU cores, ``python -m ferrum_service.testing.bench_causal_lm``):
+45 KiB of KV per token (2 · 30 · 3 · 64 · 4 = 46 080 B, exactly the theoretical figure; 720 KiB per
+16-token block); decode 13-14 tok/s at B=1 (the model alone with a ``DynamicCache`` step: ~9 tok/s)
+and 67-73 tok/s at B=8 (prompts of 16..128 tokens, one forward per step); a 128-token prefill
+340-370 ms, the same as a bare ``model(ids, logits_to_keep=1)`` on this machine (±30 % noise).
+
 Admission happens before any work: a step that needs more blocks than are free, or more tokens of
 budget than the registry has free, is refused with RESOURCE_EXHAUSTED, and nothing is allocated.
 
