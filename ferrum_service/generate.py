@@ -10,6 +10,7 @@ cache it created unless the caller asked to keep it.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
 from . import errors
@@ -66,10 +67,30 @@ class _Detok:
         return piece
 
 
-async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str) -> AsyncIterator[pb.GenerateResponse]:
-    """Run one generation; yields ``GenerateResponse`` events."""
+@dataclass
+class StreamState:
+    """What ``Abort`` needs to find and stop a running generation."""
+
+    owner: str
+    model_id: str = ""
+    request_id: str = ""
+    cache_id: str = ""
+    aborted: bool = False
+
+
+def _check_abort(state: StreamState | None) -> None:
+    if state is not None and state.aborted:
+        raise errors.FerrumError(errors.ErrorKind.CANCELLED, "the request was aborted (Abort RPC)")
+
+
+async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
+                   state: StreamState | None = None) -> AsyncIterator[pb.GenerateResponse]:
+    """Run one generation; yields ``GenerateResponse`` events. ``state.aborted`` stops it at the
+    next step with CANCELLED."""
     t_start = time.perf_counter_ns()
     host = ops.models.get(req.model_id)
+    if state is not None:
+        state.model_id, state.request_id, state.cache_id = host.model_id, req.request_id, req.cache_id
     if not host.executor.capabilities().supports_generation:
         raise errors.unsupported(
             f"Generate: model {host.model_id!r} is an encoder and does not support token generation; use Prefill",
@@ -117,6 +138,8 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str) -> As
                 out = timed.value[0]
                 if not cache_id:
                     created = cache_id = out.cache.cache_id
+                    if state is not None:
+                        state.cache_id = cache_id
                     entry = reg.get(cache_id)
                     if not req.keep_cache:
                         entry.owner = owner
@@ -135,6 +158,7 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str) -> As
 
             # --- decode loop ---
             while True:
+                _check_abort(state)
                 token = row.token_id
                 generated += 1
                 out_ids.append(token)
@@ -156,6 +180,7 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str) -> As
                 if generated >= max_tokens:
                     finish = pb.FINISH_REASON_LENGTH
                     break
+                _check_abort(state)
                 entry = reg.get(cache_id)
                 row = await host.decode_batched(DecodeInput(cache_id=cache_id, token_id=token, policy=policy),
                                                 entry.tokens)

@@ -3,7 +3,10 @@
 ``ModelHost.call`` runs one executor method off the event loop on the model's single worker thread
 (so model state needs no locks and forward passes never block the server), or inline for cheap
 executors. ``ModelHost.hold`` marks caches busy for the duration of a step: a second step on a
-busy cache is refused with ABORTED instead of racing it. ``ModelHost.decode_batched`` gathers
+busy cache is refused with ABORTED instead of racing it; holding a cache also renews its lease
+(``last_access``, see ``leases.py``). ``max_queue`` bounds the steps waiting for the worker: past
+it new steps are refused at once with RESOURCE_EXHAUSTED (releases and shutdown are never refused,
+and decode steps of running ``Generate`` streams are not new work). ``ModelHost.decode_batched`` gathers
 concurrent decode steps (from ``Generate`` streams) into one ``batch_decode`` — the server's own
 continuous batching.
 """
@@ -35,12 +38,13 @@ class Timed:
 class ModelHost:
     """One model served by the server."""
 
-    def __init__(self, model_id: str, executor: ModelExecutor, *, max_batch: int = 64) -> None:
+    def __init__(self, model_id: str, executor: ModelExecutor, *, max_batch: int = 64, max_queue: int = 0) -> None:
         self.model_id = model_id
         self.executor = executor
         self.info = executor.info()
         self.vocab_size = self.info.vocab_size
         self.max_batch = max_batch
+        self.max_queue = max_queue  # steps allowed to wait for the worker (0 = unbounded)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"exec-{model_id}")
         self._busy: set[str] = set()
         self._decode_queue: list[tuple[DecodeInput, list[int], asyncio.Future]] = []
@@ -49,10 +53,34 @@ class ModelHost:
         self._pending_releases: set[asyncio.Task] = set()
 
     # ---- running executor methods -------------------------------------------------------------
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Timed:
-        """Run ``fn(*args)`` on the model's worker (inline for cheap executors)."""
+    @property
+    def waiting(self) -> int:
+        """Steps queued behind the one the worker is running."""
+        return max(0, self.running - 1)
+
+    def _admit(self, fn: Callable[..., Any]) -> None:
+        if not self.max_queue or self.executor.inline:
+            return
+        if fn == self.executor.release_cache or fn == self.executor.shutdown:
+            return  # freeing memory is never refused
+        if self.waiting >= self.max_queue:
+            raise errors.exhausted(
+                f"model {self.model_id!r}: {self.waiting} steps are waiting for its worker; the queue limit "
+                f"is {self.max_queue}",
+                retry_after_ms=50,
+                model_id=self.model_id,
+                queued=self.waiting,
+                limit=self.max_queue,
+            )
+
+    async def call(self, fn: Callable[..., Any], *args: Any, admit: bool = True) -> Timed:
+        """Run ``fn(*args)`` on the model's worker (inline for cheap executors).
+
+        ``admit=False`` skips the queue limit (steps of work already admitted)."""
         if self.executor.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down", model_id=self.model_id)
+        if admit:
+            self._admit(fn)
         submitted = time.perf_counter_ns()
         self.running += 1
         try:
@@ -84,10 +112,18 @@ class ModelHost:
                     cache_id=c,
                 )
         self._busy.update(ids)
+        reg = self.executor.registry
+        for c in ids:
+            reg.touch(c)
         try:
             yield
         finally:
             self._busy.difference_update(ids)
+            for c in ids:
+                reg.touch(c)
+
+    def is_busy(self, cache_id: str) -> bool:
+        return cache_id in self._busy
 
     def release_soon(self, cache_id: str, reason: str = "released") -> None:
         """Free a cache from a ``finally`` that may run inside a cancelled task.
@@ -138,7 +174,7 @@ class ModelHost:
             if not batch:
                 continue
             try:
-                results = (await self.call(self._decode_and_sample, batch)).value
+                results = (await self.call(self._decode_and_sample, batch, admit=False)).value
             except errors.FerrumError as e:
                 if len(batch) == 1:
                     batch[0][2].set_exception(e) if not batch[0][2].done() else None
@@ -146,7 +182,7 @@ class ModelHost:
                 # Isolate the failing step: rerun each alone so one bad stream does not fail others.
                 for item in batch:
                     try:
-                        r = (await self.call(self._decode_and_sample, [item])).value[0]
+                        r = (await self.call(self._decode_and_sample, [item], admit=False)).value[0]
                         if not item[2].done():
                             item[2].set_result(r)
                     except Exception as e2:  # noqa: BLE001 - forwarded to the stream that caused it

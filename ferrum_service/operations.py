@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from . import errors
 from .convert import check_token, check_tokens, handle_pb, logits_policy, pb, row_pb, struct_to_dict, tpb
+from .retries import StepDeduper
 from .sampling import process_rows
 from .types import DecodeInput, OutputMode, PrefillInput, UnifiedItem
 
@@ -46,6 +47,16 @@ class Operations:
 
     def __init__(self, models: "ModelSet") -> None:
         self.models = models
+        self.deduper = StepDeduper()
+
+    async def run_step(self, name: str, req, owner: str = ""):
+        """Run step ``name`` ("prefill", "decode", ...) once per ``client_step_id``."""
+        fn = getattr(self, name)
+        step_id = getattr(req, "client_step_id", "")
+        if not step_id:
+            return await fn(req, owner)
+        model_id = self.models.get(req.model_id).model_id
+        return await self.deduper.run(model_id, step_id, req, lambda: fn(req, owner))
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _entry(self, host: "ModelHost", cache_id: str, field: str):

@@ -24,6 +24,7 @@ from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 from . import __version__, errors
 from .convert import (
     capabilities_pb,
+    handle_pb,
     check_tokens,
     dict_to_struct,
     kv_capacity_pb,
@@ -32,7 +33,8 @@ from .convert import (
     status_pb,
     tpb,
 )
-from .generate import generate
+from .generate import StreamState, generate
+from .kv_events import KvEventHub, SubscriberDropped
 from .metrics import Metrics
 from .models import ModelSet
 from .operations import Operations
@@ -85,6 +87,11 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         self.metrics = metrics or Metrics(None)
         self.draining = draining
         self.active_streams: set[asyncio.Task] = set()
+        self.generations: dict[str, StreamState] = {}
+        self.events = KvEventHub()
+        for host in models:
+            host.executor.registry.on_event = (
+                lambda kind, e, hub=self.events: hub.publish(kind, e.model_id, e.cache_id, e.num_tokens))
 
     # ---- plumbing -------------------------------------------------------------------------------
     async def _unary(self, rpc: str, context: grpc.aio.ServicerContext, fn: Callable[[], Awaitable[Any]]):
@@ -271,28 +278,28 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
 
     # ---- steps ----------------------------------------------------------------------------------
     async def Prefill(self, request, context):
-        return await self._unary("Prefill", context, lambda: self.ops.prefill(request))
+        return await self._unary("Prefill", context, lambda: self.ops.run_step("prefill", request))
 
     async def BatchPrefill(self, request, context):
-        return await self._unary("BatchPrefill", context, lambda: self.ops.batch_prefill(request))
+        return await self._unary("BatchPrefill", context, lambda: self.ops.run_step("batch_prefill", request))
 
     async def Decode(self, request, context):
-        return await self._unary("Decode", context, lambda: self.ops.decode(request))
+        return await self._unary("Decode", context, lambda: self.ops.run_step("decode", request))
 
     async def BatchDecode(self, request, context):
-        return await self._unary("BatchDecode", context, lambda: self.ops.batch_decode(request))
+        return await self._unary("BatchDecode", context, lambda: self.ops.run_step("batch_decode", request))
 
     async def UnifiedDecode(self, request, context):
-        return await self._unary("UnifiedDecode", context, lambda: self.ops.unified_decode(request))
+        return await self._unary("UnifiedDecode", context, lambda: self.ops.run_step("unified_decode", request))
 
     async def ForwardVerify(self, request, context):
-        return await self._unary("ForwardVerify", context, lambda: self.ops.forward_verify(request))
+        return await self._unary("ForwardVerify", context, lambda: self.ops.run_step("forward_verify", request))
 
     async def TruncateKv(self, request, context):
-        return await self._unary("TruncateKv", context, lambda: self.ops.truncate_kv(request))
+        return await self._unary("TruncateKv", context, lambda: self.ops.run_step("truncate_kv", request))
 
     async def ReleaseCache(self, request, context):
-        return await self._unary("ReleaseCache", context, lambda: self.ops.release_cache(request))
+        return await self._unary("ReleaseCache", context, lambda: self.ops.run_step("release_cache", request))
 
     async def Forward(self, request, context):
         async def run():
@@ -330,11 +337,13 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         owner = f"generate-{next(_session_ids)}"
         task = asyncio.current_task()
         self.active_streams.add(task)
+        state = StreamState(owner)
+        self.generations[owner] = state
         tokens = 0
         try:
             if self.draining():
                 raise errors.unavailable("the server is shutting down; retry on another replica")
-            async for ev in generate(self.ops, request, owner):
+            async for ev in generate(self.ops, request, owner, state):
                 if ev.WhichOneof("event") == "token":
                     tokens += 1
                 yield ev
@@ -353,6 +362,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             code = "INTERNAL"
             await context.abort_with_status(rpc_status.to_status(to_status(internal(exc, "Generate"))))
         finally:
+            self.generations.pop(owner, None)
             self.active_streams.discard(task)
             self.metrics.tokens_generated.inc(tokens)
             self.metrics.observe("Generate", code, time.perf_counter() - t0)
@@ -388,7 +398,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     if which is None:
                         raise errors.invalid("step is not set", field="step")
                     method, rpc = self._SESSION_OPS[which]
-                    result = await getattr(self.ops, method)(getattr(req, which), owner)
+                    result = await self.ops.run_step(method, getattr(req, which), owner)
                     getattr(resp, which).CopyFrom(result)
                 except errors.FerrumError as e:
                     step_code = e.code.name
@@ -408,17 +418,122 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             self.metrics.cancelled_streams.inc()
             raise
         finally:
-            freed = self.release_owned(owner)
+            freed = self.release_owned(owner, reason="reclaimed")
             self.active_streams.discard(task)
             self.metrics.observe("Session", code, time.perf_counter() - t0)
             log.info("session closed", owner=owner, steps=steps, released_caches=freed, code=code)
 
-    def release_owned(self, owner: str) -> int:
+    def release_owned(self, owner: str, reason: str = "released") -> int:
         """Free every cache a Session / Generate stream created (it ended)."""
         n = 0
         for host in self.models:
             for entry in host.executor.registry.entries():
                 if entry.owner == owner:
-                    host.release_soon(entry.cache_id)
+                    host.release_soon(entry.cache_id, reason)
                     n += 1
         return n
+
+    # ---- scheduler-facing operations -----------------------------------------------------------
+    async def Loads(self, request, context):
+        async def run():
+            hosts = [self.models.get(request.model_id)] if request.model_id else list(self.models)
+            seq = self.events.seq
+            resp = pb.LoadsResponse(kv_event_seq=seq)
+            for h in hosts:
+                reg = h.executor.registry
+                entries = reg.entries()
+                used = sum(e.num_tokens for e in entries)
+                held = sum(e.footprint for e in entries)
+                free = max(0, reg.total_tokens - held)
+                bs = reg.block_size or 1
+                lat = h.executor.stats.latencies()
+                running = min(h.running, 1)
+                resp.loads.add(
+                    model_id=h.model_id, active_caches=len(entries), resident_tokens=used, free_tokens=free,
+                    free_blocks=free // bs, total_blocks=reg.total_tokens // bs, block_size=bs,
+                    running_steps=running, queued_steps=max(0, h.running - running),
+                    active_streams=len(self.active_streams), reserved_tokens=held - used,
+                    prefill_latency=pb.LatencySummary(**lat["prefill"]),
+                    decode_latency=pb.LatencySummary(**lat["decode"]),
+                )
+            return resp
+        return await self._unary("Loads", context, run)
+
+    async def ListCaches(self, request, context):
+        async def run():
+            hosts = [self.models.get(request.model_id)] if request.model_id else list(self.models)
+            # Read on the loop thread with the hub's seq first: events are absolute, so any that
+            # land between the two reads and are replayed on top of the snapshot are harmless.
+            seq = self.events.seq
+            resp = pb.ListCachesResponse(as_of_seq=seq)
+            for h in hosts:
+                for e in h.executor.registry.entries():
+                    resp.caches.append(handle_pb(h.executor.handle(e)))
+            return resp
+        return await self._unary("ListCaches", context, run)
+
+    async def SubscribeKvEvents(self, request, context):
+        if request.model_id:
+            try:
+                self.models.get(request.model_id)
+            except errors.FerrumError as e:
+                await context.abort_with_status(rpc_status.to_status(to_status(e)))
+        from_seq = request.from_seq if request.HasField("from_seq") else None
+        sub, gone, next_seq = self.events.subscribe(request.model_id, from_seq)
+        task = asyncio.current_task()
+        self.active_streams.add(task)
+        try:
+            if gone is not None:
+                yield pb.SubscribeKvEventsResponse(resync_required=pb.ResyncRequired(
+                    requested_seq=from_seq, oldest_available_seq=gone, next_seq=next_seq))
+            while True:
+                if self.draining():
+                    return
+                ev = await sub.next()
+                yield pb.SubscribeKvEventsResponse(event=pb.KvEvent(
+                    seq=ev.seq, kind=ev.kind, model_id=ev.model_id, cache_id=ev.cache_id,
+                    num_tokens=ev.num_tokens, time_unix_ns=ev.time_unix_ns))
+        except SubscriberDropped as d:
+            log.warning("kv-event subscriber dropped", resume_from_seq=d.resume_from_seq, peer=context.peer())
+            e = errors.exhausted(str(d), retry_after_ms=0, resume_from_seq=d.resume_from_seq)
+            await context.abort_with_status(rpc_status.to_status(to_status(e)))
+        finally:
+            sub.close()
+            self.active_streams.discard(task)
+
+    async def Abort(self, request, context):
+        async def run():
+            host = self.models.get(request.model_id) if request.model_id or len(self.models) == 1 else None
+            which = request.WhichOneof("target")
+            if which is None:
+                raise errors.invalid("target is not set: give request_id or cache_id", field="target")
+            aborted = 0
+            for st in list(self.generations.values()):
+                if host is not None and st.model_id and st.model_id != host.model_id:
+                    continue
+                if (which == "request_id" and request.request_id and st.request_id == request.request_id) or \
+                        (which == "cache_id" and st.cache_id == request.cache_id):
+                    if not st.aborted:
+                        st.aborted = True
+                        aborted += 1
+            released = False
+            if which == "cache_id":
+                hosts = [host] if host is not None else list(self.models)
+                for h in hosts:
+                    if request.cache_id in h.executor.registry:
+                        released = await self._release_when_idle(h, request.cache_id)
+            log.info("abort", target=which, value=getattr(request, which), aborted_streams=aborted,
+                     released_cache=released)
+            return pb.AbortResponse(aborted_streams=aborted, released_cache=released)
+        return await self._unary("Abort", context, run)
+
+    async def _release_when_idle(self, host, cache_id: str, timeout: float = 10.0) -> bool:
+        """Release a cache once no step holds it (an aborted stream lets go within one step)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while host.is_busy(cache_id) and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        if cache_id not in host.executor.registry:
+            return False
+        with host.hold([cache_id], "cache_id"):
+            return (await host.call(host.executor.release_cache, cache_id)).value[0]

@@ -87,6 +87,18 @@ class OperationStats:
         s = sorted(xs)
         return s[min(len(s) - 1, int(0.95 * len(s)))] * 1e3
 
+    def latencies(self) -> dict[str, dict[str, int]]:
+        """p50/p99 (ns) and count of the recent prefill and decode steps."""
+        def summ(xs: list[float]) -> dict[str, int]:
+            if not xs:
+                return {"p50_ns": 0, "p99_ns": 0, "count": 0}
+            s = sorted(xs)
+            pick = lambda q: int(s[min(len(s) - 1, int(q * len(s)))] * 1e9)  # noqa: E731
+            return {"p50_ns": pick(0.5), "p99_ns": pick(0.99), "count": len(s)}
+
+        with self._lock:
+            return {"prefill": summ(self._recent_prefill), "decode": summ(self._recent_decode)}
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {

@@ -223,6 +223,30 @@ class Client:
     def release_cache(self, model_id: str, cache_id: str, **kw) -> pb.ReleaseCacheResponse:
         return self._call("ReleaseCache", pb.ReleaseCacheRequest(model_id=model_id, cache_id=cache_id), **kw)
 
+    # ---- scheduler-facing operations -----------------------------------------------------------
+    def loads(self, model_id: str = "", **kw) -> pb.LoadsResponse:
+        return self._call("Loads", pb.LoadsRequest(model_id=model_id), **kw)
+
+    def list_caches(self, model_id: str = "", **kw) -> pb.ListCachesResponse:
+        return self._call("ListCaches", pb.ListCachesRequest(model_id=model_id), **kw)
+
+    def subscribe_kv_events(self, model_id: str = "", from_seq: int | None = None,
+                            timeout: float | None = None) -> "GenerateStream":
+        """Stream of ``SubscribeKvEventsResponse`` (iterate; ``.cancel()`` to stop)."""
+        req = pb.SubscribeKvEventsRequest(model_id=model_id)
+        if from_seq is not None:
+            req.from_seq = from_seq
+        return GenerateStream(self.stub.SubscribeKvEvents(req, timeout=timeout, metadata=self.metadata))
+
+    def abort(self, model_id: str = "", *, request_id: str | None = None, cache_id: str | None = None,
+              **kw) -> pb.AbortResponse:
+        req = pb.AbortRequest(model_id=model_id)
+        if request_id is not None:
+            req.request_id = request_id
+        if cache_id is not None:
+            req.cache_id = cache_id
+        return self._call("Abort", req, **kw)
+
     # ---- streams --------------------------------------------------------------------------------
     def generate(self, model_id: str, *, timeout: float | None = None, **kw) -> "GenerateStream":
         """Stream a generation (see :func:`ferrum_client.messages.generate_request` for the
@@ -236,7 +260,7 @@ class Client:
 
 
 class GenerateStream:
-    """Iterator over a ``Generate`` call's events."""
+    """Iterator over a server-streaming call's messages (``Generate``, ``SubscribeKvEvents``)."""
 
     def __init__(self, call) -> None:
         self.call = call

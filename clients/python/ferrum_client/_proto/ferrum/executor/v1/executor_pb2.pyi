@@ -18,6 +18,16 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
     FINISH_REASON_CONTENT_FILTER: _ClassVar[FinishReason]
+
+class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_CREATED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_EXTENDED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_TRUNCATED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_RELEASED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_RECLAIMED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_EVICTED: _ClassVar[KvEventKind]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -25,6 +35,13 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
 FINISH_REASON_CONTENT_FILTER: FinishReason
+KV_EVENT_KIND_UNSPECIFIED: KvEventKind
+KV_EVENT_KIND_CREATED: KvEventKind
+KV_EVENT_KIND_EXTENDED: KvEventKind
+KV_EVENT_KIND_TRUNCATED: KvEventKind
+KV_EVENT_KIND_RELEASED: KvEventKind
+KV_EVENT_KIND_RECLAIMED: KvEventKind
+KV_EVENT_KIND_EVICTED: KvEventKind
 
 class InfoRequest(_message.Message):
     __slots__ = ("model_id",)
@@ -131,12 +148,14 @@ class PrefillOutput(_message.Message):
     def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., output: _Optional[_Union[_types_pb2.LogitsOutput, _Mapping]] = ..., positions: _Optional[_Iterable[_Union[_types_pb2.LogitsOutput, _Mapping]]] = ..., embedding: _Optional[_Union[_types_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("model_id", "input")
+    __slots__ = ("model_id", "input", "client_step_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     input: PrefillInput
-    def __init__(self, model_id: _Optional[str] = ..., input: _Optional[_Union[PrefillInput, _Mapping]] = ...) -> None: ...
+    client_step_id: str
+    def __init__(self, model_id: _Optional[str] = ..., input: _Optional[_Union[PrefillInput, _Mapping]] = ..., client_step_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("output", "timings")
@@ -147,12 +166,14 @@ class PrefillResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[PrefillOutput, _Mapping]] = ..., timings: _Optional[_Union[_types_pb2.StepTimings, _Mapping]] = ...) -> None: ...
 
 class BatchPrefillRequest(_message.Message):
-    __slots__ = ("model_id", "inputs")
+    __slots__ = ("model_id", "inputs", "client_step_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     inputs: _containers.RepeatedCompositeFieldContainer[PrefillInput]
-    def __init__(self, model_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[PrefillInput, _Mapping]]] = ...) -> None: ...
+    client_step_id: str
+    def __init__(self, model_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[PrefillInput, _Mapping]]] = ..., client_step_id: _Optional[str] = ...) -> None: ...
 
 class BatchPrefillResponse(_message.Message):
     __slots__ = ("outputs", "timings")
@@ -185,12 +206,14 @@ class DecodeOutput(_message.Message):
     def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., output: _Optional[_Union[_types_pb2.LogitsOutput, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("model_id", "input")
+    __slots__ = ("model_id", "input", "client_step_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     input: DecodeInput
-    def __init__(self, model_id: _Optional[str] = ..., input: _Optional[_Union[DecodeInput, _Mapping]] = ...) -> None: ...
+    client_step_id: str
+    def __init__(self, model_id: _Optional[str] = ..., input: _Optional[_Union[DecodeInput, _Mapping]] = ..., client_step_id: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("output", "timings")
@@ -201,12 +224,14 @@ class DecodeResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[DecodeOutput, _Mapping]] = ..., timings: _Optional[_Union[_types_pb2.StepTimings, _Mapping]] = ...) -> None: ...
 
 class BatchDecodeRequest(_message.Message):
-    __slots__ = ("model_id", "inputs")
+    __slots__ = ("model_id", "inputs", "client_step_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     inputs: _containers.RepeatedCompositeFieldContainer[DecodeInput]
-    def __init__(self, model_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[DecodeInput, _Mapping]]] = ...) -> None: ...
+    client_step_id: str
+    def __init__(self, model_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[DecodeInput, _Mapping]]] = ..., client_step_id: _Optional[str] = ...) -> None: ...
 
 class BatchDecodeResponse(_message.Message):
     __slots__ = ("outputs", "timings")
@@ -235,12 +260,14 @@ class UnifiedBatchItem(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., q_tokens: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class UnifiedDecodeRequest(_message.Message):
-    __slots__ = ("model_id", "items")
+    __slots__ = ("model_id", "items", "client_step_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     items: _containers.RepeatedCompositeFieldContainer[UnifiedBatchItem]
-    def __init__(self, model_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[UnifiedBatchItem, _Mapping]]] = ...) -> None: ...
+    client_step_id: str
+    def __init__(self, model_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[UnifiedBatchItem, _Mapping]]] = ..., client_step_id: _Optional[str] = ...) -> None: ...
 
 class UnifiedItemResult(_message.Message):
     __slots__ = ("seq_id", "cache", "output")
@@ -279,18 +306,20 @@ class ForwardResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[_types_pb2.Tensor, _Mapping]] = ..., timings: _Optional[_Union[_types_pb2.StepTimings, _Mapping]] = ...) -> None: ...
 
 class ForwardVerifyRequest(_message.Message):
-    __slots__ = ("model_id", "cache_id", "token_ids", "logits", "accept_greedy_prefix")
+    __slots__ = ("model_id", "cache_id", "token_ids", "logits", "accept_greedy_prefix", "client_step_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_GREEDY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     cache_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logits: _types_pb2.LogitsPolicy
     accept_greedy_prefix: bool
-    def __init__(self, model_id: _Optional[str] = ..., cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., accept_greedy_prefix: _Optional[bool] = ...) -> None: ...
+    client_step_id: str
+    def __init__(self, model_id: _Optional[str] = ..., cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., accept_greedy_prefix: _Optional[bool] = ..., client_step_id: _Optional[str] = ...) -> None: ...
 
 class ForwardVerifyResponse(_message.Message):
     __slots__ = ("outputs", "cache", "base_len", "accepted_drafts", "accepted_tokens", "timings")
@@ -309,14 +338,16 @@ class ForwardVerifyResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[_types_pb2.LogitsOutput, _Mapping]]] = ..., cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., base_len: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[_types_pb2.StepTimings, _Mapping]] = ...) -> None: ...
 
 class TruncateKvRequest(_message.Message):
-    __slots__ = ("model_id", "cache_id", "new_len")
+    __slots__ = ("model_id", "cache_id", "new_len", "client_step_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_LEN_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     cache_id: str
     new_len: int
-    def __init__(self, model_id: _Optional[str] = ..., cache_id: _Optional[str] = ..., new_len: _Optional[int] = ...) -> None: ...
+    client_step_id: str
+    def __init__(self, model_id: _Optional[str] = ..., cache_id: _Optional[str] = ..., new_len: _Optional[int] = ..., client_step_id: _Optional[str] = ...) -> None: ...
 
 class TruncateKvResponse(_message.Message):
     __slots__ = ("cache", "removed_tokens")
@@ -327,12 +358,14 @@ class TruncateKvResponse(_message.Message):
     def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., removed_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseCacheRequest(_message.Message):
-    __slots__ = ("model_id", "cache_id")
+    __slots__ = ("model_id", "cache_id", "client_step_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     cache_id: str
-    def __init__(self, model_id: _Optional[str] = ..., cache_id: _Optional[str] = ...) -> None: ...
+    client_step_id: str
+    def __init__(self, model_id: _Optional[str] = ..., cache_id: _Optional[str] = ..., client_step_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseCacheResponse(_message.Message):
     __slots__ = ("released", "freed_bytes", "freed_tokens")
@@ -629,3 +662,131 @@ class SessionResponse(_message.Message):
     release_cache: ReleaseCacheResponse
     error: _types_pb2.StepError
     def __init__(self, step_id: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., batch_prefill: _Optional[_Union[BatchPrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., batch_decode: _Optional[_Union[BatchDecodeResponse, _Mapping]] = ..., unified_decode: _Optional[_Union[UnifiedDecodeResponse, _Mapping]] = ..., forward_verify: _Optional[_Union[ForwardVerifyResponse, _Mapping]] = ..., truncate_kv: _Optional[_Union[TruncateKvResponse, _Mapping]] = ..., release_cache: _Optional[_Union[ReleaseCacheResponse, _Mapping]] = ..., error: _Optional[_Union[_types_pb2.StepError, _Mapping]] = ...) -> None: ...
+
+class LoadsRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class LatencySummary(_message.Message):
+    __slots__ = ("p50_ns", "p99_ns", "count")
+    P50_NS_FIELD_NUMBER: _ClassVar[int]
+    P99_NS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    p50_ns: int
+    p99_ns: int
+    count: int
+    def __init__(self, p50_ns: _Optional[int] = ..., p99_ns: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class ModelLoad(_message.Message):
+    __slots__ = ("model_id", "active_caches", "resident_tokens", "free_tokens", "free_blocks", "total_blocks", "block_size", "running_steps", "queued_steps", "active_streams", "prefill_latency", "decode_latency", "reserved_tokens")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_CACHES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_STEPS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LATENCY_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LATENCY_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    active_caches: int
+    resident_tokens: int
+    free_tokens: int
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    running_steps: int
+    queued_steps: int
+    active_streams: int
+    prefill_latency: LatencySummary
+    decode_latency: LatencySummary
+    reserved_tokens: int
+    def __init__(self, model_id: _Optional[str] = ..., active_caches: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_steps: _Optional[int] = ..., queued_steps: _Optional[int] = ..., active_streams: _Optional[int] = ..., prefill_latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., decode_latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., reserved_tokens: _Optional[int] = ...) -> None: ...
+
+class LoadsResponse(_message.Message):
+    __slots__ = ("loads", "kv_event_seq")
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    loads: _containers.RepeatedCompositeFieldContainer[ModelLoad]
+    kv_event_seq: int
+    def __init__(self, loads: _Optional[_Iterable[_Union[ModelLoad, _Mapping]]] = ..., kv_event_seq: _Optional[int] = ...) -> None: ...
+
+class ListCachesRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class ListCachesResponse(_message.Message):
+    __slots__ = ("caches", "as_of_seq")
+    CACHES_FIELD_NUMBER: _ClassVar[int]
+    AS_OF_SEQ_FIELD_NUMBER: _ClassVar[int]
+    caches: _containers.RepeatedCompositeFieldContainer[_types_pb2.KvCacheHandle]
+    as_of_seq: int
+    def __init__(self, caches: _Optional[_Iterable[_Union[_types_pb2.KvCacheHandle, _Mapping]]] = ..., as_of_seq: _Optional[int] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("seq", "kind", "model_id", "cache_id", "num_tokens", "time_unix_ns")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    kind: KvEventKind
+    model_id: str
+    cache_id: str
+    num_tokens: int
+    time_unix_ns: int
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[KvEventKind, str]] = ..., model_id: _Optional[str] = ..., cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., time_unix_ns: _Optional[int] = ...) -> None: ...
+
+class SubscribeKvEventsRequest(_message.Message):
+    __slots__ = ("model_id", "from_seq")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    from_seq: int
+    def __init__(self, model_id: _Optional[str] = ..., from_seq: _Optional[int] = ...) -> None: ...
+
+class ResyncRequired(_message.Message):
+    __slots__ = ("requested_seq", "oldest_available_seq", "next_seq")
+    REQUESTED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_AVAILABLE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    requested_seq: int
+    oldest_available_seq: int
+    next_seq: int
+    def __init__(self, requested_seq: _Optional[int] = ..., oldest_available_seq: _Optional[int] = ..., next_seq: _Optional[int] = ...) -> None: ...
+
+class SubscribeKvEventsResponse(_message.Message):
+    __slots__ = ("event", "resync_required")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    event: KvEvent
+    resync_required: ResyncRequired
+    def __init__(self, event: _Optional[_Union[KvEvent, _Mapping]] = ..., resync_required: _Optional[_Union[ResyncRequired, _Mapping]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("model_id", "request_id", "cache_id")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    request_id: str
+    cache_id: str
+    def __init__(self, model_id: _Optional[str] = ..., request_id: _Optional[str] = ..., cache_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("aborted_streams", "released_cache")
+    ABORTED_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_CACHE_FIELD_NUMBER: _ClassVar[int]
+    aborted_streams: int
+    released_cache: bool
+    def __init__(self, aborted_streams: _Optional[int] = ..., released_cache: _Optional[bool] = ...) -> None: ...

@@ -160,6 +160,26 @@ class ModelExecutorStub:
                 request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.SessionRequest.SerializeToString,
                 response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.Loads = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/Loads',
+                request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.LoadsRequest.SerializeToString,
+                response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.LoadsResponse.FromString,
+                _registered_method=True)
+        self.ListCaches = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/ListCaches',
+                request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ListCachesRequest.SerializeToString,
+                response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ListCachesResponse.FromString,
+                _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/ferrum.executor.v1.ModelExecutor/SubscribeKvEvents',
+                request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsResponse.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/Abort',
+                request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.AbortRequest.SerializeToString,
+                response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.AbortResponse.FromString,
+                _registered_method=True)
 
 
 class ModelExecutorServicer:
@@ -353,6 +373,46 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Loads(self, request, context):
+        """--- Scheduler-facing operations -----------------------------------------------------------
+
+        Load of each hosted model: caches, resident tokens, free KV capacity, running and queued work,
+        recent step latencies. Reads counters only (no executor call), so it is cheap enough to call
+        before every placement decision.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCaches(self, request, context):
+        """Every live cache of a model, with the KV-event sequence number the snapshot is consistent
+        with: apply events with a larger `seq` on top of it to stay in sync.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubscribeKvEvents(self, request, context):
+        """Cache events (created, extended to n, truncated to n, released, reclaimed, evicted), each with
+        a server-wide monotonically increasing sequence number. Resume with `from_seq`; when that
+        point has left the server's bounded replay buffer the first message is `resync_required`
+        (take a `ListCaches` snapshot). A subscriber that falls behind its bounded buffer is dropped
+        with RESOURCE_EXHAUSTED, whose ErrorInfo metadata "resume_from_seq" says where to resume;
+        compute never waits for a subscriber.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Stop a request: an in-flight `Generate` (by its `request_id`) ends with CANCELLED and frees
+        its cache; a cache (by `cache_id`) is released, ending any stream using it. Idempotent: an
+        abort of something already gone succeeds with nothing aborted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -480,6 +540,26 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.SessionRequest.FromString,
                     response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.SessionResponse.SerializeToString,
+            ),
+            'Loads': grpc.unary_unary_rpc_method_handler(
+                    servicer.Loads,
+                    request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.LoadsRequest.FromString,
+                    response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.LoadsResponse.SerializeToString,
+            ),
+            'ListCaches': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCaches,
+                    request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ListCachesRequest.FromString,
+                    response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ListCachesResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.AbortRequest.FromString,
+                    response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1158,6 +1238,114 @@ class ModelExecutor:
             '/ferrum.executor.v1.ModelExecutor/Session',
             ferrum_dot_executor_dot_v1_dot_executor__pb2.SessionRequest.SerializeToString,
             ferrum_dot_executor_dot_v1_dot_executor__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Loads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/Loads',
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.LoadsRequest.SerializeToString,
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.LoadsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCaches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/ListCaches',
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.ListCachesRequest.SerializeToString,
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.ListCachesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/SubscribeKvEvents',
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsRequest.SerializeToString,
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/Abort',
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.AbortRequest.SerializeToString,
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
