@@ -93,7 +93,8 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
         state.model_id, state.request_id, state.cache_id = host.model_id, req.request_id, req.cache_id
     if not host.executor.capabilities().supports_generation:
         raise errors.unsupported(
-            f"Generate: model {host.model_id!r} is an encoder and does not support token generation; use Prefill",
+            f"Generate: model {host.model_id!r} is an encoder and does not support token generation; use Prefill "
+            "to get embeddings",
             field="model_id",
         )
     sp = sampling_params(req.sampling, host.vocab_size, "sampling")
@@ -188,7 +189,9 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
             finish_reason=finish, prompt_tokens=len(prompt), generated_tokens=generated,
             time_to_first_token_ns=ttft, total_ns=time.perf_counter_ns() - t_start,
         )
-        if tok is not None:
+        if req.stream_text and detok is not None:
+            fin.text = detok.text  # exactly the streamed pieces (a trailing partial UTF-8 char is dropped)
+        elif tok is not None:
             fin.text = tok.decode(out_ids, skip_special_tokens=True)
         if cache_id and (req.keep_cache or not created) and cache_id in reg:
             fin.cache.CopyFrom(handle_pb(host.executor.handle(reg.get(cache_id))))
