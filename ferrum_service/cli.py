@@ -30,6 +30,10 @@ SERVE_FLAGS = {
     "max_message_bytes": (int, 64 * 1024 * 1024, "largest gRPC message accepted or sent"),
     "max_batch": (int, 64, "most Generate streams batched into one decode step"),
     "grace_period": (float, 20.0, "seconds in-flight streams get on SIGTERM"),
+    "cache_ttl": (float, 600.0, "seconds an ownerless cache (made by unary RPCs) may sit idle before it is "
+                  "reclaimed (0 = never)"),
+    "max_queue": (int, 256, "steps that may wait for one model's worker before new ones get "
+                  "RESOURCE_EXHAUSTED (0 = unbounded)"),
     "log_format": (str, "auto", "json | console | auto"),
     "log_level": (str, "info", "debug | info | warning | error"),
     "tls_cert": (str, None, "PEM certificate chain (enables TLS)"),
@@ -147,7 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ([os.environ["FERRUM_AUTH_TOKEN"]] if os.environ.get("FERRUM_AUTH_TOKEN") else []),
         admin_tokens=_read_tokens(st["admin_token_file"]) or
         ([os.environ["FERRUM_ADMIN_TOKEN"]] if os.environ.get("FERRUM_ADMIN_TOKEN") else []),
-        max_batch=st["max_batch"],
+        max_batch=st["max_batch"], cache_ttl=st["cache_ttl"], max_queue=st["max_queue"],
     )
     asyncio.run(serve(executors, cfg))
     return 0

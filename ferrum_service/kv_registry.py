@@ -103,6 +103,12 @@ class CacheRegistry:
     def free_tokens(self) -> int:
         return max(0, self.total_tokens - sum(e.footprint for e in self.entries()))
 
+    def touch(self, cache_id: str) -> None:
+        """Renew a cache's lease (``last_access``); a no-op for caches that are not live."""
+        entry = self._caches.get(cache_id)
+        if entry is not None:
+            entry.last_access = time.monotonic()
+
     def was_released(self, cache_id: str) -> bool:
         return cache_id in self._released
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 if TYPE_CHECKING:
     from .models import ModelSet
@@ -20,17 +21,19 @@ class Metrics:
         r = self.registry
         self.requests = Counter("ferrum_requests_total", "RPCs and Session steps by status code",
                                 ["rpc", "code"], registry=r)
-        self.latency = Histogram("ferrum_request_seconds", "RPC / step latency", ["rpc"], buckets=_BUCKETS,
-                                 registry=r)
+        self.latency = Histogram("ferrum_request_seconds", "RPC / step latency by status code", ["rpc", "code"],
+                                 buckets=_BUCKETS, registry=r)
         self.tokens_generated = Counter("ferrum_generated_tokens_total", "Tokens streamed by Generate", registry=r)
         self.admission_refusals = Counter("ferrum_admission_refusals_total", "RESOURCE_EXHAUSTED answers",
                                           registry=r)
         self.cancelled_streams = Counter("ferrum_cancelled_streams_total", "Generate/Session streams cancelled",
                                          registry=r)
-        self.reclaimed_caches = Counter("ferrum_reclaimed_caches_total", "Caches freed because their owner left",
-                                        registry=r)
+        self.expired_caches = Counter("ferrum_expired_caches_total",
+                                      "Ownerless caches reclaimed because their lease (--cache-ttl) expired",
+                                      ["model"], registry=r)
         if models is not None:
             self._model_gauges(models)
+            r.register(_ReclaimedCollector(models))
 
     def _model_gauges(self, models: "ModelSet") -> None:
         r = self.registry
@@ -49,9 +52,44 @@ class Metrics:
                 lambda reg=reg: sum(-(-e.num_tokens // reg.block_size) for e in reg.entries()))
             queue.labels(mid).set_function(lambda host=host: host.running)
 
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """A sample's current value (0 when absent): for tests and the Status RPC."""
+        v = self.registry.get_sample_value(name, labels or {})
+        return 0.0 if v is None else v
+
     def observe(self, rpc: str, code: str, seconds: float) -> None:
         self.requests.labels(rpc, code).inc()
-        self.latency.labels(rpc).observe(seconds)
+        self.latency.labels(rpc, code).observe(seconds)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        self._http = start_http_server(port, addr=host, registry=self.registry)
+
+    def stop(self) -> None:
+        """Close the /metrics HTTP server (if serving)."""
+        http = getattr(self, "_http", None)
+        if http is not None:
+            server, thread = http
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
+            self._http = None
+
+
+class _ReclaimedCollector:
+    """``ferrum_reclaimed_caches_total{model}``: caches freed without a release from their user —
+    their stream ended (cancel, deadline, dropped connection, Session close) or their lease
+    expired — read from each registry's counter."""
+
+    def __init__(self, models: "ModelSet") -> None:
+        self.models = models
+
+    def describe(self):
+        return [CounterMetricFamily("ferrum_reclaimed_caches", "Caches freed because their owner left or their "
+                                    "lease expired", labels=["model"])]
+
+    def collect(self):
+        c = CounterMetricFamily("ferrum_reclaimed_caches", "Caches freed because their owner left or their lease "
+                                "expired", labels=["model"])
+        for host in self.models:
+            c.add_metric([host.model_id], host.executor.registry.reclaimed_total)
+        yield c

@@ -21,6 +21,7 @@ from ferrum_client._proto.ferrum.executor.v1 import executor_pb2, executor_pb2_g
 
 from .auth import AuthInterceptor
 from .host import ModelHost
+from .leases import LeaseReaper
 from .metrics import Metrics
 from .models import ModelSet
 from .servicer import ModelExecutorServicer
@@ -46,6 +47,8 @@ class ServerConfig:
     auth_tokens: list[str] = field(default_factory=list)
     admin_tokens: list[str] = field(default_factory=list)
     max_batch: int = 64
+    cache_ttl: float = 600.0  # seconds an ownerless cache may sit idle before it is reclaimed (0 = never)
+    max_queue: int = 256  # steps that may wait for one model's worker (0 = unbounded)
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -70,7 +73,14 @@ class Server:
     def __init__(self, models: ModelSet, cfg: ServerConfig) -> None:
         self.models = models
         self.cfg = cfg
+        if cfg.cache_ttl < 0:
+            raise ValueError("cache_ttl must be >= 0 (0 = never reclaim)")
+        if cfg.max_queue < 0:
+            raise ValueError("max_queue must be >= 0 (0 = unbounded)")
+        for host in models:
+            host.max_queue = cfg.max_queue
         self.metrics = Metrics(models)
+        self.leases = LeaseReaper(models, self.metrics, cfg.cache_ttl)
         self.draining = False
         self.health = health.aio.HealthServicer()
         self.servicer = ModelExecutorServicer(models, self.metrics, draining=lambda: self.draining)
@@ -112,6 +122,7 @@ class Server:
 
     async def start(self) -> None:
         await self.grpc.start()
+        self.leases.start()
         if self.cfg.metrics_port:
             self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
         for host in self.models:
@@ -119,7 +130,9 @@ class Server:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", port=self.port, models=[h.model_id for h in self.models], tls=bool(self.cfg.tls_cert),
-                 auth=bool(self.cfg.auth_tokens), metrics_port=self.cfg.metrics_port or None)
+                 auth=bool(self.cfg.auth_tokens), mtls=bool(self.cfg.tls_client_ca),
+                 metrics_port=self.cfg.metrics_port or None, cache_ttl_s=self.cfg.cache_ttl or None,
+                 max_queue=self.cfg.max_queue or None)
 
     async def drain(self, grace: float | None = None) -> None:
         """Graceful shutdown (see the module doc)."""
@@ -131,6 +144,10 @@ class Server:
         deadline = loop.time() + grace
         while self.servicer.active_streams and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        if self.servicer.active_streams:
+            log.warning("grace period over; cancelling streams", active_streams=len(self.servicer.active_streams))
+        await self.leases.stop()
+        # grpc.stop cancels the calls still running; their handlers' finally blocks free their caches.
         await self.grpc.stop(max(0.0, deadline - loop.time()))
         freed = 0
         for host in self.models:
@@ -140,23 +157,24 @@ class Server:
             except Exception:  # noqa: BLE001
                 log.exception("executor shutdown failed", model_id=host.model_id)
             host.shutdown_pool()
+        self.metrics.stop()
         log.info("stopped", released_caches=freed)
 
     async def wait(self) -> None:
         await self.grpc.wait_for_termination()
 
 
-def host_models(executors, max_batch: int = 64) -> ModelSet:
+def host_models(executors, max_batch: int = 64, max_queue: int = 0) -> ModelSet:
     """A ModelSet from executor instances (ids from their ``info()``)."""
     models = ModelSet()
     for ex in executors:
-        models.add(ModelHost(ex.info().model_id, ex, max_batch=max_batch))
+        models.add(ModelHost(ex.info().model_id, ex, max_batch=max_batch, max_queue=max_queue))
     return models
 
 
 async def serve(executors, cfg: ServerConfig) -> None:
     """Run until SIGINT/SIGTERM, then drain and return."""
-    server = Server(host_models(executors, cfg.max_batch), cfg)
+    server = Server(host_models(executors, cfg.max_batch, cfg.max_queue), cfg)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,0 +1,110 @@
+"""Cache leases: caches nobody owns are reclaimed once idle past a TTL.
+
+A cache created on a ``Session`` or ``Generate`` stream belongs to that stream and is freed when
+the stream ends, however it ends (finish, cancel, deadline, dropped connection). A cache created by
+a unary RPC (``Prefill``, ``BatchPrefill``, ``Generate`` with ``keep_cache``) has no owning stream:
+if the scheduler that made it vanishes, nothing would free it. Each such cache therefore holds a
+*lease*: every step that touches it (prefill into it, decode, verify, truncate — anything that
+holds it through :meth:`ModelHost.hold`) renews the lease by updating ``CacheEntry.last_access``.
+The :class:`LeaseReaper` (started and stopped by ``Server``) wakes every ``interval`` seconds
+and releases, with reason ``reclaimed``, every ownerless cache idle for longer than ``ttl``
+seconds that no step holds right now. Each reclaim is logged and counted
+(``ferrum_expired_caches_total``, and ``ferrum_reclaimed_caches_total`` with the others).
+
+``ttl = 0`` turns leases off (caches live until released or the server stops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
+    from .models import ModelSet
+
+log = structlog.get_logger("ferrum_service.leases")
+
+
+class LeaseReaper:
+    """Background task reclaiming idle ownerless caches."""
+
+    def __init__(self, models: "ModelSet", metrics: "Metrics", ttl: float, interval: float | None = None) -> None:
+        self.models = models
+        self.metrics = metrics
+        self.ttl = float(ttl)
+        # Check often enough that a cache outlives its TTL by at most ~25 %, but not more than
+        # once per 50 ms nor less than once per 30 s.
+        self.interval = interval if interval is not None else min(30.0, max(0.05, self.ttl / 4))
+        self._task: asyncio.Task | None = None
+        self.reclaimed = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttl > 0
+
+    def start(self) -> None:
+        if self.enabled and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="lease-reaper")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the reaper must outlive a bad sweep
+                log.exception("lease sweep failed")
+
+    def expired(self, now: float | None = None) -> list[tuple[object, object]]:
+        """(host, entry) of every ownerless cache idle past the TTL and not held by a step."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for host in self.models:
+            if host.executor.state == "shutdown":
+                continue
+            for entry in host.executor.registry.entries():
+                if entry.owner or host.is_busy(entry.cache_id):
+                    continue
+                if now - entry.last_access > self.ttl:
+                    out.append((host, entry))
+        return out
+
+    async def sweep(self) -> int:
+        """Reclaim what has expired now; returns how many caches were freed."""
+        n = 0
+        for host, entry in self.expired():
+            cid = entry.cache_id
+            # Re-check at the last moment: a step may have taken or renewed the cache meanwhile.
+            if host.is_busy(cid) or cid not in host.executor.registry:
+                continue
+            if time.monotonic() - entry.last_access <= self.ttl:
+                continue
+            idle = time.monotonic() - entry.last_access
+            try:
+                with host.hold([cid], "cache_id"):
+                    released, freed_bytes, tokens = (
+                        await host.call(host.executor.release_cache, cid, "reclaimed")).value
+            except Exception as e:  # noqa: BLE001 - busy or shut down: try again next sweep
+                log.debug("lease reclaim skipped", model_id=host.model_id, cache_id=cid, error=str(e))
+                continue
+            if released:
+                n += 1
+                self.reclaimed += 1
+                self.metrics.expired_caches.labels(host.model_id).inc()
+                log.info("cache lease expired; reclaimed", model_id=host.model_id, cache_id=cid,
+                         idle_s=round(idle, 3), ttl_s=self.ttl, tokens=tokens, freed_bytes=freed_bytes)
+        return n

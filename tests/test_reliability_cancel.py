@@ -1,0 +1,263 @@
+"""Cancellation and leases: a caller that cancels, runs out of deadline or vanishes (its channel
+closed, its process killed) during ``Generate`` or ``Session`` stops the work within one step and
+its caches are freed; ownerless caches idle past ``--cache-ttl`` are reclaimed; metrics count both.
+
+The model here is a configurable executor made slow (``inline = False`` and 20 ms per decode, on
+its worker thread like a real model), so "within one step" is measurable: after the stream ends at
+most the one step already on the worker completes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import grpc
+import pytest
+
+from ferrum_client import Client, FerrumRpcError, messages as m, pb
+
+from ferrum_service.executors import ConfigurableModelExecutor
+
+from .support.servers import REPO, InProcessServer, ServerProcess
+
+STEP_S = 0.02
+
+
+class SlowModel(ConfigurableModelExecutor):
+    """Decodes take ``STEP_S`` on the model's worker thread; counts every decode it runs."""
+
+    inline = False
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.decodes = 0
+
+    def decode(self, inp):
+        time.sleep(STEP_S)
+        self.decodes += 1
+        return super().decode(inp)
+
+    def batch_decode(self, inputs):
+        time.sleep(STEP_S)
+        self.decodes += len(inputs)
+        return [super(SlowModel, self).decode(i) for i in inputs]
+
+
+def _slow():
+    return SlowModel(1000, [10, 20, 30], model_id="slow")
+
+
+@pytest.fixture
+def srv():
+    with InProcessServer([_slow()], cache_ttl=0) as s:
+        yield s
+
+
+def _ex(srv) -> SlowModel:
+    return srv.models.get("slow").executor
+
+
+def _wait_until(pred, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+def _assert_stopped_and_freed(srv, ex: SlowModel) -> None:
+    """No more than one step runs after the stream ended, and its caches are gone."""
+    assert _wait_until(lambda: srv.live_caches()["slow"] == 0), "the stream's cache was not freed"
+    settled = ex.decodes
+    time.sleep(10 * STEP_S)
+    assert ex.decodes == settled, "decodes went on after the stream ended"
+    assert srv.server.servicer.active_streams == set()
+
+
+def _metric(srv, name: str, **labels) -> float:
+    return srv.server.metrics.value(name, labels)
+
+
+# ---- Generate ------------------------------------------------------------------------------------
+def test_generate_deadline_stops_within_one_step_and_frees_the_cache(srv):
+    ex = _ex(srv)
+    with Client(srv.target) as c:
+        t0 = time.monotonic()
+        n = 0
+        with pytest.raises(FerrumRpcError) as e:
+            for ev in c.generate("slow", token_ids=[1, 2, 3], max_tokens=4000, timeout=0.4):
+                n += ev.WhichOneof("event") == "token"
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        at_error = ex.decodes
+        assert time.monotonic() - t0 < 2.0 and 5 < n < 4000
+    time.sleep(0.05)
+    assert ex.decodes - at_error <= 1, "more than the in-flight step ran after the deadline"
+    _assert_stopped_and_freed(srv, ex)
+    assert _metric(srv, "ferrum_cancelled_streams_total") >= 1
+
+
+def test_generate_closed_channel_stops_and_frees_the_cache(srv):
+    ex = _ex(srv)
+    c = Client(srv.target)
+    it = iter(c.generate("slow", token_ids=[1, 2, 3], max_tokens=4000))
+    assert next(it).WhichOneof("event") == "started"
+    next(it)
+    assert srv.live_caches()["slow"] == 1
+    c.close()  # the connection goes away without a cancel from the application
+    _assert_stopped_and_freed(srv, ex)
+    assert ex.decodes < 200
+
+
+_CLIENT = textwrap.dedent("""
+    import sys, time
+    from ferrum_client import Client, messages as m, pb
+    target, mode = sys.argv[1], sys.argv[2]
+    c = Client(target)
+    if mode == "generate":
+        it = iter(c.generate("slow", token_ids=[1, 2, 3], max_tokens=4000))
+        next(it); next(it)
+    else:
+        s = c.session()
+        cid = s.step(pb.PrefillRequest(model_id="slow", input=m.prefill_input([1, 2, 3]))).output.cache.cache_id
+        for _ in range(500):  # pipelined: ~10 s of queued work on the server
+            s.send(pb.DecodeRequest(model_id="slow", input=m.decode_input(cid, 5)))
+        s.receive()
+    print("READY", flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("mode", ["generate", "session"])
+def test_killed_client_process_stops_the_stream_and_frees_its_cache(srv, mode):
+    ex = _ex(srv)
+    p = subprocess.Popen([sys.executable, "-c", _CLIENT, srv.target, mode], stdout=subprocess.PIPE, text=True,
+                         cwd=REPO)
+    try:
+        line = p.stdout.readline()
+        assert line.strip() == "READY", line
+        assert srv.live_caches()["slow"] == 1
+        assert ex.decodes >= 1
+        p.kill()  # SIGKILL: no goodbye, the kernel resets the TCP connection
+        p.wait(10)
+        killed_at = ex.decodes
+        _assert_stopped_and_freed(srv, ex)
+        assert ex.decodes - killed_at <= 3, "work went on well after the client vanished"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(5)
+    assert _metric(srv, "ferrum_reclaimed_caches_total", model="slow") >= (1 if mode == "session" else 0)
+
+
+# ---- Session -------------------------------------------------------------------------------------
+def _session_requests(stop: threading.Event, cid_box: list, n: int = 500):
+    """A Session request iterator: a prefill, then ``n`` pipelined decodes on its cache."""
+    yield pb.SessionRequest(step_id=1, prefill=pb.PrefillRequest(model_id="slow", input=m.prefill_input([1, 2])))
+    while not cid_box:
+        if stop.wait(0.005):
+            return
+    for i in range(n):
+        yield pb.SessionRequest(step_id=2 + i, decode=pb.DecodeRequest(
+            model_id="slow", input=m.decode_input(cid_box[0], 5)))
+    stop.wait(30)
+
+
+def test_session_deadline_stops_pipelined_steps_and_frees_the_cache(srv):
+    ex = _ex(srv)
+    stop, box = threading.Event(), []
+    with Client(srv.target) as c:
+        responses = c.stub.Session(_session_requests(stop, box), timeout=0.5)
+        got = 0
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                for r in responses:
+                    if r.WhichOneof("result") == "prefill":
+                        box.append(r.prefill.output.cache.cache_id)
+                    else:
+                        assert r.WhichOneof("result") == "decode", r
+                    got += 1
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            at_error = ex.decodes
+        finally:
+            stop.set()
+    assert 5 < got < 100
+    time.sleep(0.05)
+    assert ex.decodes - at_error <= 1
+    _assert_stopped_and_freed(srv, ex)
+    assert _metric(srv, "ferrum_reclaimed_caches_total", model="slow") == 1
+    assert _metric(srv, "ferrum_cancelled_streams_total") >= 1
+
+
+def test_session_cancel_and_closed_channel_free_their_caches(srv):
+    ex = _ex(srv)
+    for how in ("cancel", "close channel"):
+        c = Client(srv.target)
+        s = c.session()
+        cid = s.step(pb.PrefillRequest(model_id="slow", input=m.prefill_input([1]))).output.cache.cache_id
+        for _ in range(300):
+            s.send(pb.DecodeRequest(model_id="slow", input=m.decode_input(cid, 5)))
+        s.receive()
+        assert srv.live_caches()["slow"] == 1
+        if how == "cancel":
+            s.cancel()
+        c.close()
+        _assert_stopped_and_freed(srv, ex)
+        assert ex.decodes < 300, how
+
+
+# ---- leases --------------------------------------------------------------------------------------
+def test_idle_ownerless_caches_are_reclaimed_after_the_ttl_and_steps_renew_the_lease():
+    ttl = 0.6
+    with InProcessServer([ConfigurableModelExecutor.with_token_sequence(1000, [7], model_id="mock")],
+                         cache_ttl=ttl) as srv, Client(srv.target) as c:
+        idle = c.prefill("mock", [1, 2]).output.cache.cache_id
+        busy = c.prefill("mock", [1, 2]).output.cache.cache_id
+        trunc = c.prefill("mock", [1, 2, 3]).output.cache.cache_id
+        with c.session() as s:
+            owned = s.step(pb.PrefillRequest(model_id="mock", input=m.prefill_input([3]))).output.cache.cache_id
+            t_end = time.monotonic() + 3 * ttl
+            while time.monotonic() < t_end:  # `busy` is decoded into, `trunc` truncated: leases renewed
+                c.decode("mock", busy, 1)
+                c.truncate_kv("mock", trunc, 2)
+                time.sleep(ttl / 4)
+            # the idle unary cache is gone, with the documented NOT_FOUND
+            with pytest.raises(FerrumRpcError) as e:
+                c.decode("mock", idle, 1)
+            assert e.value.code == grpc.StatusCode.NOT_FOUND and "was released" in e.value.message
+            assert {x.cache_id for x in srv.models.get("mock").executor.registry.entries()} == {busy, trunc, owned}
+            # a cache owned by an open stream is the stream's to free, however idle it is
+            assert s.step(pb.DecodeRequest(model_id="mock", input=m.decode_input(owned, 1))).output.cache.num_tokens == 2
+        assert _wait_until(lambda: srv.live_caches()["mock"] == 2)
+        assert srv.server.metrics.value("ferrum_expired_caches_total", {"model": "mock"}) == 1
+        # after the caller stops touching them, they expire too
+        assert _wait_until(lambda: srv.live_caches()["mock"] == 0, timeout=5 * ttl)
+        assert srv.server.metrics.value("ferrum_expired_caches_total", {"model": "mock"}) == 3
+        assert srv.server.metrics.value("ferrum_reclaimed_caches_total", {"model": "mock"}) == 4  # + the session's
+
+
+def test_ttl_zero_never_reclaims():
+    with InProcessServer([ConfigurableModelExecutor.with_token_sequence(1000, [7], model_id="mock")],
+                         cache_ttl=0) as srv, Client(srv.target) as c:
+        assert not srv.server.leases.enabled
+        cid = c.prefill("mock", [1]).output.cache.cache_id
+        entry = srv.models.get("mock").executor.registry.get(cid)
+        entry.last_access -= 3600  # an hour idle
+        time.sleep(0.2)
+        assert c.decode("mock", cid, 1).output.cache.num_tokens == 2
+
+
+def test_cache_ttl_from_the_environment_and_the_reclaim_is_logged():
+    with ServerProcess("--model", "configurable,id=mock,vocab_size=1000,token_sequence=7",
+                       env={"FERRUM_CACHE_TTL": "0.4"}) as srv, Client(srv.target) as c:
+        cid = c.prefill("mock", [1, 2]).output.cache.cache_id
+        assert _wait_until(lambda: c.kv_capacity("mock").used_tokens == 0, timeout=5)
+        with pytest.raises(FerrumRpcError) as e:
+            c.decode("mock", cid, 1)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        log = srv.log()
+    assert "cache lease expired; reclaimed" in log and cid in log and '"ttl_s": 0.4' in log
