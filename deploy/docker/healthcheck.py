@@ -3,8 +3,9 @@
 Exit 0 when SERVING, 1 otherwise. Used by the image's HEALTHCHECK (plain `docker run`) and, in the
 Helm chart, by the probes when TLS is on: the kubelet's native gRPC probes speak plaintext only.
 
+Usage: healthcheck.py [PORT]   (default: $FERRUM_PORT, else 50051)
+
 Environment:
-  FERRUM_PORT                    gRPC port (default 50051)
   FERRUM_HEALTHCHECK_CA          PEM CA bundle: connect with TLS, verifying the server against it
   FERRUM_HEALTHCHECK_SERVER_NAME name to verify the server certificate against (default localhost)
   FERRUM_HEALTHCHECK_CLIENT_CERT / FERRUM_HEALTHCHECK_CLIENT_KEY
@@ -38,7 +39,8 @@ def _channel(target: str) -> grpc.Channel:
 
 
 def main() -> int:
-    target = f"127.0.0.1:{os.environ.get('FERRUM_PORT', '50051')}"
+    port = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("FERRUM_PORT", "50051")
+    target = f"127.0.0.1:{port}"
     try:
         with _channel(target) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
