@@ -1,0 +1,195 @@
+"""Fresh ``ferrum-service`` servers for the conformance scenario (and anyone else who wants one).
+
+    from tests.conformance.harness import start_server, scenario_models
+    with start_server(scenario_models()) as srv:
+        run(srv.target)
+
+``start_server`` runs the server as a subprocess on a free loopback port, waits until
+``grpc.health.v1.Health/Check`` (service "") answers SERVING, and kills the process (SIGTERM, then
+SIGKILL) when the block ends. The command is ``$FERRUM_SERVER_CMD`` (split like a shell would),
+else the venv's ``ferrum-service``, else ``python -m ferrum_service``.
+
+CLI (used by the Go and TypeScript tests, which start the server themselves)::
+
+    python tests/conformance/harness.py tiny-model     # prints the tiny llama's directory
+    python tests/conformance/harness.py models         # prints the scenario's --model specs, one a line
+    python tests/conformance/harness.py serve          # prints "READY host:port", serves until stdin closes
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SCENARIO = HERE / "scenario.json"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FERRUM_CACHE_DIR") or Path.home() / ".cache" / "ferrum-service")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def python_exe() -> str:
+    """The Python that has ferrum_service installed (the venv's, when there is one)."""
+    if os.environ.get("FERRUM_PYTHON"):
+        return os.environ["FERRUM_PYTHON"]
+    venv_py = REPO / ".venv" / "bin" / "python"
+    return str(venv_py) if venv_py.exists() else sys.executable
+
+
+def server_command() -> list[str]:
+    if os.environ.get("FERRUM_SERVER_CMD"):
+        return shlex.split(os.environ["FERRUM_SERVER_CMD"])
+    exe = REPO / ".venv" / "bin" / "ferrum-service"
+    if exe.exists():
+        return [str(exe)]
+    return [python_exe(), "-m", "ferrum_service"]
+
+
+def tiny_model_dir(seed: int = 0) -> Path:
+    """The tiny random-weight llama, built once into the cache (keyed by the builder's source)."""
+    src = REPO / "ferrum_service" / "testing" / "tiny_models.py"
+    key = hashlib.sha256(src.read_bytes()).hexdigest()[:12] if src.exists() else "nosrc"
+    out = cache_dir() / "conformance" / f"tiny-llama-s{seed}-{key}"
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        subprocess.run([python_exe(), "-m", "ferrum_service.testing.tiny_models", str(tmp), "--seed", str(seed)],
+                       check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process won the race: use its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def scenario_models(scenario: Path = SCENARIO) -> list[str]:
+    """The scenario's ``server_models`` with ``${TINY_MODEL_DIR}`` filled in."""
+    specs = json.loads(scenario.read_text())["server_models"]
+    tiny = None
+    out = []
+    for s in specs:
+        if "${TINY_MODEL_DIR}" in s:
+            tiny = tiny or str(tiny_model_dir())
+            s = s.replace("${TINY_MODEL_DIR}", tiny)
+        out.append(s)
+    return out
+
+
+def _health(target: str, timeout: float) -> str:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+class RunningServer:
+    def __init__(self, proc: subprocess.Popen, port: int, log_path: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.log_path = log_path
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self, tail: int = 5000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-tail:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@contextlib.contextmanager
+def start_server(models: Sequence[str], port: int | None = None, *, extra_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None, ready_timeout: float = 120.0) -> Iterator[RunningServer]:
+    """A fresh server hosting ``models`` (``--model`` specs) on ``port`` (a free one if None)."""
+    port = port or free_port()
+    cmd = [*server_command(), "serve", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
+           "--log-format", "json"]
+    for spec in models:
+        cmd += ["--model", spec]
+    cmd += list(extra_args)
+    log_path = Path(tempfile.gettempdir()) / f"ferrum-conformance-server-{port}.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
+    srv = RunningServer(proc, port, log_path)
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}: {shlex.join(cmd)}\n{srv.log()}")
+            try:
+                if _health(srv.target, 1.0) == "SERVING":
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not SERVING after {ready_timeout}s\n{srv.log()}")
+            time.sleep(0.1)
+        yield srv
+    finally:
+        srv.stop()
+        log.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["tiny-model", "models", "serve"])
+    ap.add_argument("--port", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.command == "tiny-model":
+        print(tiny_model_dir())
+    elif args.command == "models":
+        print("\n".join(scenario_models()))
+    else:
+        with start_server(scenario_models(), args.port) as srv:
+            print(f"READY {srv.target}", flush=True)
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+            try:
+                sys.stdin.read()  # until the parent closes our stdin (or dies)
+            except KeyboardInterrupt:
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
