@@ -1,0 +1,46 @@
+//! `conformance [SCENARIO] [--endpoint URL]`: run the language-neutral conformance scenario.
+//!
+//! Without `--endpoint` a fresh server is started for the run (the scenario needs one: the
+//! configurable executor's decode counter is per server). Prints one line per step and a
+//! closing `N passed, N failed` line; exits 1 when a step failed.
+
+use std::path::PathBuf;
+
+use ferrum_remote_executor::conformance::run_scenario_file;
+use ferrum_remote_executor::testing::repo_root;
+
+#[tokio::main]
+async fn main() {
+    let mut args = std::env::args().skip(1);
+    let mut scenario = repo_root().join("tests/conformance/scenario.json");
+    let mut endpoint = None;
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--endpoint" => endpoint = args.next(),
+            "-h" | "--help" => {
+                eprintln!("usage: conformance [SCENARIO.json] [--endpoint http://HOST:PORT]");
+                return;
+            }
+            other => scenario = PathBuf::from(other),
+        }
+    }
+    match run_scenario_file(&scenario, endpoint).await {
+        Ok(report) => {
+            for r in &report.results {
+                if r.ok {
+                    println!("ok   {:<40} {}", r.id, r.observed);
+                } else {
+                    println!("FAIL {:<40} {}", r.id, r.message);
+                }
+            }
+            println!("conformance: {} passed, {} failed", report.passed(), report.failed());
+            if report.failed() > 0 {
+                std::process::exit(1);
+            }
+        }
+        Err(e) => {
+            eprintln!("conformance: {e}");
+            std::process::exit(2);
+        }
+    }
+}

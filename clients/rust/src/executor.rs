@@ -1,0 +1,694 @@
+//! [`RemoteModelExecutor`]: ferrum's `ModelExecutor` trait implemented over the contract.
+//!
+//! See the crate docs for the method-by-method mapping and where the trait and the contract
+//! cannot meet exactly.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use ferrum_interfaces::model_executor::{
+    DecodeInput, DecodeOutput, ExecutorCapabilities, ExecutorStatus, KvSlotCapacitySnapshot,
+    KvSlotRequest, KvSlotReservation, LogitsReturnPolicy, ModelExecutor, PrefillInput, PrefillOutput,
+    UnifiedBatch,
+};
+use ferrum_interfaces::{KvCacheHandle, TensorRef};
+use ferrum_types::{Device, ExecutorAdmissionLimits, FerrumError, ModelInfo, Result};
+use tokio::runtime::{Handle, RuntimeFlavor};
+use tokio::sync::watch;
+
+use crate::client::{policy, Client};
+use crate::convert;
+use crate::error::status_to_ferrum;
+use crate::kv::{as_remote, RemoteKvCacheHandle};
+use crate::proto;
+use crate::tensor::{f32_to_token_id, tensor_token_ids, HostTensor};
+
+/// Options of a [`RemoteModelExecutor`].
+#[derive(Debug, Clone)]
+pub struct RemoteExecutorOptions {
+    /// The hosted model to drive. Empty = the server's only model (an error if it hosts several).
+    pub model_id: String,
+    /// Deadline of each RPC.
+    pub timeout: Option<Duration>,
+    /// Send `DecodeInput.position = handle.num_tokens()` for handles this crate minted, so the
+    /// server refuses a step whose handle is stale (FAILED_PRECONDITION → `RequestValidation`).
+    /// Off by default: ferrum's `truncate_kv` cannot hand back the new handle, so after a
+    /// truncation the caller's handle is stale by design and the server's length is the truth.
+    pub guard_positions: bool,
+    /// Call `ReserveKvSlots` from the synchronous `reserve_kv_slots` (a blocking RPC on a
+    /// multi-thread runtime). Off = the trait's default `Ok(None)`.
+    pub admission_rpc: bool,
+    /// Refresh the cached `status()` in the background when it is older than this.
+    pub status_refresh: Duration,
+}
+
+impl Default for RemoteExecutorOptions {
+    fn default() -> Self {
+        Self {
+            model_id: String::new(),
+            timeout: Some(Duration::from_secs(60)),
+            guard_positions: false,
+            admission_rpc: true,
+            status_refresh: Duration::from_secs(1),
+        }
+    }
+}
+
+struct Shared {
+    status: RwLock<(ExecutorStatus, Instant)>,
+    refreshing: std::sync::atomic::AtomicBool,
+    slot_snapshot: RwLock<Option<KvSlotCapacitySnapshot>>,
+    /// Engine-side cache ids (a `UnifiedBatchItem.seq_id` / a handle this crate did not mint)
+    /// → the server's cache id.
+    aliases: Mutex<HashMap<String, String>>,
+    /// Releases in flight (release_cache is sync and spawns them); later calls on the same
+    /// cache wait for them, so "release, then decode" is ordered.
+    pending_releases: Mutex<HashMap<String, watch::Receiver<bool>>>,
+    release_failures: AtomicU64,
+}
+
+/// ferrum's `ModelExecutor` served by a remote `ferrum.executor.v1.ModelExecutor`.
+pub struct RemoteModelExecutor {
+    client: Client,
+    opts: RemoteExecutorOptions,
+    info: ModelInfo,
+    remote_info: proto::ModelInfo,
+    remote_caps: proto::ExecutorCapabilities,
+    capabilities: ExecutorCapabilities,
+    kv_capacity: Option<usize>,
+    admission_limits: Option<ExecutorAdmissionLimits>,
+    device: Device,
+    runtime: Handle,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for RemoteModelExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteModelExecutor").field("model_id", &self.opts.model_id).finish()
+    }
+}
+
+fn st(e: tonic::Status) -> FerrumError {
+    status_to_ferrum(&e)
+}
+
+/// Whether a ferrum metadata map forces full logits (`ferrum_require_full_logits`).
+fn forces_full(metadata: &HashMap<String, serde_json::Value>) -> bool {
+    metadata.get("ferrum_require_full_logits").and_then(|v| v.as_bool()).unwrap_or(false)
+}
+
+/// ferrum's `LogitsReturnPolicy` as the contract's `LogitsPolicy`.
+///
+/// `FullLogits` → OUTPUT_MODE_FULL_LOGITS (FP32). `GreedyArgmax { token_mask, repetition_penalty }`
+/// → OUTPUT_MODE_SAMPLED_TOKEN with temperature 0, the mask as one byte per id, and the penalty
+/// with its (de-duplicated, generated) ids. An empty penalty (no ids, or 1.0) is NOT sent: an
+/// empty `penalty_token_ids` means "every token in the cache" on the wire.
+pub fn logits_policy_to_proto(p: &LogitsReturnPolicy, force_full: bool) -> proto::LogitsPolicy {
+    match p {
+        _ if force_full => policy::full_logits(),
+        LogitsReturnPolicy::FullLogits => policy::full_logits(),
+        LogitsReturnPolicy::GreedyArgmax { token_mask, repetition_penalty } => {
+            let mut s = proto::SamplingParams { temperature: 0.0, ..Default::default() };
+            if let Some(m) = token_mask {
+                s.token_mask = m.valid_token_mask.iter().map(|&v| u8::from(v != 0)).collect();
+            }
+            if let Some(r) = repetition_penalty.as_ref().filter(|r| !r.is_empty()) {
+                s.repetition_penalty = Some(r.penalty());
+                s.penalty_token_ids = r.token_ids().iter().map(|&t| t.min(i32::MAX as u32) as i32).collect();
+            }
+            policy::sampled(s)
+        }
+    }
+}
+
+fn is_full(p: &proto::LogitsPolicy) -> bool {
+    p.mode == proto::OutputMode::FullLogits as i32
+}
+
+/// A logits row as ferrum expects it: the full row, or the 1-element greedy sentinel
+/// (`[token as f32]`) for a sampled token.
+fn output_row(o: Option<&proto::LogitsOutput>, full: bool) -> Result<Vec<f32>> {
+    let o = o.ok_or_else(|| FerrumError::internal("server returned no logits output"))?;
+    if full {
+        let t = o.logits.as_ref().ok_or_else(|| FerrumError::internal("server returned no logits row"))?;
+        Ok(HostTensor::from_proto(t)?.data().to_vec())
+    } else {
+        let tok = o.token_id.ok_or_else(|| FerrumError::internal("server returned no sampled token"))?;
+        Ok(vec![tok as f32])
+    }
+}
+
+fn tensor(data: Vec<f32>, shape: Vec<usize>) -> Result<TensorRef> {
+    Ok(Arc::new(HostTensor::new(data, shape)?))
+}
+
+impl RemoteModelExecutor {
+    /// Connect to `endpoint` and load the model's info, capabilities, status, KV capacity and
+    /// admission limits (the trait's synchronous getters answer from these).
+    pub async fn connect(endpoint: impl Into<String>, opts: RemoteExecutorOptions) -> Result<Self> {
+        let endpoint = endpoint.into();
+        let client = Client::connect(endpoint.clone())
+            .await
+            .map_err(|e| FerrumError::network(format!("connect {endpoint}: {e}")))?;
+        Self::with_client(client, opts).await
+    }
+
+    /// Over an existing [`Client`] (its model id is replaced by `opts.model_id`).
+    pub async fn with_client(client: Client, mut opts: RemoteExecutorOptions) -> Result<Self> {
+        let client = client.with_timeout(opts.timeout);
+        let all = client.model("").info().await.map_err(st)?;
+        let remote_info = if opts.model_id.is_empty() {
+            match all.models.as_slice() {
+                [one] => one.clone(),
+                many => {
+                    return Err(FerrumError::invalid_parameter(format!(
+                        "the server hosts {} models; name one in RemoteExecutorOptions.model_id",
+                        many.len()
+                    )))
+                }
+            }
+        } else {
+            all.models
+                .iter()
+                .find(|m| m.model_id == opts.model_id)
+                .cloned()
+                .ok_or_else(|| FerrumError::not_found(format!("model {:?} is not hosted", opts.model_id)))?
+        };
+        opts.model_id = remote_info.model_id.clone();
+        let client = client.with_model(opts.model_id.clone());
+        let remote_caps = client.capabilities().await.map_err(st)?;
+        let status = client.status().await.map_err(st)?;
+        let kv = client.kv_capacity().await.map_err(st)?;
+        let admission_limits = match client.admission_limits().await {
+            Ok(Some(l)) => Some(
+                ExecutorAdmissionLimits::new(l.maximum_active_sequences, l.maximum_scheduled_tokens)
+                    .map_err(FerrumError::invalid_format)?,
+            ),
+            Ok(None) => None,
+            Err(e) if e.code() == tonic::Code::Unimplemented => None,
+            Err(e) => return Err(st(e)),
+        };
+        let slot_snapshot = match client.kv_slot_capacity().await {
+            Ok(s) => s.as_ref().map(convert::slot_snapshot_from_proto),
+            Err(e) if e.code() == tonic::Code::Unimplemented => None,
+            Err(e) => return Err(st(e)),
+        };
+        let info = convert::model_info_from_proto(&remote_info);
+        let device = info.device.clone();
+        let mut metadata_endpoint = info;
+        metadata_endpoint
+            .metadata
+            .insert("ferrum_remote_server_version".into(), all.server_version.clone().into());
+        Ok(Self {
+            capabilities: convert::capabilities_from_proto(&remote_caps),
+            kv_capacity: kv.per_request_tokens.map(|x| x as usize),
+            admission_limits,
+            device,
+            info: metadata_endpoint,
+            remote_info,
+            remote_caps,
+            runtime: Handle::current(),
+            shared: Arc::new(Shared {
+                status: RwLock::new((
+                    convert::status_from_proto(&status.status.unwrap_or_default()),
+                    Instant::now(),
+                )),
+                refreshing: false.into(),
+                slot_snapshot: RwLock::new(slot_snapshot),
+                aliases: Mutex::new(HashMap::new()),
+                pending_releases: Mutex::new(HashMap::new()),
+                release_failures: AtomicU64::new(0),
+            }),
+            client,
+            opts,
+        })
+    }
+
+    /// The typed client this executor calls through (bound to its model).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+    /// The server's `ModelInfo` message (with the fields ferrum's `ModelInfo` lacks).
+    pub fn remote_info(&self) -> &proto::ModelInfo {
+        &self.remote_info
+    }
+    /// The server's capabilities message (with the contract's extra flags).
+    pub fn remote_capabilities(&self) -> &proto::ExecutorCapabilities {
+        &self.remote_caps
+    }
+    /// Releases spawned by `release_cache` that failed (other than "already gone").
+    pub fn release_failures(&self) -> u64 {
+        self.shared.release_failures.load(Ordering::Relaxed)
+    }
+
+    /// Re-read status and the paged-KV snapshot now (the sync getters serve these).
+    pub async fn refresh(&self) -> Result<()> {
+        refresh_shared(&self.client, &self.shared).await
+    }
+
+    /// Wait until every release spawned by `release_cache` has been answered.
+    pub async fn flush_releases(&self) {
+        let rxs: Vec<_> = self.shared.pending_releases.lock().unwrap().values().cloned().collect();
+        for mut rx in rxs {
+            let _ = rx.wait_for(|done| *done).await;
+        }
+    }
+
+    /// `release_cache`, awaited, with the server's answer (`released` false = already gone).
+    pub async fn release_cache_async(&self, cache_id: &str) -> Result<proto::ReleaseCacheResponse> {
+        let id = self.take_alias(cache_id);
+        self.wait_released(&[id.clone()]).await;
+        self.client.release_cache(&id).await.map_err(st)
+    }
+
+    fn take_alias(&self, id: &str) -> String {
+        self.shared.aliases.lock().unwrap().remove(id).unwrap_or_else(|| id.to_string())
+    }
+
+    /// The server's cache id for a handle, if the server knows it: ours, or an alias recorded by
+    /// `unified_decode`.
+    fn known_cache(&self, h: &Arc<dyn KvCacheHandle>) -> Option<String> {
+        if let Some(r) = as_remote(h) {
+            return Some(r.cache_id());
+        }
+        self.shared.aliases.lock().unwrap().get(&h.cache_id()).cloned()
+    }
+
+    /// The cache id a step on `h` must name: the known one, else the handle's own id (the
+    /// server answers NOT_FOUND if it does not know it).
+    fn step_cache(&self, h: &Arc<dyn KvCacheHandle>) -> String {
+        self.known_cache(h).unwrap_or_else(|| h.cache_id())
+    }
+
+    async fn wait_released(&self, ids: &[String]) {
+        let rxs: Vec<_> = {
+            let p = self.shared.pending_releases.lock().unwrap();
+            ids.iter().filter_map(|i| p.get(i).cloned()).collect()
+        };
+        for mut rx in rxs {
+            let _ = rx.wait_for(|done| *done).await;
+        }
+    }
+
+    fn handle(&self, h: &proto::KvCacheHandle) -> Arc<dyn KvCacheHandle> {
+        Arc::new(RemoteKvCacheHandle::from_proto(h, self.device.clone()))
+    }
+
+    fn prefill_to_proto(&self, input: &PrefillInput) -> Result<proto::PrefillInput> {
+        let shape = input.input_ids.shape();
+        if shape.len() >= 2 && shape[0] != 1 {
+            return Err(FerrumError::invalid_parameter(format!(
+                "RemoteModelExecutor::prefill takes one sequence ([1, len]); got input_ids {shape:?} (use batch_prefill)"
+            )));
+        }
+        let token_ids = tensor_token_ids(&input.input_ids)?;
+        let cache_id = input.kv_cache.as_ref().and_then(|h| self.known_cache(h)).unwrap_or_default();
+        let hint = input.maximum_sequence_tokens.map(|x| x as u64).or_else(|| {
+            input.metadata.get("ferrum_kv_capacity_hint").and_then(|v| v.as_u64())
+        });
+        Ok(proto::PrefillInput {
+            token_ids,
+            cache_id,
+            logits: Some(policy::full_logits()),
+            reserve_tokens: hint.unwrap_or(0),
+            all_positions: false,
+            metadata: convert::json_map_to_struct(&input.metadata),
+            request_id: input.request_id.as_ref().map(|r| r.0.to_string()).unwrap_or_default(),
+        })
+    }
+
+    fn prefill_from_proto(&self, o: &proto::PrefillOutput) -> Result<PrefillOutput> {
+        let cache = o.cache.as_ref().ok_or_else(|| FerrumError::internal("prefill returned no cache"))?;
+        let row = match o.output.as_ref().and_then(|x| x.logits.as_ref()) {
+            Some(t) => HostTensor::from_proto(t)?.data().to_vec(),
+            // Encoders (BERT) return the pooled embedding instead; ferrum's BertModelExecutor
+            // returns it in `logits` too ([1, hidden]).
+            None => match o.embedding.as_ref() {
+                Some(e) => {
+                    let v = HostTensor::from_proto(e)?.data().to_vec();
+                    let n = v.len();
+                    return Ok(PrefillOutput::new(tensor(v, vec![1, n])?, self.handle(cache)));
+                }
+                None => return Err(FerrumError::internal("prefill returned neither logits nor an embedding")),
+            },
+        };
+        let v = row.len();
+        Ok(PrefillOutput::new(tensor(row, vec![1, 1, v])?, self.handle(cache)))
+    }
+
+    fn decode_to_proto(&self, input: &DecodeInput) -> Result<proto::DecodeInput> {
+        let ids = tensor_token_ids(&input.input_ids)?;
+        let [token] = ids.as_slice() else {
+            return Err(FerrumError::invalid_parameter(format!(
+                "RemoteModelExecutor::decode takes one token ([1, 1]); got input_ids {:?} (use batch_decode)",
+                input.input_ids.shape()
+            )));
+        };
+        let position = match as_remote(&input.kv_cache) {
+            Some(r) if self.opts.guard_positions => Some(r.sequence_length() as u64),
+            _ => None,
+        };
+        Ok(proto::DecodeInput {
+            cache_id: self.step_cache(&input.kv_cache),
+            token_id: *token,
+            logits: Some(logits_policy_to_proto(&input.logits_policy, forces_full(&input.metadata))),
+            position,
+            metadata: convert::json_map_to_struct(&input.metadata),
+        })
+    }
+
+    fn decode_from_proto(&self, o: &proto::DecodeOutput, full: bool) -> Result<DecodeOutput> {
+        let cache = o.cache.as_ref().ok_or_else(|| FerrumError::internal("decode returned no cache"))?;
+        let row = output_row(o.output.as_ref(), full)?;
+        let n = row.len();
+        Ok(DecodeOutput::new(tensor(row, vec![1, n])?, self.handle(cache)))
+    }
+}
+
+async fn refresh_shared(client: &Client, shared: &Shared) -> Result<()> {
+    let s = client.status().await.map_err(st)?;
+    *shared.status.write().unwrap() = (convert::status_from_proto(&s.status.unwrap_or_default()), Instant::now());
+    if let Ok(snap) = client.kv_slot_capacity().await {
+        *shared.slot_snapshot.write().unwrap() = snap.as_ref().map(convert::slot_snapshot_from_proto);
+    }
+    Ok(())
+}
+
+impl RemoteModelExecutor {
+    /// Run an RPC from a synchronous trait method. On a multi-thread runtime this blocks the
+    /// worker with `block_in_place`; outside any runtime it blocks on the connect-time runtime;
+    /// on a current-thread runtime it cannot (the runtime would deadlock) and returns None.
+    fn block_on<F: std::future::Future>(&self, fut: F) -> Option<F::Output> {
+        match Handle::try_current() {
+            Ok(h) => match h.runtime_flavor() {
+                RuntimeFlavor::MultiThread => Some(tokio::task::block_in_place(|| h.block_on(fut))),
+                _ => None,
+            },
+            Err(_) => Some(self.runtime.block_on(fut)),
+        }
+    }
+}
+
+#[async_trait]
+impl ModelExecutor for RemoteModelExecutor {
+    /// Read from the server at connect time (`Info`); the trait returns a reference.
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn admission_limits(&self) -> Result<Option<ExecutorAdmissionLimits>> {
+        Ok(self.admission_limits)
+    }
+
+    fn supports_native_unified_decode(&self) -> bool {
+        self.remote_caps.supports_native_unified_decode
+    }
+
+    /// `KvCapacity.per_request_tokens`, read at connect time.
+    fn kv_capacity(&self) -> Option<usize> {
+        self.kv_capacity
+    }
+
+    /// `ReserveKvSlots`, as a blocking call (see [`RemoteExecutorOptions::admission_rpc`]).
+    fn reserve_kv_slots(&self, requests: &[KvSlotRequest]) -> Result<Option<KvSlotReservation>> {
+        if !self.opts.admission_rpc || requests.is_empty() {
+            return Ok(None);
+        }
+        let reqs: Vec<_> = requests
+            .iter()
+            .map(|r| {
+                let mut p = convert::slot_request_to_proto(r);
+                if let Some(id) = self.shared.aliases.lock().unwrap().get(&p.cache_id) {
+                    p.cache_id = id.clone();
+                }
+                p
+            })
+            .collect();
+        let client = self.client.clone();
+        match self.block_on(async move { client.reserve_kv_slots(reqs).await }) {
+            None => Ok(None),
+            Some(Ok(r)) => Ok(r.as_ref().map(convert::reservation_from_proto)),
+            Some(Err(e)) if e.code() == tonic::Code::Unimplemented => Ok(None),
+            Some(Err(e)) => Err(st(e)),
+        }
+    }
+
+    /// The last `KvSlotCapacity` snapshot (connect time, refreshed with `status()`/`refresh()`).
+    fn kv_slot_capacity_snapshot(&self) -> Option<KvSlotCapacitySnapshot> {
+        self.shared.slot_snapshot.read().unwrap().clone()
+    }
+
+    async fn prefill(&self, input: &PrefillInput) -> Result<PrefillOutput> {
+        let p = self.prefill_to_proto(input)?;
+        if !p.cache_id.is_empty() {
+            self.wait_released(&[p.cache_id.clone()]).await;
+        }
+        let out = self.client.prefill_input(p).await.map_err(st)?;
+        self.prefill_from_proto(&out)
+    }
+
+    /// One `BatchPrefill` (all or nothing).
+    async fn batch_prefill(&self, inputs: &[PrefillInput]) -> Result<Vec<PrefillOutput>> {
+        if inputs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ps = inputs.iter().map(|i| self.prefill_to_proto(i)).collect::<Result<Vec<_>>>()?;
+        let outs = self.client.batch_prefill(ps).await.map_err(st)?;
+        if outs.len() != inputs.len() {
+            return Err(FerrumError::internal(format!(
+                "BatchPrefill returned {} outputs for {} inputs",
+                outs.len(),
+                inputs.len()
+            )));
+        }
+        outs.iter().map(|o| self.prefill_from_proto(o)).collect()
+    }
+
+    async fn decode(&self, input: &DecodeInput) -> Result<DecodeOutput> {
+        let p = self.decode_to_proto(input)?;
+        self.wait_released(&[p.cache_id.clone()]).await;
+        let full = p.logits.as_ref().is_some_and(is_full);
+        let out = self.client.decode_input(p).await.map_err(st)?;
+        self.decode_from_proto(&out, full)
+    }
+
+    /// One `BatchDecode`: one output per input, in order, same caches (all or nothing).
+    async fn batch_decode(&self, inputs: &[DecodeInput]) -> Result<Vec<DecodeOutput>> {
+        if inputs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ps = inputs.iter().map(|i| self.decode_to_proto(i)).collect::<Result<Vec<_>>>()?;
+        let ids: Vec<String> = ps.iter().map(|p| p.cache_id.clone()).collect();
+        self.wait_released(&ids).await;
+        let fulls: Vec<bool> = ps.iter().map(|p| p.logits.as_ref().is_some_and(is_full)).collect();
+        let outs = self.client.batch_decode(ps).await.map_err(st)?;
+        if outs.len() != inputs.len() {
+            return Err(FerrumError::internal(format!(
+                "BatchDecode returned {} outputs for {} inputs",
+                outs.len(),
+                inputs.len()
+            )));
+        }
+        outs.iter().zip(fulls).map(|(o, f)| self.decode_from_proto(o, f)).collect()
+    }
+
+    /// `UnifiedDecode`. UNIMPLEMENTED (executors without a native unified forward, e.g. the
+    /// configurable one) → `Unsupported`, which ferrum's engine treats as "use the split path".
+    /// Items whose handle the server does not know are new sequences; their server cache id is
+    /// remembered under the item's `seq_id` (and handle id) for later items and `release_cache`.
+    async fn unified_decode(&self, batch: &UnifiedBatch) -> Result<Vec<Option<Vec<f32>>>> {
+        if batch.items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut items = Vec::with_capacity(batch.items.len());
+        let mut fulls = Vec::with_capacity(batch.items.len());
+        for it in &batch.items {
+            let known = self
+                .known_cache(&it.kv_cache)
+                .or_else(|| self.shared.aliases.lock().unwrap().get(&it.seq_id).cloned());
+            let pol = logits_policy_to_proto(&it.logits_policy, forces_full(&it.metadata));
+            fulls.push(is_full(&pol));
+            items.push(proto::UnifiedBatchItem {
+                seq_id: it.seq_id.clone(),
+                q_tokens: it.q_tokens.iter().map(|&t| t.min(i32::MAX as u32) as i32).collect(),
+                cache_id: known.unwrap_or_default(),
+                pos_offset: it.pos_offset as u64,
+                is_final_chunk: it.is_final_chunk,
+                logits: Some(if it.is_final_chunk { pol } else { policy::none() }),
+                metadata: convert::json_map_to_struct(&it.metadata),
+            });
+        }
+        let ids: Vec<String> = items.iter().map(|i| i.cache_id.clone()).filter(|s| !s.is_empty()).collect();
+        self.wait_released(&ids).await;
+        let results = self.client.unified_decode(items.clone()).await.map_err(st)?;
+        if results.len() != batch.items.len() {
+            return Err(FerrumError::internal(format!(
+                "UnifiedDecode returned {} results for {} items",
+                results.len(),
+                batch.items.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(results.len());
+        for ((it, sent), (r, full)) in batch.items.iter().zip(&items).zip(results.iter().zip(fulls)) {
+            if sent.cache_id.is_empty() {
+                if let Some(c) = &r.cache {
+                    let mut a = self.shared.aliases.lock().unwrap();
+                    a.insert(it.seq_id.clone(), c.cache_id.clone());
+                    a.insert(it.kv_cache.cache_id(), c.cache_id.clone());
+                }
+            }
+            out.push(if it.is_final_chunk { Some(output_row(r.output.as_ref(), full)?) } else { None });
+        }
+        Ok(out)
+    }
+
+    /// `Forward`: token ids (f32 tensor) → INT32 on the wire; the output comes back as f32.
+    async fn forward(&self, input: &TensorRef) -> Result<TensorRef> {
+        let host = HostTensor::new(input.to_vec_f32()?, input.shape().to_vec())?;
+        let out = self.client.forward(host.to_proto(true)?, proto::DataType::Fp32).await.map_err(st)?;
+        Ok(Arc::new(HostTensor::from_proto(&out)?))
+    }
+
+    /// `TruncateKv` (a real rollback; ferrum's default is a no-op). The caller's handle is not
+    /// updated (the trait returns `()`); the server's length is the truth for the next step.
+    async fn truncate_kv(&self, kv_cache: &Arc<dyn KvCacheHandle>, new_len: usize) -> Result<()> {
+        let id = self.step_cache(kv_cache);
+        self.wait_released(&[id.clone()]).await;
+        let new_len = i64::try_from(new_len).map_err(|_| FerrumError::invalid_parameter("new_len too large"))?;
+        self.client.truncate_kv(&id, new_len).await.map_err(st)?;
+        Ok(())
+    }
+
+    /// `ForwardVerify` when every input names the same cache (ferrum's speculative runner does):
+    /// N+1 tokens in one forward, N+1 rows out, the i-th handle at `base_len + i + 1`, the last
+    /// one the server's. The cache keeps all N+1 tokens (no server-side acceptance), as in
+    /// ferrum; the caller truncates. Inputs on different caches fall back to serial decodes
+    /// (the trait's default).
+    async fn forward_verify(&self, inputs: &[DecodeInput]) -> Result<Vec<DecodeOutput>> {
+        if inputs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<String> = inputs.iter().map(|i| self.step_cache(&i.kv_cache)).collect();
+        if ids.iter().any(|i| i != &ids[0]) {
+            let mut out = Vec::with_capacity(inputs.len());
+            for i in inputs {
+                out.push(self.decode(i).await?);
+            }
+            return Ok(out);
+        }
+        let mut tokens = Vec::with_capacity(inputs.len());
+        for i in inputs {
+            let t = tensor_token_ids(&i.input_ids)?;
+            let [tok] = t.as_slice() else {
+                return Err(FerrumError::invalid_parameter("forward_verify inputs carry one token each"));
+            };
+            tokens.push(*tok);
+        }
+        let full_forced = inputs.iter().any(|i| forces_full(&i.metadata) || i.logits_policy.requires_full_logits());
+        let pol = logits_policy_to_proto(&inputs[0].logits_policy, full_forced);
+        let full = is_full(&pol);
+        self.wait_released(&ids[..1]).await;
+        let resp = self.client.forward_verify(&ids[0], &tokens, Some(pol), false).await.map_err(st)?;
+        let cache = resp.cache.as_ref().ok_or_else(|| FerrumError::internal("ForwardVerify returned no cache"))?;
+        if resp.outputs.len() != inputs.len() {
+            return Err(FerrumError::internal(format!(
+                "ForwardVerify returned {} rows for {} tokens",
+                resp.outputs.len(),
+                inputs.len()
+            )));
+        }
+        let last = RemoteKvCacheHandle::from_proto(cache, self.device.clone());
+        let n = resp.outputs.len();
+        resp.outputs
+            .iter()
+            .enumerate()
+            .map(|(i, o)| {
+                let row = output_row(Some(o), full)?;
+                let v = row.len();
+                let h: Arc<dyn KvCacheHandle> = if i + 1 == n {
+                    Arc::new(last.clone())
+                } else {
+                    Arc::new(last.with_sequence_length(resp.base_len as usize + i + 1))
+                };
+                Ok(DecodeOutput::new(tensor(row, vec![1, v])?, h))
+            })
+            .collect()
+    }
+
+    /// Read at connect time (`Capabilities`; they do not change while a server runs).
+    fn capabilities(&self) -> ExecutorCapabilities {
+        self.capabilities.clone()
+    }
+
+    /// The last `Status` read (connect time, then refreshed in the background when older than
+    /// `status_refresh`; `refresh().await` forces it).
+    fn status(&self) -> ExecutorStatus {
+        let (s, at) = self.shared.status.read().unwrap().clone();
+        if at.elapsed() >= self.opts.status_refresh && !self.shared.refreshing.swap(true, Ordering::AcqRel) {
+            let client = self.client.clone();
+            let shared = self.shared.clone();
+            self.runtime.spawn(async move {
+                let _ = refresh_shared(&client, &shared).await;
+                shared.refreshing.store(false, Ordering::Release);
+            });
+        }
+        s
+    }
+
+    /// `CacheMetrics` (blocking; None when it cannot block or the server has none).
+    fn cache_metrics_snapshot(&self) -> Option<serde_json::Value> {
+        let client = self.client.clone();
+        self.block_on(async move { client.cache_metrics().await }).and_then(|r| r.ok()).flatten().map(|s| convert::struct_to_json(&s))
+    }
+
+    /// `LoraMetrics` (blocking; None when it cannot block or the server has none).
+    fn lora_metrics_snapshot(&self) -> Option<serde_json::Value> {
+        let client = self.client.clone();
+        self.block_on(async move { client.lora_metrics().await }).and_then(|r| r.ok()).flatten().map(|s| convert::struct_to_json(&s))
+    }
+
+    /// `Warmup` (an admin RPC on servers with auth).
+    async fn warmup(&mut self) -> Result<()> {
+        self.client.warmup().await.map_err(st)?;
+        Ok(())
+    }
+
+    /// `Shutdown`: the remote executor frees its caches and refuses further work.
+    async fn shutdown(&mut self) -> Result<()> {
+        self.client.shutdown().await.map_err(st)?;
+        Ok(())
+    }
+
+    /// `ReleaseCache`, fire-and-forget: the trait method is synchronous and infallible, so the
+    /// RPC is spawned on the tokio runtime the executor was connected on and this returns at
+    /// once. Later calls on the same cache wait for it (release → decode is ordered and answers
+    /// NotFound); `flush_releases()` waits for all; `release_cache_async()` is the awaited form.
+    fn release_cache(&self, cache_id: &str) {
+        let id = self.take_alias(cache_id);
+        if id.is_empty() {
+            return;
+        }
+        let (tx, rx) = watch::channel(false);
+        self.shared.pending_releases.lock().unwrap().insert(id.clone(), rx);
+        let client = self.client.clone();
+        let shared = self.shared.clone();
+        self.runtime.spawn(async move {
+            if client.release_cache(&id).await.is_err() {
+                shared.release_failures.fetch_add(1, Ordering::Relaxed);
+            }
+            let _ = tx.send(true);
+            let mut p = shared.pending_releases.lock().unwrap();
+            if p.get(&id).is_some_and(|rx| *rx.borrow()) {
+                p.remove(&id);
+            }
+        });
+    }
+}
+
+/// A token id from a ferrum token tensor value (for callers building inputs by hand).
+pub fn token_from_f32(v: f32) -> Result<u32> {
+    f32_to_token_id(v).map(|t| t as u32)
+}

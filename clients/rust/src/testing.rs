@@ -1,0 +1,164 @@
+//! Start a real `ferrum-service` on loopback for tests, examples and the conformance runner.
+//!
+//! The command is `$FERRUM_SERVER_CMD` (split on whitespace; default
+//! `<repo>/.venv/bin/ferrum-service serve`), to which `--host 127.0.0.1 --port P --metrics-port 0`
+//! and one `--model SPEC` per model are appended. The process is killed when the
+//! [`ServerProcess`] is dropped. Its output goes to a log file whose tail is shown on failure.
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::client::Client;
+
+/// The repository root (this crate lives in `clients/rust`).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
+}
+
+/// `${FERRUM_CACHE_DIR:-$HOME/.cache/ferrum-service}`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("FERRUM_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    home.join(".cache/ferrum-service")
+}
+
+fn server_cmd() -> Vec<String> {
+    match std::env::var("FERRUM_SERVER_CMD") {
+        Ok(s) if !s.trim().is_empty() => s.split_whitespace().map(String::from).collect(),
+        _ => vec![repo_root().join(".venv/bin/ferrum-service").display().to_string(), "serve".into()],
+    }
+}
+
+fn python() -> String {
+    std::env::var("FERRUM_PYTHON").unwrap_or_else(|_| repo_root().join(".venv/bin/python").display().to_string())
+}
+
+/// A tiny random Llama checkpoint (`ferrum_service.testing.tiny_models`), built once and cached
+/// under the cache dir (or `$FERRUM_TINY_MODEL_DIR` when set).
+pub fn tiny_model_dir() -> Result<PathBuf, String> {
+    if let Ok(d) = std::env::var("FERRUM_TINY_MODEL_DIR") {
+        return Ok(PathBuf::from(d));
+    }
+    let dir = cache_dir().join("rust-client/tiny-llama");
+    if dir.join("config.json").exists() && dir.join("model.safetensors").exists() {
+        return Ok(dir);
+    }
+    let tmp = cache_dir().join(format!("rust-client/tiny-llama.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(tmp.parent().unwrap()).map_err(|e| e.to_string())?;
+    let out = Command::new(python())
+        .args(["-m", "ferrum_service.testing.tiny_models"])
+        .arg(&tmp)
+        .current_dir(repo_root())
+        .output()
+        .map_err(|e| format!("running {} -m ferrum_service.testing.tiny_models: {e}", python()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "tiny_models failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    // Another process may have won the race; either copy is fine.
+    if std::fs::rename(&tmp, &dir).is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    if dir.join("config.json").exists() {
+        Ok(dir)
+    } else {
+        Err(format!("tiny model was not written to {}", dir.display()))
+    }
+}
+
+/// A server process on a free loopback port.
+pub struct ServerProcess {
+    child: Child,
+    /// The port it listens on.
+    pub port: u16,
+    /// `http://127.0.0.1:PORT`.
+    pub endpoint: String,
+    log_path: PathBuf,
+}
+
+impl ServerProcess {
+    /// The configurable executor as in ferrum's tests (`[10, 20, 30]`, V = 1000), id "mock".
+    pub const MOCK: &'static str = "configurable,id=mock,vocab_size=1000,token_sequence=10:20:30";
+
+    /// Start a server hosting `models` (executor specs) and wait until health says SERVING.
+    pub async fn start(models: &[String]) -> Result<Self, String> {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| format!("no free port: {e}"))?
+            .port();
+        let cmd = server_cmd();
+        let log_dir = std::env::temp_dir().join("ferrum-rust-client");
+        std::fs::create_dir_all(&log_dir).map_err(|e| e.to_string())?;
+        let log_path = log_dir.join(format!("server-{}-{port}.log", std::process::id()));
+        let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
+        let mut c = Command::new(&cmd[0]);
+        c.args(&cmd[1..])
+            .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--metrics-port", "0"])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stderr(log)
+            .current_dir(repo_root());
+        for m in models {
+            c.args(["--model", m]);
+        }
+        let child = c.spawn().map_err(|e| format!("cannot start {:?}: {e}", cmd))?;
+        let mut sp = ServerProcess { child, port, endpoint: format!("http://127.0.0.1:{port}"), log_path };
+        let timeout = std::env::var("FERRUM_SERVER_START_TIMEOUT")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map(Duration::from_secs)
+            .unwrap_or(Duration::from_secs(120));
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = sp.child.try_wait() {
+                return Err(format!("server exited early ({status}); log:\n{}", sp.log_tail()));
+            }
+            if Instant::now() > deadline {
+                return Err(format!("server not SERVING after {timeout:?}; log:\n{}", sp.log_tail()));
+            }
+            if let Ok(client) = Client::connect(sp.endpoint.clone()).await {
+                if client.wait_ready(Duration::from_secs(2)).await.is_ok() {
+                    return Ok(sp);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The configurable "mock" model only.
+    pub async fn start_mock() -> Result<Self, String> {
+        Self::start(&[Self::MOCK.to_string()]).await
+    }
+
+    /// The last few KiB of the server's output.
+    pub fn log_tail(&self) -> String {
+        let mut s = String::new();
+        if let Ok(mut f) = std::fs::File::open(&self.log_path) {
+            let _ = f.read_to_string(&mut s);
+        }
+        let start = s.len().saturating_sub(4000);
+        let start = (start..s.len()).find(|&i| s.is_char_boundary(i)).unwrap_or(s.len());
+        s[start..].to_string()
+    }
+
+    /// A typed client for it.
+    pub async fn client(&self) -> Client {
+        Client::connect(self.endpoint.clone()).await.expect("connect to the test server")
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
