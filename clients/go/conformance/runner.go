@@ -1,0 +1,568 @@
+// Package conformance runs the language-neutral scenario tests/conformance/scenario.json (format:
+// tests/conformance/README.md) through the Go client.
+package conformance
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/ferrum-service/ferrum-service/clients/go/ferrum"
+	pb "github.com/ferrum-service/ferrum-service/clients/go/gen/ferrum/executor/v1"
+	"google.golang.org/grpc/codes"
+)
+
+// Scenario is the parsed scenario file. Steps stay generic JSON (numbers as json.Number).
+type Scenario struct {
+	Version      int              `json:"version"`
+	ServerModels []string         `json:"server_models"`
+	Steps        []map[string]any `json:"steps"`
+}
+
+// Load parses a scenario file.
+func Load(path string) (*Scenario, error) {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.UseNumber()
+	var sc Scenario
+	if err := dec.Decode(&sc); err != nil {
+		return nil, fmt.Errorf("conformance: %s: %w", path, err)
+	}
+	return &sc, nil
+}
+
+// StepResult is the outcome of one step.
+type StepResult struct {
+	ID     string
+	Op     string
+	Status string // PASS, FAIL or XFAIL
+	Error  string
+	Took   time.Duration
+}
+
+// Summary is the outcome of a run.
+type Summary struct {
+	Passed, Failed, XFailed int
+	Steps                   []StepResult
+}
+
+// Run executes every step in order on c and writes one line per step and a final
+// "N passed, N failed" line to out.
+func Run(ctx context.Context, c *ferrum.Client, sc *Scenario, out io.Writer) Summary {
+	env := map[string]any{}
+	var sum Summary
+	for _, raw := range sc.Steps {
+		id, _ := raw["id"].(string)
+		op, _ := raw["op"].(string)
+		start := time.Now()
+		deadline := start.Add(time.Duration(num(raw["eventually_ms"])) * time.Millisecond)
+		var err error
+		for {
+			err = runStep(ctx, c, raw, env)
+			if err == nil || !time.Now().Before(deadline) {
+				break
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		r := StepResult{ID: id, Op: op, Status: "PASS", Took: time.Since(start)}
+		known, _ := raw["known_issue"].(string)
+		switch {
+		case err == nil:
+			sum.Passed++
+		case known != "":
+			r.Status, r.Error = "XFAIL", err.Error()
+			sum.XFailed++
+		default:
+			r.Status, r.Error = "FAIL", err.Error()
+			sum.Failed++
+		}
+		line := fmt.Sprintf("%s %s (%s, %d ms)", r.Status, id, op, r.Took.Milliseconds())
+		if r.Error != "" {
+			line += ": " + r.Error
+		}
+		if known != "" && r.Status != "PASS" {
+			line += " [known issue: " + known + "]"
+		}
+		fmt.Fprintln(out, line)
+		sum.Steps = append(sum.Steps, r)
+	}
+	if sum.XFailed > 0 {
+		fmt.Fprintf(out, "%d known issue(s) (XFAIL)\n", sum.XFailed)
+	}
+	fmt.Fprintf(out, "%d passed, %d failed\n", sum.Passed, sum.Failed)
+	return sum
+}
+
+var refRe = regexp.MustCompile(`^\$([A-Za-z_][A-Za-z0-9_]*)(?:\[(-?\d+)\])?$`)
+
+// resolve replaces "$name" and "$name[i]" with saved values, recursively.
+func resolve(v any, env map[string]any) (any, error) {
+	switch x := v.(type) {
+	case string:
+		m := refRe.FindStringSubmatch(x)
+		if m == nil {
+			return x, nil
+		}
+		val, ok := env[m[1]]
+		if !ok {
+			return nil, fmt.Errorf("undefined variable $%s (the step that saves it failed?)", m[1])
+		}
+		if m[2] != "" {
+			list, ok := val.([]any)
+			i, _ := strconv.Atoi(m[2])
+			if i < 0 {
+				i += len(list)
+			}
+			if !ok || i < 0 || i >= len(list) {
+				return nil, fmt.Errorf("%s: no such element in %v", x, val)
+			}
+			val = list[i]
+		}
+		return val, nil
+	case []any:
+		out := make([]any, len(x))
+		for i, e := range x {
+			r, err := resolve(e, env)
+			if err != nil {
+				return nil, err
+			}
+			out[i] = r
+		}
+		return out, nil
+	case map[string]any:
+		out := make(map[string]any, len(x))
+		for k, e := range x {
+			r, err := resolve(e, env)
+			if err != nil {
+				return nil, err
+			}
+			out[k] = r
+		}
+		return out, nil
+	}
+	return v, nil
+}
+
+// normalize round-trips a Go value through JSON so that it compares with the scenario's values.
+func normalize(v any) any {
+	raw, _ := json.Marshal(v)
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.UseNumber()
+	var out any
+	_ = dec.Decode(&out)
+	return out
+}
+
+func show(v any) string { b, _ := json.Marshal(v); return string(b) }
+
+// mismatches: objects are subsets, lists exact (same length, null matches anything), scalars equal.
+func mismatches(exp, act any, path string) []string {
+	if exp == nil {
+		return nil
+	}
+	switch e := exp.(type) {
+	case map[string]any:
+		a, ok := act.(map[string]any)
+		if !ok {
+			return []string{fmt.Sprintf("%s: expected an object, got %s", orResult(path), show(act))}
+		}
+		keys := make([]string, 0, len(e))
+		for k := range e {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		var out []string
+		for _, k := range keys {
+			p := k
+			if path != "" {
+				p = path + "." + k
+			}
+			av, ok := a[k]
+			if !ok {
+				out = append(out, p+": missing")
+				continue
+			}
+			out = append(out, mismatches(e[k], av, p)...)
+		}
+		return out
+	case []any:
+		a, ok := act.([]any)
+		if !ok || len(a) != len(e) {
+			return []string{fmt.Sprintf("%s: expected %s, got %s", path, show(exp), show(act))}
+		}
+		for i := range e {
+			if len(mismatches(e[i], a[i], "")) > 0 {
+				return []string{fmt.Sprintf("%s: expected %s, got %s", path, show(exp), show(act))}
+			}
+		}
+		return nil
+	case json.Number:
+		if a, ok := act.(json.Number); ok && numEq(e, a) {
+			return nil
+		}
+	default:
+		if exp == act {
+			return nil
+		}
+	}
+	return []string{fmt.Sprintf("%s: expected %s, got %s", path, show(exp), show(act))}
+}
+
+func numEq(a, b json.Number) bool {
+	if a == b {
+		return true
+	}
+	fa, e1 := a.Float64()
+	fb, e2 := b.Float64()
+	return e1 == nil && e2 == nil && fa == fb
+}
+
+func orResult(p string) string {
+	if p == "" {
+		return "result"
+	}
+	return p
+}
+
+func num(v any) int64 {
+	switch x := v.(type) {
+	case json.Number:
+		if i, err := x.Int64(); err == nil {
+			return i
+		}
+		f, _ := x.Float64()
+		return int64(f)
+	case float64:
+		return int64(x)
+	case int64:
+		return x
+	case int32:
+		return int64(x)
+	case int:
+		return int64(x)
+	}
+	return 0
+}
+
+func flt(v any) float64 {
+	switch x := v.(type) {
+	case string:
+		switch strings.ToLower(x) {
+		case "nan":
+			return math.NaN()
+		case "infinity", "inf":
+			return math.Inf(1)
+		case "-infinity", "-inf":
+			return math.Inf(-1)
+		}
+		f, _ := strconv.ParseFloat(x, 64)
+		return f
+	case json.Number:
+		f, _ := x.Float64()
+		return f
+	}
+	return float64(num(v))
+}
+
+func ints(v any) ([]int32, error) {
+	list, ok := v.([]any)
+	if !ok {
+		return nil, fmt.Errorf("expected a list of token ids, got %s", show(v))
+	}
+	out := make([]int32, len(list))
+	for i, e := range list {
+		out[i] = int32(num(e))
+	}
+	return out, nil
+}
+
+func str(m map[string]any, k string) string { s, _ := m[k].(string); return s }
+func boolean(m map[string]any, k string) bool { b, _ := m[k].(bool); return b }
+
+func sampling(v any) *pb.SamplingParams {
+	m, ok := v.(map[string]any)
+	if !ok || len(m) == 0 {
+		return nil
+	}
+	sp := &pb.SamplingParams{}
+	for k, val := range m {
+		switch k {
+		case "temperature":
+			sp.Temperature = float32(flt(val))
+		case "top_p":
+			f := float32(flt(val))
+			sp.TopP = &f
+		case "min_p":
+			sp.MinP = float32(flt(val))
+		case "repetition_penalty":
+			f := float32(flt(val))
+			sp.RepetitionPenalty = &f
+		case "top_k":
+			sp.TopK = uint32(num(val))
+		case "seed":
+			s := uint64(num(val))
+			sp.Seed = &s
+		}
+	}
+	return sp
+}
+
+func stepOpts(m map[string]any) []ferrum.StepOption {
+	var o []ferrum.StepOption
+	if sp := sampling(m["sampling"]); sp != nil {
+		o = append(o, ferrum.WithSampling(sp))
+	}
+	if p, ok := m["position"]; ok && p != nil {
+		o = append(o, ferrum.AtPosition(uint64(num(p))))
+	}
+	return o
+}
+
+func tokenOrNil(o *pb.LogitsOutput) any {
+	if o == nil || o.TokenId == nil {
+		return nil
+	}
+	return *o.TokenId
+}
+
+func handle(h *pb.KvCacheHandle) map[string]any {
+	return map[string]any{"cache": h.GetCacheId(), "num_tokens": h.GetNumTokens(), "model_id": h.GetModelId()}
+}
+
+// execute runs one resolved step and returns its result object.
+func execute(ctx context.Context, c *ferrum.Client, s map[string]any) (map[string]any, error) {
+	model := str(s, "model")
+	switch op := str(s, "op"); op {
+	case "info":
+		r, err := c.Info(ctx, model)
+		if err != nil {
+			return nil, err
+		}
+		models := map[string]any{}
+		for _, mi := range r.GetModels() {
+			models[mi.GetModelId()] = map[string]any{"vocab_size": mi.GetVocabSize(), "executor": mi.GetExecutor(),
+				"has_tokenizer": mi.GetHasTokenizer(), "max_sequence_length": mi.GetMaxSequenceLength(),
+				"eos_token_ids": append([]int32{}, mi.GetEosTokenIds()...)}
+		}
+		return map[string]any{"contract_version": r.GetContractVersion(), "server_version": r.GetServerVersion(), "models": models}, nil
+	case "tokenize":
+		ids, err := c.Tokenize(ctx, model, str(s, "text"), boolean(s, "add_special_tokens"))
+		return map[string]any{"tokens": append([]int32{}, ids...)}, err
+	case "detokenize":
+		ids, err := ints(s["tokens"])
+		if err != nil {
+			return nil, err
+		}
+		text, err := c.Detokenize(ctx, model, ids, boolean(s, "skip_special_tokens"))
+		return map[string]any{"text": text}, err
+	case "prefill":
+		ids, err := ints(s["tokens"])
+		if err != nil {
+			return nil, err
+		}
+		opts := stepOpts(s)
+		if cid := str(s, "cache"); cid != "" {
+			opts = append(opts, ferrum.Continue(cid))
+		}
+		out, err := c.Prefill(ctx, model, ids, opts...)
+		if err != nil {
+			return nil, err
+		}
+		r := handle(out.GetCache())
+		r["token"] = tokenOrNil(out.GetOutput())
+		return r, nil
+	case "decode":
+		out, err := c.Decode(ctx, model, str(s, "cache"), int32(num(s["token"])), stepOpts(s)...)
+		if err != nil {
+			return nil, err
+		}
+		r := handle(out.GetCache())
+		r["token"] = tokenOrNil(out.GetOutput())
+		return r, nil
+	case "batch_decode":
+		items, _ := s["inputs"].([]any)
+		inputs := make([]*pb.DecodeInput, 0, len(items))
+		for _, it := range items {
+			m, _ := it.(map[string]any)
+			inputs = append(inputs, ferrum.DecodeInput(str(m, "cache"), int32(num(m["token"])), stepOpts(m)...))
+		}
+		outs, err := c.BatchDecode(ctx, model, inputs)
+		if err != nil {
+			return nil, err
+		}
+		toks, lens, caches := []any{}, []any{}, []any{}
+		for _, o := range outs {
+			toks = append(toks, tokenOrNil(o.GetOutput()))
+			lens = append(lens, o.GetCache().GetNumTokens())
+			caches = append(caches, o.GetCache().GetCacheId())
+		}
+		return map[string]any{"tokens": toks, "num_tokens": lens, "caches": caches}, nil
+	case "forward_verify":
+		ids, err := ints(s["tokens"])
+		if err != nil {
+			return nil, err
+		}
+		r, err := c.ForwardVerify(ctx, model, str(s, "cache"), ids, boolean(s, "accept_greedy_prefix"), stepOpts(s)...)
+		if err != nil {
+			return nil, err
+		}
+		toks := []any{}
+		for _, o := range r.GetOutputs() {
+			toks = append(toks, tokenOrNil(o))
+		}
+		return map[string]any{"tokens": toks, "base_len": r.GetBaseLen(), "num_tokens": r.GetCache().GetNumTokens(),
+			"accepted_drafts": r.GetAcceptedDrafts(), "accepted_tokens": append([]int32{}, r.GetAcceptedTokens()...)}, nil
+	case "truncate":
+		r, err := c.TruncateKv(ctx, model, str(s, "cache"), num(s["new_len"]))
+		if err != nil {
+			return nil, err
+		}
+		return map[string]any{"num_tokens": r.GetCache().GetNumTokens(), "removed_tokens": r.GetRemovedTokens()}, nil
+	case "release":
+		r, err := c.ReleaseCache(ctx, model, str(s, "cache"))
+		if err != nil {
+			return nil, err
+		}
+		return map[string]any{"released": r.GetReleased(), "freed_tokens": r.GetFreedTokens()}, nil
+	case "generate":
+		return generate(ctx, c, model, s)
+	default:
+		return nil, fmt.Errorf("unknown op %q", op)
+	}
+}
+
+func generate(ctx context.Context, c *ferrum.Client, model string, s map[string]any) (map[string]any, error) {
+	req := &pb.GenerateRequest{ModelId: model, Sampling: sampling(s["sampling"]), Stop: &pb.StopConditions{
+		MaxTokens: 16, IgnoreEos: boolean(s, "ignore_eos")}}
+	if v, ok := s["max_tokens"]; ok {
+		req.Stop.MaxTokens = uint32(num(v))
+	}
+	if v, ok := s["stop_token_ids"]; ok {
+		ids, err := ints(v)
+		if err != nil {
+			return nil, err
+		}
+		req.Stop.StopTokenIds = ids
+	}
+	if v, ok := s["tokens"]; ok {
+		ids, err := ints(v)
+		if err != nil {
+			return nil, err
+		}
+		req.Prompt = ferrum.TokenPrompt(ids...)
+	} else if t, ok := s["text"].(string); ok {
+		req.Prompt = ferrum.TextPrompt(t)
+	}
+	cancelAfter := int(-1)
+	if v, ok := s["cancel_after"]; ok && v != nil {
+		cancelAfter = int(num(v))
+	}
+	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	res := map[string]any{"cancelled": false, "finish_reason": nil}
+	toks := []int32{}
+	for ev, err := range c.Generate(ctx, req) {
+		if err != nil {
+			return nil, err
+		}
+		switch e := ev.GetEvent().(type) {
+		case *pb.GenerateResponse_Started:
+			res["cache"] = e.Started.GetCache().GetCacheId()
+			res["prompt_tokens"] = e.Started.GetPromptTokens()
+		case *pb.GenerateResponse_Token:
+			toks = append(toks, e.Token.GetTokenId())
+		case *pb.GenerateResponse_Finished:
+			f := e.Finished
+			res["finish_reason"] = strings.TrimPrefix(f.GetFinishReason().String(), "FINISH_REASON_")
+			res["prompt_tokens"] = f.GetPromptTokens()
+			res["generated_tokens"] = f.GetGeneratedTokens()
+		}
+		if cancelAfter >= 0 && len(toks) >= cancelAfter {
+			res["cancelled"] = true
+			break // leaving the loop cancels the call
+		}
+	}
+	res["tokens"] = toks
+	return res, nil
+}
+
+var noCopyKeys = map[string]bool{"expect": true, "save": true, "id": true, "note": true, "known_issue": true}
+
+func runStep(ctx context.Context, c *ferrum.Client, raw map[string]any, env map[string]any) error {
+	step := map[string]any{}
+	for k, v := range raw {
+		if noCopyKeys[k] {
+			continue
+		}
+		r, err := resolve(v, env)
+		if err != nil {
+			return err
+		}
+		step[k] = r
+	}
+	wantCode, _ := raw["expect_code"].(string)
+	wantReason, _ := raw["expect_reason"].(string)
+	result, err := execute(ctx, c, step)
+	if err != nil {
+		var fe *ferrum.Error
+		if !errors.As(err, &fe) {
+			return fmt.Errorf("unexpected error: %v", err)
+		}
+		got := codeName(fe.Code)
+		if wantCode == "" {
+			return fmt.Errorf("unexpected error %s (%s): %s", got, fe.Kind, fe.Message)
+		}
+		if got != wantCode {
+			return fmt.Errorf("expected %s, got %s (%s): %s", wantCode, got, fe.Kind, fe.Message)
+		}
+		if wantReason != "" && fe.Kind != wantReason {
+			return fmt.Errorf("expected ErrorInfo reason %s, got %q: %s", wantReason, fe.Kind, fe.Message)
+		}
+		return nil
+	}
+	norm, _ := normalize(result).(map[string]any)
+	if wantCode != "" {
+		return fmt.Errorf("expected %s, got success: %s", wantCode, show(norm))
+	}
+	exp, err := resolve(normalize(raw["expect"]), env)
+	if err != nil {
+		return err
+	}
+	if d := mismatches(exp, norm, ""); len(d) > 0 {
+		return errors.New(strings.Join(d, "; "))
+	}
+	if save, ok := raw["save"].(map[string]any); ok {
+		for field, v := range save {
+			val, ok := norm[field]
+			if !ok {
+				return fmt.Errorf("save: no field %q in the result", field)
+			}
+			env[v.(string)] = val
+		}
+	}
+	return nil
+}
+
+// codeName is the canonical name of a gRPC code, as in google.rpc.Code ("NOT_FOUND").
+func codeName(c codes.Code) string {
+	names := [...]string{"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+		"ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
+		"OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"}
+	if int(c) < len(names) {
+		return names[c]
+	}
+	return fmt.Sprintf("CODE_%d", c)
+}
