@@ -1,8 +1,8 @@
 //! Start a real `ferrum-service` on loopback for tests, examples and the conformance runner.
 //!
-//! The command is `$FERRUM_SERVER_CMD` (split on whitespace; default
-//! `<repo>/.venv/bin/ferrum-service serve`), to which `--host 127.0.0.1 --port P --metrics-port 0`
-//! and one `--model SPEC` per model are appended. The process is killed when the
+//! The command is `$FERRUM_SERVER_CMD` (split on whitespace; default the venv's
+//! `ferrum-service`), to which `serve --host 127.0.0.1 --port P --metrics-port 0` and one
+//! `--model SPEC` per model are appended (as the conformance harness does). The process is killed when the
 //! [`ServerProcess`] is dropped. Its output goes to a log file whose tail is shown on failure.
 
 use std::io::Read;
@@ -27,11 +27,20 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache/ferrum-service")
 }
 
+/// The server command without its `serve` subcommand: `$FERRUM_SERVER_CMD` (split on
+/// whitespace), else the venv's `ferrum-service`, else `python -m ferrum_service`: the same
+/// rule as `tests/conformance/harness.py`.
 fn server_cmd() -> Vec<String> {
-    match std::env::var("FERRUM_SERVER_CMD") {
-        Ok(s) if !s.trim().is_empty() => s.split_whitespace().map(String::from).collect(),
-        _ => vec![repo_root().join(".venv/bin/ferrum-service").display().to_string(), "serve".into()],
+    if let Ok(s) = std::env::var("FERRUM_SERVER_CMD") {
+        if !s.trim().is_empty() {
+            return s.split_whitespace().map(String::from).collect();
+        }
     }
+    let exe = repo_root().join(".venv/bin/ferrum-service");
+    if exe.exists() {
+        return vec![exe.display().to_string()];
+    }
+    vec![python(), "-m".into(), "ferrum_service".into()]
 }
 
 fn python() -> String {
@@ -43,6 +52,16 @@ fn python() -> String {
 pub fn tiny_model_dir() -> Result<PathBuf, String> {
     if let Ok(d) = std::env::var("FERRUM_TINY_MODEL_DIR") {
         return Ok(PathBuf::from(d));
+    }
+    // The conformance harness's copy first: every language's runner then uses the same files.
+    let harness = repo_root().join("tests/conformance/harness.py");
+    if harness.exists() {
+        if let Ok(out) = Command::new(python()).arg(&harness).arg("tiny-model").current_dir(repo_root()).output() {
+            let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+            if out.status.success() && dir.join("config.json").exists() {
+                return Ok(dir);
+            }
+        }
     }
     let dir = cache_dir().join("rust-client/tiny-llama");
     if dir.join("config.json").exists() && dir.join("model.safetensors").exists() {
@@ -102,7 +121,10 @@ impl ServerProcess {
         let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
         let mut c = Command::new(&cmd[0]);
         c.args(&cmd[1..])
-            .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--metrics-port", "0"])
+            .args(["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "--metrics-port", "0"])
+            .args(["--log-format", "json"])
+            .env("HF_HUB_OFFLINE", "1")
+            .env("PYTHONUNBUFFERED", "1")
             .stdin(Stdio::null())
             .stdout(log.try_clone().map_err(|e| e.to_string())?)
             .stderr(log)
@@ -157,7 +179,18 @@ impl ServerProcess {
 }
 
 impl Drop for ServerProcess {
+    /// SIGTERM (the server drains), then SIGKILL after 10 s.
     fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

@@ -11,12 +11,11 @@ async fn conformance_scenario() {
         .unwrap_or_else(|_| repo_root().join("tests/conformance/scenario.json"));
     let report = run_scenario_file(&path, None).await.expect("run the scenario");
     let mut failures = Vec::new();
-    for r in &report.results {
-        if r.ok {
-            println!("ok   {}", r.id);
-        } else {
-            println!("FAIL {}: {} (observed {})", r.id, r.message, r.observed);
-            failures.push(format!("{}: {}", r.id, r.message));
+    for (r, line) in report.results.iter().zip(report.lines()) {
+        println!("{line}");
+        if !r.ok {
+            println!("     observed: {}", r.observed);
+            failures.push(line);
         }
     }
     println!("scenario: {} steps ok, {} failing", report.passed(), report.failed());

@@ -26,14 +26,10 @@ async fn main() {
     }
     match run_scenario_file(&scenario, endpoint).await {
         Ok(report) => {
-            for r in &report.results {
-                if r.ok {
-                    println!("ok   {:<40} {}", r.id, r.observed);
-                } else {
-                    println!("FAIL {:<40} {}", r.id, r.message);
-                }
+            for l in report.lines() {
+                println!("{l}");
             }
-            println!("conformance: {} passed, {} failed", report.passed(), report.failed());
+            println!("{} passed, {} failed", report.passed(), report.failed());
             if report.failed() > 0 {
                 std::process::exit(1);
             }
