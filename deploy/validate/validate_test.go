@@ -1,0 +1,208 @@
+package validate
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"sigs.k8s.io/kustomize/api/krusty"
+	"sigs.k8s.io/kustomize/kyaml/filesys"
+)
+
+// The repository root, from deploy/validate.
+var root = filepath.Join("..", "..")
+
+func k8sDir(parts ...string) string {
+	return filepath.Join(append([]string{root, "deploy", "k8s"}, parts...)...)
+}
+
+// build runs kustomize (the library kubectl embeds) on a kustomization directory.
+func build(t *testing.T, dir string) []byte {
+	t.Helper()
+	m, err := krusty.MakeKustomizer(krusty.MakeDefaultOptions()).Run(filesys.MakeFsOnDisk(), dir)
+	if err != nil {
+		t.Fatalf("kustomize build %s: %v", dir, err)
+	}
+	out, err := m.AsYaml()
+	if err != nil {
+		t.Fatalf("kustomize build %s: %v", dir, err)
+	}
+	return out
+}
+
+func decodeOK(t *testing.T, source string, data []byte) []Object {
+	t.Helper()
+	objs, errs := DecodeAll(source, data)
+	for _, e := range errs {
+		t.Error(e)
+	}
+	if len(objs) == 0 {
+		t.Fatalf("%s: no objects", source)
+	}
+	return objs
+}
+
+func checkOK(t *testing.T, objs []Object, want Expect) {
+	t.Helper()
+	for _, e := range Check(objs, want) {
+		t.Error(e)
+	}
+	t.Logf("%d objects validated: %s", len(objs), Summary(objs))
+}
+
+// Every kustomization in deploy/k8s builds, and each built object decodes strictly and passes the checks.
+func TestKustomizeVariants(t *testing.T) {
+	cases := []struct {
+		name string
+		dir  string
+		want Expect
+	}{
+		{"cpu", k8sDir("base"), Expect{Metrics: true}},
+		{"cuda", k8sDir("overlays", "cuda"), Expect{GPU: true, Metrics: true}},
+		{"monitoring", k8sDir("overlays", "monitoring"), Expect{Metrics: true, ServiceMonitor: true}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			objs := decodeOK(t, "kustomize:"+c.name, build(t, c.dir))
+			checkOK(t, objs, c.want)
+		})
+	}
+}
+
+// Every YAML file under deploy/k8s (manifests, patches, kustomizations) decodes strictly on its own.
+func TestPlainManifestsStrict(t *testing.T) {
+	n := 0
+	err := filepath.WalkDir(k8sDir(), func(path string, d os.DirEntry, err error) error {
+		if err != nil || d.IsDir() || !(strings.HasSuffix(path, ".yaml") || strings.HasSuffix(path, ".yml")) {
+			return err
+		}
+		data, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		n += len(decodeOK(t, path, data))
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n < 10 {
+		t.Fatalf("only %d documents under deploy/k8s", n)
+	}
+	t.Logf("%d plain documents decoded strictly", n)
+}
+
+// The Helm chart's renderings (made by deploy/ci.sh with helm template into $FERRUM_RENDERED).
+func TestHelmRendered(t *testing.T) {
+	dir := os.Getenv("FERRUM_RENDERED")
+	if dir == "" {
+		t.Skip("FERRUM_RENDERED is not set: run deploy/ci.sh, which renders the chart with helm template")
+	}
+	cases := []struct {
+		file string
+		want Expect
+	}{
+		{"default.yaml", Expect{Metrics: true}},
+		{"gpu.yaml", Expect{GPU: true, Metrics: true}},
+		{"tls-auth-monitor.yaml", Expect{TLS: true, Metrics: true, ServiceMonitor: true}},
+		{"no-metrics.yaml", Expect{}},
+	}
+	for _, c := range cases {
+		t.Run(strings.TrimSuffix(c.file, ".yaml"), func(t *testing.T) {
+			data, err := os.ReadFile(filepath.Join(dir, c.file))
+			if err != nil {
+				t.Fatal(err)
+			}
+			objs := decodeOK(t, "helm:"+c.file, data)
+			checkOK(t, objs, c.want)
+		})
+	}
+	// A rendering with a deliberately misspelt field (an extraEnv entry with "valeu") must fail.
+	t.Run("broken-field-fails", func(t *testing.T) {
+		data, err := os.ReadFile(filepath.Join(dir, "broken.yaml"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, errs := DecodeAll("helm:broken.yaml", data)
+		if len(errs) == 0 {
+			t.Fatal("a rendering with an unknown field decoded without error")
+		}
+		if !strings.Contains(errs[0].Error(), "valeu") {
+			t.Fatalf("error does not name the bad field: %v", errs[0])
+		}
+		t.Logf("rejected as expected: %v", errs[0])
+	})
+}
+
+// Deliberately broken documents: strict decoding or the semantic checks must reject each.
+func TestBrokenDocumentsFail(t *testing.T) {
+	base, err := os.ReadFile(k8sDir("base", "deployment.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mutate := func(old, new string) string {
+		s := string(base)
+		if !strings.Contains(s, old) {
+			t.Fatalf("deployment.yaml no longer contains %q", old)
+		}
+		return strings.Replace(s, old, new, 1)
+	}
+	decodeCases := map[string]string{
+		"misspelt field (readOnlyRootFileSystem)": mutate("readOnlyRootFilesystem: true", "readOnlyRootFileSystem: true"),
+		"unknown probe field (grpcc)":             mutate("startupProbe:\n            grpc:", "startupProbe:\n            grpcc:"),
+		"wrong type (replicas: two)":              mutate("replicas: 2", "replicas: two"),
+		"duplicate field":                         mutate("replicas: 2", "replicas: 2\n  replicas: 3"),
+		"unknown kind":                            "apiVersion: v1\nkind: Servize\nmetadata:\n  name: x\n",
+		"service with misspelt clusterIP":         "apiVersion: v1\nkind: Service\nmetadata:\n  name: x\nspec:\n  clusterIp: None\n",
+	}
+	for name, doc := range decodeCases {
+		t.Run("decode/"+name, func(t *testing.T) {
+			if _, err := Decode(name, []byte(doc)); err == nil {
+				t.Fatal("decoded without error")
+			} else {
+				t.Logf("rejected: %v", err)
+			}
+		})
+	}
+
+	// Semantic: start from the valid CPU build and break one property at a time.
+	built := string(build(t, k8sDir("base")))
+	semanticCases := []struct {
+		name, old, new string
+		want           Expect
+		errHas         string
+	}{
+		{"http probe instead of grpc", "failureThreshold: 2\n          grpc:\n            port: 50051\n            service: \"\"", "failureThreshold: 2\n          httpGet:\n            port: 9090\n            path: /metrics", Expect{Metrics: true}, "native grpc probe"},
+		{"probe on the wrong port", "failureThreshold: 3\n          grpc:\n            port: 50051", "failureThreshold: 3\n          grpc:\n            port: 9090", Expect{Metrics: true}, "grpc port must be"},
+		{"startup too short for model load", "failureThreshold: 60", "failureThreshold: 6", Expect{Metrics: true}, "model load"},
+		{"grace period shorter than the drain", "terminationGracePeriodSeconds: 35", "terminationGracePeriodSeconds: 20", Expect{Metrics: true}, "terminationGracePeriodSeconds"},
+		{"root allowed", "runAsNonRoot: true\n        runAsUser: 10001", "runAsNonRoot: false\n        runAsUser: 10001", Expect{Metrics: true}, "runAsNonRoot"},
+		{"writable root fs", "readOnlyRootFilesystem: true", "readOnlyRootFilesystem: false", Expect{Metrics: true}, "readOnlyRootFilesystem"},
+		{"headless Service lost clusterIP None", "  clusterIP: None\n", "", Expect{Metrics: true}, "headless"},
+		{"GPU variant without nvidia.com/gpu", "", "", Expect{GPU: true, Metrics: true}, "nvidia.com/gpu"},
+	}
+	for _, c := range semanticCases {
+		t.Run("semantic/"+c.name, func(t *testing.T) {
+			doc := built
+			if c.old != "" {
+				if !strings.Contains(doc, c.old) {
+					t.Fatalf("the built base no longer contains %q", c.old)
+				}
+				doc = strings.Replace(doc, c.old, c.new, 1)
+			}
+			objs, errs := DecodeAll(c.name, []byte(doc))
+			if len(errs) > 0 {
+				t.Fatalf("the mutated build should still decode: %v", errs)
+			}
+			got := Check(objs, c.want)
+			for _, e := range got {
+				if strings.Contains(e.Error(), c.errHas) {
+					t.Logf("rejected: %v", e)
+					return
+				}
+			}
+			t.Fatalf("no error mentioning %q; got %v", c.errHas, got)
+		})
+	}
+}

