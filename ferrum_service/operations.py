@@ -106,6 +106,7 @@ class Operations:
                 num_tokens=entry.num_tokens,
             )
         self._check_length(host, entry.num_tokens + 1, f"{field}.cache_id")
+        host.executor.registry.admit(host.executor.registry.growth(entry, entry.num_tokens + 1), f"{field}.cache_id")
         return DecodeInput(cache_id=msg.cache_id, token_id=msg.token_id, policy=policy,
                            position=entry.num_tokens, metadata=struct_to_dict(msg.metadata))
 

@@ -20,10 +20,10 @@ MOCK = "configurable,id=mock,vocab_size=1000,token_sequence=10:20:30"
 
 
 def test_sigterm_drains_streams_then_exits_zero():
-    srv = ServerProcess("--model", MOCK, "--grace-period", "5").start()
+    srv = ServerProcess("--model", MOCK, "--grace-period", "15").start()
     try:
         with Client(srv.target) as c:
-            stream = c.generate("mock", token_ids=[1], max_tokens=4000)
+            stream = c.generate("mock", token_ids=[1], max_tokens=400)
             it = iter(stream)
             assert next(it).WhichOneof("event") == "started"
             srv.terminate(signal.SIGTERM)
