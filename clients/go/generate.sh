@@ -18,7 +18,9 @@ install() {  # install BINARY MODULE@VERSION VERSION-STRING
 install buf github.com/bufbuild/buf/cmd/buf@v1.50.0 1.50.0
 install protoc-gen-go google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12 v1.36.12
 install protoc-gen-go-grpc google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.6.2 1.6.2
-rm -rf "$here/gen"
+# ./generate.sh [DIR]: write DIR/gen (default: clients/go/gen); ci.sh uses a temp DIR to check.
+base=$(mkdir -p "${1:-$here}" && cd "${1:-$here}" && pwd)
+rm -rf "$base/gen"
 cd "$here"
-PATH="$bin:$PATH" "$bin/buf" generate "$root/protos" --template buf.gen.yaml
-echo "[go] generated $(find gen -name '*.go' | wc -l) files into clients/go/gen"
+PATH="$bin:$PATH" "$bin/buf" generate "$root/protos" --template buf.gen.yaml -o "$base"
+echo "[go] generated $(find "$base/gen" -name '*.go' | wc -l) files into $base/gen" >&2
