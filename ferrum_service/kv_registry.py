@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ from . import errors
 from .types import CacheHandle
 
 _ids = itertools.count(1)
+# Per-process part of every cache id: ids from two replicas never collide, so a step routed to the
+# wrong replica gets NOT_FOUND instead of touching another session's cache.
+_PROCESS_TAG = secrets.token_hex(4)
 
 
 @dataclass
@@ -183,7 +187,7 @@ class CacheRegistry:
         need = max(len(tokens), reserve_tokens)
         with self._lock:
             self.admit(need, field, new_caches=1)
-            cache_id = f"{self.id_prefix}-{next(_ids)}"
+            cache_id = f"{self.id_prefix}-{_PROCESS_TAG}-{next(_ids)}"
             entry = CacheEntry(cache_id, self.model_id, list(tokens), reserved_total=reserve_tokens, owner=owner)
             self._caches[cache_id] = entry
             self.created_total += 1
