@@ -14,6 +14,10 @@ CLI (used by the Go and TypeScript tests, which start the server themselves)::
     python tests/conformance/harness.py tiny-model     # prints the tiny llama's directory
     python tests/conformance/harness.py models         # prints the scenario's --model specs, one a line
     python tests/conformance/harness.py serve          # prints "READY host:port", serves until stdin closes
+    python tests/conformance/harness.py serve --model 'hf-causal-lm,id=tiny,path=${TINY_MODEL_DIR}' ...
+
+``serve`` stops the server when its stdin reaches EOF, which also happens when the parent dies, so a
+killed test run leaves no server behind.
 """
 
 from __future__ import annotations
@@ -91,7 +95,11 @@ def tiny_model_dir(seed: int = 0) -> Path:
 
 def scenario_models(scenario: Path = SCENARIO) -> list[str]:
     """The scenario's ``server_models`` with ``${TINY_MODEL_DIR}`` filled in."""
-    specs = json.loads(scenario.read_text())["server_models"]
+    return expand_models(json.loads(scenario.read_text())["server_models"])
+
+
+def expand_models(specs: Sequence[str]) -> list[str]:
+    """``--model`` specs with ``${TINY_MODEL_DIR}`` replaced by the tiny llama's directory."""
     tiny = None
     out = []
     for s in specs:
@@ -175,13 +183,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["tiny-model", "models", "serve"])
     ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--model", action="append", default=None,
+                    help="serve: --model spec (repeatable; ${TINY_MODEL_DIR} is filled in); default: the scenario's")
     args = ap.parse_args(argv)
     if args.command == "tiny-model":
         print(tiny_model_dir())
     elif args.command == "models":
         print("\n".join(scenario_models()))
     else:
-        with start_server(scenario_models(), args.port) as srv:
+        models = expand_models(args.model) if args.model else scenario_models()
+        with start_server(models, args.port) as srv:
             print(f"READY {srv.target}", flush=True)
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
             try:

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Regenerate clients/typescript/src/gen/ from protos/ with ts-proto (the version in package.json)
+# through buf v1.50.0 (cached in ${FERRUM_CACHE_DIR:-~/.cache/ferrum-service}/bin; buf bundles the
+# well-known types). The generated code is committed; ci.sh checks it is current.
+#   ./generate.sh [DIR]   write DIR/src/gen instead (ci.sh uses a temp DIR)
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+bin=${FERRUM_CACHE_DIR:-$HOME/.cache/ferrum-service}/bin
+if [ ! -x "$bin/buf" ] || ! "$bin/buf" --version 2>/dev/null | grep -q '^1\.50\.0$'; then
+  echo "[ts] installing buf v1.50.0" >&2
+  mkdir -p "$bin"
+  GOBIN="$bin" go install github.com/bufbuild/buf/cmd/buf@v1.50.0
+fi
+[ -x "$here/node_modules/.bin/protoc-gen-ts_proto" ] || { echo "[ts] run npm ci first" >&2; exit 1; }
+base=$(mkdir -p "${1:-$here}" && cd "${1:-$here}" && pwd)
+rm -rf "$base/src/gen"
+cd "$here"
+PATH="$here/node_modules/.bin:$PATH" "$bin/buf" generate "$root/protos" --template buf.gen.yaml -o "$base"
+echo "[ts] generated $(find "$base/src/gen" -name '*.ts' | wc -l) files into $base/src/gen" >&2

@@ -1,0 +1,261 @@
+/**
+ * Runner of the language-neutral scenario tests/conformance/scenario.json (format:
+ * tests/conformance/README.md) through the TypeScript client.
+ */
+import { readFileSync } from "node:fs";
+import { FerrumClient, tokenOf, tokenPrompt, textPrompt, DecodeItem } from "./client";
+import { FerrumError } from "./errors";
+import * as pb from "./gen/ferrum/executor/v1/executor";
+import * as types from "./gen/ferrum/executor/v1/types";
+
+type Json = null | boolean | number | string | Json[] | { [k: string]: Json };
+type Obj = { [k: string]: Json };
+
+export interface Scenario {
+  version: number;
+  server_models: string[];
+  steps: Obj[];
+}
+
+export interface StepResult {
+  id: string;
+  op: string;
+  status: "PASS" | "FAIL" | "XFAIL";
+  error?: string;
+  ms: number;
+}
+
+export interface Summary {
+  passed: number;
+  failed: number;
+  xfailed: number;
+  steps: StepResult[];
+}
+
+export function loadScenario(file: string): Scenario {
+  return JSON.parse(readFileSync(file, "utf8")) as Scenario;
+}
+
+class StepFailure extends Error {}
+
+const REF = /^\$([A-Za-z_][A-Za-z0-9_]*)(?:\[(-?\d+)\])?$/;
+
+function resolve(v: Json, env: Map<string, Json>): Json {
+  if (typeof v === "string") {
+    const m = REF.exec(v);
+    if (!m) return v;
+    if (!env.has(m[1])) throw new StepFailure(`undefined variable $${m[1]} (the step that saves it failed?)`);
+    let val: Json = env.get(m[1])!;
+    if (m[2] !== undefined) {
+      let i = Number(m[2]);
+      if (!Array.isArray(val)) throw new StepFailure(`${v}: $${m[1]} is not a list`);
+      if (i < 0) i += val.length;
+      if (i < 0 || i >= val.length) throw new StepFailure(`${v}: no such element in ${JSON.stringify(val)}`);
+      val = val[i];
+    }
+    return val;
+  }
+  if (Array.isArray(v)) return v.map((e) => resolve(e, env));
+  if (v !== null && typeof v === "object") {
+    return Object.fromEntries(Object.entries(v).map(([k, e]) => [k, resolve(e, env)]));
+  }
+  return v;
+}
+
+/** Objects are subsets, lists exact (same length, null = anything), scalars strictly equal. */
+function mismatches(exp: Json | undefined, act: Json | undefined, p = ""): string[] {
+  if (exp === null || exp === undefined) return [];
+  const show = (x: unknown) => JSON.stringify(x);
+  if (Array.isArray(exp)) {
+    if (!Array.isArray(act) || act.length !== exp.length || exp.some((e, i) => mismatches(e, act[i]).length > 0)) {
+      return [`${p}: expected ${show(exp)}, got ${show(act)}`];
+    }
+    return [];
+  }
+  if (typeof exp === "object") {
+    if (act === null || typeof act !== "object" || Array.isArray(act)) return [`${p || "result"}: expected an object, got ${show(act)}`];
+    const out: string[] = [];
+    for (const [k, e] of Object.entries(exp)) {
+      const q = p ? `${p}.${k}` : k;
+      if (!(k in act)) out.push(`${q}: missing`);
+      else out.push(...mismatches(e, act[k], q));
+    }
+    return out;
+  }
+  return exp === act ? [] : [`${p}: expected ${show(exp)}, got ${show(act)}`];
+}
+
+const FLOAT_FIELDS: Record<string, string> = {
+  temperature: "temperature", top_p: "topP", min_p: "minP", repetition_penalty: "repetitionPenalty",
+};
+const INT_FIELDS: Record<string, string> = { top_k: "topK", seed: "seed" };
+
+function sampling(v: Json | undefined): Partial<types.SamplingParams> | undefined {
+  if (!v || typeof v !== "object" || Array.isArray(v) || Object.keys(v).length === 0) return undefined;
+  const out: Record<string, number> = {};
+  for (const [k, val] of Object.entries(v)) {
+    if (k in FLOAT_FIELDS) out[FLOAT_FIELDS[k]] = Number(val); // "NaN" / "Infinity" strings too
+    else if (k in INT_FIELDS) out[INT_FIELDS[k]] = Number(val);
+  }
+  return out as Partial<types.SamplingParams>;
+}
+
+function ids(v: Json | undefined): number[] {
+  if (!Array.isArray(v)) throw new StepFailure(`expected a list of token ids, got ${JSON.stringify(v)}`);
+  return v.map(Number);
+}
+
+const tok = (o: types.LogitsOutput | undefined): Json => (o?.tokenId === undefined ? null : o.tokenId);
+const handle = (h: types.KvCacheHandle | undefined): Obj => ({
+  cache: h?.cacheId ?? "", num_tokens: h?.numTokens ?? 0, model_id: h?.modelId ?? "",
+});
+
+async function execute(c: FerrumClient, s: Obj): Promise<Obj> {
+  const model = (s.model as string) ?? "";
+  const str = (k: string) => (typeof s[k] === "string" ? (s[k] as string) : "");
+  const position = typeof s.position === "number" ? s.position : undefined;
+  switch (s.op) {
+    case "info": {
+      const r = await c.info(model);
+      const models: Obj = {};
+      for (const m of r.models) {
+        models[m.modelId] = { vocab_size: m.vocabSize, executor: m.executor, has_tokenizer: m.hasTokenizer,
+          max_sequence_length: m.maxSequenceLength, eos_token_ids: m.eosTokenIds };
+      }
+      return { contract_version: r.contractVersion, server_version: r.serverVersion, models };
+    }
+    case "tokenize":
+      return { tokens: await c.tokenize(model, str("text"), { addSpecialTokens: s.add_special_tokens === true }) };
+    case "detokenize":
+      return { text: await c.detokenize(model, ids(s.tokens), { skipSpecialTokens: s.skip_special_tokens === true }) };
+    case "prefill": {
+      const out = await c.prefill(model, ids(s.tokens), { cacheId: str("cache"), sampling: sampling(s.sampling) });
+      return { ...handle(out.cache), token: tok(out.output) };
+    }
+    case "decode": {
+      const out = await c.decode(model, str("cache"), Number(s.token), { position, sampling: sampling(s.sampling) });
+      return { ...handle(out.cache), token: tok(out.output) };
+    }
+    case "batch_decode": {
+      const items: DecodeItem[] = (s.inputs as Obj[]).map((i) => ({
+        cacheId: i.cache as string, tokenId: Number(i.token),
+        position: typeof i.position === "number" ? i.position : undefined, sampling: sampling(i.sampling),
+      }));
+      const outs = await c.batchDecode(model, items);
+      return { tokens: outs.map((o) => tok(o.output)), num_tokens: outs.map((o) => o.cache?.numTokens ?? 0),
+        caches: outs.map((o) => o.cache?.cacheId ?? "") };
+    }
+    case "forward_verify": {
+      const r = await c.forwardVerify(model, str("cache"), ids(s.tokens),
+        { acceptGreedyPrefix: s.accept_greedy_prefix === true, sampling: sampling(s.sampling) });
+      return { tokens: r.outputs.map(tok), base_len: r.baseLen, num_tokens: r.cache?.numTokens ?? 0,
+        accepted_drafts: r.acceptedDrafts, accepted_tokens: r.acceptedTokens };
+    }
+    case "truncate": {
+      const r = await c.truncateKv(model, str("cache"), Number(s.new_len));
+      return { num_tokens: r.cache?.numTokens ?? 0, removed_tokens: r.removedTokens };
+    }
+    case "release": {
+      const r = await c.releaseCache(model, str("cache"));
+      return { released: r.released, freed_tokens: r.freedTokens };
+    }
+    case "generate": {
+      const req: Partial<pb.GenerateRequest> = {
+        modelId: model, sampling: sampling(s.sampling) as types.SamplingParams | undefined,
+        stop: pb.StopConditions.fromPartial({
+          maxTokens: typeof s.max_tokens === "number" ? s.max_tokens : 16, ignoreEos: s.ignore_eos === true,
+          stopTokenIds: s.stop_token_ids ? ids(s.stop_token_ids) : [],
+        }),
+        prompt: s.tokens !== undefined ? tokenPrompt(ids(s.tokens)) : typeof s.text === "string" ? textPrompt(s.text) : undefined,
+      };
+      const cancelAfter = typeof s.cancel_after === "number" ? s.cancel_after : -1;
+      const res: Obj = { cancelled: false, finish_reason: null };
+      const tokens: number[] = [];
+      for await (const ev of c.generate(req, { timeoutMs: 60_000 })) {
+        const e = ev.event;
+        if (e?.$case === "started") {
+          res.cache = e.started.cache?.cacheId ?? "";
+          res.prompt_tokens = e.started.promptTokens;
+        } else if (e?.$case === "token") {
+          tokens.push(e.token.tokenId);
+        } else if (e?.$case === "finished") {
+          res.finish_reason = pb.finishReasonToJSON(e.finished.finishReason).replace(/^FINISH_REASON_/, "");
+          res.prompt_tokens = e.finished.promptTokens;
+          res.generated_tokens = e.finished.generatedTokens;
+        }
+        if (cancelAfter >= 0 && tokens.length >= cancelAfter) {
+          res.cancelled = true;
+          break; // leaving the loop cancels the call
+        }
+      }
+      res.tokens = tokens;
+      return res;
+    }
+    default:
+      throw new StepFailure(`unknown op ${JSON.stringify(s.op)}`);
+  }
+}
+
+const NOT_ARGS = new Set(["expect", "save", "id", "note", "known_issue"]);
+
+async function runStep(c: FerrumClient, raw: Obj, env: Map<string, Json>): Promise<void> {
+  const step: Obj = {};
+  for (const [k, v] of Object.entries(raw)) if (!NOT_ARGS.has(k)) step[k] = resolve(v, env);
+  const wantCode = raw.expect_code as string | undefined;
+  const wantReason = raw.expect_reason as string | undefined;
+  let result: Obj;
+  try {
+    result = await execute(c, step);
+  } catch (e) {
+    if (e instanceof StepFailure) throw e;
+    if (!(e instanceof FerrumError)) throw new StepFailure(`unexpected error: ${e}`);
+    if (!wantCode) throw new StepFailure(`unexpected error ${e.codeName} (${e.kind}): ${e.details}`);
+    if (e.codeName !== wantCode) throw new StepFailure(`expected ${wantCode}, got ${e.codeName} (${e.kind}): ${e.details}`);
+    if (wantReason && e.kind !== wantReason) {
+      throw new StepFailure(`expected ErrorInfo reason ${wantReason}, got ${JSON.stringify(e.kind)}: ${e.details}`);
+    }
+    return;
+  }
+  if (wantCode) throw new StepFailure(`expected ${wantCode}, got success: ${JSON.stringify(result)}`);
+  const diffs = mismatches(resolve(raw.expect ?? {}, env), result);
+  if (diffs.length) throw new StepFailure(diffs.join("; "));
+  for (const [field, v] of Object.entries((raw.save as Obj) ?? {})) {
+    if (!(field in result)) throw new StepFailure(`save: no field ${field} in the result`);
+    env.set(v as string, result[field]);
+  }
+}
+
+/** Run every step in order; one line per step and a final "N passed, N failed" line via `out`. */
+export async function runScenario(c: FerrumClient, sc: Scenario, out: (line: string) => void = console.log): Promise<Summary> {
+  const env = new Map<string, Json>();
+  const sum: Summary = { passed: 0, failed: 0, xfailed: 0, steps: [] };
+  for (const raw of sc.steps) {
+    const t0 = Date.now();
+    const deadline = t0 + (typeof raw.eventually_ms === "number" ? raw.eventually_ms : 0);
+    let err: string | undefined;
+    for (;;) {
+      try {
+        await runStep(c, raw, env);
+        err = undefined;
+      } catch (e) {
+        err = e instanceof Error ? e.message : String(e);
+      }
+      if (err === undefined || Date.now() >= deadline) break;
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    const known = typeof raw.known_issue === "string" ? raw.known_issue : "";
+    const status = err === undefined ? "PASS" : known ? "XFAIL" : "FAIL";
+    if (status === "PASS") sum.passed++;
+    else if (status === "XFAIL") sum.xfailed++;
+    else sum.failed++;
+    const ms = Date.now() - t0;
+    let line = `${status} ${raw.id} (${raw.op}, ${ms} ms)`;
+    if (err) line += `: ${err}`;
+    if (known && status !== "PASS") line += ` [known issue: ${known}]`;
+    out(line);
+    sum.steps.push({ id: raw.id as string, op: raw.op as string, status, error: err, ms });
+  }
+  if (sum.xfailed) out(`${sum.xfailed} known issue(s) (XFAIL)`);
+  out(`${sum.passed} passed, ${sum.failed} failed`);
+  return sum;
+}
