@@ -43,8 +43,25 @@ fn server_cmd() -> Vec<String> {
     vec![python(), "-m".into(), "ferrum_service".into()]
 }
 
+/// `$FERRUM_PYTHON`, else the `python` next to `$FERRUM_SERVER_CMD`'s executable (a venv's bin),
+/// else the repository's `.venv/bin/python`, else `python3`.
 fn python() -> String {
-    std::env::var("FERRUM_PYTHON").unwrap_or_else(|_| repo_root().join(".venv/bin/python").display().to_string())
+    if let Ok(p) = std::env::var("FERRUM_PYTHON") {
+        return p;
+    }
+    if let Ok(cmd) = std::env::var("FERRUM_SERVER_CMD") {
+        if let Some(exe) = cmd.split_whitespace().next() {
+            let py = Path::new(exe).with_file_name("python");
+            if py.exists() {
+                return py.display().to_string();
+            }
+        }
+    }
+    let venv = repo_root().join(".venv/bin/python");
+    if venv.exists() {
+        return venv.display().to_string();
+    }
+    "python3".into()
 }
 
 /// A tiny random Llama checkpoint (`ferrum_service.testing.tiny_models`), built once and cached
