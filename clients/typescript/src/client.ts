@@ -113,6 +113,16 @@ export function decodeRequest(modelId: string, cacheId: string, tokenId: number,
     input: decodeInput({ cacheId, tokenId, position: o.position, policy: o.policy, sampling: o.sampling }) });
 }
 
+/** `T` with every field, nested ones too, optional (oneof members keep their `$case`). */
+export type DeepPartial<T> = T extends Buffer | Uint8Array ? T
+  : T extends Array<infer U> ? Array<DeepPartial<U>>
+  : T extends { $case: string } ? { [K in keyof T]?: DeepPartial<T[K]> } & { $case: T["$case"] }
+  : T extends object ? { [K in keyof T]?: DeepPartial<T[K]> }
+  : T;
+
+/** A GenerateRequest where every field, nested ones too, may be left out. */
+export type GenerateArgs = DeepPartial<pb.GenerateRequest>;
+
 type Unary<Req, Resp> = (req: Req, md: Metadata, opts: Partial<CallOptions>,
   cb: (err: ServiceError | null, resp?: Resp) => void) => { cancel(): void };
 
@@ -267,9 +277,9 @@ export class FerrumClient {
    * one token event per token, finished). Leaving the `for await` loop early (break, throw) or
    * aborting `signal` cancels the call; the server then stops and frees the cache.
    */
-  async *generate(req: Partial<pb.GenerateRequest>, o: CallOpts = {}): AsyncGenerator<pb.GenerateResponse> {
+  async *generate(req: GenerateArgs, o: CallOpts = {}): AsyncGenerator<pb.GenerateResponse> {
     const opts: Partial<CallOptions> = o.timeoutMs ? { deadline: Date.now() + o.timeoutMs } : {};
-    const call = this.raw.generate(pb.GenerateRequest.fromPartial(req), this.metadata(), opts);
+    const call = this.raw.generate(pb.GenerateRequest.fromPartial(req as pb.GenerateRequest), this.metadata(), opts);
     const onAbort = () => call.cancel();
     o.signal?.addEventListener("abort", onAbort, { once: true });
     try {
@@ -283,7 +293,7 @@ export class FerrumClient {
   }
 
   /** Run a generation to the end: the started event, the tokens and the finished event. */
-  async generateAll(req: Partial<pb.GenerateRequest>, o: CallOpts = {}):
+  async generateAll(req: GenerateArgs, o: CallOpts = {}):
     Promise<{ started?: pb.GenerateStarted; tokens: number[]; finished?: pb.GenerateFinished }> {
     const res: { started?: pb.GenerateStarted; tokens: number[]; finished?: pb.GenerateFinished } = { tokens: [] };
     for await (const ev of this.generate(req, o)) {

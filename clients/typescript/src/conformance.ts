@@ -3,7 +3,7 @@
  * tests/conformance/README.md) through the TypeScript client.
  */
 import { readFileSync } from "node:fs";
-import { FerrumClient, tokenOf, tokenPrompt, textPrompt, DecodeItem } from "./client";
+import { DecodeItem, FerrumClient, GenerateArgs, tokenOf, tokenPrompt, textPrompt } from "./client";
 import { FerrumError } from "./errors";
 import * as pb from "./gen/ferrum/executor/v1/executor";
 import * as types from "./gen/ferrum/executor/v1/types";
@@ -160,8 +160,8 @@ async function execute(c: FerrumClient, s: Obj): Promise<Obj> {
       return { released: r.released, freed_tokens: r.freedTokens };
     }
     case "generate": {
-      const req: Partial<pb.GenerateRequest> = {
-        modelId: model, sampling: sampling(s.sampling) as types.SamplingParams | undefined,
+      const req: GenerateArgs = {
+        modelId: model, sampling: sampling(s.sampling),
         stop: pb.StopConditions.fromPartial({
           maxTokens: typeof s.max_tokens === "number" ? s.max_tokens : 16, ignoreEos: s.ignore_eos === true,
           stopTokenIds: s.stop_token_ids ? ids(s.stop_token_ids) : [],
