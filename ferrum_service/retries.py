@@ -26,7 +26,7 @@ class StepDeduper:
         if not step_id:
             return await fn()
         key = (model_id, step_id)
-        body = request.SerializeToString(deterministic=True)
+        body = request.DESCRIPTOR.full_name.encode() + b"\0" + request.SerializeToString(deterministic=True)
         hit = self._seen.get(key)
         if hit is not None:
             if hit[0] != body:
