@@ -3,7 +3,6 @@ client, against a fresh ``ferrum-service serve`` subprocess on a loopback port."
 
 from __future__ import annotations
 
-
 from tests.conformance.harness import scenario_models, start_server
 from tests.conformance.run_python import run_scenario
 
