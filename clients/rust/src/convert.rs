@@ -165,7 +165,7 @@ pub fn model_info_from_proto(m: &proto::ModelInfo) -> ModelInfo {
 }
 
 pub fn capabilities_from_proto(c: &proto::ExecutorCapabilities) -> ExecutorCapabilities {
-    let mem = c.memory_requirements.clone().unwrap_or_default();
+    let mem = c.memory_requirements.unwrap_or_default();
     ExecutorCapabilities {
         max_batch_size: c.max_batch_size as usize,
         max_sequence_length: c.max_sequence_length as usize,
@@ -202,7 +202,7 @@ pub fn status_from_proto(s: &proto::ExecutorStatus) -> ExecutorStatus {
             }
         }
     };
-    let mem = s.memory_usage.clone().unwrap_or_default();
+    let mem = s.memory_usage.unwrap_or_default();
     ExecutorStatus {
         state,
         is_ready: s.is_ready,

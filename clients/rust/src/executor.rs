@@ -260,7 +260,7 @@ impl RemoteModelExecutor {
     /// `release_cache`, awaited, with the server's answer (`released` false = already gone).
     pub async fn release_cache_async(&self, cache_id: &str) -> Result<proto::ReleaseCacheResponse> {
         let id = self.take_alias(cache_id);
-        self.wait_released(&[id.clone()]).await;
+        self.wait_released(std::slice::from_ref(&id)).await;
         self.client.release_cache(&id).await.map_err(st)
     }
 
@@ -444,7 +444,7 @@ impl ModelExecutor for RemoteModelExecutor {
     async fn prefill(&self, input: &PrefillInput) -> Result<PrefillOutput> {
         let p = self.prefill_to_proto(input)?;
         if !p.cache_id.is_empty() {
-            self.wait_released(&[p.cache_id.clone()]).await;
+            self.wait_released(std::slice::from_ref(&p.cache_id)).await;
         }
         let out = self.client.prefill_input(p).await.map_err(st)?;
         self.prefill_from_proto(&out)
@@ -469,7 +469,7 @@ impl ModelExecutor for RemoteModelExecutor {
 
     async fn decode(&self, input: &DecodeInput) -> Result<DecodeOutput> {
         let p = self.decode_to_proto(input)?;
-        self.wait_released(&[p.cache_id.clone()]).await;
+        self.wait_released(std::slice::from_ref(&p.cache_id)).await;
         let full = p.logits.as_ref().is_some_and(is_full);
         let out = self.client.decode_input(p).await.map_err(st)?;
         self.decode_from_proto(&out, full)
@@ -556,7 +556,7 @@ impl ModelExecutor for RemoteModelExecutor {
     /// updated (the trait returns `()`); the server's length is the truth for the next step.
     async fn truncate_kv(&self, kv_cache: &Arc<dyn KvCacheHandle>, new_len: usize) -> Result<()> {
         let id = self.step_cache(kv_cache);
-        self.wait_released(&[id.clone()]).await;
+        self.wait_released(std::slice::from_ref(&id)).await;
         let new_len = i64::try_from(new_len).map_err(|_| FerrumError::invalid_parameter("new_len too large"))?;
         self.client.truncate_kv(&id, new_len).await.map_err(st)?;
         Ok(())

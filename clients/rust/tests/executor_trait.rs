@@ -278,4 +278,51 @@ async fn tiny_llama_trait_greedy_equals_server_generate() {
         }
     }
     assert_eq!(tokens, gen, "trait-level greedy (full rows and sentinels) == server Generate");
+
+    // The same executor shared by concurrent tasks (as an engine's batch would): every sequence
+    // gets the same greedy continuation.
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let exec = exec.clone();
+        tasks.push(tokio::spawn(async move {
+            let out = exec.prefill(&PrefillInput::new(HostTensor::token_ids_ref(&prompt))).await.unwrap();
+            let mut toks = vec![engine_sample(&out.last_token_logits().unwrap().to_vec_f32().unwrap())];
+            let mut kv = out.kv_cache;
+            for _ in 0..5 {
+                let d = exec.decode(&decode_input(*toks.last().unwrap(), &kv, greedy())).await.unwrap();
+                toks.push(engine_sample(&d.logits.to_vec_f32().unwrap()));
+                kv = d.kv_cache;
+            }
+            (toks, kv)
+        }));
+    }
+    let mut kvs = Vec::new();
+    for t in tasks {
+        let (toks, kv) = t.await.unwrap();
+        assert_eq!(toks, tokens);
+        kvs.push(kv);
+    }
+    // Paged-KV admission hooks (sync in the trait; a blocking RPC on this multi-thread runtime).
+    let snap = exec.kv_slot_capacity_snapshot();
+    let req = ferrum_interfaces::model_executor::KvSlotRequest {
+        cache_id: kvs[0].cache_id(),
+        target_len: kvs[0].num_tokens() + 1,
+        admission_target_len: None,
+    };
+    let reservation = exec.reserve_kv_slots(&[req]).unwrap();
+    println!("slot snapshot {snap:?}, reservation {reservation:?}, cache metrics {:?}", exec.cache_metrics_snapshot());
+    if let Some(r) = &reservation {
+        assert_eq!(r.allocations.len(), 1);
+        assert_eq!(r.allocations[0].cache_id, kvs[0].cache_id());
+    }
+    // release_cache from a thread outside the runtime: spawned on the connect-time runtime.
+    let ids: Vec<String> = kvs.iter().map(|k| k.cache_id()).collect();
+    let e2 = exec.clone();
+    std::thread::spawn(move || ids.iter().for_each(|id| e2.release_cache(id))).join().unwrap();
+    for kv in &kvs {
+        match exec.decode(&decode_input(1, kv, greedy())).await {
+            Err(FerrumError::NotFound { .. }) => {}
+            other => panic!("expected NotFound after release, got {other:?}"),
+        }
+    }
 }
