@@ -49,6 +49,10 @@ class ModelHost:
         self._busy: set[str] = set()
         self._decode_queue: list[tuple[DecodeInput, list[int], asyncio.Future]] = []
         self._decode_task: asyncio.Task | None = None
+        # Streams of the last decode batch that have not resubmitted (or ended) yet; the next batch
+        # waits a little for them (see ``_gather_stragglers``).
+        self._expected: set[str] = set()
+        self.decode_batch_sizes: list[int] = []  # recent decode batch sizes (diagnostics, bounded)
         self.running = 0  # steps executing or queued on the worker
         self._pending_releases: set[asyncio.Task] = set()
 
@@ -130,6 +134,7 @@ class ModelHost:
 
         The release runs as its own task (not the cancelled one), so a second cancellation cannot
         interrupt it and leak the cache."""
+        self._expected.discard(cache_id)
         if cache_id not in self.executor.registry:
             return
         if self.executor.inline:
@@ -163,16 +168,40 @@ class ModelHost:
             self._decode_task = asyncio.create_task(self._drain_decodes())
         return await fut
 
+    #: Longest wait (seconds) for streams of the previous batch to resubmit before a batch runs.
+    straggler_wait_s = 0.005
+
+    async def _gather_stragglers(self) -> None:
+        """Yield loop turns until every stream of the previous batch has queued its next step (or
+        ended), at most :attr:`straggler_wait_s`.
+
+        Without this wait a batch is cut as soon as the first few streams of the previous batch are
+        back (the others are still sending their token event), so B streams split into two or
+        more forwards per token — each costing nearly a full weight read on a memory-bound model.
+        """
+        await asyncio.sleep(0)
+        if not self._expected:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.straggler_wait_s
+        while loop.time() < deadline and len(self._decode_queue) < self.max_batch:
+            queued = {b[0].cache_id for b in self._decode_queue}
+            if self._expected <= queued:
+                break
+            await asyncio.sleep(0)
+
     async def _drain_decodes(self) -> None:
         while self._decode_queue:
-            # Give streams that are about to submit (their previous step just resolved) one loop
-            # turn to join this batch.
-            await asyncio.sleep(0)
+            await self._gather_stragglers()
             batch = self._decode_queue[: self.max_batch]
             del self._decode_queue[: len(batch)]
             batch = [b for b in batch if not b[2].cancelled()]
+            self._expected = {b[0].cache_id for b in batch}
             if not batch:
                 continue
+            self.decode_batch_sizes.append(len(batch))
+            if len(self.decode_batch_sizes) > 4096:
+                del self.decode_batch_sizes[:2048]
             try:
                 results = (await self.call(self._decode_and_sample, batch, admit=False)).value
             except errors.FerrumError as e:
@@ -197,6 +226,10 @@ class ModelHost:
             for (_, _, fut), r in zip(batch, results):
                 if not fut.done():
                     fut.set_result(r)
+            # The streams resume on later loop turns; give them the chance to queue their next
+            # step before this task decides the queue is empty and ends.
+            await self._gather_stragglers()
+        self._expected = set()
 
     def _decode_and_sample(self, batch) -> list[RowResult]:
         t0 = time.perf_counter()

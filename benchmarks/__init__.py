@@ -1,0 +1,1 @@
+"""ferrum-service benchmark suite: ``python -m benchmarks.run`` (see benchmarks/README.md)."""

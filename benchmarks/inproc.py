@@ -1,0 +1,223 @@
+"""In-process measurements (the driver process): the executor alone, transformers' own
+``generate``, llama.cpp, memory bandwidth, and lighter-weight variants."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from .common import median
+
+PROMPT_TEXT = "Write a long story about a lighthouse keeper who finds a mysterious map. Describe every detail."
+REPETITIVE_TEXT = (
+    "Copy the following list exactly, line by line, then copy it again.\n"
+    + "\n".join(f"- item {i}: the quick brown fox jumps over the lazy dog number {i}" for i in range(1, 9))
+)
+
+
+def load_smollm2(dtype: str = "auto"):
+    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.packaged_models import smollm2_gguf
+
+    d, f = smollm2_gguf()
+    ex = HfCausalLmExecutor.from_path(d, gguf_file=f, model_id="smollm2", device="cpu", dtype=dtype,
+                                      kv_budget_tokens=32768)
+    ex.warmup()
+    return ex
+
+
+def chat_ids(ex, text: str) -> list[int]:
+    s = ex.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ex.tokenizer.encode(s, add_special_tokens=False))
+
+
+def mixed_prompts(vocab: int, b: int, max_len: int = 128) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    base = [rng.randrange(100, vocab) for _ in range(max_len)]
+    return [base[: max(1, max_len * (i + 1) // b)] for i in range(b)]
+
+
+@torch.inference_mode()
+def executor_decode(ex, prompts: list[list[int]], steps: int, repeats: int, sampled: bool = True) -> dict:
+    """Aggregate decode tok/s of ``batch_decode`` over ``prompts`` (one forward per step). With
+    ``sampled`` each step also runs server-side greedy sampling (what the server does per step)."""
+    from ferrum_service.sampling import process_rows
+    from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
+
+    none = LogitsPolicy(mode=OutputMode.NONE)
+    greedy = LogitsPolicy(mode=OutputMode.SAMPLED_TOKEN)
+    rates, trace = [], []
+    for r in range(-1, repeats):  # r = -1: untimed warm-up (first-touch of KV blocks, kernel set-up)
+        outs = ex.batch_prefill([PrefillInput(token_ids=p[:-1] or p, policy=none) for p in prompts])
+        ids = [o.cache.cache_id for o in outs]
+        tok = [p[-1] for p in prompts]
+        toks = []
+        t = time.perf_counter()
+        for _ in range(steps):
+            inputs = [DecodeInput(cache_id=c, token_id=x, policy=greedy) for c, x in zip(ids, tok)]
+            dec = ex.batch_decode(inputs) if len(inputs) > 1 else [ex.decode(inputs[0])]
+            if sampled:
+                rows = process_rows([d.logits for d in dec], [i.policy for i in inputs],
+                                    [ex.registry.get(c).tokens for c in ids], [d.cache.num_tokens for d in dec])
+                tok = [rr.token_id for rr in rows]
+            else:
+                tok = [int(d.logits.argmax()) for d in dec]
+            toks.append(tok)
+        if r >= 0:
+            rates.append(len(prompts) * steps / (time.perf_counter() - t))
+        if r == 0:
+            trace = toks
+        for c in ids:
+            ex.release_cache(c)
+    return {"tok_s": median(rates), "runs": rates, "tokens": trace}
+
+
+@torch.inference_mode()
+def hf_generate(model, prompt: list[int], b: int, new_tokens: int, repeats: int) -> dict:
+    """transformers' own greedy ``generate`` (DynamicCache), batch ``b`` of the same prompt."""
+    ids = torch.tensor([prompt] * b, dtype=torch.long)
+    am = torch.ones_like(ids)
+    rates, out = [], None
+    model.generate(input_ids=ids, attention_mask=am, max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)
+        rates.append(b * new_tokens / (time.perf_counter() - t))
+    return {"tok_s": median(rates), "runs": rates, "tokens": out[0, len(prompt):].tolist()}
+
+
+def bandwidth(gib: float = 1.0, repeats: int = 7) -> dict:
+    """Memory read bandwidth with the process's torch threads: ``x.sum()`` over a large fp32
+    tensor (read only), and ``copy_`` (read + write), medians."""
+    n = int(gib * 2**30) // 4
+    x = torch.ones(n, dtype=torch.float32)
+    y = torch.empty_like(x)
+    x.sum()
+    y.copy_(x)
+    ts, tc = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        ts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        y.copy_(x)
+        tc.append(time.perf_counter() - t)
+    nbytes = n * 4
+    del x, y
+    return {"read_gb_s": nbytes / median(ts) / 1e9, "copy_gb_s": 2 * nbytes / median(tc) / 1e9,
+            "read_gb_s_best": nbytes / min(ts) / 1e9}
+
+
+def weight_bytes(model) -> int:
+    """Bytes of parameters read by one decode step: every weight once (a tied embedding is read
+    in full by the LM head; the embedding lookup itself reads one row and is not counted twice)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    # Dynamic-int8 modules keep packed weights outside .parameters()
+    for m in model.modules():
+        if type(m).__name__ == "DynamicQuantizedLinear":
+            w, b = m._packed_params._weight_bias()
+            total += w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
+    return total
+
+
+def llama_cpp(gguf_path: str, prompt: list[int], new_tokens: int, repeats: int, threads: int) -> dict:
+    """llama.cpp (llama-cpp-python) on the same GGUF file, greedy, B=1; decode tok/s from token
+    timestamps (prefill excluded) and end-to-end tok/s (prefill included)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as e:
+        return {"error": f"not available: llama-cpp-python not installed ({e})"}
+    import llama_cpp as lc
+
+    llm = Llama(model_path=gguf_path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                verbose=False, seed=0)
+    dec, e2e, toks = [], [], []
+    for r in range(repeats):
+        llm.reset()
+        stamps = []
+        got = []
+        t0 = time.perf_counter()
+        for tok in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            stamps.append(time.perf_counter())
+            got.append(int(tok))
+            if len(got) >= new_tokens:
+                break
+        dec.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+        e2e.append(len(stamps) / (stamps[-1] - t0))
+        if r == 0:
+            toks = got
+    return {"decode_tok_s": median(dec), "e2e_tok_s": median(e2e), "tokens": toks, "version": lc.__version__,
+            "threads": threads}
+
+
+@torch.inference_mode()
+def greedy_tokens(ex, prompt: list[int], n: int) -> list[int]:
+    from ferrum_service.types import DecodeInput, PrefillInput
+
+    out = ex.prefill(PrefillInput(token_ids=prompt))
+    cid = out.cache.cache_id
+    toks = [int(out.logits.argmax())]
+    for _ in range(n - 1):
+        d = ex.decode(DecodeInput(cache_id=cid, token_id=toks[-1]))
+        toks.append(int(d.logits.argmax()))
+    ex.release_cache(cid)
+    return toks
+
+
+@torch.inference_mode()
+def all_logits(ex, ids: list[int]) -> torch.Tensor:
+    from ferrum_service.types import PrefillInput
+
+    out = ex.prefill(PrefillInput(token_ids=ids, all_positions=True))
+    ex.release_cache(out.cache.cache_id)
+    return out.all_logits.float()
+
+
+def variants(ex32, prompt: list[int], text_ids: list[int], steps: int, repeats: int) -> list[dict]:
+    """fp32 (reference), bf16 and dynamic-int8 (torch's own ``quantize_dynamic``) weights: B=1 and
+    B=8 decode tok/s, weight bytes, and quality vs fp32 (max |logit diff| over a teacher-forced text,
+    greedy agreement over ``2*steps`` generated tokens)."""
+    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+
+    ref_logits = all_logits(ex32, text_ids)
+    ref_greedy = greedy_tokens(ex32, prompt, 2 * steps)
+    vocab = ex32.info().vocab_size
+    rows = []
+
+    def measure(name, ex):
+        b1 = executor_decode(ex, [prompt], steps, repeats)["tok_s"]
+        b8 = executor_decode(ex, mixed_prompts(vocab, 8), steps, repeats)["tok_s"]
+        lg = all_logits(ex, text_ids)
+        g = greedy_tokens(ex, prompt, 2 * steps)
+        agree = next((i for i, (a, b) in enumerate(zip(g, ref_greedy)) if a != b), len(g))
+        top1 = float((lg.argmax(-1) == ref_logits.argmax(-1)).float().mean())
+        rows.append({"variant": name, "b1_tok_s": b1, "b8_tok_s": b8, "weight_bytes": weight_bytes(ex.model),
+                     "max_logit_diff": float((lg - ref_logits).abs().max()), "top1_agreement": top1,
+                     "greedy_prefix_agree": agree, "greedy_tokens": len(g)})
+
+    measure("fp32", ex32)
+    try:
+        exb = load_smollm2("bf16")
+        measure("bf16", exb)
+        del exb
+    except Exception as e:  # noqa: BLE001
+        rows.append({"variant": "bf16", "error": str(e)})
+    try:
+        qm = torch.ao.quantization.quantize_dynamic(copy.deepcopy(ex32.model), {torch.nn.Linear}, dtype=torch.qint8)
+        exq = HfCausalLmExecutor(qm, ex32.tokenizer, model_id="smollm2-int8", kv_budget_tokens=8192)
+        exq.warmup()
+        measure("int8-dynamic", exq)
+        del exq, qm
+    except Exception as e:  # noqa: BLE001
+        rows.append({"variant": "int8-dynamic", "error": f"{type(e).__name__}: {e}"})
+    return rows
