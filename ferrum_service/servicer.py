@@ -250,7 +250,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         h = self.models.get(model_id)
         tok = h.executor.tokenizer
         if tok is None:
-            raise errors.failed_precondition(f"model {h.model_id!r} has no tokenizer", field="model_id")
+            raise errors.FerrumError(errors.ErrorKind.TOKENIZER, f"model {h.model_id!r} has no tokenizer",
+                                     code=grpc.StatusCode.FAILED_PRECONDITION, field="model_id")
         return h, tok
 
     async def Tokenize(self, request, context):
