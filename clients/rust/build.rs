@@ -18,8 +18,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-env-changed=PROTOC");
 
     if std::env::var_os("PROTOC").is_none() {
-        // SAFETY: build scripts are single-threaded at this point.
-        unsafe { std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };
+        // The build script is single-threaded here; prost-build reads PROTOC.
+        std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?);
     }
     // google/protobuf/struct.proto resolves from the vendored include dir; the generated code maps
     // it to prost_types::Struct (prost's default extern path for well-known types).
