@@ -86,11 +86,6 @@ def main(argv=None) -> int:
     section("inproc_b16", lambda: inproc.executor_decode(ex, inproc.mixed_prompts(vocab, 16), steps, repeats))
     section("hf_b1", lambda: inproc.hf_generate(ex.model, prompt, 1, gen_tokens, 2))
     section("hf_b8", lambda: inproc.hf_generate(ex.model, prompt, 8, gen_tokens, 2))
-    if not a.skip_llama_cpp:
-        from ferrum_service.packaged_models import smollm2_gguf
-
-        d, f = smollm2_gguf()
-        section("llama_cpp", lambda: inproc.llama_cpp(str(Path(d) / f), prompt, 2 * gen_tokens, repeats, threads))
 
     # ---- SmolLM2 server subprocess -------------------------------------------------------------
     log("starting SmolLM2 server subprocess")
@@ -117,6 +112,12 @@ def main(argv=None) -> int:
         section("kv_lag", lambda: remote.kv_event_lag(tgt, "stub", 300 if a.quick else 1000))
         section("rss", lambda: remote.sessions_rss(tgt, "stub", srv.pid, 2000 if a.quick else a.sessions))
 
+    # llama.cpp after the servers are gone (its threads would compete with theirs)
+    if not a.skip_llama_cpp:
+        from ferrum_service.packaged_models import smollm2_gguf
+
+        d, f = smollm2_gguf()
+        section("llama_cpp", lambda: inproc.llama_cpp(str(Path(d) / f), prompt, 2 * gen_tokens, repeats, threads))
     if not a.skip_variants:
         section("variants", lambda: inproc.variants(ex, prompt, rep_prompt, steps, 2))
 
