@@ -20,10 +20,10 @@ MOCK = "configurable,id=mock,vocab_size=1000,token_sequence=10:20:30"
 
 
 def test_sigterm_drains_streams_then_exits_zero():
-    srv = ServerProcess("--model", MOCK, "--grace-period", "15").start()
+    srv = ServerProcess("--model", MOCK, "--grace-period", "30").start()
     try:
         with Client(srv.target) as c:
-            stream = c.generate("mock", token_ids=[1], max_tokens=400)
+            stream = c.generate("mock", token_ids=[1], max_tokens=4000)  # outlasts the checks below
             it = iter(stream)
             assert next(it).WhichOneof("event") == "started"
             srv.terminate(signal.SIGTERM)
@@ -35,7 +35,7 @@ def test_sigterm_drains_streams_then_exits_zero():
             # the in-flight stream is allowed to finish
             rest = list(it)
             assert rest[-1].WhichOneof("event") == "finished"
-        assert srv.wait(20) == 0
+        assert srv.wait(40) == 0
     finally:
         srv.stop()
     assert '"stopped"' in srv.log()
