@@ -232,13 +232,19 @@ class ModelHost:
         self._expected = set()
 
     def _decode_and_sample(self, batch) -> list[RowResult]:
+        return self.decode_and_sample([b[0] for b in batch])[1]
+
+    def decode_and_sample(self, inputs: list[DecodeInput]) -> tuple[list, list[RowResult]]:
+        """One (batched) decode step and its sampling; runs on the worker thread. Each row's
+        repetition-penalty history is its cache's tokens."""
         t0 = time.perf_counter()
-        inputs = [b[0] for b in batch]
         outs = self.executor.batch_decode(inputs) if len(inputs) > 1 else [self.executor.decode(inputs[0])]
         self.executor.stats.record("decode", time.perf_counter() - t0, len(inputs))
-        return process_rows(
+        reg = self.executor.registry
+        rows = process_rows(
             [o.logits for o in outs],
             [i.policy for i in inputs],
-            [b[1] for b in batch],
+            [reg.get(i.cache_id).tokens for i in inputs],
             [o.cache.num_tokens for o in outs],
         )
+        return outs, rows

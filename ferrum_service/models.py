@@ -35,6 +35,10 @@ class ModelSet:
             )
         return host
 
+    def select(self, model_id: str) -> list[ModelHost]:
+        """The named model, or every hosted model when ``model_id`` is empty."""
+        return [self.get(model_id)] if model_id else list(self.hosts.values())
+
     def owner_of(self, cache_id: str) -> str | None:
         """The model whose registry holds (or held) ``cache_id``."""
         for mid, host in self.hosts.items():

@@ -221,17 +221,7 @@ class Operations:
 
     @staticmethod
     def _run_decode(host, inputs: list[DecodeInput]):
-        t0 = time.perf_counter()
-        outs = host.executor.batch_decode(inputs) if len(inputs) > 1 else [host.executor.decode(inputs[0])]
-        host.executor.stats.record("decode", time.perf_counter() - t0, len(inputs))
-        reg = host.executor.registry
-        rows = process_rows(
-            [o.logits for o in outs],
-            [i.policy for i in inputs],
-            [reg.get(i.cache_id).tokens for i in inputs],
-            [o.cache.num_tokens for o in outs],
-        )
-        return outs, rows
+        return host.decode_and_sample(inputs)
 
     async def batch_decode(self, req: pb.BatchDecodeRequest, owner: str = "") -> pb.BatchDecodeResponse:
         t = time.perf_counter_ns()

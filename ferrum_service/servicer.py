@@ -126,7 +126,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
     # ---- metadata RPCs --------------------------------------------------------------------------
     async def Info(self, request, context):
         async def run():
-            hosts = [self.models.get(request.model_id)] if request.model_id else list(self.models)
+            hosts = self.models.select(request.model_id)
             return pb.InfoResponse(models=[model_info_pb(h.executor.info()) for h in hosts],
                                    server_version=__version__, contract_version="ferrum.executor.v1")
         return await self._unary("Info", context, run)
@@ -225,7 +225,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
     async def Warmup(self, request, context):
         async def run():
             t0 = time.perf_counter_ns()
-            hosts = [self.models.get(request.model_id)] if request.model_id else list(self.models)
+            hosts = self.models.select(request.model_id)
             for h in hosts:
                 await h.call(h.executor.warmup)
             return pb.WarmupResponse(model_ids=[h.model_id for h in hosts], duration_ns=time.perf_counter_ns() - t0)
@@ -233,7 +233,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
 
     async def Shutdown(self, request, context):
         async def run():
-            hosts = [self.models.get(request.model_id)] if request.model_id else list(self.models)
+            hosts = self.models.select(request.model_id)
             freed = 0
             for h in hosts:
                 if h.executor.state != "shutdown":
@@ -437,7 +437,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
     # ---- scheduler-facing operations -----------------------------------------------------------
     async def Loads(self, request, context):
         async def run():
-            hosts = [self.models.get(request.model_id)] if request.model_id else list(self.models)
+            hosts = self.models.select(request.model_id)
             seq = self.events.seq
             resp = pb.LoadsResponse(kv_event_seq=seq)
             for h in hosts:
@@ -462,7 +462,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
 
     async def ListCaches(self, request, context):
         async def run():
-            hosts = [self.models.get(request.model_id)] if request.model_id else list(self.models)
+            hosts = self.models.select(request.model_id)
             # Read on the loop thread with the hub's seq first: events are absolute, so any that
             # land between the two reads and are replayed on top of the snapshot are harmless.
             seq = self.events.seq
