@@ -150,7 +150,7 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
                 e = reg.get(cache_id)
                 reg.admit(reg.growth(e, total), "stop.max_tokens")
                 row = await host.decode_batched(
-                    DecodeInput(cache_id=cache_id, token_id=req.last_token_id, policy=policy), e.tokens
+                    DecodeInput(cache_id=cache_id, token_id=req.last_token_id, policy=policy)
                 )
                 handle = host.executor.handle(reg.get(cache_id))
             yield pb.GenerateResponse(started=pb.GenerateStarted(
@@ -182,9 +182,7 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
                     finish = pb.FINISH_REASON_LENGTH
                     break
                 _check_abort(state)
-                entry = reg.get(cache_id)
-                row = await host.decode_batched(DecodeInput(cache_id=cache_id, token_id=token, policy=policy),
-                                                entry.tokens)
+                row = await host.decode_batched(DecodeInput(cache_id=cache_id, token_id=token, policy=policy))
         fin = pb.GenerateFinished(
             finish_reason=finish, prompt_tokens=len(prompt), generated_tokens=generated,
             time_to_first_token_ns=ttft, total_ns=time.perf_counter_ns() - t_start,

@@ -47,7 +47,7 @@ class ModelHost:
         self.max_queue = max_queue  # steps allowed to wait for the worker (0 = unbounded)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"exec-{model_id}")
         self._busy: set[str] = set()
-        self._decode_queue: list[tuple[DecodeInput, list[int], asyncio.Future]] = []
+        self._decode_queue: list[tuple[DecodeInput, asyncio.Future]] = []
         self._decode_task: asyncio.Task | None = None
         # Streams of the last decode batch that have not resubmitted (or ended) yet; the next batch
         # waits a little for them (see ``_gather_stragglers``).
@@ -160,10 +160,11 @@ class ModelHost:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- continuous batching of Generate decode steps ------------------------------------------
-    async def decode_batched(self, inp: DecodeInput, history: list[int]) -> RowResult:
-        """One decode step + sampling, batched with whatever other streams decode right now."""
+    async def decode_batched(self, inp: DecodeInput) -> RowResult:
+        """One decode step + sampling, batched with whatever other streams decode right now. The
+        repetition-penalty history is the cache's tokens (see :meth:`decode_and_sample`)."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._decode_queue.append((inp, history, fut))
+        self._decode_queue.append((inp, fut))
         if self._decode_task is None or self._decode_task.done():
             self._decode_task = asyncio.create_task(self._drain_decodes())
         return await fut
@@ -195,7 +196,7 @@ class ModelHost:
             await self._gather_stragglers()
             batch = self._decode_queue[: self.max_batch]
             del self._decode_queue[: len(batch)]
-            batch = [b for b in batch if not b[2].cancelled()]
+            batch = [b for b in batch if not b[1].cancelled()]
             self._expected = {b[0].cache_id for b in batch}
             if not batch:
                 continue
@@ -206,24 +207,24 @@ class ModelHost:
                 results = (await self.call(self._decode_and_sample, batch, admit=False)).value
             except errors.FerrumError as e:
                 if len(batch) == 1:
-                    batch[0][2].set_exception(e) if not batch[0][2].done() else None
+                    batch[0][1].set_exception(e) if not batch[0][1].done() else None
                     continue
                 # Isolate the failing step: rerun each alone so one bad stream does not fail others.
                 for item in batch:
                     try:
                         r = (await self.call(self._decode_and_sample, [item], admit=False)).value[0]
-                        if not item[2].done():
-                            item[2].set_result(r)
+                        if not item[1].done():
+                            item[1].set_result(r)
                     except Exception as e2:  # noqa: BLE001 - forwarded to the stream that caused it
-                        if not item[2].done():
-                            item[2].set_exception(e2)
+                        if not item[1].done():
+                            item[1].set_exception(e2)
                 continue
             except Exception as e:  # noqa: BLE001
-                for _, _, fut in batch:
+                for _, fut in batch:
                     if not fut.done():
                         fut.set_exception(e)
                 continue
-            for (_, _, fut), r in zip(batch, results):
+            for (_, fut), r in zip(batch, results):
                 if not fut.done():
                     fut.set_result(r)
             # The streams resume on later loop turns; give them the chance to queue their next
