@@ -3,8 +3,9 @@
 The prompt is prefilled on the model's worker, then each step feeds the last token through
 ``ModelHost.decode_batched``, which joins concurrent streams of the same model into one batched
 forward (continuous batching). The loop checks for cancellation between steps; whatever ends the
-stream (finish, error, client cancel, deadline, dropped connection), the ``finally`` frees the
-cache it created unless the caller asked to keep it.
+stream (finish, error, client cancel, deadline, dropped connection, Abort), the ``finally`` frees the
+cache it created unless the caller asked to keep it: with reason ``released`` once ``GenerateFinished``
+was yielded, else ``reclaimed`` (the stream ended abnormally, as a Session's caches on close).
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
     finish = pb.FINISH_REASON_UNSPECIFIED
     out_ids: list[int] = []
     ttft = 0
+    finished = False  # GenerateFinished was yielded: the stream ended normally
     try:
         with host.hold([cache_id], "cache_id"):
             # --- prefill (or feed the caller's last token into its cache) ---
@@ -193,7 +195,8 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
             fin.text = tok.decode(out_ids, skip_special_tokens=True)
         if cache_id and (req.keep_cache or not created) and cache_id in reg:
             fin.cache.CopyFrom(handle_pb(host.executor.handle(reg.get(cache_id))))
+        finished = True
         yield pb.GenerateResponse(finished=fin)
     finally:
         if created and not req.keep_cache:
-            host.release_soon(created)
+            host.release_soon(created, "released" if finished else "reclaimed")

@@ -151,7 +151,68 @@ def test_killed_client_process_stops_the_stream_and_frees_its_cache(srv, mode):
         if p.poll() is None:
             p.kill()
             p.wait(5)
-    assert _metric(srv, "ferrum_reclaimed_caches_total", model="slow") >= (1 if mode == "session" else 0)
+    assert _metric(srv, "ferrum_reclaimed_caches_total", model="slow") >= 1
+
+
+_FREED = {pb.KV_EVENT_KIND_RELEASED: "released", pb.KV_EVENT_KIND_RECLAIMED: "reclaimed",
+          pb.KV_EVENT_KIND_EVICTED: "evicted"}
+
+
+def _freed_reasons(client: Client, cache_ids: set[str]) -> dict[str, str]:
+    """How each cache was freed, read from the KV event stream (replayed from the start)."""
+    got: dict[str, str] = {}
+    stream = client.subscribe_kv_events("slow", from_seq=1, timeout=10)
+    for msg in stream:
+        assert msg.WhichOneof("message") == "event", msg
+        ev = msg.event
+        if ev.cache_id in cache_ids and ev.kind in _FREED:
+            got[ev.cache_id] = _FREED[ev.kind]
+            if set(got) == cache_ids:
+                break
+    stream.cancel()
+    return got
+
+
+def test_generate_frees_its_cache_released_when_finished_and_reclaimed_when_it_ends_abnormally(srv):
+    """A Generate stream that yields GenerateFinished frees its cache with reason ``released``; one
+    cancelled by its client, run out of deadline or stopped by Abort frees it with ``reclaimed``
+    (as a Session's caches on close) — in the KV events and the registry's counters."""
+    reg = _ex(srv).registry
+    released0, reclaimed0 = reg.released_total, reg.reclaimed_total
+    cids: dict[str, str] = {}
+    with Client(srv.target) as c:
+        evs = list(c.generate("slow", token_ids=[1, 2, 3], max_tokens=3))
+        assert evs[-1].WhichOneof("event") == "finished"
+        cids["finished"] = evs[0].started.cache.cache_id
+
+        s = c.generate("slow", token_ids=[1, 2, 3], max_tokens=4000)
+        it = iter(s)
+        cids["cancelled"] = next(it).started.cache.cache_id
+        next(it)
+        s.cancel()
+
+        with pytest.raises(FerrumRpcError) as e:
+            for ev in c.generate("slow", token_ids=[1, 2, 3], max_tokens=4000, timeout=0.3):
+                if ev.WhichOneof("event") == "started":
+                    cids["deadline"] = ev.started.cache.cache_id
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        it = iter(c.generate("slow", token_ids=[1, 2, 3], max_tokens=4000, request_id="abort-me"))
+        cids["aborted"] = next(it).started.cache.cache_id
+        next(it)
+        assert c.abort("slow", request_id="abort-me").aborted_streams == 1
+        with pytest.raises(FerrumRpcError) as e:
+            for _ in it:
+                pass
+        assert e.value.code == grpc.StatusCode.CANCELLED
+
+        assert _wait_until(lambda: srv.live_caches()["slow"] == 0), "a stream's cache was not freed"
+        reasons = _freed_reasons(c, set(cids.values()))
+    assert {how: reasons.get(cid) for how, cid in cids.items()} == {
+        "finished": "released", "cancelled": "reclaimed", "deadline": "reclaimed", "aborted": "reclaimed"}
+    assert reg.released_total - released0 == 1
+    assert reg.reclaimed_total - reclaimed0 == 3
+    assert _metric(srv, "ferrum_reclaimed_caches_total", model="slow") == reclaimed0 + 3
 
 
 # ---- Session -------------------------------------------------------------------------------------
