@@ -8,6 +8,10 @@ refused with RESOURCE_EXHAUSTED.
 
 Thread-safe: the server reads it from the asyncio loop thread while an executor's worker thread
 creates and extends caches; a lock guards the table (payloads belong to the executor).
+
+Totals (tokens held, budget held) are kept as running sums updated by every mutation, so admission
+costs O(1) per step however many caches are live. Mutate entries only through the registry
+(``create``/``extend``/``truncate``/``set_reserved``/``release``) or the sums drift.
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ class CacheRegistry:
         self.created_total = 0
         self.released_total = 0
         self.reclaimed_total = 0
+        # Running sums over live caches: tokens held and budget held (sum of footprints).
+        self._tokens_held = 0
+        self._budget_held = 0
 
     # ---- queries -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -97,15 +104,22 @@ class CacheRegistry:
 
     @property
     def used_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries())
+        """Tokens held by live caches."""
+        return self._tokens_held
 
     @property
     def reserved_tokens(self) -> int:
-        return sum(e.footprint - e.num_tokens for e in self.entries())
+        """Budget promised to live caches beyond the tokens they hold."""
+        return self._budget_held - self._tokens_held
 
     @property
     def free_tokens(self) -> int:
-        return max(0, self.total_tokens - sum(e.footprint for e in self.entries()))
+        return max(0, self.total_tokens - self._budget_held)
+
+    def recount(self) -> tuple[int, int]:
+        """(tokens, budget) summed over the live caches the slow way (a check on the running sums)."""
+        entries = self.entries()
+        return sum(e.num_tokens for e in entries), sum(e.footprint for e in entries)
 
     def touch(self, cache_id: str) -> None:
         """Renew a cache's lease (``last_access``); a no-op for caches that are not live."""
@@ -191,21 +205,41 @@ class CacheRegistry:
             entry = CacheEntry(cache_id, self.model_id, list(tokens), reserved_total=reserve_tokens, owner=owner)
             self._caches[cache_id] = entry
             self.created_total += 1
+            self._tokens_held += entry.num_tokens
+            self._budget_held += entry.footprint
         self._emit("created", entry)
         return entry
 
     def extend(self, entry: CacheEntry, tokens: list[int]) -> None:
         """Append tokens (admission must have been checked with :meth:`growth`)."""
-        entry.tokens.extend(tokens)
+        with self._lock:
+            before = entry.footprint
+            entry.tokens.extend(tokens)
+            self._account(entry, len(tokens), before)
         entry.last_access = time.monotonic()
         self._emit("extended", entry)
 
     def truncate(self, entry: CacheEntry, new_len: int) -> int:
-        removed = len(entry.tokens) - new_len
-        del entry.tokens[new_len:]
+        with self._lock:
+            before = entry.footprint
+            removed = len(entry.tokens) - new_len
+            del entry.tokens[new_len:]
+            self._account(entry, -removed, before)
         entry.last_access = time.monotonic()
         self._emit("truncated", entry)
         return removed
+
+    def set_reserved(self, entry: CacheEntry, reserved_total: int) -> None:
+        """Set the tokens of budget promised to ``entry`` (its reservation)."""
+        with self._lock:
+            before = entry.footprint
+            entry.reserved_total = reserved_total
+            self._account(entry, 0, before)
+
+    def _account(self, entry: CacheEntry, token_delta: int, footprint_before: int) -> None:
+        if entry.cache_id in self._caches:
+            self._tokens_held += token_delta
+            self._budget_held += entry.footprint - footprint_before
 
     def release(self, cache_id: str, *, reason: str = "released") -> CacheEntry | None:
         """Forget a cache; None when it is not live. ``reason``: released | reclaimed | evicted."""
@@ -213,6 +247,8 @@ class CacheRegistry:
             entry = self._caches.pop(cache_id, None)
             if entry is None:
                 return None
+            self._tokens_held -= entry.num_tokens
+            self._budget_held -= entry.footprint
             self._released[cache_id] = None
             while len(self._released) > 65536:
                 self._released.popitem(last=False)

@@ -326,6 +326,9 @@ class Fuzzer:
         if extra:
             self.failures.append(f"leak {sorted(extra)[:5]} after {self.current!r}")
         assert not extra, f"caches nobody was told about: {sorted(extra)[:5]}"
+        for h in self.srv.server.models:  # the registry's running sums agree with a recount
+            reg = h.executor.registry
+            assert (reg.used_tokens, reg.used_tokens + reg.reserved_tokens) == reg.recount(), self.current
         self.known = {c for c in self.known if self.live(c)}
         assert self.srv.server.servicer.active_streams == set() or self._wait_streams()
         assert self.srv.run(_ok()) == "ok", "the server's loop stopped answering"

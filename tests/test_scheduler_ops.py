@@ -143,6 +143,8 @@ def test_mirror_tracks_server_through_random_operations():
             mine = {k: v for k, v in expected.items() if k[0] == model}
             assert loads[model].active_caches == len(mine)
             assert loads[model].resident_tokens == sum(mine.values())
+            reg = srv.models.get(model).executor.registry  # running sums == a recount after 1,200 ops
+            assert (reg.used_tokens, reg.used_tokens + reg.reserved_tokens) == reg.recount()
         streams[-1].cancel()
         t2.join(10)
         lags = sorted(mirror.lags)

@@ -675,7 +675,7 @@ class HfCausalLmExecutor(ModelExecutor):
                     grown.append((e, len(blocks), e.reserved_total))
                     target = max(past + len(it.tokens), it.reserve)
                     blocks.extend(pool.allocate(pool.blocks_for(target) - len(blocks)))
-                    e.reserved_total = max(e.reserved_total, it.reserve)
+                    self.registry.set_reserved(e, max(e.reserved_total, it.reserve))
                 entries.append(e)
                 rows.append(_Row(e.payload.blocks, past, it.tokens, it.want))
             logits = self._forward_rows(rows)
@@ -687,7 +687,7 @@ class HfCausalLmExecutor(ModelExecutor):
                 if extra:
                     pool.free(extra)
                     del e.payload.blocks[n_blocks:]
-                e.reserved_total = reserved
+                self.registry.set_reserved(e, reserved)
             raise
         for it, e in zip(items, entries):
             if it.entry is not None:
