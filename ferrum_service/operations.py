@@ -32,8 +32,7 @@ def _timings(t_start: int, timed, sampling_ns: int) -> tpb.StepTimings:
 
 
 def _require_generation(host: "ModelHost", rpc: str) -> None:
-    caps = host.executor.capabilities()
-    if not caps.supports_generation:
+    if not host.supports_generation:
         raise errors.unsupported(
             f"{rpc}: model {host.model_id!r} is an encoder ({host.info.executor}) and does not support token "
             "generation; use Prefill to get embeddings",
@@ -95,7 +94,9 @@ class Operations:
             request_id=msg.request_id,
         )
 
-    def _decode_input(self, host: "ModelHost", msg: pb.DecodeInput, field: str) -> DecodeInput:
+    def _decode_input(self, host: "ModelHost", msg: pb.DecodeInput, field: str, *, admit: bool = True) -> DecodeInput:
+        """Check one decode input; ``admit`` also checks its one token of growth against the free KV
+        budget (batches pass ``admit=False`` and admit their total, see :meth:`_admit_decodes`)."""
         entry = self._entry(host, msg.cache_id, f"{field}.cache_id")
         check_token(msg.token_id, host.vocab_size, f"{field}.token_id")
         policy = logits_policy(msg.logits, host.vocab_size, f"{field}.logits")
@@ -106,7 +107,8 @@ class Operations:
                 num_tokens=entry.num_tokens,
             )
         self._check_length(host, entry.num_tokens + 1, f"{field}.cache_id")
-        host.executor.registry.admit(host.executor.registry.growth(entry, entry.num_tokens + 1), f"{field}.cache_id")
+        if admit:
+            host.executor.registry.admit(host.executor.registry.growth(entry, entry.num_tokens + 1), f"{field}.cache_id")
         return DecodeInput(cache_id=msg.cache_id, token_id=msg.token_id, policy=policy,
                            position=entry.num_tokens, metadata=struct_to_dict(msg.metadata))
 
@@ -229,9 +231,10 @@ class Operations:
         _require_generation(host, "BatchDecode")
         if not req.inputs:
             raise errors.invalid("inputs is empty: at least one decode input is required", field="inputs")
-        inputs = [self._decode_input(host, m, f"inputs[{i}]") for i, m in enumerate(req.inputs)]
+        inputs = [self._decode_input(host, m, f"inputs[{i}]", admit=False) for i, m in enumerate(req.inputs)]
         ids = [i.cache_id for i in inputs]
         self._unique(ids, "inputs.cache_id")
+        self._admit_decodes(host, inputs)
         with host.hold(ids, "inputs.cache_id"):
             timed = await host.call(self._run_decode, host, inputs)
         outs, rows = timed.value
@@ -239,6 +242,16 @@ class Operations:
             outputs=[pb.DecodeOutput(cache=handle_pb(o.cache), output=row_pb(r)) for o, r in zip(outs, rows)],
             timings=_timings(t, timed, 0),
         )
+
+    @staticmethod
+    def _admit_decodes(host, inputs: list[DecodeInput]) -> None:
+        """All-or-nothing admission for a batch of decode steps (one token each), before any work."""
+        reg = host.executor.registry
+        need = 0
+        for i in inputs:
+            e = reg.get(i.cache_id)
+            need += reg.growth(e, e.num_tokens + 1)
+        reg.admit(need, "inputs")
 
     async def unified_decode(self, req: pb.UnifiedDecodeRequest, owner: str = "") -> pb.UnifiedDecodeResponse:
         t = time.perf_counter_ns()

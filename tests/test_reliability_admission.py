@@ -29,6 +29,31 @@ def _refused(fn, *a, **kw) -> tuple[FerrumRpcError, float]:
     return e.value, time.perf_counter() - t0
 
 
+def test_batch_decode_admits_the_batch_total_all_or_nothing():
+    """Each input of a BatchDecode fits the free budget alone but their total does not: the batch is
+    refused with RESOURCE_EXHAUSTED before any work, and no cache grows."""
+    ex = ConfigurableModelExecutor.with_token_sequence(1000, [7], model_id="mock", kv_budget_tokens=64)
+    with InProcessServer([ex]) as srv, Client(srv.target) as c:
+        ids = [c.prefill("mock", list(range(1, n + 1))).output.cache.cache_id for n in (20, 21, 21)]  # 62 of 64
+        reg = srv.models.get("mock").executor.registry
+        assert reg.free_tokens == 2
+        for cid in ids:  # each alone would be admitted: it needs 1 of the 2 free tokens
+            assert reg.growth(reg.get(cid), reg.get(cid).num_tokens + 1) == 1
+        before = {cid: reg.get(cid).num_tokens for cid in ids}
+        decodes = ex.decode_count
+        err, secs = _refused(c.batch_decode, "mock", [(cid, 5) for cid in ids])
+        assert err.code == X, err
+        assert err.retry_after_s and err.retry_after_s > 0
+        assert "needs 3 KV tokens but only 2" in err.message, err.message
+        assert secs < 0.5
+        assert {cid: reg.get(cid).num_tokens for cid in ids} == before, "a cache changed in a refused batch"
+        assert ex.decode_count == decodes and reg.free_tokens == 2 and reg.used_tokens == 62
+        # a batch whose total fits is admitted
+        r = c.batch_decode("mock", [(cid, 5) for cid in ids[:2]])
+        assert [o.cache.num_tokens for o in r.outputs] == [21, 22]
+        assert reg.free_tokens == 0
+
+
 def test_full_kv_budget_is_refused_at_once_with_retry_info_and_recovers():
     ex = ConfigurableModelExecutor.with_token_sequence(1000, [7], model_id="mock", kv_budget_tokens=64)
     with InProcessServer([ex]) as srv, Client(srv.target) as c:
