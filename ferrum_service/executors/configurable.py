@@ -34,6 +34,7 @@ from ..types import (
     PrefillOutput,
 )
 from .base import ModelExecutor
+from .ferrum_fixed import ferrum_fixed_info
 
 
 class ConfigurableModelExecutor(ModelExecutor):
@@ -68,23 +69,9 @@ class ConfigurableModelExecutor(ModelExecutor):
         self.counter = counter
         self._decode_count = itertools.count()
         self.decode_count = 0
-        self._info = ModelInfo(
-            model_id=model_id,
-            model_type="custom",
-            model_type_detail="mock",
-            num_parameters=1_000_000,
-            hidden_size=768,
-            num_layers=12,
-            num_heads=12,
-            num_kv_heads=12,
-            vocab_size=vocab_size,
-            max_sequence_length=4096,
-            dtype="fp32",
-            device="cpu",
-            version="configurable-1.0",
-            head_dim=64,
-            executor=self.kind,
-            eos_token_ids=[eos_token] if eos_after is not None else [],
+        self._info = ferrum_fixed_info(
+            model_id, vocab_size, executor=self.kind, model_type_detail="mock", max_sequence_length=4096,
+            dtype="fp32", version="configurable-1.0", eos_token_ids=[eos_token] if eos_after is not None else [],
         )
         self.registry = CacheRegistry(model_id, total_tokens=kv_budget_tokens, block_size=16, id_prefix="mock")
 

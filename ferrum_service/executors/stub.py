@@ -28,6 +28,7 @@ from ..types import (
     PrefillOutput,
 )
 from .base import ModelExecutor
+from .ferrum_fixed import ferrum_fixed_info
 
 MIB = 1024 * 1024
 
@@ -42,23 +43,9 @@ class StubModelExecutor(ModelExecutor):
         super().__init__()
         if vocab_size <= 0:
             raise ValueError("vocab_size must be positive")
-        self._info = ModelInfo(
-            model_id=model_id,
-            model_type="custom",
-            model_type_detail="stub",
-            num_parameters=1_000_000,
-            hidden_size=768,
-            num_layers=12,
-            num_heads=12,
-            num_kv_heads=12,
-            vocab_size=vocab_size,
-            max_sequence_length=2048,
-            dtype="fp16",
-            device="cpu",
-            version="mvp-stub",
-            license="Apache-2.0",
-            head_dim=64,
-            executor=self.kind,
+        self._info = ferrum_fixed_info(
+            model_id, vocab_size, executor=self.kind, model_type_detail="stub", max_sequence_length=2048,
+            dtype="fp16", version="mvp-stub", license="Apache-2.0",
         )
         self.registry = CacheRegistry(
             model_id, total_tokens=kv_budget_tokens, block_size=16, per_request_tokens=2048, id_prefix="stub"
