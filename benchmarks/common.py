@@ -68,64 +68,19 @@ def machine_info() -> dict:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ferrum_service.testing.server_process import ServerProcess, free_port  # noqa: E402
 
 
-class Server:
-    """``ferrum-service serve --model SPEC...`` as a subprocess on a free loopback port."""
+class Server(ServerProcess):
+    """``ferrum-service serve --model SPEC...`` as a subprocess on a free loopback port (log in
+    ``benchmarks/results/NAME.log``); see :mod:`ferrum_service.testing.server_process`."""
 
     def __init__(self, *models: str, threads: int | None = None, extra: tuple[str, ...] = (), name: str = "server"):
-        self.port = free_port()
         self.models = models
         self.threads = threads or os.cpu_count() or 1
         self.extra = extra
-        self.log_path = REPO / "benchmarks" / "results" / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def __enter__(self) -> "Server":
-        from ferrum_client import Client
-
-        cmd = [sys.executable, "-m", "ferrum_service", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--metrics-port", "0", "--log-format", "json", "--log-level", "warning", *self.extra]
-        for m in self.models:
-            cmd += ["--model", m]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "FERRUM_TORCH_THREADS": str(self.threads)}
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
-        deadline = time.monotonic() + 180
-        with Client(self.target) as c:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
-                try:
-                    if c.health(timeout=1.0) == "SERVING":
-                        return self
-                except Exception:  # noqa: BLE001 - not up yet
-                    pass
-                if time.monotonic() > deadline:
-                    self.__exit__()
-                    raise TimeoutError(f"server not SERVING; see {self.log_path}")
-                time.sleep(0.1)
-
-    def __exit__(self, *exc) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if getattr(self, "_log", None):
-            self._log.close()
+        args = ["--log-level", "warning", *extra]
+        for m in models:
+            args += ["--model", m]
+        super().__init__(args, env={"FERRUM_TORCH_THREADS": str(self.threads)}, cwd=REPO,
+                         log_path=REPO / "benchmarks" / "results" / f"{name}.log", ready_timeout=180, stop_timeout=20)

@@ -30,11 +30,9 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -45,12 +43,6 @@ SCENARIO = HERE / "scenario.json"
 
 def cache_dir() -> Path:
     return Path(os.environ.get("FERRUM_CACHE_DIR") or Path.home() / ".cache" / "ferrum-service")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def python_exe() -> str:
@@ -110,73 +102,41 @@ def expand_models(specs: Sequence[str]) -> list[str]:
     return out
 
 
-def _health(target: str, timeout: float) -> str:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+def _server_process_module():
+    """:mod:`ferrum_service.testing.server_process` (from the repo when this Python has not installed
+    ferrum_service; it needs only the standard library and grpc)."""
+    try:
+        from ferrum_service.testing import server_process
+    except ImportError:
+        sys.path.append(str(REPO))
+        from ferrum_service.testing import server_process
+    return server_process
 
-    with grpc.insecure_channel(target) as ch:
-        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
-
-class RunningServer:
-    def __init__(self, proc: subprocess.Popen, port: int, log_path: Path) -> None:
-        self.proc = proc
-        self.port = port
-        self.log_path = log_path
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def log(self, tail: int = 5000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-tail:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+def free_port() -> int:
+    return _server_process_module().free_port()
 
 
 @contextlib.contextmanager
 def start_server(models: Sequence[str], port: int | None = None, *, extra_args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, ready_timeout: float = 120.0) -> Iterator[RunningServer]:
+                 env: dict[str, str] | None = None, ready_timeout: float = 120.0) -> Iterator["RunningServer"]:
     """A fresh server hosting ``models`` (``--model`` specs) on ``port`` (a free one if None)."""
-    port = port or free_port()
-    cmd = [*server_command(), "serve", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
-           "--log-format", "json"]
+    sp = _server_process_module()
+    port = port or sp.free_port()
+    args: list[str] = []
     for spec in models:
-        cmd += ["--model", spec]
-    cmd += list(extra_args)
-    log_path = Path(tempfile.gettempdir()) / f"ferrum-conformance-server-{port}.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
-    srv = RunningServer(proc, port, log_path)
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {shlex.join(cmd)}\n{srv.log()}")
-            try:
-                if _health(srv.target, 1.0) == "SERVING":
-                    break
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not SERVING after {ready_timeout}s\n{srv.log()}")
-            time.sleep(0.1)
+        args += ["--model", spec]
+    args += list(extra_args)
+    srv = sp.ServerProcess(args, command=server_command(), env=env, port=port, cwd=REPO, ready_timeout=ready_timeout,
+                           log_path=Path(tempfile.gettempdir()) / f"ferrum-conformance-server-{port}.log")
+    with srv:  # started and SERVING; stopped (SIGTERM, then SIGKILL) when the block ends
         yield srv
-    finally:
-        srv.stop()
-        log.close()
+
+
+def __getattr__(name: str):
+    if name == "RunningServer":  # what start_server yields (kept for annotations)
+        return _server_process_module().ServerProcess
+    raise AttributeError(name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

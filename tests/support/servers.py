@@ -9,25 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
-from ferrum_client import Client
-
 from ferrum_service.server import Server, ServerConfig, host_models
+from ferrum_service.testing.server_process import ServerProcess as _ServerProcess
+from ferrum_service.testing.server_process import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class InProcessServer:
@@ -85,71 +74,12 @@ class InProcessServer:
         self.thread.join(10)
 
 
-class ServerProcess:
-    """``ferrum-service serve ARGS`` on a free port, waited on until SERVING."""
+class ServerProcess(_ServerProcess):
+    """``ferrum-service serve ARGS`` on a free port, waited on until SERVING (run from the repo, its
+    log in ``$TMPDIR/ferrum-test-server-PORT.log``); see :mod:`ferrum_service.testing.server_process`."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, port: int | None = None,
                  ready_timeout: float = 120.0) -> None:
-        self.port = port or free_port()
-        self.args = list(args)
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.ready_timeout = ready_timeout
-        self.proc: subprocess.Popen | None = None
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"ferrum-test-server-{self.port}.log"
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> "ServerProcess":
-        cmd = [sys.executable, "-m", "ferrum_service", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--log-format", "json", *self.args]
-        if "--metrics-port" not in self.args:
-            cmd += ["--metrics-port", "0"]
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
-        deadline = time.monotonic() + self.ready_timeout
-        with Client(self.target) as c:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-                try:
-                    if c.health(timeout=1.0) == "SERVING":
-                        return self
-                except Exception:  # noqa: BLE001 - not up yet
-                    pass
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise TimeoutError(f"server not SERVING after {self.ready_timeout}s:\n{self.log()}")
-                time.sleep(0.1)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text()[-5000:]
-        except OSError:
-            return ""
-
-    def terminate(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-    def wait(self, timeout: float = 30) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if getattr(self, "_log", None):
-            self._log.close()
-
-    def __enter__(self) -> "ServerProcess":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        port = port or free_port()
+        super().__init__(args, env=env, port=port, cwd=REPO, ready_timeout=ready_timeout,
+                         log_path=Path(os.environ.get("TMPDIR", "/tmp")) / f"ferrum-test-server-{port}.log")
