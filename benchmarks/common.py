@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from ferrum_service.testing.server_process import ServerProcess, free_port  # noqa: F401 - re-exported
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,9 +63,6 @@ def machine_info() -> dict:
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
     }
-
-
-from ferrum_service.testing.server_process import ServerProcess, free_port  # noqa: E402
 
 
 class Server(ServerProcess):

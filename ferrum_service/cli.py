@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from . import __version__
+from .errors import FerrumError
 
 SERVE_FLAGS = {
     # name: (type, default, help)
@@ -25,7 +26,8 @@ SERVE_FLAGS = {
     "port": (int, 50051, "gRPC port (0 = pick a free one; the chosen port is logged)"),
     "metrics_port": (int, 9090, "Prometheus /metrics HTTP port (0 = off)"),
     "device": (str, "auto", "auto | cpu | cuda | cuda:N (default for models that do not set one)"),
-    "dtype": (str, "auto", "auto | fp32 | fp16 | bf16 (default for models that do not set one)"),
+    "dtype": (str, "auto", "auto | fp32 | fp16 | bf16 | int8 (int8: weight-only, bf16 activations; causal LMs) "
+                           "(default for models that do not set one)"),
     "kv_budget_tokens": (int, 0, "KV budget per model in tokens (0 = the executor's default)"),
     "max_message_bytes": (int, 64 * 1024 * 1024, "largest gRPC message accepted or sent"),
     "max_batch": (int, 64, "most Generate streams batched into one decode step"),
@@ -62,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-reflection", action="store_true", default=None, help="turn server reflection off")
     s.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="allow models that ship code (off: such models are refused)")
+    s.add_argument("--allow-pickle", action="store_true", default=None,
+                   help="allow pickled weights (*.bin; unpickling can run code) where a model has no safetensors")
 
     g = sub.add_parser("generate", help="stream a reply from a running server")
     g.add_argument("prompt", help="the user message (sent through the model's chat template)")
@@ -94,6 +98,8 @@ def resolve_serve_settings(args: argparse.Namespace) -> dict:
                              or cfg.get("reflection") is False)
     out["trust_remote_code"] = bool(args.trust_remote_code or os.environ.get("FERRUM_TRUST_REMOTE_CODE") == "1"
                                     or cfg.get("trust_remote_code"))
+    out["allow_pickle"] = bool(args.allow_pickle or os.environ.get("FERRUM_ALLOW_PICKLE") == "1"
+                               or cfg.get("allow_pickle"))
     from .model_specs import DEFAULT_MODELS, parse_spec, spec_from_mapping
 
     if args.model:
@@ -134,8 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             ex = build_executor(spec, device=st["device"], dtype=st["dtype"],
                                 kv_budget_tokens=st["kv_budget_tokens"] or None,
-                                trust_remote_code=st["trust_remote_code"])
-        except (ValueError, FileNotFoundError, ImportError, OSError) as e:
+                                trust_remote_code=st["trust_remote_code"], allow_pickle=st["allow_pickle"])
+        except (ValueError, FileNotFoundError, ImportError, OSError, FerrumError) as e:
             log.error("could not load model", executor=spec.executor, model_id=spec.model_id, error=str(e))
             return 2
         info = ex.info()

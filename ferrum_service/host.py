@@ -43,6 +43,8 @@ class ModelHost:
         self.executor = executor
         self.info = executor.info()
         self.vocab_size = self.info.vocab_size
+        # Fixed for an executor's life; checked on every step, so read once.
+        self.supports_generation = executor.capabilities().supports_generation
         self.max_batch = max_batch
         self.max_queue = max_queue  # steps allowed to wait for the worker (0 = unbounded)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"exec-{model_id}")

@@ -19,6 +19,7 @@ class Metrics:
     def __init__(self, models: "ModelSet | None") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self._children: dict[tuple[str, str], tuple] = {}
         self.requests = Counter("ferrum_requests_total", "RPCs and Session steps by status code",
                                 ["rpc", "code"], registry=r)
         self.latency = Histogram("ferrum_request_seconds", "RPC / step latency by status code", ["rpc", "code"],
@@ -58,8 +59,11 @@ class Metrics:
         return 0.0 if v is None else v
 
     def observe(self, rpc: str, code: str, seconds: float) -> None:
-        self.requests.labels(rpc, code).inc()
-        self.latency.labels(rpc, code).observe(seconds)
+        children = self._children.get((rpc, code))
+        if children is None:  # labels() costs a lock and a dict build per call: resolve once per pair
+            children = self._children[(rpc, code)] = (self.requests.labels(rpc, code), self.latency.labels(rpc, code))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         self._http = start_http_server(port, addr=host, registry=self.registry)

@@ -58,7 +58,7 @@ def spec_from_mapping(m: dict[str, Any]) -> ModelSpec:
 
 
 def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto", kv_budget_tokens: int | None = None,
-                   trust_remote_code: bool = False):
+                   trust_remote_code: bool = False, allow_pickle: bool = False):
     """Instantiate the executor a spec names (heavy imports happen only here)."""
     o = dict(spec.options)
     mid = spec.model_id
@@ -99,7 +99,7 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         if "max_batch_size" in o:
             kw["max_batch_size"] = int(o["max_batch_size"])
         return HfCausalLmExecutor.from_path(str(path), model_id=mid, device=dev, dtype=dt, gguf_file=gguf,
-                                            trust_remote_code=trust_remote_code, **kw)
+                                            trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, **kw)
     if spec.executor in ("bert", "minilm"):
         from .executors.bert import BertModelExecutor
 
@@ -114,5 +114,8 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         kw = {}
         if "normalize" in o:
             kw["normalize"] = str(o["normalize"]).lower() in ("1", "true", "yes")
-        return BertModelExecutor.from_path(str(path), model_id=mid, device=dev, **kw)
+        # The server-wide --dtype is for causal LMs (int8 has no encoder form); a bert spec's own
+        # dtype= option applies.
+        return BertModelExecutor.from_path(str(path), model_id=mid, device=dev, dtype=str(spec.options.get("dtype", "auto")),
+                                           trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, **kw)
     raise ValueError(f"unknown executor {spec.executor!r}")

@@ -346,6 +346,38 @@ def test_info_capabilities_and_tokenizer(ex, tiny_llama_dir):
     assert HfCausalLmExecutor.from_path(tiny_llama_dir, device="cpu", kv_budget_tokens=32).info().model_id
 
 
+def test_int8_weight_only_layers_match_their_dequantised_weights(tiny_llama_dir, tiny_llama):
+    """``dtype="int8"``: every linear layer holds int8 weights + per-row scales, the fused CPU kernel
+    computes exactly x @ dequantised(W).T (to bf16 rounding), and the paged cache is consistent
+    with a full forward of the quantised model itself."""
+    from ferrum_service.executors.int8_weights import Int8WeightOnlyLinear
+
+    q = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny-int8", device="cpu", dtype="int8",
+                                     kv_budget_tokens=512)
+    lins = [m for m in q.model.modules() if isinstance(m, Int8WeightOnlyLinear)]
+    assert lins and not any(isinstance(m, torch.nn.Linear) for m in q.model.modules())
+    assert all(m.qweight.dtype == torch.int8 for m in lins)
+    assert q.info().dtype == "bf16" and q.info().metadata["weight_format"] == "int8"
+    assert q.info().num_parameters == tiny_llama.info().num_parameters
+    lin = lins[0]
+    x = torch.randn(3, lin.in_features, dtype=torch.bfloat16)
+    ref = x.float() @ (lin.qweight.float() * lin.scale.float()[:, None]).T
+    assert _maxdiff(lin(x), ref) < 2e-2 * ref.abs().max().item()
+    # the quantised model stays close to the fp32 one (per-row int8 of random weights)
+    prompt = _prompt(7, 24)
+    a, b = _full(q, prompt), _full(tiny_llama, prompt)
+    assert _maxdiff(a, b) < 0.1 * b.abs().max().item()
+    # prefill + decodes through the paged cache == the quantised model's own full forward
+    out = q.prefill(PrefillInput(token_ids=prompt[:-4]))
+    rows = [out.logits]
+    for t in prompt[-4:]:
+        rows.append(q.decode(DecodeInput(cache_id=out.cache.cache_id, token_id=t)).logits)
+    full = _full(q, prompt)
+    for k, r in enumerate(rows):
+        assert _maxdiff(r, full[len(prompt) - 5 + k]) < 0.05 * full.abs().max().item()
+    q.release_cache(out.cache.cache_id)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_executor_matches_cpu(tiny_llama_dir, tiny_llama):

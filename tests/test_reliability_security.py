@@ -1,12 +1,14 @@
 """Model loading is safe by default: code shipped with a checkpoint never runs and pickled weights
-are not unpickled unless the operator opts in (``--trust-remote-code``; an ``allow_pickle``
-option). Also: the bearer-token check covers every RPC kind (unary, server stream, bidi stream)
+are not unpickled unless the operator opts in (``--trust-remote-code``, ``--allow-pickle``). Also: the bearer-token check covers every RPC kind (unary, server stream, bidi stream)
 and constant-time comparison does not accept prefixes."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -57,8 +59,6 @@ def test_cli_trust_remote_code_is_off_unless_asked(monkeypatch):
     assert resolve_serve_settings(args)["trust_remote_code"] is True
 
 
-@pytest.mark.xfail(strict=True, reason="HfCausalLmExecutor.from_path loads pytorch_model.bin (pickle) without an "
-                   "opt-in; it should pass use_safetensors=True unless allow_pickle / --allow-pickle is given")
 def test_pickled_weights_are_refused_unless_opted_in(tiny_llama_dir, tmp_path):  # noqa: F811
     import safetensors.torch
     import torch
@@ -71,7 +71,29 @@ def test_pickled_weights_are_refused_unless_opted_in(tiny_llama_dir, tmp_path): 
     torch.save(sd, d / "pytorch_model.bin")
     with pytest.raises(Exception) as e:  # noqa: PT011 - any refusal naming the reason
         HfCausalLmExecutor.from_path(d, model_id="pickled", device="cpu", kv_budget_tokens=64)
-    assert "pickle" in str(e.value).lower() or "safetensors" in str(e.value).lower()
+    assert "pickle" in str(e.value).lower() and "safetensors" in str(e.value).lower()
+    ex = HfCausalLmExecutor.from_path(d, model_id="pickled", device="cpu", kv_budget_tokens=64, allow_pickle=True)
+    assert ex.info().num_layers > 0  # the operator's opt-in loads it
+
+
+def test_serve_refuses_pickled_weights_without_the_flag(tiny_llama_dir, tmp_path):  # noqa: F811
+    import safetensors.torch
+    import torch
+
+    from ferrum_service.cli import build_parser, resolve_serve_settings
+
+    d = _copy(tiny_llama_dir, tmp_path / "pickled")
+    sd = safetensors.torch.load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    torch.save(sd, d / "pytorch_model.bin")
+    assert resolve_serve_settings(build_parser().parse_args(["serve", "--model", "stub"]))["allow_pickle"] is False
+    args = build_parser().parse_args(["serve", "--model", "stub", "--allow-pickle"])
+    assert resolve_serve_settings(args)["allow_pickle"] is True
+    r = subprocess.run([sys.executable, "-m", "ferrum_service", "serve", "--port", "0", "--metrics-port", "0",
+                        "--model", f"hf-causal-lm,id=p,path={d}"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "allow-pickle" in r.stdout + r.stderr
 
 
 def test_tokens_gate_every_kind_of_rpc():

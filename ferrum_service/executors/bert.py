@@ -42,6 +42,7 @@ from ..types import (
     VerifyOutput,
 )
 from .base import ModelExecutor
+from .checkpoint_files import require_safe_weights
 from .torch_device import DTYPES, device_name, dtype_name, resolve_device, resolve_dtype
 
 log = structlog.get_logger(__name__)
@@ -173,10 +174,12 @@ class BertModelExecutor(ModelExecutor):
         pooling: list[str] | str | None = None,
         max_batch_size: int = 32,
         trust_remote_code: bool = False,
+        allow_pickle: bool = False,
     ) -> "BertModelExecutor":
         """Load an encoder checkpoint directory (e.g. all-MiniLM-L6-v2).
 
         ``pooling`` / ``normalize`` default to what the sentence-transformers files ask for.
+        Pickled weights (``*.bin``) load only with ``allow_pickle=True``.
         """
         from transformers import AutoModel, AutoTokenizer
 
@@ -185,11 +188,13 @@ class BertModelExecutor(ModelExecutor):
             raise errors.FerrumError(errors.ErrorKind.CONFIG, f"{str(path)!r} is not a model directory (no config.json)")
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
+        safe_kwargs = require_safe_weights(p, allow_pickle)
         modes, st_normalize, st_max = read_sentence_transformers_config(p)
         model_id = model_id or p.name
         log.info("loading encoder", model_id=model_id, path=str(p), device=device_name(dev), dtype=dtype_name(torch_dtype))
         t0 = time.perf_counter()
-        model = AutoModel.from_pretrained(p, dtype=torch_dtype, trust_remote_code=trust_remote_code).to(dev)
+        model = AutoModel.from_pretrained(p, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                          **safe_kwargs).to(dev)
         try:
             tokenizer = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code)
         except Exception as e:

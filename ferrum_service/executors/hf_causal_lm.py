@@ -95,6 +95,7 @@ from ..types import (
 )
 from .base import ModelExecutor
 from .paged_kv import BlockPool, PagedBatchCache, PagedSeq
+from .checkpoint_files import require_safe_weights
 from .torch_device import DTYPES, device_name, dtype_name, resolve_device, resolve_dtype
 
 log = structlog.get_logger(__name__)
@@ -153,16 +154,22 @@ class HfCausalLmExecutor(ModelExecutor):
         max_batch_size: int = 32,
         max_batch_tokens: int | None = None,
         source: str = "",
+        weight_format: str = "",
+        num_parameters: int | None = None,
     ) -> None:
         """Wrap a loaded model (use :meth:`from_path` to load one).
 
         ``kv_budget_tokens`` (or ``kv_budget_bytes``) sizes the KV pool over all caches, rounded up
         to whole blocks; default :data:`DEFAULT_KV_BUDGET_BYTES`, and never less than one
         full-length sequence. ``max_batch_size`` / ``max_batch_tokens`` bound one forward (rows /
-        new tokens) and are what :meth:`admission_limits` reports.
+        new tokens) and are what :meth:`admission_limits` reports. ``weight_format`` /
+        ``num_parameters`` describe weights transformed after loading (``int8``: see
+        ``int8_weights.py``).
         """
         super().__init__()
         self.model = model.eval()
+        self.weight_format = weight_format
+        self._num_parameters = num_parameters
         self._tokenizer = tokenizer
         self.model_id = model_id
         self.source = source
@@ -235,14 +242,18 @@ class HfCausalLmExecutor(ModelExecutor):
         max_batch_size: int = 32,
         max_batch_tokens: int | None = None,
         trust_remote_code: bool = False,
+        allow_pickle: bool = False,
         attn_implementation: str = "sdpa",
     ) -> "HfCausalLmExecutor":
         """Load a local checkpoint directory, or a GGUF file (``gguf_file=`` inside ``path``, or
         ``path`` itself ending in ``.gguf``).
 
-        ``device``: auto | cpu | cuda | cuda:N. ``dtype``: auto | fp32 | fp16 | bf16 (auto = fp32 on
-        CPU, the checkpoint's half dtype or bf16 on CUDA; GGUF weights are dequantised to it).
-        Remote code runs only with ``trust_remote_code=True``. Nothing is downloaded.
+        ``device``: auto | cpu | cuda | cuda:N. ``dtype``: auto | fp32 | fp16 | bf16 | int8 (auto =
+        fp32 on CPU, the checkpoint's half dtype or bf16 on CUDA; GGUF weights are dequantised to
+        it; int8 = int8 weight-only linear layers with bf16 activations and KV, see
+        ``int8_weights.py``). Remote code runs only with ``trust_remote_code=True``; pickled weights
+        (``*.bin``: unpickling can run code) load only with ``allow_pickle=True``, otherwise only
+        safetensors or GGUF. Nothing is downloaded.
         """
         from transformers import AutoModelForCausalLM
 
@@ -254,7 +265,9 @@ class HfCausalLmExecutor(ModelExecutor):
         if gguf_file and not (p / gguf_file).is_file():
             raise errors.FerrumError(errors.ErrorKind.CONFIG, f"GGUF file {gguf_file!r} not found in {str(p)!r}")
         dev = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, dev, None if gguf_file else _checkpoint_dtype(p))
+        int8 = str(dtype).strip().lower() == "int8"
+        torch_dtype = torch.bfloat16 if int8 else resolve_dtype(dtype, dev, None if gguf_file else _checkpoint_dtype(p))
+        safe_kwargs = {} if gguf_file else require_safe_weights(p, allow_pickle)
         model_id = model_id or (Path(gguf_file).stem if gguf_file else p.name)
         log.info(
             "loading causal LM",
@@ -268,6 +281,7 @@ class HfCausalLmExecutor(ModelExecutor):
         kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
         if gguf_file:
             kwargs["gguf_file"] = gguf_file
+        kwargs.update(safe_kwargs)
         try:
             model = AutoModelForCausalLM.from_pretrained(p, attn_implementation=attn_implementation, **kwargs)
         except (ValueError, ImportError) as e:
@@ -278,6 +292,13 @@ class HfCausalLmExecutor(ModelExecutor):
         t_weights = time.perf_counter() - t0
         log.info("weights loaded", model_id=model_id, seconds=round(t_weights, 2))
         model.to(dev)
+        n_params = sum(x.numel() for x in model.parameters())
+        if int8:
+            from .int8_weights import quantize_linears
+
+            t_q = time.perf_counter()
+            n = quantize_linears(model)
+            log.info("int8 weight-only", model_id=model_id, linear_layers=n, seconds=round(time.perf_counter() - t_q, 2))
         tokenizer = _load_tokenizer(p, gguf_file, trust_remote_code)
         ex = cls(
             model,
@@ -289,6 +310,8 @@ class HfCausalLmExecutor(ModelExecutor):
             max_batch_size=max_batch_size,
             max_batch_tokens=max_batch_tokens,
             source=str(p / gguf_file) if gguf_file else str(p),
+            weight_format="int8" if int8 else "",
+            num_parameters=n_params,
         )
         i = ex._info
         log.info(
@@ -380,7 +403,7 @@ class HfCausalLmExecutor(ModelExecutor):
             model_id=self.model_id,
             model_type=_MODEL_TYPES.get(mt, "custom"),
             model_type_detail=mt,
-            num_parameters=sum(p.numel() for p in self.model.parameters()),
+            num_parameters=self._num_parameters or sum(p.numel() for p in self.model.parameters()),
             hidden_size=int(getattr(cfg, "hidden_size", 0) or 0),
             num_layers=self.num_layers,
             num_heads=int(getattr(cfg, "num_attention_heads", 0) or 0),
@@ -397,6 +420,7 @@ class HfCausalLmExecutor(ModelExecutor):
                 "kv_block_size": self.block_size,
                 "kv_budget_tokens": self.registry.total_tokens,
                 "kv_bytes_per_token": self.registry.bytes_per_token,
+                "weight_format": self.weight_format or dtype_name(self.dtype),
             },
             head_dim=self.head_dim,
             executor=self.kind,
