@@ -1,9 +1,8 @@
 """In-process measurements (the driver process): the executor alone, transformers' own
-``generate``, llama.cpp, memory bandwidth, and lighter-weight variants."""
+``generate``, llama.cpp, memory bandwidth, and lighter-weight variants (bf16, int8 weight-only)."""
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -114,19 +113,23 @@ def bandwidth(gib: float = 1.0, repeats: int = 7) -> dict:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of parameters read by one decode step: every weight once (a tied embedding is read
-    in full by the LM head; the embedding lookup itself reads one row and is not counted twice)."""
+    """Bytes of weights read by one decode step: every parameter and int8 weight buffer once. The
+    input embedding counts only when it is also the LM head (tied): a lookup alone reads one row
+    per token."""
+    from ferrum_service.executors.int8_weights import Int8WeightOnlyLinear
+
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    head_is_emb = getattr(head, "weight", None) is not None and head.weight.data_ptr() == emb.data_ptr()
     seen, total = set(), 0
     for p in model.parameters():
-        if p.data_ptr() in seen:
+        if p.data_ptr() in seen or (p.data_ptr() == emb.data_ptr() and not head_is_emb):
             continue
         seen.add(p.data_ptr())
         total += p.numel() * p.element_size()
-    # Dynamic-int8 modules keep packed weights outside .parameters()
     for m in model.modules():
-        if type(m).__name__ == "DynamicQuantizedLinear":
-            w, b = m._packed_params._weight_bias()
-            total += w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
+        if isinstance(m, Int8WeightOnlyLinear):
+            total += sum(b.numel() * b.element_size() for b in m.buffers())
     return total
 
 
@@ -184,11 +187,10 @@ def all_logits(ex, ids: list[int]) -> torch.Tensor:
 
 
 def variants(ex32, prompt: list[int], text_ids: list[int], steps: int, repeats: int) -> list[dict]:
-    """fp32 (reference), bf16 and dynamic-int8 (torch's own ``quantize_dynamic``) weights: B=1 and
-    B=8 decode tok/s, weight bytes, and quality vs fp32 (max |logit diff| over a teacher-forced text,
-    greedy agreement over ``2*steps`` generated tokens)."""
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
-
+    """fp32 (reference), bf16 and int8 weight-only (``dtype="int8"``: int8 linears on torch's fused
+    CPU kernel, bf16 activations) loads of the same GGUF: B=1 and B=8 decode tok/s, weight bytes
+    read per step, and quality vs fp32 (max |logit diff| and top-1 agreement over a teacher-forced
+    text, first greedy divergence over ``2*steps`` generated tokens)."""
     ref_logits = all_logits(ex32, text_ids)
     ref_greedy = greedy_tokens(ex32, prompt, 2 * steps)
     vocab = ex32.info().vocab_size
@@ -206,18 +208,11 @@ def variants(ex32, prompt: list[int], text_ids: list[int], steps: int, repeats: 
                      "greedy_prefix_agree": agree, "greedy_tokens": len(g)})
 
     measure("fp32", ex32)
-    try:
-        exb = load_smollm2("bf16")
-        measure("bf16", exb)
-        del exb
-    except Exception as e:  # noqa: BLE001
-        rows.append({"variant": "bf16", "error": str(e)})
-    try:
-        qm = torch.ao.quantization.quantize_dynamic(copy.deepcopy(ex32.model), {torch.nn.Linear}, dtype=torch.qint8)
-        exq = HfCausalLmExecutor(qm, ex32.tokenizer, model_id="smollm2-int8", kv_budget_tokens=8192)
-        exq.warmup()
-        measure("int8-dynamic", exq)
-        del exq, qm
-    except Exception as e:  # noqa: BLE001
-        rows.append({"variant": "int8-dynamic", "error": f"{type(e).__name__}: {e}"})
+    for name in ("bf16", "int8"):
+        try:
+            ex = load_smollm2(name)
+            measure(name, ex)
+            del ex
+        except Exception as e:  # noqa: BLE001
+            rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"})
     return rows

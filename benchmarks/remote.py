@@ -66,6 +66,56 @@ def stub_latency(target: str, model: str, n: int = 2000, per_cache: int = 500) -
     return res
 
 
+def session_floor(n: int = 2000) -> dict:
+    """The Python client's Session round trip against ``benchmarks.floor_server`` (a grpc.aio
+    server that does nothing): transport + grpc.aio + client cost, no executor, no server logic."""
+    import subprocess
+    import sys
+
+    from .common import REPO, free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.floor_server", str(port)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        with Client(f"127.0.0.1:{port}") as c, c.session() as s:
+            lat = []
+            for _ in range(n + 100):
+                req = pb.DecodeRequest(model_id="floor", input=m.decode_input("c", 5))
+                t = time.perf_counter_ns()
+                s.step(req)
+                lat.append(time.perf_counter_ns() - t)
+        lat = lat[100:]
+        return {"session_p50_ms": pct(lat, 50) / 1e6, "session_p99_ms": pct(lat, 99) / 1e6, "n": n}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def go_stub_latency(target: str, model: str, n: int = 2000) -> dict:
+    """The same round trips from the Go client (``clients/go/cmd/latency``, built into the tools
+    cache): the server's share of a step without the Python client's own per-call cost."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    go = shutil.which("go")
+    if go is None:
+        return {"error": "go is not installed"}
+    repo = Path(__file__).resolve().parents[1]
+    bin_dir = Path(os.environ.get("FERRUM_CACHE_DIR", Path.home() / ".cache" / "ferrum-service")) / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    exe = bin_dir / "ferrum-go-latency"
+    subprocess.run([go, "build", "-o", str(exe), "./cmd/latency"], cwd=repo / "clients" / "go", check=True,
+                   env={**os.environ, "GOFLAGS": os.environ.get("GOFLAGS", "-buildvcs=false")}, timeout=600)
+    out = subprocess.run([str(exe), "-target", target, "-model", model, "-n", str(n)], check=True,
+                         capture_output=True, text=True, timeout=300)
+    return json.loads(out.stdout)
+
+
 # ---- concurrent Generate streams ----------------------------------------------------------------
 async def _streams(target: str, model: str, prompt: list[int], b: int, max_tokens: int) -> list[dict]:
     async with AsyncClient(target, timeout=600) as c:

@@ -75,6 +75,10 @@ def plots(res: dict, out: Path) -> list[str]:
     if res.get("latency"):
         ax.plot([g["b"] for g in res["latency"]], [g["steady_tok_s"] for g in res["latency"]], "s-",
                 label="server: concurrent Generate streams (steady)")
+    for dt, d in (res.get("served_dtypes") or {}).items():
+        pts = [(int(b), v) for b, v in d.items() if v]
+        if pts:
+            ax.plot([b for b, _ in pts], [v for _, v in pts], "D:", label=f"server, {dt} weights (steady)")
     if res.get("hf"):
         ax.plot([1, 8], [res["hf"]["1"], res["hf"]["8"]], "^--", label="transformers generate() (e2e)")
     if res.get("llama_cpp_tok_s"):

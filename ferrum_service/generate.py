@@ -1,10 +1,10 @@
 """``Generate``: the decode loop on the server, one event per token.
 
-The prompt is prefilled on the model's worker, then each step feeds the last token through
-``ModelHost.decode_batched``, which joins concurrent streams of the same model into one batched
-forward (continuous batching). The loop checks for cancellation between steps; whatever ends the
-stream (finish, error, client cancel, deadline, dropped connection, Abort), the ``finally`` frees the
-cache it created unless the caller asked to keep it: with reason ``released`` once ``GenerateFinished``
+The prompt goes through ``ModelHost.prefill_batched`` and each later step feeds the last token
+through ``ModelHost.decode_batched``; the host joins the prompts and steps of all concurrent streams
+of a model into batched forwards (continuous batching, see ``host.py``). The loop checks for
+cancellation between steps; whatever ends the stream (finish, error, client cancel, deadline,
+dropped connection, Abort), the ``finally`` frees the cache it created unless the caller asked to keep it: with reason ``released`` once ``GenerateFinished``
 was yielded, else ``reclaimed`` (the stream ended abnormally, as a Session's caches on close).
 """
 
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from . import errors
 from .convert import check_token, check_tokens, handle_pb, pb, sampling_params
-from .sampling import process_rows
 from .types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 
 if TYPE_CHECKING:
@@ -137,8 +136,7 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
                 if cache_id:
                     e = reg.get(cache_id)
                     reg.admit(reg.growth(e, total), "stop.max_tokens")
-                timed = await host.call(ops._run_prefill, host, [inp])
-                out = timed.value[0]
+                out, row = await host.prefill_batched(inp)
                 if not cache_id:
                     created = cache_id = out.cache.cache_id
                     if state is not None:
@@ -146,7 +144,6 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
                     entry = reg.get(cache_id)
                     if not req.keep_cache:
                         entry.owner = owner
-                row = process_rows([out.logits], [policy], [reg.get(cache_id).tokens], [out.cache.num_tokens])[0]
                 handle = out.cache
             else:
                 e = reg.get(cache_id)

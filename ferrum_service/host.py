@@ -6,9 +6,13 @@ executors. ``ModelHost.hold`` marks caches busy for the duration of a step: a se
 busy cache is refused with ABORTED instead of racing it; holding a cache also renews its lease
 (``last_access``, see ``leases.py``). ``max_queue`` bounds the steps waiting for the worker: past
 it new steps are refused at once with RESOURCE_EXHAUSTED (releases and shutdown are never refused,
-and decode steps of running ``Generate`` streams are not new work). ``ModelHost.decode_batched`` gathers
-concurrent decode steps (from ``Generate`` streams) into one ``batch_decode`` — the server's own
-continuous batching.
+and decode steps of running ``Generate`` streams are not new work).
+
+Continuous batching (the server's own, so a plain ``Generate`` client gets it): every running
+stream's next decode step (``decode_batched``) and new streams' prompts (``prefill_batched``) go
+into one queue; each step takes all queued decode steps and as many new prompts as
+``prefill_tokens_per_step`` allows, and runs them as one forward (``mixed_step``), up to
+``max_batch`` rows (never more than the executor's own limit).
 """
 
 from __future__ import annotations
@@ -23,7 +27,19 @@ from typing import Any, Callable, Iterable
 from . import errors
 from .executors.base import ModelExecutor
 from .sampling import RowResult, process_rows
-from .types import DecodeInput
+from .types import DecodeInput, PrefillInput, PrefillOutput
+
+
+@dataclass
+class _Pending:
+    """A Generate stream's step waiting for the next batched forward."""
+
+    inp: PrefillInput | DecodeInput
+    fut: asyncio.Future
+
+    def fail(self, e: BaseException) -> None:
+        if not self.fut.done():
+            self.fut.set_exception(e)
 
 
 @dataclass
@@ -45,24 +61,27 @@ class ModelHost:
         self.vocab_size = self.info.vocab_size
         # Fixed for an executor's life; checked on every step, so read once.
         self.supports_generation = executor.capabilities().supports_generation
-        self.max_batch = max_batch
+        # A batched step never exceeds what the executor takes in one forward.
+        self.max_batch = min(max_batch, executor.capabilities().max_batch_size or max_batch)
         self.max_queue = max_queue  # steps allowed to wait for the worker (0 = unbounded)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"exec-{model_id}")
         self._busy: set[str] = set()
-        self._decode_queue: list[tuple[DecodeInput, asyncio.Future]] = []
-        self._decode_task: asyncio.Task | None = None
+        self._decode_queue: list[_Pending] = []  # decode steps of running Generate streams
+        self._prefill_queue: list[_Pending] = []  # prompts of new Generate streams
+        self._batch_task: asyncio.Task | None = None
         # Streams of the last decode batch that have not resubmitted (or ended) yet; the next batch
         # waits a little for them (see ``_gather_stragglers``).
         self._expected: set[str] = set()
         self.decode_batch_sizes: list[int] = []  # recent decode batch sizes (diagnostics, bounded)
+        self.mixed_steps = 0  # batched steps that joined new prompts with running decodes (diagnostics)
         self.running = 0  # steps executing or queued on the worker
         self._pending_releases: set[asyncio.Task] = set()
 
     # ---- running executor methods -------------------------------------------------------------
     @property
     def waiting(self) -> int:
-        """Steps queued behind the one the worker is running."""
-        return max(0, self.running - 1)
+        """Steps queued behind the one the worker is running (new Generate prompts included)."""
+        return max(0, self.running - 1) + len(self._prefill_queue)
 
     def _admit(self, fn: Callable[..., Any]) -> None:
         if not self.max_queue or self.executor.inline:
@@ -161,14 +180,34 @@ class ModelHost:
     def shutdown_pool(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    # ---- continuous batching of Generate decode steps ------------------------------------------
+    # ---- continuous batching of Generate streams ------------------------------------------------
+    #: Prompt tokens one batched step may take on top of the running streams' decode tokens. New
+    #: prompts join the running batch (one forward for both) up to this many tokens per step, so a
+    #: burst of new streams delays the running ones by a bounded amount per step.
+    prefill_tokens_per_step = 512
+
+    def _kick(self) -> None:
+        if self._batch_task is None or self._batch_task.done():
+            self._batch_task = asyncio.create_task(self._drain())
+
     async def decode_batched(self, inp: DecodeInput) -> RowResult:
-        """One decode step + sampling, batched with whatever other streams decode right now. The
+        """One decode step + sampling, batched with whatever other streams run right now. The
         repetition-penalty history is the cache's tokens (see :meth:`decode_and_sample`)."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._decode_queue.append((inp, fut))
-        if self._decode_task is None or self._decode_task.done():
-            self._decode_task = asyncio.create_task(self._drain_decodes())
+        self._decode_queue.append(_Pending(inp, fut))
+        self._kick()
+        return await fut
+
+    async def prefill_batched(self, inp: PrefillInput) -> tuple[PrefillOutput, RowResult]:
+        """A ``Generate`` stream's prompt (+ sampling of its first token), run in the same forward
+        as the running streams' decode steps. New work: refused at once past ``max_queue``. If the
+        stream is cancelled while its step runs, the cache the step created is reclaimed."""
+        if self.executor.state == "shutdown":
+            raise errors.unavailable(f"model {self.model_id!r} is shut down", model_id=self.model_id)
+        self._admit(None)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._prefill_queue.append(_Pending(inp, fut))
+        self._kick()
         return await fut
 
     #: Longest wait (seconds) for streams of the previous batch to resubmit before a batch runs.
@@ -188,54 +227,106 @@ class ModelHost:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.straggler_wait_s
         while loop.time() < deadline and len(self._decode_queue) < self.max_batch:
-            queued = {b[0].cache_id for b in self._decode_queue}
+            queued = {p.inp.cache_id for p in self._decode_queue}
             if self._expected <= queued:
                 break
             await asyncio.sleep(0)
 
-    async def _drain_decodes(self) -> None:
-        while self._decode_queue:
-            await self._gather_stragglers()
-            batch = self._decode_queue[: self.max_batch]
-            del self._decode_queue[: len(batch)]
-            batch = [b for b in batch if not b[1].cancelled()]
-            self._expected = {b[0].cache_id for b in batch}
-            if not batch:
+    def _next_batch(self) -> tuple[list["_Pending"], list["_Pending"]]:
+        """Up to ``max_batch`` rows: every queued decode step first, then new prompts (oldest
+        first) while the room and :attr:`prefill_tokens_per_step` allow (at least one prompt
+        when there is room)."""
+        decodes = [p for p in self._decode_queue[: self.max_batch] if not p.fut.cancelled()]
+        del self._decode_queue[: self.max_batch]
+        prefills: list[_Pending] = []
+        tokens = 0
+        room = self.max_batch - len(decodes)
+        while self._prefill_queue and len(prefills) < room:
+            p = self._prefill_queue[0]
+            if p.fut.cancelled():
+                self._prefill_queue.pop(0)
                 continue
-            self.decode_batch_sizes.append(len(batch))
-            if len(self.decode_batch_sizes) > 4096:
-                del self.decode_batch_sizes[:2048]
+            n = len(p.inp.token_ids)
+            if prefills and tokens + n > self.prefill_tokens_per_step:
+                break
+            prefills.append(self._prefill_queue.pop(0))
+            tokens += n
+        return prefills, decodes
+
+    async def _drain(self) -> None:
+        while self._decode_queue or self._prefill_queue:
+            await self._gather_stragglers()
+            prefills, decodes = self._next_batch()
+            self._expected = {p.inp.cache_id for p in decodes}
+            if not prefills and not decodes:
+                continue
+            if decodes:
+                self.decode_batch_sizes.append(len(decodes))
+                if len(self.decode_batch_sizes) > 4096:
+                    del self.decode_batch_sizes[:2048]
             try:
-                results = (await self.call(self._decode_and_sample, batch, admit=False)).value
+                pre, dec = (await self.call(self._step_and_sample, prefills, decodes, admit=False)).value
             except errors.FerrumError as e:
-                if len(batch) == 1:
-                    batch[0][1].set_exception(e) if not batch[0][1].done() else None
+                if len(prefills) + len(decodes) == 1:
+                    (prefills or decodes)[0].fail(e)
                     continue
-                # Isolate the failing step: rerun each alone so one bad stream does not fail others.
-                for item in batch:
+                # Isolate the failing row: rerun each alone so one bad stream does not fail others
+                # (the step was all or nothing, so nothing of it was applied).
+                for p in prefills + decodes:
+                    one = ([p], []) if p in prefills else ([], [p])
                     try:
-                        r = (await self.call(self._decode_and_sample, [item], admit=False)).value[0]
-                        if not item[1].done():
-                            item[1].set_result(r)
+                        pre1, dec1 = (await self.call(self._step_and_sample, *one, admit=False)).value
+                        self._resolve(p, (pre1 or dec1)[0])
                     except Exception as e2:  # noqa: BLE001 - forwarded to the stream that caused it
-                        if not item[1].done():
-                            item[1].set_exception(e2)
+                        p.fail(e2)
                 continue
             except Exception as e:  # noqa: BLE001
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
+                for p in prefills + decodes:
+                    p.fail(e)
                 continue
-            for (_, fut), r in zip(batch, results):
-                if not fut.done():
-                    fut.set_result(r)
+            for p, r in zip(prefills, pre):
+                self._resolve(p, r)
+            for p, r in zip(decodes, dec):
+                self._resolve(p, r)
             # The streams resume on later loop turns; give them the chance to queue their next
             # step before this task decides the queue is empty and ends.
             await self._gather_stragglers()
         self._expected = set()
 
-    def _decode_and_sample(self, batch) -> list[RowResult]:
-        return self.decode_and_sample([b[0] for b in batch])[1]
+    def _resolve(self, p: "_Pending", result) -> None:
+        if not p.fut.done():
+            p.fut.set_result(result)
+        elif isinstance(p.inp, PrefillInput) and not p.inp.cache_id:
+            self.release_soon(result[0].cache.cache_id, "reclaimed")  # its stream is gone
+
+    def _step_and_sample(self, prefills: list["_Pending"], decodes: list["_Pending"]):
+        """One batched step over new prompts and decode steps, and its sampling (worker thread).
+        Returns ([(PrefillOutput, RowResult)], [RowResult])."""
+        pin = [p.inp for p in prefills]
+        din = [p.inp for p in decodes]
+        ex = self.executor
+        t0 = time.perf_counter()
+        if pin and din:
+            pre, dec = ex.mixed_step(pin, din)
+            self.mixed_steps += 1
+        elif pin:
+            pre, dec = (ex.batch_prefill(pin) if len(pin) > 1 else [ex.prefill(pin[0])]), []
+        else:
+            pre, dec = [], (ex.batch_decode(din) if len(din) > 1 else [ex.decode(din[0])])
+        dt = time.perf_counter() - t0
+        if pin:
+            ex.stats.record("prefill", dt, len(pin))
+        if din:
+            ex.stats.record("decode", dt, len(din))
+        reg = ex.registry
+        outs = [o.cache for o in pre] + [o.cache for o in dec]
+        rows = process_rows(
+            [o.logits for o in pre] + [o.logits for o in dec],
+            [i.policy for i in pin + din],
+            [reg.get(c.cache_id).tokens for c in outs],
+            [c.num_tokens for c in outs],
+        )
+        return list(zip(pre, rows[: len(pre)])), rows[len(pre):]
 
     def decode_and_sample(self, inputs: list[DecodeInput]) -> tuple[list, list[RowResult]]:
         """One (batched) decode step and its sampling; runs on the worker thread. Each row's

@@ -152,3 +152,25 @@ def test_stub_returns_zero_logits(client):
     assert caps.max_batch_size == 32 and caps.max_sequence_length == 2048
     info = client.info("stub").models[0]
     assert info.version == "mvp-stub" and info.license == "Apache-2.0"
+
+
+def test_default_mixed_step_is_all_or_nothing():
+    """The base executor's ``mixed_step`` (prompts + other sequences' decodes, as the server's
+    continuous batching joins them): a failing decode undoes the prompts — a new cache is released,
+    a continued one is truncated back."""
+    from ferrum_service.errors import FerrumError
+    from ferrum_service.executors import ConfigurableModelExecutor
+    from ferrum_service.types import DecodeInput, PrefillInput
+
+    ex = ConfigurableModelExecutor.with_token_sequence(100, [7, 8, 9], model_id="mix")
+    old = ex.prefill(PrefillInput(token_ids=[1, 2])).cache.cache_id
+    running = ex.prefill(PrefillInput(token_ids=[3])).cache.cache_id
+    pre, dec = ex.mixed_step([PrefillInput(token_ids=[4, 5, 6]), PrefillInput(token_ids=[1], cache_id=old)],
+                             [DecodeInput(cache_id=running, token_id=9)])
+    assert [o.cache.num_tokens for o in pre] == [3, 3] and dec[0].cache.num_tokens == 2
+    live = {e.cache_id for e in ex.registry.entries()}
+    with pytest.raises(FerrumError):
+        ex.mixed_step([PrefillInput(token_ids=[4, 5]), PrefillInput(token_ids=[2], cache_id=old)],
+                      [DecodeInput(cache_id="no-such-cache", token_id=9)])
+    assert {e.cache_id for e in ex.registry.entries()} == live  # the new prompt's cache was released
+    assert ex.registry.get(old).num_tokens == 3  # the continued prompt was truncated back

@@ -3,6 +3,8 @@ SmolLM2 + MiniLM defaults (marked slow)."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -150,6 +152,65 @@ def test_concurrent_generate_streams_share_batched_steps(tiny_server, tc):
     assert [together[i] for i in range(4)] == alone
     # 4 streams x 7 decode steps: batching needs fewer forward calls than 28
     assert host.executor.stats.decode_ops - ops_before < 28
+
+
+def test_new_streams_join_running_ones_in_the_same_forward(tiny_server, tc, tiny_llama_dir):  # noqa: F811
+    """Streams that arrive while others decode: their prompts run in the same forwards as the
+    running streams' next tokens (mixed steps), and every stream's tokens equal a solo run."""
+    import threading
+    import time
+
+    from .conftest_models import ForwardCounter
+
+    host = tiny_server.models.get("tiny")
+    long_prompts = [[11, 12, 13], [14, 15]]
+    new_prompts = [[20 + i, 30 + i, 40 + i] for i in range(6)]
+    alone = {tuple(p): tc.generate("tiny", token_ids=p, max_tokens=48, ignore_eos=True).tokens()
+             for p in long_prompts + new_prompts}
+    mixed_before = host.mixed_steps
+    got: dict[tuple, list[int]] = {}
+    started = threading.Event()
+
+    def run(p):
+        toks = []
+        for ev in tc.generate("tiny", token_ids=p, max_tokens=48, ignore_eos=True):
+            if ev.WhichOneof("event") == "token":
+                toks.append(ev.token.token_id)
+                if len(toks) == 4:
+                    started.set()
+        got[tuple(p)] = toks
+
+    with ForwardCounter(host.executor.model) as fc:
+        first = [threading.Thread(target=run, args=(p,)) for p in long_prompts]
+        for t in first:
+            t.start()
+        assert started.wait(30)
+        time.sleep(0.05)
+        later = [threading.Thread(target=run, args=(p,)) for p in new_prompts]
+        for t in later:
+            t.start()
+        for t in first + later:
+            t.join(60)
+    assert got == alone
+    assert host.mixed_steps > mixed_before, "no step joined a new prompt with running decodes"
+    # 8 prompts + 8 x 47 decode steps, one forward each if nothing were batched
+    assert fc.calls < (8 + 8 * 47) / 2, fc.calls
+
+
+def test_generate_cancelled_around_its_prompt_step_leaves_no_cache(tiny_server, tc):
+    """Deadlines that fall before, during and after the prompt's batched step: no cache survives
+    (one made by a step whose stream is already gone is reclaimed)."""
+    prompt = list(range(1, 400))
+    for k in range(24):
+        try:
+            for _ in tc.generate("tiny", token_ids=prompt, max_tokens=4, ignore_eos=True, timeout=0.002 * k):
+                pass
+        except FerrumRpcError as e:
+            assert e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED), e
+    deadline = time.monotonic() + 10
+    while tiny_server.live_caches()["tiny"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tiny_server.live_caches()["tiny"] == 0
 
 
 def test_embedding_model_refuses_generation(tc):

@@ -204,6 +204,27 @@ class ModelExecutor(abc.ABC):
         """``batch_decode()``; default = serial decodes (ferrum's default)."""
         return [self.decode(inp) for inp in inputs]
 
+    def mixed_step(
+        self, prefills: list[PrefillInput], decodes: list[DecodeInput]
+    ) -> tuple[list[PrefillOutput], list[DecodeOutput]]:
+        """Prompts and decode steps of *different* sequences in one call, all or nothing: how the
+        server's continuous batching lets new ``Generate`` streams join running ones. Default:
+        ``batch_prefill`` then ``batch_decode``; if the decodes fail, the prompts are undone (new
+        caches released, continued ones truncated back). Executors with one forward for both
+        override it."""
+        before = {i.cache_id: self.registry.get(i.cache_id).num_tokens for i in prefills if i.cache_id}
+        pre = self.batch_prefill(prefills) if len(prefills) > 1 else [self.prefill(p) for p in prefills]
+        try:
+            dec = self.batch_decode(decodes) if len(decodes) > 1 else [self.decode(d) for d in decodes]
+        except Exception:
+            for inp, out in zip(prefills, pre):
+                if inp.cache_id:
+                    self.truncate_kv(inp.cache_id, before[inp.cache_id])
+                else:
+                    self.release_cache(out.cache.cache_id)
+            raise
+        return pre, dec
+
     def unified_decode(self, items: list[UnifiedItem]) -> list[UnifiedResult]:
         """``unified_decode()``; default unsupported (ferrum's default)."""
         raise errors.unsupported(f"unified_decode is not implemented by the {self.kind} executor")

@@ -523,6 +523,9 @@ class HfCausalLmExecutor(ModelExecutor):
         return self._prefill(inputs, "inputs")
 
     def _prefill(self, inputs: list[PrefillInput], field: str) -> list[PrefillOutput]:
+        return self._prefill_outputs(self._step(self._prefill_items(inputs, field), field))
+
+    def _prefill_items(self, inputs: list[PrefillInput], field: str) -> list[_Item]:
         items = []
         for inp in inputs:
             entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id") if inp.cache_id else None
@@ -531,7 +534,9 @@ class HfCausalLmExecutor(ModelExecutor):
             else:
                 want = "all" if inp.all_positions else "last"
             items.append(_Item(entry, list(inp.token_ids), want, reserve=int(inp.reserve_tokens or 0)))
-        results = self._step(items, field)
+        return items
+
+    def _prefill_outputs(self, results) -> list[PrefillOutput]:
         outs = []
         for entry, logits in results:
             out = PrefillOutput(cache=self.handle(entry))
@@ -552,6 +557,9 @@ class HfCausalLmExecutor(ModelExecutor):
         return self._decode(inputs, "inputs")
 
     def _decode(self, inputs: list[DecodeInput], field: str) -> list[DecodeOutput]:
+        return [DecodeOutput(cache=self.handle(e), logits=l) for e, l in self._step(self._decode_items(inputs, field), field)]
+
+    def _decode_items(self, inputs: list[DecodeInput], field: str) -> list[_Item]:
         items = []
         for inp in inputs:
             entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id")
@@ -562,8 +570,17 @@ class HfCausalLmExecutor(ModelExecutor):
                     field=f"{field}.position",
                 )
             items.append(_Item(entry, [int(inp.token_id)], "last" if inp.policy.needs_logits else "none"))
-        outs = [DecodeOutput(cache=self.handle(e), logits=l) for e, l in self._step(items, field)]
-        return outs
+        return items
+
+    @torch.inference_mode()
+    def mixed_step(
+        self, prefills: list[PrefillInput], decodes: list[DecodeInput]
+    ) -> tuple[list[PrefillOutput], list[DecodeOutput]]:
+        """New prompts and decode steps of other sequences in one forward; all or nothing."""
+        items = self._prefill_items(prefills, "inputs") + self._decode_items(decodes, "inputs")
+        results = self._step(items, "inputs")
+        n = len(prefills)
+        return self._prefill_outputs(results[:n]), [DecodeOutput(cache=self.handle(e), logits=l) for e, l in results[n:]]
 
     @torch.inference_mode()
     def unified_decode(self, items: list[UnifiedItem]) -> list[UnifiedResult]:
