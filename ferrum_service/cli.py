@@ -128,27 +128,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import structlog
     import torch
 
+    from .host import new_worker
     from .model_specs import build_executor
     from .server import ServerConfig, serve
 
     log = structlog.get_logger("ferrum_service.cli")
     torch.set_num_threads(max(1, int(os.environ.get("FERRUM_TORCH_THREADS", os.cpu_count() or 1))))
-    executors = []
+    executors, workers = [], []
     for spec in st["specs"]:
         t0 = time.perf_counter()
         log.info("loading model", executor=spec.executor, model_id=spec.model_id)
+        # Loaded (and warmed up) on the thread that will serve it: one OpenMP team per model.
+        worker = new_worker(spec.model_id)
         try:
-            ex = build_executor(spec, device=st["device"], dtype=st["dtype"],
-                                kv_budget_tokens=st["kv_budget_tokens"] or None,
-                                trust_remote_code=st["trust_remote_code"], allow_pickle=st["allow_pickle"])
+            ex = worker.submit(build_executor, spec, device=st["device"], dtype=st["dtype"],
+                               kv_budget_tokens=st["kv_budget_tokens"] or None,
+                               trust_remote_code=st["trust_remote_code"], allow_pickle=st["allow_pickle"]).result()
         except (ValueError, FileNotFoundError, ImportError, OSError, FerrumError) as e:
             log.error("could not load model", executor=spec.executor, model_id=spec.model_id, error=str(e))
+            worker.shutdown(wait=False)
             return 2
         info = ex.info()
         log.info("model ready", model_id=info.model_id, executor=info.executor, device=info.device,
                  dtype=info.dtype, layers=info.num_layers, vocab=info.vocab_size,
                  seconds=round(time.perf_counter() - t0, 2))
         executors.append(ex)
+        workers.append(worker)
     cfg = ServerConfig(
         host=st["host"], port=st["port"], metrics_port=st["metrics_port"],
         max_message_bytes=st["max_message_bytes"], grace_period=st["grace_period"], reflection=st["reflection"],
@@ -159,7 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ([os.environ["FERRUM_ADMIN_TOKEN"]] if os.environ.get("FERRUM_ADMIN_TOKEN") else []),
         max_batch=st["max_batch"], cache_ttl=st["cache_ttl"], max_queue=st["max_queue"],
     )
-    asyncio.run(serve(executors, cfg))
+    asyncio.run(serve(executors, cfg, workers))
     return 0
 
 

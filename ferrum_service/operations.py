@@ -165,17 +165,18 @@ class Operations:
         inp = self._prefill_input(host, req.input, "input", owner)
         with host.hold([inp.cache_id], "input.cache_id"):
             timed = await host.call(self._run_prefill, host, [inp])
-        outs = timed.value
+        outs, msgs, s_ns = timed.value
         self._adopt(host, outs, owner if not inp.cache_id else "")
-        msgs, s_ns = self._prefill_outputs(host, [inp], outs)
         return pb.PrefillResponse(output=msgs[0], timings=_timings(t, timed, s_ns))
 
-    @staticmethod
-    def _run_prefill(host, inputs: list[PrefillInput]):
+    def _run_prefill(self, host, inputs: list[PrefillInput]):
+        """The prefill and its outputs' logits processing, on the worker (all torch work of a step
+        stays on the model's thread)."""
         t0 = time.perf_counter()
         outs = host.executor.batch_prefill(inputs) if len(inputs) > 1 else [host.executor.prefill(inputs[0])]
         host.executor.stats.record("prefill", time.perf_counter() - t0, len(inputs))
-        return outs
+        msgs, s_ns = self._prefill_outputs(host, inputs, outs)
+        return outs, msgs, s_ns
 
     async def batch_prefill(self, req: pb.BatchPrefillRequest, owner: str = "") -> pb.BatchPrefillResponse:
         t = time.perf_counter_ns()
@@ -188,10 +189,10 @@ class Operations:
         self._admit_new(host, inputs)
         with host.hold(ids, "inputs.cache_id"):
             timed = await host.call(self._run_prefill, host, inputs)
-        for inp, o in zip(inputs, timed.value):
+        outs, msgs, s_ns = timed.value
+        for inp, o in zip(inputs, outs):
             if not inp.cache_id:
                 self._adopt(host, [o], owner)
-        msgs, s_ns = self._prefill_outputs(host, inputs, timed.value)
         return pb.BatchPrefillResponse(outputs=msgs, timings=_timings(t, timed, s_ns))
 
     @staticmethod
@@ -292,9 +293,24 @@ class Operations:
         reg.admit(need, "items", new_caches=sum(1 for i in items if not i.cache_id))
         with host.hold(ids, "items.cache_id"):
             timed = await host.call(self._run_unified, host, items)
-        results = timed.value
+        results, by_k, s_ns = timed.value
         self._adopt(host, [r for r, it in zip(results, items) if not it.cache_id], owner)
+        resp = pb.UnifiedDecodeResponse()
+        for k, (it, r) in enumerate(zip(items, results)):
+            m = resp.results.add(seq_id=it.seq_id, cache=handle_pb(r.cache))
+            if k in by_k:
+                m.output.CopyFrom(row_pb(by_k[k]))
+        resp.timings.CopyFrom(_timings(t, timed, s_ns))
+        return resp
+
+    @staticmethod
+    def _run_unified(host, items):
+        """The unified forward and the final items' sampling, on the worker."""
+        t0 = time.perf_counter()
+        results = host.executor.unified_decode(items)
+        host.executor.stats.record("decode", time.perf_counter() - t0, len(items))
         t_s = time.perf_counter_ns()
+        reg = host.executor.registry
         final = [k for k, it in enumerate(items) if it.is_final_chunk and results[k].logits is not None]
         rows = process_rows(
             [results[k].logits for k in final],
@@ -302,21 +318,7 @@ class Operations:
             [reg.get(results[k].cache.cache_id).tokens for k in final],
             [results[k].cache.num_tokens for k in final],
         )
-        by_k = dict(zip(final, rows))
-        resp = pb.UnifiedDecodeResponse()
-        for k, (it, r) in enumerate(zip(items, results)):
-            m = resp.results.add(seq_id=it.seq_id, cache=handle_pb(r.cache))
-            if k in by_k:
-                m.output.CopyFrom(row_pb(by_k[k]))
-        resp.timings.CopyFrom(_timings(t, timed, time.perf_counter_ns() - t_s))
-        return resp
-
-    @staticmethod
-    def _run_unified(host, items):
-        t0 = time.perf_counter()
-        out = host.executor.unified_decode(items)
-        host.executor.stats.record("decode", time.perf_counter() - t0, len(items))
-        return out
+        return results, dict(zip(final, rows)), time.perf_counter_ns() - t_s
 
     async def forward_verify(self, req: pb.ForwardVerifyRequest, owner: str = "") -> pb.ForwardVerifyResponse:
         t = time.perf_counter_ns()

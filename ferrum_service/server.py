@@ -164,17 +164,19 @@ class Server:
         await self.grpc.wait_for_termination()
 
 
-def host_models(executors, max_batch: int = 64, max_queue: int = 0) -> ModelSet:
-    """A ModelSet from executor instances (ids from their ``info()``)."""
+def host_models(executors, max_batch: int = 64, max_queue: int = 0, workers=None) -> ModelSet:
+    """A ModelSet from executor instances (ids from their ``info()``); ``workers[i]``: the worker
+    executor ``i`` was loaded on (see ``host.new_worker``), else a new one."""
     models = ModelSet()
-    for ex in executors:
-        models.add(ModelHost(ex.info().model_id, ex, max_batch=max_batch, max_queue=max_queue))
+    for i, ex in enumerate(executors):
+        models.add(ModelHost(ex.info().model_id, ex, max_batch=max_batch, max_queue=max_queue,
+                             worker=workers[i] if workers else None))
     return models
 
 
-async def serve(executors, cfg: ServerConfig) -> None:
+async def serve(executors, cfg: ServerConfig, workers=None) -> None:
     """Run until SIGINT/SIGTERM, then drain and return."""
-    server = Server(host_models(executors, cfg.max_batch, cfg.max_queue), cfg)
+    server = Server(host_models(executors, cfg.max_batch, cfg.max_queue, workers), cfg)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

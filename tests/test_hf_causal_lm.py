@@ -310,6 +310,34 @@ def test_reserved_tokens_hold_their_blocks(small_budget):
     ex.release_cache(out.cache.cache_id)
 
 
+def test_reserve_kv_slots_allocates_up_front_all_or_nothing(small_budget):
+    """ferrum's paged admission: ``reserve_kv_slots`` hands a cache the blocks for its target now
+    (decodes inside the reservation allocate nothing), refuses what the pool cannot cover without
+    allocating anything, and ``kv_slot_capacity`` reports the pool."""
+    from ferrum_service.types import KvSlotRequest
+
+    ex = small_budget  # 64 tokens = 4 blocks of 16
+    snap = ex.kv_slot_capacity()
+    assert (snap.block_size, snap.total_blocks, snap.free_blocks) == (16, 4, 4)
+    a = ex.prefill(PrefillInput(token_ids=[1, 2, 3], policy=NONE)).cache.cache_id
+    res = ex.reserve_kv_slots([KvSlotRequest(a, 40)])
+    assert (res.free_blocks_before, res.free_blocks_after) == (3, 1)
+    assert [(x.blocks_before, x.blocks_after, x.new_blocks) for x in res.allocations] == [(1, 3, 2)]
+    assert ex.registry.reserved_tokens == 37
+    for t in range(20):  # 3 -> 23 tokens, inside the reservation
+        ex.decode(DecodeInput(cache_id=a, token_id=5 + t, policy=NONE))
+    assert ex.kv_slot_capacity().free_blocks == 1
+    b = ex.prefill(PrefillInput(token_ids=[7], policy=NONE)).cache.cache_id  # takes the last block
+    with pytest.raises(FerrumError) as e:
+        ex.reserve_kv_slots([KvSlotRequest(a, 48), KvSlotRequest(b, 20)])
+    assert e.value.kind == ErrorKind.RESOURCE_EXHAUSTED
+    assert ex.kv_slot_capacity().free_blocks == 0 and len(ex.registry.get(a).payload.blocks) == 3
+    assert ex.reserve_kv_slots([KvSlotRequest(a, 30)]).allocations[0].new_blocks == 0  # already covered
+    for c in (a, b):
+        ex.release_cache(c)
+    assert ex.kv_slot_capacity().free_blocks == 4 and ex.registry.free_tokens == 64
+
+
 def test_failed_forward_leaves_no_trace(tiny_llama):
     ex = HfCausalLmExecutor(tiny_llama.model, tiny_llama.tokenizer, model_id="tiny-err", kv_budget_tokens=256)
     a = ex.prefill(PrefillInput(token_ids=[5] * 16, policy=NONE)).cache.cache_id

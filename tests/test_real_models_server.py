@@ -213,6 +213,23 @@ def test_generate_cancelled_around_its_prompt_step_leaves_no_cache(tiny_server, 
     assert tiny_server.live_caches()["tiny"] == 0
 
 
+def test_kv_slot_rpcs_report_and_reserve_the_paged_pool(tc):
+    from ferrum_client import tpb
+
+    before = tc.kv_slot_capacity("tiny").snapshot
+    assert before.block_size == 16 and before.total_blocks == 512 and before.free_blocks == 512
+    cid = tc.prefill("tiny", [1, 2, 3], policy=m.no_output()).output.cache.cache_id
+    r = tc.reserve_kv_slots("tiny", [tpb.KvSlotRequest(cache_id=cid, target_len=100)]).reservation
+    assert (r.free_blocks_before, r.free_blocks_after) == (511, 505)
+    assert (r.allocations[0].blocks_before, r.allocations[0].new_blocks) == (1, 6)
+    assert tc.kv_slot_capacity("tiny").snapshot.free_blocks == 505
+    with pytest.raises(FerrumRpcError) as e:
+        tc.reserve_kv_slots("tiny", [tpb.KvSlotRequest(cache_id=cid, target_len=20000)])
+    assert e.value.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
+    tc.release_cache("tiny", cid)
+    assert tc.kv_slot_capacity("tiny").snapshot.free_blocks == 512
+
+
 def test_embedding_model_refuses_generation(tc):
     out = tc.prefill("enc", [1, 2, 3]).output
     assert len(out.embedding.shape) == 1 and out.embedding.shape[0] > 0

@@ -83,6 +83,10 @@ from ..types import (
     ExecutorMemoryUsage,
     ExecutorStatus,
     KvCapacity,
+    KvSlotAllocation,
+    KvSlotCapacitySnapshot,
+    KvSlotRequest,
+    KvSlotReservation,
     LogitsPolicy,
     MemoryRequirements,
     ModelInfo,
@@ -619,6 +623,48 @@ class HfCausalLmExecutor(ModelExecutor):
             ids = ids.unsqueeze(0)
         out = self.model(input_ids=ids, use_cache=False)
         return out.logits.to(DTYPES.get(logits_dtype, torch.float32))
+
+    def kv_slot_capacity(self) -> KvSlotCapacitySnapshot:
+        """The block pool now (allocates nothing)."""
+        return KvSlotCapacitySnapshot(block_size=self.block_size, total_blocks=self.pool.num_blocks,
+                                      free_blocks=self.pool.free_blocks)
+
+    def reserve_kv_slots(self, requests: list[KvSlotRequest]) -> KvSlotReservation:
+        """Paged admission at a batch boundary (ferrum's ``reserve_kv_slots``): give each cache the
+        blocks for ``max(target_len, admission_target_len)`` tokens now, all or nothing; the
+        reservation holds its budget until the cache grows into it, is truncated or released.
+        RESOURCE_EXHAUSTED (nothing allocated) when the pool or the token budget cannot cover it."""
+        pool, reg = self.pool, self.registry
+        plan: list[tuple[CacheEntry, int, int]] = []
+        need_blocks = need_tokens = 0
+        for k, r in enumerate(requests):
+            entry = reg.get(r.cache_id, field=f"requests[{k}].cache_id")
+            target = max(int(r.target_len), int(r.admission_target_len or 0))
+            self.registry.check_sequence_length(target, f"requests[{k}].target_len", self.max_sequence_length)
+            have = len(entry.payload.blocks)
+            new = max(0, pool.blocks_for(target) - have)
+            plan.append((entry, target, new))
+            need_blocks += new
+            need_tokens += reg.growth(entry, target)
+        free_before = pool.free_blocks
+        if need_blocks > free_before:
+            raise errors.exhausted(
+                f"requests: needs {need_blocks} more KV blocks ({self.block_size} tokens each) but only "
+                f"{free_before} of {pool.num_blocks} are free",
+                field="requests", needed_blocks=need_blocks, free_blocks=free_before,
+            )
+        reg.admit(need_tokens, "requests")
+        allocations = []
+        for entry, target, new in plan:
+            blocks = entry.payload.blocks
+            before = len(blocks)
+            blocks.extend(pool.allocate(new))
+            reg.set_reserved(entry, max(entry.reserved_total, target))
+            allocations.append(KvSlotAllocation(cache_id=entry.cache_id, blocks_before=before,
+                                                blocks_after=len(blocks), new_blocks=new))
+        return KvSlotReservation(block_size=self.block_size, total_blocks=pool.num_blocks,
+                                 free_blocks_before=free_before, free_blocks_after=pool.free_blocks,
+                                 allocations=allocations)
 
     def truncate_kv(self, cache_id: str, new_len: int) -> tuple[CacheHandle, int]:
         """Roll the cache back to ``new_len`` tokens; blocks no longer needed go back to the pool."""
