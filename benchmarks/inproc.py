@@ -41,16 +41,18 @@ def mixed_prompts(vocab: int, b: int, max_len: int = 128) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def executor_decode(ex, prompts: list[list[int]], steps: int, repeats: int, sampled: bool = True) -> dict:
+def executor_decode(ex, prompts: list[list[int]], steps: int, repeats: int, sampled: bool = True,
+                    warmup: bool = True) -> dict:
     """Aggregate decode tok/s of ``batch_decode`` over ``prompts`` (one forward per step). With
-    ``sampled`` each step also runs server-side greedy sampling (what the server does per step)."""
+    ``sampled`` each step also runs server-side greedy sampling (what the server does per step).
+    ``warmup``: one untimed pass first."""
     from ferrum_service.sampling import process_rows
     from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 
     none = LogitsPolicy(mode=OutputMode.NONE)
     greedy = LogitsPolicy(mode=OutputMode.SAMPLED_TOKEN)
     rates, trace = [], []
-    for r in range(-1, repeats):  # r = -1: untimed warm-up (first-touch of KV blocks, kernel set-up)
+    for r in range(-1 if warmup else 0, repeats):  # r = -1: untimed warm-up (first touch of KV blocks)
         outs = ex.batch_prefill([PrefillInput(token_ids=p[:-1] or p, policy=none) for p in prompts])
         ids = [o.cache.cache_id for o in outs]
         tok = [p[-1] for p in prompts]
@@ -76,12 +78,13 @@ def executor_decode(ex, prompts: list[list[int]], steps: int, repeats: int, samp
 
 
 @torch.inference_mode()
-def hf_generate(model, prompt: list[int], b: int, new_tokens: int, repeats: int) -> dict:
+def hf_generate(model, prompt: list[int], b: int, new_tokens: int, repeats: int, warmup: bool = True) -> dict:
     """transformers' own greedy ``generate`` (DynamicCache), batch ``b`` of the same prompt."""
     ids = torch.tensor([prompt] * b, dtype=torch.long)
     am = torch.ones_like(ids)
     rates, out = [], None
-    model.generate(input_ids=ids, attention_mask=am, max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+    if warmup:
+        model.generate(input_ids=ids, attention_mask=am, max_new_tokens=2, do_sample=False, pad_token_id=0)
     for _ in range(repeats):
         t = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=new_tokens, min_new_tokens=new_tokens,

@@ -42,12 +42,16 @@ def stub_latency(target: str, model: str, n: int = 2000, per_cache: int = 500) -
     with Client(target) as c:
         # unary Decode
         lat = []
+        cid = ""
         for k in range(n + 100):
             if k % per_cache == 0:
+                if cid:
+                    c.release_cache(model, cid)
                 cid = c.prefill(model, [1, 2, 3]).output.cache.cache_id
             t = time.perf_counter_ns()
             c.decode(model, cid, 5)
             lat.append(time.perf_counter_ns() - t)
+        c.release_cache(model, cid)
         lat = lat[100:]
         res["unary_p50_ms"], res["unary_p99_ms"] = pct(lat, 50) / 1e6, pct(lat, 99) / 1e6
         # Decode over one Session stream
