@@ -10,6 +10,7 @@ was yielded, else ``reclaimed`` (the stream ended abnormally, as a Session's cac
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
@@ -157,31 +158,45 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
             ttft = time.perf_counter_ns() - t_start
 
             # --- decode loop ---
-            while True:
-                _check_abort(state)
-                token = row.token_id
-                generated += 1
-                out_ids.append(token)
-                piece = detok.push(token) if detok is not None else ""
-                ev = pb.TokenEvent(token_id=token, logprob=row.logprob, index=generated - 1,
-                                   text=piece if req.stream_text else "")
-                for t, lp in row.top:
-                    ev.top_logprobs.add(token_id=t, logprob=lp)
-                yield pb.GenerateResponse(token=ev)
-                if token in stop_ids:
-                    finish = pb.FINISH_REASON_STOP
-                    break
-                if token in eos_ids:
-                    finish = pb.FINISH_REASON_EOS
-                    break
-                if detok is not None and any(s and s in detok.text for s in req.stop.stop_sequences):
-                    finish = pb.FINISH_REASON_STOP
-                    break
-                if generated >= max_tokens:
-                    finish = pb.FINISH_REASON_LENGTH
-                    break
-                _check_abort(state)
-                row = await host.decode_batched(DecodeInput(cache_id=cache_id, token_id=token, policy=policy))
+            # On a cache the stream owns, the next step is queued before this token's event is
+            # sent, so sending overlaps the next forward (on a caller's cache it is not: a step the
+            # caller never sees would leave an extra token in it).
+            pipeline = bool(created) and not req.keep_cache
+            pending: asyncio.Task | None = None
+            try:
+                while True:
+                    _check_abort(state)
+                    token = row.token_id
+                    generated += 1
+                    out_ids.append(token)
+                    piece = detok.push(token) if detok is not None else ""
+                    ev = pb.TokenEvent(token_id=token, logprob=row.logprob, index=generated - 1,
+                                       text=piece if req.stream_text else "")
+                    for t, lp in row.top:
+                        ev.top_logprobs.add(token_id=t, logprob=lp)
+                    if token in stop_ids:
+                        finish = pb.FINISH_REASON_STOP
+                    elif token in eos_ids:
+                        finish = pb.FINISH_REASON_EOS
+                    elif detok is not None and any(s and s in detok.text for s in req.stop.stop_sequences):
+                        finish = pb.FINISH_REASON_STOP
+                    elif generated >= max_tokens:
+                        finish = pb.FINISH_REASON_LENGTH
+                    nxt = DecodeInput(cache_id=cache_id, token_id=token, policy=policy)
+                    if pipeline and finish == pb.FINISH_REASON_UNSPECIFIED:
+                        pending = asyncio.ensure_future(host.decode_batched(nxt))
+                    yield pb.GenerateResponse(token=ev)
+                    if finish != pb.FINISH_REASON_UNSPECIFIED:
+                        break
+                    _check_abort(state)
+                    if pending is not None:
+                        row, pending = await pending, None
+                    else:
+                        row = await host.decode_batched(nxt)
+            finally:
+                if pending is not None:  # the stream ended with a step queued: drop it
+                    pending.cancel()
+                    pending.add_done_callback(lambda t: t.cancelled() or t.exception())
         fin = pb.GenerateFinished(
             finish_reason=finish, prompt_tokens=len(prompt), generated_tokens=generated,
             time_to_first_token_ns=ttft, total_ns=time.perf_counter_ns() - t_start,
