@@ -111,10 +111,13 @@ class ModelHost:
                 limit=self.max_queue,
             )
 
-    async def call(self, fn: Callable[..., Any], *args: Any, admit: bool = True) -> Timed:
+    async def call(self, fn: Callable[..., Any], *args: Any, admit: bool = True,
+                   on_orphan: Callable[[Any], None] | None = None) -> Timed:
         """Run ``fn(*args)`` on the model's worker (inline for cheap executors).
 
-        ``admit=False`` skips the queue limit (steps of work already admitted)."""
+        ``admit=False`` skips the queue limit (steps of work already admitted). ``on_orphan``:
+        called with the result when the caller was cancelled while ``fn`` ran (or just after it
+        finished): whatever the step created (caches) has nobody to hand it to, so it is freed."""
         if self.executor.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down", model_id=self.model_id)
         if admit:
@@ -132,7 +135,14 @@ class ModelHost:
                 started.append(time.perf_counter_ns())
                 return fn(*args)
 
-            value = await asyncio.get_running_loop().run_in_executor(self._pool, run)
+            fut = asyncio.get_running_loop().run_in_executor(self._pool, run)
+            try:
+                # shield: a cancelled caller must not lose the result of a step that ran anyway
+                value = await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                if on_orphan is not None:
+                    fut.add_done_callback(lambda f: f.cancelled() or f.exception() or on_orphan(f.result()))
+                raise
             done = time.perf_counter_ns()
             return Timed(value, started[0] - submitted, done - started[0])
         finally:
@@ -221,7 +231,13 @@ class ModelHost:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._prefill_queue.append(_Pending(inp, fut))
         self._kick()
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # cancelled after the step set its result but before this task resumed
+            if fut.done() and not fut.cancelled() and fut.exception() is None and not inp.cache_id:
+                self.release_soon(fut.result()[0].cache.cache_id, "reclaimed")
+            raise
 
     #: Longest wait (seconds) for streams of the previous batch to resubmit before a batch runs.
     straggler_wait_s = 0.005

@@ -149,6 +149,17 @@ class Operations:
             msgs.append(m)
         return msgs, time.perf_counter_ns() - t0
 
+    @staticmethod
+    def _orphaned(host, inputs):
+        """Frees the caches a step created for ``inputs`` (those without a ``cache_id``) when its
+        caller is gone before it could hand them out."""
+        def free(value) -> None:
+            outs = value[0]
+            for inp, o in zip(inputs, outs):
+                if not inp.cache_id:
+                    host.release_soon(o.cache.cache_id, "reclaimed")
+        return free
+
     def _adopt(self, host, outs, owner: str) -> None:
         """Record the owner (Session / Generate stream) of caches a call created."""
         if not owner:
@@ -164,7 +175,7 @@ class Operations:
         host = self.models.get(req.model_id)
         inp = self._prefill_input(host, req.input, "input", owner)
         with host.hold([inp.cache_id], "input.cache_id"):
-            timed = await host.call(self._run_prefill, host, [inp])
+            timed = await host.call(self._run_prefill, host, [inp], on_orphan=self._orphaned(host, [inp]))
         outs, msgs, s_ns = timed.value
         self._adopt(host, outs, owner if not inp.cache_id else "")
         return pb.PrefillResponse(output=msgs[0], timings=_timings(t, timed, s_ns))
@@ -188,7 +199,7 @@ class Operations:
         self._unique(ids, "inputs.cache_id")
         self._admit_new(host, inputs)
         with host.hold(ids, "inputs.cache_id"):
-            timed = await host.call(self._run_prefill, host, inputs)
+            timed = await host.call(self._run_prefill, host, inputs, on_orphan=self._orphaned(host, inputs))
         outs, msgs, s_ns = timed.value
         for inp, o in zip(inputs, outs):
             if not inp.cache_id:
@@ -292,7 +303,7 @@ class Operations:
                    for i in items)
         reg.admit(need, "items", new_caches=sum(1 for i in items if not i.cache_id))
         with host.hold(ids, "items.cache_id"):
-            timed = await host.call(self._run_unified, host, items)
+            timed = await host.call(self._run_unified, host, items, on_orphan=self._orphaned(host, items))
         results, by_k, s_ns = timed.value
         self._adopt(host, [r for r, it in zip(results, items) if not it.cache_id], owner)
         resp = pb.UnifiedDecodeResponse()

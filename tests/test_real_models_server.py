@@ -199,11 +199,12 @@ def test_new_streams_join_running_ones_in_the_same_forward(tiny_server, tc, tiny
 
 def test_generate_cancelled_around_its_prompt_step_leaves_no_cache(tiny_server, tc):
     """Deadlines that fall before, during and after the prompt's batched step: no cache survives
-    (one made by a step whose stream is already gone is reclaimed)."""
+    (one made by a step whose stream is already gone is reclaimed, also when the stream is
+    cancelled in the instant between the step setting its result and the stream resuming)."""
     prompt = list(range(1, 400))
-    for k in range(24):
+    for k in range(60):  # deadlines every 1 ms from 0 to 59 ms (the prompt's step takes ~10-30 ms)
         try:
-            for _ in tc.generate("tiny", token_ids=prompt, max_tokens=4, ignore_eos=True, timeout=0.002 * k):
+            for _ in tc.generate("tiny", token_ids=prompt, max_tokens=4, ignore_eos=True, timeout=0.001 * k):
                 pass
         except FerrumRpcError as e:
             assert e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED), e
