@@ -98,8 +98,8 @@ from ..types import (
     VerifyOutput,
 )
 from .base import ModelExecutor
-from .paged_kv import BlockPool, PagedBatchCache, PagedSeq
 from .checkpoint_files import require_safe_weights
+from .paged_kv import BlockPool, PagedBatchCache, PagedSeq
 from .torch_device import DTYPES, device_name, dtype_name, resolve_device, resolve_dtype
 
 log = structlog.get_logger(__name__)
