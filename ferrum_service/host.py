@@ -140,8 +140,11 @@ class ModelHost:
                 # shield: a cancelled caller must not lose the result of a step that ran anyway
                 value = await asyncio.shield(fut)
             except asyncio.CancelledError:
-                if on_orphan is not None:
-                    fut.add_done_callback(lambda f: f.cancelled() or f.exception() or on_orphan(f.result()))
+                def orphaned(f: asyncio.Future) -> None:
+                    if not f.cancelled() and f.exception() is None and on_orphan is not None:
+                        on_orphan(f.result())
+
+                fut.add_done_callback(orphaned)  # also retrieves an exception nobody awaits now
                 raise
             done = time.perf_counter_ns()
             return Timed(value, started[0] - submitted, done - started[0])
