@@ -1,5 +1,5 @@
 //! A thin typed client over the generated stub: a default model, per-call deadlines, ergonomic
-//! shortcuts for the step RPCs, and `Generate` as a `Stream`.
+//! shortcuts for the step RPCs, `Generate` as a `Stream`, and `Session` as a [`Session`].
 //!
 //! Errors are `tonic::Status` (use [`crate::error::status_to_ferrum`] for ferrum's kinds, or
 //! [`crate::error::error_reason`] for the ErrorInfo reason).
@@ -14,6 +14,7 @@ use tonic_health::pb::HealthCheckRequest;
 
 use crate::proto;
 use crate::proto::model_executor_client::ModelExecutorClient;
+use crate::session::Session;
 
 /// The stream of a `Generate` call: `started`, one `token` per generated token, `finished`.
 /// Dropping it cancels the call, which stops the server's loop and frees its cache.
@@ -98,12 +99,12 @@ impl Client {
         self.timeout = t;
         self
     }
-    /// Deadline of a whole `Generate` stream (None = no deadline).
+    /// Deadline of a whole `Generate` or `Session` stream (None = no deadline).
     pub fn with_stream_timeout(mut self, t: Option<Duration>) -> Self {
         self.stream_timeout = t;
         self
     }
-    /// The generated stub, for RPCs without a shortcut here (Session, SubscribeKvEvents, ...).
+    /// The generated stub, for RPCs without a shortcut here (SubscribeKvEvents, ListCaches, ...).
     pub fn stub(&self) -> ModelExecutorClient<Channel> {
         self.stub.clone()
     }
@@ -303,6 +304,16 @@ impl Client {
             ..Default::default()
         })
         .await
+    }
+
+    // ---- session ----
+
+    /// Open a `Session` stream on this client's model: steps in, results back in order, and every
+    /// cache created on it freed when it ends (see [`Session`]). Returns without waiting for the
+    /// server; an error of the call itself (UNAUTHENTICATED, UNAVAILABLE, ...) comes back from the
+    /// first [`Session::recv`] / [`Session::step`]. Must run within a tokio runtime.
+    pub async fn session(&self) -> Result<Session, Status> {
+        Ok(Session::start(self.stub(), self.model_id.clone(), self.stream_timeout))
     }
 }
 

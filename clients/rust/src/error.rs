@@ -5,10 +5,22 @@
 //! gRPC code is the fallback when a status has no ErrorInfo (e.g. errors from the transport or a
 //! proxy). The server's message is kept verbatim, so text ferrum's engine parses (the paged-KV
 //! admission message of RESOURCE_EXHAUSTED) survives the trip.
+//!
+//! A failed step on a `Session` stream comes back in band as a `StepError` with the same content;
+//! [`step_error_to_status`] rebuilds the status a unary call would have failed with, so both paths
+//! share one error type ([`tonic::Status`]) and one mapping.
+
+use std::collections::HashMap;
+use std::time::Duration;
 
 use ferrum_types::FerrumError;
 use tonic::{Code, Status};
-use tonic_types::StatusExt;
+use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::proto;
+
+/// The `google.rpc.ErrorInfo` domain of the contract's errors.
+pub const ERROR_DOMAIN: &str = "ferrum.executor.v1";
 
 /// The `google.rpc.ErrorInfo` reason of a status (`"NOT_FOUND"`, `"REQUEST_VALIDATION"`, ...).
 pub fn error_reason(status: &Status) -> Option<String> {
@@ -78,9 +90,90 @@ pub fn status_to_ferrum(status: &Status) -> FerrumError {
     from_code(status.code(), msg)
 }
 
+/// The status a unary call fails with, rebuilt from a `Session` step's in-band `StepError`: the
+/// same code and message, a `google.rpc.ErrorInfo` (reason = the kind without its `ERROR_KIND_`
+/// prefix, metadata plus `field`), a `google.rpc.BadRequest` naming the field (INVALID_ARGUMENT,
+/// OUT_OF_RANGE, FAILED_PRECONDITION) and a `google.rpc.RetryInfo` when `retry_after_ms` is set,
+/// as the server builds them for unary RPCs. [`error_reason`], [`error_metadata`] and
+/// [`status_to_ferrum`] then read it as they read a unary error.
+pub fn step_error_to_status(e: &proto::StepError) -> Status {
+    let code = Code::from(e.code);
+    let mut details = ErrorDetails::new();
+    let kind = proto::ErrorKind::try_from(e.kind).unwrap_or(proto::ErrorKind::Unspecified);
+    if kind != proto::ErrorKind::Unspecified {
+        let reason = kind.as_str_name().trim_start_matches("ERROR_KIND_");
+        let mut metadata: HashMap<String, String> = e.metadata.clone();
+        if !e.field.is_empty() {
+            metadata.insert("field".into(), e.field.clone());
+        }
+        details.set_error_info(reason, ERROR_DOMAIN, metadata);
+    }
+    if !e.field.is_empty() && matches!(code, Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition) {
+        details.add_bad_request_violation(e.field.clone(), e.message.clone());
+    }
+    if e.retry_after_ms > 0 {
+        details.set_retry_info(Some(Duration::from_millis(e.retry_after_ms)));
+    }
+    Status::with_error_details(code, e.message.clone(), details)
+}
+
+/// ferrum's error for a `Session` step's `StepError` (as [`status_to_ferrum`] of its status).
+pub fn step_error_to_ferrum(e: &proto::StepError) -> FerrumError {
+    status_to_ferrum(&step_error_to_status(e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn step_error_becomes_the_unary_status() {
+        let e = proto::StepError {
+            code: Code::NotFound as i32,
+            message: "unknown cache_id 'x'".into(),
+            kind: proto::ErrorKind::NotFound as i32,
+            field: "input.cache_id".into(),
+            metadata: [("cache_id".to_string(), "x".to_string())].into(),
+            retry_after_ms: 0,
+        };
+        let s = step_error_to_status(&e);
+        assert_eq!(s.code(), Code::NotFound);
+        assert_eq!(s.message(), "unknown cache_id 'x'");
+        assert_eq!(error_reason(&s).as_deref(), Some("NOT_FOUND"));
+        let md = error_metadata(&s);
+        assert_eq!((md["cache_id"].as_str(), md["field"].as_str()), ("x", "input.cache_id"));
+        assert_eq!(s.get_details_error_info().unwrap().domain, ERROR_DOMAIN);
+        assert!(s.get_details_bad_request().is_none(), "NOT_FOUND carries no BadRequest");
+        assert!(matches!(step_error_to_ferrum(&e), FerrumError::NotFound { .. }));
+
+        let e = proto::StepError {
+            code: Code::ResourceExhausted as i32,
+            message: "no KV".into(),
+            kind: proto::ErrorKind::ResourceExhausted as i32,
+            retry_after_ms: 1500,
+            ..Default::default()
+        };
+        let s = step_error_to_status(&e);
+        assert_eq!(s.get_details_retry_info().unwrap().retry_delay, Some(Duration::from_millis(1500)));
+        assert!(matches!(status_to_ferrum(&s), FerrumError::ResourceExhausted { .. }));
+
+        let e = proto::StepError {
+            code: Code::InvalidArgument as i32,
+            message: "token_ids[0] out of vocab".into(),
+            kind: proto::ErrorKind::InvalidParameter as i32,
+            field: "input.token_ids[0]".into(),
+            ..Default::default()
+        };
+        let s = step_error_to_status(&e);
+        let br = s.get_details_bad_request().unwrap();
+        assert_eq!(br.field_violations[0].field, "input.token_ids[0]");
+        assert!(matches!(status_to_ferrum(&s), FerrumError::InvalidParameter { .. }), "the kind wins over the code");
+
+        // No kind: no ErrorInfo, the code decides.
+        let s = step_error_to_status(&proto::StepError { code: Code::Unavailable as i32, message: "m".into(), ..Default::default() });
+        assert_eq!(error_reason(&s), None);
+        assert!(matches!(status_to_ferrum(&s), FerrumError::Network { .. }));
+    }
 
     #[test]
     fn codes_map_without_details() {

@@ -4,6 +4,10 @@
 //!
 //! * [`Client`]: a thin typed client over the generated stub (default model, per-call
 //!   deadlines, `Generate` as a `Stream`).
+//! * [`Session`] ([`Client::session`]): the bidirectional `Session` RPC step by step:
+//!   `step()` / typed shortcuts that send and wait, `send()` / `recv()` to pipeline, `close()`
+//!   frees every cache created on the stream. A failed step is the same `tonic::Status` the unary
+//!   call gives, and the session goes on.
 //! * [`RemoteModelExecutor`]: **ferrum's own `ModelExecutor` trait** (crate `ferrum-interfaces`
 //!   0.8.8) implemented over the RPCs, so ferrum's engine, or any code written against the trait,
 //!   can drive a remote executor as if it were local.
@@ -38,6 +42,19 @@
 //! let c = ferrum_remote_executor::Client::connect("http://127.0.0.1:50051").await?.with_model("tiny");
 //! let mut events = c.generate_tokens(&[1, 100, 200], 16, None).await?;   // a Stream of events
 //! while let Some(ev) = futures_util::StreamExt::next(&mut events).await { println!("{:?}", ev?.event); }
+//! # Ok(()) }
+//! ```
+//!
+//! One `Session` stream (the lowest per-step overhead; its caches are freed when it ends):
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let c = ferrum_remote_executor::Client::connect("http://127.0.0.1:50051").await?.with_model("tiny");
+//! let mut s = c.session().await?;
+//! let pre = s.prefill(&[1, 100, 200], None).await?;                 // greedy token, a stream-owned cache
+//! let (cache, mut tok) = (pre.cache.unwrap().cache_id, pre.output.unwrap().token_id.unwrap());
+//! for _ in 0..8 { tok = s.decode(&cache, tok, None).await?.output.unwrap().token_id.unwrap(); }
+//! s.close().await?;                                                // the server frees `cache`
 //! # Ok(()) }
 //! ```
 //!
@@ -78,7 +95,8 @@
 //! server names), else by code: UNIMPLEMENTED → `Unsupported`, RESOURCE_EXHAUSTED →
 //! `ResourceExhausted`, NOT_FOUND → `NotFound`, INVALID_ARGUMENT / FAILED_PRECONDITION / ABORTED →
 //! `RequestValidation`, OUT_OF_RANGE → `InvalidParameter`, DEADLINE_EXCEEDED → `Timeout`,
-//! UNAVAILABLE → `Network`, ... The server's message is kept verbatim.
+//! UNAVAILABLE → `Network`, ... The server's message is kept verbatim. A failed `Session` step's
+//! in-band `StepError` is turned back into that same status first (`step_error_to_status`).
 //!
 //! ## Where the trait and the contract do not meet exactly
 //!
@@ -114,6 +132,7 @@ pub mod convert;
 pub mod error;
 pub mod executor;
 pub mod kv;
+pub mod session;
 pub mod tensor;
 pub mod testing;
 
@@ -124,9 +143,10 @@ pub mod proto {
 }
 
 pub use client::{policy, Client, GenerateStream};
-pub use error::{error_reason, status_to_ferrum};
+pub use error::{error_reason, status_to_ferrum, step_error_to_status};
 pub use executor::{logits_policy_to_proto, RemoteExecutorOptions, RemoteModelExecutor};
 pub use kv::RemoteKvCacheHandle;
+pub use session::{Session, Step, StepResult};
 pub use tensor::{HostTensor, HostTensorFactory};
 
 pub use ferrum_interfaces;
