@@ -183,13 +183,7 @@ impl Client {
     }
     /// Feed `token` into `cache_id`; `policy` None = a greedy token.
     pub async fn decode(&self, cache_id: &str, token: i32, policy: Option<proto::LogitsPolicy>) -> Result<proto::DecodeOutput, Status> {
-        self.decode_input(proto::DecodeInput {
-            cache_id: cache_id.to_string(),
-            token_id: token,
-            logits: policy,
-            ..Default::default()
-        })
-        .await
+        self.decode_input(decode_input(cache_id, token, policy)).await
     }
     pub async fn decode_input(&self, input: proto::DecodeInput) -> Result<proto::DecodeOutput, Status> {
         let m = proto::DecodeRequest { model_id: self.model_id.clone(), input: Some(input), ..Default::default() };
@@ -319,4 +313,10 @@ impl Client {
 
 fn output<T>(o: Option<T>) -> Result<T, Status> {
     o.ok_or_else(|| Status::internal("server response has no output"))
+}
+
+/// The `DecodeInput` that feeds `token` into `cache_id` (`policy` None = the server's default, a
+/// greedy token); shared by [`Client::decode`] and the session's `decode`.
+pub(crate) fn decode_input(cache_id: &str, token: i32, policy: Option<proto::LogitsPolicy>) -> proto::DecodeInput {
+    proto::DecodeInput { cache_id: cache_id.to_string(), token_id: token, logits: policy, ..Default::default() }
 }

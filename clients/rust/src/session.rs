@@ -389,13 +389,7 @@ impl Session {
         token: i32,
         policy: Option<proto::LogitsPolicy>,
     ) -> Result<proto::DecodeOutput, Status> {
-        self.decode_input(proto::DecodeInput {
-            cache_id: cache_id.to_string(),
-            token_id: token,
-            logits: policy,
-            ..Default::default()
-        })
-        .await
+        self.decode_input(crate::client::decode_input(cache_id, token, policy)).await
     }
     pub async fn decode_input(&mut self, input: proto::DecodeInput) -> Result<proto::DecodeOutput, Status> {
         let m = proto::DecodeRequest { input: Some(input), ..Default::default() };
