@@ -138,7 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for spec in st["specs"]:
         t0 = time.perf_counter()
         log.info("loading model", executor=spec.executor, model_id=spec.model_id)
-        # Loaded (and warmed up) on the thread that will serve it: one OpenMP team per model.
+        # Loaded on the thread that will serve it: one OpenMP team per model (see host.new_worker).
         worker = new_worker(spec.model_id)
         try:
             ex = worker.submit(build_executor, spec, device=st["device"], dtype=st["dtype"],

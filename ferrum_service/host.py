@@ -72,10 +72,11 @@ class ModelHost:
         self.executor = executor
         self.info = executor.info()
         self.vocab_size = self.info.vocab_size
+        caps = executor.capabilities()
         # Fixed for an executor's life; checked on every step, so read once.
-        self.supports_generation = executor.capabilities().supports_generation
+        self.supports_generation = caps.supports_generation
         # A batched step never exceeds what the executor takes in one forward.
-        self.max_batch = min(max_batch, executor.capabilities().max_batch_size or max_batch)
+        self.max_batch = min(max_batch, caps.max_batch_size or max_batch)
         self.max_queue = max_queue  # steps allowed to wait for the worker (0 = unbounded)
         self._pool = worker or new_worker(model_id)
         self._busy: set[str] = set()
@@ -332,45 +333,40 @@ class ModelHost:
             self.release_soon(result[0].cache.cache_id, "reclaimed")  # its stream is gone
 
     def _step_and_sample(self, prefills: list["_Pending"], decodes: list["_Pending"]):
-        """One batched step over new prompts and decode steps, and its sampling (worker thread).
-        Returns ([(PrefillOutput, RowResult)], [RowResult])."""
-        pin = [p.inp for p in prefills]
-        din = [p.inp for p in decodes]
-        ex = self.executor
-        t0 = time.perf_counter()
-        if pin and din:
-            pre, dec = ex.mixed_step(pin, din)
-            self.mixed_steps += 1
-        elif pin:
-            pre, dec = (ex.batch_prefill(pin) if len(pin) > 1 else [ex.prefill(pin[0])]), []
-        else:
-            pre, dec = [], (ex.batch_decode(din) if len(din) > 1 else [ex.decode(din[0])])
-        dt = time.perf_counter() - t0
-        if pin:
-            ex.stats.record("prefill", dt, len(pin))
-        if din:
-            ex.stats.record("decode", dt, len(din))
-        reg = ex.registry
-        outs = [o.cache for o in pre] + [o.cache for o in dec]
-        rows = process_rows(
-            [o.logits for o in pre] + [o.logits for o in dec],
-            [i.policy for i in pin + din],
-            [reg.get(c.cache_id).tokens for c in outs],
-            [c.num_tokens for c in outs],
-        )
+        """The batcher's step: ([(PrefillOutput, RowResult)], [RowResult])."""
+        pre, _, rows = self.step_and_sample([p.inp for p in prefills], [p.inp for p in decodes])
         return list(zip(pre, rows[: len(pre)])), rows[len(pre):]
 
     def decode_and_sample(self, inputs: list[DecodeInput]) -> tuple[list, list[RowResult]]:
-        """One (batched) decode step and its sampling; runs on the worker thread. Each row's
-        repetition-penalty history is its cache's tokens."""
-        t0 = time.perf_counter()
-        outs = self.executor.batch_decode(inputs) if len(inputs) > 1 else [self.executor.decode(inputs[0])]
-        self.executor.stats.record("decode", time.perf_counter() - t0, len(inputs))
-        reg = self.executor.registry
-        rows = process_rows(
-            [o.logits for o in outs],
-            [i.policy for i in inputs],
-            [reg.get(i.cache_id).tokens for i in inputs],
-            [o.cache.num_tokens for o in outs],
-        )
+        """One (batched) decode step and its sampling; runs on the worker thread."""
+        _, outs, rows = self.step_and_sample([], inputs)
         return outs, rows
+
+    def step_and_sample(self, prefills: list[PrefillInput], decodes: list[DecodeInput]):
+        """One step over prompts and decode steps of different sequences (one forward where the
+        executor can: ``mixed_step``) and the sampling of every row; runs on the worker thread.
+        Each row's repetition-penalty history is its cache's tokens. Returns (prefill outputs,
+        decode outputs, rows: the prompts' rows first)."""
+        ex = self.executor
+        t0 = time.perf_counter()
+        if prefills and decodes:
+            pre, dec = ex.mixed_step(prefills, decodes)
+            self.mixed_steps += 1
+        elif prefills:
+            pre, dec = (ex.batch_prefill(prefills) if len(prefills) > 1 else [ex.prefill(prefills[0])]), []
+        else:
+            pre, dec = [], (ex.batch_decode(decodes) if len(decodes) > 1 else [ex.decode(decodes[0])])
+        dt = time.perf_counter() - t0
+        if prefills:
+            ex.stats.record("prefill", dt, len(prefills))
+        if decodes:
+            ex.stats.record("decode", dt, len(decodes))
+        reg = ex.registry
+        caches = [o.cache for o in pre] + [o.cache for o in dec]
+        rows = process_rows(
+            [o.logits for o in pre] + [o.logits for o in dec],
+            [i.policy for i in prefills + decodes],
+            [reg.get(c.cache_id).tokens for c in caches],
+            [c.num_tokens for c in caches],
+        )
+        return pre, dec, rows

@@ -561,7 +561,10 @@ class HfCausalLmExecutor(ModelExecutor):
         return self._decode(inputs, "inputs")
 
     def _decode(self, inputs: list[DecodeInput], field: str) -> list[DecodeOutput]:
-        return [DecodeOutput(cache=self.handle(e), logits=l) for e, l in self._step(self._decode_items(inputs, field), field)]
+        return self._decode_outputs(self._step(self._decode_items(inputs, field), field))
+
+    def _decode_outputs(self, results) -> list[DecodeOutput]:
+        return [DecodeOutput(cache=self.handle(e), logits=l) for e, l in results]
 
     def _decode_items(self, inputs: list[DecodeInput], field: str) -> list[_Item]:
         items = []
@@ -584,7 +587,7 @@ class HfCausalLmExecutor(ModelExecutor):
         items = self._prefill_items(prefills, "inputs") + self._decode_items(decodes, "inputs")
         results = self._step(items, "inputs")
         n = len(prefills)
-        return self._prefill_outputs(results[:n]), [DecodeOutput(cache=self.handle(e), logits=l) for e, l in results[n:]]
+        return self._prefill_outputs(results[:n]), self._decode_outputs(results[n:])
 
     @torch.inference_mode()
     def unified_decode(self, items: list[UnifiedItem]) -> list[UnifiedResult]:
@@ -624,6 +627,20 @@ class HfCausalLmExecutor(ModelExecutor):
         out = self.model(input_ids=ids, use_cache=False)
         return out.logits.to(DTYPES.get(logits_dtype, torch.float32))
 
+    def _admit(self, need_blocks: int, need_tokens: int, field: str, *, new_caches: int = 0) -> None:
+        """RESOURCE_EXHAUSTED unless the pool has ``need_blocks`` free blocks and the registry's
+        budget ``need_tokens`` free tokens (and room for ``new_caches``); allocates nothing."""
+        pool = self.pool
+        if need_blocks > pool.free_blocks:
+            raise errors.exhausted(
+                f"{field}: needs {need_blocks} more KV blocks ({self.block_size} tokens each) but only "
+                f"{pool.free_blocks} of {pool.num_blocks} are free",
+                field=field,
+                needed_blocks=need_blocks,
+                free_blocks=pool.free_blocks,
+            )
+        self.registry.admit(need_tokens, field, new_caches=new_caches)
+
     def kv_slot_capacity(self) -> KvSlotCapacitySnapshot:
         """The block pool now (allocates nothing)."""
         return KvSlotCapacitySnapshot(block_size=self.block_size, total_blocks=self.pool.num_blocks,
@@ -647,13 +664,7 @@ class HfCausalLmExecutor(ModelExecutor):
             need_blocks += new
             need_tokens += reg.growth(entry, target)
         free_before = pool.free_blocks
-        if need_blocks > free_before:
-            raise errors.exhausted(
-                f"requests: needs {need_blocks} more KV blocks ({self.block_size} tokens each) but only "
-                f"{free_before} of {pool.num_blocks} are free",
-                field="requests", needed_blocks=need_blocks, free_blocks=free_before,
-            )
-        reg.admit(need_tokens, "requests")
+        self._admit(need_blocks, need_tokens, "requests")
         allocations = []
         for entry, target, new in plan:
             blocks = entry.payload.blocks
@@ -735,15 +746,7 @@ class HfCausalLmExecutor(ModelExecutor):
                 target = max(it.entry.num_tokens + len(it.tokens), it.reserve)
                 need_blocks += max(0, pool.blocks_for(target) - len(it.entry.payload.blocks))
                 need_tokens += self.registry.growth(it.entry, target)
-        if need_blocks > pool.free_blocks:
-            raise errors.exhausted(
-                f"{field}: needs {need_blocks} more KV blocks ({self.block_size} tokens each) but only "
-                f"{pool.free_blocks} of {pool.num_blocks} are free",
-                field=field,
-                needed_blocks=need_blocks,
-                free_blocks=pool.free_blocks,
-            )
-        self.registry.admit(need_tokens, field, new_caches=new_caches)
+        self._admit(need_blocks, need_tokens, field, new_caches=new_caches)
 
         created: list[CacheEntry] = []
         grown: list[tuple[CacheEntry, int, int]] = []
