@@ -2,14 +2,18 @@
 
 Also the request checks that depend only on a message and the model's shape (sampling parameters
 in range, token ids inside the vocabulary). Every check raises a :class:`FerrumError` naming the
-field, so a caller learns exactly what to fix.
+field, so a caller learns exactly what to fix. The last section turns errors into what leaves the
+server: a ``google.rpc.Status`` (unary and streaming RPCs) or an in-band ``StepError`` (Session).
 """
 
 from __future__ import annotations
 
 import math
 
-from google.protobuf import json_format, struct_pb2
+import grpc
+import structlog
+from google.protobuf import any_pb2, duration_pb2, json_format, struct_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2 as pb
 from ferrum_client._proto.ferrum.executor.v1 import types_pb2 as tpb
@@ -314,3 +318,49 @@ __all__ = [
     "struct_to_dict",
     "dict_to_struct",
 ]
+
+
+# ---- errors -> statuses ---------------------------------------------------------------------------
+_log = structlog.get_logger("ferrum_service.errors")
+_BAD_REQUEST_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                      grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def as_ferrum_error(exc: BaseException, rpc: str) -> errors.FerrumError:
+    """``exc`` as the error the caller sees: a :class:`FerrumError` as it is; anything else is a
+    bug, logged with its traceback and answered INTERNAL (call it in the ``except`` block)."""
+    if isinstance(exc, errors.FerrumError):
+        return exc
+    _log.exception("unexpected error", rpc=rpc, error=repr(exc))
+    return errors.FerrumError(errors.ErrorKind.INTERNAL, f"{rpc}: internal error: {type(exc).__name__}: {exc}")
+
+
+def _packed(msg) -> any_pb2.Any:
+    d = any_pb2.Any()
+    d.Pack(msg)
+    return d
+
+
+def status_of(e: errors.FerrumError) -> status_pb2.Status:
+    """A FerrumError as a ``google.rpc.Status``: ErrorInfo always (reason = ferrum's kind, the field
+    in its metadata), BadRequest naming the field for argument errors, RetryInfo when the caller
+    should retry later."""
+    st = status_pb2.Status(code=e.code.value[0], message=e.message)
+    info = error_details_pb2.ErrorInfo(reason=e.kind.name, domain=errors.ERROR_DOMAIN, metadata=e.metadata)
+    if e.field:
+        info.metadata["field"] = e.field
+    st.details.append(_packed(info))
+    if e.field and e.code in _BAD_REQUEST_CODES:
+        br = error_details_pb2.BadRequest()
+        br.field_violations.add(field=e.field, description=e.message)
+        st.details.append(_packed(br))
+    if e.retry_after_ms:
+        st.details.append(_packed(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(
+            seconds=e.retry_after_ms // 1000, nanos=(e.retry_after_ms % 1000) * 1_000_000))))
+    return st
+
+
+def step_error_pb(e: errors.FerrumError) -> tpb.StepError:
+    """A FerrumError as a Session step's in-band ``StepError`` (the session goes on)."""
+    return tpb.StepError(code=e.code.value[0], message=e.message, kind=e.kind.value, field=e.field,
+                         metadata=e.metadata, retry_after_ms=e.retry_after_ms)

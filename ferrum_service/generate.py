@@ -1,8 +1,8 @@
 """``Generate``: the decode loop on the server, one event per token.
 
-The prompt goes through ``ModelHost.prefill_batched`` and each later step feeds the last token
-through ``ModelHost.decode_batched``; the host joins the prompts and steps of all concurrent streams
-of a model into batched forwards (continuous batching, see ``host.py``). The loop checks for
+The prompt goes through the model's batcher (``host.batcher.prefill``) and each later step feeds
+the last token through ``host.batcher.decode``; the batcher joins the prompts and steps of all
+concurrent streams of a model into batched forwards (continuous batching, see ``batcher.py``). The loop checks for
 cancellation between steps; whatever ends the stream (finish, error, client cancel, deadline,
 dropped connection, Abort), the ``finally`` frees the cache it created unless the caller asked to keep it: with reason ``released`` once ``GenerateFinished``
 was yielded, else ``reclaimed`` (the stream ended abnormally, as a Session's caches on close).
@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
 from . import errors
 from .convert import check_token, check_tokens, handle_pb, pb, sampling_params
+from .streams import StreamState
 from .types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
+from .validate import RequestChecks, admit
 
 if TYPE_CHECKING:
     from .host import ModelHost
-    from .operations import Operations
+    from .models import ModelSet
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -51,53 +52,47 @@ def _prompt_tokens(host: "ModelHost", req: pb.GenerateRequest) -> list[int]:
     return []
 
 
-class _Detok:
-    """Incremental detokenization: text pieces that concatenate to the decoded whole."""
+class IncrementalDetokenizer:
+    """Text pieces of a growing token sequence, each decoded from a short window of recent ids
+    (not the whole output again), that concatenate to the decoded whole.
+
+    The window starts a few tokens back (``_prefix``) so that tokenizers whose text for a token
+    depends on its left neighbour (leading spaces, byte pieces) decode it in context; a piece ending
+    in an incomplete UTF-8 sequence is held back until the next token completes it."""
 
     def __init__(self, tok) -> None:
         self.tok = tok
         self.ids: list[int] = []
         self.text = ""
+        self._prefix = 0  # window start
+        self._read = 0  # ids before this are already in ``text``
 
     def push(self, t: int) -> str:
+        """Add one token; the new text it completes ("" while a character is incomplete)."""
         self.ids.append(t)
-        full = self.tok.decode(self.ids, skip_special_tokens=True)
-        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        before = self.tok.decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
+        now = self.tok.decode(self.ids[self._prefix:], skip_special_tokens=True)
+        if now.endswith("\ufffd") or len(now) <= len(before):
             return ""
-        piece, self.text = full[len(self.text):], full
+        piece = now[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += piece
         return piece
 
 
-@dataclass
-class StreamState:
-    """What ``Abort`` needs to find and stop a running generation."""
-
-    owner: str
-    model_id: str = ""
-    request_id: str = ""
-    cache_id: str = ""
-    aborted: bool = False
+def _stop_sequence_in(text: str, piece: str, stops) -> bool:
+    """Whether a stop sequence ends inside ``text``'s last ``piece`` (earlier text held none)."""
+    return bool(piece) and any(s and s in text[-(len(piece) + len(s) - 1):] for s in stops)
 
 
-def _check_abort(state: StreamState | None) -> None:
-    if state is not None and state.aborted:
-        raise errors.FerrumError(errors.ErrorKind.CANCELLED, "the request was aborted (Abort RPC)")
-
-
-async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
-                   state: StreamState | None = None) -> AsyncIterator[pb.GenerateResponse]:
-    """Run one generation; yields ``GenerateResponse`` events. ``state.aborted`` stops it at the
-    next step with CANCELLED."""
+async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRequest, owner: str,
+                   state: StreamState) -> AsyncIterator[pb.GenerateResponse]:
+    """Run one generation; yields ``GenerateResponse`` events. ``state.aborted`` (``Abort``) stops
+    it at the next step with CANCELLED."""
     t_start = time.perf_counter_ns()
-    host = ops.models.get(req.model_id)
-    if state is not None:
-        state.model_id, state.request_id, state.cache_id = host.model_id, req.request_id, req.cache_id
-    if not host.executor.capabilities().supports_generation:
-        raise errors.unsupported(
-            f"Generate: model {host.model_id!r} is an encoder and does not support token generation; use Prefill "
-            "to get embeddings",
-            field="model_id",
-        )
+    host = models.get(req.model_id)
+    state.model_id, state.request_id, state.cache_id = host.model_id, req.request_id, req.cache_id
+    checks.require_generation(host, "Generate")
     sp = sampling_params(req.sampling, host.vocab_size, "sampling")
     if req.top_logprobs > 64:
         raise errors.invalid(f"top_logprobs = {req.top_logprobs} exceeds the maximum 64", field="top_logprobs")
@@ -112,14 +107,14 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
     reg = host.executor.registry
     prior = 0
     if req.cache_id:
-        prior = ops._entry(host, req.cache_id, "cache_id").num_tokens
+        prior = checks.live_entry(host, req.cache_id, "cache_id").num_tokens
         if not prompt and not req.HasField("last_token_id"):
             raise errors.invalid("cache_id without a prompt needs last_token_id", field="last_token_id")
     if req.HasField("last_token_id"):
         check_token(req.last_token_id, host.vocab_size, "last_token_id")
     total = prior + len(prompt) + max_tokens
-    reg.check_sequence_length(total, "stop.max_tokens", host.info.max_sequence_length)
-    detok = _Detok(tok) if tok is not None and (req.stream_text or req.stop.stop_sequences) else None
+    checks.check_length(host, total, "stop.max_tokens")
+    detok = IncrementalDetokenizer(tok) if tok is not None and (req.stream_text or req.stop.stop_sequences) else None
 
     created = ""
     cache_id = req.cache_id
@@ -135,21 +130,18 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
                 inp = PrefillInput(token_ids=prompt, cache_id=cache_id, policy=policy,
                                    reserve_tokens=total if not cache_id else 0, request_id=req.request_id)
                 if cache_id:
-                    e = reg.get(cache_id)
-                    reg.admit(reg.growth(e, total), "stop.max_tokens")
-                out, row = await host.prefill_batched(inp)
+                    admit(host, "stop.max_tokens", grow=[(reg.get(cache_id), total)])
+                out, row = await host.batcher.prefill(inp)
                 if not cache_id:
                     created = cache_id = out.cache.cache_id
-                    if state is not None:
-                        state.cache_id = cache_id
+                    state.cache_id = cache_id
                     entry = reg.get(cache_id)
                     if not req.keep_cache:
                         entry.owner = owner
                 handle = out.cache
             else:
-                e = reg.get(cache_id)
-                reg.admit(reg.growth(e, total), "stop.max_tokens")
-                row = await host.decode_batched(
+                admit(host, "stop.max_tokens", grow=[(reg.get(cache_id), total)])
+                row = await host.batcher.decode(
                     DecodeInput(cache_id=cache_id, token_id=req.last_token_id, policy=policy)
                 )
                 handle = host.executor.handle(reg.get(cache_id))
@@ -165,7 +157,7 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
             pending: asyncio.Task | None = None
             try:
                 while True:
-                    _check_abort(state)
+                    state.check_aborted()
                     token = row.token_id
                     generated += 1
                     out_ids.append(token)
@@ -178,21 +170,21 @@ async def generate(ops: "Operations", req: pb.GenerateRequest, owner: str,
                         finish = pb.FINISH_REASON_STOP
                     elif token in eos_ids:
                         finish = pb.FINISH_REASON_EOS
-                    elif detok is not None and any(s and s in detok.text for s in req.stop.stop_sequences):
+                    elif detok is not None and _stop_sequence_in(detok.text, piece, req.stop.stop_sequences):
                         finish = pb.FINISH_REASON_STOP
                     elif generated >= max_tokens:
                         finish = pb.FINISH_REASON_LENGTH
                     nxt = DecodeInput(cache_id=cache_id, token_id=token, policy=policy)
                     if pipeline and finish == pb.FINISH_REASON_UNSPECIFIED:
-                        pending = asyncio.ensure_future(host.decode_batched(nxt))
+                        pending = asyncio.ensure_future(host.batcher.decode(nxt))
                     yield pb.GenerateResponse(token=ev)
                     if finish != pb.FINISH_REASON_UNSPECIFIED:
                         break
-                    _check_abort(state)
+                    state.check_aborted()
                     if pending is not None:
                         row, pending = await pending, None
                     else:
-                        row = await host.decode_batched(nxt)
+                        row = await host.batcher.decode(nxt)
             finally:
                 if pending is not None:  # the stream ended with a step queued: drop it
                     pending.cancel()

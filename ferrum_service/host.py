@@ -1,4 +1,5 @@
-"""A hosted model: its executor, the worker thread it runs on, and per-cache step exclusion.
+"""A hosted model: its executor, the worker thread it runs on, per-cache step exclusion, and the
+step dispatch every batched path shares.
 
 ``ModelHost.call`` runs one executor method off the event loop on the model's single worker thread
 (so model state needs no locks and forward passes never block the server), or inline for cheap
@@ -6,13 +7,9 @@ executors. ``ModelHost.hold`` marks caches busy for the duration of a step: a se
 busy cache is refused with ABORTED instead of racing it; holding a cache also renews its lease
 (``last_access``, see ``leases.py``). ``max_queue`` bounds the steps waiting for the worker: past
 it new steps are refused at once with RESOURCE_EXHAUSTED (releases and shutdown are never refused,
-and decode steps of running ``Generate`` streams are not new work).
-
-Continuous batching (the server's own, so a plain ``Generate`` client gets it): every running
-stream's next decode step (``decode_batched``) and new streams' prompts (``prefill_batched``) go
-into one queue; each step takes all queued decode steps and as many new prompts as
-``prefill_tokens_per_step`` allows, and runs them as one forward (``mixed_step``), up to
-``max_batch`` rows (never more than the executor's own limit).
+and decode steps of running ``Generate`` streams are not new work). ``step_and_sample`` is the one
+"forward + sampling" of a step, used by unary decode steps and by the ``Generate`` streams'
+:class:`~ferrum_service.batcher.ContinuousBatcher` (``host.batcher``).
 """
 
 from __future__ import annotations
@@ -25,9 +22,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from . import errors
+from .batcher import ContinuousBatcher
 from .executors.base import ModelExecutor
 from .sampling import RowResult, process_rows
-from .types import DecodeInput, PrefillInput, PrefillOutput
+from .types import DecodeInput, PrefillInput
 
 
 def new_worker(name: str) -> concurrent.futures.ThreadPoolExecutor:
@@ -38,18 +36,6 @@ def new_worker(name: str) -> concurrent.futures.ThreadPoolExecutor:
     competing for the same cores made every served step ~20-30 % slower on a 2-core CPU
     (BatchDecode B=8 on SmolLM2: 81-91 ms per step with one team, 104-125 ms with two)."""
     return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"exec-{name}")
-
-
-@dataclass
-class _Pending:
-    """A Generate stream's step waiting for the next batched forward."""
-
-    inp: PrefillInput | DecodeInput
-    fut: asyncio.Future
-
-    def fail(self, e: BaseException) -> None:
-        if not self.fut.done():
-            self.fut.set_exception(e)
 
 
 @dataclass
@@ -72,36 +58,34 @@ class ModelHost:
         self.executor = executor
         self.info = executor.info()
         self.vocab_size = self.info.vocab_size
-        caps = executor.capabilities()
-        # Fixed for an executor's life; checked on every step, so read once.
-        self.supports_generation = caps.supports_generation
+        # Fixed for an executor's life and read on every step, so read once (on the transformers
+        # executor ``capabilities()`` sums every parameter).
+        self.capabilities = executor.capabilities()
+        self.supports_generation = self.capabilities.supports_generation
         # A batched step never exceeds what the executor takes in one forward.
-        self.max_batch = min(max_batch, caps.max_batch_size or max_batch)
+        self.max_batch = min(max_batch, self.capabilities.max_batch_size or max_batch)
         self.max_queue = max_queue  # steps allowed to wait for the worker (0 = unbounded)
         self._pool = worker or new_worker(model_id)
         self._busy: set[str] = set()
-        self._decode_queue: list[_Pending] = []  # decode steps of running Generate streams
-        self._prefill_queue: list[_Pending] = []  # prompts of new Generate streams
-        self._batch_task: asyncio.Task | None = None
-        # Streams of the last decode batch that have not resubmitted (or ended) yet; the next batch
-        # waits a little for them (see ``_gather_stragglers``).
-        self._expected: set[str] = set()
-        self.decode_batch_sizes: list[int] = []  # recent decode batch sizes (diagnostics, bounded)
-        self.mixed_steps = 0  # batched steps that joined new prompts with running decodes (diagnostics)
         self.running = 0  # steps executing or queued on the worker
         self._pending_releases: set[asyncio.Task] = set()
+        self.batcher = ContinuousBatcher(self)
 
     # ---- running executor methods -------------------------------------------------------------
     @property
     def waiting(self) -> int:
         """Steps queued behind the one the worker is running (new Generate prompts included)."""
-        return max(0, self.running - 1) + len(self._prefill_queue)
+        return max(0, self.running - 1) + self.batcher.queued_prompts
 
-    def _admit(self, fn: Callable[..., Any]) -> None:
+    def check_accepting(self, fn: Callable[..., Any] | None = None) -> None:
+        """UNAVAILABLE once the model is shut down; RESOURCE_EXHAUSTED (with RetryInfo) when
+        ``max_queue`` steps already wait for the worker — except for ``fn`` = release or shutdown:
+        freeing memory is never refused."""
+        self._check_up()
         if not self.max_queue or self.executor.inline:
             return
         if fn == self.executor.release_cache or fn == self.executor.shutdown:
-            return  # freeing memory is never refused
+            return
         if self.waiting >= self.max_queue:
             raise errors.exhausted(
                 f"model {self.model_id!r}: {self.waiting} steps are waiting for its worker; the queue limit "
@@ -112,6 +96,10 @@ class ModelHost:
                 limit=self.max_queue,
             )
 
+    def _check_up(self) -> None:
+        if self.executor.state == "shutdown":
+            raise errors.unavailable(f"model {self.model_id!r} is shut down", model_id=self.model_id)
+
     async def call(self, fn: Callable[..., Any], *args: Any, admit: bool = True,
                    on_orphan: Callable[[Any], None] | None = None) -> Timed:
         """Run ``fn(*args)`` on the model's worker (inline for cheap executors).
@@ -119,10 +107,7 @@ class ModelHost:
         ``admit=False`` skips the queue limit (steps of work already admitted). ``on_orphan``:
         called with the result when the caller was cancelled while ``fn`` ran (or just after it
         finished): whatever the step created (caches) has nobody to hand it to, so it is freed."""
-        if self.executor.state == "shutdown":
-            raise errors.unavailable(f"model {self.model_id!r} is shut down", model_id=self.model_id)
-        if admit:
-            self._admit(fn)
+        self.check_accepting(fn) if admit else self._check_up()
         submitted = time.perf_counter_ns()
         self.running += 1
         try:
@@ -182,7 +167,7 @@ class ModelHost:
 
         The release runs as its own task (not the cancelled one), so a second cancellation cannot
         interrupt it and leak the cache."""
-        self._expected.discard(cache_id)
+        self.batcher.forget(cache_id)
         if cache_id not in self.executor.registry:
             return
         if self.executor.inline:
@@ -207,136 +192,6 @@ class ModelHost:
     def shutdown_pool(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    # ---- continuous batching of Generate streams ------------------------------------------------
-    #: Prompt tokens one batched step may take on top of the running streams' decode tokens. New
-    #: prompts join the running batch (one forward for both) up to this many tokens per step, so a
-    #: burst of new streams delays the running ones by a bounded amount per step.
-    prefill_tokens_per_step = 512
-
-    def _kick(self) -> None:
-        if self._batch_task is None or self._batch_task.done():
-            self._batch_task = asyncio.create_task(self._drain())
-
-    async def decode_batched(self, inp: DecodeInput) -> RowResult:
-        """One decode step + sampling, batched with whatever other streams run right now. The
-        repetition-penalty history is the cache's tokens (see :meth:`decode_and_sample`)."""
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._decode_queue.append(_Pending(inp, fut))
-        self._kick()
-        return await fut
-
-    async def prefill_batched(self, inp: PrefillInput) -> tuple[PrefillOutput, RowResult]:
-        """A ``Generate`` stream's prompt (+ sampling of its first token), run in the same forward
-        as the running streams' decode steps. New work: refused at once past ``max_queue``. If the
-        stream is cancelled while its step runs, the cache the step created is reclaimed."""
-        if self.executor.state == "shutdown":
-            raise errors.unavailable(f"model {self.model_id!r} is shut down", model_id=self.model_id)
-        self._admit(None)
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._prefill_queue.append(_Pending(inp, fut))
-        self._kick()
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            # cancelled after the step set its result but before this task resumed
-            if fut.done() and not fut.cancelled() and fut.exception() is None and not inp.cache_id:
-                self.release_soon(fut.result()[0].cache.cache_id, "reclaimed")
-            raise
-
-    #: Longest wait (seconds) for streams of the previous batch to resubmit before a batch runs.
-    straggler_wait_s = 0.005
-
-    async def _gather_stragglers(self) -> None:
-        """Yield loop turns until every stream of the previous batch has queued its next step (or
-        ended), at most :attr:`straggler_wait_s`.
-
-        Without this wait a batch is cut as soon as the first few streams of the previous batch are
-        back (the others are still sending their token event), so B streams split into two or
-        more forwards per token — each costing nearly a full weight read on a memory-bound model.
-        """
-        await asyncio.sleep(0)
-        if not self._expected:
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.straggler_wait_s
-        while loop.time() < deadline and len(self._decode_queue) < self.max_batch:
-            queued = {p.inp.cache_id for p in self._decode_queue}
-            if self._expected <= queued:
-                break
-            await asyncio.sleep(0)
-
-    def _next_batch(self) -> tuple[list["_Pending"], list["_Pending"]]:
-        """Up to ``max_batch`` rows: every queued decode step first, then new prompts (oldest
-        first) while the room and :attr:`prefill_tokens_per_step` allow (at least one prompt
-        when there is room)."""
-        decodes = [p for p in self._decode_queue[: self.max_batch] if not p.fut.cancelled()]
-        del self._decode_queue[: self.max_batch]
-        prefills: list[_Pending] = []
-        tokens = 0
-        room = self.max_batch - len(decodes)
-        while self._prefill_queue and len(prefills) < room:
-            p = self._prefill_queue[0]
-            if p.fut.cancelled():
-                self._prefill_queue.pop(0)
-                continue
-            n = len(p.inp.token_ids)
-            if prefills and tokens + n > self.prefill_tokens_per_step:
-                break
-            prefills.append(self._prefill_queue.pop(0))
-            tokens += n
-        return prefills, decodes
-
-    async def _drain(self) -> None:
-        while self._decode_queue or self._prefill_queue:
-            await self._gather_stragglers()
-            prefills, decodes = self._next_batch()
-            self._expected = {p.inp.cache_id for p in decodes}
-            if not prefills and not decodes:
-                continue
-            if decodes:
-                self.decode_batch_sizes.append(len(decodes))
-                if len(self.decode_batch_sizes) > 4096:
-                    del self.decode_batch_sizes[:2048]
-            try:
-                pre, dec = (await self.call(self._step_and_sample, prefills, decodes, admit=False)).value
-            except errors.FerrumError as e:
-                if len(prefills) + len(decodes) == 1:
-                    (prefills or decodes)[0].fail(e)
-                    continue
-                # Isolate the failing row: rerun each alone so one bad stream does not fail others
-                # (the step was all or nothing, so nothing of it was applied).
-                for p in prefills + decodes:
-                    one = ([p], []) if p in prefills else ([], [p])
-                    try:
-                        pre1, dec1 = (await self.call(self._step_and_sample, *one, admit=False)).value
-                        self._resolve(p, (pre1 or dec1)[0])
-                    except Exception as e2:  # noqa: BLE001 - forwarded to the stream that caused it
-                        p.fail(e2)
-                continue
-            except Exception as e:  # noqa: BLE001
-                for p in prefills + decodes:
-                    p.fail(e)
-                continue
-            for p, r in zip(prefills, pre):
-                self._resolve(p, r)
-            for p, r in zip(decodes, dec):
-                self._resolve(p, r)
-            # The streams resume on later loop turns; give them the chance to queue their next
-            # step before this task decides the queue is empty and ends.
-            await self._gather_stragglers()
-        self._expected = set()
-
-    def _resolve(self, p: "_Pending", result) -> None:
-        if not p.fut.done():
-            p.fut.set_result(result)
-        elif isinstance(p.inp, PrefillInput) and not p.inp.cache_id:
-            self.release_soon(result[0].cache.cache_id, "reclaimed")  # its stream is gone
-
-    def _step_and_sample(self, prefills: list["_Pending"], decodes: list["_Pending"]):
-        """The batcher's step: ([(PrefillOutput, RowResult)], [RowResult])."""
-        pre, _, rows = self.step_and_sample([p.inp for p in prefills], [p.inp for p in decodes])
-        return list(zip(pre, rows[: len(pre)])), rows[len(pre):]
-
     def decode_and_sample(self, inputs: list[DecodeInput]) -> tuple[list, list[RowResult]]:
         """One (batched) decode step and its sampling; runs on the worker thread."""
         _, outs, rows = self.step_and_sample([], inputs)
@@ -351,7 +206,6 @@ class ModelHost:
         t0 = time.perf_counter()
         if prefills and decodes:
             pre, dec = ex.mixed_step(prefills, decodes)
-            self.mixed_steps += 1
         elif prefills:
             pre, dec = (ex.batch_prefill(prefills) if len(prefills) > 1 else [ex.prefill(prefills[0])]), []
         else:

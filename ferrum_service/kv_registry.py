@@ -44,8 +44,6 @@ class CacheEntry:
     reserved_total: int = 0  # tokens promised to this cache (>= len(tokens) once set)
     payload: Any = None  # executor-specific state (e.g. K/V tensors)
     owner: str = ""  # a Session / Generate stream that frees it when it ends ("" = the caller)
-    busy: bool = False
-    created_at: float = field(default_factory=time.monotonic)
     last_access: float = field(default_factory=time.monotonic)
 
     @property

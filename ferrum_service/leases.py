@@ -40,7 +40,6 @@ class LeaseReaper:
         # once per 50 ms nor less than once per 30 s.
         self.interval = interval if interval is not None else min(30.0, max(0.05, self.ttl / 4))
         self._task: asyncio.Task | None = None
-        self.reclaimed = 0
 
     @property
     def enabled(self) -> bool:
@@ -103,7 +102,6 @@ class LeaseReaper:
                 continue
             if released:
                 n += 1
-                self.reclaimed += 1
                 self.metrics.expired_caches.labels(host.model_id).inc()
                 log.info("cache lease expired; reclaimed", model_id=host.model_id, cache_id=cid,
                          idle_s=round(idle, 3), ttl_s=self.ttl, tokens=tokens, freed_bytes=freed_bytes)

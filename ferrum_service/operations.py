@@ -1,9 +1,9 @@
 """The contract's step operations, shared by the unary RPCs and the ``Session`` stream.
 
-Each operation validates its request against the model (vocabulary, caches, positions,
-lengths), holds the caches it touches, runs the executor on the model's worker, applies the
-logits policies and builds the response. Errors are :class:`FerrumError`; the servicer turns them
-into gRPC statuses (unary) or in-band ``StepError``s (Session).
+Each operation checks its request against the model (``validate.py``), admits its KV growth,
+holds the caches it touches, runs the executor on the model's worker, applies the logits policies
+and builds the response. Errors are :class:`FerrumError`; the servicer turns them into gRPC
+statuses (unary) or in-band ``StepError``s (Session).
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import time
 from typing import TYPE_CHECKING
 
 from . import errors
-from .convert import check_token, check_tokens, handle_pb, logits_policy, pb, row_pb, struct_to_dict, tpb
+from .convert import check_tokens, handle_pb, logits_policy, pb, row_pb, tpb
 from .retries import StepDeduper
-from .sampling import process_rows
-from .types import DecodeInput, OutputMode, PrefillInput, UnifiedItem
+from .sampling import encode_row, process_rows
+from .types import DecodeInput, KvSlotRequest, OutputMode, PrefillInput
+from .validate import RequestChecks, admit, admit_decodes, admit_prefills, admit_unified
 
 if TYPE_CHECKING:
     from .host import ModelHost
@@ -31,21 +32,12 @@ def _timings(t_start: int, timed, sampling_ns: int) -> tpb.StepTimings:
     )
 
 
-def _require_generation(host: "ModelHost", rpc: str) -> None:
-    if not host.supports_generation:
-        raise errors.unsupported(
-            f"{rpc}: model {host.model_id!r} is an encoder ({host.info.executor}) and does not support token "
-            "generation; use Prefill to get embeddings",
-            field="model_id",
-            model_id=host.model_id,
-        )
-
-
 class Operations:
     """Step operations over the hosted models."""
 
-    def __init__(self, models: "ModelSet") -> None:
+    def __init__(self, models: "ModelSet", checks: RequestChecks | None = None) -> None:
         self.models = models
+        self.checks = checks or RequestChecks(models)
         self.deduper = StepDeduper()
 
     async def run_step(self, name: str, req, owner: str = ""):
@@ -58,68 +50,6 @@ class Operations:
         return await self.deduper.run(model_id, step_id, req, lambda: fn(req, owner))
 
     # ---- helpers ----------------------------------------------------------------------------------
-    def _entry(self, host: "ModelHost", cache_id: str, field: str):
-        """The live cache, NOT_FOUND if unknown/released, INVALID_ARGUMENT if another model's."""
-        if not cache_id:
-            raise errors.invalid(f"{field} is empty", field=field)
-        if cache_id not in host.executor.registry:
-            other = self.models.owner_of(cache_id)
-            if other is not None and other != host.model_id:
-                raise errors.invalid(
-                    f"{field}: cache {cache_id!r} belongs to model {other!r}, not {host.model_id!r}",
-                    field=field,
-                    cache_id=cache_id,
-                    cache_model_id=other,
-                )
-        return host.executor.registry.get(cache_id, field)
-
-    def _check_length(self, host: "ModelHost", total: int, field: str) -> None:
-        host.executor.registry.check_sequence_length(total, field, host.info.max_sequence_length)
-
-    def _prefill_input(self, host: "ModelHost", msg: pb.PrefillInput, field: str, owner: str) -> PrefillInput:
-        ids = check_tokens(msg.token_ids, host.vocab_size, f"{field}.token_ids")
-        policy = logits_policy(msg.logits, host.vocab_size, f"{field}.logits")
-        prior = 0
-        if msg.cache_id:
-            prior = self._entry(host, msg.cache_id, f"{field}.cache_id").num_tokens
-        total = max(prior + len(ids), msg.reserve_tokens)
-        self._check_length(host, total, f"{field}.reserve_tokens" if msg.reserve_tokens > prior + len(ids) else f"{field}.token_ids")
-        return PrefillInput(
-            token_ids=ids,
-            cache_id=msg.cache_id,
-            policy=policy,
-            reserve_tokens=int(msg.reserve_tokens),
-            all_positions=msg.all_positions,
-            metadata=struct_to_dict(msg.metadata) | ({"ferrum_owner": owner} if owner else {}),
-            request_id=msg.request_id,
-        )
-
-    def _decode_input(self, host: "ModelHost", msg: pb.DecodeInput, field: str, *, admit: bool = True) -> DecodeInput:
-        """Check one decode input; ``admit`` also checks its one token of growth against the free KV
-        budget (batches pass ``admit=False`` and admit their total, see :meth:`_admit_decodes`)."""
-        entry = self._entry(host, msg.cache_id, f"{field}.cache_id")
-        check_token(msg.token_id, host.vocab_size, f"{field}.token_id")
-        policy = logits_policy(msg.logits, host.vocab_size, f"{field}.logits")
-        if msg.HasField("position") and msg.position != entry.num_tokens:
-            raise errors.failed_precondition(
-                f"{field}.position = {msg.position} but cache {msg.cache_id!r} holds {entry.num_tokens} tokens",
-                field=f"{field}.position",
-                num_tokens=entry.num_tokens,
-            )
-        self._check_length(host, entry.num_tokens + 1, f"{field}.cache_id")
-        if admit:
-            host.executor.registry.admit(host.executor.registry.growth(entry, entry.num_tokens + 1), f"{field}.cache_id")
-        return DecodeInput(cache_id=msg.cache_id, token_id=msg.token_id, policy=policy,
-                           position=entry.num_tokens, metadata=struct_to_dict(msg.metadata))
-
-    @staticmethod
-    def _unique(ids: list[str], field: str) -> None:
-        seen: set[str] = set()
-        for i, c in enumerate(ids):
-            if c and c in seen:
-                raise errors.invalid(f"{field}[{i}]: cache {c!r} appears twice in one batch", field=f"{field}[{i}]")
-            seen.add(c)
-
     def _prefill_outputs(self, host, inputs: list[PrefillInput], outs) -> tuple[list[pb.PrefillOutput], int]:
         t0 = time.perf_counter_ns()
         rows = [o.logits for o in outs]
@@ -141,8 +71,6 @@ class Operations:
                 for pr in process_rows(out.all_logits, [inp.policy] * n, None, [base + j + 1 for j in range(n)]):
                     m.positions.append(row_pb(pr))
             if out.embedding is not None:
-                from .sampling import encode_row
-
                 m.embedding.dtype = tpb.DATA_TYPE_FP32
                 m.embedding.shape.append(int(out.embedding.shape[-1]))
                 m.embedding.data = encode_row(out.embedding, "fp32")
@@ -164,16 +92,18 @@ class Operations:
         """Record the owner (Session / Generate stream) of caches a call created."""
         if not owner:
             return
+        reg = host.executor.registry
         for o in outs:
-            e = host.executor.registry._caches.get(o.cache.cache_id)
-            if e is not None and not e.owner:
-                e.owner = owner
+            if o.cache.cache_id in reg:
+                e = reg.get(o.cache.cache_id)
+                if not e.owner:
+                    e.owner = owner
 
     # ---- operations -------------------------------------------------------------------------------
     async def prefill(self, req: pb.PrefillRequest, owner: str = "") -> pb.PrefillResponse:
         t = time.perf_counter_ns()
         host = self.models.get(req.model_id)
-        inp = self._prefill_input(host, req.input, "input", owner)
+        inp = self.checks.prefill_input(host, req.input, "input")
         with host.hold([inp.cache_id], "input.cache_id"):
             timed = await host.call(self._run_prefill, host, [inp], on_orphan=self._orphaned(host, [inp]))
         outs, msgs, s_ns = timed.value
@@ -194,10 +124,10 @@ class Operations:
         host = self.models.get(req.model_id)
         if not req.inputs:
             raise errors.invalid("inputs is empty: at least one prompt is required", field="inputs")
-        inputs = [self._prefill_input(host, m, f"inputs[{i}]", owner) for i, m in enumerate(req.inputs)]
+        inputs = [self.checks.prefill_input(host, m, f"inputs[{i}]") for i, m in enumerate(req.inputs)]
         ids = [i.cache_id for i in inputs]
-        self._unique(ids, "inputs.cache_id")
-        self._admit_new(host, inputs)
+        self.checks.unique(ids, "inputs.cache_id")
+        admit_prefills(host, inputs)
         with host.hold(ids, "inputs.cache_id"):
             timed = await host.call(self._run_prefill, host, inputs, on_orphan=self._orphaned(host, inputs))
         outs, msgs, s_ns = timed.value
@@ -206,25 +136,12 @@ class Operations:
                 self._adopt(host, [o], owner)
         return pb.BatchPrefillResponse(outputs=msgs, timings=_timings(t, timed, s_ns))
 
-    @staticmethod
-    def _admit_new(host, inputs: list[PrefillInput]) -> None:
-        """All-or-nothing admission for a batch of prompts, before any work."""
-        reg = host.executor.registry
-        need = 0
-        new = 0
-        for i in inputs:
-            if i.cache_id:
-                need += reg.growth(reg.get(i.cache_id), reg.get(i.cache_id).num_tokens + len(i.token_ids))
-            else:
-                new += 1
-                need += max(len(i.token_ids), i.reserve_tokens)
-        reg.admit(need, "inputs", new_caches=new)
-
     async def decode(self, req: pb.DecodeRequest, owner: str = "") -> pb.DecodeResponse:
         t = time.perf_counter_ns()
         host = self.models.get(req.model_id)
-        _require_generation(host, "Decode")
-        inp = self._decode_input(host, req.input, "input")
+        self.checks.require_generation(host, "Decode")
+        inp = self.checks.decode_input(host, req.input, "input")
+        admit_decodes(host, [inp], "input.cache_id")
         with host.hold([inp.cache_id], "input.cache_id"):
             timed = await host.call(self._run_decode, host, [inp])
         outs, rows = timed.value
@@ -240,13 +157,13 @@ class Operations:
     async def batch_decode(self, req: pb.BatchDecodeRequest, owner: str = "") -> pb.BatchDecodeResponse:
         t = time.perf_counter_ns()
         host = self.models.get(req.model_id)
-        _require_generation(host, "BatchDecode")
+        self.checks.require_generation(host, "BatchDecode")
         if not req.inputs:
             raise errors.invalid("inputs is empty: at least one decode input is required", field="inputs")
-        inputs = [self._decode_input(host, m, f"inputs[{i}]", admit=False) for i, m in enumerate(req.inputs)]
+        inputs = [self.checks.decode_input(host, m, f"inputs[{i}]") for i, m in enumerate(req.inputs)]
         ids = [i.cache_id for i in inputs]
-        self._unique(ids, "inputs.cache_id")
-        self._admit_decodes(host, inputs)
+        self.checks.unique(ids, "inputs.cache_id")
+        admit_decodes(host, inputs)
         with host.hold(ids, "inputs.cache_id"):
             timed = await host.call(self._run_decode, host, inputs)
         outs, rows = timed.value
@@ -255,53 +172,17 @@ class Operations:
             timings=_timings(t, timed, 0),
         )
 
-    @staticmethod
-    def _admit_decodes(host, inputs: list[DecodeInput]) -> None:
-        """All-or-nothing admission for a batch of decode steps (one token each), before any work."""
-        reg = host.executor.registry
-        need = 0
-        for i in inputs:
-            e = reg.get(i.cache_id)
-            need += reg.growth(e, e.num_tokens + 1)
-        reg.admit(need, "inputs")
-
     async def unified_decode(self, req: pb.UnifiedDecodeRequest, owner: str = "") -> pb.UnifiedDecodeResponse:
         t = time.perf_counter_ns()
         host = self.models.get(req.model_id)
-        _require_generation(host, "UnifiedDecode")
-        if not host.executor.capabilities().supports_native_unified_decode:
-            raise errors.unsupported(
-                f"UnifiedDecode: the {host.info.executor} executor has no native unified decode; "
-                "use BatchPrefill + BatchDecode",
-                model_id=host.model_id,
-            )
+        self.checks.require_generation(host, "UnifiedDecode")
+        self.checks.require_unified(host)
         if not req.items:
             raise errors.invalid("items is empty", field="items")
-        items = []
-        for i, m in enumerate(req.items):
-            f = f"items[{i}]"
-            q = check_tokens(m.q_tokens, host.vocab_size, f"{f}.q_tokens")
-            if m.cache_id:
-                n = self._entry(host, m.cache_id, f"{f}.cache_id").num_tokens
-            else:
-                n = 0
-            if m.pos_offset != n:
-                raise errors.failed_precondition(
-                    f"{f}.pos_offset = {m.pos_offset} but the cache holds {n} tokens", field=f"{f}.pos_offset",
-                    num_tokens=n,
-                )
-            self._check_length(host, n + len(q), f"{f}.q_tokens")
-            items.append(UnifiedItem(
-                seq_id=m.seq_id, q_tokens=q, cache_id=m.cache_id, pos_offset=int(m.pos_offset),
-                is_final_chunk=m.is_final_chunk, policy=logits_policy(m.logits, host.vocab_size, f"{f}.logits"),
-                metadata=struct_to_dict(m.metadata),
-            ))
+        items = [self.checks.unified_item(host, m, f"items[{i}]") for i, m in enumerate(req.items)]
         ids = [i.cache_id for i in items]
-        self._unique(ids, "items.cache_id")
-        reg = host.executor.registry
-        need = sum(len(i.q_tokens) if not i.cache_id else reg.growth(reg.get(i.cache_id), i.pos_offset + len(i.q_tokens))
-                   for i in items)
-        reg.admit(need, "items", new_caches=sum(1 for i in items if not i.cache_id))
+        self.checks.unique(ids, "items.cache_id")
+        admit_unified(host, items)
         with host.hold(ids, "items.cache_id"):
             timed = await host.call(self._run_unified, host, items, on_orphan=self._orphaned(host, items))
         results, by_k, s_ns = timed.value
@@ -334,16 +215,15 @@ class Operations:
     async def forward_verify(self, req: pb.ForwardVerifyRequest, owner: str = "") -> pb.ForwardVerifyResponse:
         t = time.perf_counter_ns()
         host = self.models.get(req.model_id)
-        _require_generation(host, "ForwardVerify")
-        entry = self._entry(host, req.cache_id, "cache_id")
+        self.checks.require_generation(host, "ForwardVerify")
+        entry = self.checks.live_entry(host, req.cache_id, "cache_id")
         ids = check_tokens(req.token_ids, host.vocab_size, "token_ids")
         policy = logits_policy(req.logits, host.vocab_size, "logits")
         if req.accept_greedy_prefix and policy.mode != OutputMode.SAMPLED_TOKEN:
             raise errors.invalid("accept_greedy_prefix needs logits.mode OUTPUT_MODE_SAMPLED_TOKEN",
                                  field="accept_greedy_prefix")
-        self._check_length(host, entry.num_tokens + len(ids), "token_ids")
-        reg = host.executor.registry
-        reg.admit(reg.growth(entry, entry.num_tokens + len(ids)), "token_ids")
+        self.checks.check_length(host, entry.num_tokens + len(ids), "token_ids")
+        admit(host, "token_ids", grow=[(entry, entry.num_tokens + len(ids))])
         with host.hold([req.cache_id], "cache_id"):
             timed = await host.call(self._run_verify, host, req.cache_id, ids, policy, req.accept_greedy_prefix)
         out, rows, accepted, cache = timed.value
@@ -379,7 +259,7 @@ class Operations:
 
     async def truncate_kv(self, req: pb.TruncateKvRequest, owner: str = "") -> pb.TruncateKvResponse:
         host = self.models.get(req.model_id)
-        entry = self._entry(host, req.cache_id, "cache_id")
+        entry = self.checks.live_entry(host, req.cache_id, "cache_id")
         if req.new_len < 0 or req.new_len > entry.num_tokens:
             raise errors.out_of_range(
                 f"new_len = {req.new_len} must be in [0, {entry.num_tokens}] (cache {req.cache_id!r} holds "
@@ -394,20 +274,58 @@ class Operations:
 
     async def release_cache(self, req: pb.ReleaseCacheRequest, owner: str = "") -> pb.ReleaseCacheResponse:
         host = self.models.get(req.model_id)
-        if not req.cache_id:
-            raise errors.invalid("cache_id is empty", field="cache_id")
-        if req.cache_id not in host.executor.registry:
-            other = self.models.owner_of(req.cache_id)
-            if other is not None and other != host.model_id:
-                raise errors.invalid(
-                    f"cache_id: cache {req.cache_id!r} belongs to model {other!r}, not {host.model_id!r}",
-                    field="cache_id",
-                )
+        if not self.checks.is_live(host, req.cache_id, "cache_id"):
             return pb.ReleaseCacheResponse(released=False)
         with host.hold([req.cache_id], "cache_id"):
             timed = await host.call(host.executor.release_cache, req.cache_id)
         released, freed, tokens = timed.value
         return pb.ReleaseCacheResponse(released=released, freed_bytes=freed, freed_tokens=tokens)
+
+    async def reserve_kv_slots(self, req: pb.ReserveKvSlotsRequest) -> pb.ReserveKvSlotsResponse:
+        """ferrum's paged admission: grow each named cache's block reservation, all or nothing."""
+        host = self.models.get(req.model_id)
+        reqs = []
+        for i, r in enumerate(req.requests):
+            self.checks.live_entry(host, r.cache_id, f"requests[{i}].cache_id")
+            reqs.append(KvSlotRequest(r.cache_id, int(r.target_len),
+                                      int(r.admission_target_len) if r.HasField("admission_target_len") else None))
+        with host.hold([r.cache_id for r in reqs], "requests.cache_id"):
+            res = (await host.call(host.executor.reserve_kv_slots, reqs)).value
+        resp = pb.ReserveKvSlotsResponse()
+        if res is not None:
+            resp.reservation.CopyFrom(tpb.KvSlotReservation(
+                block_size=res.block_size, total_blocks=res.total_blocks,
+                free_blocks_before=res.free_blocks_before, free_blocks_after=res.free_blocks_after,
+                allocations=[tpb.KvSlotAllocation(cache_id=a.cache_id, blocks_before=a.blocks_before,
+                                                  blocks_after=a.blocks_after, new_blocks=a.new_blocks)
+                             for a in res.allocations]))
+        return resp
+
+    async def forward(self, req: pb.ForwardRequest) -> pb.ForwardResponse:
+        """ferrum's raw ``forward``: a [batch, seq] tensor of ids in, the model's output tensor out."""
+        import numpy as np
+        import torch
+
+        host = self.models.get(req.model_id)
+        t = req.input
+        if t.dtype not in (tpb.DATA_TYPE_INT32, tpb.DATA_TYPE_INT64) or len(t.shape) != 2:
+            raise errors.invalid("input must be an INT32 or INT64 tensor of shape [batch, seq]", field="input")
+        np_dtype = np.dtype(np.int32 if t.dtype == tpb.DATA_TYPE_INT32 else np.int64)
+        n = int(t.shape[0]) * int(t.shape[1])
+        if n == 0 or len(t.data) != n * np_dtype.itemsize:
+            raise errors.invalid(f"input.data has {len(t.data)} bytes; shape {list(t.shape)} needs "
+                                 f"{n * np_dtype.itemsize}", field="input.data")
+        ids = np.frombuffer(t.data, dtype=np_dtype.newbyteorder("<")).reshape(list(t.shape))
+        check_tokens(ids.reshape(-1).tolist(), host.vocab_size, "input.data")
+        dtype = {tpb.DATA_TYPE_FP16: "fp16", tpb.DATA_TYPE_BF16: "bf16"}.get(req.logits_dtype, "fp32")
+        timed = await host.call(host.executor.forward, torch.from_numpy(ids.astype(np.int64)), dtype)
+        out = timed.value
+        resp = pb.ForwardResponse()
+        resp.output.dtype = {"fp16": tpb.DATA_TYPE_FP16, "bf16": tpb.DATA_TYPE_BF16}.get(dtype, tpb.DATA_TYPE_FP32)
+        resp.output.shape.extend(list(out.shape))
+        resp.output.data = encode_row(out.reshape(-1), dtype)
+        resp.timings.forward_ns = timed.forward_ns
+        return resp
 
 
 __all__ = ["Operations"]

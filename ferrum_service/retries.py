@@ -17,12 +17,15 @@ WINDOW = 4096
 
 
 class StepDeduper:
+    """The retry window of one server: step ids per model, each with its request and result."""
+
     def __init__(self, window: int = WINDOW) -> None:
         self.window = window
         self._seen: collections.OrderedDict[tuple[str, str], tuple[bytes, asyncio.Future]] = collections.OrderedDict()
-        self.replayed = 0
 
     async def run(self, model_id: str, step_id: str, request, fn: Callable[[], Awaitable]):
+        """``fn()`` once per (model, step id); a repeat of the same request gets the first result,
+        a different request under a used id INVALID_ARGUMENT."""
         if not step_id:
             return await fn()
         key = (model_id, step_id)
@@ -34,7 +37,6 @@ class StepDeduper:
                     f"client_step_id {step_id!r} was already used for a different request", field="client_step_id"
                 )
             self._seen.move_to_end(key)
-            self.replayed += 1
             return await asyncio.shield(hit[1])
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._seen[key] = (body, fut)

@@ -1,6 +1,9 @@
 """Server wiring: the grpc.aio server, health, reflection, auth, metrics, graceful drain.
 
-``Server`` owns the hosted models and the gRPC server around them. ``serve()`` (used by the CLI)
+``Server`` owns the hosted models and the gRPC server around them, and is the one place that
+builds the request path's parts: request checks and step operations (``validate.py``,
+``operations.py``), stream bookkeeping (``streams.py``), the KV event hub (``kv_events.py``),
+cache leases (``leases.py``) and the servicer that serves them. ``serve()`` (used by the CLI)
 runs it until SIGINT/SIGTERM, then drains: health turns NOT_SERVING for every service first, new
 work is refused with UNAVAILABLE, in-flight streams get ``grace_period`` seconds, executors free
 their caches, and the process exits 0.
@@ -21,10 +24,14 @@ from ferrum_client._proto.ferrum.executor.v1 import executor_pb2, executor_pb2_g
 
 from .auth import AuthInterceptor
 from .host import ModelHost
+from .kv_events import KvEventHub
 from .leases import LeaseReaper
 from .metrics import Metrics
 from .models import ModelSet
+from .operations import Operations
 from .servicer import ModelExecutorServicer
+from .streams import StreamRegistry
+from .validate import RequestChecks
 
 log = structlog.get_logger("ferrum_service.server")
 
@@ -83,7 +90,13 @@ class Server:
         self.leases = LeaseReaper(models, self.metrics, cfg.cache_ttl)
         self.draining = False
         self.health = health.aio.HealthServicer()
-        self.servicer = ModelExecutorServicer(models, self.metrics, draining=lambda: self.draining)
+        self.streams = StreamRegistry(models)
+        self.events = KvEventHub()
+        for host in models:
+            host.executor.registry.on_event = (
+                lambda kind, e, hub=self.events: hub.publish(kind, e.model_id, e.cache_id, e.num_tokens))
+        self.servicer = ModelExecutorServicer(models, Operations(models, RequestChecks(models)), self.streams,
+                                              self.events, self.metrics, draining=lambda: self.draining)
         self.servicer.on_model_shutdown = self._model_down
         interceptors = []
         if cfg.auth_tokens or cfg.admin_tokens:
@@ -139,13 +152,13 @@ class Server:
         grace = self.cfg.grace_period if grace is None else grace
         self.draining = True
         await self.health.enter_graceful_shutdown()  # every service -> NOT_SERVING
-        log.info("draining", grace_period_s=grace, active_streams=len(self.servicer.active_streams))
+        log.info("draining", grace_period_s=grace, active_streams=len(self.streams.active))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        while self.servicer.active_streams and loop.time() < deadline:
+        while self.streams.active and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if self.servicer.active_streams:
-            log.warning("grace period over; cancelling streams", active_streams=len(self.servicer.active_streams))
+        if self.streams.active:
+            log.warning("grace period over; cancelling streams", active_streams=len(self.streams.active))
         await self.leases.stop()
         # grpc.stop cancels the calls still running; their handlers' finally blocks free their caches.
         await self.grpc.stop(max(0.0, deadline - loop.time()))

@@ -330,14 +330,14 @@ class Fuzzer:
             reg = h.executor.registry
             assert (reg.used_tokens, reg.used_tokens + reg.reserved_tokens) == reg.recount(), self.current
         self.known = {c for c in self.known if self.live(c)}
-        assert self.srv.server.servicer.active_streams == set() or self._wait_streams()
+        assert self.srv.server.streams.active == set() or self._wait_streams()
         assert self.srv.run(_ok()) == "ok", "the server's loop stopped answering"
 
     def _wait_streams(self) -> bool:
         deadline = time.monotonic() + 2
-        while self.srv.server.servicer.active_streams and time.monotonic() < deadline:
+        while self.srv.server.streams.active and time.monotonic() < deadline:
             time.sleep(0.01)
-        return not self.srv.server.servicer.active_streams
+        return not self.srv.server.streams.active
 
 
 async def _ok():

@@ -119,6 +119,20 @@ def test_tokenizer_rpcs_use_the_models_tokenizer(tc, tiny_llama_dir):  # noqa: F
     assert pieces == events[-1].finished.text
 
 
+def test_streamed_text_pieces_join_to_the_decoded_whole(tc, tiny_llama_dir):  # noqa: F811
+    """stream_text decodes incrementally (a window of recent ids); the pieces still join to the
+    tokenizer's decode of every generated id."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    events = list(tc.generate("tiny", text="hello world", max_tokens=48, stream_text=True, ignore_eos=True,
+                              temperature=1.0, seed=7))
+    tokens = [e.token for e in events if e.WhichOneof("event") == "token"]
+    assert len(tokens) == 48
+    whole = tok.decode([t.token_id for t in tokens], skip_special_tokens=True)
+    assert "".join(t.text for t in tokens) == whole == events[-1].finished.text
+
+
 def test_kv_budget_refusal_and_release_give_memory_back(tc):
     before = tc.kv_capacity("tiny")
     p = tc.prefill("tiny", [1] * 100).output
@@ -167,7 +181,7 @@ def test_new_streams_join_running_ones_in_the_same_forward(tiny_server, tc, tiny
     new_prompts = [[20 + i, 30 + i, 40 + i] for i in range(6)]
     alone = {tuple(p): tc.generate("tiny", token_ids=p, max_tokens=48, ignore_eos=True).tokens()
              for p in long_prompts + new_prompts}
-    mixed_before = host.mixed_steps
+    mixed_before = host.batcher.mixed_steps
     got: dict[tuple, list[int]] = {}
     started = threading.Event()
 
@@ -192,7 +206,7 @@ def test_new_streams_join_running_ones_in_the_same_forward(tiny_server, tc, tiny
         for t in first + later:
             t.join(60)
     assert got == alone
-    assert host.mixed_steps > mixed_before, "no step joined a new prompt with running decodes"
+    assert host.batcher.mixed_steps > mixed_before, "no step joined a new prompt with running decodes"
     # 8 prompts + 8 x 47 decode steps, one forward each if nothing were batched
     assert fc.calls < (8 + 8 * 47) / 2, fc.calls
 

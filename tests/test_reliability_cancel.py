@@ -76,7 +76,7 @@ def _assert_stopped_and_freed(srv, ex: SlowModel) -> None:
     settled = ex.decodes
     time.sleep(10 * STEP_S)
     assert ex.decodes == settled, "decodes went on after the stream ended"
-    assert srv.server.servicer.active_streams == set()
+    assert srv.server.streams.active == set()
 
 
 def _metric(srv, name: str, **labels) -> float:

@@ -1,4 +1,5 @@
-"""Executors behind the contract. Import the heavy ones (transformers) lazily: see ``factory.py``."""
+"""Executors behind the contract. The light ones are imported here; the heavy ones (transformers,
+llama.cpp) are imported lazily by ``model_specs.build_executor`` when a spec names them."""
 
 from .base import ModelExecutor
 from .configurable import ConfigurableModelExecutor

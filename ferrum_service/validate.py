@@ -1,0 +1,191 @@
+"""Request checks against a hosted model, and KV admission before any work.
+
+``convert.py`` checks what a message alone decides (ids inside the vocabulary, sampling parameters
+in range). This module checks a request against the state of the model it names: the caches it
+touches are live and belong to this model, positions match what a cache holds, sequences fit the
+model's length limit, the model can generate at all, a batch names each cache once. It also builds
+the executor-interface inputs from those checks, and sums what a step will add to the KV budget so
+that it is admitted (all or nothing) before the step runs.
+
+Every check raises a :class:`FerrumError` naming the field at fault.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+from . import errors
+from .convert import check_token, check_tokens, logits_policy, pb, struct_to_dict
+from .kv_registry import CacheEntry
+from .types import DecodeInput, PrefillInput, UnifiedItem
+
+if TYPE_CHECKING:
+    from .host import ModelHost
+    from .models import ModelSet
+
+
+class RequestChecks:
+    """Checks of requests against the hosted models (one instance per server)."""
+
+    def __init__(self, models: "ModelSet") -> None:
+        self.models = models
+
+    # ---- caches -----------------------------------------------------------------------------------
+    def live_entry(self, host: "ModelHost", cache_id: str, field: str) -> CacheEntry:
+        """The live cache; INVALID_ARGUMENT if empty or another model's, NOT_FOUND if unknown or
+        released."""
+        if not cache_id:
+            raise errors.invalid(f"{field} is empty", field=field)
+        if cache_id not in host.executor.registry:
+            self._not_another_models(host, cache_id, field)
+        return host.executor.registry.get(cache_id, field)
+
+    def is_live(self, host: "ModelHost", cache_id: str, field: str) -> bool:
+        """Whether ``cache_id`` is a live cache of ``host`` (releasing an unknown cache is not an
+        error); INVALID_ARGUMENT if it is empty or another model's."""
+        if not cache_id:
+            raise errors.invalid(f"{field} is empty", field=field)
+        if cache_id in host.executor.registry:
+            return True
+        self._not_another_models(host, cache_id, field)
+        return False
+
+    def _not_another_models(self, host: "ModelHost", cache_id: str, field: str) -> None:
+        other = self.models.owner_of(cache_id)
+        if other is not None and other != host.model_id:
+            raise errors.invalid(
+                f"{field}: cache {cache_id!r} belongs to model {other!r}, not {host.model_id!r}",
+                field=field,
+                cache_id=cache_id,
+                cache_model_id=other,
+            )
+
+    @staticmethod
+    def unique(ids: Iterable[str], field: str) -> None:
+        """INVALID_ARGUMENT when one batch names a cache twice (new caches, "", are not compared)."""
+        seen: set[str] = set()
+        for i, c in enumerate(ids):
+            if c and c in seen:
+                raise errors.invalid(f"{field}[{i}]: cache {c!r} appears twice in one batch", field=f"{field}[{i}]")
+            seen.add(c)
+
+    # ---- the model --------------------------------------------------------------------------------
+    @staticmethod
+    def check_length(host: "ModelHost", total: int, field: str) -> None:
+        """INVALID_ARGUMENT when one sequence of ``total`` tokens could never fit this model."""
+        host.executor.registry.check_sequence_length(total, field, host.info.max_sequence_length)
+
+    @staticmethod
+    def require_generation(host: "ModelHost", rpc: str) -> None:
+        """UNIMPLEMENTED for encoders (they embed, they do not generate)."""
+        if not host.supports_generation:
+            raise errors.unsupported(
+                f"{rpc}: model {host.model_id!r} is an encoder ({host.info.executor}) and does not support token "
+                "generation; use Prefill to get embeddings",
+                field="model_id",
+                model_id=host.model_id,
+            )
+
+    @staticmethod
+    def require_unified(host: "ModelHost") -> None:
+        """UNIMPLEMENTED when the executor has no native unified decode (ferrum's fallback signal)."""
+        if not host.capabilities.supports_native_unified_decode:
+            raise errors.unsupported(
+                f"UnifiedDecode: the {host.info.executor} executor has no native unified decode; "
+                "use BatchPrefill + BatchDecode",
+                model_id=host.model_id,
+            )
+
+    # ---- step inputs ------------------------------------------------------------------------------
+    def prefill_input(self, host: "ModelHost", msg: pb.PrefillInput, field: str) -> PrefillInput:
+        """A checked prompt: ids, its cache (if it extends one), the length it may reach."""
+        ids = check_tokens(msg.token_ids, host.vocab_size, f"{field}.token_ids")
+        policy = logits_policy(msg.logits, host.vocab_size, f"{field}.logits")
+        prior = self.live_entry(host, msg.cache_id, f"{field}.cache_id").num_tokens if msg.cache_id else 0
+        total = max(prior + len(ids), msg.reserve_tokens)
+        self.check_length(host, total, f"{field}.reserve_tokens" if msg.reserve_tokens > prior + len(ids)
+                          else f"{field}.token_ids")
+        return PrefillInput(
+            token_ids=ids,
+            cache_id=msg.cache_id,
+            policy=policy,
+            reserve_tokens=int(msg.reserve_tokens),
+            all_positions=msg.all_positions,
+            metadata=struct_to_dict(msg.metadata),
+            request_id=msg.request_id,
+        )
+
+    def decode_input(self, host: "ModelHost", msg: pb.DecodeInput, field: str) -> DecodeInput:
+        """A checked decode step: a live cache, a token, the position it must be at."""
+        entry = self.live_entry(host, msg.cache_id, f"{field}.cache_id")
+        check_token(msg.token_id, host.vocab_size, f"{field}.token_id")
+        policy = logits_policy(msg.logits, host.vocab_size, f"{field}.logits")
+        if msg.HasField("position") and msg.position != entry.num_tokens:
+            raise errors.failed_precondition(
+                f"{field}.position = {msg.position} but cache {msg.cache_id!r} holds {entry.num_tokens} tokens",
+                field=f"{field}.position",
+                num_tokens=entry.num_tokens,
+            )
+        self.check_length(host, entry.num_tokens + 1, f"{field}.cache_id")
+        return DecodeInput(cache_id=msg.cache_id, token_id=msg.token_id, policy=policy,
+                           position=entry.num_tokens, metadata=struct_to_dict(msg.metadata))
+
+    def unified_item(self, host: "ModelHost", m: pb.UnifiedBatchItem, field: str) -> UnifiedItem:
+        """A checked unified-batch item (a prompt chunk or a decode step of one sequence)."""
+        q = check_tokens(m.q_tokens, host.vocab_size, f"{field}.q_tokens")
+        n = self.live_entry(host, m.cache_id, f"{field}.cache_id").num_tokens if m.cache_id else 0
+        if m.pos_offset != n:
+            raise errors.failed_precondition(
+                f"{field}.pos_offset = {m.pos_offset} but the cache holds {n} tokens", field=f"{field}.pos_offset",
+                num_tokens=n,
+            )
+        self.check_length(host, n + len(q), f"{field}.q_tokens")
+        return UnifiedItem(
+            seq_id=m.seq_id, q_tokens=q, cache_id=m.cache_id, pos_offset=int(m.pos_offset),
+            is_final_chunk=m.is_final_chunk, policy=logits_policy(m.logits, host.vocab_size, f"{field}.logits"),
+            metadata=struct_to_dict(m.metadata),
+        )
+
+
+# ---- KV admission ---------------------------------------------------------------------------------
+def admit(host: "ModelHost", field: str, *, grow: Iterable[tuple[CacheEntry, int]] = (),
+          new: Iterable[int] = ()) -> None:
+    """Admit one step's KV growth, all or nothing, before any work: ``grow`` lists live caches and
+    the length each will reach, ``new`` the tokens each cache the step creates will hold (or
+    reserve). RESOURCE_EXHAUSTED (with RetryInfo) when the budget, or the active-cache limit, does
+    not allow all of it now."""
+    reg = host.executor.registry
+    new = list(new)
+    need = sum(reg.growth(e, n) for e, n in grow) + sum(new)
+    reg.admit(need, field, new_caches=len(new))
+
+
+def admit_prefills(host: "ModelHost", inputs: list[PrefillInput], field: str = "inputs") -> None:
+    """Admission for prompts: those extending a cache grow it by their tokens; new ones hold their
+    tokens or their reservation, whichever is larger."""
+    reg = host.executor.registry
+    grow, new = [], []
+    for i in inputs:
+        if i.cache_id:
+            e = reg.get(i.cache_id)
+            grow.append((e, e.num_tokens + len(i.token_ids)))
+        else:
+            new.append(max(len(i.token_ids), i.reserve_tokens))
+    admit(host, field, grow=grow, new=new)
+
+
+def admit_decodes(host: "ModelHost", inputs: list[DecodeInput], field: str = "inputs") -> None:
+    """Admission for decode steps: one token each."""
+    reg = host.executor.registry
+    admit(host, field, grow=[(e, e.num_tokens + 1) for e in (reg.get(i.cache_id) for i in inputs)])
+
+
+def admit_unified(host: "ModelHost", items: list[UnifiedItem], field: str = "items") -> None:
+    """Admission for a unified batch: each item's cache grows to ``pos_offset + len(q_tokens)``."""
+    reg = host.executor.registry
+    admit(host, field,
+          grow=[(reg.get(i.cache_id), i.pos_offset + len(i.q_tokens)) for i in items if i.cache_id],
+          new=[len(i.q_tokens) for i in items if not i.cache_id])
+
+
+__all__ = ["RequestChecks", "admit", "admit_decodes", "admit_prefills", "admit_unified"]
