@@ -36,6 +36,9 @@ SERVE_FLAGS = {
                   "reclaimed (0 = never)"),
     "max_queue": (int, 256, "steps that may wait for one model's worker before new ones get "
                   "RESOURCE_EXHAUSTED (0 = unbounded)"),
+    "max_step_bytes": (int, 2 * 1024**3, "transient memory one forward may need (masks, activations, logits); "
+                       "a request over it is INVALID_ARGUMENT (0 = no limit)"),
+    "max_text_bytes": (int, 1024 * 1024, "UTF-8 bytes of text one request may ask to tokenize"),
     "log_format": (str, "auto", "json | console | auto"),
     "log_level": (str, "info", "debug | info | warning | error"),
     "tls_cert": (str, None, "PEM certificate chain (enables TLS)"),
@@ -64,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-reflection", action="store_true", default=None, help="turn server reflection off")
     s.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="allow models that ship code (off: such models are refused)")
+    s.add_argument("--open-admin-rpcs", action="store_true", default=None,
+                   help="let any caller call Warmup/Shutdown when no admin token is configured "
+                        "(default: PERMISSION_DENIED)")
     s.add_argument("--allow-pickle", action="store_true", default=None,
                    help="allow pickled weights (*.bin; unpickling can run code) where a model has no safetensors")
 
@@ -98,6 +104,8 @@ def resolve_serve_settings(args: argparse.Namespace) -> dict:
                              or cfg.get("reflection") is False)
     out["trust_remote_code"] = bool(args.trust_remote_code or os.environ.get("FERRUM_TRUST_REMOTE_CODE") == "1"
                                     or cfg.get("trust_remote_code"))
+    out["open_admin_rpcs"] = bool(args.open_admin_rpcs or os.environ.get("FERRUM_OPEN_ADMIN_RPCS") == "1"
+                                  or cfg.get("open_admin_rpcs"))
     out["allow_pickle"] = bool(args.allow_pickle or os.environ.get("FERRUM_ALLOW_PICKLE") == "1"
                                or cfg.get("allow_pickle"))
     from .model_specs import DEFAULT_MODELS, parse_spec, spec_from_mapping
@@ -163,6 +171,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admin_tokens=_read_tokens(st["admin_token_file"]) or
         ([os.environ["FERRUM_ADMIN_TOKEN"]] if os.environ.get("FERRUM_ADMIN_TOKEN") else []),
         max_batch=st["max_batch"], cache_ttl=st["cache_ttl"], max_queue=st["max_queue"],
+        open_admin_rpcs=st["open_admin_rpcs"], max_step_bytes=st["max_step_bytes"],
+        max_text_bytes=st["max_text_bytes"],
     )
     asyncio.run(serve(executors, cfg, workers))
     return 0

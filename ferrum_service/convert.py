@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import grpc
+import numpy as np
 import structlog
 from google.protobuf import any_pb2, duration_pb2, json_format, struct_pb2
 from google.rpc import error_details_pb2, status_pb2
@@ -87,20 +88,28 @@ def struct_to_dict(s: struct_pb2.Struct) -> dict:
     return json_format.MessageToDict(s) if s.fields else {}
 
 
-def check_tokens(ids, vocab_size: int, field: str, *, allow_empty: bool = False) -> list[int]:
-    """The ids as a list; INVALID_ARGUMENT naming the first bad one."""
-    ids = list(ids)
-    if not ids and not allow_empty:
+def check_tokens(ids, vocab_size: int, field: str, *, allow_empty: bool = False, max_len: int = 0) -> list[int]:
+    """The ids as a list; INVALID_ARGUMENT when there are more than ``max_len`` (checked first, so
+    an oversized request costs nothing more) or naming the first id outside the vocabulary."""
+    n = len(ids)
+    if not n and not allow_empty:
         raise errors.invalid(f"{field} is empty: at least one token id is required", field=field)
-    for i, t in enumerate(ids):
-        if t < 0 or t >= vocab_size:
-            raise errors.invalid(
-                f"{field}[{i}] = {t} is outside the vocabulary [0, {vocab_size})",
-                field=f"{field}[{i}]",
-                vocab_size=vocab_size,
-                token_id=t,
-            )
-    return ids
+    if max_len and n > max_len:
+        raise errors.invalid(f"{field} has {n} token ids; the limit is {max_len}", field=field,
+                             limit=max_len, requested=n)
+    if not n:
+        return []
+    arr = np.fromiter(ids, dtype=np.int64, count=n)
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+    if bad.size:
+        i, t = int(bad[0]), int(arr[bad[0]])
+        raise errors.invalid(
+            f"{field}[{i}] = {t} is outside the vocabulary [0, {vocab_size})",
+            field=f"{field}[{i}]",
+            vocab_size=vocab_size,
+            token_id=t,
+        )
+    return arr.tolist()
 
 
 def check_token(t: int, vocab_size: int, field: str) -> int:

@@ -125,6 +125,11 @@ def not_found(message: str, field: str = "", **metadata: object) -> FerrumError:
     return FerrumError(ErrorKind.NOT_FOUND, message, field=field, metadata=metadata)
 
 
+def permission_denied(message: str, **metadata: object) -> FerrumError:
+    """The caller may not do this (PERMISSION_DENIED)."""
+    return FerrumError(ErrorKind.PERMISSION_DENIED, message, metadata=metadata)
+
+
 def unsupported(message: str, field: str = "", **metadata: object) -> FerrumError:
     """ferrum's ``Unsupported``: the caller should fall back to another method (UNIMPLEMENTED)."""
     return FerrumError(ErrorKind.UNSUPPORTED, message, field=field, metadata=metadata)

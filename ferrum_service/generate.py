@@ -27,26 +27,33 @@ if TYPE_CHECKING:
 DEFAULT_MAX_TOKENS = 128
 
 
-def _prompt_tokens(host: "ModelHost", req: pb.GenerateRequest) -> list[int]:
+async def _prompt_tokens(host: "ModelHost", checks: RequestChecks, req: pb.GenerateRequest) -> list[int]:
+    """The prompt's token ids: given, or the text / chat tokenized off the event loop."""
     which = req.WhichOneof("prompt")
     if which == "token_ids":
-        return check_tokens(req.token_ids.token_ids, host.vocab_size, "token_ids.token_ids", allow_empty=bool(req.cache_id))
+        return checks.tokens(host, req.token_ids.token_ids, "token_ids.token_ids", allow_empty=bool(req.cache_id))
     tok = host.executor.tokenizer
     if which in ("text", "chat") and tok is None:
         raise errors.failed_precondition(
             f"{which}: model {host.model_id!r} has no tokenizer; send token_ids", field=which
         )
     if which == "text":
-        ids = list(tok.encode(req.text, add_special_tokens=True))
+        checks.check_text(host, [req.text], "text")
+        ids = list(await asyncio.to_thread(tok.encode, req.text, add_special_tokens=True))
         if not ids:
             raise errors.invalid("text tokenizes to no tokens", field="text")
-        return ids
+        return checks.tokens(host, ids, "text")
     if which == "chat":
         if not req.chat.messages:
             raise errors.invalid("chat.messages is empty", field="chat.messages")
         msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-        text = host.executor.apply_chat_template(msgs, add_generation_prompt=True)
-        return list(tok.encode(text, add_special_tokens=False))
+        checks.check_text(host, [m["content"] for m in msgs] + [m["role"] for m in msgs], "chat.messages")
+
+        def encode_chat() -> list[int]:
+            text = host.executor.apply_chat_template(msgs, add_generation_prompt=True)
+            return list(tok.encode(text, add_special_tokens=False))
+
+        return checks.tokens(host, await asyncio.to_thread(encode_chat), "chat.messages")
     if not req.cache_id:
         raise errors.invalid("prompt is not set: send token_ids, text or chat (or a cache_id)", field="prompt")
     return []
@@ -103,7 +110,7 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
     tok = host.executor.tokenizer
     if req.stop.stop_sequences and tok is None:
         raise errors.failed_precondition("stop.stop_sequences needs a tokenizer", field="stop.stop_sequences")
-    prompt = _prompt_tokens(host, req)
+    prompt = await _prompt_tokens(host, checks, req)
     reg = host.executor.registry
     prior = 0
     if req.cache_id:
@@ -114,6 +121,8 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
         check_token(req.last_token_id, host.vocab_size, "last_token_id")
     total = prior + len(prompt) + max_tokens
     checks.check_length(host, total, "stop.max_tokens")
+    if prompt:
+        checks.check_step(host, [(len(prompt), prior)], 1, "token_ids" if req.token_ids.token_ids else "prompt")
     detok = IncrementalDetokenizer(tok) if tok is not None and (req.stream_text or req.stop.stop_sequences) else None
 
     created = ""
@@ -135,9 +144,7 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
                 if not cache_id:
                     created = cache_id = out.cache.cache_id
                     state.cache_id = cache_id
-                    entry = reg.get(cache_id)
-                    if not req.keep_cache:
-                        entry.owner = owner
+                    checks.adopt(reg.get(cache_id), "" if req.keep_cache else owner)
                 handle = out.cache
             else:
                 admit(host, "stop.max_tokens", grow=[(reg.get(cache_id), total)])

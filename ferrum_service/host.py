@@ -39,6 +39,16 @@ def new_worker(name: str) -> concurrent.futures.ThreadPoolExecutor:
 
 
 @dataclass
+class StepLimits:
+    """Per-step ceilings every request is checked against before any work (``validate.py``)."""
+
+    max_step_tokens: int = 0  # positions one forward may compute, padding included (0 = none)
+    max_step_bytes: int = 2 * 1024**3  # transient memory one forward may need (0 = none)
+    max_response_bytes: int = 64 * 1024 * 1024  # one response (the message size limit)
+    max_text_bytes: int = 1024 * 1024  # text one request asks to tokenize or template
+
+
+@dataclass
 class Timed:
     """An executor call's result and where its time went."""
 
@@ -65,6 +75,8 @@ class ModelHost:
         # A batched step never exceeds what the executor takes in one forward.
         self.max_batch = min(max_batch, self.capabilities.max_batch_size or max_batch)
         self.max_queue = max_queue  # steps allowed to wait for the worker (0 = unbounded)
+        lim = executor.admission_limits()
+        self.limits = StepLimits(max_step_tokens=lim.maximum_scheduled_tokens if lim is not None else 0)
         self._pool = worker or new_worker(model_id)
         self._busy: set[str] = set()
         self.running = 0  # steps executing or queued on the worker

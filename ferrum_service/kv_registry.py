@@ -17,7 +17,6 @@ costs O(1) per step however many caches are live. Mutate entries only through th
 from __future__ import annotations
 
 import collections
-import itertools
 import math
 import secrets
 import threading
@@ -28,10 +27,12 @@ from typing import Any, Callable
 from . import errors
 from .types import CacheHandle
 
-_ids = itertools.count(1)
-# Per-process part of every cache id: ids from two replicas never collide, so a step routed to the
-# wrong replica gets NOT_FOUND instead of touching another session's cache.
-_PROCESS_TAG = secrets.token_hex(4)
+
+def new_cache_id(prefix: str) -> str:
+    """A cache id nobody can guess (128 random bits): ids from two replicas never collide, so a
+    step routed to the wrong replica gets NOT_FOUND, and an id is never a handle on another
+    caller's cache."""
+    return f"{prefix}-{secrets.token_hex(16)}"
 
 
 @dataclass
@@ -44,6 +45,7 @@ class CacheEntry:
     reserved_total: int = 0  # tokens promised to this cache (>= len(tokens) once set)
     payload: Any = None  # executor-specific state (e.g. K/V tensors)
     owner: str = ""  # a Session / Generate stream that frees it when it ends ("" = the caller)
+    tenant: str = ""  # the authenticated caller it belongs to ("" = calls are not authenticated)
     last_access: float = field(default_factory=time.monotonic)
 
     @property
@@ -157,11 +159,17 @@ class CacheRegistry:
         )
 
     # ---- admission ---------------------------------------------------------------------------
-    def check_sequence_length(self, total: int, field: str, max_sequence_length: int) -> None:
-        """INVALID_ARGUMENT when one sequence could never hold ``total`` tokens."""
+    def sequence_limit(self, max_sequence_length: int) -> int:
+        """Most tokens one sequence may hold: the model's length, or this registry's per-request
+        ceiling if lower (0 = no limit)."""
         limit = max_sequence_length
         if self.per_request_tokens:
             limit = min(limit, self.per_request_tokens) if limit else self.per_request_tokens
+        return limit
+
+    def check_sequence_length(self, total: int, field: str, max_sequence_length: int) -> None:
+        """INVALID_ARGUMENT when one sequence could never hold ``total`` tokens."""
+        limit = self.sequence_limit(max_sequence_length)
         if limit and total > limit:
             raise errors.invalid(
                 f"{field}: the sequence would hold {total} tokens; this model's limit is {limit}",
@@ -199,7 +207,7 @@ class CacheRegistry:
         need = max(len(tokens), reserve_tokens)
         with self._lock:
             self.admit(need, field, new_caches=1)
-            cache_id = f"{self.id_prefix}-{_PROCESS_TAG}-{next(_ids)}"
+            cache_id = new_cache_id(self.id_prefix)
             entry = CacheEntry(cache_id, self.model_id, list(tokens), reserved_total=reserve_tokens, owner=owner)
             self._caches[cache_id] = entry
             self.created_total += 1

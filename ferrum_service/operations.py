@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 from . import errors
-from .convert import check_tokens, handle_pb, logits_policy, pb, row_pb, tpb
+from .convert import handle_pb, logits_policy, pb, row_pb, tpb
 from .retries import StepDeduper
 from .sampling import encode_row, process_rows
 from .types import DecodeInput, KvSlotRequest, OutputMode, PrefillInput
@@ -88,26 +88,24 @@ class Operations:
                     host.release_soon(o.cache.cache_id, "reclaimed")
         return free
 
-    def _adopt(self, host, outs, owner: str) -> None:
-        """Record the owner (Session / Generate stream) of caches a call created."""
-        if not owner:
-            return
+    def _adopt(self, host, created, owner: str) -> None:
+        """Record who the caches a call created belong to: the caller, and the Session stream (if
+        any) that frees them when it ends. Encoders keep no cache in the registry."""
         reg = host.executor.registry
-        for o in outs:
+        for o in created:
             if o.cache.cache_id in reg:
-                e = reg.get(o.cache.cache_id)
-                if not e.owner:
-                    e.owner = owner
+                self.checks.adopt(reg.get(o.cache.cache_id), owner)
 
     # ---- operations -------------------------------------------------------------------------------
     async def prefill(self, req: pb.PrefillRequest, owner: str = "") -> pb.PrefillResponse:
         t = time.perf_counter_ns()
         host = self.models.get(req.model_id)
         inp = self.checks.prefill_input(host, req.input, "input")
+        self.checks.check_prefill_step(host, [inp], "input")
         with host.hold([inp.cache_id], "input.cache_id"):
             timed = await host.call(self._run_prefill, host, [inp], on_orphan=self._orphaned(host, [inp]))
         outs, msgs, s_ns = timed.value
-        self._adopt(host, outs, owner if not inp.cache_id else "")
+        self._adopt(host, [] if inp.cache_id else outs, owner)
         return pb.PrefillResponse(output=msgs[0], timings=_timings(t, timed, s_ns))
 
     def _run_prefill(self, host, inputs: list[PrefillInput]):
@@ -127,13 +125,12 @@ class Operations:
         inputs = [self.checks.prefill_input(host, m, f"inputs[{i}]") for i, m in enumerate(req.inputs)]
         ids = [i.cache_id for i in inputs]
         self.checks.unique(ids, "inputs.cache_id")
+        self.checks.check_prefill_step(host, inputs, "inputs")
         admit_prefills(host, inputs)
         with host.hold(ids, "inputs.cache_id"):
             timed = await host.call(self._run_prefill, host, inputs, on_orphan=self._orphaned(host, inputs))
         outs, msgs, s_ns = timed.value
-        for inp, o in zip(inputs, outs):
-            if not inp.cache_id:
-                self._adopt(host, [o], owner)
+        self._adopt(host, [o for inp, o in zip(inputs, outs) if not inp.cache_id], owner)
         return pb.BatchPrefillResponse(outputs=msgs, timings=_timings(t, timed, s_ns))
 
     async def decode(self, req: pb.DecodeRequest, owner: str = "") -> pb.DecodeResponse:
@@ -142,6 +139,7 @@ class Operations:
         self.checks.require_generation(host, "Decode")
         inp = self.checks.decode_input(host, req.input, "input")
         admit_decodes(host, [inp], "input.cache_id")
+        self.checks.check_decode_step(host, [inp], "input")
         with host.hold([inp.cache_id], "input.cache_id"):
             timed = await host.call(self._run_decode, host, [inp])
         outs, rows = timed.value
@@ -163,6 +161,7 @@ class Operations:
         inputs = [self.checks.decode_input(host, m, f"inputs[{i}]") for i, m in enumerate(req.inputs)]
         ids = [i.cache_id for i in inputs]
         self.checks.unique(ids, "inputs.cache_id")
+        self.checks.check_decode_step(host, inputs, "inputs")
         admit_decodes(host, inputs)
         with host.hold(ids, "inputs.cache_id"):
             timed = await host.call(self._run_decode, host, inputs)
@@ -182,6 +181,8 @@ class Operations:
         items = [self.checks.unified_item(host, m, f"items[{i}]") for i, m in enumerate(req.items)]
         ids = [i.cache_id for i in items]
         self.checks.unique(ids, "items.cache_id")
+        self.checks.check_step(host, [(len(i.q_tokens), i.pos_offset) for i in items], len(items), "items",
+                               sum(self.checks.row_bytes(host, i.policy) for i in items))
         admit_unified(host, items)
         with host.hold(ids, "items.cache_id"):
             timed = await host.call(self._run_unified, host, items, on_orphan=self._orphaned(host, items))
@@ -217,12 +218,14 @@ class Operations:
         host = self.models.get(req.model_id)
         self.checks.require_generation(host, "ForwardVerify")
         entry = self.checks.live_entry(host, req.cache_id, "cache_id")
-        ids = check_tokens(req.token_ids, host.vocab_size, "token_ids")
+        ids = self.checks.tokens(host, req.token_ids, "token_ids")
         policy = logits_policy(req.logits, host.vocab_size, "logits")
         if req.accept_greedy_prefix and policy.mode != OutputMode.SAMPLED_TOKEN:
             raise errors.invalid("accept_greedy_prefix needs logits.mode OUTPUT_MODE_SAMPLED_TOKEN",
                                  field="accept_greedy_prefix")
         self.checks.check_length(host, entry.num_tokens + len(ids), "token_ids")
+        self.checks.check_step(host, [(len(ids), entry.num_tokens)], len(ids), "token_ids",
+                               len(ids) * self.checks.row_bytes(host, policy))
         admit(host, "token_ids", grow=[(entry, entry.num_tokens + len(ids))])
         with host.hold([req.cache_id], "cache_id"):
             timed = await host.call(self._run_verify, host, req.cache_id, ids, policy, req.accept_greedy_prefix)
@@ -315,9 +318,17 @@ class Operations:
         if n == 0 or len(t.data) != n * np_dtype.itemsize:
             raise errors.invalid(f"input.data has {len(t.data)} bytes; shape {list(t.shape)} needs "
                                  f"{n * np_dtype.itemsize}", field="input.data")
-        ids = np.frombuffer(t.data, dtype=np_dtype.newbyteorder("<")).reshape(list(t.shape))
-        check_tokens(ids.reshape(-1).tolist(), host.vocab_size, "input.data")
+        batch, seq = int(t.shape[0]), int(t.shape[1])
+        self.checks.check_length(host, seq, "input.shape")
         dtype = {tpb.DATA_TYPE_FP16: "fp16", tpb.DATA_TYPE_BF16: "bf16"}.get(req.logits_dtype, "fp32")
+        width = host.info.vocab_size if host.supports_generation else host.info.hidden_size
+        self.checks.check_step(host, [(seq, 0)] * batch, batch * seq, "input",
+                               batch * seq * width * (4 if dtype == "fp32" else 2))
+        ids = np.frombuffer(t.data, dtype=np_dtype.newbyteorder("<")).reshape(batch, seq)
+        bad = np.flatnonzero((ids < 0) | (ids >= host.vocab_size))
+        if bad.size:
+            raise errors.invalid(f"input.data[{int(bad[0])}] = {int(ids.reshape(-1)[bad[0]])} is outside the "
+                                 f"vocabulary [0, {host.vocab_size})", field="input.data")
         timed = await host.call(host.executor.forward, torch.from_numpy(ids.astype(np.int64)), dtype)
         out = timed.value
         resp = pb.ForwardResponse()

@@ -12,6 +12,7 @@ their caches, and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import signal
 from dataclasses import dataclass, field
 
@@ -56,6 +57,9 @@ class ServerConfig:
     max_batch: int = 64
     cache_ttl: float = 600.0  # seconds an ownerless cache may sit idle before it is reclaimed (0 = never)
     max_queue: int = 256  # steps that may wait for one model's worker (0 = unbounded)
+    open_admin_rpcs: bool = False  # Warmup/Shutdown for any caller when no admin token is configured
+    max_step_bytes: int = 2 * 1024**3  # transient memory one forward may need (0 = no limit)
+    max_text_bytes: int = 1024 * 1024  # text one request may ask to tokenize
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -86,6 +90,9 @@ class Server:
             raise ValueError("max_queue must be >= 0 (0 = unbounded)")
         for host in models:
             host.max_queue = cfg.max_queue
+            host.limits.max_step_bytes = cfg.max_step_bytes
+            host.limits.max_response_bytes = cfg.max_message_bytes
+            host.limits.max_text_bytes = cfg.max_text_bytes
         self.metrics = Metrics(models)
         self.leases = LeaseReaper(models, self.metrics, cfg.cache_ttl)
         self.draining = False
@@ -96,7 +103,9 @@ class Server:
             host.executor.registry.on_event = (
                 lambda kind, e, hub=self.events: hub.publish(kind, e.model_id, e.cache_id, e.num_tokens))
         self.servicer = ModelExecutorServicer(models, Operations(models, RequestChecks(models)), self.streams,
-                                              self.events, self.metrics, draining=lambda: self.draining)
+                                              self.events, self.metrics, draining=lambda: self.draining,
+                                              tokens_checked=bool(cfg.auth_tokens),
+                                              admin_open=bool(cfg.admin_tokens) or cfg.open_admin_rpcs)
         self.servicer.on_model_shutdown = self._model_down
         interceptors = []
         if cfg.auth_tokens or cfg.admin_tokens:
@@ -136,6 +145,10 @@ class Server:
     async def start(self) -> None:
         await self.grpc.start()
         self.leases.start()
+        if not (self.cfg.auth_tokens or self.cfg.tls_client_ca) and not _is_loopback(self.cfg.host):
+            log.warning("serving without authentication on a non-loopback address: any caller that reaches "
+                        "this port can use and release every cache; set --auth-token-file or mutual TLS",
+                        host=self.cfg.host, port=self.port)
         if self.cfg.metrics_port:
             self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
         for host in self.models:
@@ -175,6 +188,13 @@ class Server:
 
     async def wait(self) -> None:
         await self.grpc.wait_for_termination()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def host_models(executors, max_batch: int = 64, max_queue: int = 0, workers=None) -> ModelSet:

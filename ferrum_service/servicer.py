@@ -37,6 +37,7 @@ from .convert import (
     step_error_pb,
     tpb,
 )
+from .callers import caller_identity, current_caller
 from .generate import generate
 from .kv_events import KvEventHub, SubscriberDropped
 from .metrics import Metrics
@@ -45,6 +46,9 @@ from .operations import Operations
 from .streams import StreamRegistry
 
 log = structlog.get_logger("ferrum_service.servicer")
+
+#: Most token ids one Detokenize call may carry.
+MAX_DETOKENIZE_IDS = 1 << 18
 
 
 class _Outcome:
@@ -57,8 +61,14 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
     """Serves every hosted model through the contract."""
 
     def __init__(self, models: ModelSet, ops: Operations, streams: StreamRegistry, events: KvEventHub,
-                 metrics: Metrics, *, draining: Callable[[], bool] = lambda: False) -> None:
+                 metrics: Metrics, *, draining: Callable[[], bool] = lambda: False, tokens_checked: bool = False,
+                 admin_open: bool = False) -> None:
+        """``tokens_checked``: bearer tokens are verified (they then name the caller that owns a
+        cache); ``admin_open``: Warmup / Shutdown may be called (admin tokens guard them, or the
+        operator opened them)."""
         self.models = models
+        self.tokens_checked = tokens_checked
+        self.admin_open = admin_open
         self.ops = ops
         self.streams = streams
         self.events = events
@@ -76,6 +86,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         and counted under the code it ended with."""
         t0 = time.perf_counter()
         outcome = _Outcome()
+        current_caller.set(caller_identity(context, tokens_checked=self.tokens_checked))
         try:
             self._check_serving()
             yield outcome
@@ -184,8 +195,17 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             return resp
         return await self._unary("LoraMetrics", context, run)
 
+    def _check_admin(self, rpc: str) -> None:
+        """Admin RPCs are closed unless admin tokens guard them (the auth interceptor checks the
+        token) or the operator opened them (``--open-admin-rpcs``)."""
+        if not self.admin_open:
+            raise errors.permission_denied(
+                f"{rpc} is an admin RPC: configure admin tokens (--admin-token-file) or start the server with "
+                "--open-admin-rpcs")
+
     async def Warmup(self, request, context):
         async def run():
+            self._check_admin("Warmup")
             t0 = time.perf_counter_ns()
             hosts = self.models.select(request.model_id)
             for h in hosts:
@@ -195,6 +215,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
 
     async def Shutdown(self, request, context):
         async def run():
+            self._check_admin("Shutdown")
             hosts = self.models.select(request.model_id)
             freed = 0
             for h in hosts:
@@ -216,17 +237,22 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                                      code=grpc.StatusCode.FAILED_PRECONDITION, field="model_id")
         return h, tok
 
+    # Tokenizer work runs on a thread, not on the event loop (a long text would stall every call).
     async def Tokenize(self, request, context):
         async def run():
-            _, tok = self._tokenizer(request.model_id)
-            return pb.TokenizeResponse(token_ids=tok.encode(request.text, add_special_tokens=request.add_special_tokens))
+            h, tok = self._tokenizer(request.model_id)
+            self.ops.checks.check_text(h, [request.text], "text")
+            ids = await asyncio.to_thread(tok.encode, request.text, add_special_tokens=request.add_special_tokens)
+            return pb.TokenizeResponse(token_ids=ids)
         return await self._unary("Tokenize", context, run)
 
     async def Detokenize(self, request, context):
         async def run():
             h, tok = self._tokenizer(request.model_id)
-            ids = check_tokens(request.token_ids, h.vocab_size, "token_ids", allow_empty=True)
-            return pb.DetokenizeResponse(text=tok.decode(ids, skip_special_tokens=request.skip_special_tokens))
+            ids = check_tokens(request.token_ids, h.vocab_size, "token_ids", allow_empty=True,
+                               max_len=MAX_DETOKENIZE_IDS)
+            text = await asyncio.to_thread(tok.decode, ids, skip_special_tokens=request.skip_special_tokens)
+            return pb.DetokenizeResponse(text=text)
         return await self._unary("Detokenize", context, run)
 
     async def ApplyChatTemplate(self, request, context):
@@ -235,8 +261,14 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             if not request.messages:
                 raise errors.invalid("messages is empty", field="messages")
             msgs = [{"role": m.role, "content": m.content} for m in request.messages]
-            text = h.executor.apply_chat_template(msgs, request.add_generation_prompt)
-            return pb.ApplyChatTemplateResponse(text=text, token_ids=tok.encode(text, add_special_tokens=False))
+            self.ops.checks.check_text(h, [m["content"] for m in msgs] + [m["role"] for m in msgs], "messages")
+
+            def render():
+                text = h.executor.apply_chat_template(msgs, request.add_generation_prompt)
+                return text, tok.encode(text, add_special_tokens=False)
+
+            text, ids = await asyncio.to_thread(render)
+            return pb.ApplyChatTemplateResponse(text=text, token_ids=ids)
         return await self._unary("ApplyChatTemplate", context, run)
 
     # ---- steps ----------------------------------------------------------------------------------
@@ -270,6 +302,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
     # ---- streams --------------------------------------------------------------------------------
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
         owner = self.streams.new_owner("generate")
+        current_caller.set(caller_identity(context, tokens_checked=self.tokens_checked))
         tokens = 0
         with self.streams.running(), self.streams.generation(owner) as state:
             try:
@@ -301,6 +334,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         t0 = time.perf_counter()
         code = "OK"
         steps = 0
+        current_caller.set(caller_identity(context, tokens_checked=self.tokens_checked))
         log.info("session opened", owner=owner, peer=context.peer())
         with self.streams.running():
             try:
@@ -372,8 +406,10 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             seq = self.events.seq
             resp = pb.ListCachesResponse(as_of_seq=seq)
             for h in hosts:
+                caller = current_caller.get()
                 for e in h.executor.registry.entries():
-                    resp.caches.append(handle_pb(h.executor.handle(e)))
+                    if e.tenant == caller:
+                        resp.caches.append(handle_pb(h.executor.handle(e)))
             return resp
         return await self._unary("ListCaches", context, run)
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Iterator
 import structlog
 
 from . import errors
+from .callers import current_caller
 
 if TYPE_CHECKING:
     from .host import ModelHost
@@ -33,6 +34,7 @@ class StreamState:
     model_id: str = ""
     request_id: str = ""
     cache_id: str = ""
+    tenant: str = ""  # the caller that started it: only that caller can Abort it
     aborted: bool = False
 
     def check_aborted(self) -> None:
@@ -67,7 +69,7 @@ class StreamRegistry:
     @contextlib.contextmanager
     def generation(self, owner: str) -> Iterator[StreamState]:
         """Register a ``Generate`` stream (findable by ``Abort``) while the block runs."""
-        state = StreamState(owner)
+        state = StreamState(owner, tenant=current_caller.get())
         self.generations[owner] = state
         try:
             yield state
@@ -87,11 +89,13 @@ class StreamRegistry:
     # ---- Abort ------------------------------------------------------------------------------------
     async def abort(self, host: "ModelHost | None", *, request_id: str = "", cache_id: str = "") -> tuple[int, bool]:
         """Stop the generations that carry ``request_id`` or run on ``cache_id`` (on ``host``, or
-        on any model when ``host`` is None) and release ``cache_id`` once no step holds it.
-        Idempotent. Returns (streams newly aborted, whether the cache was released)."""
+        on any model when ``host`` is None) and release ``cache_id`` once no step holds it. Only
+        the current caller's streams and caches are touched. Idempotent. Returns (streams newly
+        aborted, whether the cache was released)."""
+        caller = current_caller.get()
         aborted = 0
         for st in list(self.generations.values()):
-            if host is not None and st.model_id and st.model_id != host.model_id:
+            if st.tenant != caller or (host is not None and st.model_id and st.model_id != host.model_id):
                 continue
             if (request_id and st.request_id == request_id) or (cache_id and st.cache_id == cache_id):
                 if not st.aborted:
@@ -100,7 +104,7 @@ class StreamRegistry:
         released = False
         if cache_id:
             for h in [host] if host is not None else list(self.models):
-                if cache_id in h.executor.registry:
+                if cache_id in h.executor.registry and h.executor.registry.get(cache_id).tenant == caller:
                     released = await self._release_when_idle(h, cache_id)
         return aborted, released
 

@@ -262,3 +262,11 @@ class KvSlotCapacitySnapshot:
     block_size: int
     total_blocks: int
     free_blocks: int
+
+
+@dataclass
+class StepCost:
+    """What one forward costs beyond the weights and the KV cache (see ``ModelExecutor.step_cost``)."""
+
+    positions: int  # token positions computed, padding included
+    scratch_bytes: int = 0  # transient memory: attention masks, activations, logits

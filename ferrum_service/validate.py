@@ -5,7 +5,12 @@ in range). This module checks a request against the state of the model it names:
 touches are live and belong to this model, positions match what a cache holds, sequences fit the
 model's length limit, the model can generate at all, a batch names each cache once. It also builds
 the executor-interface inputs from those checks, and sums what a step will add to the KV budget so
-that it is admitted (all or nothing) before the step runs.
+that it is admitted (all or nothing) before the step runs, and checks what the step itself will
+cost (positions computed with padding, transient memory, response size) against the model's
+per-step ceilings (``host.limits``): a request over one can never run, so it is INVALID_ARGUMENT.
+
+Caches belong to the caller that created them when calls are authenticated (``callers.py``):
+another caller's cache is NOT_FOUND, exactly as an unknown one.
 
 Every check raises a :class:`FerrumError` naming the field at fault.
 """
@@ -15,9 +20,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 from . import errors
+from .callers import current_caller
 from .convert import check_token, check_tokens, logits_policy, pb, struct_to_dict
 from .kv_registry import CacheEntry
-from .types import DecodeInput, PrefillInput, UnifiedItem
+from .types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
+
+_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 if TYPE_CHECKING:
     from .host import ModelHost
@@ -36,9 +44,14 @@ class RequestChecks:
         released."""
         if not cache_id:
             raise errors.invalid(f"{field} is empty", field=field)
-        if cache_id not in host.executor.registry:
+        reg = host.executor.registry
+        if cache_id not in reg:
             self._not_another_models(host, cache_id, field)
-        return host.executor.registry.get(cache_id, field)
+        entry = reg.get(cache_id, field)
+        if entry.tenant != current_caller.get():
+            raise errors.not_found(f"{field}: cache {cache_id!r} is unknown on model {host.model_id!r}",
+                                   field=field, cache_id=cache_id)
+        return entry
 
     def is_live(self, host: "ModelHost", cache_id: str, field: str) -> bool:
         """Whether ``cache_id`` is a live cache of ``host`` (releasing an unknown cache is not an
@@ -46,9 +59,24 @@ class RequestChecks:
         if not cache_id:
             raise errors.invalid(f"{field} is empty", field=field)
         if cache_id in host.executor.registry:
-            return True
+            return self.visible(host, cache_id)
         self._not_another_models(host, cache_id, field)
         return False
+
+    @staticmethod
+    def visible(host: "ModelHost", cache_id: str) -> bool:
+        """Whether the current caller may see and touch this live cache."""
+        try:
+            return host.executor.registry.get(cache_id).tenant == current_caller.get()
+        except errors.FerrumError:
+            return False
+
+    @staticmethod
+    def adopt(entry: CacheEntry, owner: str = "") -> None:
+        """Record who a new cache belongs to: the current caller, and the stream that frees it."""
+        entry.tenant = current_caller.get()
+        if owner and not entry.owner:
+            entry.owner = owner
 
     def _not_another_models(self, host: "ModelHost", cache_id: str, field: str) -> None:
         other = self.models.owner_of(cache_id)
@@ -70,6 +98,72 @@ class RequestChecks:
             seen.add(c)
 
     # ---- the model --------------------------------------------------------------------------------
+    @staticmethod
+    def token_limit(host: "ModelHost") -> int:
+        """Most tokens one sequence may hold on this model (0 = no limit)."""
+        return host.executor.registry.sequence_limit(host.info.max_sequence_length)
+
+    def tokens(self, host: "ModelHost", ids, field: str, *, allow_empty: bool = False) -> list[int]:
+        """Token ids of one sequence: the count against the model's limit first (an oversized
+        request costs nothing more), then every id inside the vocabulary."""
+        return check_tokens(ids, host.vocab_size, field, allow_empty=allow_empty, max_len=self.token_limit(host))
+
+    @staticmethod
+    def check_step(host: "ModelHost", rows: list[tuple[int, int]], logits_rows: int, field: str,
+                   response_bytes: int = 0) -> None:
+        """INVALID_ARGUMENT when one forward over ``rows`` — (new tokens, cached tokens) per
+        sequence — would compute more positions (padding included) or need more transient memory
+        than the model's per-step ceilings, or when its response would exceed the message limit.
+        Such a request can never run; smaller or more even batches can."""
+        lim = host.limits
+        cost = host.executor.step_cost(rows, logits_rows)
+        if lim.max_step_tokens and cost.positions > lim.max_step_tokens:
+            raise errors.invalid(
+                f"{field}: this step would compute {cost.positions} token positions (rows padded to the longest); "
+                f"the limit per step is {lim.max_step_tokens}: send fewer rows, rows of similar length, or "
+                "split the prompt into chunks", field=field, positions=cost.positions, limit=lim.max_step_tokens)
+        if lim.max_step_bytes and cost.scratch_bytes > lim.max_step_bytes:
+            raise errors.invalid(
+                f"{field}: this step would need {cost.scratch_bytes} bytes of working memory; the limit per step "
+                f"is {lim.max_step_bytes}: send fewer rows or rows of similar length", field=field,
+                scratch_bytes=cost.scratch_bytes, limit=lim.max_step_bytes)
+        if lim.max_response_bytes and response_bytes > lim.max_response_bytes:
+            raise errors.invalid(
+                f"{field}: the response would hold {response_bytes} bytes of logits; the message limit is "
+                f"{lim.max_response_bytes}: ask for fewer full-logits rows (or top-k log-probabilities)",
+                field=field, response_bytes=response_bytes, limit=lim.max_response_bytes)
+
+    def check_prefill_step(self, host: "ModelHost", inputs: list[PrefillInput], field: str) -> None:
+        """:meth:`check_step` for prompts (a cache they extend counts as context)."""
+        reg = host.executor.registry
+        rows = [(len(i.token_ids), reg.get(i.cache_id).num_tokens if i.cache_id else 0) for i in inputs]
+        logits_rows = sum(len(i.token_ids) if i.all_positions else 1 for i in inputs)
+        response = sum(self.row_bytes(host, i.policy) * (1 + (len(i.token_ids) if i.all_positions else 0))
+                       for i in inputs)
+        self.check_step(host, rows, logits_rows, field, response)
+
+    def check_decode_step(self, host: "ModelHost", inputs: list[DecodeInput], field: str) -> None:
+        """:meth:`check_step` for decode steps (one new token each)."""
+        reg = host.executor.registry
+        rows = [(1, reg.get(i.cache_id).num_tokens) for i in inputs]
+        self.check_step(host, rows, len(rows), field, sum(self.row_bytes(host, i.policy) for i in inputs))
+
+    @staticmethod
+    def check_text(host: "ModelHost", texts: list[str], field: str) -> None:
+        """INVALID_ARGUMENT when texts to tokenize exceed ``host.limits.max_text_bytes`` (UTF-8)."""
+        limit = host.limits.max_text_bytes
+        n = sum(len(t.encode()) for t in texts)
+        if limit and n > limit:
+            raise errors.invalid(f"{field}: {n} bytes of text; the limit is {limit}", field=field,
+                                 limit=limit, requested=n)
+
+    @staticmethod
+    def row_bytes(host: "ModelHost", policy: LogitsPolicy) -> int:
+        """Bytes one output row of ``policy`` puts in a response (full logits dominate)."""
+        if policy.mode == OutputMode.FULL_LOGITS:
+            return host.vocab_size * _DTYPE_BYTES.get(policy.logits_dtype, 4)
+        return 16 + 16 * policy.top_logprobs
+
     @staticmethod
     def check_length(host: "ModelHost", total: int, field: str) -> None:
         """INVALID_ARGUMENT when one sequence of ``total`` tokens could never fit this model."""
@@ -99,7 +193,7 @@ class RequestChecks:
     # ---- step inputs ------------------------------------------------------------------------------
     def prefill_input(self, host: "ModelHost", msg: pb.PrefillInput, field: str) -> PrefillInput:
         """A checked prompt: ids, its cache (if it extends one), the length it may reach."""
-        ids = check_tokens(msg.token_ids, host.vocab_size, f"{field}.token_ids")
+        ids = self.tokens(host, msg.token_ids, f"{field}.token_ids")
         policy = logits_policy(msg.logits, host.vocab_size, f"{field}.logits")
         prior = self.live_entry(host, msg.cache_id, f"{field}.cache_id").num_tokens if msg.cache_id else 0
         total = max(prior + len(ids), msg.reserve_tokens)
@@ -132,7 +226,7 @@ class RequestChecks:
 
     def unified_item(self, host: "ModelHost", m: pb.UnifiedBatchItem, field: str) -> UnifiedItem:
         """A checked unified-batch item (a prompt chunk or a decode step of one sequence)."""
-        q = check_tokens(m.q_tokens, host.vocab_size, f"{field}.q_tokens")
+        q = self.tokens(host, m.q_tokens, f"{field}.q_tokens")
         n = self.live_entry(host, m.cache_id, f"{field}.cache_id").num_tokens if m.cache_id else 0
         if m.pos_offset != n:
             raise errors.failed_precondition(

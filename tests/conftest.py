@@ -31,8 +31,9 @@ def contract_executors():
 
 @pytest.fixture
 def fresh_server():
-    """A new server per test (the configurable executor's step counter starts at 0)."""
-    with InProcessServer(contract_executors()) as srv:
+    """A new server per test (the configurable executor's step counter starts at 0); its admin
+    RPCs are open (as with --open-admin-rpcs), the contract tests call them."""
+    with InProcessServer(contract_executors(), open_admin_rpcs=True) as srv:
         yield srv
 
 

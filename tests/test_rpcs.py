@@ -10,6 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from ferrum_client import Client, FerrumRpcError, messages as m, pb, tpb
 
+from .conftest import contract_executors
 from .support.servers import InProcessServer
 
 
@@ -85,6 +86,18 @@ def test_tokenization_needs_a_tokenizer(client):
         with pytest.raises(FerrumRpcError) as e:
             call()
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and e.value.field == "model_id"
+
+
+def test_admin_rpcs_are_refused_unless_opened():
+    """Without admin tokens and without --open-admin-rpcs, Warmup and Shutdown are PERMISSION_DENIED
+    and the model keeps serving."""
+    with InProcessServer(contract_executors()) as srv, Client(srv.target) as c:
+        for call in (lambda: c.warmup("mock"), lambda: c.shutdown("stub"), lambda: c.shutdown()):
+            with pytest.raises(FerrumRpcError) as e:
+                call()
+            assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and "--open-admin-rpcs" in e.value.message
+        assert c.status("stub").status.state == tpb.EXECUTOR_STATE_READY
+        assert c.prefill("mock", [1]).output.output.token_id == 10
 
 
 def test_warmup_and_shutdown(fresh_server, client):

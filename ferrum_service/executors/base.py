@@ -37,6 +37,7 @@ from ..types import (
     ModelInfo,
     PrefillInput,
     PrefillOutput,
+    StepCost,
     UnifiedItem,
     UnifiedResult,
     VerifyOutput,
@@ -177,6 +178,12 @@ class ModelExecutor(abc.ABC):
     def admission_limits(self) -> AdmissionLimits | None:
         """``admission_limits()``; None = no ceilings."""
         return None
+
+    def step_cost(self, rows: list[tuple[int, int]], logits_rows: int) -> StepCost:
+        """What one forward over ``rows`` — (new tokens, tokens already cached) per sequence —
+        costs, keeping ``logits_rows`` rows of vocabulary logits. The server checks it against its
+        per-step ceilings before any work. Default: no padding and no model (negligible scratch)."""
+        return StepCost(positions=sum(q for q, _ in rows))
 
     # ---- compute -------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -93,6 +93,7 @@ from ..types import (
     OutputMode,
     PrefillInput,
     PrefillOutput,
+    StepCost,
     UnifiedItem,
     UnifiedResult,
     VerifyOutput,
@@ -501,6 +502,25 @@ class HfCausalLmExecutor(ModelExecutor):
         return AdmissionLimits(
             maximum_active_sequences=self.max_batch_size, maximum_scheduled_tokens=self.max_batch_tokens
         )
+
+    def step_cost(self, rows: list[tuple[int, int]], logits_rows: int) -> StepCost:
+        """One ``_forward_rows`` call: rows padded to the longest query; unless the rows are fresh
+        equal-length prompts, an additive mask over the longest row's blocks and, per layer, every
+        row's K/V gathered to that length (expanded to the query heads); activations per position;
+        fp32 logits (for every padded position when a row asks for all of them)."""
+        b, q = len(rows), max(n for n, _ in rows)
+        fresh = all(n == q and c == 0 for n, c in rows)
+        positions = b * q
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        cfg = self.config
+        hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+        inter = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
+        heads = int(getattr(cfg, "num_attention_heads", 0) or self.num_kv_heads)
+        kv_len = q if fresh else max(self.pool.blocks_for(n + c) for n, c in rows) * self.block_size
+        attention = 0 if fresh else b * q * kv_len * elem + b * kv_len * heads * (self.head_dim + self.v_head_dim) * elem
+        activations = positions * (4 * hidden + 3 * inter) * elem
+        logits = (positions if logits_rows > b else logits_rows) * self.vocab_size * 4
+        return StepCost(positions=positions, scratch_bytes=attention + activations + logits)
 
     @property
     def tokenizer(self) -> Any:
