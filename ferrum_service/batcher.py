@@ -55,6 +55,7 @@ class ContinuousBatcher:
         # little for them (see ``_gather_stragglers``).
         self._expected: set[str] = set()
         self.mixed_steps = 0  # steps that joined new prompts with running decodes (diagnostics)
+        self._prompt_alone_next = False  # a prompt too costly to join the decodes goes first, alone
 
     @property
     def queued_prompts(self) -> int:
@@ -116,8 +117,15 @@ class ContinuousBatcher:
 
     def _next_batch(self) -> tuple[list[_Pending], list[_Pending]]:
         """Up to ``max_batch`` rows: every queued decode step first, then new prompts (oldest
-        first) while the room and :attr:`prefill_tokens_per_step` allow (at least one prompt
-        when there is room)."""
+        first) while the room, :attr:`prefill_tokens_per_step` and the model's per-step ceilings
+        allow (at least one prompt when there is room). A prompt that cannot join the running
+        decodes within the ceilings (padding makes a long prompt cost rows x its length) runs
+        alone in the next step."""
+        if self._prompt_alone_next:
+            self._prompt_alone_next = False
+            self._drop_cancelled_prompts()
+            if self._prefill_queue:
+                return [self._prefill_queue.pop(0)], []
         max_batch = self.host.max_batch
         decodes = [p for p in self._decode_queue[:max_batch] if not p.fut.cancelled()]
         del self._decode_queue[:max_batch]
@@ -132,9 +140,29 @@ class ContinuousBatcher:
             n = len(p.inp.token_ids)
             if prefills and tokens + n > self.prefill_tokens_per_step:
                 break
+            if (prefills or decodes) and not self._fits(prefills + [p], decodes):
+                if not prefills:
+                    self._prompt_alone_next = True
+                break
             prefills.append(self._prefill_queue.pop(0))
             tokens += n
         return prefills, decodes
+
+    def _drop_cancelled_prompts(self) -> None:
+        self._prefill_queue = [p for p in self._prefill_queue if not p.fut.cancelled()]
+
+    def _fits(self, prefills: list[_Pending], decodes: list[_Pending]) -> bool:
+        """Whether one forward over these rows stays within the model's per-step ceilings."""
+        reg, lim = self.host.executor.registry, self.host.limits
+        rows = []
+        for p in prefills:
+            past = reg.get(p.inp.cache_id).num_tokens if p.inp.cache_id in reg else 0
+            rows.append((len(p.inp.token_ids), past))
+        for p in decodes:
+            rows.append((1, reg.get(p.inp.cache_id).num_tokens if p.inp.cache_id in reg else 0))
+        cost = self.host.executor.step_cost(rows, len(rows))
+        return ((not lim.max_step_tokens or cost.positions <= lim.max_step_tokens)
+                and (not lim.max_step_bytes or cost.scratch_bytes <= lim.max_step_bytes))
 
     async def _drain(self) -> None:
         while self._decode_queue or self._prefill_queue:

