@@ -39,6 +39,8 @@ SERVE_FLAGS = {
     "max_step_bytes": (int, 2 * 1024**3, "transient memory one forward may need (masks, activations, logits); "
                        "a request over it is INVALID_ARGUMENT (0 = no limit)"),
     "max_text_bytes": (int, 1024 * 1024, "UTF-8 bytes of text one request may ask to tokenize"),
+    "otlp_endpoint": (str, None, "OTLP/gRPC endpoint for OpenTelemetry traces (off when unset, unless the "
+                      "standard OTEL_* variables name one)"),
     "log_format": (str, "auto", "json | console | auto"),
     "log_level": (str, "info", "debug | info | warning | error"),
     "tls_cert": (str, None, "PEM certificate chain (enables TLS)"),
@@ -172,7 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ([os.environ["FERRUM_ADMIN_TOKEN"]] if os.environ.get("FERRUM_ADMIN_TOKEN") else []),
         max_batch=st["max_batch"], cache_ttl=st["cache_ttl"], max_queue=st["max_queue"],
         open_admin_rpcs=st["open_admin_rpcs"], max_step_bytes=st["max_step_bytes"],
-        max_text_bytes=st["max_text_bytes"],
+        max_text_bytes=st["max_text_bytes"], otlp_endpoint=st["otlp_endpoint"],
     )
     asyncio.run(serve(executors, cfg, workers))
     return 0

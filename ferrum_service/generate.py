@@ -14,7 +14,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
-from . import errors
+from . import errors, tracing
 from .convert import check_token, check_tokens, handle_pb, pb, sampling_params
 from .streams import StreamState
 from .types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
@@ -155,6 +155,9 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
             yield pb.GenerateResponse(started=pb.GenerateStarted(
                 cache=handle_pb(handle), prompt_tokens=len(prompt), request_id=req.request_id))
             ttft = time.perf_counter_ns() - t_start
+            if tracing.enabled():
+                tracing.annotate(cache_id=cache_id)
+                tracing.interval("generate.prompt", t_start, t_start + ttft, prompt_tokens=len(prompt))
 
             # --- decode loop ---
             # On a cache the stream owns, the next step is queued before this token's event is
@@ -196,6 +199,9 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
                 if pending is not None:  # the stream ended with a step queued: drop it
                     pending.cancel()
                     pending.add_done_callback(lambda t: t.cancelled() or t.exception())
+        if tracing.enabled():
+            tracing.interval("generate.decode", t_start + ttft, time.perf_counter_ns(), generated_tokens=generated,
+                             finish_reason=pb.FinishReason.Name(finish))
         fin = pb.GenerateFinished(
             finish_reason=finish, prompt_tokens=len(prompt), generated_tokens=generated,
             time_to_first_token_ns=ttft, total_ns=time.perf_counter_ns() - t_start,

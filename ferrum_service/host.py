@@ -55,6 +55,7 @@ class Timed:
     value: Any
     queued_ns: int
     forward_ns: int
+    submitted_ns: int = 0  # perf_counter_ns when the call was made (for trace spans)
 
 
 class ModelHost:
@@ -126,7 +127,7 @@ class ModelHost:
             if self.executor.inline:
                 value = fn(*args)
                 done = time.perf_counter_ns()
-                return Timed(value, 0, done - submitted)
+                return Timed(value, 0, done - submitted, submitted)
             started: list[int] = []
 
             def run() -> Any:
@@ -145,7 +146,7 @@ class ModelHost:
                 fut.add_done_callback(orphaned)  # also retrieves an exception nobody awaits now
                 raise
             done = time.perf_counter_ns()
-            return Timed(value, started[0] - submitted, done - started[0])
+            return Timed(value, started[0] - submitted, done - started[0], submitted)
         finally:
             self.running -= 1
 

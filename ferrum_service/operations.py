@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from . import errors
+from . import errors, tracing
 from .convert import handle_pb, logits_policy, pb, row_pb, tpb
 from .retries import StepDeduper
 from .sampling import encode_row, process_rows
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 
 def _timings(t_start: int, timed, sampling_ns: int) -> tpb.StepTimings:
+    """The step's ``StepTimings`` (and its trace spans, when tracing is on)."""
+    if tracing.enabled():
+        tracing.step(timed.submitted_ns, timed.queued_ns, timed.forward_ns, sampling_ns)
     return tpb.StepTimings(
         queued_ns=timed.queued_ns,
         forward_ns=timed.forward_ns,

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2, executor_pb2_grpc
 
+from . import tracing
 from .auth import AuthInterceptor
 from .host import ModelHost
 from .kv_events import KvEventHub
@@ -30,6 +30,7 @@ from .leases import LeaseReaper
 from .metrics import Metrics
 from .models import ModelSet
 from .operations import Operations
+from .reflection import enable_reflection
 from .servicer import ModelExecutorServicer
 from .streams import StreamRegistry
 from .validate import RequestChecks
@@ -60,6 +61,7 @@ class ServerConfig:
     open_admin_rpcs: bool = False  # Warmup/Shutdown for any caller when no admin token is configured
     max_step_bytes: int = 2 * 1024**3  # transient memory one forward may need (0 = no limit)
     max_text_bytes: int = 1024 * 1024  # text one request may ask to tokenize
+    otlp_endpoint: str | None = None  # OpenTelemetry traces to this OTLP/gRPC endpoint (see tracing.py)
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -114,9 +116,7 @@ class Server:
         executor_pb2_grpc.add_ModelExecutorServicer_to_server(self.servicer, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         if cfg.reflection:
-            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                     reflection.SERVICE_NAME)
-            reflection.enable_server_reflection(names, self.grpc)
+            enable_reflection(self.grpc, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
         self.port = self._bind()
 
     def _bind(self) -> int:
@@ -145,6 +145,8 @@ class Server:
     async def start(self) -> None:
         await self.grpc.start()
         self.leases.start()
+        if tracing.configure(self.cfg.otlp_endpoint):
+            log.info("tracing on", otlp_endpoint=self.cfg.otlp_endpoint or "(from OTEL_* environment)")
         if not (self.cfg.auth_tokens or self.cfg.tls_client_ca) and not _is_loopback(self.cfg.host):
             log.warning("serving without authentication on a non-loopback address: any caller that reaches "
                         "this port can use and release every cache; set --auth-token-file or mutual TLS",
@@ -184,6 +186,8 @@ class Server:
                 log.exception("executor shutdown failed", model_id=host.model_id)
             host.shutdown_pool()
         self.metrics.stop()
+        if self.cfg.otlp_endpoint or tracing.enabled():
+            tracing.shutdown()
         log.info("stopped", released_caches=freed)
 
     async def wait(self) -> None:

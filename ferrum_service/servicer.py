@@ -22,7 +22,7 @@ from grpc_status import rpc_status
 
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 
-from . import __version__, errors
+from . import __version__, errors, tracing
 from .convert import (
     as_ferrum_error,
     capabilities_pb,
@@ -49,6 +49,16 @@ log = structlog.get_logger("ferrum_service.servicer")
 
 #: Most token ids one Detokenize call may carry.
 MAX_DETOKENIZE_IDS = 1 << 18
+
+
+def _ids(request) -> dict:
+    """The ids a request carries, as span attributes."""
+    if request is None:
+        return {}
+    inner = getattr(request, "input", None)
+    return {"model_id": getattr(request, "model_id", ""),
+            "cache_id": getattr(request, "cache_id", "") or getattr(inner, "cache_id", ""),
+            "request_id": getattr(request, "request_id", "") or getattr(inner, "request_id", "")}
 
 
 class _Outcome:
@@ -81,12 +91,13 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             raise errors.unavailable("the server is shutting down; retry on another replica")
 
     @contextlib.asynccontextmanager
-    async def _answer(self, rpc: str, context: grpc.aio.ServicerContext):
-        """Run an RPC's body: refused while draining; errors leave as statuses; the call is timed
-        and counted under the code it ended with."""
+    async def _answer(self, rpc: str, context: grpc.aio.ServicerContext, request=None):
+        """Run an RPC's body: refused while draining; errors leave as statuses; the call is timed,
+        counted under the code it ended with, and traced (when tracing is on)."""
         t0 = time.perf_counter()
         outcome = _Outcome()
         current_caller.set(caller_identity(context, tokens_checked=self.tokens_checked))
+        span = tracing.start_rpc(rpc, context.invocation_metadata(), **_ids(request)) if tracing.enabled() else None
         try:
             self._check_serving()
             yield outcome
@@ -103,9 +114,11 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             await context.abort_with_status(rpc_status.to_status(status_of(e)))
         finally:
             self.metrics.observe(rpc, outcome.code, time.perf_counter() - t0)
+            tracing.end(span, outcome.code)
 
-    async def _unary(self, rpc: str, context: grpc.aio.ServicerContext, fn: Callable[[], Awaitable[Any]]):
-        async with self._answer(rpc, context):
+    async def _unary(self, rpc: str, context: grpc.aio.ServicerContext, fn: Callable[[], Awaitable[Any]],
+                     request=None):
+        async with self._answer(rpc, context, request):
             return await fn()
 
     def _log_refusal(self, rpc: str, e: errors.FerrumError) -> None:
@@ -273,31 +286,31 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
 
     # ---- steps ----------------------------------------------------------------------------------
     async def Prefill(self, request, context):
-        return await self._unary("Prefill", context, lambda: self.ops.run_step("prefill", request))
+        return await self._unary("Prefill", context, lambda: self.ops.run_step("prefill", request), request)
 
     async def BatchPrefill(self, request, context):
-        return await self._unary("BatchPrefill", context, lambda: self.ops.run_step("batch_prefill", request))
+        return await self._unary("BatchPrefill", context, lambda: self.ops.run_step("batch_prefill", request), request)
 
     async def Decode(self, request, context):
-        return await self._unary("Decode", context, lambda: self.ops.run_step("decode", request))
+        return await self._unary("Decode", context, lambda: self.ops.run_step("decode", request), request)
 
     async def BatchDecode(self, request, context):
-        return await self._unary("BatchDecode", context, lambda: self.ops.run_step("batch_decode", request))
+        return await self._unary("BatchDecode", context, lambda: self.ops.run_step("batch_decode", request), request)
 
     async def UnifiedDecode(self, request, context):
-        return await self._unary("UnifiedDecode", context, lambda: self.ops.run_step("unified_decode", request))
+        return await self._unary("UnifiedDecode", context, lambda: self.ops.run_step("unified_decode", request), request)
 
     async def ForwardVerify(self, request, context):
-        return await self._unary("ForwardVerify", context, lambda: self.ops.run_step("forward_verify", request))
+        return await self._unary("ForwardVerify", context, lambda: self.ops.run_step("forward_verify", request), request)
 
     async def TruncateKv(self, request, context):
-        return await self._unary("TruncateKv", context, lambda: self.ops.run_step("truncate_kv", request))
+        return await self._unary("TruncateKv", context, lambda: self.ops.run_step("truncate_kv", request), request)
 
     async def ReleaseCache(self, request, context):
-        return await self._unary("ReleaseCache", context, lambda: self.ops.run_step("release_cache", request))
+        return await self._unary("ReleaseCache", context, lambda: self.ops.run_step("release_cache", request), request)
 
     async def Forward(self, request, context):
-        return await self._unary("Forward", context, lambda: self.ops.forward(request))
+        return await self._unary("Forward", context, lambda: self.ops.forward(request), request)
 
     # ---- streams --------------------------------------------------------------------------------
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
@@ -306,7 +319,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         tokens = 0
         with self.streams.running(), self.streams.generation(owner) as state:
             try:
-                async with self._answer("Generate", context):
+                async with self._answer("Generate", context, request):
                     async for ev in generate(self.models, self.ops.checks, request, owner, state):
                         if ev.WhichOneof("event") == "token":
                             tokens += 1
@@ -335,6 +348,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         code = "OK"
         steps = 0
         current_caller.set(caller_identity(context, tokens_checked=self.tokens_checked))
+        span = tracing.start_rpc("Session", context.invocation_metadata()) if tracing.enabled() else None
         log.info("session opened", owner=owner, peer=context.peer())
         with self.streams.running():
             try:
@@ -348,6 +362,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             finally:
                 freed = self.streams.release_owned(owner, reason="reclaimed")
                 self.metrics.observe("Session", code, time.perf_counter() - t0)
+                tracing.end(span, code)
                 log.info("session closed", owner=owner, steps=steps, released_caches=freed, code=code)
 
     async def _session_step(self, req: pb.SessionRequest, owner: str) -> pb.SessionResponse:
@@ -357,6 +372,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         resp = pb.SessionResponse(step_id=req.step_id)
         ts = time.perf_counter()
         code = "OK"
+        stream_span = tracing.current()
+        span = tracing.start_child(f"Session.{rpc}", **_ids(getattr(req, which))) if which and stream_span else None
         try:
             self._check_serving()
             if which is None:
@@ -370,6 +387,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                 self._log_refusal(f"Session.{which}", e)
             resp.error.CopyFrom(step_error_pb(e))
         self.metrics.observe(f"Session.{rpc}", code, time.perf_counter() - ts)
+        if span is not None:
+            tracing.end(span, code, restore=stream_span)
         return resp
 
     # ---- scheduler-facing operations -----------------------------------------------------------

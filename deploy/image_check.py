@@ -1,0 +1,138 @@
+"""Run the built CPU image the way the Helm chart runs it, and check it serves.
+
+    python deploy/image_check.py IMAGE        (deploy/image-check.sh builds the image and calls this)
+
+The container spec comes from the rendered chart itself (``helm template`` with default values):
+its args, config file (the ConfigMap's ``config.yaml``, mounted read-only at the same path), ports,
+user, read-only root filesystem, dropped capabilities and no-new-privileges, and an in-memory
+``/tmp`` for the ``tmp`` emptyDir. So what passes here is what Kubernetes would run. Checks:
+
+* the chart's container is what this check assumes (serve, gRPC port with native gRPC probes on
+  it, non-root, read-only root) and the image agrees (its USER is the chart's runAsUser, it
+  exposes the gRPC port);
+* the server comes up as that non-root user; the root filesystem refuses writes;
+* ``grpc-health-probe`` (the probe's own tool) reports SERVING overall and for each model;
+* ``ferrum-service generate`` through the published port streams a reply (the capital of France);
+* SIGTERM drains and the container exits 0 within the chart's grace period.
+
+Prints the figures (start-to-SERVING, generate time, stop time). Exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("FERRUM_CACHE_DIR", Path.home() / ".cache/ferrum-service"))
+NAME = "ferrum-image-check"
+
+
+def sh(*cmd: str, check: bool = True, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+    if check and r.returncode != 0:
+        raise SystemExit(f"FAILED: {' '.join(cmd)} (rc={r.returncode})\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def rendered_chart() -> tuple[dict, dict, dict]:
+    """(container, pod spec, config.yaml text) of the chart rendered with default values."""
+    helm = shutil.which("helm") or str(CACHE / "bin/helm")
+    out = sh(helm, "template", "ferrum-service", str(ROOT / "deploy/helm/ferrum-service")).stdout
+    docs = [d for d in yaml.safe_load_all(out) if isinstance(d, dict)]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {}))
+    pod = dep["spec"]["template"]["spec"]
+    return pod["containers"][0], pod, cm["data"]["config.yaml"]
+
+
+def check(cond: bool, what: str) -> None:
+    if not cond:
+        raise SystemExit(f"FAILED: {what}")
+    print(f"ok: {what}")
+
+
+def main(image: str) -> None:
+    probe = shutil.which("grpc-health-probe") or str(CACHE / "bin/grpc-health-probe")
+    client = shutil.which("ferrum-service") or str(ROOT / ".venv/bin/ferrum-service")
+    container, pod, config_text = rendered_chart()
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    sec, podsec = container["securityContext"], pod["securityContext"]
+    grace = float(yaml.safe_load(config_text).get("grace_period", 20))
+    check(container["args"][0] == "serve", "the chart's container runs `serve`")
+    check(all(container[p]["grpc"]["port"] == ports["grpc"] for p in ("startupProbe", "readinessProbe",
+                                                                       "livenessProbe")),
+          f"the chart probes gRPC health on the gRPC port {ports['grpc']}")
+    check(sec["readOnlyRootFilesystem"] and not sec["allowPrivilegeEscalation"] and podsec["runAsNonRoot"],
+          "the chart asks for a read-only root, no privilege escalation, non-root")
+    cfg = yaml.safe_load(sh("podman", "image", "inspect", image, "--format", "{{json .Config}}").stdout)
+    check(str(cfg.get("User", "")).split(":")[0] == str(podsec["runAsUser"]),
+          f"the image's USER is the chart's runAsUser {podsec['runAsUser']}")
+    check(f"{ports['grpc']}/tcp" in (cfg.get("ExposedPorts") or {}), "the image exposes the gRPC port")
+
+    workdir = Path(tempfile.mkdtemp(prefix="ferrum-image-check-"))
+    (workdir / "config.yaml").write_text(config_text)
+    os.chmod(workdir, 0o755)
+    config_dir = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "config")
+    port = int(os.environ.get("FERRUM_IMAGE_CHECK_PORT", "55051"))
+    sh("podman", "rm", "-f", NAME, check=False)
+    run = ["podman", "run", "-d", "--name", NAME,
+           "--user", f"{podsec['runAsUser']}:{podsec['runAsGroup']}",
+           "--read-only", "--tmpfs", "/tmp:rw,size=512m,mode=1777",
+           "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+           "-v", f"{workdir}:{config_dir}:ro",
+           "-p", f"127.0.0.1:{port}:{ports['grpc']}",
+           "-e", "OMP_NUM_THREADS=2", "-e", "FERRUM_TORCH_THREADS=2",
+           image, *container["args"]]
+    t0 = time.monotonic()
+    sh(*run)
+    try:
+        target = f"127.0.0.1:{port}"
+        deadline = t0 + 300
+        while True:
+            r = sh(probe, "-addr", target, "-connect-timeout", "2s", "-rpc-timeout", "2s", check=False)
+            if r.returncode == 0:
+                break
+            state = sh("podman", "inspect", NAME, "--format", "{{.State.Status}}").stdout.strip()
+            if state != "running" or time.monotonic() > deadline:
+                print(sh("podman", "logs", NAME, check=False).stdout[-4000:])
+                raise SystemExit(f"FAILED: the server did not become SERVING (container {state})")
+            time.sleep(1)
+        ready_s = time.monotonic() - t0
+        check(True, f"SERVING {ready_s:.1f} s after start")
+        for model in (m["executor"] if "id" not in m else m["id"] for m in yaml.safe_load(config_text)["models"]):
+            r = sh(probe, "-addr", target, "-service", model)
+            check("SERVING" in r.stdout + r.stderr, f"model {model} SERVING")
+        uid = sh("podman", "exec", NAME, "id", "-u").stdout.strip()
+        check(uid == str(podsec["runAsUser"]), f"the server runs as uid {uid}")
+        r = sh("podman", "exec", NAME, "touch", "/opt/ferrum/written", check=False)
+        check(r.returncode != 0, "the root filesystem refuses writes")
+        t1 = time.monotonic()
+        r = sh(client, "generate", "What is the capital of France?", "--target", target, "--max-tokens", "24",
+               timeout=300)
+        gen_s = time.monotonic() - t1
+        print(r.stdout.strip())
+        check("Paris" in r.stdout, f"generate through the published port answered in {gen_s:.1f} s")
+        t2 = time.monotonic()
+        sh("podman", "kill", "--signal", "TERM", NAME)
+        sh("podman", "wait", NAME, timeout=grace + 30)
+        stop_s = time.monotonic() - t2
+        code = sh("podman", "inspect", NAME, "--format", "{{.State.ExitCode}}").stdout.strip()
+        check(code == "0" and stop_s <= grace + 5, f"SIGTERM: exit {code} after {stop_s:.1f} s (grace {grace:.0f} s)")
+        logs = sh("podman", "logs", NAME).stdout + sh("podman", "logs", NAME).stderr
+        check('"draining"' in logs or "draining" in logs, "the server logged its drain")
+        print(f"figures: start-to-SERVING {ready_s:.1f} s, generate {gen_s:.1f} s, SIGTERM-to-exit {stop_s:.1f} s")
+    finally:
+        sh("podman", "rm", "-f", NAME, check=False)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "localhost/ferrum-service:cpu")
