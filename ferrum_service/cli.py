@@ -77,11 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="stream a reply from a running server")
     g.add_argument("prompt", help="the user message (sent through the model's chat template)")
-    g.add_argument("--target", default=os.environ.get("FERRUM_TARGET", "localhost:50051"))
+    g.add_argument("--target", default=os.environ.get("FERRUM_TARGET", "localhost:50051"),
+                   help="the server, HOST:PORT (env FERRUM_TARGET; default localhost:50051)")
     g.add_argument("--model-id", default="", help="model to use (default: the first causal LM hosted)")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same reply)")
     g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     g.add_argument("--token", default=os.environ.get("FERRUM_TOKEN"), help="bearer token")
     return p
