@@ -72,7 +72,6 @@ podman build --network host --layers --format docker \
   --build-arg PIP_CACHE_DIR=/pip-cache \
   -v "$HOME/.cache/pip:/pip-cache" "${ca_args[@]}" \
   -t "$image" . >&2
-podman image prune -f >/dev/null  # layers of earlier builds no tag points at
 size=$(podman image inspect "$image" --format '{{.Size}}')
 log "built $image in $((SECONDS - t0)) s; size $((size / 1024 / 1024)) MiB"
 echo "$image"
