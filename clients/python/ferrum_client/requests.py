@@ -1,0 +1,277 @@
+"""Request construction shared by :class:`~ferrum_client.Client` and
+:class:`~ferrum_client.AsyncClient`: the argument conventions of every RPC live here, once.
+
+``UNARY`` is the table of unary methods both clients expose: for each, the stub method, the request
+builder (whose parameters are the method's parameters) and what the method returns.
+:func:`unary_methods` puts them on a client class, sync or async. The server-streaming and
+Session calls use the builders below (``kv_events``, ``health``, ``session_request``,
+``step_result``) and :func:`ferrum_client.messages.generate_request`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+from grpc_health.v1 import health_pb2
+
+from . import messages as m
+from ._proto.ferrum.executor.v1 import executor_pb2 as pb
+from ._proto.ferrum.executor.v1 import types_pb2 as tpb
+from .errors import FerrumRpcError
+
+
+def _same(response):
+    return response
+
+
+@dataclass(frozen=True)
+class Unary:
+    """One unary RPC as a client method: the stub method ``rpc``, the request builder ``build``
+    (its parameters are the method's, plus a keyword-only ``timeout``), the method's docstring
+    ``doc``, its return type ``returns`` and the part of the response it returns (``result``)."""
+
+    rpc: str
+    build: Callable[..., Any]
+    doc: str
+    returns: Any
+    result: Callable[[Any], Any] = _same
+
+
+# ---- builders (one per RPC) ---------------------------------------------------------------------
+def _model_only(request_type):
+    """A builder for a request that carries only ``model_id`` ("" = every model / the sole one)."""
+
+    def build(model_id: str = ""):
+        return request_type(model_id=model_id)
+
+    build.__doc__ = f"``{request_type.DESCRIPTOR.name}`` for ``model_id``."
+    return build
+
+
+def reserve_kv_slots(model_id: str, requests: Iterable[tpb.KvSlotRequest]) -> pb.ReserveKvSlotsRequest:
+    """``ReserveKvSlotsRequest`` for the given slot requests."""
+    return pb.ReserveKvSlotsRequest(model_id=model_id, requests=list(requests))
+
+
+def tokenize(model_id: str, text: str, add_special_tokens: bool = False) -> pb.TokenizeRequest:
+    """``TokenizeRequest``."""
+    return pb.TokenizeRequest(model_id=model_id, text=text, add_special_tokens=add_special_tokens)
+
+
+def detokenize(model_id: str, token_ids: Sequence[int], skip_special_tokens: bool = False) -> pb.DetokenizeRequest:
+    """``DetokenizeRequest``."""
+    return pb.DetokenizeRequest(model_id=model_id, token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def apply_chat_template(model_id: str, messages: Sequence[tuple[str, str]],
+                        add_generation_prompt: bool = True) -> pb.ApplyChatTemplateRequest:
+    """``ApplyChatTemplateRequest`` from ``(role, content)`` pairs."""
+    req = pb.ApplyChatTemplateRequest(model_id=model_id, add_generation_prompt=add_generation_prompt)
+    for role, content in messages:
+        req.messages.add(role=role, content=content)
+    return req
+
+
+def prefill(model_id: str, token_ids: Sequence[int], cache_id: str = "", policy: tpb.LogitsPolicy | None = None,
+            reserve_tokens: int = 0, all_positions: bool = False) -> pb.PrefillRequest:
+    """``PrefillRequest`` (see :func:`ferrum_client.messages.prefill_input`)."""
+    return pb.PrefillRequest(model_id=model_id, input=m.prefill_input(
+        token_ids, cache_id, policy, reserve_tokens, all_positions))
+
+
+def batch_prefill(model_id: str, prompts: Sequence[Sequence[int] | pb.PrefillInput]) -> pb.BatchPrefillRequest:
+    """``BatchPrefillRequest``; each prompt is token ids or a ready ``PrefillInput``."""
+    inputs = [p if isinstance(p, pb.PrefillInput) else m.prefill_input(p) for p in prompts]
+    return pb.BatchPrefillRequest(model_id=model_id, inputs=inputs)
+
+
+def decode(model_id: str, cache_id: str, token_id: int, policy: tpb.LogitsPolicy | None = None,
+           position: int | None = None) -> pb.DecodeRequest:
+    """``DecodeRequest`` (see :func:`ferrum_client.messages.decode_input`)."""
+    return pb.DecodeRequest(model_id=model_id, input=m.decode_input(cache_id, token_id, policy, position))
+
+
+def batch_decode(model_id: str, items: Sequence[tuple[str, int] | pb.DecodeInput]) -> pb.BatchDecodeRequest:
+    """``BatchDecodeRequest``; each item is ``(cache_id, token_id[, policy[, position]])`` or a
+    ready ``DecodeInput``."""
+    inputs = [i if isinstance(i, pb.DecodeInput) else m.decode_input(*i) for i in items]
+    return pb.BatchDecodeRequest(model_id=model_id, inputs=inputs)
+
+
+def unified_decode(model_id: str, items: Sequence[pb.UnifiedBatchItem]) -> pb.UnifiedDecodeRequest:
+    """``UnifiedDecodeRequest`` (items from :func:`ferrum_client.messages.unified_item`)."""
+    return pb.UnifiedDecodeRequest(model_id=model_id, items=list(items))
+
+
+def forward(model_id: str, input_ids, logits_dtype: str = "fp32") -> pb.ForwardRequest:
+    """``ForwardRequest`` for token ids ``[batch, seq]`` (any integer array); logits in
+    ``fp32`` / ``fp16`` / ``bf16``."""
+    return pb.ForwardRequest(model_id=model_id, input=m.ids_tensor(input_ids), logits_dtype=m._DTYPES[logits_dtype])
+
+
+def forward_verify(model_id: str, cache_id: str, token_ids: Sequence[int], accept_greedy_prefix: bool = False,
+                   policy: tpb.LogitsPolicy | None = None) -> pb.ForwardVerifyRequest:
+    """``ForwardVerifyRequest``: the last accepted token, then the draft tokens."""
+    return pb.ForwardVerifyRequest(model_id=model_id, cache_id=cache_id, token_ids=list(token_ids),
+                                   accept_greedy_prefix=accept_greedy_prefix, logits=policy)
+
+
+def truncate_kv(model_id: str, cache_id: str, new_len: int) -> pb.TruncateKvRequest:
+    """``TruncateKvRequest``."""
+    return pb.TruncateKvRequest(model_id=model_id, cache_id=cache_id, new_len=new_len)
+
+
+def release_cache(model_id: str, cache_id: str) -> pb.ReleaseCacheRequest:
+    """``ReleaseCacheRequest``."""
+    return pb.ReleaseCacheRequest(model_id=model_id, cache_id=cache_id)
+
+
+def abort(model_id: str = "", *, request_id: str | None = None, cache_id: str | None = None) -> pb.AbortRequest:
+    """``AbortRequest`` for a ``Generate`` stream's ``request_id`` or a ``cache_id``."""
+    req = pb.AbortRequest(model_id=model_id)
+    if request_id is not None:
+        req.request_id = request_id
+    if cache_id is not None:
+        req.cache_id = cache_id
+    return req
+
+
+def kv_events(model_id: str = "", from_seq: int | None = None) -> pb.SubscribeKvEventsRequest:
+    """``SubscribeKvEventsRequest``; ``from_seq`` resumes after a known event."""
+    req = pb.SubscribeKvEventsRequest(model_id=model_id)
+    if from_seq is not None:
+        req.from_seq = from_seq
+    return req
+
+
+def health(service: str = "") -> health_pb2.HealthCheckRequest:
+    """``grpc.health.v1`` check for ``service`` ("" = the server, or a model id)."""
+    return health_pb2.HealthCheckRequest(service=service)
+
+
+def serving_status(response: health_pb2.HealthCheckResponse) -> str:
+    """The status name of a health response: SERVING, NOT_SERVING, SERVICE_UNKNOWN."""
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+# ---- the unary methods of both clients ----------------------------------------------------------
+_get = operator.attrgetter
+
+UNARY: dict[str, Unary] = {
+    # health & metadata
+    "info": Unary("Info", _model_only(pb.InfoRequest), "The hosted models (or one) and the server's versions.",
+                  pb.InfoResponse),
+    "capabilities": Unary("Capabilities", _model_only(pb.CapabilitiesRequest), "The model's executor capabilities.",
+                          tpb.ExecutorCapabilities, _get("capabilities")),
+    "status": Unary("Status", _model_only(pb.StatusRequest), "The model's state, operation counts and metrics.",
+                    pb.StatusResponse),
+    "kv_capacity": Unary("KvCapacity", _model_only(pb.KvCapacityRequest), "The model's KV budget: used, reserved, "
+                         "free tokens and bytes.", tpb.KvCapacity, _get("capacity")),
+    "admission_limits": Unary("AdmissionLimits", _model_only(pb.AdmissionLimitsRequest),
+                              "The model's admission limits (absent where the executor has none).",
+                              pb.AdmissionLimitsResponse),
+    "reserve_kv_slots": Unary("ReserveKvSlots", reserve_kv_slots, "Reserve KV slots for caches "
+                              "(``KvSlotRequest`` messages).", pb.ReserveKvSlotsResponse),
+    "kv_slot_capacity": Unary("KvSlotCapacity", _model_only(pb.KvSlotCapacityRequest),
+                              "The model's KV slot snapshot (absent where the executor has none).",
+                              pb.KvSlotCapacityResponse),
+    "cache_metrics": Unary("CacheMetrics", _model_only(pb.CacheMetricsRequest), "The model's cache metrics.",
+                           pb.CacheMetricsResponse),
+    "lora_metrics": Unary("LoraMetrics", _model_only(pb.LoraMetricsRequest), "The model's LoRA metrics.",
+                          pb.LoraMetricsResponse),
+    "warmup": Unary("Warmup", _model_only(pb.WarmupRequest), "Warm the model (or every model) up.",
+                    pb.WarmupResponse),
+    "shutdown": Unary("Shutdown", _model_only(pb.ShutdownRequest), "Stop serving the model (or every model), "
+                      "releasing its caches.", pb.ShutdownResponse),
+    # tokenization
+    "tokenize": Unary("Tokenize", tokenize, "The token ids of ``text`` (the model's tokenizer).", list[int],
+                      lambda r: list(r.token_ids)),
+    "detokenize": Unary("Detokenize", detokenize, "The text of ``token_ids`` (the model's tokenizer).", str,
+                        _get("text")),
+    "apply_chat_template": Unary("ApplyChatTemplate", apply_chat_template, "The model's chat template applied to "
+                                 "``(role, content)`` messages: text and token ids.",
+                                 pb.ApplyChatTemplateResponse),
+    # steps
+    "prefill": Unary("Prefill", prefill, "Prefill a prompt into a new (or, with ``cache_id``, an existing) cache.",
+                     pb.PrefillResponse),
+    "batch_prefill": Unary("BatchPrefill", batch_prefill, "Prefill several prompts (token ids or "
+                           "``PrefillInput``), one output each.", pb.BatchPrefillResponse),
+    "decode": Unary("Decode", decode, "One decode step on a cache (``position`` = the expected cache length).",
+                    pb.DecodeResponse),
+    "batch_decode": Unary("BatchDecode", batch_decode, "One decode step on several caches (``(cache_id, "
+                          "token_id)`` tuples or ``DecodeInput``).", pb.BatchDecodeResponse),
+    "unified_decode": Unary("UnifiedDecode", unified_decode, "A mixed step of prefill chunks and decode items "
+                            "(``UnifiedBatchItem``).", pb.UnifiedDecodeResponse),
+    "forward": Unary("Forward", forward, "A cache-less forward pass over token ids ``[batch, seq]``; "
+                     "``logits_dtype`` is fp32, fp16 or bf16.", pb.ForwardResponse),
+    "forward_verify": Unary("ForwardVerify", forward_verify, "Speculative verification: the last accepted token "
+                            "then the draft tokens, written at the cache's end.", pb.ForwardVerifyResponse),
+    "truncate_kv": Unary("TruncateKv", truncate_kv, "Cut a cache back to ``new_len`` tokens.",
+                         pb.TruncateKvResponse),
+    "release_cache": Unary("ReleaseCache", release_cache, "Free a cache.", pb.ReleaseCacheResponse),
+    # scheduler-facing operations
+    "loads": Unary("Loads", _model_only(pb.LoadsRequest), "Per-model load (caches, resident tokens, latencies) "
+                   "and the last KV event's sequence number.", pb.LoadsResponse),
+    "list_caches": Unary("ListCaches", _model_only(pb.ListCachesRequest), "A snapshot of the live caches, as of "
+                         "a KV event sequence number.", pb.ListCachesResponse),
+    "abort": Unary("Abort", abort, "Abort a ``Generate`` stream by ``request_id`` or release a cache by "
+                   "``cache_id`` (idempotent).", pb.AbortResponse),
+}
+
+
+def _signature(spec: Unary) -> inspect.Signature:
+    """The method's signature: ``self``, the builder's parameters, a keyword-only ``timeout``."""
+    sig = inspect.signature(spec.build)
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    timeout = inspect.Parameter("timeout", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="float | None")
+    return sig.replace(parameters=[self_param, *sig.parameters.values(), timeout], return_annotation=spec.returns)
+
+
+def unary_methods(make: Callable[[Unary], Callable]):
+    """Class decorator: one method per ``UNARY`` row, made by ``make(spec)`` (a function taking
+    ``self``, the builder's arguments and ``timeout=``), named, documented and signed like the row."""
+
+    def install(cls):
+        for name, spec in UNARY.items():
+            fn = make(spec)
+            fn.__name__ = name
+            fn.__qualname__ = f"{cls.__qualname__}.{name}"
+            fn.__module__ = cls.__module__
+            fn.__doc__ = (f"{spec.doc}\n\nRPC ``{spec.rpc}``; ``timeout`` is the call's deadline in seconds "
+                          "(default: the client's).")
+            fn.__signature__ = _signature(spec)
+            setattr(cls, name, fn)
+        return cls
+
+    return install
+
+
+# ---- Session steps ------------------------------------------------------------------------------
+STEP_FIELDS = {
+    pb.PrefillRequest: "prefill",
+    pb.BatchPrefillRequest: "batch_prefill",
+    pb.DecodeRequest: "decode",
+    pb.BatchDecodeRequest: "batch_decode",
+    pb.UnifiedDecodeRequest: "unified_decode",
+    pb.ForwardVerifyRequest: "forward_verify",
+    pb.TruncateKvRequest: "truncate_kv",
+    pb.ReleaseCacheRequest: "release_cache",
+}
+
+
+def session_request(step_id: int, request) -> pb.SessionRequest:
+    """A step request message (``PrefillRequest``, ``DecodeRequest``, ...) in its Session envelope."""
+    msg = pb.SessionRequest(step_id=step_id)
+    getattr(msg, STEP_FIELDS[type(request)]).CopyFrom(request)
+    return msg
+
+
+def step_result(response: pb.SessionResponse):
+    """A Session response's step result; a failed step raises :class:`FerrumRpcError`."""
+    which = response.WhichOneof("result")
+    if which == "error":
+        raise FerrumRpcError.from_step_error(response.error)
+    return getattr(response, which)

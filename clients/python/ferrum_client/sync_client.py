@@ -1,0 +1,165 @@
+"""The synchronous client: :class:`Client`, its stream iterator :class:`GenerateStream` and the
+step-by-step :class:`Session` helper. Requests are built by :mod:`ferrum_client.requests`."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Iterator
+
+import grpc
+
+from . import messages as m
+from . import requests as rq
+from ._proto.ferrum.executor.v1 import executor_pb2 as pb
+from .channel import READY_POLL_S, Connection, ready_polls
+from .errors import FerrumRpcError
+
+
+def _sync_unary(spec: rq.Unary):
+    def method(self, *args, timeout=None, **kwargs):
+        return spec.result(self._call(spec.rpc, spec.build(*args, **kwargs), timeout))
+    return method
+
+
+@rq.unary_methods(_sync_unary)
+class Client(Connection):
+    """Synchronous client. ``target`` is ``host:port``; pass ``token`` for bearer auth and
+    ``root_certificates`` (+ ``private_key``/``certificate_chain`` for mutual TLS) for TLS.
+
+    Besides the methods below it has one method per unary RPC (``info``, ``prefill``, ``decode``,
+    ... — the table :data:`ferrum_client.requests.UNARY`), each taking ``timeout=`` (seconds).
+    """
+
+    channels = grpc
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel."""
+        self.channel.close()
+
+    def _call(self, name: str, request, timeout: float | None = None):
+        try:
+            return getattr(self.stub, name)(request, timeout=timeout or self.timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            raise FerrumRpcError.from_rpc_error(e) from None
+
+    # ---- health ---------------------------------------------------------------------------------
+    def health(self, service: str = "", timeout: float = 5.0) -> str:
+        """``grpc.health.v1`` status name: SERVING, NOT_SERVING, SERVICE_UNKNOWN."""
+        try:
+            return rq.serving_status(self.health_stub.Check(rq.health(service), timeout=timeout))
+        except grpc.RpcError as e:
+            raise FerrumRpcError.from_rpc_error(e) from None
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until the channel connects and health says SERVING (``TimeoutError`` after
+        ``timeout`` seconds)."""
+        for _ in ready_polls(timeout):
+            try:
+                if self.health(timeout=2.0) == "SERVING":
+                    return
+            except FerrumRpcError:
+                pass
+            time.sleep(READY_POLL_S)
+
+    # ---- streams --------------------------------------------------------------------------------
+    def subscribe_kv_events(self, model_id: str = "", from_seq: int | None = None,
+                            timeout: float | None = None) -> GenerateStream:
+        """Stream of ``SubscribeKvEventsResponse`` (iterate; ``.cancel()`` to stop)."""
+        return GenerateStream(self.stub.SubscribeKvEvents(rq.kv_events(model_id, from_seq), timeout=timeout,
+                                                          metadata=self.metadata))
+
+    def generate(self, model_id: str, *, timeout: float | None = None, **kw) -> GenerateStream:
+        """Stream a generation (see :func:`ferrum_client.messages.generate_request` for the
+        arguments). Iterate the result for ``GenerateResponse`` events; ``.cancel()`` stops it."""
+        call = self.stub.Generate(m.generate_request(model_id, **kw), timeout=timeout, metadata=self.metadata)
+        return GenerateStream(call)
+
+    def session(self) -> Session:
+        """Open a ``Session`` stream: steps in, results out in order."""
+        return Session(self)
+
+
+class GenerateStream:
+    """Iterator over a server-streaming call's messages (``Generate``, ``SubscribeKvEvents``)."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+
+    def __iter__(self) -> Iterator[pb.GenerateResponse]:
+        try:
+            yield from self.call
+        except grpc.RpcError as e:
+            raise FerrumRpcError.from_rpc_error(e) from None
+
+    def tokens(self) -> list[int]:
+        """Consume the stream; the generated token ids."""
+        return [ev.token.token_id for ev in self if ev.WhichOneof("event") == "token"]
+
+    def cancel(self) -> None:
+        """Cancel the call (iteration then raises ``FerrumRpcError`` CANCELLED)."""
+        self.call.cancel()
+
+
+class Session:
+    """A ``Session`` stream used step by step from synchronous code.
+
+    ``step(request)`` sends one step (any of the step request messages) and waits for its result;
+    a failed step raises :class:`FerrumRpcError` and the session goes on. ``close()`` ends the
+    stream, which frees every cache created on it.
+    """
+
+    _END = object()
+
+    def __init__(self, client: Client) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self._next_id = 0
+        self._lock = threading.Lock()
+        self._responses = client.stub.Session(iter(self._q.get, self._END), metadata=client.metadata)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def send(self, request) -> int:
+        """Queue a step without waiting; returns its step id (results come back in order)."""
+        with self._lock:
+            self._next_id += 1
+            sid = self._next_id
+        self._q.put(rq.session_request(sid, request))
+        return sid
+
+    def receive(self):
+        """The next result in order (the step's response message)."""
+        try:
+            resp = next(self._responses)
+        except grpc.RpcError as e:
+            raise FerrumRpcError.from_rpc_error(e) from None
+        return rq.step_result(resp)
+
+    def step(self, request):
+        """Send one step and wait for its result."""
+        self.send(request)
+        return self.receive()
+
+    def cancel(self) -> None:
+        """Cancel the stream."""
+        self._responses.cancel()
+
+    def close(self) -> None:
+        """End the stream (the server frees the caches created on it) and drain what is left."""
+        self._q.put(self._END)
+        try:
+            for _ in self._responses:
+                pass
+        except grpc.RpcError:
+            pass
