@@ -181,7 +181,8 @@ async def scenario(d) -> list:
 
 
 def test_every_async_method_gives_what_the_sync_client_gives():
-    with InProcessServer(contract_executors()) as a, InProcessServer(contract_executors()) as b:
+    with InProcessServer(contract_executors(), open_admin_rpcs=True) as a, \
+            InProcessServer(contract_executors(), open_admin_rpcs=True) as b:
         with Client(a.target) as c:
             sync_rec = asyncio.run(scenario(SyncDriver(c)))
 
