@@ -45,7 +45,8 @@ def sh(*cmd: str, check: bool = True, timeout: float = 600, **kw) -> subprocess.
 def rendered_chart() -> tuple[dict, dict, dict]:
     """(container, pod spec, config.yaml text) of the chart rendered with default values."""
     helm = shutil.which("helm") or str(CACHE / "bin/helm")
-    out = sh(helm, "template", "ferrum-service", str(ROOT / "deploy/helm/ferrum-service")).stdout
+    out = sh(helm, "template", "ferrum-service", str(ROOT / "deploy/helm/ferrum-service"),
+             "--kube-version", "1.31.0").stdout
     docs = [d for d in yaml.safe_load_all(out) if isinstance(d, dict)]
     dep = next(d for d in docs if d["kind"] == "Deployment")
     cm = next(d for d in docs if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {}))
