@@ -66,12 +66,18 @@ if [ -f "$ca" ]; then
 fi
 log "building $image from deploy/docker/Dockerfile.cpu (base $base)"
 t0=$SECONDS
-podman build --network host --layers --format docker \
-  -f deploy/docker/Dockerfile.cpu \
-  --build-arg PYTHON_IMAGE="$base" \
-  --build-arg PIP_CACHE_DIR=/pip-cache \
-  -v "$HOME/.cache/pip:/pip-cache" "${ca_args[@]}" \
-  -t "$image" . >&2
+build() {
+  podman build --network host --layers --format docker \
+    -f deploy/docker/Dockerfile.cpu \
+    --build-arg PYTHON_IMAGE="$base" \
+    --build-arg PIP_CACHE_DIR=/pip-cache \
+    -v "$HOME/.cache/pip:/pip-cache" "${ca_args[@]}" "$@" . >&2
+}
+# The dependency stage gets a tag of its own, so the prune below keeps it (it is this build's cache)
+# and drops what earlier builds left: each venv layer is gigabytes, and the disk is finite.
+build --target build -t "$image-build"
+build -t "$image"
+podman image prune -f >/dev/null
 size=$(podman image inspect "$image" --format '{{.Size}}')
 log "built $image in $((SECONDS - t0)) s; size $((size / 1024 / 1024)) MiB"
 echo "$image"
