@@ -42,10 +42,14 @@ def test_grace_period_expiry_ends_open_streams_with_a_status_and_exits_zero():
 
             t = threading.Thread(target=drain_sub, daemon=True)
             t.start()
-            time.sleep(0.2)
+            # no sleep to 'let the subscription open': open or not yet, the documented end is the
+            # same (UNAVAILABLE, checked below)
+            assert c.health() == "SERVING"
             t_sig = time.monotonic()
             srv.terminate(signal.SIGTERM)
-            time.sleep(0.3)
+            deadline = time.monotonic() + 10  # poll (no sleep-then-hope): health turns at once
+            while c.health() != "NOT_SERVING" and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert c.health() == "NOT_SERVING"
             # a step on the open session during the drain is refused in-band, the stream stays up
             try:
