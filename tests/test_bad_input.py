@@ -120,18 +120,20 @@ def test_error_details_carry_kind_field_and_retry(fresh_server, client):
 def test_concurrent_steps_on_one_cache_are_refused_with_aborted():
     """Two steps on one cache at once: the second is ABORTED (steps on a cache never overlap)."""
     import threading
-    import time
 
     from ferrum_client import Client
     from ferrum_service.executors import ConfigurableModelExecutor
 
     from .support.servers import InProcessServer
 
+    started, go = threading.Event(), threading.Event()
+
     class SlowExecutor(ConfigurableModelExecutor):
         inline = False  # run on the worker thread, like a real model
 
         def decode(self, inp):
-            time.sleep(0.3)
+            started.set()  # the first decode holds the cache until the test lets it go
+            assert go.wait(30), "the test never released the first decode"
             return super().decode(inp)
 
     with InProcessServer([SlowExecutor(100, [5], model_id="slow")]) as srv, Client(srv.target) as c:
@@ -139,10 +141,13 @@ def test_concurrent_steps_on_one_cache_are_refused_with_aborted():
         results: list = []
         t = threading.Thread(target=lambda: results.append(c.decode("slow", cid, 1)))
         t.start()
-        time.sleep(0.1)
-        with pytest.raises(FerrumRpcError) as e:
-            c.decode("slow", cid, 1)
-        t.join()
+        assert started.wait(30), "the first decode never started"
+        try:
+            with pytest.raises(FerrumRpcError) as e:
+                c.decode("slow", cid, 1)
+        finally:
+            go.set()
+            t.join(30)
         assert e.value.code == C.ABORTED and "busy" in e.value.message
         assert results[0].output.cache.num_tokens == 2
         assert c.decode("slow", cid, 1).output.cache.num_tokens == 3

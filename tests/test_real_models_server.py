@@ -143,7 +143,11 @@ def test_kv_budget_refusal_and_release_give_memory_back(tc):
     assert during.used_tokens == before.used_tokens + 100
     with pytest.raises(FerrumRpcError) as e:
         tc.prefill("tiny", [1] * 10, reserve_tokens=during.free_tokens + 1)
-    assert e.value.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
+    # docs/errors.md: a reservation one sequence could never hold is INVALID_ARGUMENT ("reserve
+    # beyond the model"); one that fits the model but not the free budget is RESOURCE_EXHAUSTED
+    limit = tc.capabilities("tiny").max_sequence_length
+    want = grpc.StatusCode.INVALID_ARGUMENT if during.free_tokens + 1 > limit else grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.code == want, (e.value, limit, during.free_tokens)
     r = tc.release_cache("tiny", p.cache.cache_id)
     assert r.freed_bytes == grown
     assert tc.kv_capacity("tiny").used_bytes == before.used_bytes
@@ -241,7 +245,9 @@ def test_kv_slot_rpcs_report_and_reserve_the_paged_pool(tc):
     assert tc.kv_slot_capacity("tiny").snapshot.free_blocks == 505
     with pytest.raises(FerrumRpcError) as e:
         tc.reserve_kv_slots("tiny", [tpb.KvSlotRequest(cache_id=cid, target_len=20000)])
-    assert e.value.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
+    # 20,000 tokens exceed the model's sequence limit: it can never fit, INVALID_ARGUMENT
+    assert tc.capabilities("tiny").max_sequence_length < 20000
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, e.value
     tc.release_cache("tiny", cid)
     assert tc.kv_slot_capacity("tiny").snapshot.free_blocks == 512
 

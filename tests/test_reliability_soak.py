@@ -3,7 +3,8 @@
 few abandoned mid-way (cancelled with their cache still live). No cache, file-descriptor or thread
 leak in the server process (psutil), RSS growth reported (target < 5 %).
 
-``FERRUM_SOAK_SESSIONS`` (default 10000) scales it.
+Run on the scripted model (``FERRUM_SOAK_SESSIONS``, default 10000) and on the tiny real Llama
+(``FERRUM_SOAK_SESSIONS_TINY``, default 400: real forwards on 2 CPU cores, kept bounded).
 """
 
 from __future__ import annotations
@@ -20,19 +21,24 @@ from ferrum_client import AsyncClient, Client, messages as m, pb
 
 from .support.servers import REPO, ServerProcess
 
+import pytest
+
+from .conftest_models import tiny_llama_dir  # noqa: F401
+
 N = int(os.environ.get("FERRUM_SOAK_SESSIONS", "10000"))
+N_TINY = int(os.environ.get("FERRUM_SOAK_SESSIONS_TINY", "400"))
 CONCURRENCY = 32
-MODEL = "mock"
+VOCAB = {"mock": 1000, "tiny": 512}
 
 
 def _sample(proc: psutil.Process) -> dict:
     return {"fds": proc.num_fds(), "threads": proc.num_threads(), "rss_mb": round(proc.memory_info().rss / 2**20, 2)}
 
 
-async def _session(c: AsyncClient, i: int) -> None:
+async def _session(c: AsyncClient, i: int, MODEL: str) -> None:
     call = c.session()
     await call.write(pb.SessionRequest(step_id=1, prefill=pb.PrefillRequest(
-        model_id=MODEL, input=m.prefill_input([1 + i % 900, 2, 3]))))
+        model_id=MODEL, input=m.prefill_input([1 + i % (VOCAB[MODEL] - 1), 2, 3]))))
     r = await call.read()
     assert r.WhichOneof("result") == "prefill", r
     cid = r.prefill.output.cache.cache_id
@@ -50,21 +56,21 @@ async def _session(c: AsyncClient, i: int) -> None:
     assert await call.code() == grpc.StatusCode.OK
 
 
-async def _unary(c: AsyncClient, i: int) -> None:
-    out = (await c.prefill(MODEL, [1 + i % 900, 2])).output
+async def _unary(c: AsyncClient, i: int, MODEL: str) -> None:
+    out = (await c.prefill(MODEL, [1 + i % (VOCAB[MODEL] - 1), 2])).output
     cid = out.cache.cache_id
     await c.decode(MODEL, cid, out.output.token_id)
     assert (await c.release_cache(MODEL, cid)).released
 
 
-async def _run(target: str, start: int, count: int, errors: list) -> None:
+async def _run(target: str, start: int, count: int, errors: list, MODEL: str) -> None:
     clients = [AsyncClient(target, timeout=30) for _ in range(4)]
     sem = asyncio.Semaphore(CONCURRENCY)
 
     async def one(i):
         async with sem:
             try:
-                await (_unary if i % 5 == 4 else _session)(clients[i % len(clients)], i)
+                await (_unary if i % 5 == 4 else _session)(clients[i % len(clients)], i, MODEL)
             except Exception as e:  # noqa: BLE001 - every failure is reported
                 errors.append(f"session {i}: {type(e).__name__}: {e}")
 
@@ -73,16 +79,20 @@ async def _run(target: str, start: int, count: int, errors: list) -> None:
         await c.close()
 
 
-def test_soak_10k_short_sessions_no_leaks():
-    with ServerProcess("--model", f"configurable,id={MODEL},vocab_size=1000,token_sequence=10:20:30",
-                       env={"FERRUM_LOG_LEVEL": "warning"}) as srv, Client(srv.target) as c:
+@pytest.mark.parametrize("MODEL", ["mock", "tiny"])
+def test_soak_short_sessions_no_leaks(MODEL, request):
+    if MODEL == "mock":
+        spec, N = f"configurable,id={MODEL},vocab_size=1000,token_sequence=10:20:30", globals()["N"]
+    else:
+        spec, N = f"hf-causal-lm,id=tiny,path={request.getfixturevalue('tiny_llama_dir')}", N_TINY
+    with ServerProcess("--model", spec, env={"FERRUM_LOG_LEVEL": "warning"}) as srv, Client(srv.target) as c:
         proc = psutil.Process(srv.proc.pid)
         errors: list[str] = []
         t0 = time.monotonic()
-        asyncio.run(_run(srv.target, 0, 100, errors))
+        asyncio.run(_run(srv.target, 0, 100, errors, MODEL))
         time.sleep(0.3)
         first = _sample(proc)
-        asyncio.run(_run(srv.target, 100, N - 100, errors))
+        asyncio.run(_run(srv.target, 100, N - 100, errors, MODEL))
         wall = time.monotonic() - t0
         deadline = time.monotonic() + 10
         while c.status(MODEL).status.active_caches and time.monotonic() < deadline:
@@ -98,7 +108,7 @@ def test_soak_10k_short_sessions_no_leaks():
               "prefills": st.prefill_operations}
     out = REPO / "benchmarks" / "results" / "tmp"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "soak.json").write_text(json.dumps(report, indent=2))
+    (out / f"soak-{MODEL}.json").write_text(json.dumps(report, indent=2))
     print("\nsoak:", json.dumps(report))
     assert not errors, "\n".join(errors[:10])
     assert st.active_caches == 0 and kv.used_tokens == 0, "caches leaked"

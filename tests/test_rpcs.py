@@ -104,17 +104,25 @@ def test_warmup_and_shutdown(fresh_server, client):
     assert list(client.warmup("mock").model_ids) == ["mock"]
     cid = client.prefill("stub", [1]).output.cache.cache_id
     r = client.shutdown("stub")
-    assert list(r.model_ids) == ["stub"] and r.released_caches == 1
+    assert cid and list(r.model_ids) == ["stub"] and r.released_caches == 1
     assert client.status("stub").status.state == tpb.EXECUTOR_STATE_SHUTDOWN
     with pytest.raises(FerrumRpcError) as e:
         client.prefill("stub", [1])
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
-    with pytest.raises(FerrumRpcError) as e:
-        client.decode("stub", cid, 1)
-    assert e.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
     # other models keep serving; the stopped one's health is NOT_SERVING
     assert client.prefill("mock", [1]).output.output.token_id == 10
     assert client.health("stub") == "NOT_SERVING" and client.health("mock") == "SERVING"
+
+
+@pytest.mark.xfail(strict=True, reason="server bug (issue 18, for the lead): a step on a cache of a shut-down "
+                   "model answers NOT_FOUND ('was released'); docs/errors.md says a shut-down model is UNAVAILABLE "
+                   "(go to another replica), as Prefill on it already answers")
+def test_a_step_on_a_cache_of_a_shut_down_model_is_unavailable(fresh_server, client):
+    cid = client.prefill("stub", [1]).output.cache.cache_id
+    assert client.shutdown("stub").released_caches == 1
+    with pytest.raises(FerrumRpcError) as e:
+        client.decode("stub", cid, 1)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE, e.value
 
 
 def test_health_per_model_and_reflection(fresh_server):

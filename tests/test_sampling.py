@@ -40,9 +40,20 @@ def test_top_k_one_is_greedy_even_at_high_temperature():
 
 
 def test_top_p_keeps_the_nucleus():
-    r = row({0: 5.0, 1: 5.0}, v=50)  # two tokens hold ~99% of the mass
-    toks = {process_rows([r], [pol(temperature=1.0, top_p=0.9, seed=s)])[0].token_id for s in range(40)}
-    assert toks == {0, 1}
+    # Two tokens at logit 8 against 48 at 0: each holds e^8 / (2 e^8 + 48) = 49.6 %, together
+    # 99.2 %. With top_p = 0.9 the nucleus is exactly {0, 1} (one token holds less than 0.9, two
+    # more), so no seed can draw anything else. (At logit 5 the two held only 86 % and the nucleus
+    # took in zero-logit tokens too: the old test passed by luck of its seeds.)
+    r = row({0: 8.0, 1: 8.0}, v=50)
+    p = torch.softmax(r, -1)
+    assert p[0] < 0.9 <= p[:2].sum() and abs(p[:2].sum().item() - 0.992) < 1e-3
+    toks = [process_rows([r], [pol(temperature=1.0, top_p=0.9, seed=s)])[0].token_id for s in range(200)]
+    assert set(toks) == {0, 1}
+    # the contrast: without top-p the zero-logit tokens (the other 0.8 %) are drawn now and then,
+    # which top_p = 0.9 never did
+    wide = {process_rows([r], [pol(temperature=1.0, top_p=1.0, seed=s)])[0].token_id for s in range(2000)}
+    assert wide - {0, 1}, "without top-p the tail (0.8 %) must be reachable in 2,000 draws"
+
 
 
 def test_min_p_drops_unlikely_tokens():

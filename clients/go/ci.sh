@@ -4,7 +4,7 @@
 # and the example scheduler. Exits non-zero on any failure.
 #
 # The server is $FERRUM_SERVER_CMD, else <repo>/.venv/bin/ferrum-service; without either the live
-# tests skip (say so loudly). Go's module and build caches live outside the clone already; tools go
+# tests skip (say so loudly) — except in CI (CI=true), where that fails. Go's module and build caches live outside the clone already; tools go
 # to ${FERRUM_CACHE_DIR:-~/.cache/ferrum-service}/bin.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -28,6 +28,10 @@ go build ./...
 go vet ./...
 
 if [ -z "${FERRUM_SERVER_CMD:-}" ] && [ ! -x "$here/../../.venv/bin/ferrum-service" ]; then
+  if [ "${CI:-}" = "true" ]; then
+    echo "[go] FAIL: CI=true but no server (FERRUM_SERVER_CMD unset, no .venv)" >&2
+    exit 1
+  fi
   echo "[go] WARNING: no server (FERRUM_SERVER_CMD unset, no .venv): live tests will SKIP" >&2
 fi
 echo "[go] go test"

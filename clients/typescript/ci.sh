@@ -27,6 +27,10 @@ rm -rf dist
 npx tsc -p tsconfig.json
 
 if [ -z "${FERRUM_SERVER_CMD:-}" ] && [ ! -x "$here/../../.venv/bin/ferrum-service" ]; then
+  if [ "${CI:-}" = "true" ]; then
+    echo "[ts] FAIL: CI=true but no server (FERRUM_SERVER_CMD unset, no .venv)" >&2
+    exit 1
+  fi
   echo "[ts] WARNING: no server (FERRUM_SERVER_CMD unset, no .venv): live tests will SKIP" >&2
 fi
 echo "[ts] node --test"
