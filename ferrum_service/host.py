@@ -94,7 +94,7 @@ class ModelHost:
         """UNAVAILABLE once the model is shut down; RESOURCE_EXHAUSTED (with RetryInfo) when
         ``max_queue`` steps already wait for the worker — except for ``fn`` = release or shutdown:
         freeing memory is never refused."""
-        self._check_up()
+        self.check_up()
         if not self.max_queue or self.executor.inline:
             return
         if fn == self.executor.release_cache or fn == self.executor.shutdown:
@@ -109,7 +109,8 @@ class ModelHost:
                 limit=self.max_queue,
             )
 
-    def _check_up(self) -> None:
+    def check_up(self) -> None:
+        """UNAVAILABLE once the model is shut down (its caches are gone with it)."""
         if self.executor.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down", model_id=self.model_id)
 
@@ -120,7 +121,7 @@ class ModelHost:
         ``admit=False`` skips the queue limit (steps of work already admitted). ``on_orphan``:
         called with the result when the caller was cancelled while ``fn`` ran (or just after it
         finished): whatever the step created (caches) has nobody to hand it to, so it is freed."""
-        self.check_accepting(fn) if admit else self._check_up()
+        self.check_accepting(fn) if admit else self.check_up()
         submitted = time.perf_counter_ns()
         self.running += 1
         try:

@@ -44,6 +44,7 @@ class RequestChecks:
         released."""
         if not cache_id:
             raise errors.invalid(f"{field} is empty", field=field)
+        host.check_up()
         reg = host.executor.registry
         if cache_id not in reg:
             self._not_another_models(host, cache_id, field)
@@ -58,6 +59,7 @@ class RequestChecks:
         error); INVALID_ARGUMENT if it is empty or another model's."""
         if not cache_id:
             raise errors.invalid(f"{field} is empty", field=field)
+        host.check_up()
         if cache_id in host.executor.registry:
             return self.visible(host, cache_id)
         self._not_another_models(host, cache_id, field)

@@ -114,9 +114,6 @@ def test_warmup_and_shutdown(fresh_server, client):
     assert client.health("stub") == "NOT_SERVING" and client.health("mock") == "SERVING"
 
 
-@pytest.mark.xfail(strict=True, reason="server bug (issue 18, for the lead): a step on a cache of a shut-down "
-                   "model answers NOT_FOUND ('was released'); docs/errors.md says a shut-down model is UNAVAILABLE "
-                   "(go to another replica), as Prefill on it already answers")
 def test_a_step_on_a_cache_of_a_shut_down_model_is_unavailable(fresh_server, client):
     cid = client.prefill("stub", [1]).output.cache.cache_id
     assert client.shutdown("stub").released_caches == 1
