@@ -155,6 +155,28 @@ def test_failed_decode_rolls_back_and_leaks_nothing(ex):
     assert ex.decode(DecodeInput(cache_id=cid, token_id=5)).cache.num_tokens == 9
 
 
+def test_forward_equals_prefill_rows_and_keeps_nothing(ex):
+    toks = [_prompt(20, 9), _prompt(21, 9)]
+    logits = ex.forward(torch.tensor(toks))
+    assert logits.shape == (2, 9, 49152)
+    _assert_no_leak(ex)
+    for i, t in enumerate(toks):
+        ref = ex.prefill(PrefillInput(token_ids=t, all_positions=True)).all_logits
+        assert _maxdiff(logits[i], ref) < TOL
+
+
+def test_reserve_kv_slots_books_the_budget(ex):
+    from ferrum_service.types import KvSlotRequest
+
+    cid = ex.prefill(PrefillInput(token_ids=_prompt(22, 10), policy=NONE)).cache.cache_id
+    r = ex.reserve_kv_slots([KvSlotRequest(cache_id=cid, target_len=100)])
+    assert r.allocations[0].new_blocks == 90 and r.free_blocks_after == r.free_blocks_before - 90
+    assert ex.kv_slot_capacity().free_blocks == ex.registry.total_tokens - 100
+    with pytest.raises(FerrumError):
+        ex.reserve_kv_slots([KvSlotRequest(cache_id=cid, target_len=ex.registry.total_tokens + 1)])
+    assert ex.registry.free_tokens == ex.registry.total_tokens - 100
+
+
 def test_sequence_ids_are_recycled(ex):
     for _ in range(3 * ex.n_seq // 2):
         c = ex.prefill(PrefillInput(token_ids=[5, 6], policy=NONE)).cache.cache_id

@@ -40,6 +40,10 @@ from ..types import (
     DecodeInput,
     DecodeOutput,
     ExecutorCapabilities,
+    KvSlotAllocation,
+    KvSlotCapacitySnapshot,
+    KvSlotRequest,
+    KvSlotReservation,
     LogitsPolicy,
     MemoryRequirements,
     ModelInfo,
@@ -242,7 +246,7 @@ class LlamaCppExecutor(ModelExecutor):
             supports_native_unified_decode=True,
             supports_generation=True,
             supports_embeddings=False,
-            supports_forward=False,
+            supports_forward=True,
             supports_kv_truncation=True,
             supports_native_forward_verify=True,
             kv_block_size=1,
@@ -320,6 +324,61 @@ class LlamaCppExecutor(ModelExecutor):
         base = entry.num_tokens
         ((entry, rows),) = self._step([_Item(entry, list(token_ids), "all")], "token_ids")
         return VerifyOutput(rows=rows, cache=self.handle(entry), base_len=base)
+
+    def forward(self, input_ids: torch.Tensor, logits_dtype: str = "fp32") -> torch.Tensor:
+        """A stateless forward of ``[batch, seq]`` ids (one ``llama_decode`` over temporary
+        sequences, removed after); logits ``[batch, seq, vocab]``. Needs the KV budget and free
+        sequence ids for the whole batch (RESOURCE_EXHAUSTED otherwise)."""
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        b, n = ids.shape
+        if self.state == "shutdown":
+            raise errors.unavailable(f"model {self.model_id!r} is shut down")
+        if b * n > self.n_batch:
+            raise errors.exhausted(f"input_ids: {b * n} tokens in one step; this executor's limit is {self.n_batch}",
+                                   field="input_ids", limit=self.n_batch)
+        self.registry.check_sequence_length(n, "input_ids", self.max_sequence_length)
+        self.registry.admit(b * n, "input_ids")
+        if b > len(self._free_seq):
+            raise errors.exhausted(f"input_ids: {b} sequences but only {len(self._free_seq)} sequence ids are free",
+                                   field="input_ids")
+        seqs = [self._free_seq.pop() for _ in range(b)]
+        try:
+            rows = self._decode_batch([_Item(None, ids[i].tolist(), "all") for i in range(b)], [(s, 0) for s in seqs])
+        finally:
+            for s in seqs:
+                self._L.llama_memory_seq_rm(self._mem, s, -1, -1)
+                self._free_seq.append(s)
+        dt = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(logits_dtype, torch.float32)
+        return torch.stack(rows).to(dt)
+
+    def kv_slot_capacity(self) -> KvSlotCapacitySnapshot:
+        """KV cells as slots of one token (llama.cpp places tokens cell by cell)."""
+        return KvSlotCapacitySnapshot(block_size=1, total_blocks=self.n_ctx, free_blocks=self.registry.free_tokens)
+
+    def reserve_kv_slots(self, requests: list[KvSlotRequest]) -> KvSlotReservation:
+        """Promise each cache ``max(target_len, admission_target_len)`` tokens of KV, all or nothing
+        (RESOURCE_EXHAUSTED, nothing reserved, when the budget cannot cover them)."""
+        reg = self.registry
+        plan = []
+        need = 0
+        for k, r in enumerate(requests):
+            entry = reg.get(r.cache_id, field=f"requests[{k}].cache_id")
+            target = max(int(r.target_len), int(r.admission_target_len or 0))
+            reg.check_sequence_length(target, f"requests[{k}].target_len", self.max_sequence_length)
+            plan.append((entry, target))
+            need += reg.growth(entry, target)
+        free_before = reg.free_tokens
+        reg.admit(need, "requests")
+        allocations = []
+        for entry, target in plan:
+            before = entry.footprint
+            reg.set_reserved(entry, max(entry.reserved_total, target))
+            allocations.append(KvSlotAllocation(cache_id=entry.cache_id, blocks_before=before,
+                                                blocks_after=entry.footprint, new_blocks=entry.footprint - before))
+        return KvSlotReservation(block_size=1, total_blocks=self.n_ctx, free_blocks_before=free_before,
+                                 free_blocks_after=reg.free_tokens, allocations=allocations)
 
     def truncate_kv(self, cache_id: str, new_len: int) -> tuple[CacheHandle, int]:
         """Drop positions ``new_len..`` from the sequence (``llama_memory_seq_rm``)."""
