@@ -177,11 +177,16 @@ def test_reserve_kv_slots_books_the_budget(ex):
     assert ex.registry.free_tokens == ex.registry.total_tokens - 100
 
 
-def test_sequence_ids_are_recycled(ex):
-    for _ in range(3 * ex.n_seq // 2):
-        c = ex.prefill(PrefillInput(token_ids=[5, 6], policy=NONE)).cache.cache_id
-        ex.release_cache(c)
-    assert ex.live_sequences() == 0
+def test_sequence_ids_are_recycled(small_server):
+    _, small = small_server  # 8 sequence ids: more caches than ids over time, never at once
+    held = [small.prefill(PrefillInput(token_ids=[5, 6], policy=NONE)).cache.cache_id for _ in range(small.n_seq)]
+    with pytest.raises(FerrumError):
+        small.prefill(PrefillInput(token_ids=[5, 6], policy=NONE))
+    for c in held:
+        small.release_cache(c)
+    for _ in range(small.n_seq + 4):
+        small.release_cache(small.prefill(PrefillInput(token_ids=[5, 6], policy=NONE)).cache.cache_id)
+    _assert_no_leak(small)
 
 
 def test_greedy_generate_equals_llama_cpp_high_level_api(ex):

@@ -160,6 +160,14 @@ class LlamaCppExecutor(ModelExecutor):
         self.n_ctx = int(L.llama_n_ctx(self._ctx))
         self.n_batch = int(L.llama_n_batch(self._ctx))
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        # numpy views of the batch's arrays, made once (a view per step costs more than a decode's
+        # own Python work at B=1).
+        b = self._batch
+        self._b_tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
+        self._b_pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._b_nsq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))
+        self._b_out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
+        self._b_nsq[:] = 1
         self._free_seq = list(range(self.n_seq - 1, -1, -1))  # pop() hands out the lowest id first
 
         self.n_layer = int(L.llama_model_n_layer(m))
@@ -523,12 +531,8 @@ class LlamaCppExecutor(ModelExecutor):
     def _decode_batch(self, items: list[_Item], placed: list[tuple[int, int]]) -> list[torch.Tensor | None]:
         L, b = self._L, self._batch
         n = sum(len(it.tokens) for it in items)
-        tok = np.ctypeslib.as_array(b.token, shape=(n,))
-        pos = np.ctypeslib.as_array(b.pos, shape=(n,))
-        nsq = np.ctypeslib.as_array(b.n_seq_id, shape=(n,))
-        out = np.ctypeslib.as_array(b.logits, shape=(n,))
-        nsq[:] = 1
-        out[:] = 0
+        tok, pos, out = self._b_tok, self._b_pos, self._b_out
+        out[:n] = 0
         rows: list[tuple[str, int, int]] = []  # (want, first batch index, count)
         i = 0
         for it, (seq, past) in zip(items, placed):
@@ -556,8 +560,11 @@ class LlamaCppExecutor(ModelExecutor):
             if want == "none":
                 result.append(None)
                 continue
-            idx = range(start, start + k) if want == "all" else [start + k - 1]
-            arr = np.stack([np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, j), shape=(V,)) for j in idx])
-            t = torch.from_numpy(arr)
-            result.append(t if want == "all" else t[0])
+            if want == "last":
+                row = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, start + k - 1), shape=(V,))
+                result.append(torch.from_numpy(row.copy()))
+                continue
+            arr = np.stack([np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, j), shape=(V,))
+                            for j in range(start, start + k)])
+            result.append(torch.from_numpy(arr))
         return result
