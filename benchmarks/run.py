@@ -113,7 +113,7 @@ def main(argv=None) -> int:
 
     # ---- SmolLM2 server subprocess -------------------------------------------------------------
     log("starting SmolLM2 server subprocess")
-    with Server("smollm2", threads=threads, name="server-smollm2") as srv:
+    with Server("smollm2-hf,id=smollm2", threads=threads, name="server-smollm2") as srv:
         tgt = srv.target
         remote.generate_streams(tgt, "smollm2", prompt, 2, 4)  # warm the server's paths
         # Paired rows alternate their two sides run by run (ABAB...), so both see the same machine:
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
 
     # ---- the same model served with lighter weights (row 7 takes the best of all) -----------------
     def dtype_server(wf: str) -> dict:
-        with Server(f"smollm2,dtype={wf}", threads=threads, name=f"server-smollm2-{wf}") as s2:
+        with Server(f"smollm2-hf,id=smollm2,dtype={wf}", threads=threads, name=f"server-smollm2-{wf}") as s2:
             remote.generate_streams(s2.target, "smollm2", prompt, 2, 4)
             return {b: remote.generate_streams(s2.target, "smollm2", prompt, b, gen_tokens) for b in (1, 32)}
 

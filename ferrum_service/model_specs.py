@@ -89,7 +89,8 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         return ConfigurableModelExecutor.with_token_sequence(vocab, [int(t) for t in seq], **kw)
     kind = spec.executor
     if kind == "smollm2":
-        kind = "smollm2-llama" if _prefer_llama_cpp(dev) else "smollm2-hf"
+        # dtype= is a transformers option (llama.cpp runs the file's own quantisation).
+        kind = "smollm2-llama" if "dtype" not in spec.options and _prefer_llama_cpp(dev) else "smollm2-hf"
     if kind in ("llama-cpp", "smollm2-llama"):
         from .executors.llama_cpp import LlamaCppExecutor
 
