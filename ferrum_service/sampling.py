@@ -2,7 +2,11 @@
 
 Runs on the rows' device (sampling on the GPU when the model is there). The common case — every
 row greedy with no penalty or mask — is one batched argmax + log-softmax gather and a single
-device-to-host transfer; other rows are processed one by one with torch ops.
+device-to-host transfer. Every other sampled row goes through :func:`sample_rows`: masks,
+repetition penalties, temperature, top-k, top-p and min-p as batched tensor ops over all such rows
+at once (one vocabulary sort for the whole batch); only the seeded draws themselves stay per row,
+each with its own generator, so seeded results are the same as one row at a time
+(:func:`sample_row`, kept as the reference).
 
 Seeds: a seeded draw for the token at position ``p`` uses a generator seeded with ``seed + p``,
 so the same seed and the same token history give the same token, also when a step is retried.
@@ -97,6 +101,84 @@ def sample_row(row: torch.Tensor, policy: LogitsPolicy, history: list[int], posi
     return token, logprobs
 
 
+def sample_rows(rows: torch.Tensor, policies: list[LogitsPolicy], histories: list[list[int]],
+                positions: list[int]) -> tuple[list[int], torch.Tensor]:
+    """:func:`sample_row` for a ``[B, V]`` block at once; returns (tokens, raw log-probabilities)."""
+    b, v = rows.shape
+    dev = rows.device
+    raw = rows.float()
+    logprobs = torch.log_softmax(raw, dim=-1)
+    x = raw
+    sps = [p.sampling for p in policies]
+    masked = [i for i, sp in enumerate(sps) if sp.token_mask]
+    if masked:
+        allowed = torch.ones((b, v), dtype=torch.bool)
+        for i in masked:
+            m = np.frombuffer(sps[i].token_mask, dtype=np.uint8)[:v]
+            allowed[i] = False
+            allowed[i, : len(m)] = torch.from_numpy(m != 0)
+        x = x.masked_fill(~allowed.to(dev), float("-inf"))
+    r_idx: list[int] = []
+    c_idx: list[int] = []
+    for i, (sp, hist) in enumerate(zip(sps, histories)):
+        if sp.repetition_penalty != 1.0:
+            ids = sorted(set(sp.penalty_token_ids if sp.penalty_token_ids is not None else hist))
+            r_idx += [i] * len(ids)
+            c_idx += ids
+    if r_idx:
+        r = torch.tensor(r_idx, dtype=torch.long, device=dev)
+        c = torch.tensor(c_idx, dtype=torch.long, device=dev)
+        pen = torch.tensor([sps[i].repetition_penalty for i in range(b)], dtype=torch.float32, device=dev)[r]
+        vals = x[r, c]
+        x = x.clone()
+        x[r, c] = torch.where(vals > 0, vals / pen, vals * pen)
+    temps = [sp.temperature for sp in sps]
+    tokens = [0] * b
+    greedy = [i for i in range(b) if temps[i] == 0.0]
+    if greedy:
+        for i, t in zip(greedy, x[greedy].argmax(dim=-1).tolist()):
+            tokens[i] = t
+    hot = [i for i in range(b) if temps[i] != 0.0]
+    if not hot:
+        return tokens, logprobs
+    xs = x[hot] / torch.tensor([temps[i] for i in hot], dtype=torch.float32, device=dev)[:, None]
+    ks = [sps[i].top_k if sps[i].top_k and sps[i].top_k < v else 0 for i in hot]
+    if any(ks):
+        sorted_x = torch.sort(xs, dim=-1, descending=True).values
+        kth = sorted_x.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
+        kth = torch.where(torch.tensor(ks, device=dev)[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+        xs = xs.masked_fill(xs < kth, float("-inf"))
+    probs = torch.softmax(xs, dim=-1)
+    tps = [sps[i].top_p for i in hot]
+    if any(tp < 1.0 for tp in tps):
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        limit = torch.tensor([tp if tp < 1.0 else float("inf") for tp in tps], dtype=torch.float32, device=dev)
+        sorted_p = sorted_p.masked_fill(cum - sorted_p > limit[:, None], 0.0)
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_p)
+    mps = [sps[i].min_p for i in hot]
+    if any(mp > 0.0 for mp in mps):
+        floor = torch.tensor(mps, dtype=torch.float32, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    bad = (~torch.isfinite(probs).all(dim=-1)) | (probs.sum(dim=-1) <= 0)
+    fallback = xs.argmax(dim=-1).tolist()
+    unseeded = []
+    for j, (i, is_bad) in enumerate(zip(hot, bad.tolist())):
+        if is_bad:
+            tokens[i] = fallback[j]
+        elif sps[i].seed is not None:
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed((sps[i].seed + positions[i]) % (1 << 63))
+            tokens[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
+        else:
+            unseeded.append(j)
+    if unseeded:
+        drawn = torch.multinomial(probs[unseeded], 1)[:, 0].tolist()
+        for j, t in zip(unseeded, drawn):
+            tokens[hot[j]] = t
+    return tokens, logprobs
+
+
 def process_rows(
     rows: torch.Tensor | list[torch.Tensor | None],
     policies: list[LogitsPolicy],
@@ -136,6 +218,7 @@ def process_rows(
         for i, t, l in zip(fast, tok.tolist(), lp.tolist()):
             results[i] = RowResult(token_id=t, logprob=l)
 
+    sampled: list[int] = []
     for i, p in enumerate(policies):
         if results[i] is not None:
             continue
@@ -151,13 +234,16 @@ def process_rows(
             logprobs = torch.log_softmax(row.float(), dim=-1)
             results[i] = RowResult(top=_top(logprobs, p.top_logprobs))
             continue
-        token, logprobs = sample_row(row, p, histories[i], positions[i])
-        lp = float(logprobs[token].item())
-        results[i] = RowResult(
-            token_id=token,
-            logprob=lp if math.isfinite(lp) else -1e30,
-            top=_top(logprobs, p.top_logprobs) if p.top_logprobs else [],
-        )
+        sampled.append(i)
+    if sampled:
+        block = torch.stack([row_list[i].reshape(-1) for i in sampled])
+        tokens, logprobs = sample_rows(block, [policies[i] for i in sampled], [histories[i] for i in sampled],
+                                       [positions[i] for i in sampled])
+        lps = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+        for j, (i, token, lp) in enumerate(zip(sampled, tokens, lps)):
+            k = policies[i].top_logprobs
+            results[i] = RowResult(token_id=token, logprob=lp if math.isfinite(lp) else -1e30,
+                                   top=_top(logprobs[j], k) if k else [])
     return results  # type: ignore[return-value]
 
 

@@ -1,0 +1,570 @@
+"""``LlamaCppExecutor``: a GGUF model run by llama.cpp (llama-cpp-python's low-level API).
+
+Spec: ``llama-cpp,id=NAME,path=FILE.gguf[,n_ctx=..][,threads=..][,device=..][,n_seq=..]``.
+
+KV layout
+---------
+One llama.cpp context holds one *unified* KV buffer of ``n_ctx`` cells shared by every sequence
+(``kv_unified``); each live cache owns one llama.cpp sequence id (recycled on release) and its cells
+are found by llama.cpp wherever they are free, so the KV budget is exactly ``n_ctx`` tokens and the
+:class:`~ferrum_service.kv_registry.CacheRegistry` books it: a step that needs more tokens than are
+free is refused with RESOURCE_EXHAUSTED before anything is decoded, and a step that fails inside
+``llama_decode`` is rolled back (``llama_memory_seq_rm`` of the positions it added).
+
+Every batched method is **one** ``llama_decode`` of one ``llama_batch``: prefills of several
+sequences, decode steps, unified items and a verify's N+1 tokens, with logits requested only for
+the positions whose rows are wanted. TruncateKv and ReleaseCache are ``llama_memory_seq_rm``.
+
+Logits rows come back as torch tensors and go through the project's sampler like every executor's.
+Tokenizer and chat template come from the GGUF file (:mod:`.llama_cpp_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from .. import errors
+from ..kv_registry import CacheEntry, CacheRegistry
+from ..types import (
+    AdmissionLimits,
+    CacheHandle,
+    DecodeInput,
+    DecodeOutput,
+    ExecutorCapabilities,
+    KvSlotAllocation,
+    KvSlotCapacitySnapshot,
+    KvSlotRequest,
+    KvSlotReservation,
+    LogitsPolicy,
+    MemoryRequirements,
+    ModelInfo,
+    PrefillInput,
+    PrefillOutput,
+    UnifiedItem,
+    UnifiedResult,
+    VerifyOutput,
+)
+from .base import ModelExecutor
+
+log = structlog.get_logger(__name__)
+
+#: KV cells (tokens over all sequences) when no budget is configured.
+DEFAULT_N_CTX = 8192
+#: Sequence ids (live caches) when none is configured.
+DEFAULT_N_SEQ = 64
+
+_ARCH_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen", "qwen3": "qwen", "phi3": "phi",
+               "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma"}
+
+
+@dataclass
+class _Item:
+    """One sequence's share of a step: tokens to append to ``entry`` (None = a new cache)."""
+
+    entry: CacheEntry | None
+    tokens: list[int]
+    want: str  # "none" | "last" | "all"
+    reserve: int = 0
+
+
+def _lib():
+    import llama_cpp.llama_cpp as L
+
+    return L
+
+
+_backend_ready = False
+
+
+_log_cb = None
+
+
+def _init_backend(L) -> None:
+    """Initialise llama.cpp once; its log goes to structlog, errors only (it logs every tensor)."""
+    global _backend_ready, _log_cb
+    if _backend_ready:
+        return
+
+    def on_log(level: int, text: bytes, _user: object) -> None:
+        if level == 3:  # GGML_LOG_LEVEL_ERROR
+            log.error("llama.cpp", message=text.decode("utf-8", errors="replace").rstrip())
+
+    _log_cb = L.llama_log_callback(on_log)  # kept referenced: llama.cpp holds the pointer
+    L.llama_log_set(_log_cb, None)
+    L.llama_backend_init()
+    _backend_ready = True
+
+
+def _meta(L, model, key: str) -> str:
+    buf = ctypes.create_string_buffer(1024)
+    n = L.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", errors="replace") if n >= 0 else ""
+
+
+class LlamaCppExecutor(ModelExecutor):
+    """A GGUF causal LM served by llama.cpp (see the module docstring)."""
+
+    kind = "llama-cpp"
+
+    def __init__(self, path: str | Path, *, model_id: str | None = None, n_ctx: int | None = None,
+                 threads: int | None = None, device: str = "auto", n_seq: int = DEFAULT_N_SEQ,
+                 n_ubatch: int = 512, flash_attn: bool | None = None) -> None:
+        """Load ``path`` (a .gguf file). ``n_ctx``: KV cells over all sequences (the KV budget in
+        tokens); ``threads``: llama.cpp threads (default: all cores); ``device``: auto | cpu | cuda
+        (auto offloads every layer when the llama.cpp build supports a GPU); ``n_seq``: most live
+        caches (llama.cpp sequence ids); ``flash_attn``: None = llama.cpp's choice (auto)."""
+        super().__init__()
+        L = self._L = _lib()
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise errors.FerrumError(errors.ErrorKind.CONFIG, f"GGUF file {str(path)!r} not found")
+        _init_backend(L)
+        self.model_id = model_id or p.stem
+        self.source = str(p)
+        t0 = time.perf_counter()
+        mp = L.llama_model_default_params()
+        dev = (device or "auto").lower()
+        gpu = dev.startswith("cuda") or (dev == "auto" and bool(L.llama_supports_gpu_offload()))
+        mp.n_gpu_layers = 999 if gpu else 0
+        self.device_name = "cuda" if gpu else "cpu"
+        self._model = L.llama_model_load_from_file(str(p).encode(), mp)
+        if not self._model:
+            raise errors.FerrumError(errors.ErrorKind.CONFIG, f"llama.cpp could not load {str(p)!r}")
+        m = self._model
+        self.n_ctx_train = int(L.llama_model_n_ctx_train(m))
+        self.threads = int(threads or os.cpu_count() or 1)
+        self.n_seq = int(n_seq)
+        cp = L.llama_context_default_params()
+        cp.n_ctx = int(n_ctx or max(DEFAULT_N_CTX, min(self.n_ctx_train, 32768)))
+        cp.n_batch = cp.n_ctx
+        cp.n_ubatch = min(n_ubatch, cp.n_ctx)
+        cp.n_seq_max = self.n_seq
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.kv_unified = True
+        cp.no_perf = True
+        if flash_attn is not None:
+            cp.flash_attn_type = 1 if flash_attn else 0
+        self._ctx = L.llama_init_from_model(m, cp)
+        if not self._ctx:
+            raise errors.FerrumError(errors.ErrorKind.CONFIG, f"llama.cpp could not create a context for {str(p)!r}")
+        self._mem = L.llama_get_memory(self._ctx)
+        self.n_ctx = int(L.llama_n_ctx(self._ctx))
+        self.n_batch = int(L.llama_n_batch(self._ctx))
+        self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        # numpy views of the batch's arrays, made once (a view per step costs more than a decode's
+        # own Python work at B=1).
+        b = self._batch
+        self._b_tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
+        self._b_pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._b_nsq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))
+        self._b_out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
+        self._b_nsq[:] = 1
+        self._free_seq = list(range(self.n_seq - 1, -1, -1))  # pop() hands out the lowest id first
+
+        self.n_layer = int(L.llama_model_n_layer(m))
+        self.n_embd = int(L.llama_model_n_embd(m))
+        self.n_head = int(L.llama_model_n_head(m))
+        self.n_head_kv = int(L.llama_model_n_head_kv(m))
+        self.head_dim = self.n_embd // max(1, self.n_head)
+        from .llama_cpp_tokenizer import GgufTokenizer
+
+        self._tokenizer = GgufTokenizer(m)
+        self.vocab_size = self._tokenizer.vocab_size
+        self.max_sequence_length = min(self.n_ctx, self.n_ctx_train or self.n_ctx)
+        # K and V in f16 (llama.cpp's default cache type) for every layer.
+        bpt = 2 * self.n_layer * self.n_head_kv * self.head_dim * 2
+        self.registry = CacheRegistry(self.model_id, total_tokens=self.n_ctx, block_size=1, bytes_per_token=bpt,
+                                      per_request_tokens=self.n_ctx if self.n_ctx < self.max_sequence_length else None,
+                                      max_active=self.n_seq, id_prefix="llc")
+        self._info = self._build_info()
+        log.info("llama.cpp model ready", model_id=self.model_id, path=str(p), n_ctx=self.n_ctx, n_seq=self.n_seq,
+                 threads=self.threads, device=self.device_name, seconds=round(time.perf_counter() - t0, 2))
+
+    # ---- metadata ------------------------------------------------------------------------------
+    def _eog_ids(self) -> list[int]:
+        L = self._L
+        vocab = L.llama_model_get_vocab(self._model)
+        ids = [t for t in (int(L.llama_vocab_eos(vocab)), int(L.llama_vocab_eot(vocab))) if t >= 0]
+        ids += [t for t in range(self.vocab_size) if L.llama_vocab_is_eog(vocab, t) and t not in ids]
+        return ids
+
+    def _build_info(self) -> ModelInfo:
+        L = self._L
+        arch = _meta(L, self._model, "general.architecture")
+        return ModelInfo(
+            model_id=self.model_id,
+            model_type=_ARCH_TYPES.get(arch, "custom"),
+            model_type_detail=arch,
+            num_parameters=int(L.llama_model_n_params(self._model)),
+            hidden_size=self.n_embd,
+            num_layers=self.n_layer,
+            num_heads=self.n_head,
+            num_kv_heads=self.n_head_kv,
+            vocab_size=self.vocab_size,
+            max_sequence_length=self.max_sequence_length,
+            dtype=_meta(L, self._model, "general.file_type") or "gguf",
+            device=self.device_name,
+            metadata={
+                "architecture": arch,
+                "source": self.source,
+                "kv_layout": "llama.cpp unified",
+                "kv_budget_tokens": self.n_ctx,
+                "kv_bytes_per_token": self.registry.bytes_per_token,
+                "threads": self.threads,
+                "n_seq_max": self.n_seq,
+                "weight_format": "gguf",
+            },
+            head_dim=self.head_dim,
+            executor=self.kind,
+            eos_token_ids=self._eog_ids(),
+            has_tokenizer=True,
+            has_chat_template=bool(self._tokenizer.chat_template),
+        )
+
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def capabilities(self) -> ExecutorCapabilities:
+        heads = self.n_head
+        attn = "multi_query" if self.n_head_kv == 1 < heads else "grouped_query" if self.n_head_kv < heads else "multi_head"
+        return ExecutorCapabilities(
+            max_batch_size=self.n_seq,
+            max_sequence_length=self.max_sequence_length,
+            attention_mechanisms=[attn],
+            supports_dynamic_batching=True,
+            supports_continuous_batching=True,
+            supports_speculative_decoding=True,
+            supported_dtypes=["gguf"],
+            supported_devices=[self.device_name],
+            memory_requirements=MemoryRequirements(
+                parameter_memory_bytes=int(self._L.llama_model_size(self._model)),
+                activation_memory_per_token_bytes=4 * 4 * self.n_embd,
+                kv_cache_memory_per_token_bytes=self.n_head_kv * 2 * self.head_dim * 2,
+                overhead_memory_bytes=self.n_ctx * self.registry.bytes_per_token,
+            ),
+            supports_native_unified_decode=True,
+            supports_generation=True,
+            supports_embeddings=False,
+            supports_forward=True,
+            supports_kv_truncation=True,
+            supports_native_forward_verify=True,
+            kv_block_size=1,
+        )
+
+    def admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(maximum_active_sequences=self.n_seq, maximum_scheduled_tokens=self.n_batch)
+
+    @property
+    def tokenizer(self) -> Any:
+        """llama.cpp's tokenizer of the GGUF file."""
+        return self._tokenizer
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        if not self._tokenizer.chat_template:
+            raise errors.failed_precondition(f"model {self.model_id!r} has no chat template", field="model_id")
+        return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def live_sequences(self) -> int:
+        """Sequence ids in use (for leak checks: equals the live caches)."""
+        return self.n_seq - len(self._free_seq)
+
+    def kv_cells_used(self) -> int:
+        """KV cells llama.cpp holds, summed over sequence ids in use (from llama.cpp itself)."""
+        L = self._L
+        total = 0
+        for s in range(self.n_seq):
+            pmax = int(L.llama_memory_seq_pos_max(self._mem, s))
+            if pmax >= 0:
+                total += pmax - int(L.llama_memory_seq_pos_min(self._mem, s)) + 1
+        return total
+
+    # ---- compute -------------------------------------------------------------------------------
+    def prefill(self, inp: PrefillInput) -> PrefillOutput:
+        return self._prefill_outputs(self._step(self._prefill_items([inp], "input"), "input"))[0]
+
+    def batch_prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
+        """All prompts in one ``llama_decode``; all or nothing."""
+        return self._prefill_outputs(self._step(self._prefill_items(inputs, "inputs"), "inputs"))
+
+    def decode(self, inp: DecodeInput) -> DecodeOutput:
+        return self._decode_outputs(self._step(self._decode_items([inp], "input"), "input"))[0]
+
+    def batch_decode(self, inputs: list[DecodeInput]) -> list[DecodeOutput]:
+        """One token into each cache in one ``llama_decode``; all or nothing."""
+        return self._decode_outputs(self._step(self._decode_items(inputs, "inputs"), "inputs"))
+
+    def mixed_step(self, prefills: list[PrefillInput], decodes: list[DecodeInput]
+                   ) -> tuple[list[PrefillOutput], list[DecodeOutput]]:
+        """New prompts and other sequences' decode steps in one ``llama_decode``."""
+        items = self._prefill_items(prefills, "inputs") + self._decode_items(decodes, "inputs")
+        results = self._step(items, "inputs")
+        n = len(prefills)
+        return self._prefill_outputs(results[:n]), self._decode_outputs(results[n:])
+
+    def unified_decode(self, items: list[UnifiedItem]) -> list[UnifiedResult]:
+        """Prefill chunks and decode steps in one ``llama_decode``; logits only for final items."""
+        work = []
+        for k, it in enumerate(items):
+            entry = self.registry.get(it.cache_id, field=f"items[{k}].cache_id") if it.cache_id else None
+            have = entry.num_tokens if entry else 0
+            if it.pos_offset != have:
+                raise errors.failed_precondition(
+                    f"items[{k}].pos_offset is {it.pos_offset} but the cache holds {have} tokens",
+                    field=f"items[{k}].pos_offset")
+            want = "last" if it.is_final_chunk and it.policy.needs_logits else "none"
+            work.append(_Item(entry, list(it.q_tokens), want))
+        results = self._step(work, "items")
+        return [UnifiedResult(seq_id=it.seq_id, cache=self.handle(e), logits=l if it.is_final_chunk else None)
+                for it, (e, l) in zip(items, results)]
+
+    def forward_verify(self, cache_id: str, token_ids: list[int], policy: LogitsPolicy) -> VerifyOutput:
+        """N+1 tokens of one sequence in one ``llama_decode``; row i follows ``token_ids[i]``."""
+        entry = self.registry.get(cache_id)
+        base = entry.num_tokens
+        ((entry, rows),) = self._step([_Item(entry, list(token_ids), "all")], "token_ids")
+        return VerifyOutput(rows=rows, cache=self.handle(entry), base_len=base)
+
+    def forward(self, input_ids: torch.Tensor, logits_dtype: str = "fp32") -> torch.Tensor:
+        """A stateless forward of ``[batch, seq]`` ids (one ``llama_decode`` over temporary
+        sequences, removed after); logits ``[batch, seq, vocab]``. Needs the KV budget and free
+        sequence ids for the whole batch (RESOURCE_EXHAUSTED otherwise)."""
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        b, n = ids.shape
+        if self.state == "shutdown":
+            raise errors.unavailable(f"model {self.model_id!r} is shut down")
+        if b * n > self.n_batch:
+            raise errors.exhausted(f"input_ids: {b * n} tokens in one step; this executor's limit is {self.n_batch}",
+                                   field="input_ids", limit=self.n_batch)
+        self.registry.check_sequence_length(n, "input_ids", self.max_sequence_length)
+        self.registry.admit(b * n, "input_ids")
+        if b > len(self._free_seq):
+            raise errors.exhausted(f"input_ids: {b} sequences but only {len(self._free_seq)} sequence ids are free",
+                                   field="input_ids")
+        seqs = [self._free_seq.pop() for _ in range(b)]
+        try:
+            rows = self._decode_batch([_Item(None, ids[i].tolist(), "all") for i in range(b)], [(s, 0) for s in seqs])
+        finally:
+            for s in seqs:
+                self._L.llama_memory_seq_rm(self._mem, s, -1, -1)
+                self._free_seq.append(s)
+        dt = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(logits_dtype, torch.float32)
+        return torch.stack(rows).to(dt)
+
+    def kv_slot_capacity(self) -> KvSlotCapacitySnapshot:
+        """KV cells as slots of one token (llama.cpp places tokens cell by cell)."""
+        return KvSlotCapacitySnapshot(block_size=1, total_blocks=self.n_ctx, free_blocks=self.registry.free_tokens)
+
+    def reserve_kv_slots(self, requests: list[KvSlotRequest]) -> KvSlotReservation:
+        """Promise each cache ``max(target_len, admission_target_len)`` tokens of KV, all or nothing
+        (RESOURCE_EXHAUSTED, nothing reserved, when the budget cannot cover them)."""
+        reg = self.registry
+        plan = []
+        need = 0
+        for k, r in enumerate(requests):
+            entry = reg.get(r.cache_id, field=f"requests[{k}].cache_id")
+            target = max(int(r.target_len), int(r.admission_target_len or 0))
+            reg.check_sequence_length(target, f"requests[{k}].target_len", self.max_sequence_length)
+            plan.append((entry, target))
+            need += reg.growth(entry, target)
+        free_before = reg.free_tokens
+        reg.admit(need, "requests")
+        allocations = []
+        for entry, target in plan:
+            before = entry.footprint
+            reg.set_reserved(entry, max(entry.reserved_total, target))
+            allocations.append(KvSlotAllocation(cache_id=entry.cache_id, blocks_before=before,
+                                                blocks_after=entry.footprint, new_blocks=entry.footprint - before))
+        return KvSlotReservation(block_size=1, total_blocks=self.n_ctx, free_blocks_before=free_before,
+                                 free_blocks_after=reg.free_tokens, allocations=allocations)
+
+    def truncate_kv(self, cache_id: str, new_len: int) -> tuple[CacheHandle, int]:
+        """Drop positions ``new_len..`` from the sequence (``llama_memory_seq_rm``)."""
+        entry = self.registry.get(cache_id)
+        if not 0 <= new_len <= entry.num_tokens:
+            raise errors.out_of_range(f"new_len must be in [0, {entry.num_tokens}], not {new_len}", field="new_len",
+                                      num_tokens=entry.num_tokens)
+        if not self._L.llama_memory_seq_rm(self._mem, entry.payload, new_len, -1):
+            raise errors.FerrumError(errors.ErrorKind.BACKEND, f"llama.cpp refused to truncate cache {cache_id!r}")
+        removed = self.registry.truncate(entry, new_len)
+        return self.handle(entry), removed
+
+    def free_payload(self, entry: CacheEntry) -> int:
+        """Free the sequence's KV cells and recycle its sequence id."""
+        seq = entry.payload
+        entry.payload = None
+        if seq is None:
+            return 0
+        self._L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._free_seq.append(seq)
+        return entry.num_tokens * self.registry.bytes_per_token
+
+    def handle(self, entry: CacheEntry) -> CacheHandle:
+        h = self.registry.handle(entry)
+        h.num_layers, h.num_kv_heads, h.head_dim = self.n_layer, self.n_head_kv, self.head_dim
+        return h
+
+    def warmup(self) -> None:
+        """One tiny prefill + decode (allocates llama.cpp's compute buffers)."""
+        if self.registry.free_tokens < 2 or not self._free_seq:
+            return
+        ((entry, _),) = self._step([_Item(None, [0], "last")], "warmup")
+        try:
+            self._step([_Item(entry, [0], "last")], "warmup")
+        finally:
+            self.release_cache(entry.cache_id)
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter teardown order varies
+        try:
+            L = self._L
+            L.llama_batch_free(self._batch)
+            L.llama_free(self._ctx)
+            L.llama_model_free(self._model)
+        except Exception:
+            pass
+
+    # ---- items ---------------------------------------------------------------------------------
+    def _prefill_items(self, inputs: list[PrefillInput], field: str) -> list[_Item]:
+        items = []
+        for inp in inputs:
+            entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id") if inp.cache_id else None
+            want = "none" if not inp.policy.needs_logits else "all" if inp.all_positions else "last"
+            items.append(_Item(entry, list(inp.token_ids), want, reserve=int(inp.reserve_tokens or 0)))
+        return items
+
+    def _decode_items(self, inputs: list[DecodeInput], field: str) -> list[_Item]:
+        items = []
+        for inp in inputs:
+            entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id")
+            if inp.position is not None and inp.position != entry.num_tokens:
+                raise errors.failed_precondition(
+                    f"{field}.position: the cache holds {entry.num_tokens} tokens, so the token is written at "
+                    f"{entry.num_tokens}, not {inp.position}", field=f"{field}.position")
+            items.append(_Item(entry, [int(inp.token_id)], "last" if inp.policy.needs_logits else "none"))
+        return items
+
+    def _prefill_outputs(self, results) -> list[PrefillOutput]:
+        outs = []
+        for entry, logits in results:
+            out = PrefillOutput(cache=self.handle(entry))
+            if logits is not None and logits.dim() == 2:
+                out.all_logits, out.logits = logits, logits[-1]
+            else:
+                out.logits = logits
+            outs.append(out)
+        return outs
+
+    def _decode_outputs(self, results) -> list[DecodeOutput]:
+        return [DecodeOutput(cache=self.handle(e), logits=l) for e, l in results]
+
+    # ---- the one decode ------------------------------------------------------------------------
+    def _step(self, items: list[_Item], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
+        """Admit, run one ``llama_decode`` over all items, commit; undo everything on failure."""
+        if self.state == "shutdown":
+            raise errors.unavailable(f"model {self.model_id!r} is shut down")
+        n_tokens = sum(len(it.tokens) for it in items)
+        if n_tokens > self.n_batch:
+            raise errors.exhausted(f"{field}: {n_tokens} tokens in one step; this executor's limit is {self.n_batch}",
+                                   field=field, limit=self.n_batch)
+        seen: set[str] = set()
+        need_tokens = new_caches = 0
+        for it in items:
+            if not it.tokens:
+                raise errors.invalid(f"{field}: a sequence of the step has no tokens", field=field)
+            if it.entry is None:
+                need_tokens += max(len(it.tokens), it.reserve)
+                new_caches += 1
+                total = len(it.tokens)
+            else:
+                if it.entry.cache_id in seen:
+                    raise errors.invalid(f"{field}: cache {it.entry.cache_id!r} appears twice in one step", field=field)
+                seen.add(it.entry.cache_id)
+                total = it.entry.num_tokens + len(it.tokens)
+                need_tokens += self.registry.growth(it.entry, max(total, it.reserve))
+            self.registry.check_sequence_length(total, field, self.max_sequence_length)
+        self.registry.admit(need_tokens, field, new_caches=new_caches)
+        if new_caches > len(self._free_seq):
+            raise errors.exhausted(f"{field}: {new_caches} new sequences but only {len(self._free_seq)} of "
+                                   f"{self.n_seq} sequence ids are free", field=field)
+
+        t0 = time.perf_counter()
+        created: list[CacheEntry] = []
+        placed: list[tuple[int, int]] = []  # (seq id, first position written) for rollback
+        entries: list[CacheEntry] = []
+        try:
+            for it in items:
+                if it.entry is None:
+                    e = self.registry.create(it.tokens, reserve_tokens=it.reserve, field=field)
+                    created.append(e)
+                    e.payload = self._free_seq.pop()
+                    past = 0
+                else:
+                    e, past = it.entry, it.entry.num_tokens
+                    if it.reserve > e.reserved_total:
+                        self.registry.set_reserved(e, it.reserve)
+                entries.append(e)
+                placed.append((e.payload, past))
+            logits = self._decode_batch(items, placed)
+        except BaseException:
+            for seq, past in placed:
+                self._L.llama_memory_seq_rm(self._mem, seq, past, -1)
+            for e in created:
+                self.release_cache(e.cache_id, reason="released")
+            raise
+        for it, e in zip(items, entries):
+            if it.entry is not None:
+                self.registry.extend(e, it.tokens)
+        kind = "prefill" if any(it.entry is None or len(it.tokens) > 1 for it in items) else "decode"
+        self.stats.record(kind, time.perf_counter() - t0, rows=len(items))
+        return list(zip(entries, logits))
+
+    def _decode_batch(self, items: list[_Item], placed: list[tuple[int, int]]) -> list[torch.Tensor | None]:
+        L, b = self._L, self._batch
+        n = sum(len(it.tokens) for it in items)
+        tok, pos, out = self._b_tok, self._b_pos, self._b_out
+        out[:n] = 0
+        rows: list[tuple[str, int, int]] = []  # (want, first batch index, count)
+        i = 0
+        for it, (seq, past) in zip(items, placed):
+            k = len(it.tokens)
+            tok[i:i + k] = it.tokens
+            pos[i:i + k] = np.arange(past, past + k)
+            sid = b.seq_id
+            for j in range(i, i + k):
+                sid[j][0] = seq
+            if it.want == "all":
+                out[i:i + k] = 1
+            elif it.want == "last":
+                out[i + k - 1] = 1
+            rows.append((it.want, i, k))
+            i += k
+        b.n_tokens = n
+        rc = L.llama_decode(self._ctx, b)
+        if rc == 1:
+            raise errors.exhausted("llama.cpp found no free KV cells for the step", needed=n)
+        if rc != 0:
+            raise errors.FerrumError(errors.ErrorKind.BACKEND, f"llama_decode failed with code {rc}")
+        V = self.vocab_size
+        result: list[torch.Tensor | None] = []
+        for want, start, k in rows:
+            if want == "none":
+                result.append(None)
+                continue
+            if want == "last":
+                row = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, start + k - 1), shape=(V,))
+                result.append(torch.from_numpy(row.copy()))
+                continue
+            arr = np.stack([np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, j), shape=(V,))
+                            for j in range(start, start + k)])
+            result.append(torch.from_numpy(arr))
+        return result
