@@ -68,6 +68,8 @@ struct Shared {
     /// cache wait for them, so "release, then decode" is ordered.
     pending_releases: Mutex<HashMap<String, watch::Receiver<bool>>>,
     release_failures: AtomicU64,
+    /// `unified_decode` calls answered `Unsupported` locally (no RPC sent).
+    local_unsupported: AtomicU64,
 }
 
 /// ferrum's `ModelExecutor` served by a remote `ferrum.executor.v1.ModelExecutor`.
@@ -221,6 +223,7 @@ impl RemoteModelExecutor {
                 aliases: Mutex::new(HashMap::new()),
                 pending_releases: Mutex::new(HashMap::new()),
                 release_failures: AtomicU64::new(0),
+                local_unsupported: AtomicU64::new(0),
             }),
             client,
             opts,
@@ -242,6 +245,12 @@ impl RemoteModelExecutor {
     /// Releases spawned by `release_cache` that failed (other than "already gone").
     pub fn release_failures(&self) -> u64 {
         self.shared.release_failures.load(Ordering::Relaxed)
+    }
+
+    /// `unified_decode` calls answered `Unsupported` locally, from the capabilities read at
+    /// connect, without an RPC.
+    pub fn local_unsupported_unified(&self) -> u64 {
+        self.shared.local_unsupported.load(Ordering::Relaxed)
     }
 
     /// Re-read status and the paged-KV snapshot now (the sync getters serve these).
@@ -499,7 +508,16 @@ impl ModelExecutor for RemoteModelExecutor {
     /// configurable one) → `Unsupported`, which ferrum's engine treats as "use the split path".
     /// Items whose handle the server does not know are new sequences; their server cache id is
     /// remembered under the item's `seq_id` (and handle id) for later items and `release_cache`.
+    ///
+    /// When the capabilities read at connect say the executor has no native unified decode, the
+    /// answer is `Unsupported` at once, without an RPC (ferrum's engine tries this every step).
     async fn unified_decode(&self, batch: &UnifiedBatch) -> Result<Vec<Option<Vec<f32>>>> {
+        if !self.remote_caps.supports_native_unified_decode {
+            self.shared.local_unsupported.fetch_add(1, Ordering::Relaxed);
+            return Err(FerrumError::unsupported(
+                "unified_decode: the remote executor has no native unified decode (capabilities at connect)",
+            ));
+        }
         if batch.items.is_empty() {
             return Ok(Vec::new());
         }
