@@ -86,7 +86,7 @@
 //! | `forward()` | `Forward` | f32 ids → INT32 on the wire |
 //! | `forward_verify()` | `ForwardVerify` (no server-side acceptance) | all inputs on one cache: one call, N+1 rows, handle i at `base_len + i + 1`; mixed caches: serial decodes (the trait default) |
 //! | `truncate_kv()` | `TruncateKv` | a real rollback (ferrum's default is a no-op) |
-//! | `release_cache()` | `ReleaseCache` | sync and infallible in the trait: spawned on the runtime the executor was connected on; later calls on that cache wait for it; `flush_releases()` / `release_cache_async()` |
+//! | `release_cache()` | `ReleaseCache` | sync and infallible in the trait: queued to the executor's release thread (its own runtime and channel, so a caller's runtime shutting down loses nothing; queued releases are sent together; dropping the executor sends what is queued; `shutdown()` waits for them). Built with `with_client` (no endpoint): spawned on the runtime the executor was connected on; later calls on that cache wait for it; `flush_releases()` / `release_cache_async()` |
 //! | `cache_metrics_snapshot()` / `lora_metrics_snapshot()` | `CacheMetrics` / `LoraMetrics` | blocking call as for `reserve_kv_slots`; None on failure |
 //! | `warmup()` / `shutdown()` | `Warmup` / `Shutdown` | admin RPCs |
 //! | `recurrent_state_spec()`, plan-runtime hooks, `complete_cache()` | — | trait defaults (`Ok(None)`, `Unsupported`, release); the contract has no recurrent state or plan runtime |
@@ -137,6 +137,7 @@ pub mod tensor;
 pub mod testing;
 
 /// Code generated from `protos/ferrum/executor/v1/*.proto` by `build.rs` (client stubs only).
+mod release_queue;
 pub mod proto {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("ferrum.executor.v1");
