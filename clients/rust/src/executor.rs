@@ -24,6 +24,7 @@ use crate::convert;
 use crate::error::status_to_ferrum;
 use crate::kv::{as_remote, RemoteKvCacheHandle};
 use crate::proto;
+use crate::release_queue::{OnDone, ReleaseQueue};
 use crate::tensor::{f32_to_token_id, tensor_token_ids, HostTensor};
 
 /// Options of a [`RemoteModelExecutor`].
@@ -68,6 +69,8 @@ struct Shared {
     /// cache wait for them, so "release, then decode" is ordered.
     pending_releases: Mutex<HashMap<String, watch::Receiver<bool>>>,
     release_failures: AtomicU64,
+    /// `unified_decode` calls answered `Unsupported` locally (no RPC sent).
+    local_unsupported: AtomicU64,
 }
 
 /// ferrum's `ModelExecutor` served by a remote `ferrum.executor.v1.ModelExecutor`.
@@ -83,6 +86,8 @@ pub struct RemoteModelExecutor {
     device: Device,
     runtime: Handle,
     shared: Arc<Shared>,
+    /// The release queue's own thread (set by `connect`); None = releases spawned on `runtime`.
+    releases: Option<ReleaseQueue>,
 }
 
 impl std::fmt::Debug for RemoteModelExecutor {
@@ -153,7 +158,21 @@ impl RemoteModelExecutor {
         let client = Client::connect(endpoint.clone())
             .await
             .map_err(|e| FerrumError::network(format!("connect {endpoint}: {e}")))?;
-        Self::with_client(client, opts).await
+        let mut exec = Self::with_client(client, opts).await?;
+        let shared = exec.shared.clone();
+        let on_done: OnDone = Arc::new(move |id: &str, ok: bool| {
+            if !ok {
+                shared.release_failures.fetch_add(1, Ordering::Relaxed);
+            }
+            let mut p = shared.pending_releases.lock().unwrap();
+            if p.get(id).is_some_and(|rx| *rx.borrow()) {
+                p.remove(id);
+            }
+        });
+        let queue = ReleaseQueue::start(endpoint, exec.client.model_id().to_string(), exec.opts.timeout, on_done)
+            .map_err(|e| FerrumError::internal(format!("release queue thread: {e}")))?;
+        exec.releases = Some(queue);
+        Ok(exec)
     }
 
     /// Over an existing [`Client`] (its model id is replaced by `opts.model_id`).
@@ -221,9 +240,11 @@ impl RemoteModelExecutor {
                 aliases: Mutex::new(HashMap::new()),
                 pending_releases: Mutex::new(HashMap::new()),
                 release_failures: AtomicU64::new(0),
+                local_unsupported: AtomicU64::new(0),
             }),
             client,
             opts,
+            releases: None,
         })
     }
 
@@ -242,6 +263,19 @@ impl RemoteModelExecutor {
     /// Releases spawned by `release_cache` that failed (other than "already gone").
     pub fn release_failures(&self) -> u64 {
         self.shared.release_failures.load(Ordering::Relaxed)
+    }
+
+    /// `unified_decode` calls answered `Unsupported` locally, from the capabilities read at
+    /// connect, without an RPC.
+    pub fn local_unsupported_unified(&self) -> u64 {
+        self.shared.local_unsupported.load(Ordering::Relaxed)
+    }
+
+    /// `ReleaseCache` RPCs sent by the release queue, and the largest group sent at once.
+    pub fn release_queue_stats(&self) -> (u64, u64) {
+        self.releases.as_ref().map_or((0, 0), |q| {
+            (q.stats.sent.load(Ordering::Relaxed), q.stats.largest_group.load(Ordering::Relaxed))
+        })
     }
 
     /// Re-read status and the paged-KV snapshot now (the sync getters serve these).
@@ -499,7 +533,16 @@ impl ModelExecutor for RemoteModelExecutor {
     /// configurable one) → `Unsupported`, which ferrum's engine treats as "use the split path".
     /// Items whose handle the server does not know are new sequences; their server cache id is
     /// remembered under the item's `seq_id` (and handle id) for later items and `release_cache`.
+    ///
+    /// When the capabilities read at connect say the executor has no native unified decode, the
+    /// answer is `Unsupported` at once, without an RPC (ferrum's engine tries this every step).
     async fn unified_decode(&self, batch: &UnifiedBatch) -> Result<Vec<Option<Vec<f32>>>> {
+        if !self.remote_caps.supports_native_unified_decode {
+            self.shared.local_unsupported.fetch_add(1, Ordering::Relaxed);
+            return Err(FerrumError::unsupported(
+                "unified_decode: the remote executor has no native unified decode (capabilities at connect)",
+            ));
+        }
         if batch.items.is_empty() {
             return Ok(Vec::new());
         }
@@ -658,6 +701,7 @@ impl ModelExecutor for RemoteModelExecutor {
 
     /// `Shutdown`: the remote executor frees its caches and refuses further work.
     async fn shutdown(&mut self) -> Result<()> {
+        self.flush_releases().await;
         self.client.shutdown().await.map_err(st)?;
         Ok(())
     }
@@ -673,6 +717,14 @@ impl ModelExecutor for RemoteModelExecutor {
         }
         let (tx, rx) = watch::channel(false);
         self.shared.pending_releases.lock().unwrap().insert(id.clone(), rx);
+        if let Some(q) = &self.releases {
+            if q.release(id.clone(), tx) {
+                return;
+            }
+            self.shared.release_failures.fetch_add(1, Ordering::Relaxed);
+            self.shared.pending_releases.lock().unwrap().remove(&id);
+            return;
+        }
         let client = self.client.clone();
         let shared = self.shared.clone();
         self.runtime.spawn(async move {

@@ -82,11 +82,11 @@
 //! | `batch_prefill()` | `BatchPrefill` | one call, all or nothing |
 //! | `decode()` | `Decode` | `FullLogits` → FULL_LOGITS, `[1, vocab]`; `GreedyArgmax{token_mask, repetition_penalty}` → SAMPLED_TOKEN with temperature 0, the mask and the penalty, returned as ferrum's 1-element greedy sentinel `[1, 1]`; metadata `ferrum_require_full_logits` forces full rows |
 //! | `batch_decode()` | `BatchDecode` | one output per input, in order, same cache ids |
-//! | `unified_decode()` | `UnifiedDecode` | UNIMPLEMENTED → `Unsupported` (the engine falls back); new sequences' server ids are remembered under the item's `seq_id` |
+//! | `unified_decode()` | `UnifiedDecode` | `Unsupported` answered locally when `Capabilities.supports_native_unified_decode` (read at connect) is false, so ferrum's engine's per-step try costs no RPC; UNIMPLEMENTED → `Unsupported` (the engine falls back); new sequences' server ids are remembered under the item's `seq_id` |
 //! | `forward()` | `Forward` | f32 ids → INT32 on the wire |
 //! | `forward_verify()` | `ForwardVerify` (no server-side acceptance) | all inputs on one cache: one call, N+1 rows, handle i at `base_len + i + 1`; mixed caches: serial decodes (the trait default) |
 //! | `truncate_kv()` | `TruncateKv` | a real rollback (ferrum's default is a no-op) |
-//! | `release_cache()` | `ReleaseCache` | sync and infallible in the trait: spawned on the runtime the executor was connected on; later calls on that cache wait for it; `flush_releases()` / `release_cache_async()` |
+//! | `release_cache()` | `ReleaseCache` | sync and infallible in the trait: queued to the executor's release thread (its own runtime and channel, so a caller's runtime shutting down loses nothing; queued releases are sent together; dropping the executor sends what is queued; `shutdown()` waits for them). Built with `with_client` (no endpoint): spawned on the runtime the executor was connected on; later calls on that cache wait for it; `flush_releases()` / `release_cache_async()` |
 //! | `cache_metrics_snapshot()` / `lora_metrics_snapshot()` | `CacheMetrics` / `LoraMetrics` | blocking call as for `reserve_kv_slots`; None on failure |
 //! | `warmup()` / `shutdown()` | `Warmup` / `Shutdown` | admin RPCs |
 //! | `recurrent_state_spec()`, plan-runtime hooks, `complete_cache()` | — | trait defaults (`Ok(None)`, `Unsupported`, release); the contract has no recurrent state or plan runtime |
@@ -137,6 +137,7 @@ pub mod tensor;
 pub mod testing;
 
 /// Code generated from `protos/ferrum/executor/v1/*.proto` by `build.rs` (client stubs only).
+mod release_queue;
 pub mod proto {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("ferrum.executor.v1");

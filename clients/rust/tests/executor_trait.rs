@@ -326,3 +326,39 @@ async fn tiny_llama_trait_greedy_equals_server_generate() {
         }
     }
 }
+
+/// Issue 15 (3): against an executor without native unified decode, `unified_decode` answers
+/// `Unsupported` from the capabilities read at connect, without a round trip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsupported_unified_decode_is_answered_locally() {
+    let server = ServerProcess::start_mock().await.expect("start the server");
+    let exec = RemoteModelExecutor::connect(
+        server.endpoint.clone(),
+        RemoteExecutorOptions { model_id: "mock".into(), ..Default::default() },
+    )
+    .await
+    .expect("connect");
+    assert!(!exec.remote_capabilities().supports_native_unified_decode);
+    let out = exec.prefill(&PrefillInput::new(HostTensor::token_ids_ref(&[1]))).await.unwrap();
+    let mut batch = UnifiedBatch::new();
+    batch.items.push(UnifiedBatchItem {
+        seq_id: out.kv_cache.cache_id(),
+        q_tokens: vec![10],
+        kv_cache: out.kv_cache.clone(),
+        recurrent_state: None,
+        pos_offset: 1,
+        is_final_chunk: true,
+        metadata: Default::default(),
+        logits_policy: greedy(),
+    });
+    for _ in 0..3 {
+        assert!(matches!(exec.unified_decode(&batch).await, Err(FerrumError::Unsupported { .. })));
+    }
+    assert_eq!(exec.local_unsupported_unified(), 3);
+    // The server, asked directly, agrees: UNIMPLEMENTED for this executor.
+    let c = exec.client().clone();
+    let err = c.unified_decode(Vec::new()).await.err();
+    assert!(err.is_none() || err.unwrap().code() == tonic::Code::Unimplemented);
+    exec.release_cache(&out.kv_cache.cache_id());
+    exec.flush_releases().await;
+}
