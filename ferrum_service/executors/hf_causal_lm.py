@@ -99,7 +99,8 @@ from ..types import (
 )
 from .base import ModelExecutor
 from .checkpoint_files import require_safe_weights
-from .paged_kv import BlockPool, PagedBatchCache, PagedSeq
+from .packed_attention import base_implementation, build_step, install, packed_step
+from .paged_kv import BlockPool, PagedSeq, PagedWriteCache
 from .torch_device import DTYPES, device_name, dtype_name, resolve_device, resolve_dtype
 
 log = structlog.get_logger(__name__)
@@ -172,6 +173,8 @@ class HfCausalLmExecutor(ModelExecutor):
         """
         super().__init__()
         self.model = model.eval()
+        # Packed steps need the paged attention function; plain calls still use this one.
+        self.base_attn_implementation = install(model)
         self.weight_format = weight_format
         self._num_parameters = num_parameters
         self._tokenizer = tokenizer
@@ -419,7 +422,8 @@ class HfCausalLmExecutor(ModelExecutor):
             metadata={
                 "architecture": (getattr(cfg, "architectures", None) or [type(self.model).__name__])[0],
                 "source": self.source,
-                "attn_implementation": getattr(cfg, "_attn_implementation", ""),
+                "attn_implementation": base_implementation(self.model),
+                "batched_attention": "packed-paged",
                 "kv_layout": "paged",
                 "kv_block_size": self.block_size,
                 "kv_budget_tokens": self.registry.total_tokens,
@@ -786,71 +790,84 @@ class HfCausalLmExecutor(ModelExecutor):
 
     def _forward_rows(self, rows: list[_Row]) -> list[torch.Tensor | None]:
         """One model call over ``rows`` (each: its blocks, past length, new tokens, wanted logits)."""
-        bs, dev = self.block_size, self.device
-        b = len(rows)
-        q = max(len(r.tokens) for r in rows)
-        need = [self.pool.blocks_for(r.past + len(r.tokens)) for r in rows]
-        nb = max(need)
-        ids: list[int] = []
-        pos: list[int] = []
-        table: list[int] = []
-        slots: list[int] = []
-        valid: list[int] = []
-        padded = False
-        for i, r in enumerate(rows):
-            n = len(r.tokens)
-            ids += r.tokens
-            pos += range(r.past, r.past + n)
-            if n < q:
-                padded = True
-                # Pad queries repeat the last real position: finite, harmless, and never written.
-                ids += [self._pad_id] * (q - n)
-                pos += [r.past + n - 1] * (q - n)
-            table += r.blocks[: need[i]] + [0] * (nb - need[i])
-            slots += [r.blocks[p // bs] * bs + p % bs for p in range(r.past, r.past + n)]
-            valid += range(i * q, i * q + n)
+        q = len(rows[0].tokens)
+        if all(r.past == 0 and len(r.tokens) == q for r in rows):
+            return self._forward_fresh(rows)
+        return self._forward_packed(rows)
 
-        ids_t = torch.tensor(ids, dtype=torch.long, device=dev).view(b, q)
-        pos_t = torch.tensor(pos, dtype=torch.long, device=dev).view(b, q)
-        # Fresh, equal-length prompts need no gather and no explicit mask (plain causal attention).
-        fresh = not padded and all(r.past == 0 for r in rows)
-        mask: torch.Tensor | None = None
-        if fresh:
-            kv_len = q
-        else:
-            kv_len = nb * bs
-            allowed = torch.arange(kv_len, device=dev).view(1, 1, 1, kv_len) <= pos_t.view(b, 1, q, 1)
-            mask = torch.zeros((b, 1, q, kv_len), dtype=self.dtype, device=dev)
-            mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        cache = PagedBatchCache(
-            self.pool,
-            slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            valid=torch.tensor(valid, dtype=torch.long, device=dev) if padded else None,
-            table=torch.tensor(table, dtype=torch.long, device=dev).view(b, nb),
-            kv_length=kv_len,
-            passthrough=fresh,
-        )
+    def _slots(self, r: _Row) -> list[int]:
+        bs = self.block_size
+        return [r.blocks[p // bs] * bs + p % bs for p in range(r.past, r.past + len(r.tokens))]
 
+    def _forward_fresh(self, rows: list[_Row]) -> list[torch.Tensor | None]:
+        """Fresh prompts of one length as a ``[B, Q]`` batch: plain causal attention over their own
+        new K/V (the model's own implementation; nothing is read from the pool), K/V written."""
+        dev, b, q = self.device, len(rows), len(rows[0].tokens)
+        ids = torch.tensor([r.tokens for r in rows], dtype=torch.long, device=dev)
+        slots = torch.tensor([s for r in rows for s in self._slots(r)], dtype=torch.long, device=dev)
+        cache = PagedWriteCache(self.pool, slots=slots, kv_length=q)
         wants = {r.want for r in rows}
         if wants == {"none"}:
             keep: int | torch.Tensor = torch.zeros((b, 0), dtype=torch.long, device=dev)  # lm_head skipped
         elif "all" in wants:
             keep = 0
         else:
-            keep = torch.tensor([[len(r.tokens) - 1] for r in rows], dtype=torch.long, device=dev)
-        out = self.model(
-            input_ids=ids_t, attention_mask=mask, position_ids=pos_t, cache=cache, use_cache=True, logits_to_keep=keep
-        )
-        logits = out.logits
-        result: list[torch.Tensor | None] = []
+            keep = 1
+        pos = torch.arange(q, device=dev).expand(b, q)
+        logits = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=keep).logits
+        out: list[torch.Tensor | None] = []
         for i, r in enumerate(rows):
             if r.want == "none":
-                result.append(None)
+                out.append(None)
             elif r.want == "all":
-                result.append(logits[i, : len(r.tokens)].float())
+                out.append(logits[i].float())
             else:
-                result.append(logits[i, len(r.tokens) - 1 if isinstance(keep, int) else 0].float())
-        return result
+                out.append(logits[i, -1].float())
+        return out
+
+    def _forward_packed(self, rows: list[_Row]) -> list[torch.Tensor | None]:
+        """All rows' new tokens concatenated into one ``[1, T]`` sequence (no padding), per-token
+        positions, and attention that keeps each row to its own context (:mod:`.packed_attention`)."""
+        dev = self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        keep: list[int] = []
+        spans: list[tuple[int, int]] = []  # per row: where its logits start in the kept rows, how many
+        start = 0
+        for r in rows:
+            n = len(r.tokens)
+            ids += r.tokens
+            pos += range(r.past, r.past + n)
+            slots += self._slots(r)
+            if r.want == "all":
+                spans.append((len(keep), n))
+                keep += range(start, start + n)
+            elif r.want == "last":
+                spans.append((len(keep), 1))
+                keep.append(start + n - 1)
+            else:
+                spans.append((len(keep), 0))
+            start += n
+        step = build_step(self.pool, [(r.blocks, r.past, len(r.tokens)) for r in rows], dev)
+        cache = PagedWriteCache(self.pool, slots=torch.tensor(slots, dtype=torch.long, device=dev), kv_length=start)
+        with packed_step(step):
+            logits = self.model(
+                input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+                position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
+            ).logits[0]
+        out: list[torch.Tensor | None] = []
+        for r, (k0, k) in zip(rows, spans):
+            if r.want == "none":
+                out.append(None)
+            elif r.want == "all":
+                out.append(logits[k0 : k0 + k].float())
+            else:
+                out.append(logits[k0].float())
+        return out
 
 
 def _checkpoint_dtype(path: Path) -> torch.dtype | None:
