@@ -11,30 +11,42 @@ ferrum's ``ModelExecutor`` methods with per-sequence KV caches that the executor
 KV layout, and why
 ------------------
 A paged block pool (:mod:`.paged_kv`): per layer one K and one V tensor
-``[num_blocks + 1, block_size, kv_heads, head_dim]`` sized to the configured KV budget, a block
-table (list of block ids) per cache in the registry payload, and a per-forward
-``transformers.Cache`` subclass whose ``update()`` scatters the new tokens' K/V into their slots
-and returns the batch's K/V gathered through the padded block tables. Per-row lengths and
-causality go in an explicit 4-D additive mask (transformers 5.24 passes a 4-D mask through
-unchanged, ``masking_utils._preprocess_mask_arguments``), per-row RoPE positions in
-``position_ids``. Rows of a batch are right-padded to the longest query; pad tokens write nothing.
+``[num_blocks + 1, block_size, kv_heads, head_dim]`` sized to the configured KV budget, and a block
+table (list of block ids) per cache in the registry payload. No per-sequence tensor is ever
+allocated or grown (``DynamicCache.update`` ``torch.cat``-s the whole cache on every step); no
+caches are left-padded and merged into a batch cache; truncation and release are metadata
+operations (blocks go back to the free list).
 
-What is copied per step, per layer:
+What one step reads and writes
+------------------------------
+A step is one forward over rows (each: a cache, its ``past`` tokens, ``n`` new tokens).
 
-* written: only the new tokens' K and V (``index_copy_`` into their slots);
-* read: one gather of the batch's blocks into a transient ``[B, kv_heads, max_blocks*block_size,
-  head_dim]`` tensor that SDPA consumes and that is freed right after the layer. It is the same
-  amount of data attention reads anyway (rounded up to the longest row), so it costs a constant
-  factor of the attention's own memory traffic.
+* **Packed step** (any mix: decodes, prompt chunks continuing a cache, verify rows, new prompts of
+  different lengths). The rows' new tokens are concatenated into one ``[1, T]`` input, ``T`` =
+  the step's real tokens (no padding), with per-token RoPE positions. Per layer:
 
-What is *not* done: no per-sequence tensor is re-allocated or grown (``DynamicCache.update``
-``torch.cat``-s the whole cache on every step, a full copy per token even at B=1); no caches are
-left-padded and concatenated into a batch cache and split back after the step (the
-"merge caches" recipe copies every cache twice per step and re-pads when lengths change); truncation
-and release are metadata operations (blocks go back to the free list; truncation keeps the blocks
-still needed). Pure PyTorch has no paged-attention kernel that reads blocks in place, hence the one
-gather; a CUDA paged kernel (flash-attn ``block_table``) would remove it and could slot in behind
-the same ``update()``.
+  - written: the ``T`` new tokens' K and V, into their slots (``index_copy_``,
+    :class:`~.paged_kv.PagedWriteCache`);
+  - read: each row's own ``past + n`` tokens of K/V from the pool, in place (a strided view of
+    its blocks when they form one contiguous run of ids, as a prompt's do; otherwise its own
+    blocks are copied once per layer into a buffer of exactly those blocks). A fresh row reads
+    nothing from the pool (its new K/V are its whole context). Nothing is padded to the longest
+    row, no ``[B, Q, KV]`` mask is built, grouped K/V heads are not expanded
+    (:mod:`.packed_attention`: per-row SDPA, one-token rows fold the query heads of a K/V head
+    into the query length, longer rows use ``enable_gqa``).
+
+  Compute is the step's ``T`` tokens through the MLPs and projections, plus each row's own
+  ``n x (past + n)`` attention: a prompt joining decodes costs its own length.
+* **Fast path** (every row a fresh prompt of the same length, e.g. a single prefill): a
+  ``[B, Q]`` batch through the model's own attention (``sdpa``: the plain causal kernel); writes
+  the new K/V to the pool and reads nothing from it.
+
+The attention function is registered in transformers' attention interface, and the model's
+``config._attn_implementation`` points at it; outside the executor's packed steps it delegates to
+the model's original implementation, so the model stays a plain transformers model (a plain
+``model(...)`` or ``generate()`` behaves as before). On CUDA the same step layout (row starts =
+``cu_seqlens``, block tables, context lengths, slots) is what paged varlen kernels take
+(flash-attn ``block_table``, FlashInfer / vLLM paged attention); see :mod:`.packed_attention`.
 
 Memory: the pool holds exactly ``2 · layers · kv_heads · head_dim · dtype_bytes`` per token slot
 (K and V, nothing else), plus one zero null block; a cache holds ``ceil(max(tokens, reserved) /
@@ -43,11 +55,8 @@ block_size)`` blocks, so the waste is below one block per cache. On CPU the pool
 address space, not RAM; on CUDA the budget is committed up front (as vLLM does). Reservations
 (``reserve_tokens``) take their blocks at prefill time, so a reserved sequence can never run out.
 
-Fast path: when every row is a fresh prompt of the same length (a single prefill, or an
-equal-length batch), the new K/V are the rows' whole K/V, so they are written to the pool and
-handed to attention directly, with no gather and no explicit mask (SDPA's plain causal kernel).
-
-Measured (SmolLM2-135M fp32, 2 CPU cores, ``python -m ferrum_service.testing.bench_causal_lm``):
+Measured with the earlier padded-gather steps (SmolLM2-135M fp32, 2 CPU cores,
+``python -m ferrum_service.testing.bench_causal_lm``; packed-step figures: ``benchmarks/``):
 45 KiB of KV per token (2 · 30 · 3 · 64 · 4 = 46 080 B, exactly the theoretical figure; 720 KiB per
 16-token block); decode 13-14 tok/s at B=1 (the model alone with a ``DynamicCache`` step: ~9 tok/s)
 and 67-73 tok/s at B=8 (prompts of 16..128 tokens, one forward per step); a 128-token prefill
