@@ -72,13 +72,28 @@ def test_model_keeps_its_own_attention_outside_packed_steps(ex):
 def test_build_step_reads_contiguous_rows_in_place_and_gathers_only_scattered_ones(ex):
     contiguous = ex.prefill(PrefillInput(token_ids=_prompt(3, 40), policy=NONE)).cache.cache_id
     scattered = _scattered(ex, _prompt(4, 40), 100)
-    rows = [(ex.registry.get(c).payload.blocks, 40, 1) for c in (contiguous, scattered)] + [([], 0, 7)]
+    blocks = {c: ex.registry.get(c).payload.blocks for c in (contiguous, scattered)}
+    # Two-token rows (verify-like) are attended row by row.
+    rows = [(blocks[c], 40, 2) for c in (contiguous, scattered)] + [([], 0, 7)]
     step = build_step(ex.pool, rows, ex.device)
-    assert step.rows[0].run_start == ex.registry.get(contiguous).payload.blocks[0]
+    assert step.rows[0].run_start == blocks[contiguous][0]
     assert step.rows[1].run_start is None
     # Exactly the scattered row's own 3 blocks are gathered: no padding, no other row.
-    assert step.gather_index.tolist() == ex.registry.get(scattered).payload.blocks[:3]
-    assert [(r.start, r.n) for r in step.rows] == [(0, 1), (1, 1), (2, 7)]
+    assert step.gather_index.tolist() == blocks[scattered][:3]
+    assert [(r.start, r.n) for r in step.rows] == [(0, 2), (2, 2), (4, 7)]
+    assert step.rows[0].mask.shape == (2, 42) and step.group_index is None
+    # One-token rows of similar lengths share one call over exactly their blocks (padded to the
+    # group's longest with the null block 0); a much longer row keeps them apart.
+    short = ex.prefill(PrefillInput(token_ids=_prompt(5, 20), policy=NONE)).cache.cache_id
+    step = build_step(ex.pool, [(blocks[contiguous], 40, 1), (blocks[scattered], 40, 1),
+                                (ex.registry.get(short).payload.blocks, 20, 1)], ex.device)
+    assert step.group_index.tolist() == blocks[contiguous][:3] + blocks[scattered][:3] + ex.registry.get(
+        short).payload.blocks[:2] + [0]
+    assert step.group_mask.sum(-1).flatten().tolist() == [41, 41, 21] and step.gather_index is None
+    long = ex.prefill(PrefillInput(token_ids=_prompt(6, 200), policy=NONE)).cache.cache_id
+    step = build_step(ex.pool, [(blocks[contiguous], 40, 1), (ex.registry.get(long).payload.blocks, 200, 1)],
+                      ex.device)
+    assert step.group_index is None  # too unequal: row by row
 
 
 def test_mixed_step_rows_equal_each_row_alone(ex):

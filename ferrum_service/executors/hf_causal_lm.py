@@ -777,7 +777,7 @@ class HfCausalLmExecutor(ModelExecutor):
                     blocks = e.payload.blocks
                     grown.append((e, len(blocks), e.reserved_total))
                     target = max(past + len(it.tokens), it.reserve)
-                    blocks.extend(pool.allocate(pool.blocks_for(target) - len(blocks)))
+                    blocks.extend(pool.allocate(pool.blocks_for(target) - len(blocks), blocks[-1] if blocks else None))
                     self.registry.set_reserved(e, max(e.reserved_total, it.reserve))
                 entries.append(e)
                 rows.append(_Row(e.payload.blocks, past, it.tokens, it.want))

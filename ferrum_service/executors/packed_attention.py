@@ -67,6 +67,7 @@ class PackedRow:
     run_start: int | None = None
     gather_offset: int = 0
     mask: torch.Tensor | None = None
+    grouped: bool = False
 
     @property
     def length(self) -> int:
@@ -80,6 +81,16 @@ class PackedStep:
     pool: Any  # paged_kv.BlockPool
     rows: list[PackedRow]
     gather_index: torch.Tensor | None  # block ids of the rows read through the gather buffer
+    # One-token rows of similar lengths, attended in one batched call (see build_step):
+    group_pos: torch.Tensor | None = None  # their token positions in the packed input
+    group_index: torch.Tensor | None = None  # [rows * max_blocks] their blocks, padded with the null block
+    group_mask: torch.Tensor | None = None  # [rows, 1, 1, max_blocks * block_size] True = a real token
+
+
+#: One-token rows are attended in one batched call over a copy of exactly their blocks (padded to
+#: the group's longest by at most this fraction of waste) instead of one call per row; on a CPU
+#: with few K/V heads one call per row leaves cores idle and pays a parallel region per row.
+GROUP_MAX_PADDING = 0.25
 
 
 def build_step(pool: Any, rows: list[tuple[list[int], int, int]], device: torch.device) -> PackedStep:
@@ -104,8 +115,29 @@ def build_step(pool: Any, rows: list[tuple[list[int], int, int]], device: torch.
                 r.mask = j <= i + past
         out.append(r)
         start += n
-    idx = torch.tensor(gather, dtype=torch.long, device=device) if gather else None
-    return PackedStep(pool=pool, rows=out, gather_index=idx)
+    step = PackedStep(pool=pool, rows=out, gather_index=None)
+    ones = [k for k, r in enumerate(out) if r.n == 1 and r.past > 0]
+    if len(ones) > 1:
+        nbmax = max(out[k].num_blocks for k in ones)
+        real = sum(out[k].num_blocks for k in ones)
+        if real >= (1 - GROUP_MAX_PADDING) * len(ones) * nbmax:
+            table: list[int] = []
+            for k in ones:
+                r = out[k]
+                table += rows[k][0][: r.num_blocks] + [0] * (nbmax - r.num_blocks)
+                r.grouped = True
+            lengths = torch.tensor([out[k].length for k in ones], device=device).view(-1, 1, 1, 1)
+            step.group_pos = torch.tensor([out[k].start for k in ones], dtype=torch.long, device=device)
+            step.group_index = torch.tensor(table, dtype=torch.long, device=device)
+            step.group_mask = torch.arange(nbmax * bs, device=device).view(1, 1, 1, -1) < lengths
+            gather = [b for k, r in enumerate(out) if not r.grouped and r.run_start is None and r.past > 0
+                      for b in rows[k][0][: r.num_blocks]]
+            offset = 0
+            for r in out:
+                if not r.grouped and r.run_start is None and r.past > 0:
+                    r.gather_offset, offset = offset, offset + r.num_blocks
+    step.gather_index = torch.tensor(gather, dtype=torch.long, device=device) if gather else None
+    return step
 
 
 @contextlib.contextmanager
@@ -188,7 +220,16 @@ def _packed_attention(step: PackedStep, layer: int, q, k, v, scaling):
     if step.gather_index is not None:
         gk, gv = pk.index_select(0, step.gather_index), pv.index_select(0, step.gather_index)
     out = q.new_empty((t, hq, dv))
+    if step.group_index is not None:
+        m = step.group_mask.shape[0]
+        kg = pk.index_select(0, step.group_index).view(m, -1, hkv, d).transpose(1, 2)
+        vg = pv.index_select(0, step.group_index).view(m, -1, hkv, dv).transpose(1, 2)
+        qg = q[0].index_select(1, step.group_pos).transpose(0, 1).reshape(m, hkv, g, d)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=step.group_mask, scale=scaling)
+        out.index_copy_(0, step.group_pos, og.reshape(m, hq, dv))
     for r in step.rows:
+        if r.grouped:
+            continue
         s, n = r.start, r.n
         if r.past == 0:
             o = F.scaled_dot_product_attention(

@@ -99,18 +99,40 @@ class BlockPool:
         return math.ceil(tokens / self.block_size) if tokens > 0 else 0
 
     # ---- allocation ----------------------------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
-        """``n`` zeroed blocks. The caller checked :attr:`free_blocks` (admission) first."""
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """``n`` zeroed blocks. The caller checked :attr:`free_blocks` (admission) first.
+
+        Contiguous ids are preferred (a row whose blocks are one run of ids is read in place by
+        attention): the run right after block ``after`` (a growing cache's last block) if free,
+        else the lowest free run of ``n`` ids, else the lowest free ids."""
         if n <= 0:
             return []
         if n > len(self._free):
             raise RuntimeError(f"KV pool: {n} blocks asked, {len(self._free)} free (admission should have refused)")
-        ids = [self._free.pop() for _ in range(n)]
+        ids = self._contiguous(n, after)
+        if ids:
+            free = set(ids)
+            self._free = [b for b in self._free if b not in free]
+        else:
+            ids = [self._free.pop() for _ in range(n)]
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
         for t in (*self.k, *self.v):
             t.index_fill_(0, idx, 0)
         self.peak_used = max(self.peak_used, self.used_blocks)
         return ids
+
+    def _contiguous(self, n: int, after: int | None) -> list[int] | None:
+        free = set(self._free)
+        if after is not None and all(after + 1 + i in free for i in range(n)):
+            return list(range(after + 1, after + 1 + n))
+        if n == 1:
+            return None
+        run: list[int] = []
+        for b in sorted(free):
+            run = run + [b] if run and b == run[-1] + 1 else [b]
+            if len(run) == n:
+                return run
+        return None
 
     def free(self, ids: list[int]) -> None:
         self._free.extend(reversed(ids))
