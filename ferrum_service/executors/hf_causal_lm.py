@@ -29,9 +29,10 @@ A step is one forward over rows (each: a cache, its ``past`` tokens, ``n`` new t
     :class:`~.paged_kv.PagedWriteCache`);
   - read: each row's own ``past + n`` tokens of K/V from the pool, in place (a strided view of
     its blocks when they form one contiguous run of ids, as a prompt's do; otherwise its own
-    blocks are copied once per layer into a buffer of exactly those blocks). A fresh row reads
+    blocks are copied once per layer into a buffer of exactly those blocks; decodes of similar
+    lengths, within 25 % padding, share one batched call over a copy of their own blocks). A fresh row reads
     nothing from the pool (its new K/V are its whole context). Nothing is padded to the longest
-    row, no ``[B, Q, KV]`` mask is built, grouped K/V heads are not expanded
+    row of the step, no ``[B, Q, KV]`` mask is built, grouped K/V heads are not expanded
     (:mod:`.packed_attention`: per-row SDPA, one-token rows fold the query heads of a K/V head
     into the query length, longer rows use ``enable_gqa``).
 

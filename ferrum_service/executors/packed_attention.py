@@ -16,7 +16,11 @@ registers one under :data:`ATTN_NAME` in transformers' attention and mask interf
       fresh row (no past):  SDPA(q_r, k_new_r, v_new_r, causal)              reads only the new K/V
       row with a past:      SDPA(q_r, K_pool[blocks_r][:L_r], V_pool[...])   reads only its own blocks
 
-  where a row whose blocks are one contiguous run of block ids is read **in place** (a strided
+  except that one-token rows (decodes) of similar lengths (padding waste at most
+  :data:`GROUP_MAX_PADDING`) are attended in one batched call over a copy of exactly their blocks,
+  padded to the group's longest with the null block and masked by length: on a CPU with few K/V
+  heads one call per row leaves cores idle and pays a parallel region per row, which costs more
+  than the copy. A row whose blocks are one contiguous run of block ids is read **in place** (a strided
   view of the pool, no copy) and any other row's blocks are gathered once per layer into a buffer
   holding exactly the real blocks of those rows (no padding to the longest row). Grouped K/V heads
   are never expanded: a one-token row folds its ``G`` query heads per K/V head into the query
