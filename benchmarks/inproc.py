@@ -219,3 +219,85 @@ def variants(ex32, prompt: list[int], text_ids: list[int], steps: int, repeats: 
         except Exception as e:  # noqa: BLE001
             rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"})
     return rows
+
+
+@torch.inference_mode()
+def decode_vs_context(ex, b: int = 8, contexts: tuple[int, int] = (32, 1536), steps: int = 8, repeats: int = 3) -> dict:
+    """BatchDecode step time of ``b`` sequences at each context length (issue 21): every context's
+    caches are prefilled once, then ``steps`` greedy ``batch_decode`` steps run at each context in
+    turn (ABAB..., ``repeats`` times) and the caches are truncated back after each run, so every run
+    sees the same context. Returns p50 step ms per context and their ratio (long ÷ short)."""
+    from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
+
+    vocab = ex.info().vocab_size
+    none = LogitsPolicy(mode=OutputMode.NONE)
+    caches = {}
+    for ctx in contexts:
+        prompts = [[100 + (7 * i + 13 * j) % (vocab - 100) for j in range(ctx)] for i in range(b)]
+        per = max(1, ex.max_batch_tokens // ctx)  # rows per prefill forward, within the step limit
+        caches[ctx] = [o.cache.cache_id for k in range(0, b, per)
+                       for o in ex.batch_prefill([PrefillInput(token_ids=p, policy=none) for p in prompts[k:k + per]])]
+    times: dict[int, list[float]] = {ctx: [] for ctx in contexts}
+    for r in range(repeats + 1):  # r = 0: untimed warm-up
+        for ctx in contexts:
+            ids = caches[ctx]
+            tok = [101] * b
+            for _ in range(steps):
+                t = time.perf_counter()
+                dec = ex.batch_decode([DecodeInput(cache_id=c, token_id=x) for c, x in zip(ids, tok)])
+                if r:
+                    times[ctx].append(1e3 * (time.perf_counter() - t))
+                tok = [int(d.logits.argmax()) for d in dec]
+            for c in ids:
+                ex.truncate_kv(c, ctx)
+    for ids in caches.values():
+        for c in ids:
+            ex.release_cache(c)
+    p50 = {ctx: median(v) for ctx, v in times.items()}
+    short, long = contexts
+    return {"b": b, "steps": steps, "step_ms": {str(k): v for k, v in p50.items()},
+            "ratio": p50[long] / p50[short], "runs_ms": {str(k): v for k, v in times.items()}}
+
+
+@torch.inference_mode()
+def prompt_joins_decodes(ex, prompt_len: int = 800, decodes: int = 31, context: int = 128, repeats: int = 3) -> dict:
+    """One ``prompt_len``-token prompt joining ``decodes`` running decodes (``context`` tokens each)
+    in one ``mixed_step``, against the decodes alone (``batch_decode``) plus the prompt alone
+    (``prefill``), each side timed in turn (ABC ABC ...). Ratio = joint ÷ (decodes + prompt)."""
+    from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
+
+    vocab = ex.info().vocab_size
+    none = LogitsPolicy(mode=OutputMode.NONE)
+    seqs = [[100 + (11 * i + 5 * j) % (vocab - 100) for j in range(context)] for i in range(decodes)]
+    ids = [o.cache.cache_id for o in ex.batch_prefill([PrefillInput(token_ids=s, policy=none) for s in seqs])]
+    prompt = [100 + (3 * j) % (vocab - 100) for j in range(prompt_len)]
+    joint, dec_alone, pre_alone = [], [], []
+
+    def decs():
+        return [DecodeInput(cache_id=c, token_id=101) for c in ids]
+
+    for r in range(repeats + 1):  # r = 0: untimed warm-up
+        t = time.perf_counter()
+        p_out, _ = ex.mixed_step([PrefillInput(token_ids=prompt)], decs())
+        t1 = time.perf_counter()
+        ex.release_cache(p_out[0].cache.cache_id)
+        for c in ids:
+            ex.truncate_kv(c, context)
+        t2 = time.perf_counter()
+        ex.batch_decode(decs())
+        t3 = time.perf_counter()
+        for c in ids:
+            ex.truncate_kv(c, context)
+        t4 = time.perf_counter()
+        out = ex.prefill(PrefillInput(token_ids=prompt))
+        t5 = time.perf_counter()
+        ex.release_cache(out.cache.cache_id)
+        if r:
+            joint.append(1e3 * (t1 - t))
+            dec_alone.append(1e3 * (t3 - t2))
+            pre_alone.append(1e3 * (t5 - t4))
+    for c in ids:
+        ex.release_cache(c)
+    j, d, p = median(joint), median(dec_alone), median(pre_alone)
+    return {"prompt_len": prompt_len, "decodes": decodes, "context": context, "joint_ms": j, "decodes_ms": d,
+            "prompt_ms": p, "ratio": j / (d + p), "runs": {"joint": joint, "decodes": dec_alone, "prompt": pre_alone}}

@@ -110,6 +110,9 @@ def main(argv=None) -> int:
     res["weight_bytes"] = inproc.weight_bytes(ex.model)
     section("inproc_b1", lambda: inproc.executor_decode(ex, [prompt], steps, repeats))
     section("inproc_b16", lambda: inproc.executor_decode(ex, inproc.mixed_prompts(vocab, 16), steps, repeats))
+    # issue 21: a step costs its real tokens (packed steps over the paged pool)
+    section("decode_vs_context", lambda: inproc.decode_vs_context(ex, steps=4 if a.quick else 8, repeats=repeats))
+    section("prompt_joins", lambda: inproc.prompt_joins_decodes(ex, repeats=repeats))
 
     # ---- SmolLM2 server subprocess -------------------------------------------------------------
     log("starting SmolLM2 server subprocess")
@@ -198,6 +201,23 @@ def main(argv=None) -> int:
                         note=f"row {len(rows)+1}: stub executor (vocab 32000; greedy sampling and logprob on the server), "
                              f"{s['n']} steps after 100 untimed, one stream; unary Decode from the same client: "
                              f"p50 {s['unary_p50_ms']:.3f} / p99 {s['unary_p99_ms']:.3f} ms"))
+    dc = R.get("decode_vs_context")
+    if dc:
+        short, long = sorted(dc["step_ms"], key=int)
+        rows.append(row(f"BatchDecode B={dc['b']} step time at {int(long):,} tokens of context ÷ at {short}",
+                        f"{dc['step_ms'][long]:.1f} ms", f"{dc['step_ms'][short]:.1f} ms", dc["ratio"], "≤ 1.6", 1.6,
+                        lower_is_better=True,
+                        note=f"row {len(rows)+1}: executor in-process, {dc['b']} caches per context prefilled once, "
+                             f"{dc['steps']} greedy batch_decode steps per run, contexts alternated run by run and "
+                             f"truncated back after each; p50 step time (issue 21)"))
+    pj = R.get("prompt_joins")
+    if pj:
+        rows.append(row(f"one {pj['prompt_len']}-token prompt + {pj['decodes']} decodes in one step ÷ (decodes alone + prompt alone)",
+                        f"{pj['joint_ms']:.0f} ms", f"{pj['decodes_ms']:.0f} + {pj['prompt_ms']:.0f} ms", pj["ratio"],
+                        "≤ 1.2", 1.2, lower_is_better=True,
+                        note=f"row {len(rows)+1}: executor in-process; mixed_step([prompt], {pj['decodes']} decodes of "
+                             f"{pj['context']}-token caches) vs batch_decode of the decodes + prefill of the prompt, "
+                             f"the three timed in turn; p50 (issue 21)"))
     gb = {b: R.get(f"gen_b{b}") for b in (1, 8, 16, 32)}
     if gb[1] and gb[16]:
         rows.append(row("aggregate decode tok/s, 16 Generate streams ÷ 1", f"{gb[16]['steady_tok_s']:.1f} tok/s",

@@ -11,30 +11,43 @@ ferrum's ``ModelExecutor`` methods with per-sequence KV caches that the executor
 KV layout, and why
 ------------------
 A paged block pool (:mod:`.paged_kv`): per layer one K and one V tensor
-``[num_blocks + 1, block_size, kv_heads, head_dim]`` sized to the configured KV budget, a block
-table (list of block ids) per cache in the registry payload, and a per-forward
-``transformers.Cache`` subclass whose ``update()`` scatters the new tokens' K/V into their slots
-and returns the batch's K/V gathered through the padded block tables. Per-row lengths and
-causality go in an explicit 4-D additive mask (transformers 5.24 passes a 4-D mask through
-unchanged, ``masking_utils._preprocess_mask_arguments``), per-row RoPE positions in
-``position_ids``. Rows of a batch are right-padded to the longest query; pad tokens write nothing.
+``[num_blocks + 1, block_size, kv_heads, head_dim]`` sized to the configured KV budget, and a block
+table (list of block ids) per cache in the registry payload. No per-sequence tensor is ever
+allocated or grown (``DynamicCache.update`` ``torch.cat``-s the whole cache on every step); no
+caches are left-padded and merged into a batch cache; truncation and release are metadata
+operations (blocks go back to the free list).
 
-What is copied per step, per layer:
+What one step reads and writes
+------------------------------
+A step is one forward over rows (each: a cache, its ``past`` tokens, ``n`` new tokens).
 
-* written: only the new tokens' K and V (``index_copy_`` into their slots);
-* read: one gather of the batch's blocks into a transient ``[B, kv_heads, max_blocks*block_size,
-  head_dim]`` tensor that SDPA consumes and that is freed right after the layer. It is the same
-  amount of data attention reads anyway (rounded up to the longest row), so it costs a constant
-  factor of the attention's own memory traffic.
+* **Packed step** (any mix: decodes, prompt chunks continuing a cache, verify rows, new prompts of
+  different lengths). The rows' new tokens are concatenated into one ``[1, T]`` input, ``T`` =
+  the step's real tokens (no padding), with per-token RoPE positions. Per layer:
 
-What is *not* done: no per-sequence tensor is re-allocated or grown (``DynamicCache.update``
-``torch.cat``-s the whole cache on every step, a full copy per token even at B=1); no caches are
-left-padded and concatenated into a batch cache and split back after the step (the
-"merge caches" recipe copies every cache twice per step and re-pads when lengths change); truncation
-and release are metadata operations (blocks go back to the free list; truncation keeps the blocks
-still needed). Pure PyTorch has no paged-attention kernel that reads blocks in place, hence the one
-gather; a CUDA paged kernel (flash-attn ``block_table``) would remove it and could slot in behind
-the same ``update()``.
+  - written: the ``T`` new tokens' K and V, into their slots (``index_copy_``,
+    :class:`~.paged_kv.PagedWriteCache`);
+  - read: each row's own ``past + n`` tokens of K/V from the pool, in place (a strided view of
+    its blocks when they form one contiguous run of ids, as a prompt's do; otherwise its own
+    blocks are copied once per layer into a buffer of exactly those blocks; decodes of similar
+    lengths, within 25 % padding, share one batched call over a copy of their own blocks). A fresh row reads
+    nothing from the pool (its new K/V are its whole context). Nothing is padded to the longest
+    row of the step, no ``[B, Q, KV]`` mask is built, grouped K/V heads are not expanded
+    (:mod:`.packed_attention`: per-row SDPA, one-token rows fold the query heads of a K/V head
+    into the query length, longer rows use ``enable_gqa``).
+
+  Compute is the step's ``T`` tokens through the MLPs and projections, plus each row's own
+  ``n x (past + n)`` attention: a prompt joining decodes costs its own length.
+* **Fast path** (every row a fresh prompt of the same length, e.g. a single prefill): a
+  ``[B, Q]`` batch through the model's own attention (``sdpa``: the plain causal kernel); writes
+  the new K/V to the pool and reads nothing from it.
+
+The attention function is registered in transformers' attention interface, and the model's
+``config._attn_implementation`` points at it; outside the executor's packed steps it delegates to
+the model's original implementation, so the model stays a plain transformers model (a plain
+``model(...)`` or ``generate()`` behaves as before). On CUDA the same step layout (row starts =
+``cu_seqlens``, block tables, context lengths, slots) is what paged varlen kernels take
+(flash-attn ``block_table``, FlashInfer / vLLM paged attention); see :mod:`.packed_attention`.
 
 Memory: the pool holds exactly ``2 · layers · kv_heads · head_dim · dtype_bytes`` per token slot
 (K and V, nothing else), plus one zero null block; a cache holds ``ceil(max(tokens, reserved) /
@@ -43,11 +56,8 @@ block_size)`` blocks, so the waste is below one block per cache. On CPU the pool
 address space, not RAM; on CUDA the budget is committed up front (as vLLM does). Reservations
 (``reserve_tokens``) take their blocks at prefill time, so a reserved sequence can never run out.
 
-Fast path: when every row is a fresh prompt of the same length (a single prefill, or an
-equal-length batch), the new K/V are the rows' whole K/V, so they are written to the pool and
-handed to attention directly, with no gather and no explicit mask (SDPA's plain causal kernel).
-
-Measured (SmolLM2-135M fp32, 2 CPU cores, ``python -m ferrum_service.testing.bench_causal_lm``):
+Measured with the earlier padded-gather steps (SmolLM2-135M fp32, 2 CPU cores,
+``python -m ferrum_service.testing.bench_causal_lm``; packed-step figures: ``benchmarks/``):
 45 KiB of KV per token (2 · 30 · 3 · 64 · 4 = 46 080 B, exactly the theoretical figure; 720 KiB per
 16-token block); decode 13-14 tok/s at B=1 (the model alone with a ``DynamicCache`` step: ~9 tok/s)
 and 67-73 tok/s at B=8 (prompts of 16..128 tokens, one forward per step); a 128-token prefill
@@ -100,7 +110,8 @@ from ..types import (
 )
 from .base import ModelExecutor
 from .checkpoint_files import require_safe_weights
-from .paged_kv import BlockPool, PagedBatchCache, PagedSeq
+from .packed_attention import base_implementation, build_step, install, packed_step
+from .paged_kv import BlockPool, PagedSeq, PagedWriteCache
 from .torch_device import DTYPES, device_name, dtype_name, resolve_device, resolve_dtype
 
 log = structlog.get_logger(__name__)
@@ -173,6 +184,8 @@ class HfCausalLmExecutor(ModelExecutor):
         """
         super().__init__()
         self.model = model.eval()
+        # Packed steps need the paged attention function; plain calls still use this one.
+        self.base_attn_implementation = install(model)
         self.weight_format = weight_format
         self._num_parameters = num_parameters
         self._tokenizer = tokenizer
@@ -420,7 +433,8 @@ class HfCausalLmExecutor(ModelExecutor):
             metadata={
                 "architecture": (getattr(cfg, "architectures", None) or [type(self.model).__name__])[0],
                 "source": self.source,
-                "attn_implementation": getattr(cfg, "_attn_implementation", ""),
+                "attn_implementation": base_implementation(self.model),
+                "batched_attention": "packed-paged",
                 "kv_layout": "paged",
                 "kv_block_size": self.block_size,
                 "kv_budget_tokens": self.registry.total_tokens,
@@ -784,7 +798,7 @@ class HfCausalLmExecutor(ModelExecutor):
                     blocks = e.payload.blocks
                     grown.append((e, len(blocks), e.reserved_total))
                     target = max(past + len(it.tokens), it.reserve)
-                    blocks.extend(pool.allocate(pool.blocks_for(target) - len(blocks)))
+                    blocks.extend(pool.allocate(pool.blocks_for(target) - len(blocks), blocks[-1] if blocks else None))
                     self.registry.set_reserved(e, max(e.reserved_total, it.reserve))
                 entries.append(e)
                 rows.append(_Row(e.payload.blocks, past, it.tokens, it.want))
@@ -806,71 +820,84 @@ class HfCausalLmExecutor(ModelExecutor):
 
     def _forward_rows(self, rows: list[_Row]) -> list[torch.Tensor | None]:
         """One model call over ``rows`` (each: its blocks, past length, new tokens, wanted logits)."""
-        bs, dev = self.block_size, self.device
-        b = len(rows)
-        q = max(len(r.tokens) for r in rows)
-        need = [self.pool.blocks_for(r.past + len(r.tokens)) for r in rows]
-        nb = max(need)
-        ids: list[int] = []
-        pos: list[int] = []
-        table: list[int] = []
-        slots: list[int] = []
-        valid: list[int] = []
-        padded = False
-        for i, r in enumerate(rows):
-            n = len(r.tokens)
-            ids += r.tokens
-            pos += range(r.past, r.past + n)
-            if n < q:
-                padded = True
-                # Pad queries repeat the last real position: finite, harmless, and never written.
-                ids += [self._pad_id] * (q - n)
-                pos += [r.past + n - 1] * (q - n)
-            table += r.blocks[: need[i]] + [0] * (nb - need[i])
-            slots += [r.blocks[p // bs] * bs + p % bs for p in range(r.past, r.past + n)]
-            valid += range(i * q, i * q + n)
+        q = len(rows[0].tokens)
+        if all(r.past == 0 and len(r.tokens) == q for r in rows):
+            return self._forward_fresh(rows)
+        return self._forward_packed(rows)
 
-        ids_t = torch.tensor(ids, dtype=torch.long, device=dev).view(b, q)
-        pos_t = torch.tensor(pos, dtype=torch.long, device=dev).view(b, q)
-        # Fresh, equal-length prompts need no gather and no explicit mask (plain causal attention).
-        fresh = not padded and all(r.past == 0 for r in rows)
-        mask: torch.Tensor | None = None
-        if fresh:
-            kv_len = q
-        else:
-            kv_len = nb * bs
-            allowed = torch.arange(kv_len, device=dev).view(1, 1, 1, kv_len) <= pos_t.view(b, 1, q, 1)
-            mask = torch.zeros((b, 1, q, kv_len), dtype=self.dtype, device=dev)
-            mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        cache = PagedBatchCache(
-            self.pool,
-            slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            valid=torch.tensor(valid, dtype=torch.long, device=dev) if padded else None,
-            table=torch.tensor(table, dtype=torch.long, device=dev).view(b, nb),
-            kv_length=kv_len,
-            passthrough=fresh,
-        )
+    def _slots(self, r: _Row) -> list[int]:
+        bs = self.block_size
+        return [r.blocks[p // bs] * bs + p % bs for p in range(r.past, r.past + len(r.tokens))]
 
+    def _forward_fresh(self, rows: list[_Row]) -> list[torch.Tensor | None]:
+        """Fresh prompts of one length as a ``[B, Q]`` batch: plain causal attention over their own
+        new K/V (the model's own implementation; nothing is read from the pool), K/V written."""
+        dev, b, q = self.device, len(rows), len(rows[0].tokens)
+        ids = torch.tensor([r.tokens for r in rows], dtype=torch.long, device=dev)
+        slots = torch.tensor([s for r in rows for s in self._slots(r)], dtype=torch.long, device=dev)
+        cache = PagedWriteCache(self.pool, slots=slots, kv_length=q)
         wants = {r.want for r in rows}
         if wants == {"none"}:
             keep: int | torch.Tensor = torch.zeros((b, 0), dtype=torch.long, device=dev)  # lm_head skipped
         elif "all" in wants:
             keep = 0
         else:
-            keep = torch.tensor([[len(r.tokens) - 1] for r in rows], dtype=torch.long, device=dev)
-        out = self.model(
-            input_ids=ids_t, attention_mask=mask, position_ids=pos_t, cache=cache, use_cache=True, logits_to_keep=keep
-        )
-        logits = out.logits
-        result: list[torch.Tensor | None] = []
+            keep = 1
+        pos = torch.arange(q, device=dev).expand(b, q)
+        logits = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=keep).logits
+        out: list[torch.Tensor | None] = []
         for i, r in enumerate(rows):
             if r.want == "none":
-                result.append(None)
+                out.append(None)
             elif r.want == "all":
-                result.append(logits[i, : len(r.tokens)].float())
+                out.append(logits[i].float())
             else:
-                result.append(logits[i, len(r.tokens) - 1 if isinstance(keep, int) else 0].float())
-        return result
+                out.append(logits[i, -1].float())
+        return out
+
+    def _forward_packed(self, rows: list[_Row]) -> list[torch.Tensor | None]:
+        """All rows' new tokens concatenated into one ``[1, T]`` sequence (no padding), per-token
+        positions, and attention that keeps each row to its own context (:mod:`.packed_attention`)."""
+        dev = self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        keep: list[int] = []
+        spans: list[tuple[int, int]] = []  # per row: where its logits start in the kept rows, how many
+        start = 0
+        for r in rows:
+            n = len(r.tokens)
+            ids += r.tokens
+            pos += range(r.past, r.past + n)
+            slots += self._slots(r)
+            if r.want == "all":
+                spans.append((len(keep), n))
+                keep += range(start, start + n)
+            elif r.want == "last":
+                spans.append((len(keep), 1))
+                keep.append(start + n - 1)
+            else:
+                spans.append((len(keep), 0))
+            start += n
+        step = build_step(self.pool, [(r.blocks, r.past, len(r.tokens)) for r in rows], dev)
+        cache = PagedWriteCache(self.pool, slots=torch.tensor(slots, dtype=torch.long, device=dev), kv_length=start)
+        with packed_step(step):
+            logits = self.model(
+                input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+                position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
+            ).logits[0]
+        out: list[torch.Tensor | None] = []
+        for r, (k0, k) in zip(rows, spans):
+            if r.want == "none":
+                out.append(None)
+            elif r.want == "all":
+                out.append(logits[k0 : k0 + k].float())
+            else:
+                out.append(logits[k0].float())
+        return out
 
 
 def _checkpoint_dtype(path: Path) -> torch.dtype | None:

@@ -4,18 +4,13 @@ Layout. Per layer, one K tensor and one V tensor of shape
 ``[num_blocks + 1, block_size, kv_heads, head_dim]``, allocated once for the executor's whole KV
 budget. A sequence owns a list of block ids (its block table); token ``p`` of a sequence lives in
 slot ``p % block_size`` of block ``table[p // block_size]``. Block 0 is the *null block*: always
-zero, never handed out, used to pad the block tables of shorter rows in a batch.
+zero and never handed out.
 
-One forward over a batch. :class:`PagedBatchCache` is built per forward from the rows' block
-tables. transformers calls ``cache.update(k, v, layer_idx)`` in every attention layer with the
-new tokens' K/V; the view
-
-1. scatters the new tokens' K/V into their slots (``index_copy_``: only the new tokens are written),
-2. gathers the batch's blocks (``index_select`` over the padded block table) and returns them as
-   ``[B, kv_heads, max_blocks * block_size, head_dim]`` (a free view of the gathered tensor),
-
-and the executor passes an explicit 4-D additive mask ``[B, 1, Q, max_blocks * block_size]`` that
-encodes every row's own length and causality (transformers returns a 4-D mask as is).
+One forward. :class:`PagedWriteCache` is built per forward from the new tokens' slots.
+transformers calls ``cache.update(k, v, layer_idx)`` in every attention layer with the new
+tokens' K/V; the cache scatters them into their slots (``index_copy_``: only the new tokens are
+written) and hands them back unchanged. Reading the past is attention's job
+(:mod:`.packed_attention`), which reads each row's own blocks in place.
 
 See the module docstring of ``hf_causal_lm`` for why this layout was chosen and what it costs.
 """
@@ -104,68 +99,70 @@ class BlockPool:
         return math.ceil(tokens / self.block_size) if tokens > 0 else 0
 
     # ---- allocation ----------------------------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
-        """``n`` zeroed blocks. The caller checked :attr:`free_blocks` (admission) first."""
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """``n`` zeroed blocks. The caller checked :attr:`free_blocks` (admission) first.
+
+        Contiguous ids are preferred (a row whose blocks are one run of ids is read in place by
+        attention): the run right after block ``after`` (a growing cache's last block) if free,
+        else the lowest free run of ``n`` ids, else the lowest free ids."""
         if n <= 0:
             return []
         if n > len(self._free):
             raise RuntimeError(f"KV pool: {n} blocks asked, {len(self._free)} free (admission should have refused)")
-        ids = [self._free.pop() for _ in range(n)]
+        ids = self._contiguous(n, after)
+        if ids:
+            free = set(ids)
+            self._free = [b for b in self._free if b not in free]
+        else:
+            ids = [self._free.pop() for _ in range(n)]
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
         for t in (*self.k, *self.v):
             t.index_fill_(0, idx, 0)
         self.peak_used = max(self.peak_used, self.used_blocks)
         return ids
 
+    def _contiguous(self, n: int, after: int | None) -> list[int] | None:
+        free = set(self._free)
+        if after is not None and all(after + 1 + i in free for i in range(n)):
+            return list(range(after + 1, after + 1 + n))
+        if n == 1:
+            return None
+        run: list[int] = []
+        for b in sorted(free):
+            run = run + [b] if run and b == run[-1] + 1 else [b]
+            if len(run) == n:
+                return run
+        return None
+
     def free(self, ids: list[int]) -> None:
         self._free.extend(reversed(ids))
 
 
-class PagedBatchCache(Cache):
-    """A one-forward view of a :class:`BlockPool` for a batch of rows (see the module docstring).
+class PagedWriteCache(Cache):
+    """A one-forward ``transformers.Cache`` over a :class:`BlockPool` that only writes.
 
-    ``slots``: pool slot (``block * block_size + offset``) of every real new token, in row-major
-    order of the padded ``[B, Q]`` input; ``valid``: those tokens' flat indices in ``[B * Q]``
-    (None when no row is padded); ``table``: ``[B, max_blocks]`` block ids padded with 0.
+    ``update(k, v, layer)`` (called by every attention layer with the new tokens' K/V, shape
+    ``[B, kv_heads, Q, D]``) copies them into their pool slots (``slots``: ``block * block_size +
+    offset`` of every new token, row-major over ``[B, Q]``) and returns them unchanged. Attention
+    then either uses them directly (a fresh prompt has no past) or reads each row's past from the
+    pool itself (:mod:`.packed_attention`); nothing is gathered here.
     """
 
-    def __init__(
-        self,
-        pool: BlockPool,
-        *,
-        slots: torch.Tensor,
-        valid: torch.Tensor | None,
-        table: torch.Tensor,
-        kv_length: int,
-        passthrough: bool = False,
-    ) -> None:
+    def __init__(self, pool: BlockPool, *, slots: torch.Tensor, kv_length: int) -> None:
         super().__init__(layers=[])
-        self.passthrough = passthrough
         self.pool = pool
         self.slots = slots
-        self.valid = valid
-        self.table_flat = table.reshape(-1)
-        self.batch = table.shape[0]
-        self.kv_length = kv_length  # max_blocks * block_size
+        self.kv_length = kv_length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write the new K/V ``[B, kv_heads, Q, D]`` into the pool; return the batch's K/V."""
-        return self._update_one(self.pool.k[layer_idx], key_states), self._update_one(
-            self.pool.v[layer_idx], value_states
-        )
+        """Write the new K/V into the pool; return them as they are."""
+        for pool, new in ((self.pool.k[layer_idx], key_states), (self.pool.v[layer_idx], value_states)):
+            b, h, q, d = new.shape
+            pool.view(-1, h, d).index_copy_(0, self.slots, new.transpose(1, 2).reshape(b * q, h, d).to(pool.dtype))
+        return key_states, value_states
 
-    def _update_one(self, pool: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        b, h, q, d = new.shape
-        rows = new.transpose(1, 2).reshape(b * q, h, d)
-        if self.valid is not None:
-            rows = rows.index_select(0, self.valid)
-        pool.view(-1, h, d).index_copy_(0, self.slots, rows.to(pool.dtype))
-        if self.passthrough:
-            return new
-        gathered = pool.index_select(0, self.table_flat)  # [B * max_blocks, block_size, h, d]
-        return gathered.view(self.batch, self.kv_length, h, d).transpose(1, 2)
-
-    # What transformers may ask of a cache during a forward with an explicit 4-D mask.
+    # What transformers may ask of a cache during a forward (mask sizes; no mask is built for a
+    # packed step, and the fast path's fresh prompts have no past).
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.kv_length
 
