@@ -30,7 +30,7 @@ def test_a_prompt_too_costly_to_join_the_decodes_runs_alone_next(tiny_executor):
     from ferrum_service.types import DecodeInput, PrefillInput
 
     host = ModelHost("tiny", tiny_executor)
-    host.limits.max_step_tokens = 64
+    host.limits.max_step_tokens = 40
     running = [tiny_executor.prefill(PrefillInput(token_ids=[1, 2, 3])).cache.cache_id for _ in range(3)]
     loop = asyncio.new_event_loop()
     try:
@@ -39,11 +39,11 @@ def test_a_prompt_too_costly_to_join_the_decodes_runs_alone_next(tiny_executor):
         short = _Pending(PrefillInput(token_ids=[7] * 10), loop.create_future())
         long = _Pending(PrefillInput(token_ids=[9] * 40), loop.create_future())
         b._prefill_queue += [short, long]
-        # 3 decodes + the 10-token prompt: 4 rows x 10 = 40 positions <= 64; + the 40-token one: 5 x 40 > 64
+        # 3 decodes + the 10-token prompt: 13 positions <= 40; + the 40-token one: 53 > 40; 3 + 40 > 40 too
         prefills, decodes = b._next_batch()
         assert [p.inp.cache_id for p in decodes] == running
         assert prefills == [short]
-        assert host.executor.step_cost([(10, 0), (1, 3), (1, 3), (1, 3)], 4).positions <= 64
+        assert host.executor.step_cost([(10, 0), (1, 3), (1, 3), (1, 3)], 4).positions == 13
         b._decode_queue += [_Pending(DecodeInput(cache_id=c, token_id=5), loop.create_future()) for c in running]
         prefills, decodes = b._next_batch()
         assert prefills == [] and len(decodes) == 3  # the long prompt cannot join: decodes go on

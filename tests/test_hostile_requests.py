@@ -6,9 +6,10 @@ executor, each request below — unary, as a Session step and through Generate w
 must get its documented code at once, the server's peak RSS during the case must stay under a
 stated bound, the server must still serve, and no cache may be left behind.
 
-Before these limits, one BatchPrefill of a 1,000-token row plus 31 one-token rows raised the
-server's RSS by ~278 MiB (padding to a [32, 1000, 1000] mask); on SmolLM2 the same shape asked for
-gigabytes. Also checked: caches belong to the authenticated caller that made them (another caller
+Before packed steps and these limits, one BatchPrefill of a 1,000-token row plus 31 one-token rows
+raised the server's RSS by ~278 MiB (padding to a [32, 1000, 1000] mask); on SmolLM2 the same shape
+asked for gigabytes. It now costs its 1,031 real tokens; what the ceilings refuse is real work past
+them (32 x 1,000 tokens in one step). Also checked: caches belong to the authenticated caller that made them (another caller
 gets NOT_FOUND and cannot touch them), and cache ids are unguessable.
 """
 
@@ -80,9 +81,14 @@ def _long_row_plus_short_rows(model: str) -> pb.BatchPrefillRequest:
                                   [m.prefill_input([2]) for _ in range(31)])
 
 
+def _many_long_rows(model: str) -> pb.BatchPrefillRequest:
+    """32 rows of 1,000 tokens: 32,000 positions in one step, past the 8,192 ceiling."""
+    return pb.BatchPrefillRequest(model_id=model, inputs=[m.prefill_input([1 + i] * 1000) for i in range(32)])
+
+
 # (name, request builder, RPC, expected code, text the message must contain)
 UNARY = [
-    ("one long row padded with 31 short rows", lambda: _long_row_plus_short_rows("tiny"), "BatchPrefill",
+    ("32 rows of 1,000 tokens in one step", lambda: _many_long_rows("tiny"), "BatchPrefill",
      C.INVALID_ARGUMENT, "token positions"),
     ("all-positions full logits past the message limit",
      lambda: pb.BatchPrefillRequest(model_id="tiny", inputs=[m.prefill_input(
@@ -136,7 +142,7 @@ def test_hostile_steps_in_a_session_and_generate(hostile_server):
         with PeakRss(hostile_server.pid) as rss:
             with c.session() as s:
                 with pytest.raises(FerrumRpcError) as e:
-                    s.step(_long_row_plus_short_rows("tiny"))
+                    s.step(_many_long_rows("tiny"))
                 assert e.value.code == C.INVALID_ARGUMENT and "token positions" in e.value.message
                 # the session goes on
                 out = s.step(pb.PrefillRequest(model_id="tiny", input=m.prefill_input([4, 5]))).output
@@ -151,11 +157,15 @@ def test_hostile_steps_in_a_session_and_generate(hostile_server):
         _no_caches(c)
 
 
-def test_a_mixed_batch_within_the_ceiling_still_runs(hostile_server):
-    """The ceiling refuses the padded blow-up, not ordinary batches: 200 + 7 short rows run."""
+def test_one_long_row_with_31_short_rows_costs_its_real_tokens(hostile_server):
+    """The shape that padding used to blow up (+278 MiB on this model: a [32, 1000, 1000] mask)
+    now runs packed: 1,031 positions, bounded memory, every row served."""
     with Client(hostile_server.target) as c:
-        r = c.batch_prefill("tiny", [[1] * 200] + [[2]] * 7)
-        assert [o.cache.num_tokens for o in r.outputs] == [200] + [1] * 7
+        with PeakRss(hostile_server.pid) as rss:
+            r = c._call("BatchPrefill", _long_row_plus_short_rows("tiny"))
+        assert [o.cache.num_tokens for o in r.outputs] == [1000] + [1] * 31
+        assert rss.growth < 64 * 1024 * 1024, f"RSS grew {rss.growth / 2**20:.0f} MiB"
+        print(f"1,000 + 31 x 1 rows: served, peak RSS +{rss.growth / 2**20:.1f} MiB")
         for o in r.outputs:
             c.release_cache("tiny", o.cache.cache_id)
 

@@ -518,23 +518,22 @@ class HfCausalLmExecutor(ModelExecutor):
         )
 
     def step_cost(self, rows: list[tuple[int, int]], logits_rows: int) -> StepCost:
-        """One ``_forward_rows`` call: rows padded to the longest query; unless the rows are fresh
-        equal-length prompts, an additive mask over the longest row's blocks and, per layer, every
-        row's K/V gathered to that length (expanded to the query heads); activations per position;
-        fp32 logits (for every padded position when a row asks for all of them)."""
-        b, q = len(rows), max(n for n, _ in rows)
-        fresh = all(n == q and c == 0 for n, c in rows)
-        positions = b * q
+        """One ``_forward_rows`` call (see "What one step reads and writes"): the step's real tokens
+        through the model (packed; fresh equal-length prompts are the same count as a batch), and
+        per layer, at most, each row's own context copied once (scattered blocks), its attention
+        scores over that context, and a chunk's small ``[n, past + n]`` mask; activations per
+        token; fp32 logits for the rows (or positions) asked for."""
+        positions = sum(n for n, _ in rows)
         elem = torch.empty((), dtype=self.dtype).element_size()
         cfg = self.config
         hidden = int(getattr(cfg, "hidden_size", 0) or 0)
         inter = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
         heads = int(getattr(cfg, "num_attention_heads", 0) or self.num_kv_heads)
-        kv_len = q if fresh else max(self.pool.blocks_for(n + c) for n, c in rows) * self.block_size
-        attention = 0 if fresh else b * q * kv_len * elem + b * kv_len * heads * (self.head_dim + self.v_head_dim) * elem
+        kv_row = self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
+        attention = sum((c + n) * kv_row + n * heads * (c + n) * 4 + (n * (c + n) * elem if c and n > 1 else 0)
+                        for n, c in rows)
         activations = positions * (4 * hidden + 3 * inter) * elem
-        logits = (positions if logits_rows > b else logits_rows) * self.vocab_size * 4
-        return StepCost(positions=positions, scratch_bytes=attention + activations + logits)
+        return StepCost(positions=positions, scratch_bytes=attention + activations + logits_rows * self.vocab_size * 4)
 
     @property
     def tokenizer(self) -> Any:
