@@ -2,9 +2,11 @@
 
 Every running stream's next decode step (:meth:`ContinuousBatcher.decode`) and new streams' prompts
 (:meth:`ContinuousBatcher.prefill`) go into one queue per model. Each step takes every queued decode
-step and as many new prompts as :attr:`ContinuousBatcher.prefill_tokens_per_step` allows, and runs
-them as one forward on the model's worker (``ModelHost.step_and_sample``: the executor's
-``mixed_step`` when both kinds are present), up to ``max_batch`` rows. Before a step it waits a few
+step and prompt tokens up to :attr:`ContinuousBatcher.prefill_tokens_per_step` (chunked prefill: a
+longer prompt joins step after step, a chunk at a time, continuing the cache its first chunk made),
+and runs them as one forward on the model's worker (``ModelHost.step_and_sample``: the executor's
+``mixed_step`` when both kinds are present), up to ``max_batch`` rows. So running streams keep their
+pace while prompts arrive: a step costs at most their decodes plus one budget of prompt tokens. Before a step it waits a few
 milliseconds for the streams of the previous step to queue their next token (stragglers), so B
 streams share one forward per token. A step that fails is all or nothing; its rows are then rerun
 one by one so that one bad stream does not fail the others.
@@ -26,14 +28,28 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Pending:
-    """A stream's step waiting for the next batched forward."""
+    """A stream's step waiting for the next batched forward. A prompt taken in chunks keeps its
+    progress here: ``done`` tokens are in the cache ``created`` (made by its first chunk)."""
 
     inp: PrefillInput | DecodeInput
     fut: asyncio.Future
+    done: int = 0
+    created: str = ""
 
     def fail(self, e: BaseException) -> None:
         if not self.fut.done():
             self.fut.set_exception(e)
+
+    def chunk(self, size: int) -> tuple[PrefillInput, bool]:
+        """The next ``size`` tokens of this prompt as a step input, and whether they are its last."""
+        inp = self.inp
+        ids = inp.token_ids[self.done:self.done + size]
+        last = self.done + len(ids) >= len(inp.token_ids)
+        if not self.done and last:
+            return inp, True
+        return PrefillInput(token_ids=ids, cache_id=self.created or inp.cache_id, policy=inp.policy,
+                            reserve_tokens=inp.reserve_tokens if not self.done and not inp.cache_id else 0,
+                            metadata=inp.metadata, request_id=inp.request_id), last
 
 
 class ContinuousBatcher:
@@ -56,6 +72,7 @@ class ContinuousBatcher:
         self._expected: set[str] = set()
         self.mixed_steps = 0  # steps that joined new prompts with running decodes (diagnostics)
         self._prompt_alone_next = False  # a prompt too costly to join the decodes goes first, alone
+        self._chunks: list[tuple[PrefillInput, bool]] = []  # the next step's prompt chunks (and last?)
 
     @property
     def queued_prompts(self) -> int:
@@ -125,39 +142,59 @@ class ContinuousBatcher:
             self._prompt_alone_next = False
             self._drop_cancelled_prompts()
             if self._prefill_queue:
-                return [self._prefill_queue.pop(0)], []
+                p = self._prefill_queue.pop(0)
+                self._chunks = [p.chunk(len(p.inp.token_ids) - p.done)]
+                return [p], []
         max_batch = self.host.max_batch
         decodes = [p for p in self._decode_queue[:max_batch] if not p.fut.cancelled()]
         del self._decode_queue[:max_batch]
         prefills: list[_Pending] = []
+        self._chunks = []
         tokens = 0
         room = max_batch - len(decodes)
         while self._prefill_queue and len(prefills) < room:
             p = self._prefill_queue[0]
             if p.fut.cancelled():
-                self._prefill_queue.pop(0)
+                self._forget_prompt(self._prefill_queue.pop(0))
                 continue
-            n = len(p.inp.token_ids)
-            if prefills and tokens + n > self.prefill_tokens_per_step:
+            left = len(p.inp.token_ids) - p.done
+            budget = self.prefill_tokens_per_step - tokens
+            if budget <= 0:
                 break
-            if (prefills or decodes) and not self._fits(prefills + [p], decodes):
+            # Only a running batch is protected by chunking; alone, a prompt goes in one step.
+            size = min(left, budget) if decodes or prefills else left
+            chunk, last = p.chunk(size)
+            if (prefills or decodes) and not self._fits(prefills + [p], decodes, [chunk]):
                 if not prefills:
                     self._prompt_alone_next = True
                 break
-            prefills.append(self._prefill_queue.pop(0))
-            tokens += n
+            self._prefill_queue.pop(0)
+            prefills.append(p)
+            self._chunks.append((chunk, last))
+            tokens += len(chunk.token_ids)
+            if not last:
+                break  # the rest of this prompt goes in the next steps, ahead of later prompts
         return prefills, decodes
 
     def _drop_cancelled_prompts(self) -> None:
+        for p in self._prefill_queue:
+            if p.fut.cancelled():
+                self._forget_prompt(p)
         self._prefill_queue = [p for p in self._prefill_queue if not p.fut.cancelled()]
 
-    def _fits(self, prefills: list[_Pending], decodes: list[_Pending]) -> bool:
-        """Whether one forward over these rows stays within the model's per-step ceilings."""
+    def _forget_prompt(self, p: _Pending) -> None:
+        """A prompt's stream is gone: free the cache its first chunks made."""
+        if p.created and not p.inp.cache_id:
+            self.host.release_soon(p.created, "reclaimed")
+
+    def _fits(self, prefills: list[_Pending], decodes: list[_Pending], extra: list[PrefillInput] = ()) -> bool:
+        """Whether one forward over these rows (the prompts' chunks taken so far plus ``extra``)
+        stays within the model's per-step ceilings."""
         reg, lim = self.host.executor.registry, self.host.limits
         rows = []
-        for p in prefills:
-            past = reg.get(p.inp.cache_id).num_tokens if p.inp.cache_id in reg else 0
-            rows.append((len(p.inp.token_ids), past))
+        for inp in [c for c, _ in self._chunks] + list(extra):
+            past = reg.get(inp.cache_id).num_tokens if inp.cache_id in reg else 0
+            rows.append((len(inp.token_ids), past))
         for p in decodes:
             rows.append((1, reg.get(p.inp.cache_id).num_tokens if p.inp.cache_id in reg else 0))
         cost = self.host.executor.step_cost(rows, len(rows))
@@ -171,20 +208,23 @@ class ContinuousBatcher:
             self._expected = {p.inp.cache_id for p in decodes}
             if not prefills and not decodes:
                 continue
+            chunks = self._chunks
             try:
-                pre, dec = (await self.host.call(self._step, prefills, decodes, admit=False)).value
+                pre, dec = (await self.host.call(self._step, [c for c, _ in chunks], decodes, admit=False)).value
             except errors.FerrumError as e:
                 if len(prefills) + len(decodes) == 1:
                     (prefills or decodes)[0].fail(e)
+                    self._forget_prompts(prefills)
                 else:
-                    await self._isolate(prefills, decodes)
+                    await self._isolate(prefills, chunks, decodes)
                 continue
             except Exception as e:  # noqa: BLE001
                 for p in prefills + decodes:
                     p.fail(e)
+                self._forget_prompts(prefills)
                 continue
-            for p, r in zip(prefills, pre):
-                self._resolve(p, r)
+            for p, (chunk, last), r in zip(prefills, chunks, pre):
+                self._advance(p, chunk, last, r)
             for p, r in zip(decodes, dec):
                 self._resolve(p, r)
             # The streams resume on later loop turns; give them the chance to queue their next
@@ -192,16 +232,48 @@ class ContinuousBatcher:
             await self._gather_stragglers()
         self._expected = set()
 
-    async def _isolate(self, prefills: list[_Pending], decodes: list[_Pending]) -> None:
-        """Rerun each row of a failed step alone, so only the stream that caused the failure gets
-        it (the step was all or nothing, so nothing of it was applied)."""
-        for p in prefills + decodes:
-            one = ([p], []) if p in prefills else ([], [p])
+    async def _isolate(self, prefills: list[_Pending], chunks, decodes: list[_Pending]) -> None:
+        """After a failed step (all or nothing: nothing of it was applied), fail only the stream
+        that caused it. A prompt is the usual cause (its cache does not fit now): the prompts go
+        alone first, and the running streams' decodes then run together, as one step."""
+        for p, (chunk, last) in zip(prefills, chunks):
             try:
-                pre1, dec1 = (await self.host.call(self._step, *one, admit=False)).value
-                self._resolve(p, (pre1 or dec1)[0])
+                pre1, _ = (await self.host.call(self._step, [chunk], [], admit=False)).value
+                self._advance(p, chunk, last, pre1[0])
             except Exception as e2:  # noqa: BLE001 - forwarded to the stream that caused it
                 p.fail(e2)
+                self._forget_prompts([p])
+        if not decodes:
+            return
+        try:
+            _, dec = (await self.host.call(self._step, [], decodes, admit=False)).value
+            for p, r in zip(decodes, dec):
+                self._resolve(p, r)
+            return
+        except Exception:  # noqa: BLE001 - a decode itself fails: find which, one by one
+            pass
+        for p in decodes:
+            try:
+                _, dec1 = (await self.host.call(self._step, [], [p], admit=False)).value
+                self._resolve(p, dec1[0])
+            except Exception as e2:  # noqa: BLE001
+                p.fail(e2)
+
+    def _advance(self, p: _Pending, chunk: PrefillInput, last: bool, result) -> None:
+        """A prompt's chunk ran: resolve the stream on its last chunk, else queue the rest first."""
+        if last:
+            self._resolve(p, result)
+            return
+        p.done += len(chunk.token_ids)
+        p.created = result[0].cache.cache_id
+        if p.fut.cancelled():
+            self._forget_prompt(p)
+        else:
+            self._prefill_queue.insert(0, p)
+
+    def _forget_prompts(self, prompts: list[_Pending]) -> None:
+        for p in prompts:
+            self._forget_prompt(p)
 
     def _resolve(self, p: _Pending, result) -> None:
         if not p.fut.done():
@@ -209,9 +281,9 @@ class ContinuousBatcher:
         elif isinstance(p.inp, PrefillInput) and not p.inp.cache_id:
             self.host.release_soon(result[0].cache.cache_id, "reclaimed")  # its stream is gone
 
-    def _step(self, prefills: list[_Pending], decodes: list[_Pending]):
+    def _step(self, prefills: list[PrefillInput], decodes: list[_Pending]):
         """One batched step on the worker: ([(PrefillOutput, RowResult)], [RowResult])."""
-        pre, _, rows = self.host.step_and_sample([p.inp for p in prefills], [p.inp for p in decodes])
+        pre, _, rows = self.host.step_and_sample(prefills, [p.inp for p in decodes])
         if prefills and decodes:
             self.mixed_steps += 1
         return list(zip(pre, rows[: len(pre)])), rows[len(pre):]

@@ -68,3 +68,37 @@ def test_streams_stay_exact_when_prompts_are_split_from_the_decodes(tiny_llama_d
         streams = [c.generate("tiny", token_ids=p, max_tokens=8, ignore_eos=True) for p in prompts]
         assert [s.tokens() for s in streams] == alone
         assert srv.live_caches()["tiny"] == 0
+
+
+def test_a_long_prompt_joins_running_streams_a_chunk_at_a_time(tiny_llama_dir):  # noqa: F811
+    """With a 16-token prefill budget per step, a 100-token prompt arriving while streams run is
+    taken in chunks continuing its cache (each step: the decodes + at most 16 prompt tokens), and
+    every stream — greedy and seeded — equals the same request run alone."""
+    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+
+    ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=8192)
+    with InProcessServer([ex]) as srv, Client(srv.target) as c:
+        host = srv.models.get("tiny")
+        host.batcher.prefill_tokens_per_step = 16
+        reqs = [dict(token_ids=[3, 4, 5], max_tokens=40), dict(token_ids=[6, 7], max_tokens=40),
+                dict(token_ids=[(11 * i) % 500 + 1 for i in range(100)], max_tokens=6),
+                dict(token_ids=[(7 * i) % 500 + 1 for i in range(70)], max_tokens=6, temperature=0.9, seed=5)]
+        alone = [c.generate("tiny", ignore_eos=True, **r).tokens() for r in reqs]
+        steps = []
+        real_step = host.step_and_sample
+
+        def spy(prefills, decodes):
+            steps.append((sum(len(p.token_ids) for p in prefills), len(decodes)))
+            return real_step(prefills, decodes)
+
+        host.step_and_sample = spy
+        streams = [c.generate("tiny", ignore_eos=True, **r) for r in reqs[:2]]
+        first = [next(iter(s)) for s in streams]  # both running before the long prompts arrive
+        assert all(ev.WhichOneof("event") == "started" for ev in first)
+        late = [c.generate("tiny", ignore_eos=True, **r) for r in reqs[2:]]
+        late_got = [s.tokens() for s in late]
+        got = [[ev.token.token_id for ev in s if ev.WhichOneof("event") == "token"] for s in streams]
+        assert got == alone[:2] and late_got == alone[2:]
+        joined = [(t, d) for t, d in steps if t and d]
+        assert joined and all(t <= 16 for t, _ in joined), steps  # prompts joined decodes in chunks
+        assert srv.live_caches()["tiny"] == 0
