@@ -573,17 +573,6 @@ class HfCausalLmExecutor(ModelExecutor):
             items.append(_Item(entry, list(inp.token_ids), want, reserve=int(inp.reserve_tokens or 0)))
         return items
 
-    def _prefill_outputs(self, results) -> list[PrefillOutput]:
-        outs = []
-        for entry, logits in results:
-            out = PrefillOutput(cache=self.handle(entry))
-            if logits is not None and logits.dim() == 2:
-                out.all_logits, out.logits = logits, logits[-1]
-            else:
-                out.logits = logits
-            outs.append(out)
-        return outs
-
     @torch.inference_mode()
     def decode(self, inp: DecodeInput) -> DecodeOutput:
         return self._decode([inp], "input")[0]
@@ -595,9 +584,6 @@ class HfCausalLmExecutor(ModelExecutor):
 
     def _decode(self, inputs: list[DecodeInput], field: str) -> list[DecodeOutput]:
         return self._decode_outputs(self._step(self._decode_items(inputs, field), field))
-
-    def _decode_outputs(self, results) -> list[DecodeOutput]:
-        return [DecodeOutput(cache=self.handle(e), logits=l) for e, l in results]
 
     def _decode_items(self, inputs: list[DecodeInput], field: str) -> list[_Item]:
         items = []

@@ -453,20 +453,6 @@ class LlamaCppExecutor(ModelExecutor):
             items.append(_Item(entry, [int(inp.token_id)], "last" if inp.policy.needs_logits else "none"))
         return items
 
-    def _prefill_outputs(self, results) -> list[PrefillOutput]:
-        outs = []
-        for entry, logits in results:
-            out = PrefillOutput(cache=self.handle(entry))
-            if logits is not None and logits.dim() == 2:
-                out.all_logits, out.logits = logits, logits[-1]
-            else:
-                out.logits = logits
-            outs.append(out)
-        return outs
-
-    def _decode_outputs(self, results) -> list[DecodeOutput]:
-        return [DecodeOutput(cache=self.handle(e), logits=l) for e, l in results]
-
     # ---- the one decode ------------------------------------------------------------------------
     def _step(self, items: list[_Item], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
         """Admit, run one ``llama_decode`` over all items, commit; undo everything on failure."""
