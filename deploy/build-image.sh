@@ -12,8 +12,9 @@
 #
 # podman runs here with the runc runtime, the cgroupfs cgroup manager and no default ulimits
 # (a containers.conf written into the cache directory, exported as CONTAINERS_CONF); builds use the
-# host network and the docker image format (the OCI format drops SHELL and HEALTHCHECK). The host's pip cache is mounted into the build, so wheels downloaded (or built:
-# llama-cpp-python) by scripts/bootstrap.sh are not fetched or compiled again.
+# host network and the docker image format (the OCI format drops SHELL and HEALTHCHECK). The host's
+# pip cache is mounted into the build, so the llama-cpp-python wheel scripts/bootstrap.sh compiled
+# is not compiled again.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
