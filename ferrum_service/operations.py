@@ -19,7 +19,6 @@ from .types import DecodeInput, KvSlotRequest, OutputMode, PrefillInput
 from .validate import RequestChecks, admit, admit_decodes, admit_prefills, admit_unified
 
 if TYPE_CHECKING:
-    from .host import ModelHost
     from .models import ModelSet
 
 

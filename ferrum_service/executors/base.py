@@ -311,23 +311,6 @@ class ModelExecutor(abc.ABC):
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     # ---- helpers ----------------------------------------------------------------------------------
-    def _prefill_outputs(self, results) -> list[PrefillOutput]:
-        """Prefill outputs from ``(entry, logits)`` step results: logits ``[n, vocab]`` (all
-        positions asked for) give ``all_logits`` and their last row; ``[vocab]`` or None as they are."""
-        outs = []
-        for entry, logits in results:
-            out = PrefillOutput(cache=self.handle(entry))
-            if logits is not None and logits.dim() == 2:
-                out.all_logits, out.logits = logits, logits[-1]
-            else:
-                out.logits = logits
-            outs.append(out)
-        return outs
-
-    def _decode_outputs(self, results) -> list[DecodeOutput]:
-        """Decode outputs from ``(entry, logits)`` step results."""
-        return [DecodeOutput(cache=self.handle(e), logits=l) for e, l in results]
-
     def handle(self, entry: CacheEntry) -> CacheHandle:
         """The wire snapshot of ``entry`` (executors add real memory figures by overriding)."""
         h = self.registry.handle(entry)

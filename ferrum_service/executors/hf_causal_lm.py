@@ -87,8 +87,6 @@ from ..kv_registry import CacheEntry, CacheRegistry
 from ..types import (
     AdmissionLimits,
     CacheHandle,
-    DecodeInput,
-    DecodeOutput,
     ExecutorCapabilities,
     ExecutorMemoryUsage,
     ExecutorStatus,
@@ -97,18 +95,11 @@ from ..types import (
     KvSlotCapacitySnapshot,
     KvSlotRequest,
     KvSlotReservation,
-    LogitsPolicy,
     MemoryRequirements,
     ModelInfo,
-    OutputMode,
-    PrefillInput,
-    PrefillOutput,
     StepCost,
-    UnifiedItem,
-    UnifiedResult,
-    VerifyOutput,
 )
-from .base import ModelExecutor
+from .item_steps import ItemStepExecutor, StepItem
 from .checkpoint_files import require_safe_weights
 from .packed_attention import base_implementation, build_step, install, packed_step
 from .paged_kv import BlockPool, PagedSeq, PagedWriteCache
@@ -136,16 +127,6 @@ _MODEL_TYPES = {
 
 
 @dataclass
-class _Item:
-    """One sequence's share of a step: tokens to append to ``entry`` (None = a new cache)."""
-
-    entry: CacheEntry | None
-    tokens: list[int]
-    want: str  # "none" | "last" | "all": which logits rows to compute
-    reserve: int = 0
-
-
-@dataclass
 class _Row:
     blocks: list[int]
     past: int
@@ -153,7 +134,7 @@ class _Row:
     want: str
 
 
-class HfCausalLmExecutor(ModelExecutor):
+class HfCausalLmExecutor(ItemStepExecutor):
     """A transformers causal LM with paged per-sequence KV caches (see the module docstring)."""
 
     kind = "hf-causal-lm"
@@ -551,93 +532,6 @@ class HfCausalLmExecutor(ModelExecutor):
 
     # ---- compute -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, inp: PrefillInput) -> PrefillOutput:
-        return self._prefill([inp], "input")[0]
-
-    @torch.inference_mode()
-    def batch_prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
-        """All prompts (new or continued caches) in one forward; all or nothing."""
-        return self._prefill(inputs, "inputs")
-
-    def _prefill(self, inputs: list[PrefillInput], field: str) -> list[PrefillOutput]:
-        return self._prefill_outputs(self._step(self._prefill_items(inputs, field), field))
-
-    def _prefill_items(self, inputs: list[PrefillInput], field: str) -> list[_Item]:
-        items = []
-        for inp in inputs:
-            entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id") if inp.cache_id else None
-            if not inp.policy.needs_logits:
-                want = "none"
-            else:
-                want = "all" if inp.all_positions else "last"
-            items.append(_Item(entry, list(inp.token_ids), want, reserve=int(inp.reserve_tokens or 0)))
-        return items
-
-    @torch.inference_mode()
-    def decode(self, inp: DecodeInput) -> DecodeOutput:
-        return self._decode([inp], "input")[0]
-
-    @torch.inference_mode()
-    def batch_decode(self, inputs: list[DecodeInput]) -> list[DecodeOutput]:
-        """One token into each cache (any lengths) in one forward; all or nothing."""
-        return self._decode(inputs, "inputs")
-
-    def _decode(self, inputs: list[DecodeInput], field: str) -> list[DecodeOutput]:
-        return self._decode_outputs(self._step(self._decode_items(inputs, field), field))
-
-    def _decode_items(self, inputs: list[DecodeInput], field: str) -> list[_Item]:
-        items = []
-        for inp in inputs:
-            entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id")
-            if inp.position is not None and inp.position != entry.num_tokens:
-                raise errors.failed_precondition(
-                    f"{field}.position: the cache holds {entry.num_tokens} tokens, so the token is written at "
-                    f"{entry.num_tokens}, not {inp.position}",
-                    field=f"{field}.position",
-                )
-            items.append(_Item(entry, [int(inp.token_id)], "last" if inp.policy.needs_logits else "none"))
-        return items
-
-    @torch.inference_mode()
-    def mixed_step(
-        self, prefills: list[PrefillInput], decodes: list[DecodeInput]
-    ) -> tuple[list[PrefillOutput], list[DecodeOutput]]:
-        """New prompts and decode steps of other sequences in one forward; all or nothing."""
-        items = self._prefill_items(prefills, "inputs") + self._decode_items(decodes, "inputs")
-        results = self._step(items, "inputs")
-        n = len(prefills)
-        return self._prefill_outputs(results[:n]), self._decode_outputs(results[n:])
-
-    @torch.inference_mode()
-    def unified_decode(self, items: list[UnifiedItem]) -> list[UnifiedResult]:
-        """Prefill chunks and decode steps in one forward; logits only for final items."""
-        work = []
-        for k, it in enumerate(items):
-            entry = self.registry.get(it.cache_id, field=f"items[{k}].cache_id") if it.cache_id else None
-            have = entry.num_tokens if entry else 0
-            if it.pos_offset != have:
-                raise errors.failed_precondition(
-                    f"items[{k}].pos_offset is {it.pos_offset} but the cache holds {have} tokens",
-                    field=f"items[{k}].pos_offset",
-                )
-            want = "last" if it.is_final_chunk and it.policy.needs_logits else "none"
-            work.append(_Item(entry, list(it.q_tokens), want))
-        results = self._step(work, "items")
-        out = [
-            UnifiedResult(seq_id=it.seq_id, cache=self.handle(e), logits=l if it.is_final_chunk else None)
-            for it, (e, l) in zip(items, results)
-        ]
-        return out
-
-    @torch.inference_mode()
-    def forward_verify(self, cache_id: str, token_ids: list[int], policy: LogitsPolicy) -> VerifyOutput:
-        """N+1 tokens into one cache in one forward; row i is the output after ``token_ids[i]``."""
-        entry = self.registry.get(cache_id)
-        base = entry.num_tokens
-        ((entry, rows),) = self._step([_Item(entry, list(token_ids), "all")], "token_ids")
-        return VerifyOutput(rows=rows, cache=self.handle(entry), base_len=base)
-
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, logits_dtype: str = "fp32") -> torch.Tensor:
         """A stateless full forward of ``[batch, seq]`` token ids; logits ``[batch, seq, vocab]``."""
         ids = torch.as_tensor(input_ids).to(device=self.device, dtype=torch.long)
@@ -727,14 +621,14 @@ class HfCausalLmExecutor(ModelExecutor):
         """One tiny prefill + decode through the paged path (allocates and frees one block)."""
         if self.pool.free_blocks < 1:
             return
-        ((entry, _),) = self._step([_Item(None, [self._pad_id], "last")], "warmup")
+        ((entry, _),) = self._step([StepItem(None, [self._pad_id], "last")], "warmup")
         try:
-            self._step([_Item(entry, [self._pad_id], "last")], "warmup")
+            self._step([StepItem(entry, [self._pad_id], "last")], "warmup")
         finally:
             self.release_cache(entry.cache_id)
 
     # ---- the one forward -----------------------------------------------------------------------
-    def _step(self, items: list[_Item], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
+    def _step(self, items: list[StepItem], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
         """Admit, allocate, run one forward over all items, commit; undo everything on failure."""
         if self.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,23 +36,15 @@ from ..kv_registry import CacheEntry, CacheRegistry
 from ..types import (
     AdmissionLimits,
     CacheHandle,
-    DecodeInput,
-    DecodeOutput,
     ExecutorCapabilities,
     KvSlotAllocation,
     KvSlotCapacitySnapshot,
     KvSlotRequest,
     KvSlotReservation,
-    LogitsPolicy,
     MemoryRequirements,
     ModelInfo,
-    PrefillInput,
-    PrefillOutput,
-    UnifiedItem,
-    UnifiedResult,
-    VerifyOutput,
 )
-from .base import ModelExecutor
+from .item_steps import ItemStepExecutor, StepItem
 
 log = structlog.get_logger(__name__)
 
@@ -64,16 +55,6 @@ DEFAULT_N_SEQ = 64
 
 _ARCH_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen", "qwen3": "qwen", "phi3": "phi",
                "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma"}
-
-
-@dataclass
-class _Item:
-    """One sequence's share of a step: tokens to append to ``entry`` (None = a new cache)."""
-
-    entry: CacheEntry | None
-    tokens: list[int]
-    want: str  # "none" | "last" | "all"
-    reserve: int = 0
 
 
 def _lib():
@@ -110,7 +91,7 @@ def _meta(L, model, key: str) -> str:
     return buf.value.decode("utf-8", errors="replace") if n >= 0 else ""
 
 
-class LlamaCppExecutor(ModelExecutor):
+class LlamaCppExecutor(ItemStepExecutor):
     """A GGUF causal LM served by llama.cpp (see the module docstring)."""
 
     kind = "llama-cpp"
@@ -288,51 +269,6 @@ class LlamaCppExecutor(ModelExecutor):
         return total
 
     # ---- compute -------------------------------------------------------------------------------
-    def prefill(self, inp: PrefillInput) -> PrefillOutput:
-        return self._prefill_outputs(self._step(self._prefill_items([inp], "input"), "input"))[0]
-
-    def batch_prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
-        """All prompts in one ``llama_decode``; all or nothing."""
-        return self._prefill_outputs(self._step(self._prefill_items(inputs, "inputs"), "inputs"))
-
-    def decode(self, inp: DecodeInput) -> DecodeOutput:
-        return self._decode_outputs(self._step(self._decode_items([inp], "input"), "input"))[0]
-
-    def batch_decode(self, inputs: list[DecodeInput]) -> list[DecodeOutput]:
-        """One token into each cache in one ``llama_decode``; all or nothing."""
-        return self._decode_outputs(self._step(self._decode_items(inputs, "inputs"), "inputs"))
-
-    def mixed_step(self, prefills: list[PrefillInput], decodes: list[DecodeInput]
-                   ) -> tuple[list[PrefillOutput], list[DecodeOutput]]:
-        """New prompts and other sequences' decode steps in one ``llama_decode``."""
-        items = self._prefill_items(prefills, "inputs") + self._decode_items(decodes, "inputs")
-        results = self._step(items, "inputs")
-        n = len(prefills)
-        return self._prefill_outputs(results[:n]), self._decode_outputs(results[n:])
-
-    def unified_decode(self, items: list[UnifiedItem]) -> list[UnifiedResult]:
-        """Prefill chunks and decode steps in one ``llama_decode``; logits only for final items."""
-        work = []
-        for k, it in enumerate(items):
-            entry = self.registry.get(it.cache_id, field=f"items[{k}].cache_id") if it.cache_id else None
-            have = entry.num_tokens if entry else 0
-            if it.pos_offset != have:
-                raise errors.failed_precondition(
-                    f"items[{k}].pos_offset is {it.pos_offset} but the cache holds {have} tokens",
-                    field=f"items[{k}].pos_offset")
-            want = "last" if it.is_final_chunk and it.policy.needs_logits else "none"
-            work.append(_Item(entry, list(it.q_tokens), want))
-        results = self._step(work, "items")
-        return [UnifiedResult(seq_id=it.seq_id, cache=self.handle(e), logits=l if it.is_final_chunk else None)
-                for it, (e, l) in zip(items, results)]
-
-    def forward_verify(self, cache_id: str, token_ids: list[int], policy: LogitsPolicy) -> VerifyOutput:
-        """N+1 tokens of one sequence in one ``llama_decode``; row i follows ``token_ids[i]``."""
-        entry = self.registry.get(cache_id)
-        base = entry.num_tokens
-        ((entry, rows),) = self._step([_Item(entry, list(token_ids), "all")], "token_ids")
-        return VerifyOutput(rows=rows, cache=self.handle(entry), base_len=base)
-
     def forward(self, input_ids: torch.Tensor, logits_dtype: str = "fp32") -> torch.Tensor:
         """A stateless forward of ``[batch, seq]`` ids (one ``llama_decode`` over temporary
         sequences, removed after); logits ``[batch, seq, vocab]``. Needs the KV budget and free
@@ -353,7 +289,7 @@ class LlamaCppExecutor(ModelExecutor):
                                    field="input_ids")
         seqs = [self._free_seq.pop() for _ in range(b)]
         try:
-            rows = self._decode_batch([_Item(None, ids[i].tolist(), "all") for i in range(b)], [(s, 0) for s in seqs])
+            rows = self._decode_batch([StepItem(None, ids[i].tolist(), "all") for i in range(b)], [(s, 0) for s in seqs])
         finally:
             for s in seqs:
                 self._L.llama_memory_seq_rm(self._mem, s, -1, -1)
@@ -418,9 +354,9 @@ class LlamaCppExecutor(ModelExecutor):
         """One tiny prefill + decode (allocates llama.cpp's compute buffers)."""
         if self.registry.free_tokens < 2 or not self._free_seq:
             return
-        ((entry, _),) = self._step([_Item(None, [0], "last")], "warmup")
+        ((entry, _),) = self._step([StepItem(None, [0], "last")], "warmup")
         try:
-            self._step([_Item(entry, [0], "last")], "warmup")
+            self._step([StepItem(entry, [0], "last")], "warmup")
         finally:
             self.release_cache(entry.cache_id)
 
@@ -434,27 +370,8 @@ class LlamaCppExecutor(ModelExecutor):
             pass
 
     # ---- items ---------------------------------------------------------------------------------
-    def _prefill_items(self, inputs: list[PrefillInput], field: str) -> list[_Item]:
-        items = []
-        for inp in inputs:
-            entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id") if inp.cache_id else None
-            want = "none" if not inp.policy.needs_logits else "all" if inp.all_positions else "last"
-            items.append(_Item(entry, list(inp.token_ids), want, reserve=int(inp.reserve_tokens or 0)))
-        return items
-
-    def _decode_items(self, inputs: list[DecodeInput], field: str) -> list[_Item]:
-        items = []
-        for inp in inputs:
-            entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id")
-            if inp.position is not None and inp.position != entry.num_tokens:
-                raise errors.failed_precondition(
-                    f"{field}.position: the cache holds {entry.num_tokens} tokens, so the token is written at "
-                    f"{entry.num_tokens}, not {inp.position}", field=f"{field}.position")
-            items.append(_Item(entry, [int(inp.token_id)], "last" if inp.policy.needs_logits else "none"))
-        return items
-
     # ---- the one decode ------------------------------------------------------------------------
-    def _step(self, items: list[_Item], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
+    def _step(self, items: list[StepItem], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
         """Admit, run one ``llama_decode`` over all items, commit; undo everything on failure."""
         if self.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down")
@@ -514,7 +431,7 @@ class LlamaCppExecutor(ModelExecutor):
         self.stats.record(kind, time.perf_counter() - t0, rows=len(items))
         return list(zip(entries, logits))
 
-    def _decode_batch(self, items: list[_Item], placed: list[tuple[int, int]]) -> list[torch.Tensor | None]:
+    def _decode_batch(self, items: list[StepItem], placed: list[tuple[int, int]]) -> list[torch.Tensor | None]:
         L, b = self._L, self._batch
         n = sum(len(it.tokens) for it in items)
         tok, pos, out = self._b_tok, self._b_pos, self._b_out

@@ -1,0 +1,138 @@
+"""The step shape shared by executors that own per-sequence KV caches (transformers, llama.cpp).
+
+Every compute method of such an executor becomes one list of :class:`StepItem` (a sequence's new
+tokens, its cache or None for a new one, which logits rows to keep) run by the executor's own
+``_step(items, field)`` as one forward, all or nothing, returning ``(entry, logits)`` per item.
+:class:`ItemStepExecutor` builds the items from the interface's inputs (checking positions) and the
+outputs from the results, so each executor only implements ``_step``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from .. import errors
+from ..kv_registry import CacheEntry
+from ..types import (
+    DecodeInput,
+    DecodeOutput,
+    LogitsPolicy,
+    PrefillInput,
+    PrefillOutput,
+    UnifiedItem,
+    UnifiedResult,
+    VerifyOutput,
+)
+from .base import ModelExecutor
+
+
+@dataclass
+class StepItem:
+    """One sequence's share of a step: tokens to append to ``entry`` (None = a new cache)."""
+
+    entry: CacheEntry | None
+    tokens: list[int]
+    want: str  # "none" | "last" | "all": which logits rows to compute
+    reserve: int = 0
+
+
+class ItemStepExecutor(ModelExecutor):
+    """Prefill / decode / mixed / unified / verify steps as one ``_step`` over items."""
+
+    @abc.abstractmethod
+    def _step(self, items: list[StepItem], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
+        """Admit, run one forward over ``items`` and commit them (nothing on failure)."""
+
+    # ---- interface --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, inp: PrefillInput) -> PrefillOutput:
+        return self._prefill_outputs(self._step(self._prefill_items([inp], "input"), "input"))[0]
+
+    @torch.inference_mode()
+    def batch_prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
+        """All prompts (new or continued caches) in one forward; all or nothing."""
+        return self._prefill_outputs(self._step(self._prefill_items(inputs, "inputs"), "inputs"))
+
+    @torch.inference_mode()
+    def decode(self, inp: DecodeInput) -> DecodeOutput:
+        return self._decode_outputs(self._step(self._decode_items([inp], "input"), "input"))[0]
+
+    @torch.inference_mode()
+    def batch_decode(self, inputs: list[DecodeInput]) -> list[DecodeOutput]:
+        """One token into each cache (any lengths) in one forward; all or nothing."""
+        return self._decode_outputs(self._step(self._decode_items(inputs, "inputs"), "inputs"))
+
+    @torch.inference_mode()
+    def mixed_step(self, prefills: list[PrefillInput], decodes: list[DecodeInput]
+                   ) -> tuple[list[PrefillOutput], list[DecodeOutput]]:
+        """New prompts (or prompt chunks) and other sequences' decode steps in one forward."""
+        results = self._step(self._prefill_items(prefills, "inputs") + self._decode_items(decodes, "inputs"),
+                             "inputs")
+        n = len(prefills)
+        return self._prefill_outputs(results[:n]), self._decode_outputs(results[n:])
+
+    @torch.inference_mode()
+    def unified_decode(self, items: list[UnifiedItem]) -> list[UnifiedResult]:
+        """Prefill chunks and decode steps in one forward; logits only for final items."""
+        work = []
+        for k, it in enumerate(items):
+            entry = self.registry.get(it.cache_id, field=f"items[{k}].cache_id") if it.cache_id else None
+            have = entry.num_tokens if entry else 0
+            if it.pos_offset != have:
+                raise errors.failed_precondition(
+                    f"items[{k}].pos_offset is {it.pos_offset} but the cache holds {have} tokens",
+                    field=f"items[{k}].pos_offset")
+            work.append(StepItem(entry, list(it.q_tokens),
+                                 "last" if it.is_final_chunk and it.policy.needs_logits else "none"))
+        results = self._step(work, "items")
+        return [UnifiedResult(seq_id=it.seq_id, cache=self.handle(e), logits=l if it.is_final_chunk else None)
+                for it, (e, l) in zip(items, results)]
+
+    @torch.inference_mode()
+    def forward_verify(self, cache_id: str, token_ids: list[int], policy: LogitsPolicy) -> VerifyOutput:
+        """N+1 tokens into one cache in one forward; row i is the output after ``token_ids[i]``."""
+        entry = self.registry.get(cache_id)
+        base = entry.num_tokens
+        ((entry, rows),) = self._step([StepItem(entry, list(token_ids), "all")], "token_ids")
+        return VerifyOutput(rows=rows, cache=self.handle(entry), base_len=base)
+
+    # ---- items and outputs ------------------------------------------------------------------------
+    def _prefill_items(self, inputs: list[PrefillInput], field: str) -> list[StepItem]:
+        items = []
+        for inp in inputs:
+            entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id") if inp.cache_id else None
+            want = "none" if not inp.policy.needs_logits else "all" if inp.all_positions else "last"
+            items.append(StepItem(entry, list(inp.token_ids), want, reserve=int(inp.reserve_tokens or 0)))
+        return items
+
+    def _decode_items(self, inputs: list[DecodeInput], field: str) -> list[StepItem]:
+        items = []
+        for inp in inputs:
+            entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id")
+            if inp.position is not None and inp.position != entry.num_tokens:
+                raise errors.failed_precondition(
+                    f"{field}.position: the cache holds {entry.num_tokens} tokens, so the token is written at "
+                    f"{entry.num_tokens}, not {inp.position}", field=f"{field}.position")
+            items.append(StepItem(entry, [int(inp.token_id)], "last" if inp.policy.needs_logits else "none"))
+        return items
+
+    def _prefill_outputs(self, results) -> list[PrefillOutput]:
+        """Logits ``[n, vocab]`` (all positions asked for) give ``all_logits`` and their last row."""
+        outs = []
+        for entry, logits in results:
+            out = PrefillOutput(cache=self.handle(entry))
+            if logits is not None and logits.dim() == 2:
+                out.all_logits, out.logits = logits, logits[-1]
+            else:
+                out.logits = logits
+            outs.append(out)
+        return outs
+
+    def _decode_outputs(self, results) -> list[DecodeOutput]:
+        return [DecodeOutput(cache=self.handle(e), logits=l) for e, l in results]
+
+
+__all__ = ["ItemStepExecutor", "StepItem"]
