@@ -136,21 +136,27 @@ async fn truncate_release_and_error_kinds() {
     exec.release_cache(&kv.cache_id());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unified_decode_on_configurable_is_unsupported() {
-    let (_server, exec) = mock_executor().await;
-    let out = exec.prefill(&PrefillInput::new(HostTensor::token_ids_ref(&[1]))).await.unwrap();
+/// A unified batch of one decode step (token 10) on a cache holding one token.
+fn one_decode_batch(kv: &Arc<dyn KvCacheHandle>) -> UnifiedBatch {
     let mut batch = UnifiedBatch::new();
     batch.items.push(UnifiedBatchItem {
-        seq_id: out.kv_cache.cache_id(),
+        seq_id: kv.cache_id(),
         q_tokens: vec![10],
-        kv_cache: out.kv_cache.clone(),
+        kv_cache: kv.clone(),
         recurrent_state: None,
         pos_offset: 1,
         is_final_chunk: true,
         metadata: Default::default(),
         logits_policy: greedy(),
     });
+    batch
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unified_decode_on_configurable_is_unsupported() {
+    let (_server, exec) = mock_executor().await;
+    let out = exec.prefill(&PrefillInput::new(HostTensor::token_ids_ref(&[1]))).await.unwrap();
+    let batch = one_decode_batch(&out.kv_cache);
     match exec.unified_decode(&batch).await {
         Err(FerrumError::Unsupported { .. }) => {}
         other => panic!("expected Unsupported (the engine's fall-back signal), got {other:?}"),
@@ -340,17 +346,7 @@ async fn unsupported_unified_decode_is_answered_locally() {
     .expect("connect");
     assert!(!exec.remote_capabilities().supports_native_unified_decode);
     let out = exec.prefill(&PrefillInput::new(HostTensor::token_ids_ref(&[1]))).await.unwrap();
-    let mut batch = UnifiedBatch::new();
-    batch.items.push(UnifiedBatchItem {
-        seq_id: out.kv_cache.cache_id(),
-        q_tokens: vec![10],
-        kv_cache: out.kv_cache.clone(),
-        recurrent_state: None,
-        pos_offset: 1,
-        is_final_chunk: true,
-        metadata: Default::default(),
-        logits_policy: greedy(),
-    });
+    let batch = one_decode_batch(&out.kv_cache);
     for _ in 0..3 {
         assert!(matches!(exec.unified_decode(&batch).await, Err(FerrumError::Unsupported { .. })));
     }
