@@ -121,6 +121,8 @@ const (
 	KvEventKind_KV_EVENT_KIND_RECLAIMED KvEventKind = 5
 	// Freed by the server to make room (not done by this version; reserved).
 	KvEventKind_KV_EVENT_KIND_EVICTED KvEventKind = 6
+	// A new cache made by `ForkCache` (or `Generate` with n > 1), sharing another's blocks.
+	KvEventKind_KV_EVENT_KIND_FORKED KvEventKind = 7
 )
 
 // Enum value maps for KvEventKind.
@@ -133,6 +135,7 @@ var (
 		4: "KV_EVENT_KIND_RELEASED",
 		5: "KV_EVENT_KIND_RECLAIMED",
 		6: "KV_EVENT_KIND_EVICTED",
+		7: "KV_EVENT_KIND_FORKED",
 	}
 	KvEventKind_value = map[string]int32{
 		"KV_EVENT_KIND_UNSPECIFIED": 0,
@@ -142,6 +145,7 @@ var (
 		"KV_EVENT_KIND_RELEASED":    4,
 		"KV_EVENT_KIND_RECLAIMED":   5,
 		"KV_EVENT_KIND_EVICTED":     6,
+		"KV_EVENT_KIND_FORKED":      7,
 	}
 )
 
@@ -697,9 +701,15 @@ type PrefillInput struct {
 	// Free-form metadata (ferrum's `metadata`), passed to the executor.
 	Metadata *structpb.Struct `protobuf:"bytes,6,opt,name=metadata,proto3" json:"metadata,omitempty"`
 	// The caller's id for the request, echoed in logs and KV events.
-	RequestId     string `protobuf:"bytes,7,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	RequestId string `protobuf:"bytes,7,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	// Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
+	// every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+	CacheSalt string `protobuf:"bytes,8,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
+	// Compute every token of a new cache: take nothing from the prefix cache (its full blocks are
+	// still cached for later requests).
+	BypassPrefixCache bool `protobuf:"varint,9,opt,name=bypass_prefix_cache,json=bypassPrefixCache,proto3" json:"bypass_prefix_cache,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *PrefillInput) Reset() {
@@ -781,6 +791,20 @@ func (x *PrefillInput) GetRequestId() string {
 	return ""
 }
 
+func (x *PrefillInput) GetCacheSalt() string {
+	if x != nil {
+		return x.CacheSalt
+	}
+	return ""
+}
+
+func (x *PrefillInput) GetBypassPrefixCache() bool {
+	if x != nil {
+		return x.BypassPrefixCache
+	}
+	return false
+}
+
 // Mirrors `PrefillOutput`.
 type PrefillOutput struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -792,7 +816,10 @@ type PrefillOutput struct {
 	Positions []*LogitsOutput `protobuf:"bytes,3,rep,name=positions,proto3" json:"positions,omitempty"`
 	// Encoders (BERT): the pooled embedding, shape [hidden]. ferrum's `BertModelExecutor` returns it
 	// in `PrefillOutput.logits`; it has its own field here so no caller mistakes it for logits.
-	Embedding     *Tensor `protobuf:"bytes,4,opt,name=embedding,proto3" json:"embedding,omitempty"`
+	Embedding *Tensor `protobuf:"bytes,4,opt,name=embedding,proto3" json:"embedding,omitempty"`
+	// Leading tokens of this call taken from the prefix cache instead of computed (a multiple of
+	// the block size, or the whole prompt but its last token; 0 = all computed).
+	CachedTokens  uint64 `protobuf:"varint,5,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -853,6 +880,13 @@ func (x *PrefillOutput) GetEmbedding() *Tensor {
 		return x.Embedding
 	}
 	return nil
+}
+
+func (x *PrefillOutput) GetCachedTokens() uint64 {
+	if x != nil {
+		return x.CachedTokens
+	}
+	return 0
 }
 
 type PrefillRequest struct {
@@ -1473,11 +1507,17 @@ type UnifiedBatchItem struct {
 	PosOffset uint64 `protobuf:"varint,4,opt,name=pos_offset,json=posOffset,proto3" json:"pos_offset,omitempty"`
 	// True for decode items and the last chunk of a prefill. False = no logits are computed and
 	// the result has no `output` (ferrum returns `None`).
-	IsFinalChunk  bool             `protobuf:"varint,5,opt,name=is_final_chunk,json=isFinalChunk,proto3" json:"is_final_chunk,omitempty"`
-	Logits        *LogitsPolicy    `protobuf:"bytes,6,opt,name=logits,proto3" json:"logits,omitempty"`
-	Metadata      *structpb.Struct `protobuf:"bytes,7,opt,name=metadata,proto3" json:"metadata,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	IsFinalChunk bool             `protobuf:"varint,5,opt,name=is_final_chunk,json=isFinalChunk,proto3" json:"is_final_chunk,omitempty"`
+	Logits       *LogitsPolicy    `protobuf:"bytes,6,opt,name=logits,proto3" json:"logits,omitempty"`
+	Metadata     *structpb.Struct `protobuf:"bytes,7,opt,name=metadata,proto3" json:"metadata,omitempty"`
+	// Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
+	// every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+	CacheSalt string `protobuf:"bytes,8,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
+	// Compute every token of a new cache: take nothing from the prefix cache (its full blocks are
+	// still cached for later requests).
+	BypassPrefixCache bool `protobuf:"varint,9,opt,name=bypass_prefix_cache,json=bypassPrefixCache,proto3" json:"bypass_prefix_cache,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *UnifiedBatchItem) Reset() {
@@ -1559,6 +1599,20 @@ func (x *UnifiedBatchItem) GetMetadata() *structpb.Struct {
 	return nil
 }
 
+func (x *UnifiedBatchItem) GetCacheSalt() string {
+	if x != nil {
+		return x.CacheSalt
+	}
+	return ""
+}
+
+func (x *UnifiedBatchItem) GetBypassPrefixCache() bool {
+	if x != nil {
+		return x.BypassPrefixCache
+	}
+	return false
+}
+
 // Mirrors `UnifiedBatch` (prefill items first, then decode items, as ferrum's engine sends them;
 // any order is accepted).
 type UnifiedDecodeRequest struct {
@@ -1631,7 +1685,9 @@ type UnifiedItemResult struct {
 	SeqId string                 `protobuf:"bytes,1,opt,name=seq_id,json=seqId,proto3" json:"seq_id,omitempty"`
 	Cache *KvCacheHandle         `protobuf:"bytes,2,opt,name=cache,proto3" json:"cache,omitempty"`
 	// Present iff the item's `is_final_chunk`.
-	Output        *LogitsOutput `protobuf:"bytes,3,opt,name=output,proto3,oneof" json:"output,omitempty"`
+	Output *LogitsOutput `protobuf:"bytes,3,opt,name=output,proto3,oneof" json:"output,omitempty"`
+	// Leading tokens of a new sequence's `q_tokens` taken from the prefix cache (0 = all computed).
+	CachedTokens  uint64 `protobuf:"varint,4,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1685,6 +1741,13 @@ func (x *UnifiedItemResult) GetOutput() *LogitsOutput {
 		return x.Output
 	}
 	return nil
+}
+
+func (x *UnifiedItemResult) GetCachedTokens() uint64 {
+	if x != nil {
+		return x.CachedTokens
+	}
+	return 0
 }
 
 type UnifiedDecodeResponse struct {
@@ -2297,6 +2360,143 @@ func (x *ReleaseCacheResponse) GetFreedTokens() uint64 {
 	return 0
 }
 
+// Not in ferrum's trait: a copy-on-write fork of a cache.
+type ForkCacheRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	ModelId string                 `protobuf:"bytes,1,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
+	// The cache to fork (it is not changed).
+	CacheId string `protobuf:"bytes,2,opt,name=cache_id,json=cacheId,proto3" json:"cache_id,omitempty"`
+	// Tokens the fork starts with: the source's first `keep_tokens` (1 .. its length). Absent = all
+	// of them. The fork shares the source's blocks for those tokens; whichever cache writes into a
+	// shared block first gets its own copy, so neither ever sees the other's later tokens.
+	KeepTokens *uint64 `protobuf:"varint,3,opt,name=keep_tokens,json=keepTokens,proto3,oneof" json:"keep_tokens,omitempty"`
+	// The fork's total token reservation, as `PrefillInput.reserve_tokens` (0 = none).
+	ReserveTokens uint64 `protobuf:"varint,4,opt,name=reserve_tokens,json=reserveTokens,proto3" json:"reserve_tokens,omitempty"`
+	// Safe retries, as `PrefillRequest.client_step_id`.
+	ClientStepId  string `protobuf:"bytes,15,opt,name=client_step_id,json=clientStepId,proto3" json:"client_step_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ForkCacheRequest) Reset() {
+	*x = ForkCacheRequest{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[34]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ForkCacheRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ForkCacheRequest) ProtoMessage() {}
+
+func (x *ForkCacheRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[34]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ForkCacheRequest.ProtoReflect.Descriptor instead.
+func (*ForkCacheRequest) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{34}
+}
+
+func (x *ForkCacheRequest) GetModelId() string {
+	if x != nil {
+		return x.ModelId
+	}
+	return ""
+}
+
+func (x *ForkCacheRequest) GetCacheId() string {
+	if x != nil {
+		return x.CacheId
+	}
+	return ""
+}
+
+func (x *ForkCacheRequest) GetKeepTokens() uint64 {
+	if x != nil && x.KeepTokens != nil {
+		return *x.KeepTokens
+	}
+	return 0
+}
+
+func (x *ForkCacheRequest) GetReserveTokens() uint64 {
+	if x != nil {
+		return x.ReserveTokens
+	}
+	return 0
+}
+
+func (x *ForkCacheRequest) GetClientStepId() string {
+	if x != nil {
+		return x.ClientStepId
+	}
+	return ""
+}
+
+type ForkCacheResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The new cache.
+	Cache *KvCacheHandle `protobuf:"bytes,1,opt,name=cache,proto3" json:"cache,omitempty"`
+	// Blocks the fork shares with the source (no new memory was used for them).
+	SharedBlocks  uint32 `protobuf:"varint,2,opt,name=shared_blocks,json=sharedBlocks,proto3" json:"shared_blocks,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ForkCacheResponse) Reset() {
+	*x = ForkCacheResponse{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[35]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ForkCacheResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ForkCacheResponse) ProtoMessage() {}
+
+func (x *ForkCacheResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[35]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ForkCacheResponse.ProtoReflect.Descriptor instead.
+func (*ForkCacheResponse) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{35}
+}
+
+func (x *ForkCacheResponse) GetCache() *KvCacheHandle {
+	if x != nil {
+		return x.Cache
+	}
+	return nil
+}
+
+func (x *ForkCacheResponse) GetSharedBlocks() uint32 {
+	if x != nil {
+		return x.SharedBlocks
+	}
+	return 0
+}
+
 type ReserveKvSlotsRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	ModelId       string                 `protobuf:"bytes,1,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
@@ -2307,7 +2507,7 @@ type ReserveKvSlotsRequest struct {
 
 func (x *ReserveKvSlotsRequest) Reset() {
 	*x = ReserveKvSlotsRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[34]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2319,7 +2519,7 @@ func (x *ReserveKvSlotsRequest) String() string {
 func (*ReserveKvSlotsRequest) ProtoMessage() {}
 
 func (x *ReserveKvSlotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[34]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2332,7 +2532,7 @@ func (x *ReserveKvSlotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReserveKvSlotsRequest.ProtoReflect.Descriptor instead.
 func (*ReserveKvSlotsRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{34}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *ReserveKvSlotsRequest) GetModelId() string {
@@ -2359,7 +2559,7 @@ type ReserveKvSlotsResponse struct {
 
 func (x *ReserveKvSlotsResponse) Reset() {
 	*x = ReserveKvSlotsResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[35]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2371,7 +2571,7 @@ func (x *ReserveKvSlotsResponse) String() string {
 func (*ReserveKvSlotsResponse) ProtoMessage() {}
 
 func (x *ReserveKvSlotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[35]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2384,7 +2584,7 @@ func (x *ReserveKvSlotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReserveKvSlotsResponse.ProtoReflect.Descriptor instead.
 func (*ReserveKvSlotsResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{35}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *ReserveKvSlotsResponse) GetReservation() *KvSlotReservation {
@@ -2403,7 +2603,7 @@ type KvSlotCapacityRequest struct {
 
 func (x *KvSlotCapacityRequest) Reset() {
 	*x = KvSlotCapacityRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[36]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2415,7 +2615,7 @@ func (x *KvSlotCapacityRequest) String() string {
 func (*KvSlotCapacityRequest) ProtoMessage() {}
 
 func (x *KvSlotCapacityRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[36]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2428,7 +2628,7 @@ func (x *KvSlotCapacityRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvSlotCapacityRequest.ProtoReflect.Descriptor instead.
 func (*KvSlotCapacityRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{36}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *KvSlotCapacityRequest) GetModelId() string {
@@ -2448,7 +2648,7 @@ type KvSlotCapacityResponse struct {
 
 func (x *KvSlotCapacityResponse) Reset() {
 	*x = KvSlotCapacityResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[37]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2460,7 +2660,7 @@ func (x *KvSlotCapacityResponse) String() string {
 func (*KvSlotCapacityResponse) ProtoMessage() {}
 
 func (x *KvSlotCapacityResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[37]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2473,7 +2673,7 @@ func (x *KvSlotCapacityResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvSlotCapacityResponse.ProtoReflect.Descriptor instead.
 func (*KvSlotCapacityResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{37}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *KvSlotCapacityResponse) GetSnapshot() *KvSlotCapacitySnapshot {
@@ -2492,7 +2692,7 @@ type CacheMetricsRequest struct {
 
 func (x *CacheMetricsRequest) Reset() {
 	*x = CacheMetricsRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[38]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2504,7 +2704,7 @@ func (x *CacheMetricsRequest) String() string {
 func (*CacheMetricsRequest) ProtoMessage() {}
 
 func (x *CacheMetricsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[38]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2517,7 +2717,7 @@ func (x *CacheMetricsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CacheMetricsRequest.ProtoReflect.Descriptor instead.
 func (*CacheMetricsRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{38}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *CacheMetricsRequest) GetModelId() string {
@@ -2537,7 +2737,7 @@ type CacheMetricsResponse struct {
 
 func (x *CacheMetricsResponse) Reset() {
 	*x = CacheMetricsResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[39]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2549,7 +2749,7 @@ func (x *CacheMetricsResponse) String() string {
 func (*CacheMetricsResponse) ProtoMessage() {}
 
 func (x *CacheMetricsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[39]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2562,7 +2762,7 @@ func (x *CacheMetricsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CacheMetricsResponse.ProtoReflect.Descriptor instead.
 func (*CacheMetricsResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{39}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *CacheMetricsResponse) GetMetrics() *structpb.Struct {
@@ -2581,7 +2781,7 @@ type LoraMetricsRequest struct {
 
 func (x *LoraMetricsRequest) Reset() {
 	*x = LoraMetricsRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[40]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2593,7 +2793,7 @@ func (x *LoraMetricsRequest) String() string {
 func (*LoraMetricsRequest) ProtoMessage() {}
 
 func (x *LoraMetricsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[40]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2606,7 +2806,7 @@ func (x *LoraMetricsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoraMetricsRequest.ProtoReflect.Descriptor instead.
 func (*LoraMetricsRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{40}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *LoraMetricsRequest) GetModelId() string {
@@ -2626,7 +2826,7 @@ type LoraMetricsResponse struct {
 
 func (x *LoraMetricsResponse) Reset() {
 	*x = LoraMetricsResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[41]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2638,7 +2838,7 @@ func (x *LoraMetricsResponse) String() string {
 func (*LoraMetricsResponse) ProtoMessage() {}
 
 func (x *LoraMetricsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[41]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2651,7 +2851,7 @@ func (x *LoraMetricsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoraMetricsResponse.ProtoReflect.Descriptor instead.
 func (*LoraMetricsResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{41}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *LoraMetricsResponse) GetMetrics() *structpb.Struct {
@@ -2671,7 +2871,7 @@ type WarmupRequest struct {
 
 func (x *WarmupRequest) Reset() {
 	*x = WarmupRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[42]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2683,7 +2883,7 @@ func (x *WarmupRequest) String() string {
 func (*WarmupRequest) ProtoMessage() {}
 
 func (x *WarmupRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[42]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2696,7 +2896,7 @@ func (x *WarmupRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WarmupRequest.ProtoReflect.Descriptor instead.
 func (*WarmupRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{42}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *WarmupRequest) GetModelId() string {
@@ -2717,7 +2917,7 @@ type WarmupResponse struct {
 
 func (x *WarmupResponse) Reset() {
 	*x = WarmupResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[43]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2729,7 +2929,7 @@ func (x *WarmupResponse) String() string {
 func (*WarmupResponse) ProtoMessage() {}
 
 func (x *WarmupResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[43]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2742,7 +2942,7 @@ func (x *WarmupResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WarmupResponse.ProtoReflect.Descriptor instead.
 func (*WarmupResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{43}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *WarmupResponse) GetModelIds() []string {
@@ -2769,7 +2969,7 @@ type ShutdownRequest struct {
 
 func (x *ShutdownRequest) Reset() {
 	*x = ShutdownRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[44]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2781,7 +2981,7 @@ func (x *ShutdownRequest) String() string {
 func (*ShutdownRequest) ProtoMessage() {}
 
 func (x *ShutdownRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[44]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2794,7 +2994,7 @@ func (x *ShutdownRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShutdownRequest.ProtoReflect.Descriptor instead.
 func (*ShutdownRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{44}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *ShutdownRequest) GetModelId() string {
@@ -2815,7 +3015,7 @@ type ShutdownResponse struct {
 
 func (x *ShutdownResponse) Reset() {
 	*x = ShutdownResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[45]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2827,7 +3027,7 @@ func (x *ShutdownResponse) String() string {
 func (*ShutdownResponse) ProtoMessage() {}
 
 func (x *ShutdownResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[45]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2840,7 +3040,7 @@ func (x *ShutdownResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShutdownResponse.ProtoReflect.Descriptor instead.
 func (*ShutdownResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{45}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *ShutdownResponse) GetModelIds() []string {
@@ -2869,7 +3069,7 @@ type TokenizeRequest struct {
 
 func (x *TokenizeRequest) Reset() {
 	*x = TokenizeRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[46]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2881,7 +3081,7 @@ func (x *TokenizeRequest) String() string {
 func (*TokenizeRequest) ProtoMessage() {}
 
 func (x *TokenizeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[46]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2894,7 +3094,7 @@ func (x *TokenizeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenizeRequest.ProtoReflect.Descriptor instead.
 func (*TokenizeRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{46}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *TokenizeRequest) GetModelId() string {
@@ -2927,7 +3127,7 @@ type TokenizeResponse struct {
 
 func (x *TokenizeResponse) Reset() {
 	*x = TokenizeResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[47]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2939,7 +3139,7 @@ func (x *TokenizeResponse) String() string {
 func (*TokenizeResponse) ProtoMessage() {}
 
 func (x *TokenizeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[47]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2952,7 +3152,7 @@ func (x *TokenizeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenizeResponse.ProtoReflect.Descriptor instead.
 func (*TokenizeResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{47}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *TokenizeResponse) GetTokenIds() []int32 {
@@ -2973,7 +3173,7 @@ type DetokenizeRequest struct {
 
 func (x *DetokenizeRequest) Reset() {
 	*x = DetokenizeRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[48]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2985,7 +3185,7 @@ func (x *DetokenizeRequest) String() string {
 func (*DetokenizeRequest) ProtoMessage() {}
 
 func (x *DetokenizeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[48]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2998,7 +3198,7 @@ func (x *DetokenizeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetokenizeRequest.ProtoReflect.Descriptor instead.
 func (*DetokenizeRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{48}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *DetokenizeRequest) GetModelId() string {
@@ -3031,7 +3231,7 @@ type DetokenizeResponse struct {
 
 func (x *DetokenizeResponse) Reset() {
 	*x = DetokenizeResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[49]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3043,7 +3243,7 @@ func (x *DetokenizeResponse) String() string {
 func (*DetokenizeResponse) ProtoMessage() {}
 
 func (x *DetokenizeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[49]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3056,7 +3256,7 @@ func (x *DetokenizeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetokenizeResponse.ProtoReflect.Descriptor instead.
 func (*DetokenizeResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{49}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *DetokenizeResponse) GetText() string {
@@ -3078,7 +3278,7 @@ type ChatMessage struct {
 
 func (x *ChatMessage) Reset() {
 	*x = ChatMessage{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[50]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3090,7 +3290,7 @@ func (x *ChatMessage) String() string {
 func (*ChatMessage) ProtoMessage() {}
 
 func (x *ChatMessage) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[50]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3103,7 +3303,7 @@ func (x *ChatMessage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatMessage.ProtoReflect.Descriptor instead.
 func (*ChatMessage) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{50}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *ChatMessage) GetRole() string {
@@ -3132,7 +3332,7 @@ type ApplyChatTemplateRequest struct {
 
 func (x *ApplyChatTemplateRequest) Reset() {
 	*x = ApplyChatTemplateRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[51]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3144,7 +3344,7 @@ func (x *ApplyChatTemplateRequest) String() string {
 func (*ApplyChatTemplateRequest) ProtoMessage() {}
 
 func (x *ApplyChatTemplateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[51]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3157,7 +3357,7 @@ func (x *ApplyChatTemplateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ApplyChatTemplateRequest.ProtoReflect.Descriptor instead.
 func (*ApplyChatTemplateRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{51}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *ApplyChatTemplateRequest) GetModelId() string {
@@ -3192,7 +3392,7 @@ type ApplyChatTemplateResponse struct {
 
 func (x *ApplyChatTemplateResponse) Reset() {
 	*x = ApplyChatTemplateResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[52]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3204,7 +3404,7 @@ func (x *ApplyChatTemplateResponse) String() string {
 func (*ApplyChatTemplateResponse) ProtoMessage() {}
 
 func (x *ApplyChatTemplateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[52]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3217,7 +3417,7 @@ func (x *ApplyChatTemplateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ApplyChatTemplateResponse.ProtoReflect.Descriptor instead.
 func (*ApplyChatTemplateResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{52}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *ApplyChatTemplateResponse) GetText() string {
@@ -3244,7 +3444,7 @@ type TokenIds struct {
 
 func (x *TokenIds) Reset() {
 	*x = TokenIds{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[53]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3256,7 +3456,7 @@ func (x *TokenIds) String() string {
 func (*TokenIds) ProtoMessage() {}
 
 func (x *TokenIds) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[53]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3269,7 +3469,7 @@ func (x *TokenIds) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenIds.ProtoReflect.Descriptor instead.
 func (*TokenIds) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{53}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *TokenIds) GetTokenIds() []int32 {
@@ -3289,7 +3489,7 @@ type ChatMessages struct {
 
 func (x *ChatMessages) Reset() {
 	*x = ChatMessages{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[54]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3301,7 +3501,7 @@ func (x *ChatMessages) String() string {
 func (*ChatMessages) ProtoMessage() {}
 
 func (x *ChatMessages) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[54]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3314,7 +3514,7 @@ func (x *ChatMessages) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatMessages.ProtoReflect.Descriptor instead.
 func (*ChatMessages) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{54}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *ChatMessages) GetMessages() []*ChatMessage {
@@ -3343,7 +3543,7 @@ type StopConditions struct {
 
 func (x *StopConditions) Reset() {
 	*x = StopConditions{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[55]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3355,7 +3555,7 @@ func (x *StopConditions) String() string {
 func (*StopConditions) ProtoMessage() {}
 
 func (x *StopConditions) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[55]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3368,7 +3568,7 @@ func (x *StopConditions) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StopConditions.ProtoReflect.Descriptor instead.
 func (*StopConditions) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{55}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *StopConditions) GetMaxTokens() uint32 {
@@ -3425,14 +3625,25 @@ type GenerateRequest struct {
 	// The caller's id, echoed in logs.
 	RequestId string `protobuf:"bytes,11,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	// Send each token's text piece (`TokenEvent.text`); needs a tokenizer.
-	StreamText    bool `protobuf:"varint,12,opt,name=stream_text,json=streamText,proto3" json:"stream_text,omitempty"`
+	StreamText bool `protobuf:"varint,12,opt,name=stream_text,json=streamText,proto3" json:"stream_text,omitempty"`
+	// Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
+	// every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+	CacheSalt string `protobuf:"bytes,13,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
+	// Compute every token of a new cache: take nothing from the prefix cache (its full blocks are
+	// still cached for later requests).
+	BypassPrefixCache bool `protobuf:"varint,14,opt,name=bypass_prefix_cache,json=bypassPrefixCache,proto3" json:"bypass_prefix_cache,omitempty"`
+	// Samples to generate from the one prompt (0 or 1 = one). The prompt is prefilled once and
+	// forked (`ForkCache`) into `n` caches that share its KV blocks; each sample then decodes on its
+	// own, with seed `sampling.seed + i` for sample `i`. Events carry `sample_index`; one `finished`
+	// event per sample. With `cache_id`, `n` must be 1. At most 64.
+	N             uint32 `protobuf:"varint,15,opt,name=n,proto3" json:"n,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerateRequest) Reset() {
 	*x = GenerateRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[56]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3444,7 +3655,7 @@ func (x *GenerateRequest) String() string {
 func (*GenerateRequest) ProtoMessage() {}
 
 func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[56]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3457,7 +3668,7 @@ func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateRequest.ProtoReflect.Descriptor instead.
 func (*GenerateRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{56}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *GenerateRequest) GetModelId() string {
@@ -3557,6 +3768,27 @@ func (x *GenerateRequest) GetStreamText() bool {
 	return false
 }
 
+func (x *GenerateRequest) GetCacheSalt() string {
+	if x != nil {
+		return x.CacheSalt
+	}
+	return ""
+}
+
+func (x *GenerateRequest) GetBypassPrefixCache() bool {
+	if x != nil {
+		return x.BypassPrefixCache
+	}
+	return false
+}
+
+func (x *GenerateRequest) GetN() uint32 {
+	if x != nil {
+		return x.N
+	}
+	return 0
+}
+
 type isGenerateRequest_Prompt interface {
 	isGenerateRequest_Prompt()
 }
@@ -3583,17 +3815,19 @@ func (*GenerateRequest_Chat) isGenerateRequest_Prompt() {}
 
 // The first event: the prompt was prefilled.
 type GenerateStarted struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Cache         *KvCacheHandle         `protobuf:"bytes,1,opt,name=cache,proto3" json:"cache,omitempty"`
-	PromptTokens  uint32                 `protobuf:"varint,2,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
-	RequestId     string                 `protobuf:"bytes,3,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	state        protoimpl.MessageState `protogen:"open.v1"`
+	Cache        *KvCacheHandle         `protobuf:"bytes,1,opt,name=cache,proto3" json:"cache,omitempty"`
+	PromptTokens uint32                 `protobuf:"varint,2,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	RequestId    string                 `protobuf:"bytes,3,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	// Prompt tokens taken from the prefix cache instead of computed.
+	CachedTokens  uint32 `protobuf:"varint,4,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerateStarted) Reset() {
 	*x = GenerateStarted{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[57]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3605,7 +3839,7 @@ func (x *GenerateStarted) String() string {
 func (*GenerateStarted) ProtoMessage() {}
 
 func (x *GenerateStarted) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[57]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3618,7 +3852,7 @@ func (x *GenerateStarted) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateStarted.ProtoReflect.Descriptor instead.
 func (*GenerateStarted) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{57}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *GenerateStarted) GetCache() *KvCacheHandle {
@@ -3642,6 +3876,13 @@ func (x *GenerateStarted) GetRequestId() string {
 	return ""
 }
 
+func (x *GenerateStarted) GetCachedTokens() uint32 {
+	if x != nil {
+		return x.CachedTokens
+	}
+	return 0
+}
+
 // One generated token.
 type TokenEvent struct {
 	state       protoimpl.MessageState `protogen:"open.v1"`
@@ -3651,14 +3892,16 @@ type TokenEvent struct {
 	// Index of the token among the generated ones (0 = from the prefill).
 	Index uint32 `protobuf:"varint,4,opt,name=index,proto3" json:"index,omitempty"`
 	// The token's text piece (with `stream_text`); pieces concatenate to the generated text.
-	Text          string `protobuf:"bytes,5,opt,name=text,proto3" json:"text,omitempty"`
+	Text string `protobuf:"bytes,5,opt,name=text,proto3" json:"text,omitempty"`
+	// Which sample the token belongs to (`GenerateRequest.n`; 0 for a single sample).
+	SampleIndex   uint32 `protobuf:"varint,6,opt,name=sample_index,json=sampleIndex,proto3" json:"sample_index,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *TokenEvent) Reset() {
 	*x = TokenEvent{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[58]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3670,7 +3913,7 @@ func (x *TokenEvent) String() string {
 func (*TokenEvent) ProtoMessage() {}
 
 func (x *TokenEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[58]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3683,7 +3926,7 @@ func (x *TokenEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenEvent.ProtoReflect.Descriptor instead.
 func (*TokenEvent) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{58}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *TokenEvent) GetTokenId() int32 {
@@ -3721,6 +3964,13 @@ func (x *TokenEvent) GetText() string {
 	return ""
 }
 
+func (x *TokenEvent) GetSampleIndex() uint32 {
+	if x != nil {
+		return x.SampleIndex
+	}
+	return 0
+}
+
 // The last event.
 type GenerateFinished struct {
 	state           protoimpl.MessageState `protogen:"open.v1"`
@@ -3735,13 +3985,16 @@ type GenerateFinished struct {
 	// Time to first token and total time on the server.
 	TimeToFirstTokenNs uint64 `protobuf:"varint,6,opt,name=time_to_first_token_ns,json=timeToFirstTokenNs,proto3" json:"time_to_first_token_ns,omitempty"`
 	TotalNs            uint64 `protobuf:"varint,7,opt,name=total_ns,json=totalNs,proto3" json:"total_ns,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// Which sample ended (`GenerateRequest.n`; 0 for a single sample). The stream ends after the
+	// last sample's `finished` event.
+	SampleIndex   uint32 `protobuf:"varint,8,opt,name=sample_index,json=sampleIndex,proto3" json:"sample_index,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerateFinished) Reset() {
 	*x = GenerateFinished{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[59]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3753,7 +4006,7 @@ func (x *GenerateFinished) String() string {
 func (*GenerateFinished) ProtoMessage() {}
 
 func (x *GenerateFinished) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[59]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3766,7 +4019,7 @@ func (x *GenerateFinished) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateFinished.ProtoReflect.Descriptor instead.
 func (*GenerateFinished) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{59}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *GenerateFinished) GetFinishReason() FinishReason {
@@ -3818,6 +4071,13 @@ func (x *GenerateFinished) GetTotalNs() uint64 {
 	return 0
 }
 
+func (x *GenerateFinished) GetSampleIndex() uint32 {
+	if x != nil {
+		return x.SampleIndex
+	}
+	return 0
+}
+
 type GenerateResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Event:
@@ -3832,7 +4092,7 @@ type GenerateResponse struct {
 
 func (x *GenerateResponse) Reset() {
 	*x = GenerateResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[60]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3844,7 +4104,7 @@ func (x *GenerateResponse) String() string {
 func (*GenerateResponse) ProtoMessage() {}
 
 func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[60]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3857,7 +4117,7 @@ func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateResponse.ProtoReflect.Descriptor instead.
 func (*GenerateResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{60}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *GenerateResponse) GetEvent() isGenerateResponse_Event {
@@ -3930,6 +4190,7 @@ type SessionRequest struct {
 	//	*SessionRequest_ForwardVerify
 	//	*SessionRequest_TruncateKv
 	//	*SessionRequest_ReleaseCache
+	//	*SessionRequest_ForkCache
 	Step          isSessionRequest_Step `protobuf_oneof:"step"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -3937,7 +4198,7 @@ type SessionRequest struct {
 
 func (x *SessionRequest) Reset() {
 	*x = SessionRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[61]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3949,7 +4210,7 @@ func (x *SessionRequest) String() string {
 func (*SessionRequest) ProtoMessage() {}
 
 func (x *SessionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[61]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3962,7 +4223,7 @@ func (x *SessionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionRequest.ProtoReflect.Descriptor instead.
 func (*SessionRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{61}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *SessionRequest) GetStepId() uint64 {
@@ -4051,6 +4312,15 @@ func (x *SessionRequest) GetReleaseCache() *ReleaseCacheRequest {
 	return nil
 }
 
+func (x *SessionRequest) GetForkCache() *ForkCacheRequest {
+	if x != nil {
+		if x, ok := x.Step.(*SessionRequest_ForkCache); ok {
+			return x.ForkCache
+		}
+	}
+	return nil
+}
+
 type isSessionRequest_Step interface {
 	isSessionRequest_Step()
 }
@@ -4087,6 +4357,10 @@ type SessionRequest_ReleaseCache struct {
 	ReleaseCache *ReleaseCacheRequest `protobuf:"bytes,9,opt,name=release_cache,json=releaseCache,proto3,oneof"`
 }
 
+type SessionRequest_ForkCache struct {
+	ForkCache *ForkCacheRequest `protobuf:"bytes,10,opt,name=fork_cache,json=forkCache,proto3,oneof"`
+}
+
 func (*SessionRequest_Prefill) isSessionRequest_Step() {}
 
 func (*SessionRequest_BatchPrefill) isSessionRequest_Step() {}
@@ -4103,6 +4377,8 @@ func (*SessionRequest_TruncateKv) isSessionRequest_Step() {}
 
 func (*SessionRequest_ReleaseCache) isSessionRequest_Step() {}
 
+func (*SessionRequest_ForkCache) isSessionRequest_Step() {}
+
 type SessionResponse struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	StepId uint64                 `protobuf:"varint,1,opt,name=step_id,json=stepId,proto3" json:"step_id,omitempty"`
@@ -4116,6 +4392,7 @@ type SessionResponse struct {
 	//	*SessionResponse_ForwardVerify
 	//	*SessionResponse_TruncateKv
 	//	*SessionResponse_ReleaseCache
+	//	*SessionResponse_ForkCache
 	//	*SessionResponse_Error
 	Result        isSessionResponse_Result `protobuf_oneof:"result"`
 	unknownFields protoimpl.UnknownFields
@@ -4124,7 +4401,7 @@ type SessionResponse struct {
 
 func (x *SessionResponse) Reset() {
 	*x = SessionResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[62]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4136,7 +4413,7 @@ func (x *SessionResponse) String() string {
 func (*SessionResponse) ProtoMessage() {}
 
 func (x *SessionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[62]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4149,7 +4426,7 @@ func (x *SessionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionResponse.ProtoReflect.Descriptor instead.
 func (*SessionResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{62}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *SessionResponse) GetStepId() uint64 {
@@ -4238,6 +4515,15 @@ func (x *SessionResponse) GetReleaseCache() *ReleaseCacheResponse {
 	return nil
 }
 
+func (x *SessionResponse) GetForkCache() *ForkCacheResponse {
+	if x != nil {
+		if x, ok := x.Result.(*SessionResponse_ForkCache); ok {
+			return x.ForkCache
+		}
+	}
+	return nil
+}
+
 func (x *SessionResponse) GetError() *StepError {
 	if x != nil {
 		if x, ok := x.Result.(*SessionResponse_Error); ok {
@@ -4283,6 +4569,10 @@ type SessionResponse_ReleaseCache struct {
 	ReleaseCache *ReleaseCacheResponse `protobuf:"bytes,9,opt,name=release_cache,json=releaseCache,proto3,oneof"`
 }
 
+type SessionResponse_ForkCache struct {
+	ForkCache *ForkCacheResponse `protobuf:"bytes,10,opt,name=fork_cache,json=forkCache,proto3,oneof"`
+}
+
 type SessionResponse_Error struct {
 	// The step failed; the session goes on.
 	Error *StepError `protobuf:"bytes,15,opt,name=error,proto3,oneof"`
@@ -4304,6 +4594,8 @@ func (*SessionResponse_TruncateKv) isSessionResponse_Result() {}
 
 func (*SessionResponse_ReleaseCache) isSessionResponse_Result() {}
 
+func (*SessionResponse_ForkCache) isSessionResponse_Result() {}
+
 func (*SessionResponse_Error) isSessionResponse_Result() {}
 
 type LoadsRequest struct {
@@ -4316,7 +4608,7 @@ type LoadsRequest struct {
 
 func (x *LoadsRequest) Reset() {
 	*x = LoadsRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[63]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4328,7 +4620,7 @@ func (x *LoadsRequest) String() string {
 func (*LoadsRequest) ProtoMessage() {}
 
 func (x *LoadsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[63]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4341,7 +4633,7 @@ func (x *LoadsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadsRequest.ProtoReflect.Descriptor instead.
 func (*LoadsRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{63}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *LoadsRequest) GetModelId() string {
@@ -4363,7 +4655,7 @@ type LatencySummary struct {
 
 func (x *LatencySummary) Reset() {
 	*x = LatencySummary{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4375,7 +4667,7 @@ func (x *LatencySummary) String() string {
 func (*LatencySummary) ProtoMessage() {}
 
 func (x *LatencySummary) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4388,7 +4680,7 @@ func (x *LatencySummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LatencySummary.ProtoReflect.Descriptor instead.
 func (*LatencySummary) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{64}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *LatencySummary) GetP50Ns() uint64 {
@@ -4432,13 +4724,20 @@ type ModelLoad struct {
 	DecodeLatency  *LatencySummary `protobuf:"bytes,12,opt,name=decode_latency,json=decodeLatency,proto3" json:"decode_latency,omitempty"`
 	// Tokens promised by reservations, not yet used.
 	ReservedTokens uint64 `protobuf:"varint,13,opt,name=reserved_tokens,json=reservedTokens,proto3" json:"reserved_tokens,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Prefix cache: blocks held only by the cache (no live owner; counted in `free_blocks` too,
+	// since an allocation evicts them), blocks keyed in it, and prompt tokens served from it vs.
+	// looked up since start (hit rate = hit / queried).
+	EvictableBlocks     uint64 `protobuf:"varint,14,opt,name=evictable_blocks,json=evictableBlocks,proto3" json:"evictable_blocks,omitempty"`
+	CachedBlocks        uint64 `protobuf:"varint,15,opt,name=cached_blocks,json=cachedBlocks,proto3" json:"cached_blocks,omitempty"`
+	PrefixHitTokens     uint64 `protobuf:"varint,16,opt,name=prefix_hit_tokens,json=prefixHitTokens,proto3" json:"prefix_hit_tokens,omitempty"`
+	PrefixQueriedTokens uint64 `protobuf:"varint,17,opt,name=prefix_queried_tokens,json=prefixQueriedTokens,proto3" json:"prefix_queried_tokens,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *ModelLoad) Reset() {
 	*x = ModelLoad{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4450,7 +4749,7 @@ func (x *ModelLoad) String() string {
 func (*ModelLoad) ProtoMessage() {}
 
 func (x *ModelLoad) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4463,7 +4762,7 @@ func (x *ModelLoad) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ModelLoad.ProtoReflect.Descriptor instead.
 func (*ModelLoad) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{65}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *ModelLoad) GetModelId() string {
@@ -4557,6 +4856,34 @@ func (x *ModelLoad) GetReservedTokens() uint64 {
 	return 0
 }
 
+func (x *ModelLoad) GetEvictableBlocks() uint64 {
+	if x != nil {
+		return x.EvictableBlocks
+	}
+	return 0
+}
+
+func (x *ModelLoad) GetCachedBlocks() uint64 {
+	if x != nil {
+		return x.CachedBlocks
+	}
+	return 0
+}
+
+func (x *ModelLoad) GetPrefixHitTokens() uint64 {
+	if x != nil {
+		return x.PrefixHitTokens
+	}
+	return 0
+}
+
+func (x *ModelLoad) GetPrefixQueriedTokens() uint64 {
+	if x != nil {
+		return x.PrefixQueriedTokens
+	}
+	return 0
+}
+
 type LoadsResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Loads []*ModelLoad           `protobuf:"bytes,1,rep,name=loads,proto3" json:"loads,omitempty"`
@@ -4568,7 +4895,7 @@ type LoadsResponse struct {
 
 func (x *LoadsResponse) Reset() {
 	*x = LoadsResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4580,7 +4907,7 @@ func (x *LoadsResponse) String() string {
 func (*LoadsResponse) ProtoMessage() {}
 
 func (x *LoadsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4593,7 +4920,7 @@ func (x *LoadsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadsResponse.ProtoReflect.Descriptor instead.
 func (*LoadsResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{66}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *LoadsResponse) GetLoads() []*ModelLoad {
@@ -4620,7 +4947,7 @@ type ListCachesRequest struct {
 
 func (x *ListCachesRequest) Reset() {
 	*x = ListCachesRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4632,7 +4959,7 @@ func (x *ListCachesRequest) String() string {
 func (*ListCachesRequest) ProtoMessage() {}
 
 func (x *ListCachesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4645,7 +4972,7 @@ func (x *ListCachesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListCachesRequest.ProtoReflect.Descriptor instead.
 func (*ListCachesRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{67}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *ListCachesRequest) GetModelId() string {
@@ -4666,7 +4993,7 @@ type ListCachesResponse struct {
 
 func (x *ListCachesResponse) Reset() {
 	*x = ListCachesResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4678,7 +5005,7 @@ func (x *ListCachesResponse) String() string {
 func (*ListCachesResponse) ProtoMessage() {}
 
 func (x *ListCachesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4691,7 +5018,7 @@ func (x *ListCachesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListCachesResponse.ProtoReflect.Descriptor instead.
 func (*ListCachesResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{68}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *ListCachesResponse) GetCaches() []*KvCacheHandle {
@@ -4725,7 +5052,7 @@ type KvEvent struct {
 
 func (x *KvEvent) Reset() {
 	*x = KvEvent{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4737,7 +5064,7 @@ func (x *KvEvent) String() string {
 func (*KvEvent) ProtoMessage() {}
 
 func (x *KvEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4750,7 +5077,7 @@ func (x *KvEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvEvent.ProtoReflect.Descriptor instead.
 func (*KvEvent) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{69}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *KvEvent) GetSeq() uint64 {
@@ -4800,14 +5127,17 @@ type SubscribeKvEventsRequest struct {
 	// Empty = every hosted model.
 	ModelId string `protobuf:"bytes,1,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
 	// Replay from this sequence number (events with seq >= from_seq). Absent = live events only.
-	FromSeq       *uint64 `protobuf:"varint,2,opt,name=from_seq,json=fromSeq,proto3,oneof" json:"from_seq,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	FromSeq *uint64 `protobuf:"varint,2,opt,name=from_seq,json=fromSeq,proto3,oneof" json:"from_seq,omitempty"`
+	// Also send prefix-cache block events (`KvBlockEvent`). They share the sequence numbers of cache
+	// events, so a subscriber without them sees gaps in `seq`.
+	IncludeBlockEvents bool `protobuf:"varint,3,opt,name=include_block_events,json=includeBlockEvents,proto3" json:"include_block_events,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *SubscribeKvEventsRequest) Reset() {
 	*x = SubscribeKvEventsRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4819,7 +5149,7 @@ func (x *SubscribeKvEventsRequest) String() string {
 func (*SubscribeKvEventsRequest) ProtoMessage() {}
 
 func (x *SubscribeKvEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4832,7 +5162,7 @@ func (x *SubscribeKvEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeKvEventsRequest.ProtoReflect.Descriptor instead.
 func (*SubscribeKvEventsRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{70}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *SubscribeKvEventsRequest) GetModelId() string {
@@ -4849,6 +5179,293 @@ func (x *SubscribeKvEventsRequest) GetFromSeq() uint64 {
 	return 0
 }
 
+func (x *SubscribeKvEventsRequest) GetIncludeBlockEvents() bool {
+	if x != nil {
+		return x.IncludeBlockEvents
+	}
+	return false
+}
+
+// Full blocks entered the prefix cache (vLLM's `BlockStored`): their keys, in chain order, and
+// the tokens they hold. A router that mirrors these events knows which prefixes a replica holds.
+type KvBlockStored struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One 32-byte key per block, in chain order (`PrefixCacheRecipe`).
+	BlockHashes [][]byte `protobuf:"bytes,1,rep,name=block_hashes,json=blockHashes,proto3" json:"block_hashes,omitempty"`
+	// The key before the first block: the previous block's, or the chain root for a sequence's
+	// first block.
+	ParentBlockHash []byte `protobuf:"bytes,2,opt,name=parent_block_hash,json=parentBlockHash,proto3" json:"parent_block_hash,omitempty"`
+	// The blocks' tokens: `block_size` per block, in order.
+	TokenIds      []int32 `protobuf:"varint,3,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
+	BlockSize     uint32  `protobuf:"varint,4,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KvBlockStored) Reset() {
+	*x = KvBlockStored{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KvBlockStored) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KvBlockStored) ProtoMessage() {}
+
+func (x *KvBlockStored) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KvBlockStored.ProtoReflect.Descriptor instead.
+func (*KvBlockStored) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{73}
+}
+
+func (x *KvBlockStored) GetBlockHashes() [][]byte {
+	if x != nil {
+		return x.BlockHashes
+	}
+	return nil
+}
+
+func (x *KvBlockStored) GetParentBlockHash() []byte {
+	if x != nil {
+		return x.ParentBlockHash
+	}
+	return nil
+}
+
+func (x *KvBlockStored) GetTokenIds() []int32 {
+	if x != nil {
+		return x.TokenIds
+	}
+	return nil
+}
+
+func (x *KvBlockStored) GetBlockSize() uint32 {
+	if x != nil {
+		return x.BlockSize
+	}
+	return 0
+}
+
+// Blocks left the prefix cache (evicted, or overwritten after a truncation). vLLM's `BlockRemoved`.
+type KvBlockRemoved struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	BlockHashes   [][]byte               `protobuf:"bytes,1,rep,name=block_hashes,json=blockHashes,proto3" json:"block_hashes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KvBlockRemoved) Reset() {
+	*x = KvBlockRemoved{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KvBlockRemoved) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KvBlockRemoved) ProtoMessage() {}
+
+func (x *KvBlockRemoved) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KvBlockRemoved.ProtoReflect.Descriptor instead.
+func (*KvBlockRemoved) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{74}
+}
+
+func (x *KvBlockRemoved) GetBlockHashes() [][]byte {
+	if x != nil {
+		return x.BlockHashes
+	}
+	return nil
+}
+
+// Every block left the prefix cache (the model shut down). vLLM's `AllBlocksCleared`.
+type KvBlocksCleared struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KvBlocksCleared) Reset() {
+	*x = KvBlocksCleared{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[75]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KvBlocksCleared) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KvBlocksCleared) ProtoMessage() {}
+
+func (x *KvBlocksCleared) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[75]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KvBlocksCleared.ProtoReflect.Descriptor instead.
+func (*KvBlocksCleared) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{75}
+}
+
+// One prefix-cache block event.
+type KvBlockEvent struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Seq     uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	ModelId string                 `protobuf:"bytes,2,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
+	// Server wall clock (Unix epoch nanoseconds).
+	TimeUnixNs int64 `protobuf:"varint,3,opt,name=time_unix_ns,json=timeUnixNs,proto3" json:"time_unix_ns,omitempty"`
+	// Types that are valid to be assigned to Data:
+	//
+	//	*KvBlockEvent_Stored
+	//	*KvBlockEvent_Removed
+	//	*KvBlockEvent_Cleared
+	Data          isKvBlockEvent_Data `protobuf_oneof:"data"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KvBlockEvent) Reset() {
+	*x = KvBlockEvent{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[76]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KvBlockEvent) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KvBlockEvent) ProtoMessage() {}
+
+func (x *KvBlockEvent) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[76]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KvBlockEvent.ProtoReflect.Descriptor instead.
+func (*KvBlockEvent) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{76}
+}
+
+func (x *KvBlockEvent) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *KvBlockEvent) GetModelId() string {
+	if x != nil {
+		return x.ModelId
+	}
+	return ""
+}
+
+func (x *KvBlockEvent) GetTimeUnixNs() int64 {
+	if x != nil {
+		return x.TimeUnixNs
+	}
+	return 0
+}
+
+func (x *KvBlockEvent) GetData() isKvBlockEvent_Data {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *KvBlockEvent) GetStored() *KvBlockStored {
+	if x != nil {
+		if x, ok := x.Data.(*KvBlockEvent_Stored); ok {
+			return x.Stored
+		}
+	}
+	return nil
+}
+
+func (x *KvBlockEvent) GetRemoved() *KvBlockRemoved {
+	if x != nil {
+		if x, ok := x.Data.(*KvBlockEvent_Removed); ok {
+			return x.Removed
+		}
+	}
+	return nil
+}
+
+func (x *KvBlockEvent) GetCleared() *KvBlocksCleared {
+	if x != nil {
+		if x, ok := x.Data.(*KvBlockEvent_Cleared); ok {
+			return x.Cleared
+		}
+	}
+	return nil
+}
+
+type isKvBlockEvent_Data interface {
+	isKvBlockEvent_Data()
+}
+
+type KvBlockEvent_Stored struct {
+	Stored *KvBlockStored `protobuf:"bytes,4,opt,name=stored,proto3,oneof"`
+}
+
+type KvBlockEvent_Removed struct {
+	Removed *KvBlockRemoved `protobuf:"bytes,5,opt,name=removed,proto3,oneof"`
+}
+
+type KvBlockEvent_Cleared struct {
+	Cleared *KvBlocksCleared `protobuf:"bytes,6,opt,name=cleared,proto3,oneof"`
+}
+
+func (*KvBlockEvent_Stored) isKvBlockEvent_Data() {}
+
+func (*KvBlockEvent_Removed) isKvBlockEvent_Data() {}
+
+func (*KvBlockEvent_Cleared) isKvBlockEvent_Data() {}
+
 // The requested `from_seq` is no longer in the replay buffer: take a `ListCaches` snapshot; live
 // events follow from `next_seq`.
 type ResyncRequired struct {
@@ -4862,7 +5479,7 @@ type ResyncRequired struct {
 
 func (x *ResyncRequired) Reset() {
 	*x = ResyncRequired{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4874,7 +5491,7 @@ func (x *ResyncRequired) String() string {
 func (*ResyncRequired) ProtoMessage() {}
 
 func (x *ResyncRequired) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4887,7 +5504,7 @@ func (x *ResyncRequired) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResyncRequired.ProtoReflect.Descriptor instead.
 func (*ResyncRequired) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{71}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *ResyncRequired) GetRequestedSeq() uint64 {
@@ -4917,6 +5534,7 @@ type SubscribeKvEventsResponse struct {
 	//
 	//	*SubscribeKvEventsResponse_Event
 	//	*SubscribeKvEventsResponse_ResyncRequired
+	//	*SubscribeKvEventsResponse_BlockEvent
 	Message       isSubscribeKvEventsResponse_Message `protobuf_oneof:"message"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -4924,7 +5542,7 @@ type SubscribeKvEventsResponse struct {
 
 func (x *SubscribeKvEventsResponse) Reset() {
 	*x = SubscribeKvEventsResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4936,7 +5554,7 @@ func (x *SubscribeKvEventsResponse) String() string {
 func (*SubscribeKvEventsResponse) ProtoMessage() {}
 
 func (x *SubscribeKvEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4949,7 +5567,7 @@ func (x *SubscribeKvEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeKvEventsResponse.ProtoReflect.Descriptor instead.
 func (*SubscribeKvEventsResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{72}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *SubscribeKvEventsResponse) GetMessage() isSubscribeKvEventsResponse_Message {
@@ -4977,6 +5595,15 @@ func (x *SubscribeKvEventsResponse) GetResyncRequired() *ResyncRequired {
 	return nil
 }
 
+func (x *SubscribeKvEventsResponse) GetBlockEvent() *KvBlockEvent {
+	if x != nil {
+		if x, ok := x.Message.(*SubscribeKvEventsResponse_BlockEvent); ok {
+			return x.BlockEvent
+		}
+	}
+	return nil
+}
+
 type isSubscribeKvEventsResponse_Message interface {
 	isSubscribeKvEventsResponse_Message()
 }
@@ -4989,9 +5616,16 @@ type SubscribeKvEventsResponse_ResyncRequired struct {
 	ResyncRequired *ResyncRequired `protobuf:"bytes,2,opt,name=resync_required,json=resyncRequired,proto3,oneof"`
 }
 
+type SubscribeKvEventsResponse_BlockEvent struct {
+	// Only with `include_block_events`.
+	BlockEvent *KvBlockEvent `protobuf:"bytes,3,opt,name=block_event,json=blockEvent,proto3,oneof"`
+}
+
 func (*SubscribeKvEventsResponse_Event) isSubscribeKvEventsResponse_Message() {}
 
 func (*SubscribeKvEventsResponse_ResyncRequired) isSubscribeKvEventsResponse_Message() {}
+
+func (*SubscribeKvEventsResponse_BlockEvent) isSubscribeKvEventsResponse_Message() {}
 
 type AbortRequest struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
@@ -5007,7 +5641,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5019,7 +5653,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5032,7 +5666,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{73}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *AbortRequest) GetModelId() string {
@@ -5097,7 +5731,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5109,7 +5743,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5122,7 +5756,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{74}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *AbortResponse) GetAbortedStreams() uint32 {
@@ -5171,7 +5805,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x17AdmissionLimitsResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12H\n" +
 	"\x06limits\x18\x02 \x01(\v2+.ferrum.executor.v1.ExecutorAdmissionLimitsH\x00R\x06limits\x88\x01\x01B\t\n" +
-	"\a_limits\"\xa0\x02\n" +
+	"\a_limits\"\xef\x02\n" +
 	"\fPrefillInput\x12\x1b\n" +
 	"\ttoken_ids\x18\x01 \x03(\x05R\btokenIds\x12\x19\n" +
 	"\bcache_id\x18\x02 \x01(\tR\acacheId\x128\n" +
@@ -5180,12 +5814,16 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\rall_positions\x18\x05 \x01(\bR\fallPositions\x123\n" +
 	"\bmetadata\x18\x06 \x01(\v2\x17.google.protobuf.StructR\bmetadata\x12\x1d\n" +
 	"\n" +
-	"request_id\x18\a \x01(\tR\trequestId\"\xfc\x01\n" +
+	"request_id\x18\a \x01(\tR\trequestId\x12\x1d\n" +
+	"\n" +
+	"cache_salt\x18\b \x01(\tR\tcacheSalt\x12.\n" +
+	"\x13bypass_prefix_cache\x18\t \x01(\bR\x11bypassPrefixCache\"\xa1\x02\n" +
 	"\rPrefillOutput\x127\n" +
 	"\x05cache\x18\x01 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x128\n" +
 	"\x06output\x18\x02 \x01(\v2 .ferrum.executor.v1.LogitsOutputR\x06output\x12>\n" +
 	"\tpositions\x18\x03 \x03(\v2 .ferrum.executor.v1.LogitsOutputR\tpositions\x128\n" +
-	"\tembedding\x18\x04 \x01(\v2\x1a.ferrum.executor.v1.TensorR\tembedding\"\x89\x01\n" +
+	"\tembedding\x18\x04 \x01(\v2\x1a.ferrum.executor.v1.TensorR\tembedding\x12#\n" +
+	"\rcached_tokens\x18\x05 \x01(\x04R\fcachedTokens\"\x89\x01\n" +
 	"\x0ePrefillRequest\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x126\n" +
 	"\x05input\x18\x02 \x01(\v2 .ferrum.executor.v1.PrefillInputR\x05input\x12$\n" +
@@ -5223,7 +5861,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x0eclient_step_id\x18\x0f \x01(\tR\fclientStepId\"\x8c\x01\n" +
 	"\x13BatchDecodeResponse\x12:\n" +
 	"\aoutputs\x18\x01 \x03(\v2 .ferrum.executor.v1.DecodeOutputR\aoutputs\x129\n" +
-	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\x93\x02\n" +
+	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\xe2\x02\n" +
 	"\x10UnifiedBatchItem\x12\x15\n" +
 	"\x06seq_id\x18\x01 \x01(\tR\x05seqId\x12\x19\n" +
 	"\bq_tokens\x18\x02 \x03(\x05R\aqTokens\x12\x19\n" +
@@ -5232,15 +5870,19 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"pos_offset\x18\x04 \x01(\x04R\tposOffset\x12$\n" +
 	"\x0eis_final_chunk\x18\x05 \x01(\bR\fisFinalChunk\x128\n" +
 	"\x06logits\x18\x06 \x01(\v2 .ferrum.executor.v1.LogitsPolicyR\x06logits\x123\n" +
-	"\bmetadata\x18\a \x01(\v2\x17.google.protobuf.StructR\bmetadata\"\x93\x01\n" +
+	"\bmetadata\x18\a \x01(\v2\x17.google.protobuf.StructR\bmetadata\x12\x1d\n" +
+	"\n" +
+	"cache_salt\x18\b \x01(\tR\tcacheSalt\x12.\n" +
+	"\x13bypass_prefix_cache\x18\t \x01(\bR\x11bypassPrefixCache\"\x93\x01\n" +
 	"\x14UnifiedDecodeRequest\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12:\n" +
 	"\x05items\x18\x02 \x03(\v2$.ferrum.executor.v1.UnifiedBatchItemR\x05items\x12$\n" +
-	"\x0eclient_step_id\x18\x0f \x01(\tR\fclientStepId\"\xad\x01\n" +
+	"\x0eclient_step_id\x18\x0f \x01(\tR\fclientStepId\"\xd2\x01\n" +
 	"\x11UnifiedItemResult\x12\x15\n" +
 	"\x06seq_id\x18\x01 \x01(\tR\x05seqId\x127\n" +
 	"\x05cache\x18\x02 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x12=\n" +
-	"\x06output\x18\x03 \x01(\v2 .ferrum.executor.v1.LogitsOutputH\x00R\x06output\x88\x01\x01B\t\n" +
+	"\x06output\x18\x03 \x01(\v2 .ferrum.executor.v1.LogitsOutputH\x00R\x06output\x88\x01\x01\x12#\n" +
+	"\rcached_tokens\x18\x04 \x01(\x04R\fcachedTokensB\t\n" +
 	"\a_output\"\x93\x01\n" +
 	"\x15UnifiedDecodeResponse\x12?\n" +
 	"\aresults\x18\x01 \x03(\v2%.ferrum.executor.v1.UnifiedItemResultR\aresults\x129\n" +
@@ -5282,7 +5924,18 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\breleased\x18\x01 \x01(\bR\breleased\x12\x1f\n" +
 	"\vfreed_bytes\x18\x02 \x01(\x04R\n" +
 	"freedBytes\x12!\n" +
-	"\ffreed_tokens\x18\x03 \x01(\x04R\vfreedTokens\"q\n" +
+	"\ffreed_tokens\x18\x03 \x01(\x04R\vfreedTokens\"\xcb\x01\n" +
+	"\x10ForkCacheRequest\x12\x19\n" +
+	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x19\n" +
+	"\bcache_id\x18\x02 \x01(\tR\acacheId\x12$\n" +
+	"\vkeep_tokens\x18\x03 \x01(\x04H\x00R\n" +
+	"keepTokens\x88\x01\x01\x12%\n" +
+	"\x0ereserve_tokens\x18\x04 \x01(\x04R\rreserveTokens\x12$\n" +
+	"\x0eclient_step_id\x18\x0f \x01(\tR\fclientStepIdB\x0e\n" +
+	"\f_keep_tokens\"q\n" +
+	"\x11ForkCacheResponse\x127\n" +
+	"\x05cache\x18\x01 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x12#\n" +
+	"\rshared_blocks\x18\x02 \x01(\rR\fsharedBlocks\"q\n" +
 	"\x15ReserveKvSlotsRequest\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12=\n" +
 	"\brequests\x18\x02 \x03(\v2!.ferrum.executor.v1.KvSlotRequestR\brequests\"v\n" +
@@ -5349,7 +6002,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x0estop_token_ids\x18\x02 \x03(\x05R\fstopTokenIds\x12\x1d\n" +
 	"\n" +
 	"ignore_eos\x18\x03 \x01(\bR\tignoreEos\x12%\n" +
-	"\x0estop_sequences\x18\x04 \x03(\tR\rstopSequences\"\x91\x04\n" +
+	"\x0estop_sequences\x18\x04 \x03(\tR\rstopSequences\"\xee\x04\n" +
 	"\x0fGenerateRequest\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12;\n" +
 	"\ttoken_ids\x18\x02 \x01(\v2\x1c.ferrum.executor.v1.TokenIdsH\x00R\btokenIds\x12\x14\n" +
@@ -5366,21 +6019,27 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\n" +
 	"request_id\x18\v \x01(\tR\trequestId\x12\x1f\n" +
 	"\vstream_text\x18\f \x01(\bR\n" +
-	"streamTextB\b\n" +
+	"streamText\x12\x1d\n" +
+	"\n" +
+	"cache_salt\x18\r \x01(\tR\tcacheSalt\x12.\n" +
+	"\x13bypass_prefix_cache\x18\x0e \x01(\bR\x11bypassPrefixCache\x12\f\n" +
+	"\x01n\x18\x0f \x01(\rR\x01nB\b\n" +
 	"\x06promptB\x10\n" +
-	"\x0e_last_token_id\"\x8e\x01\n" +
+	"\x0e_last_token_id\"\xb3\x01\n" +
 	"\x0fGenerateStarted\x127\n" +
 	"\x05cache\x18\x01 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x12#\n" +
 	"\rprompt_tokens\x18\x02 \x01(\rR\fpromptTokens\x12\x1d\n" +
 	"\n" +
-	"request_id\x18\x03 \x01(\tR\trequestId\"\xb0\x01\n" +
+	"request_id\x18\x03 \x01(\tR\trequestId\x12#\n" +
+	"\rcached_tokens\x18\x04 \x01(\rR\fcachedTokens\"\xd3\x01\n" +
 	"\n" +
 	"TokenEvent\x12\x19\n" +
 	"\btoken_id\x18\x01 \x01(\x05R\atokenId\x12\x18\n" +
 	"\alogprob\x18\x02 \x01(\x02R\alogprob\x12C\n" +
 	"\ftop_logprobs\x18\x03 \x03(\v2 .ferrum.executor.v1.TokenLogprobR\vtopLogprobs\x12\x14\n" +
 	"\x05index\x18\x04 \x01(\rR\x05index\x12\x12\n" +
-	"\x04text\x18\x05 \x01(\tR\x04text\"\xc5\x02\n" +
+	"\x04text\x18\x05 \x01(\tR\x04text\x12!\n" +
+	"\fsample_index\x18\x06 \x01(\rR\vsampleIndex\"\xe8\x02\n" +
 	"\x10GenerateFinished\x12E\n" +
 	"\rfinish_reason\x18\x01 \x01(\x0e2 .ferrum.executor.v1.FinishReasonR\ffinishReason\x12#\n" +
 	"\rprompt_tokens\x18\x02 \x01(\rR\fpromptTokens\x12)\n" +
@@ -5388,12 +6047,13 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x05cache\x18\x04 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x12\x12\n" +
 	"\x04text\x18\x05 \x01(\tR\x04text\x122\n" +
 	"\x16time_to_first_token_ns\x18\x06 \x01(\x04R\x12timeToFirstTokenNs\x12\x19\n" +
-	"\btotal_ns\x18\a \x01(\x04R\atotalNs\"\xd8\x01\n" +
+	"\btotal_ns\x18\a \x01(\x04R\atotalNs\x12!\n" +
+	"\fsample_index\x18\b \x01(\rR\vsampleIndex\"\xd8\x01\n" +
 	"\x10GenerateResponse\x12?\n" +
 	"\astarted\x18\x01 \x01(\v2#.ferrum.executor.v1.GenerateStartedH\x00R\astarted\x126\n" +
 	"\x05token\x18\x02 \x01(\v2\x1e.ferrum.executor.v1.TokenEventH\x00R\x05token\x12B\n" +
 	"\bfinished\x18\x03 \x01(\v2$.ferrum.executor.v1.GenerateFinishedH\x00R\bfinishedB\a\n" +
-	"\x05event\"\x8b\x05\n" +
+	"\x05event\"\xd2\x05\n" +
 	"\x0eSessionRequest\x12\x17\n" +
 	"\astep_id\x18\x01 \x01(\x04R\x06stepId\x12>\n" +
 	"\aprefill\x18\x02 \x01(\v2\".ferrum.executor.v1.PrefillRequestH\x00R\aprefill\x12N\n" +
@@ -5404,8 +6064,11 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x0eforward_verify\x18\a \x01(\v2(.ferrum.executor.v1.ForwardVerifyRequestH\x00R\rforwardVerify\x12H\n" +
 	"\vtruncate_kv\x18\b \x01(\v2%.ferrum.executor.v1.TruncateKvRequestH\x00R\n" +
 	"truncateKv\x12N\n" +
-	"\rrelease_cache\x18\t \x01(\v2'.ferrum.executor.v1.ReleaseCacheRequestH\x00R\freleaseCacheB\x06\n" +
-	"\x04step\"\xcd\x05\n" +
+	"\rrelease_cache\x18\t \x01(\v2'.ferrum.executor.v1.ReleaseCacheRequestH\x00R\freleaseCache\x12E\n" +
+	"\n" +
+	"fork_cache\x18\n" +
+	" \x01(\v2$.ferrum.executor.v1.ForkCacheRequestH\x00R\tforkCacheB\x06\n" +
+	"\x04step\"\x95\x06\n" +
 	"\x0fSessionResponse\x12\x17\n" +
 	"\astep_id\x18\x01 \x01(\x04R\x06stepId\x12?\n" +
 	"\aprefill\x18\x02 \x01(\v2#.ferrum.executor.v1.PrefillResponseH\x00R\aprefill\x12O\n" +
@@ -5416,7 +6079,10 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x0eforward_verify\x18\a \x01(\v2).ferrum.executor.v1.ForwardVerifyResponseH\x00R\rforwardVerify\x12I\n" +
 	"\vtruncate_kv\x18\b \x01(\v2&.ferrum.executor.v1.TruncateKvResponseH\x00R\n" +
 	"truncateKv\x12O\n" +
-	"\rrelease_cache\x18\t \x01(\v2(.ferrum.executor.v1.ReleaseCacheResponseH\x00R\freleaseCache\x125\n" +
+	"\rrelease_cache\x18\t \x01(\v2(.ferrum.executor.v1.ReleaseCacheResponseH\x00R\freleaseCache\x12F\n" +
+	"\n" +
+	"fork_cache\x18\n" +
+	" \x01(\v2%.ferrum.executor.v1.ForkCacheResponseH\x00R\tforkCache\x125\n" +
 	"\x05error\x18\x0f \x01(\v2\x1d.ferrum.executor.v1.StepErrorH\x00R\x05errorB\b\n" +
 	"\x06result\")\n" +
 	"\fLoadsRequest\x12\x19\n" +
@@ -5424,7 +6090,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x0eLatencySummary\x12\x15\n" +
 	"\x06p50_ns\x18\x01 \x01(\x04R\x05p50Ns\x12\x15\n" +
 	"\x06p99_ns\x18\x02 \x01(\x04R\x05p99Ns\x12\x14\n" +
-	"\x05count\x18\x03 \x01(\x04R\x05count\"\xa8\x04\n" +
+	"\x05count\x18\x03 \x01(\x04R\x05count\"\xd8\x05\n" +
 	"\tModelLoad\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12#\n" +
 	"\ractive_caches\x18\x02 \x01(\x04R\factiveCaches\x12'\n" +
@@ -5442,7 +6108,11 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	" \x01(\rR\ractiveStreams\x12K\n" +
 	"\x0fprefill_latency\x18\v \x01(\v2\".ferrum.executor.v1.LatencySummaryR\x0eprefillLatency\x12I\n" +
 	"\x0edecode_latency\x18\f \x01(\v2\".ferrum.executor.v1.LatencySummaryR\rdecodeLatency\x12'\n" +
-	"\x0freserved_tokens\x18\r \x01(\x04R\x0ereservedTokens\"f\n" +
+	"\x0freserved_tokens\x18\r \x01(\x04R\x0ereservedTokens\x12)\n" +
+	"\x10evictable_blocks\x18\x0e \x01(\x04R\x0fevictableBlocks\x12#\n" +
+	"\rcached_blocks\x18\x0f \x01(\x04R\fcachedBlocks\x12*\n" +
+	"\x11prefix_hit_tokens\x18\x10 \x01(\x04R\x0fprefixHitTokens\x122\n" +
+	"\x15prefix_queried_tokens\x18\x11 \x01(\x04R\x13prefixQueriedTokens\"f\n" +
 	"\rLoadsResponse\x123\n" +
 	"\x05loads\x18\x01 \x03(\v2\x1d.ferrum.executor.v1.ModelLoadR\x05loads\x12 \n" +
 	"\fkv_event_seq\x18\x02 \x01(\x04R\n" +
@@ -5460,18 +6130,39 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\n" +
 	"num_tokens\x18\x05 \x01(\x04R\tnumTokens\x12 \n" +
 	"\ftime_unix_ns\x18\x06 \x01(\x03R\n" +
-	"timeUnixNs\"b\n" +
+	"timeUnixNs\"\x94\x01\n" +
 	"\x18SubscribeKvEventsRequest\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1e\n" +
-	"\bfrom_seq\x18\x02 \x01(\x04H\x00R\afromSeq\x88\x01\x01B\v\n" +
-	"\t_from_seq\"\x82\x01\n" +
+	"\bfrom_seq\x18\x02 \x01(\x04H\x00R\afromSeq\x88\x01\x01\x120\n" +
+	"\x14include_block_events\x18\x03 \x01(\bR\x12includeBlockEventsB\v\n" +
+	"\t_from_seq\"\x9a\x01\n" +
+	"\rKvBlockStored\x12!\n" +
+	"\fblock_hashes\x18\x01 \x03(\fR\vblockHashes\x12*\n" +
+	"\x11parent_block_hash\x18\x02 \x01(\fR\x0fparentBlockHash\x12\x1b\n" +
+	"\ttoken_ids\x18\x03 \x03(\x05R\btokenIds\x12\x1d\n" +
+	"\n" +
+	"block_size\x18\x04 \x01(\rR\tblockSize\"3\n" +
+	"\x0eKvBlockRemoved\x12!\n" +
+	"\fblock_hashes\x18\x01 \x03(\fR\vblockHashes\"\x11\n" +
+	"\x0fKvBlocksCleared\"\xa3\x02\n" +
+	"\fKvBlockEvent\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x19\n" +
+	"\bmodel_id\x18\x02 \x01(\tR\amodelId\x12 \n" +
+	"\ftime_unix_ns\x18\x03 \x01(\x03R\n" +
+	"timeUnixNs\x12;\n" +
+	"\x06stored\x18\x04 \x01(\v2!.ferrum.executor.v1.KvBlockStoredH\x00R\x06stored\x12>\n" +
+	"\aremoved\x18\x05 \x01(\v2\".ferrum.executor.v1.KvBlockRemovedH\x00R\aremoved\x12?\n" +
+	"\acleared\x18\x06 \x01(\v2#.ferrum.executor.v1.KvBlocksClearedH\x00R\aclearedB\x06\n" +
+	"\x04data\"\x82\x01\n" +
 	"\x0eResyncRequired\x12#\n" +
 	"\rrequested_seq\x18\x01 \x01(\x04R\frequestedSeq\x120\n" +
 	"\x14oldest_available_seq\x18\x02 \x01(\x04R\x12oldestAvailableSeq\x12\x19\n" +
-	"\bnext_seq\x18\x03 \x01(\x04R\anextSeq\"\xaa\x01\n" +
+	"\bnext_seq\x18\x03 \x01(\x04R\anextSeq\"\xef\x01\n" +
 	"\x19SubscribeKvEventsResponse\x123\n" +
 	"\x05event\x18\x01 \x01(\v2\x1b.ferrum.executor.v1.KvEventH\x00R\x05event\x12M\n" +
-	"\x0fresync_required\x18\x02 \x01(\v2\".ferrum.executor.v1.ResyncRequiredH\x00R\x0eresyncRequiredB\t\n" +
+	"\x0fresync_required\x18\x02 \x01(\v2\".ferrum.executor.v1.ResyncRequiredH\x00R\x0eresyncRequired\x12C\n" +
+	"\vblock_event\x18\x03 \x01(\v2 .ferrum.executor.v1.KvBlockEventH\x00R\n" +
+	"blockEventB\t\n" +
 	"\amessage\"q\n" +
 	"\fAbortRequest\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1f\n" +
@@ -5489,7 +6180,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x11FINISH_REASON_EOS\x10\x03\x12\x1b\n" +
 	"\x17FINISH_REASON_CANCELLED\x10\x04\x12\x17\n" +
 	"\x13FINISH_REASON_ERROR\x10\x05\x12 \n" +
-	"\x1cFINISH_REASON_CONTENT_FILTER\x10\x06*\xd4\x01\n" +
+	"\x1cFINISH_REASON_CONTENT_FILTER\x10\x06*\xee\x01\n" +
 	"\vKvEventKind\x12\x1d\n" +
 	"\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15KV_EVENT_KIND_CREATED\x10\x01\x12\x1a\n" +
@@ -5497,7 +6188,8 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x17KV_EVENT_KIND_TRUNCATED\x10\x03\x12\x1a\n" +
 	"\x16KV_EVENT_KIND_RELEASED\x10\x04\x12\x1b\n" +
 	"\x17KV_EVENT_KIND_RECLAIMED\x10\x05\x12\x19\n" +
-	"\x15KV_EVENT_KIND_EVICTED\x10\x062\xa0\x15\n" +
+	"\x15KV_EVENT_KIND_EVICTED\x10\x06\x12\x18\n" +
+	"\x14KV_EVENT_KIND_FORKED\x10\a2\xfa\x15\n" +
 	"\rModelExecutor\x12I\n" +
 	"\x04Info\x12\x1f.ferrum.executor.v1.InfoRequest\x1a .ferrum.executor.v1.InfoResponse\x12a\n" +
 	"\fCapabilities\x12'.ferrum.executor.v1.CapabilitiesRequest\x1a(.ferrum.executor.v1.CapabilitiesResponse\x12O\n" +
@@ -5514,7 +6206,8 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\rForwardVerify\x12(.ferrum.executor.v1.ForwardVerifyRequest\x1a).ferrum.executor.v1.ForwardVerifyResponse\x12[\n" +
 	"\n" +
 	"TruncateKv\x12%.ferrum.executor.v1.TruncateKvRequest\x1a&.ferrum.executor.v1.TruncateKvResponse\x12a\n" +
-	"\fReleaseCache\x12'.ferrum.executor.v1.ReleaseCacheRequest\x1a(.ferrum.executor.v1.ReleaseCacheResponse\x12g\n" +
+	"\fReleaseCache\x12'.ferrum.executor.v1.ReleaseCacheRequest\x1a(.ferrum.executor.v1.ReleaseCacheResponse\x12X\n" +
+	"\tForkCache\x12$.ferrum.executor.v1.ForkCacheRequest\x1a%.ferrum.executor.v1.ForkCacheResponse\x12g\n" +
 	"\x0eReserveKvSlots\x12).ferrum.executor.v1.ReserveKvSlotsRequest\x1a*.ferrum.executor.v1.ReserveKvSlotsResponse\x12g\n" +
 	"\x0eKvSlotCapacity\x12).ferrum.executor.v1.KvSlotCapacityRequest\x1a*.ferrum.executor.v1.KvSlotCapacityResponse\x12a\n" +
 	"\fCacheMetrics\x12'.ferrum.executor.v1.CacheMetricsRequest\x1a(.ferrum.executor.v1.CacheMetricsResponse\x12^\n" +
@@ -5547,7 +6240,7 @@ func file_ferrum_executor_v1_executor_proto_rawDescGZIP() []byte {
 }
 
 var file_ferrum_executor_v1_executor_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_ferrum_executor_v1_executor_proto_msgTypes = make([]protoimpl.MessageInfo, 75)
+var file_ferrum_executor_v1_executor_proto_msgTypes = make([]protoimpl.MessageInfo, 81)
 var file_ferrum_executor_v1_executor_proto_goTypes = []any{
 	(FinishReason)(0),                 // 0: ferrum.executor.v1.FinishReason
 	(KvEventKind)(0),                  // 1: ferrum.executor.v1.KvEventKind
@@ -5585,217 +6278,232 @@ var file_ferrum_executor_v1_executor_proto_goTypes = []any{
 	(*TruncateKvResponse)(nil),        // 33: ferrum.executor.v1.TruncateKvResponse
 	(*ReleaseCacheRequest)(nil),       // 34: ferrum.executor.v1.ReleaseCacheRequest
 	(*ReleaseCacheResponse)(nil),      // 35: ferrum.executor.v1.ReleaseCacheResponse
-	(*ReserveKvSlotsRequest)(nil),     // 36: ferrum.executor.v1.ReserveKvSlotsRequest
-	(*ReserveKvSlotsResponse)(nil),    // 37: ferrum.executor.v1.ReserveKvSlotsResponse
-	(*KvSlotCapacityRequest)(nil),     // 38: ferrum.executor.v1.KvSlotCapacityRequest
-	(*KvSlotCapacityResponse)(nil),    // 39: ferrum.executor.v1.KvSlotCapacityResponse
-	(*CacheMetricsRequest)(nil),       // 40: ferrum.executor.v1.CacheMetricsRequest
-	(*CacheMetricsResponse)(nil),      // 41: ferrum.executor.v1.CacheMetricsResponse
-	(*LoraMetricsRequest)(nil),        // 42: ferrum.executor.v1.LoraMetricsRequest
-	(*LoraMetricsResponse)(nil),       // 43: ferrum.executor.v1.LoraMetricsResponse
-	(*WarmupRequest)(nil),             // 44: ferrum.executor.v1.WarmupRequest
-	(*WarmupResponse)(nil),            // 45: ferrum.executor.v1.WarmupResponse
-	(*ShutdownRequest)(nil),           // 46: ferrum.executor.v1.ShutdownRequest
-	(*ShutdownResponse)(nil),          // 47: ferrum.executor.v1.ShutdownResponse
-	(*TokenizeRequest)(nil),           // 48: ferrum.executor.v1.TokenizeRequest
-	(*TokenizeResponse)(nil),          // 49: ferrum.executor.v1.TokenizeResponse
-	(*DetokenizeRequest)(nil),         // 50: ferrum.executor.v1.DetokenizeRequest
-	(*DetokenizeResponse)(nil),        // 51: ferrum.executor.v1.DetokenizeResponse
-	(*ChatMessage)(nil),               // 52: ferrum.executor.v1.ChatMessage
-	(*ApplyChatTemplateRequest)(nil),  // 53: ferrum.executor.v1.ApplyChatTemplateRequest
-	(*ApplyChatTemplateResponse)(nil), // 54: ferrum.executor.v1.ApplyChatTemplateResponse
-	(*TokenIds)(nil),                  // 55: ferrum.executor.v1.TokenIds
-	(*ChatMessages)(nil),              // 56: ferrum.executor.v1.ChatMessages
-	(*StopConditions)(nil),            // 57: ferrum.executor.v1.StopConditions
-	(*GenerateRequest)(nil),           // 58: ferrum.executor.v1.GenerateRequest
-	(*GenerateStarted)(nil),           // 59: ferrum.executor.v1.GenerateStarted
-	(*TokenEvent)(nil),                // 60: ferrum.executor.v1.TokenEvent
-	(*GenerateFinished)(nil),          // 61: ferrum.executor.v1.GenerateFinished
-	(*GenerateResponse)(nil),          // 62: ferrum.executor.v1.GenerateResponse
-	(*SessionRequest)(nil),            // 63: ferrum.executor.v1.SessionRequest
-	(*SessionResponse)(nil),           // 64: ferrum.executor.v1.SessionResponse
-	(*LoadsRequest)(nil),              // 65: ferrum.executor.v1.LoadsRequest
-	(*LatencySummary)(nil),            // 66: ferrum.executor.v1.LatencySummary
-	(*ModelLoad)(nil),                 // 67: ferrum.executor.v1.ModelLoad
-	(*LoadsResponse)(nil),             // 68: ferrum.executor.v1.LoadsResponse
-	(*ListCachesRequest)(nil),         // 69: ferrum.executor.v1.ListCachesRequest
-	(*ListCachesResponse)(nil),        // 70: ferrum.executor.v1.ListCachesResponse
-	(*KvEvent)(nil),                   // 71: ferrum.executor.v1.KvEvent
-	(*SubscribeKvEventsRequest)(nil),  // 72: ferrum.executor.v1.SubscribeKvEventsRequest
-	(*ResyncRequired)(nil),            // 73: ferrum.executor.v1.ResyncRequired
-	(*SubscribeKvEventsResponse)(nil), // 74: ferrum.executor.v1.SubscribeKvEventsResponse
-	(*AbortRequest)(nil),              // 75: ferrum.executor.v1.AbortRequest
-	(*AbortResponse)(nil),             // 76: ferrum.executor.v1.AbortResponse
-	(*ModelInfo)(nil),                 // 77: ferrum.executor.v1.ModelInfo
-	(*ExecutorCapabilities)(nil),      // 78: ferrum.executor.v1.ExecutorCapabilities
-	(*ExecutorStatus)(nil),            // 79: ferrum.executor.v1.ExecutorStatus
-	(*ExecutorMetrics)(nil),           // 80: ferrum.executor.v1.ExecutorMetrics
-	(*KvCapacity)(nil),                // 81: ferrum.executor.v1.KvCapacity
-	(*ExecutorAdmissionLimits)(nil),   // 82: ferrum.executor.v1.ExecutorAdmissionLimits
-	(*LogitsPolicy)(nil),              // 83: ferrum.executor.v1.LogitsPolicy
-	(*structpb.Struct)(nil),           // 84: google.protobuf.Struct
-	(*KvCacheHandle)(nil),             // 85: ferrum.executor.v1.KvCacheHandle
-	(*LogitsOutput)(nil),              // 86: ferrum.executor.v1.LogitsOutput
-	(*Tensor)(nil),                    // 87: ferrum.executor.v1.Tensor
-	(*StepTimings)(nil),               // 88: ferrum.executor.v1.StepTimings
-	(DataType)(0),                     // 89: ferrum.executor.v1.DataType
-	(*KvSlotRequest)(nil),             // 90: ferrum.executor.v1.KvSlotRequest
-	(*KvSlotReservation)(nil),         // 91: ferrum.executor.v1.KvSlotReservation
-	(*KvSlotCapacitySnapshot)(nil),    // 92: ferrum.executor.v1.KvSlotCapacitySnapshot
-	(*SamplingParams)(nil),            // 93: ferrum.executor.v1.SamplingParams
-	(*TokenLogprob)(nil),              // 94: ferrum.executor.v1.TokenLogprob
-	(*StepError)(nil),                 // 95: ferrum.executor.v1.StepError
+	(*ForkCacheRequest)(nil),          // 36: ferrum.executor.v1.ForkCacheRequest
+	(*ForkCacheResponse)(nil),         // 37: ferrum.executor.v1.ForkCacheResponse
+	(*ReserveKvSlotsRequest)(nil),     // 38: ferrum.executor.v1.ReserveKvSlotsRequest
+	(*ReserveKvSlotsResponse)(nil),    // 39: ferrum.executor.v1.ReserveKvSlotsResponse
+	(*KvSlotCapacityRequest)(nil),     // 40: ferrum.executor.v1.KvSlotCapacityRequest
+	(*KvSlotCapacityResponse)(nil),    // 41: ferrum.executor.v1.KvSlotCapacityResponse
+	(*CacheMetricsRequest)(nil),       // 42: ferrum.executor.v1.CacheMetricsRequest
+	(*CacheMetricsResponse)(nil),      // 43: ferrum.executor.v1.CacheMetricsResponse
+	(*LoraMetricsRequest)(nil),        // 44: ferrum.executor.v1.LoraMetricsRequest
+	(*LoraMetricsResponse)(nil),       // 45: ferrum.executor.v1.LoraMetricsResponse
+	(*WarmupRequest)(nil),             // 46: ferrum.executor.v1.WarmupRequest
+	(*WarmupResponse)(nil),            // 47: ferrum.executor.v1.WarmupResponse
+	(*ShutdownRequest)(nil),           // 48: ferrum.executor.v1.ShutdownRequest
+	(*ShutdownResponse)(nil),          // 49: ferrum.executor.v1.ShutdownResponse
+	(*TokenizeRequest)(nil),           // 50: ferrum.executor.v1.TokenizeRequest
+	(*TokenizeResponse)(nil),          // 51: ferrum.executor.v1.TokenizeResponse
+	(*DetokenizeRequest)(nil),         // 52: ferrum.executor.v1.DetokenizeRequest
+	(*DetokenizeResponse)(nil),        // 53: ferrum.executor.v1.DetokenizeResponse
+	(*ChatMessage)(nil),               // 54: ferrum.executor.v1.ChatMessage
+	(*ApplyChatTemplateRequest)(nil),  // 55: ferrum.executor.v1.ApplyChatTemplateRequest
+	(*ApplyChatTemplateResponse)(nil), // 56: ferrum.executor.v1.ApplyChatTemplateResponse
+	(*TokenIds)(nil),                  // 57: ferrum.executor.v1.TokenIds
+	(*ChatMessages)(nil),              // 58: ferrum.executor.v1.ChatMessages
+	(*StopConditions)(nil),            // 59: ferrum.executor.v1.StopConditions
+	(*GenerateRequest)(nil),           // 60: ferrum.executor.v1.GenerateRequest
+	(*GenerateStarted)(nil),           // 61: ferrum.executor.v1.GenerateStarted
+	(*TokenEvent)(nil),                // 62: ferrum.executor.v1.TokenEvent
+	(*GenerateFinished)(nil),          // 63: ferrum.executor.v1.GenerateFinished
+	(*GenerateResponse)(nil),          // 64: ferrum.executor.v1.GenerateResponse
+	(*SessionRequest)(nil),            // 65: ferrum.executor.v1.SessionRequest
+	(*SessionResponse)(nil),           // 66: ferrum.executor.v1.SessionResponse
+	(*LoadsRequest)(nil),              // 67: ferrum.executor.v1.LoadsRequest
+	(*LatencySummary)(nil),            // 68: ferrum.executor.v1.LatencySummary
+	(*ModelLoad)(nil),                 // 69: ferrum.executor.v1.ModelLoad
+	(*LoadsResponse)(nil),             // 70: ferrum.executor.v1.LoadsResponse
+	(*ListCachesRequest)(nil),         // 71: ferrum.executor.v1.ListCachesRequest
+	(*ListCachesResponse)(nil),        // 72: ferrum.executor.v1.ListCachesResponse
+	(*KvEvent)(nil),                   // 73: ferrum.executor.v1.KvEvent
+	(*SubscribeKvEventsRequest)(nil),  // 74: ferrum.executor.v1.SubscribeKvEventsRequest
+	(*KvBlockStored)(nil),             // 75: ferrum.executor.v1.KvBlockStored
+	(*KvBlockRemoved)(nil),            // 76: ferrum.executor.v1.KvBlockRemoved
+	(*KvBlocksCleared)(nil),           // 77: ferrum.executor.v1.KvBlocksCleared
+	(*KvBlockEvent)(nil),              // 78: ferrum.executor.v1.KvBlockEvent
+	(*ResyncRequired)(nil),            // 79: ferrum.executor.v1.ResyncRequired
+	(*SubscribeKvEventsResponse)(nil), // 80: ferrum.executor.v1.SubscribeKvEventsResponse
+	(*AbortRequest)(nil),              // 81: ferrum.executor.v1.AbortRequest
+	(*AbortResponse)(nil),             // 82: ferrum.executor.v1.AbortResponse
+	(*ModelInfo)(nil),                 // 83: ferrum.executor.v1.ModelInfo
+	(*ExecutorCapabilities)(nil),      // 84: ferrum.executor.v1.ExecutorCapabilities
+	(*ExecutorStatus)(nil),            // 85: ferrum.executor.v1.ExecutorStatus
+	(*ExecutorMetrics)(nil),           // 86: ferrum.executor.v1.ExecutorMetrics
+	(*KvCapacity)(nil),                // 87: ferrum.executor.v1.KvCapacity
+	(*ExecutorAdmissionLimits)(nil),   // 88: ferrum.executor.v1.ExecutorAdmissionLimits
+	(*LogitsPolicy)(nil),              // 89: ferrum.executor.v1.LogitsPolicy
+	(*structpb.Struct)(nil),           // 90: google.protobuf.Struct
+	(*KvCacheHandle)(nil),             // 91: ferrum.executor.v1.KvCacheHandle
+	(*LogitsOutput)(nil),              // 92: ferrum.executor.v1.LogitsOutput
+	(*Tensor)(nil),                    // 93: ferrum.executor.v1.Tensor
+	(*StepTimings)(nil),               // 94: ferrum.executor.v1.StepTimings
+	(DataType)(0),                     // 95: ferrum.executor.v1.DataType
+	(*KvSlotRequest)(nil),             // 96: ferrum.executor.v1.KvSlotRequest
+	(*KvSlotReservation)(nil),         // 97: ferrum.executor.v1.KvSlotReservation
+	(*KvSlotCapacitySnapshot)(nil),    // 98: ferrum.executor.v1.KvSlotCapacitySnapshot
+	(*SamplingParams)(nil),            // 99: ferrum.executor.v1.SamplingParams
+	(*TokenLogprob)(nil),              // 100: ferrum.executor.v1.TokenLogprob
+	(*StepError)(nil),                 // 101: ferrum.executor.v1.StepError
 }
 var file_ferrum_executor_v1_executor_proto_depIdxs = []int32{
-	77,  // 0: ferrum.executor.v1.InfoResponse.models:type_name -> ferrum.executor.v1.ModelInfo
-	78,  // 1: ferrum.executor.v1.CapabilitiesResponse.capabilities:type_name -> ferrum.executor.v1.ExecutorCapabilities
-	79,  // 2: ferrum.executor.v1.StatusResponse.status:type_name -> ferrum.executor.v1.ExecutorStatus
-	80,  // 3: ferrum.executor.v1.StatusResponse.metrics:type_name -> ferrum.executor.v1.ExecutorMetrics
-	81,  // 4: ferrum.executor.v1.KvCapacityResponse.capacity:type_name -> ferrum.executor.v1.KvCapacity
-	82,  // 5: ferrum.executor.v1.AdmissionLimitsResponse.limits:type_name -> ferrum.executor.v1.ExecutorAdmissionLimits
-	83,  // 6: ferrum.executor.v1.PrefillInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	84,  // 7: ferrum.executor.v1.PrefillInput.metadata:type_name -> google.protobuf.Struct
-	85,  // 8: ferrum.executor.v1.PrefillOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	86,  // 9: ferrum.executor.v1.PrefillOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
-	86,  // 10: ferrum.executor.v1.PrefillOutput.positions:type_name -> ferrum.executor.v1.LogitsOutput
-	87,  // 11: ferrum.executor.v1.PrefillOutput.embedding:type_name -> ferrum.executor.v1.Tensor
+	83,  // 0: ferrum.executor.v1.InfoResponse.models:type_name -> ferrum.executor.v1.ModelInfo
+	84,  // 1: ferrum.executor.v1.CapabilitiesResponse.capabilities:type_name -> ferrum.executor.v1.ExecutorCapabilities
+	85,  // 2: ferrum.executor.v1.StatusResponse.status:type_name -> ferrum.executor.v1.ExecutorStatus
+	86,  // 3: ferrum.executor.v1.StatusResponse.metrics:type_name -> ferrum.executor.v1.ExecutorMetrics
+	87,  // 4: ferrum.executor.v1.KvCapacityResponse.capacity:type_name -> ferrum.executor.v1.KvCapacity
+	88,  // 5: ferrum.executor.v1.AdmissionLimitsResponse.limits:type_name -> ferrum.executor.v1.ExecutorAdmissionLimits
+	89,  // 6: ferrum.executor.v1.PrefillInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	90,  // 7: ferrum.executor.v1.PrefillInput.metadata:type_name -> google.protobuf.Struct
+	91,  // 8: ferrum.executor.v1.PrefillOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	92,  // 9: ferrum.executor.v1.PrefillOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
+	92,  // 10: ferrum.executor.v1.PrefillOutput.positions:type_name -> ferrum.executor.v1.LogitsOutput
+	93,  // 11: ferrum.executor.v1.PrefillOutput.embedding:type_name -> ferrum.executor.v1.Tensor
 	12,  // 12: ferrum.executor.v1.PrefillRequest.input:type_name -> ferrum.executor.v1.PrefillInput
 	13,  // 13: ferrum.executor.v1.PrefillResponse.output:type_name -> ferrum.executor.v1.PrefillOutput
-	88,  // 14: ferrum.executor.v1.PrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	94,  // 14: ferrum.executor.v1.PrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
 	12,  // 15: ferrum.executor.v1.BatchPrefillRequest.inputs:type_name -> ferrum.executor.v1.PrefillInput
 	13,  // 16: ferrum.executor.v1.BatchPrefillResponse.outputs:type_name -> ferrum.executor.v1.PrefillOutput
-	88,  // 17: ferrum.executor.v1.BatchPrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	83,  // 18: ferrum.executor.v1.DecodeInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	84,  // 19: ferrum.executor.v1.DecodeInput.metadata:type_name -> google.protobuf.Struct
-	85,  // 20: ferrum.executor.v1.DecodeOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	86,  // 21: ferrum.executor.v1.DecodeOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
+	94,  // 17: ferrum.executor.v1.BatchPrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	89,  // 18: ferrum.executor.v1.DecodeInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	90,  // 19: ferrum.executor.v1.DecodeInput.metadata:type_name -> google.protobuf.Struct
+	91,  // 20: ferrum.executor.v1.DecodeOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	92,  // 21: ferrum.executor.v1.DecodeOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
 	18,  // 22: ferrum.executor.v1.DecodeRequest.input:type_name -> ferrum.executor.v1.DecodeInput
 	19,  // 23: ferrum.executor.v1.DecodeResponse.output:type_name -> ferrum.executor.v1.DecodeOutput
-	88,  // 24: ferrum.executor.v1.DecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	94,  // 24: ferrum.executor.v1.DecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
 	18,  // 25: ferrum.executor.v1.BatchDecodeRequest.inputs:type_name -> ferrum.executor.v1.DecodeInput
 	19,  // 26: ferrum.executor.v1.BatchDecodeResponse.outputs:type_name -> ferrum.executor.v1.DecodeOutput
-	88,  // 27: ferrum.executor.v1.BatchDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	83,  // 28: ferrum.executor.v1.UnifiedBatchItem.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	84,  // 29: ferrum.executor.v1.UnifiedBatchItem.metadata:type_name -> google.protobuf.Struct
+	94,  // 27: ferrum.executor.v1.BatchDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	89,  // 28: ferrum.executor.v1.UnifiedBatchItem.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	90,  // 29: ferrum.executor.v1.UnifiedBatchItem.metadata:type_name -> google.protobuf.Struct
 	24,  // 30: ferrum.executor.v1.UnifiedDecodeRequest.items:type_name -> ferrum.executor.v1.UnifiedBatchItem
-	85,  // 31: ferrum.executor.v1.UnifiedItemResult.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	86,  // 32: ferrum.executor.v1.UnifiedItemResult.output:type_name -> ferrum.executor.v1.LogitsOutput
+	91,  // 31: ferrum.executor.v1.UnifiedItemResult.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	92,  // 32: ferrum.executor.v1.UnifiedItemResult.output:type_name -> ferrum.executor.v1.LogitsOutput
 	26,  // 33: ferrum.executor.v1.UnifiedDecodeResponse.results:type_name -> ferrum.executor.v1.UnifiedItemResult
-	88,  // 34: ferrum.executor.v1.UnifiedDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	87,  // 35: ferrum.executor.v1.ForwardRequest.input:type_name -> ferrum.executor.v1.Tensor
-	89,  // 36: ferrum.executor.v1.ForwardRequest.logits_dtype:type_name -> ferrum.executor.v1.DataType
-	87,  // 37: ferrum.executor.v1.ForwardResponse.output:type_name -> ferrum.executor.v1.Tensor
-	88,  // 38: ferrum.executor.v1.ForwardResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	83,  // 39: ferrum.executor.v1.ForwardVerifyRequest.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	86,  // 40: ferrum.executor.v1.ForwardVerifyResponse.outputs:type_name -> ferrum.executor.v1.LogitsOutput
-	85,  // 41: ferrum.executor.v1.ForwardVerifyResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	88,  // 42: ferrum.executor.v1.ForwardVerifyResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	85,  // 43: ferrum.executor.v1.TruncateKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	90,  // 44: ferrum.executor.v1.ReserveKvSlotsRequest.requests:type_name -> ferrum.executor.v1.KvSlotRequest
-	91,  // 45: ferrum.executor.v1.ReserveKvSlotsResponse.reservation:type_name -> ferrum.executor.v1.KvSlotReservation
-	92,  // 46: ferrum.executor.v1.KvSlotCapacityResponse.snapshot:type_name -> ferrum.executor.v1.KvSlotCapacitySnapshot
-	84,  // 47: ferrum.executor.v1.CacheMetricsResponse.metrics:type_name -> google.protobuf.Struct
-	84,  // 48: ferrum.executor.v1.LoraMetricsResponse.metrics:type_name -> google.protobuf.Struct
-	52,  // 49: ferrum.executor.v1.ApplyChatTemplateRequest.messages:type_name -> ferrum.executor.v1.ChatMessage
-	52,  // 50: ferrum.executor.v1.ChatMessages.messages:type_name -> ferrum.executor.v1.ChatMessage
-	55,  // 51: ferrum.executor.v1.GenerateRequest.token_ids:type_name -> ferrum.executor.v1.TokenIds
-	56,  // 52: ferrum.executor.v1.GenerateRequest.chat:type_name -> ferrum.executor.v1.ChatMessages
-	93,  // 53: ferrum.executor.v1.GenerateRequest.sampling:type_name -> ferrum.executor.v1.SamplingParams
-	57,  // 54: ferrum.executor.v1.GenerateRequest.stop:type_name -> ferrum.executor.v1.StopConditions
-	85,  // 55: ferrum.executor.v1.GenerateStarted.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	94,  // 56: ferrum.executor.v1.TokenEvent.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
-	0,   // 57: ferrum.executor.v1.GenerateFinished.finish_reason:type_name -> ferrum.executor.v1.FinishReason
-	85,  // 58: ferrum.executor.v1.GenerateFinished.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	59,  // 59: ferrum.executor.v1.GenerateResponse.started:type_name -> ferrum.executor.v1.GenerateStarted
-	60,  // 60: ferrum.executor.v1.GenerateResponse.token:type_name -> ferrum.executor.v1.TokenEvent
-	61,  // 61: ferrum.executor.v1.GenerateResponse.finished:type_name -> ferrum.executor.v1.GenerateFinished
-	14,  // 62: ferrum.executor.v1.SessionRequest.prefill:type_name -> ferrum.executor.v1.PrefillRequest
-	16,  // 63: ferrum.executor.v1.SessionRequest.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillRequest
-	20,  // 64: ferrum.executor.v1.SessionRequest.decode:type_name -> ferrum.executor.v1.DecodeRequest
-	22,  // 65: ferrum.executor.v1.SessionRequest.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeRequest
-	25,  // 66: ferrum.executor.v1.SessionRequest.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeRequest
-	30,  // 67: ferrum.executor.v1.SessionRequest.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyRequest
-	32,  // 68: ferrum.executor.v1.SessionRequest.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvRequest
-	34,  // 69: ferrum.executor.v1.SessionRequest.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheRequest
-	15,  // 70: ferrum.executor.v1.SessionResponse.prefill:type_name -> ferrum.executor.v1.PrefillResponse
-	17,  // 71: ferrum.executor.v1.SessionResponse.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillResponse
-	21,  // 72: ferrum.executor.v1.SessionResponse.decode:type_name -> ferrum.executor.v1.DecodeResponse
-	23,  // 73: ferrum.executor.v1.SessionResponse.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeResponse
-	27,  // 74: ferrum.executor.v1.SessionResponse.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeResponse
-	31,  // 75: ferrum.executor.v1.SessionResponse.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyResponse
-	33,  // 76: ferrum.executor.v1.SessionResponse.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvResponse
-	35,  // 77: ferrum.executor.v1.SessionResponse.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheResponse
-	95,  // 78: ferrum.executor.v1.SessionResponse.error:type_name -> ferrum.executor.v1.StepError
-	66,  // 79: ferrum.executor.v1.ModelLoad.prefill_latency:type_name -> ferrum.executor.v1.LatencySummary
-	66,  // 80: ferrum.executor.v1.ModelLoad.decode_latency:type_name -> ferrum.executor.v1.LatencySummary
-	67,  // 81: ferrum.executor.v1.LoadsResponse.loads:type_name -> ferrum.executor.v1.ModelLoad
-	85,  // 82: ferrum.executor.v1.ListCachesResponse.caches:type_name -> ferrum.executor.v1.KvCacheHandle
-	1,   // 83: ferrum.executor.v1.KvEvent.kind:type_name -> ferrum.executor.v1.KvEventKind
-	71,  // 84: ferrum.executor.v1.SubscribeKvEventsResponse.event:type_name -> ferrum.executor.v1.KvEvent
-	73,  // 85: ferrum.executor.v1.SubscribeKvEventsResponse.resync_required:type_name -> ferrum.executor.v1.ResyncRequired
-	2,   // 86: ferrum.executor.v1.ModelExecutor.Info:input_type -> ferrum.executor.v1.InfoRequest
-	4,   // 87: ferrum.executor.v1.ModelExecutor.Capabilities:input_type -> ferrum.executor.v1.CapabilitiesRequest
-	6,   // 88: ferrum.executor.v1.ModelExecutor.Status:input_type -> ferrum.executor.v1.StatusRequest
-	8,   // 89: ferrum.executor.v1.ModelExecutor.KvCapacity:input_type -> ferrum.executor.v1.KvCapacityRequest
-	10,  // 90: ferrum.executor.v1.ModelExecutor.AdmissionLimits:input_type -> ferrum.executor.v1.AdmissionLimitsRequest
-	14,  // 91: ferrum.executor.v1.ModelExecutor.Prefill:input_type -> ferrum.executor.v1.PrefillRequest
-	16,  // 92: ferrum.executor.v1.ModelExecutor.BatchPrefill:input_type -> ferrum.executor.v1.BatchPrefillRequest
-	20,  // 93: ferrum.executor.v1.ModelExecutor.Decode:input_type -> ferrum.executor.v1.DecodeRequest
-	22,  // 94: ferrum.executor.v1.ModelExecutor.BatchDecode:input_type -> ferrum.executor.v1.BatchDecodeRequest
-	25,  // 95: ferrum.executor.v1.ModelExecutor.UnifiedDecode:input_type -> ferrum.executor.v1.UnifiedDecodeRequest
-	28,  // 96: ferrum.executor.v1.ModelExecutor.Forward:input_type -> ferrum.executor.v1.ForwardRequest
-	30,  // 97: ferrum.executor.v1.ModelExecutor.ForwardVerify:input_type -> ferrum.executor.v1.ForwardVerifyRequest
-	32,  // 98: ferrum.executor.v1.ModelExecutor.TruncateKv:input_type -> ferrum.executor.v1.TruncateKvRequest
-	34,  // 99: ferrum.executor.v1.ModelExecutor.ReleaseCache:input_type -> ferrum.executor.v1.ReleaseCacheRequest
-	36,  // 100: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:input_type -> ferrum.executor.v1.ReserveKvSlotsRequest
-	38,  // 101: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:input_type -> ferrum.executor.v1.KvSlotCapacityRequest
-	40,  // 102: ferrum.executor.v1.ModelExecutor.CacheMetrics:input_type -> ferrum.executor.v1.CacheMetricsRequest
-	42,  // 103: ferrum.executor.v1.ModelExecutor.LoraMetrics:input_type -> ferrum.executor.v1.LoraMetricsRequest
-	44,  // 104: ferrum.executor.v1.ModelExecutor.Warmup:input_type -> ferrum.executor.v1.WarmupRequest
-	46,  // 105: ferrum.executor.v1.ModelExecutor.Shutdown:input_type -> ferrum.executor.v1.ShutdownRequest
-	48,  // 106: ferrum.executor.v1.ModelExecutor.Tokenize:input_type -> ferrum.executor.v1.TokenizeRequest
-	50,  // 107: ferrum.executor.v1.ModelExecutor.Detokenize:input_type -> ferrum.executor.v1.DetokenizeRequest
-	53,  // 108: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:input_type -> ferrum.executor.v1.ApplyChatTemplateRequest
-	58,  // 109: ferrum.executor.v1.ModelExecutor.Generate:input_type -> ferrum.executor.v1.GenerateRequest
-	63,  // 110: ferrum.executor.v1.ModelExecutor.Session:input_type -> ferrum.executor.v1.SessionRequest
-	65,  // 111: ferrum.executor.v1.ModelExecutor.Loads:input_type -> ferrum.executor.v1.LoadsRequest
-	69,  // 112: ferrum.executor.v1.ModelExecutor.ListCaches:input_type -> ferrum.executor.v1.ListCachesRequest
-	72,  // 113: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:input_type -> ferrum.executor.v1.SubscribeKvEventsRequest
-	75,  // 114: ferrum.executor.v1.ModelExecutor.Abort:input_type -> ferrum.executor.v1.AbortRequest
-	3,   // 115: ferrum.executor.v1.ModelExecutor.Info:output_type -> ferrum.executor.v1.InfoResponse
-	5,   // 116: ferrum.executor.v1.ModelExecutor.Capabilities:output_type -> ferrum.executor.v1.CapabilitiesResponse
-	7,   // 117: ferrum.executor.v1.ModelExecutor.Status:output_type -> ferrum.executor.v1.StatusResponse
-	9,   // 118: ferrum.executor.v1.ModelExecutor.KvCapacity:output_type -> ferrum.executor.v1.KvCapacityResponse
-	11,  // 119: ferrum.executor.v1.ModelExecutor.AdmissionLimits:output_type -> ferrum.executor.v1.AdmissionLimitsResponse
-	15,  // 120: ferrum.executor.v1.ModelExecutor.Prefill:output_type -> ferrum.executor.v1.PrefillResponse
-	17,  // 121: ferrum.executor.v1.ModelExecutor.BatchPrefill:output_type -> ferrum.executor.v1.BatchPrefillResponse
-	21,  // 122: ferrum.executor.v1.ModelExecutor.Decode:output_type -> ferrum.executor.v1.DecodeResponse
-	23,  // 123: ferrum.executor.v1.ModelExecutor.BatchDecode:output_type -> ferrum.executor.v1.BatchDecodeResponse
-	27,  // 124: ferrum.executor.v1.ModelExecutor.UnifiedDecode:output_type -> ferrum.executor.v1.UnifiedDecodeResponse
-	29,  // 125: ferrum.executor.v1.ModelExecutor.Forward:output_type -> ferrum.executor.v1.ForwardResponse
-	31,  // 126: ferrum.executor.v1.ModelExecutor.ForwardVerify:output_type -> ferrum.executor.v1.ForwardVerifyResponse
-	33,  // 127: ferrum.executor.v1.ModelExecutor.TruncateKv:output_type -> ferrum.executor.v1.TruncateKvResponse
-	35,  // 128: ferrum.executor.v1.ModelExecutor.ReleaseCache:output_type -> ferrum.executor.v1.ReleaseCacheResponse
-	37,  // 129: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:output_type -> ferrum.executor.v1.ReserveKvSlotsResponse
-	39,  // 130: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:output_type -> ferrum.executor.v1.KvSlotCapacityResponse
-	41,  // 131: ferrum.executor.v1.ModelExecutor.CacheMetrics:output_type -> ferrum.executor.v1.CacheMetricsResponse
-	43,  // 132: ferrum.executor.v1.ModelExecutor.LoraMetrics:output_type -> ferrum.executor.v1.LoraMetricsResponse
-	45,  // 133: ferrum.executor.v1.ModelExecutor.Warmup:output_type -> ferrum.executor.v1.WarmupResponse
-	47,  // 134: ferrum.executor.v1.ModelExecutor.Shutdown:output_type -> ferrum.executor.v1.ShutdownResponse
-	49,  // 135: ferrum.executor.v1.ModelExecutor.Tokenize:output_type -> ferrum.executor.v1.TokenizeResponse
-	51,  // 136: ferrum.executor.v1.ModelExecutor.Detokenize:output_type -> ferrum.executor.v1.DetokenizeResponse
-	54,  // 137: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:output_type -> ferrum.executor.v1.ApplyChatTemplateResponse
-	62,  // 138: ferrum.executor.v1.ModelExecutor.Generate:output_type -> ferrum.executor.v1.GenerateResponse
-	64,  // 139: ferrum.executor.v1.ModelExecutor.Session:output_type -> ferrum.executor.v1.SessionResponse
-	68,  // 140: ferrum.executor.v1.ModelExecutor.Loads:output_type -> ferrum.executor.v1.LoadsResponse
-	70,  // 141: ferrum.executor.v1.ModelExecutor.ListCaches:output_type -> ferrum.executor.v1.ListCachesResponse
-	74,  // 142: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:output_type -> ferrum.executor.v1.SubscribeKvEventsResponse
-	76,  // 143: ferrum.executor.v1.ModelExecutor.Abort:output_type -> ferrum.executor.v1.AbortResponse
-	115, // [115:144] is the sub-list for method output_type
-	86,  // [86:115] is the sub-list for method input_type
-	86,  // [86:86] is the sub-list for extension type_name
-	86,  // [86:86] is the sub-list for extension extendee
-	0,   // [0:86] is the sub-list for field type_name
+	94,  // 34: ferrum.executor.v1.UnifiedDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	93,  // 35: ferrum.executor.v1.ForwardRequest.input:type_name -> ferrum.executor.v1.Tensor
+	95,  // 36: ferrum.executor.v1.ForwardRequest.logits_dtype:type_name -> ferrum.executor.v1.DataType
+	93,  // 37: ferrum.executor.v1.ForwardResponse.output:type_name -> ferrum.executor.v1.Tensor
+	94,  // 38: ferrum.executor.v1.ForwardResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	89,  // 39: ferrum.executor.v1.ForwardVerifyRequest.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	92,  // 40: ferrum.executor.v1.ForwardVerifyResponse.outputs:type_name -> ferrum.executor.v1.LogitsOutput
+	91,  // 41: ferrum.executor.v1.ForwardVerifyResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	94,  // 42: ferrum.executor.v1.ForwardVerifyResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	91,  // 43: ferrum.executor.v1.TruncateKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	91,  // 44: ferrum.executor.v1.ForkCacheResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	96,  // 45: ferrum.executor.v1.ReserveKvSlotsRequest.requests:type_name -> ferrum.executor.v1.KvSlotRequest
+	97,  // 46: ferrum.executor.v1.ReserveKvSlotsResponse.reservation:type_name -> ferrum.executor.v1.KvSlotReservation
+	98,  // 47: ferrum.executor.v1.KvSlotCapacityResponse.snapshot:type_name -> ferrum.executor.v1.KvSlotCapacitySnapshot
+	90,  // 48: ferrum.executor.v1.CacheMetricsResponse.metrics:type_name -> google.protobuf.Struct
+	90,  // 49: ferrum.executor.v1.LoraMetricsResponse.metrics:type_name -> google.protobuf.Struct
+	54,  // 50: ferrum.executor.v1.ApplyChatTemplateRequest.messages:type_name -> ferrum.executor.v1.ChatMessage
+	54,  // 51: ferrum.executor.v1.ChatMessages.messages:type_name -> ferrum.executor.v1.ChatMessage
+	57,  // 52: ferrum.executor.v1.GenerateRequest.token_ids:type_name -> ferrum.executor.v1.TokenIds
+	58,  // 53: ferrum.executor.v1.GenerateRequest.chat:type_name -> ferrum.executor.v1.ChatMessages
+	99,  // 54: ferrum.executor.v1.GenerateRequest.sampling:type_name -> ferrum.executor.v1.SamplingParams
+	59,  // 55: ferrum.executor.v1.GenerateRequest.stop:type_name -> ferrum.executor.v1.StopConditions
+	91,  // 56: ferrum.executor.v1.GenerateStarted.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	100, // 57: ferrum.executor.v1.TokenEvent.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
+	0,   // 58: ferrum.executor.v1.GenerateFinished.finish_reason:type_name -> ferrum.executor.v1.FinishReason
+	91,  // 59: ferrum.executor.v1.GenerateFinished.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	61,  // 60: ferrum.executor.v1.GenerateResponse.started:type_name -> ferrum.executor.v1.GenerateStarted
+	62,  // 61: ferrum.executor.v1.GenerateResponse.token:type_name -> ferrum.executor.v1.TokenEvent
+	63,  // 62: ferrum.executor.v1.GenerateResponse.finished:type_name -> ferrum.executor.v1.GenerateFinished
+	14,  // 63: ferrum.executor.v1.SessionRequest.prefill:type_name -> ferrum.executor.v1.PrefillRequest
+	16,  // 64: ferrum.executor.v1.SessionRequest.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillRequest
+	20,  // 65: ferrum.executor.v1.SessionRequest.decode:type_name -> ferrum.executor.v1.DecodeRequest
+	22,  // 66: ferrum.executor.v1.SessionRequest.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeRequest
+	25,  // 67: ferrum.executor.v1.SessionRequest.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeRequest
+	30,  // 68: ferrum.executor.v1.SessionRequest.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyRequest
+	32,  // 69: ferrum.executor.v1.SessionRequest.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvRequest
+	34,  // 70: ferrum.executor.v1.SessionRequest.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheRequest
+	36,  // 71: ferrum.executor.v1.SessionRequest.fork_cache:type_name -> ferrum.executor.v1.ForkCacheRequest
+	15,  // 72: ferrum.executor.v1.SessionResponse.prefill:type_name -> ferrum.executor.v1.PrefillResponse
+	17,  // 73: ferrum.executor.v1.SessionResponse.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillResponse
+	21,  // 74: ferrum.executor.v1.SessionResponse.decode:type_name -> ferrum.executor.v1.DecodeResponse
+	23,  // 75: ferrum.executor.v1.SessionResponse.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeResponse
+	27,  // 76: ferrum.executor.v1.SessionResponse.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeResponse
+	31,  // 77: ferrum.executor.v1.SessionResponse.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyResponse
+	33,  // 78: ferrum.executor.v1.SessionResponse.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvResponse
+	35,  // 79: ferrum.executor.v1.SessionResponse.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheResponse
+	37,  // 80: ferrum.executor.v1.SessionResponse.fork_cache:type_name -> ferrum.executor.v1.ForkCacheResponse
+	101, // 81: ferrum.executor.v1.SessionResponse.error:type_name -> ferrum.executor.v1.StepError
+	68,  // 82: ferrum.executor.v1.ModelLoad.prefill_latency:type_name -> ferrum.executor.v1.LatencySummary
+	68,  // 83: ferrum.executor.v1.ModelLoad.decode_latency:type_name -> ferrum.executor.v1.LatencySummary
+	69,  // 84: ferrum.executor.v1.LoadsResponse.loads:type_name -> ferrum.executor.v1.ModelLoad
+	91,  // 85: ferrum.executor.v1.ListCachesResponse.caches:type_name -> ferrum.executor.v1.KvCacheHandle
+	1,   // 86: ferrum.executor.v1.KvEvent.kind:type_name -> ferrum.executor.v1.KvEventKind
+	75,  // 87: ferrum.executor.v1.KvBlockEvent.stored:type_name -> ferrum.executor.v1.KvBlockStored
+	76,  // 88: ferrum.executor.v1.KvBlockEvent.removed:type_name -> ferrum.executor.v1.KvBlockRemoved
+	77,  // 89: ferrum.executor.v1.KvBlockEvent.cleared:type_name -> ferrum.executor.v1.KvBlocksCleared
+	73,  // 90: ferrum.executor.v1.SubscribeKvEventsResponse.event:type_name -> ferrum.executor.v1.KvEvent
+	79,  // 91: ferrum.executor.v1.SubscribeKvEventsResponse.resync_required:type_name -> ferrum.executor.v1.ResyncRequired
+	78,  // 92: ferrum.executor.v1.SubscribeKvEventsResponse.block_event:type_name -> ferrum.executor.v1.KvBlockEvent
+	2,   // 93: ferrum.executor.v1.ModelExecutor.Info:input_type -> ferrum.executor.v1.InfoRequest
+	4,   // 94: ferrum.executor.v1.ModelExecutor.Capabilities:input_type -> ferrum.executor.v1.CapabilitiesRequest
+	6,   // 95: ferrum.executor.v1.ModelExecutor.Status:input_type -> ferrum.executor.v1.StatusRequest
+	8,   // 96: ferrum.executor.v1.ModelExecutor.KvCapacity:input_type -> ferrum.executor.v1.KvCapacityRequest
+	10,  // 97: ferrum.executor.v1.ModelExecutor.AdmissionLimits:input_type -> ferrum.executor.v1.AdmissionLimitsRequest
+	14,  // 98: ferrum.executor.v1.ModelExecutor.Prefill:input_type -> ferrum.executor.v1.PrefillRequest
+	16,  // 99: ferrum.executor.v1.ModelExecutor.BatchPrefill:input_type -> ferrum.executor.v1.BatchPrefillRequest
+	20,  // 100: ferrum.executor.v1.ModelExecutor.Decode:input_type -> ferrum.executor.v1.DecodeRequest
+	22,  // 101: ferrum.executor.v1.ModelExecutor.BatchDecode:input_type -> ferrum.executor.v1.BatchDecodeRequest
+	25,  // 102: ferrum.executor.v1.ModelExecutor.UnifiedDecode:input_type -> ferrum.executor.v1.UnifiedDecodeRequest
+	28,  // 103: ferrum.executor.v1.ModelExecutor.Forward:input_type -> ferrum.executor.v1.ForwardRequest
+	30,  // 104: ferrum.executor.v1.ModelExecutor.ForwardVerify:input_type -> ferrum.executor.v1.ForwardVerifyRequest
+	32,  // 105: ferrum.executor.v1.ModelExecutor.TruncateKv:input_type -> ferrum.executor.v1.TruncateKvRequest
+	34,  // 106: ferrum.executor.v1.ModelExecutor.ReleaseCache:input_type -> ferrum.executor.v1.ReleaseCacheRequest
+	36,  // 107: ferrum.executor.v1.ModelExecutor.ForkCache:input_type -> ferrum.executor.v1.ForkCacheRequest
+	38,  // 108: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:input_type -> ferrum.executor.v1.ReserveKvSlotsRequest
+	40,  // 109: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:input_type -> ferrum.executor.v1.KvSlotCapacityRequest
+	42,  // 110: ferrum.executor.v1.ModelExecutor.CacheMetrics:input_type -> ferrum.executor.v1.CacheMetricsRequest
+	44,  // 111: ferrum.executor.v1.ModelExecutor.LoraMetrics:input_type -> ferrum.executor.v1.LoraMetricsRequest
+	46,  // 112: ferrum.executor.v1.ModelExecutor.Warmup:input_type -> ferrum.executor.v1.WarmupRequest
+	48,  // 113: ferrum.executor.v1.ModelExecutor.Shutdown:input_type -> ferrum.executor.v1.ShutdownRequest
+	50,  // 114: ferrum.executor.v1.ModelExecutor.Tokenize:input_type -> ferrum.executor.v1.TokenizeRequest
+	52,  // 115: ferrum.executor.v1.ModelExecutor.Detokenize:input_type -> ferrum.executor.v1.DetokenizeRequest
+	55,  // 116: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:input_type -> ferrum.executor.v1.ApplyChatTemplateRequest
+	60,  // 117: ferrum.executor.v1.ModelExecutor.Generate:input_type -> ferrum.executor.v1.GenerateRequest
+	65,  // 118: ferrum.executor.v1.ModelExecutor.Session:input_type -> ferrum.executor.v1.SessionRequest
+	67,  // 119: ferrum.executor.v1.ModelExecutor.Loads:input_type -> ferrum.executor.v1.LoadsRequest
+	71,  // 120: ferrum.executor.v1.ModelExecutor.ListCaches:input_type -> ferrum.executor.v1.ListCachesRequest
+	74,  // 121: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:input_type -> ferrum.executor.v1.SubscribeKvEventsRequest
+	81,  // 122: ferrum.executor.v1.ModelExecutor.Abort:input_type -> ferrum.executor.v1.AbortRequest
+	3,   // 123: ferrum.executor.v1.ModelExecutor.Info:output_type -> ferrum.executor.v1.InfoResponse
+	5,   // 124: ferrum.executor.v1.ModelExecutor.Capabilities:output_type -> ferrum.executor.v1.CapabilitiesResponse
+	7,   // 125: ferrum.executor.v1.ModelExecutor.Status:output_type -> ferrum.executor.v1.StatusResponse
+	9,   // 126: ferrum.executor.v1.ModelExecutor.KvCapacity:output_type -> ferrum.executor.v1.KvCapacityResponse
+	11,  // 127: ferrum.executor.v1.ModelExecutor.AdmissionLimits:output_type -> ferrum.executor.v1.AdmissionLimitsResponse
+	15,  // 128: ferrum.executor.v1.ModelExecutor.Prefill:output_type -> ferrum.executor.v1.PrefillResponse
+	17,  // 129: ferrum.executor.v1.ModelExecutor.BatchPrefill:output_type -> ferrum.executor.v1.BatchPrefillResponse
+	21,  // 130: ferrum.executor.v1.ModelExecutor.Decode:output_type -> ferrum.executor.v1.DecodeResponse
+	23,  // 131: ferrum.executor.v1.ModelExecutor.BatchDecode:output_type -> ferrum.executor.v1.BatchDecodeResponse
+	27,  // 132: ferrum.executor.v1.ModelExecutor.UnifiedDecode:output_type -> ferrum.executor.v1.UnifiedDecodeResponse
+	29,  // 133: ferrum.executor.v1.ModelExecutor.Forward:output_type -> ferrum.executor.v1.ForwardResponse
+	31,  // 134: ferrum.executor.v1.ModelExecutor.ForwardVerify:output_type -> ferrum.executor.v1.ForwardVerifyResponse
+	33,  // 135: ferrum.executor.v1.ModelExecutor.TruncateKv:output_type -> ferrum.executor.v1.TruncateKvResponse
+	35,  // 136: ferrum.executor.v1.ModelExecutor.ReleaseCache:output_type -> ferrum.executor.v1.ReleaseCacheResponse
+	37,  // 137: ferrum.executor.v1.ModelExecutor.ForkCache:output_type -> ferrum.executor.v1.ForkCacheResponse
+	39,  // 138: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:output_type -> ferrum.executor.v1.ReserveKvSlotsResponse
+	41,  // 139: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:output_type -> ferrum.executor.v1.KvSlotCapacityResponse
+	43,  // 140: ferrum.executor.v1.ModelExecutor.CacheMetrics:output_type -> ferrum.executor.v1.CacheMetricsResponse
+	45,  // 141: ferrum.executor.v1.ModelExecutor.LoraMetrics:output_type -> ferrum.executor.v1.LoraMetricsResponse
+	47,  // 142: ferrum.executor.v1.ModelExecutor.Warmup:output_type -> ferrum.executor.v1.WarmupResponse
+	49,  // 143: ferrum.executor.v1.ModelExecutor.Shutdown:output_type -> ferrum.executor.v1.ShutdownResponse
+	51,  // 144: ferrum.executor.v1.ModelExecutor.Tokenize:output_type -> ferrum.executor.v1.TokenizeResponse
+	53,  // 145: ferrum.executor.v1.ModelExecutor.Detokenize:output_type -> ferrum.executor.v1.DetokenizeResponse
+	56,  // 146: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:output_type -> ferrum.executor.v1.ApplyChatTemplateResponse
+	64,  // 147: ferrum.executor.v1.ModelExecutor.Generate:output_type -> ferrum.executor.v1.GenerateResponse
+	66,  // 148: ferrum.executor.v1.ModelExecutor.Session:output_type -> ferrum.executor.v1.SessionResponse
+	70,  // 149: ferrum.executor.v1.ModelExecutor.Loads:output_type -> ferrum.executor.v1.LoadsResponse
+	72,  // 150: ferrum.executor.v1.ModelExecutor.ListCaches:output_type -> ferrum.executor.v1.ListCachesResponse
+	80,  // 151: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:output_type -> ferrum.executor.v1.SubscribeKvEventsResponse
+	82,  // 152: ferrum.executor.v1.ModelExecutor.Abort:output_type -> ferrum.executor.v1.AbortResponse
+	123, // [123:153] is the sub-list for method output_type
+	93,  // [93:123] is the sub-list for method input_type
+	93,  // [93:93] is the sub-list for extension type_name
+	93,  // [93:93] is the sub-list for extension extendee
+	0,   // [0:93] is the sub-list for field type_name
 }
 
 func init() { file_ferrum_executor_v1_executor_proto_init() }
@@ -5807,21 +6515,22 @@ func file_ferrum_executor_v1_executor_proto_init() {
 	file_ferrum_executor_v1_executor_proto_msgTypes[9].OneofWrappers = []any{}
 	file_ferrum_executor_v1_executor_proto_msgTypes[16].OneofWrappers = []any{}
 	file_ferrum_executor_v1_executor_proto_msgTypes[24].OneofWrappers = []any{}
-	file_ferrum_executor_v1_executor_proto_msgTypes[35].OneofWrappers = []any{}
+	file_ferrum_executor_v1_executor_proto_msgTypes[34].OneofWrappers = []any{}
 	file_ferrum_executor_v1_executor_proto_msgTypes[37].OneofWrappers = []any{}
 	file_ferrum_executor_v1_executor_proto_msgTypes[39].OneofWrappers = []any{}
 	file_ferrum_executor_v1_executor_proto_msgTypes[41].OneofWrappers = []any{}
-	file_ferrum_executor_v1_executor_proto_msgTypes[56].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[43].OneofWrappers = []any{}
+	file_ferrum_executor_v1_executor_proto_msgTypes[58].OneofWrappers = []any{
 		(*GenerateRequest_TokenIds)(nil),
 		(*GenerateRequest_Text)(nil),
 		(*GenerateRequest_Chat)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[60].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[62].OneofWrappers = []any{
 		(*GenerateResponse_Started)(nil),
 		(*GenerateResponse_Token)(nil),
 		(*GenerateResponse_Finished)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[61].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[63].OneofWrappers = []any{
 		(*SessionRequest_Prefill)(nil),
 		(*SessionRequest_BatchPrefill)(nil),
 		(*SessionRequest_Decode)(nil),
@@ -5830,8 +6539,9 @@ func file_ferrum_executor_v1_executor_proto_init() {
 		(*SessionRequest_ForwardVerify)(nil),
 		(*SessionRequest_TruncateKv)(nil),
 		(*SessionRequest_ReleaseCache)(nil),
+		(*SessionRequest_ForkCache)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[62].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[64].OneofWrappers = []any{
 		(*SessionResponse_Prefill)(nil),
 		(*SessionResponse_BatchPrefill)(nil),
 		(*SessionResponse_Decode)(nil),
@@ -5840,14 +6550,21 @@ func file_ferrum_executor_v1_executor_proto_init() {
 		(*SessionResponse_ForwardVerify)(nil),
 		(*SessionResponse_TruncateKv)(nil),
 		(*SessionResponse_ReleaseCache)(nil),
+		(*SessionResponse_ForkCache)(nil),
 		(*SessionResponse_Error)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[70].OneofWrappers = []any{}
-	file_ferrum_executor_v1_executor_proto_msgTypes[72].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[72].OneofWrappers = []any{}
+	file_ferrum_executor_v1_executor_proto_msgTypes[76].OneofWrappers = []any{
+		(*KvBlockEvent_Stored)(nil),
+		(*KvBlockEvent_Removed)(nil),
+		(*KvBlockEvent_Cleared)(nil),
+	}
+	file_ferrum_executor_v1_executor_proto_msgTypes[78].OneofWrappers = []any{
 		(*SubscribeKvEventsResponse_Event)(nil),
 		(*SubscribeKvEventsResponse_ResyncRequired)(nil),
+		(*SubscribeKvEventsResponse_BlockEvent)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[73].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[79].OneofWrappers = []any{
 		(*AbortRequest_RequestId)(nil),
 		(*AbortRequest_CacheId)(nil),
 	}
@@ -5857,7 +6574,7 @@ func file_ferrum_executor_v1_executor_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ferrum_executor_v1_executor_proto_rawDesc), len(file_ferrum_executor_v1_executor_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   75,
+			NumMessages:   81,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -54,6 +54,7 @@ const (
 	ModelExecutor_ForwardVerify_FullMethodName     = "/ferrum.executor.v1.ModelExecutor/ForwardVerify"
 	ModelExecutor_TruncateKv_FullMethodName        = "/ferrum.executor.v1.ModelExecutor/TruncateKv"
 	ModelExecutor_ReleaseCache_FullMethodName      = "/ferrum.executor.v1.ModelExecutor/ReleaseCache"
+	ModelExecutor_ForkCache_FullMethodName         = "/ferrum.executor.v1.ModelExecutor/ForkCache"
 	ModelExecutor_ReserveKvSlots_FullMethodName    = "/ferrum.executor.v1.ModelExecutor/ReserveKvSlots"
 	ModelExecutor_KvSlotCapacity_FullMethodName    = "/ferrum.executor.v1.ModelExecutor/KvSlotCapacity"
 	ModelExecutor_CacheMetrics_FullMethodName      = "/ferrum.executor.v1.ModelExecutor/CacheMetrics"
@@ -111,6 +112,9 @@ type ModelExecutorClient interface {
 	// `release_cache()`: free a cache. Idempotent: releasing an unknown or already released cache
 	// succeeds with `released = false` (ferrum's `release_cache` is infallible too).
 	ReleaseCache(ctx context.Context, in *ReleaseCacheRequest, opts ...grpc.CallOption) (*ReleaseCacheResponse, error)
+	// A new cache sharing another's first `keep_tokens` tokens (copy-on-write blocks): parallel
+	// sampling, beam search, tree speculation, agent branches.
+	ForkCache(ctx context.Context, in *ForkCacheRequest, opts ...grpc.CallOption) (*ForkCacheResponse, error)
 	// `reserve_kv_slots()`: paged-KV admission at a batch boundary. RESOURCE_EXHAUSTED = defer.
 	ReserveKvSlots(ctx context.Context, in *ReserveKvSlotsRequest, opts ...grpc.CallOption) (*ReserveKvSlotsResponse, error)
 	// `kv_slot_capacity_snapshot()`: allocates nothing.
@@ -301,6 +305,16 @@ func (c *modelExecutorClient) ReleaseCache(ctx context.Context, in *ReleaseCache
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(ReleaseCacheResponse)
 	err := c.cc.Invoke(ctx, ModelExecutor_ReleaseCache_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *modelExecutorClient) ForkCache(ctx context.Context, in *ForkCacheRequest, opts ...grpc.CallOption) (*ForkCacheResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ForkCacheResponse)
+	err := c.cc.Invoke(ctx, ModelExecutor_ForkCache_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -518,6 +532,9 @@ type ModelExecutorServer interface {
 	// `release_cache()`: free a cache. Idempotent: releasing an unknown or already released cache
 	// succeeds with `released = false` (ferrum's `release_cache` is infallible too).
 	ReleaseCache(context.Context, *ReleaseCacheRequest) (*ReleaseCacheResponse, error)
+	// A new cache sharing another's first `keep_tokens` tokens (copy-on-write blocks): parallel
+	// sampling, beam search, tree speculation, agent branches.
+	ForkCache(context.Context, *ForkCacheRequest) (*ForkCacheResponse, error)
 	// `reserve_kv_slots()`: paged-KV admission at a batch boundary. RESOURCE_EXHAUSTED = defer.
 	ReserveKvSlots(context.Context, *ReserveKvSlotsRequest) (*ReserveKvSlotsResponse, error)
 	// `kv_slot_capacity_snapshot()`: allocates nothing.
@@ -615,6 +632,9 @@ func (UnimplementedModelExecutorServer) TruncateKv(context.Context, *TruncateKvR
 }
 func (UnimplementedModelExecutorServer) ReleaseCache(context.Context, *ReleaseCacheRequest) (*ReleaseCacheResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ReleaseCache not implemented")
+}
+func (UnimplementedModelExecutorServer) ForkCache(context.Context, *ForkCacheRequest) (*ForkCacheResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ForkCache not implemented")
 }
 func (UnimplementedModelExecutorServer) ReserveKvSlots(context.Context, *ReserveKvSlotsRequest) (*ReserveKvSlotsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ReserveKvSlots not implemented")
@@ -934,6 +954,24 @@ func _ModelExecutor_ReleaseCache_Handler(srv interface{}, ctx context.Context, d
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ModelExecutor_ForkCache_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ForkCacheRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ModelExecutorServer).ForkCache(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ModelExecutor_ForkCache_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ModelExecutorServer).ForkCache(ctx, req.(*ForkCacheRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _ModelExecutor_ReserveKvSlots_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(ReserveKvSlotsRequest)
 	if err := dec(in); err != nil {
@@ -1241,6 +1279,10 @@ var ModelExecutor_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ReleaseCache",
 			Handler:    _ModelExecutor_ReleaseCache_Handler,
+		},
+		{
+			MethodName: "ForkCache",
+			Handler:    _ModelExecutor_ForkCache_Handler,
 		},
 		{
 			MethodName: "ReserveKvSlots",

@@ -636,8 +636,11 @@ type ModelInfo struct {
 	HasTokenizer bool `protobuf:"varint,19,opt,name=has_tokenizer,json=hasTokenizer,proto3" json:"has_tokenizer,omitempty"`
 	// True when the tokenizer has a chat template (`ApplyChatTemplate`, chat prompts work).
 	HasChatTemplate bool `protobuf:"varint,20,opt,name=has_chat_template,json=hasChatTemplate,proto3" json:"has_chat_template,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// How this model's KV blocks are keyed for prefix caching (absent when the executor has no
+	// prefix cache). A router computes the same keys from token ids alone (see `PrefixCacheRecipe`).
+	PrefixCache   *PrefixCacheRecipe `protobuf:"bytes,21,opt,name=prefix_cache,json=prefixCache,proto3" json:"prefix_cache,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ModelInfo) Reset() {
@@ -810,6 +813,106 @@ func (x *ModelInfo) GetHasChatTemplate() bool {
 	return false
 }
 
+func (x *ModelInfo) GetPrefixCache() *PrefixCacheRecipe {
+	if x != nil {
+		return x.PrefixCache
+	}
+	return nil
+}
+
+// The recipe of the block keys of automatic prefix caching, as advertised in `ModelInfo`.
+//
+// Every *full* block of `block_size` tokens of a sequence gets a key chained from its parent's:
+//
+//	root    = SHA-256( seed || 0x00 || model_id || 0x00 || cache_salt )       (UTF-8 strings)
+//	key[0]  = SHA-256( root     || token ids of block 0 as little-endian uint32, in order )
+//	key[i]  = SHA-256( key[i-1] || token ids of block i as little-endian uint32, in order )
+//
+// A block's key thus names its tokens and every token before it. Two sequences share their
+// leading blocks exactly when their keys match. Keys travel as 32 raw bytes (`KvBlockStored`).
+type PrefixCacheRecipe struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// True when the executor reuses cached prefixes now (false: turned off with
+	// `--no-prefix-cache`; keys are still defined, but no block is ever cached).
+	Enabled bool `protobuf:"varint,1,opt,name=enabled,proto3" json:"enabled,omitempty"`
+	// The recipe's name: "sha256-chain-v1" (the formula above).
+	Algorithm string `protobuf:"bytes,2,opt,name=algorithm,proto3" json:"algorithm,omitempty"`
+	// Tokens per block; only full blocks are keyed and shared.
+	BlockSize uint32 `protobuf:"varint,3,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"`
+	// The string the chain root starts with ("ferrum-prefix-v1").
+	Seed string `protobuf:"bytes,4,opt,name=seed,proto3" json:"seed,omitempty"`
+	// The extra keys folded into the root, in order ("model_id", "cache_salt"); a later version may
+	// add more (a LoRA adapter's name), each after a 0x00 byte.
+	ExtraKeys     []string `protobuf:"bytes,5,rep,name=extra_keys,json=extraKeys,proto3" json:"extra_keys,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PrefixCacheRecipe) Reset() {
+	*x = PrefixCacheRecipe{}
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PrefixCacheRecipe) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PrefixCacheRecipe) ProtoMessage() {}
+
+func (x *PrefixCacheRecipe) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PrefixCacheRecipe.ProtoReflect.Descriptor instead.
+func (*PrefixCacheRecipe) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *PrefixCacheRecipe) GetEnabled() bool {
+	if x != nil {
+		return x.Enabled
+	}
+	return false
+}
+
+func (x *PrefixCacheRecipe) GetAlgorithm() string {
+	if x != nil {
+		return x.Algorithm
+	}
+	return ""
+}
+
+func (x *PrefixCacheRecipe) GetBlockSize() uint32 {
+	if x != nil {
+		return x.BlockSize
+	}
+	return 0
+}
+
+func (x *PrefixCacheRecipe) GetSeed() string {
+	if x != nil {
+		return x.Seed
+	}
+	return ""
+}
+
+func (x *PrefixCacheRecipe) GetExtraKeys() []string {
+	if x != nil {
+		return x.ExtraKeys
+	}
+	return nil
+}
+
 // Memory an executor needs. Mirrors `MemoryRequirements`.
 type MemoryRequirements struct {
 	state                         protoimpl.MessageState `protogen:"open.v1"`
@@ -824,7 +927,7 @@ type MemoryRequirements struct {
 
 func (x *MemoryRequirements) Reset() {
 	*x = MemoryRequirements{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[2]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -836,7 +939,7 @@ func (x *MemoryRequirements) String() string {
 func (*MemoryRequirements) ProtoMessage() {}
 
 func (x *MemoryRequirements) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[2]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -849,7 +952,7 @@ func (x *MemoryRequirements) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemoryRequirements.ProtoReflect.Descriptor instead.
 func (*MemoryRequirements) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{2}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *MemoryRequirements) GetParameterMemoryBytes() uint64 {
@@ -914,14 +1017,19 @@ type ExecutorCapabilities struct {
 	// decode steps, as ferrum's default does).
 	SupportsNativeForwardVerify bool `protobuf:"varint,17,opt,name=supports_native_forward_verify,json=supportsNativeForwardVerify,proto3" json:"supports_native_forward_verify,omitempty"`
 	// KV block size in tokens (the unit of `KvCacheHandle.num_blocks`).
-	KvBlockSize   uint32 `protobuf:"varint,18,opt,name=kv_block_size,json=kvBlockSize,proto3" json:"kv_block_size,omitempty"`
+	KvBlockSize uint32 `protobuf:"varint,18,opt,name=kv_block_size,json=kvBlockSize,proto3" json:"kv_block_size,omitempty"`
+	// Automatic prefix caching is on: new sequences take their leading full blocks from earlier
+	// sequences with the same prefix (`PrefillOutput.cached_tokens`), see `PrefixCacheRecipe`.
+	SupportsPrefixCaching bool `protobuf:"varint,19,opt,name=supports_prefix_caching,json=supportsPrefixCaching,proto3" json:"supports_prefix_caching,omitempty"`
+	// `ForkCache` works: a new cache sharing another's first tokens, copy-on-write.
+	SupportsFork  bool `protobuf:"varint,20,opt,name=supports_fork,json=supportsFork,proto3" json:"supports_fork,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ExecutorCapabilities) Reset() {
 	*x = ExecutorCapabilities{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[3]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -933,7 +1041,7 @@ func (x *ExecutorCapabilities) String() string {
 func (*ExecutorCapabilities) ProtoMessage() {}
 
 func (x *ExecutorCapabilities) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[3]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -946,7 +1054,7 @@ func (x *ExecutorCapabilities) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecutorCapabilities.ProtoReflect.Descriptor instead.
 func (*ExecutorCapabilities) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{3}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *ExecutorCapabilities) GetMaxBatchSize() uint64 {
@@ -1075,6 +1183,20 @@ func (x *ExecutorCapabilities) GetKvBlockSize() uint32 {
 	return 0
 }
 
+func (x *ExecutorCapabilities) GetSupportsPrefixCaching() bool {
+	if x != nil {
+		return x.SupportsPrefixCaching
+	}
+	return false
+}
+
+func (x *ExecutorCapabilities) GetSupportsFork() bool {
+	if x != nil {
+		return x.SupportsFork
+	}
+	return false
+}
+
 // Memory use. Mirrors `ExecutorMemoryUsage`.
 type ExecutorMemoryUsage struct {
 	state              protoimpl.MessageState `protogen:"open.v1"`
@@ -1088,7 +1210,7 @@ type ExecutorMemoryUsage struct {
 
 func (x *ExecutorMemoryUsage) Reset() {
 	*x = ExecutorMemoryUsage{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[4]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1100,7 +1222,7 @@ func (x *ExecutorMemoryUsage) String() string {
 func (*ExecutorMemoryUsage) ProtoMessage() {}
 
 func (x *ExecutorMemoryUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[4]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1113,7 +1235,7 @@ func (x *ExecutorMemoryUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecutorMemoryUsage.ProtoReflect.Descriptor instead.
 func (*ExecutorMemoryUsage) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{4}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ExecutorMemoryUsage) GetAllocatedBytes() uint64 {
@@ -1166,7 +1288,7 @@ type ExecutorStatus struct {
 
 func (x *ExecutorStatus) Reset() {
 	*x = ExecutorStatus{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[5]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1178,7 +1300,7 @@ func (x *ExecutorStatus) String() string {
 func (*ExecutorStatus) ProtoMessage() {}
 
 func (x *ExecutorStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[5]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1191,7 +1313,7 @@ func (x *ExecutorStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecutorStatus.ProtoReflect.Descriptor instead.
 func (*ExecutorStatus) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{5}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *ExecutorStatus) GetState() ExecutorState {
@@ -1283,7 +1405,7 @@ type ExecutorMetrics struct {
 
 func (x *ExecutorMetrics) Reset() {
 	*x = ExecutorMetrics{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[6]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1295,7 +1417,7 @@ func (x *ExecutorMetrics) String() string {
 func (*ExecutorMetrics) ProtoMessage() {}
 
 func (x *ExecutorMetrics) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[6]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1308,7 +1430,7 @@ func (x *ExecutorMetrics) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecutorMetrics.ProtoReflect.Descriptor instead.
 func (*ExecutorMetrics) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{6}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ExecutorMetrics) GetTotalOperations() uint64 {
@@ -1410,7 +1532,7 @@ type KvCacheHandle struct {
 
 func (x *KvCacheHandle) Reset() {
 	*x = KvCacheHandle{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[7]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1422,7 +1544,7 @@ func (x *KvCacheHandle) String() string {
 func (*KvCacheHandle) ProtoMessage() {}
 
 func (x *KvCacheHandle) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[7]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1435,7 +1557,7 @@ func (x *KvCacheHandle) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvCacheHandle.ProtoReflect.Descriptor instead.
 func (*KvCacheHandle) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{7}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *KvCacheHandle) GetCacheId() string {
@@ -1528,13 +1650,25 @@ type KvCapacity struct {
 	UsedBytes uint64 `protobuf:"varint,7,opt,name=used_bytes,json=usedBytes,proto3" json:"used_bytes,omitempty"`
 	// Bytes per token over all layers (2 · layers · kv_heads · head_dim · dtype size).
 	BytesPerToken uint64 `protobuf:"varint,8,opt,name=bytes_per_token,json=bytesPerToken,proto3" json:"bytes_per_token,omitempty"`
+	// Paged executors: the block pool itself (0 when the executor does not page its KV). A block
+	// shared by several caches counts once, so `used_tokens` (summed per cache) may exceed what the
+	// pool holds.
+	BlockSize   uint32 `protobuf:"varint,9,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"`
+	TotalBlocks uint64 `protobuf:"varint,10,opt,name=total_blocks,json=totalBlocks,proto3" json:"total_blocks,omitempty"`
+	// Blocks no cache holds and no prefix is cached in.
+	FreeBlocks uint64 `protobuf:"varint,11,opt,name=free_blocks,json=freeBlocks,proto3" json:"free_blocks,omitempty"`
+	// Blocks held by the prefix cache whose last owner is gone: reused on a prefix hit, evicted
+	// (least recently used first) when an allocation needs them. Admission counts them as free.
+	EvictableBlocks uint64 `protobuf:"varint,12,opt,name=evictable_blocks,json=evictableBlocks,proto3" json:"evictable_blocks,omitempty"`
+	// Blocks keyed in the prefix cache (held by live caches or evictable).
+	CachedBlocks  uint64 `protobuf:"varint,13,opt,name=cached_blocks,json=cachedBlocks,proto3" json:"cached_blocks,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *KvCapacity) Reset() {
 	*x = KvCapacity{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[8]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1546,7 +1680,7 @@ func (x *KvCapacity) String() string {
 func (*KvCapacity) ProtoMessage() {}
 
 func (x *KvCapacity) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[8]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1559,7 +1693,7 @@ func (x *KvCapacity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvCapacity.ProtoReflect.Descriptor instead.
 func (*KvCapacity) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{8}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *KvCapacity) GetPerRequestTokens() uint64 {
@@ -1618,6 +1752,41 @@ func (x *KvCapacity) GetBytesPerToken() uint64 {
 	return 0
 }
 
+func (x *KvCapacity) GetBlockSize() uint32 {
+	if x != nil {
+		return x.BlockSize
+	}
+	return 0
+}
+
+func (x *KvCapacity) GetTotalBlocks() uint64 {
+	if x != nil {
+		return x.TotalBlocks
+	}
+	return 0
+}
+
+func (x *KvCapacity) GetFreeBlocks() uint64 {
+	if x != nil {
+		return x.FreeBlocks
+	}
+	return 0
+}
+
+func (x *KvCapacity) GetEvictableBlocks() uint64 {
+	if x != nil {
+		return x.EvictableBlocks
+	}
+	return 0
+}
+
+func (x *KvCapacity) GetCachedBlocks() uint64 {
+	if x != nil {
+		return x.CachedBlocks
+	}
+	return 0
+}
+
 // Admission ceilings. Mirrors `ferrum_types::execution_policy::ExecutorAdmissionLimits`.
 type ExecutorAdmissionLimits struct {
 	state                  protoimpl.MessageState `protogen:"open.v1"`
@@ -1629,7 +1798,7 @@ type ExecutorAdmissionLimits struct {
 
 func (x *ExecutorAdmissionLimits) Reset() {
 	*x = ExecutorAdmissionLimits{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[9]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1641,7 +1810,7 @@ func (x *ExecutorAdmissionLimits) String() string {
 func (*ExecutorAdmissionLimits) ProtoMessage() {}
 
 func (x *ExecutorAdmissionLimits) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[9]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1654,7 +1823,7 @@ func (x *ExecutorAdmissionLimits) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecutorAdmissionLimits.ProtoReflect.Descriptor instead.
 func (*ExecutorAdmissionLimits) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{9}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ExecutorAdmissionLimits) GetMaximumActiveSequences() uint32 {
@@ -1685,7 +1854,7 @@ type KvSlotRequest struct {
 
 func (x *KvSlotRequest) Reset() {
 	*x = KvSlotRequest{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[10]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1697,7 +1866,7 @@ func (x *KvSlotRequest) String() string {
 func (*KvSlotRequest) ProtoMessage() {}
 
 func (x *KvSlotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[10]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1710,7 +1879,7 @@ func (x *KvSlotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvSlotRequest.ProtoReflect.Descriptor instead.
 func (*KvSlotRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{10}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *KvSlotRequest) GetCacheId() string {
@@ -1747,7 +1916,7 @@ type KvSlotAllocation struct {
 
 func (x *KvSlotAllocation) Reset() {
 	*x = KvSlotAllocation{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[11]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1759,7 +1928,7 @@ func (x *KvSlotAllocation) String() string {
 func (*KvSlotAllocation) ProtoMessage() {}
 
 func (x *KvSlotAllocation) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[11]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1772,7 +1941,7 @@ func (x *KvSlotAllocation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvSlotAllocation.ProtoReflect.Descriptor instead.
 func (*KvSlotAllocation) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{11}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *KvSlotAllocation) GetCacheId() string {
@@ -1817,7 +1986,7 @@ type KvSlotReservation struct {
 
 func (x *KvSlotReservation) Reset() {
 	*x = KvSlotReservation{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[12]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1829,7 +1998,7 @@ func (x *KvSlotReservation) String() string {
 func (*KvSlotReservation) ProtoMessage() {}
 
 func (x *KvSlotReservation) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[12]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1842,7 +2011,7 @@ func (x *KvSlotReservation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvSlotReservation.ProtoReflect.Descriptor instead.
 func (*KvSlotReservation) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{12}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *KvSlotReservation) GetBlockSize() uint64 {
@@ -1892,7 +2061,7 @@ type KvSlotCapacitySnapshot struct {
 
 func (x *KvSlotCapacitySnapshot) Reset() {
 	*x = KvSlotCapacitySnapshot{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[13]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1904,7 +2073,7 @@ func (x *KvSlotCapacitySnapshot) String() string {
 func (*KvSlotCapacitySnapshot) ProtoMessage() {}
 
 func (x *KvSlotCapacitySnapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[13]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1917,7 +2086,7 @@ func (x *KvSlotCapacitySnapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvSlotCapacitySnapshot.ProtoReflect.Descriptor instead.
 func (*KvSlotCapacitySnapshot) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{13}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *KvSlotCapacitySnapshot) GetBlockSize() uint64 {
@@ -1971,7 +2140,7 @@ type SamplingParams struct {
 
 func (x *SamplingParams) Reset() {
 	*x = SamplingParams{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[14]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1983,7 +2152,7 @@ func (x *SamplingParams) String() string {
 func (*SamplingParams) ProtoMessage() {}
 
 func (x *SamplingParams) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[14]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1996,7 +2165,7 @@ func (x *SamplingParams) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SamplingParams.ProtoReflect.Descriptor instead.
 func (*SamplingParams) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{14}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *SamplingParams) GetTemperature() float32 {
@@ -2072,7 +2241,7 @@ type LogitsPolicy struct {
 
 func (x *LogitsPolicy) Reset() {
 	*x = LogitsPolicy{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[15]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2084,7 +2253,7 @@ func (x *LogitsPolicy) String() string {
 func (*LogitsPolicy) ProtoMessage() {}
 
 func (x *LogitsPolicy) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[15]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2097,7 +2266,7 @@ func (x *LogitsPolicy) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LogitsPolicy.ProtoReflect.Descriptor instead.
 func (*LogitsPolicy) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{15}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *LogitsPolicy) GetMode() OutputMode {
@@ -2139,7 +2308,7 @@ type TokenLogprob struct {
 
 func (x *TokenLogprob) Reset() {
 	*x = TokenLogprob{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[16]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2151,7 +2320,7 @@ func (x *TokenLogprob) String() string {
 func (*TokenLogprob) ProtoMessage() {}
 
 func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[16]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2164,7 +2333,7 @@ func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenLogprob.ProtoReflect.Descriptor instead.
 func (*TokenLogprob) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{16}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *TokenLogprob) GetTokenId() int32 {
@@ -2198,7 +2367,7 @@ type LogitsOutput struct {
 
 func (x *LogitsOutput) Reset() {
 	*x = LogitsOutput{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[17]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2210,7 +2379,7 @@ func (x *LogitsOutput) String() string {
 func (*LogitsOutput) ProtoMessage() {}
 
 func (x *LogitsOutput) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[17]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2223,7 +2392,7 @@ func (x *LogitsOutput) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LogitsOutput.ProtoReflect.Descriptor instead.
 func (*LogitsOutput) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{17}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *LogitsOutput) GetTokenId() int32 {
@@ -2271,7 +2440,7 @@ type StepTimings struct {
 
 func (x *StepTimings) Reset() {
 	*x = StepTimings{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[18]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2283,7 +2452,7 @@ func (x *StepTimings) String() string {
 func (*StepTimings) ProtoMessage() {}
 
 func (x *StepTimings) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[18]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2296,7 +2465,7 @@ func (x *StepTimings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepTimings.ProtoReflect.Descriptor instead.
 func (*StepTimings) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{18}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *StepTimings) GetQueuedNs() uint64 {
@@ -2348,7 +2517,7 @@ type StepError struct {
 
 func (x *StepError) Reset() {
 	*x = StepError{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[19]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2360,7 +2529,7 @@ func (x *StepError) String() string {
 func (*StepError) ProtoMessage() {}
 
 func (x *StepError) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[19]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2373,7 +2542,7 @@ func (x *StepError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepError.ProtoReflect.Descriptor instead.
 func (*StepError) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{19}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *StepError) GetCode() int32 {
@@ -2426,7 +2595,7 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\x06Tensor\x122\n" +
 	"\x05dtype\x18\x01 \x01(\x0e2\x1c.ferrum.executor.v1.DataTypeR\x05dtype\x12\x14\n" +
 	"\x05shape\x18\x02 \x03(\x03R\x05shape\x12\x12\n" +
-	"\x04data\x18\x03 \x01(\fR\x04data\"\xe6\x05\n" +
+	"\x04data\x18\x03 \x01(\fR\x04data\"\xb0\x06\n" +
 	"\tModelInfo\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12<\n" +
 	"\n" +
@@ -2453,12 +2622,21 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\bexecutor\x18\x11 \x01(\tR\bexecutor\x12\"\n" +
 	"\reos_token_ids\x18\x12 \x03(\x05R\veosTokenIds\x12#\n" +
 	"\rhas_tokenizer\x18\x13 \x01(\bR\fhasTokenizer\x12*\n" +
-	"\x11has_chat_template\x18\x14 \x01(\bR\x0fhasChatTemplate\"\x8d\x02\n" +
+	"\x11has_chat_template\x18\x14 \x01(\bR\x0fhasChatTemplate\x12H\n" +
+	"\fprefix_cache\x18\x15 \x01(\v2%.ferrum.executor.v1.PrefixCacheRecipeR\vprefixCache\"\x9d\x01\n" +
+	"\x11PrefixCacheRecipe\x12\x18\n" +
+	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x1c\n" +
+	"\talgorithm\x18\x02 \x01(\tR\talgorithm\x12\x1d\n" +
+	"\n" +
+	"block_size\x18\x03 \x01(\rR\tblockSize\x12\x12\n" +
+	"\x04seed\x18\x04 \x01(\tR\x04seed\x12\x1d\n" +
+	"\n" +
+	"extra_keys\x18\x05 \x03(\tR\textraKeys\"\x8d\x02\n" +
 	"\x12MemoryRequirements\x124\n" +
 	"\x16parameter_memory_bytes\x18\x01 \x01(\x04R\x14parameterMemoryBytes\x12H\n" +
 	"!activation_memory_per_token_bytes\x18\x02 \x01(\x04R\x1dactivationMemoryPerTokenBytes\x12C\n" +
 	"\x1fkv_cache_memory_per_token_bytes\x18\x03 \x01(\x04R\x1akvCacheMemoryPerTokenBytes\x122\n" +
-	"\x15overhead_memory_bytes\x18\x04 \x01(\x04R\x13overheadMemoryBytes\"\xc8\b\n" +
+	"\x15overhead_memory_bytes\x18\x04 \x01(\x04R\x13overheadMemoryBytes\"\xa5\t\n" +
 	"\x14ExecutorCapabilities\x12$\n" +
 	"\x0emax_batch_size\x18\x01 \x01(\x04R\fmaxBatchSize\x12.\n" +
 	"\x13max_sequence_length\x18\x02 \x01(\x04R\x11maxSequenceLength\x12T\n" +
@@ -2478,7 +2656,9 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\x10supports_forward\x18\x0f \x01(\bR\x0fsupportsForward\x124\n" +
 	"\x16supports_kv_truncation\x18\x10 \x01(\bR\x14supportsKvTruncation\x12C\n" +
 	"\x1esupports_native_forward_verify\x18\x11 \x01(\bR\x1bsupportsNativeForwardVerify\x12\"\n" +
-	"\rkv_block_size\x18\x12 \x01(\rR\vkvBlockSize\"\xad\x01\n" +
+	"\rkv_block_size\x18\x12 \x01(\rR\vkvBlockSize\x126\n" +
+	"\x17supports_prefix_caching\x18\x13 \x01(\bR\x15supportsPrefixCaching\x12#\n" +
+	"\rsupports_fork\x18\x14 \x01(\bR\fsupportsFork\"\xad\x01\n" +
 	"\x13ExecutorMemoryUsage\x12'\n" +
 	"\x0fallocated_bytes\x18\x01 \x01(\x04R\x0eallocatedBytes\x12\x1d\n" +
 	"\n" +
@@ -2527,7 +2707,7 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\fnum_kv_heads\x18\t \x01(\rR\n" +
 	"numKvHeads\x12\x19\n" +
 	"\bhead_dim\x18\n" +
-	" \x01(\rR\aheadDim\"\xcc\x02\n" +
+	" \x01(\rR\aheadDim\"\xff\x03\n" +
 	"\n" +
 	"KvCapacity\x121\n" +
 	"\x12per_request_tokens\x18\x01 \x01(\x04H\x00R\x10perRequestTokens\x88\x01\x01\x12!\n" +
@@ -2541,7 +2721,15 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"totalBytes\x12\x1d\n" +
 	"\n" +
 	"used_bytes\x18\a \x01(\x04R\tusedBytes\x12&\n" +
-	"\x0fbytes_per_token\x18\b \x01(\x04R\rbytesPerTokenB\x15\n" +
+	"\x0fbytes_per_token\x18\b \x01(\x04R\rbytesPerToken\x12\x1d\n" +
+	"\n" +
+	"block_size\x18\t \x01(\rR\tblockSize\x12!\n" +
+	"\ftotal_blocks\x18\n" +
+	" \x01(\x04R\vtotalBlocks\x12\x1f\n" +
+	"\vfree_blocks\x18\v \x01(\x04R\n" +
+	"freeBlocks\x12)\n" +
+	"\x10evictable_blocks\x18\f \x01(\x04R\x0fevictableBlocks\x12#\n" +
+	"\rcached_blocks\x18\r \x01(\x04R\fcachedBlocksB\x15\n" +
 	"\x13_per_request_tokens\"\x8d\x01\n" +
 	"\x17ExecutorAdmissionLimits\x128\n" +
 	"\x18maximum_active_sequences\x18\x01 \x01(\rR\x16maximumActiveSequences\x128\n" +
@@ -2707,7 +2895,7 @@ func file_ferrum_executor_v1_types_proto_rawDescGZIP() []byte {
 }
 
 var file_ferrum_executor_v1_types_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_ferrum_executor_v1_types_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
+var file_ferrum_executor_v1_types_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_ferrum_executor_v1_types_proto_goTypes = []any{
 	(DataType)(0),                   // 0: ferrum.executor.v1.DataType
 	(ModelType)(0),                  // 1: ferrum.executor.v1.ModelType
@@ -2717,50 +2905,52 @@ var file_ferrum_executor_v1_types_proto_goTypes = []any{
 	(ErrorKind)(0),                  // 5: ferrum.executor.v1.ErrorKind
 	(*Tensor)(nil),                  // 6: ferrum.executor.v1.Tensor
 	(*ModelInfo)(nil),               // 7: ferrum.executor.v1.ModelInfo
-	(*MemoryRequirements)(nil),      // 8: ferrum.executor.v1.MemoryRequirements
-	(*ExecutorCapabilities)(nil),    // 9: ferrum.executor.v1.ExecutorCapabilities
-	(*ExecutorMemoryUsage)(nil),     // 10: ferrum.executor.v1.ExecutorMemoryUsage
-	(*ExecutorStatus)(nil),          // 11: ferrum.executor.v1.ExecutorStatus
-	(*ExecutorMetrics)(nil),         // 12: ferrum.executor.v1.ExecutorMetrics
-	(*KvCacheHandle)(nil),           // 13: ferrum.executor.v1.KvCacheHandle
-	(*KvCapacity)(nil),              // 14: ferrum.executor.v1.KvCapacity
-	(*ExecutorAdmissionLimits)(nil), // 15: ferrum.executor.v1.ExecutorAdmissionLimits
-	(*KvSlotRequest)(nil),           // 16: ferrum.executor.v1.KvSlotRequest
-	(*KvSlotAllocation)(nil),        // 17: ferrum.executor.v1.KvSlotAllocation
-	(*KvSlotReservation)(nil),       // 18: ferrum.executor.v1.KvSlotReservation
-	(*KvSlotCapacitySnapshot)(nil),  // 19: ferrum.executor.v1.KvSlotCapacitySnapshot
-	(*SamplingParams)(nil),          // 20: ferrum.executor.v1.SamplingParams
-	(*LogitsPolicy)(nil),            // 21: ferrum.executor.v1.LogitsPolicy
-	(*TokenLogprob)(nil),            // 22: ferrum.executor.v1.TokenLogprob
-	(*LogitsOutput)(nil),            // 23: ferrum.executor.v1.LogitsOutput
-	(*StepTimings)(nil),             // 24: ferrum.executor.v1.StepTimings
-	(*StepError)(nil),               // 25: ferrum.executor.v1.StepError
-	nil,                             // 26: ferrum.executor.v1.StepError.MetadataEntry
-	(*structpb.Struct)(nil),         // 27: google.protobuf.Struct
+	(*PrefixCacheRecipe)(nil),       // 8: ferrum.executor.v1.PrefixCacheRecipe
+	(*MemoryRequirements)(nil),      // 9: ferrum.executor.v1.MemoryRequirements
+	(*ExecutorCapabilities)(nil),    // 10: ferrum.executor.v1.ExecutorCapabilities
+	(*ExecutorMemoryUsage)(nil),     // 11: ferrum.executor.v1.ExecutorMemoryUsage
+	(*ExecutorStatus)(nil),          // 12: ferrum.executor.v1.ExecutorStatus
+	(*ExecutorMetrics)(nil),         // 13: ferrum.executor.v1.ExecutorMetrics
+	(*KvCacheHandle)(nil),           // 14: ferrum.executor.v1.KvCacheHandle
+	(*KvCapacity)(nil),              // 15: ferrum.executor.v1.KvCapacity
+	(*ExecutorAdmissionLimits)(nil), // 16: ferrum.executor.v1.ExecutorAdmissionLimits
+	(*KvSlotRequest)(nil),           // 17: ferrum.executor.v1.KvSlotRequest
+	(*KvSlotAllocation)(nil),        // 18: ferrum.executor.v1.KvSlotAllocation
+	(*KvSlotReservation)(nil),       // 19: ferrum.executor.v1.KvSlotReservation
+	(*KvSlotCapacitySnapshot)(nil),  // 20: ferrum.executor.v1.KvSlotCapacitySnapshot
+	(*SamplingParams)(nil),          // 21: ferrum.executor.v1.SamplingParams
+	(*LogitsPolicy)(nil),            // 22: ferrum.executor.v1.LogitsPolicy
+	(*TokenLogprob)(nil),            // 23: ferrum.executor.v1.TokenLogprob
+	(*LogitsOutput)(nil),            // 24: ferrum.executor.v1.LogitsOutput
+	(*StepTimings)(nil),             // 25: ferrum.executor.v1.StepTimings
+	(*StepError)(nil),               // 26: ferrum.executor.v1.StepError
+	nil,                             // 27: ferrum.executor.v1.StepError.MetadataEntry
+	(*structpb.Struct)(nil),         // 28: google.protobuf.Struct
 }
 var file_ferrum_executor_v1_types_proto_depIdxs = []int32{
 	0,  // 0: ferrum.executor.v1.Tensor.dtype:type_name -> ferrum.executor.v1.DataType
 	1,  // 1: ferrum.executor.v1.ModelInfo.model_type:type_name -> ferrum.executor.v1.ModelType
 	0,  // 2: ferrum.executor.v1.ModelInfo.dtype:type_name -> ferrum.executor.v1.DataType
-	27, // 3: ferrum.executor.v1.ModelInfo.metadata:type_name -> google.protobuf.Struct
-	2,  // 4: ferrum.executor.v1.ExecutorCapabilities.attention_mechanisms:type_name -> ferrum.executor.v1.AttentionType
-	0,  // 5: ferrum.executor.v1.ExecutorCapabilities.supported_dtypes:type_name -> ferrum.executor.v1.DataType
-	8,  // 6: ferrum.executor.v1.ExecutorCapabilities.memory_requirements:type_name -> ferrum.executor.v1.MemoryRequirements
-	3,  // 7: ferrum.executor.v1.ExecutorStatus.state:type_name -> ferrum.executor.v1.ExecutorState
-	10, // 8: ferrum.executor.v1.ExecutorStatus.memory_usage:type_name -> ferrum.executor.v1.ExecutorMemoryUsage
-	17, // 9: ferrum.executor.v1.KvSlotReservation.allocations:type_name -> ferrum.executor.v1.KvSlotAllocation
-	4,  // 10: ferrum.executor.v1.LogitsPolicy.mode:type_name -> ferrum.executor.v1.OutputMode
-	20, // 11: ferrum.executor.v1.LogitsPolicy.sampling:type_name -> ferrum.executor.v1.SamplingParams
-	0,  // 12: ferrum.executor.v1.LogitsPolicy.logits_dtype:type_name -> ferrum.executor.v1.DataType
-	22, // 13: ferrum.executor.v1.LogitsOutput.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
-	6,  // 14: ferrum.executor.v1.LogitsOutput.logits:type_name -> ferrum.executor.v1.Tensor
-	5,  // 15: ferrum.executor.v1.StepError.kind:type_name -> ferrum.executor.v1.ErrorKind
-	26, // 16: ferrum.executor.v1.StepError.metadata:type_name -> ferrum.executor.v1.StepError.MetadataEntry
-	17, // [17:17] is the sub-list for method output_type
-	17, // [17:17] is the sub-list for method input_type
-	17, // [17:17] is the sub-list for extension type_name
-	17, // [17:17] is the sub-list for extension extendee
-	0,  // [0:17] is the sub-list for field type_name
+	28, // 3: ferrum.executor.v1.ModelInfo.metadata:type_name -> google.protobuf.Struct
+	8,  // 4: ferrum.executor.v1.ModelInfo.prefix_cache:type_name -> ferrum.executor.v1.PrefixCacheRecipe
+	2,  // 5: ferrum.executor.v1.ExecutorCapabilities.attention_mechanisms:type_name -> ferrum.executor.v1.AttentionType
+	0,  // 6: ferrum.executor.v1.ExecutorCapabilities.supported_dtypes:type_name -> ferrum.executor.v1.DataType
+	9,  // 7: ferrum.executor.v1.ExecutorCapabilities.memory_requirements:type_name -> ferrum.executor.v1.MemoryRequirements
+	3,  // 8: ferrum.executor.v1.ExecutorStatus.state:type_name -> ferrum.executor.v1.ExecutorState
+	11, // 9: ferrum.executor.v1.ExecutorStatus.memory_usage:type_name -> ferrum.executor.v1.ExecutorMemoryUsage
+	18, // 10: ferrum.executor.v1.KvSlotReservation.allocations:type_name -> ferrum.executor.v1.KvSlotAllocation
+	4,  // 11: ferrum.executor.v1.LogitsPolicy.mode:type_name -> ferrum.executor.v1.OutputMode
+	21, // 12: ferrum.executor.v1.LogitsPolicy.sampling:type_name -> ferrum.executor.v1.SamplingParams
+	0,  // 13: ferrum.executor.v1.LogitsPolicy.logits_dtype:type_name -> ferrum.executor.v1.DataType
+	23, // 14: ferrum.executor.v1.LogitsOutput.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
+	6,  // 15: ferrum.executor.v1.LogitsOutput.logits:type_name -> ferrum.executor.v1.Tensor
+	5,  // 16: ferrum.executor.v1.StepError.kind:type_name -> ferrum.executor.v1.ErrorKind
+	27, // 17: ferrum.executor.v1.StepError.metadata:type_name -> ferrum.executor.v1.StepError.MetadataEntry
+	18, // [18:18] is the sub-list for method output_type
+	18, // [18:18] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_ferrum_executor_v1_types_proto_init() }
@@ -2768,18 +2958,18 @@ func file_ferrum_executor_v1_types_proto_init() {
 	if File_ferrum_executor_v1_types_proto != nil {
 		return
 	}
-	file_ferrum_executor_v1_types_proto_msgTypes[5].OneofWrappers = []any{}
-	file_ferrum_executor_v1_types_proto_msgTypes[8].OneofWrappers = []any{}
-	file_ferrum_executor_v1_types_proto_msgTypes[10].OneofWrappers = []any{}
-	file_ferrum_executor_v1_types_proto_msgTypes[14].OneofWrappers = []any{}
-	file_ferrum_executor_v1_types_proto_msgTypes[17].OneofWrappers = []any{}
+	file_ferrum_executor_v1_types_proto_msgTypes[6].OneofWrappers = []any{}
+	file_ferrum_executor_v1_types_proto_msgTypes[9].OneofWrappers = []any{}
+	file_ferrum_executor_v1_types_proto_msgTypes[11].OneofWrappers = []any{}
+	file_ferrum_executor_v1_types_proto_msgTypes[15].OneofWrappers = []any{}
+	file_ferrum_executor_v1_types_proto_msgTypes[18].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ferrum_executor_v1_types_proto_rawDesc), len(file_ferrum_executor_v1_types_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   21,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -28,6 +28,7 @@ class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_EVENT_KIND_RELEASED: _ClassVar[KvEventKind]
     KV_EVENT_KIND_RECLAIMED: _ClassVar[KvEventKind]
     KV_EVENT_KIND_EVICTED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_FORKED: _ClassVar[KvEventKind]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -42,6 +43,7 @@ KV_EVENT_KIND_TRUNCATED: KvEventKind
 KV_EVENT_KIND_RELEASED: KvEventKind
 KV_EVENT_KIND_RECLAIMED: KvEventKind
 KV_EVENT_KIND_EVICTED: KvEventKind
+KV_EVENT_KIND_FORKED: KvEventKind
 
 class InfoRequest(_message.Message):
     __slots__ = ("model_id",)
@@ -118,7 +120,7 @@ class AdmissionLimitsResponse(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., limits: _Optional[_Union[_types_pb2.ExecutorAdmissionLimits, _Mapping]] = ...) -> None: ...
 
 class PrefillInput(_message.Message):
-    __slots__ = ("token_ids", "cache_id", "logits", "reserve_tokens", "all_positions", "metadata", "request_id")
+    __slots__ = ("token_ids", "cache_id", "logits", "reserve_tokens", "all_positions", "metadata", "request_id", "cache_salt", "bypass_prefix_cache")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +128,8 @@ class PrefillInput(_message.Message):
     ALL_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    BYPASS_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_id: str
     logits: _types_pb2.LogitsPolicy
@@ -133,19 +137,23 @@ class PrefillInput(_message.Message):
     all_positions: bool
     metadata: _struct_pb2.Struct
     request_id: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., all_positions: _Optional[bool] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    bypass_prefix_cache: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., all_positions: _Optional[bool] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class PrefillOutput(_message.Message):
-    __slots__ = ("cache", "output", "positions", "embedding")
+    __slots__ = ("cache", "output", "positions", "embedding", "cached_tokens")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache: _types_pb2.KvCacheHandle
     output: _types_pb2.LogitsOutput
     positions: _containers.RepeatedCompositeFieldContainer[_types_pb2.LogitsOutput]
     embedding: _types_pb2.Tensor
-    def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., output: _Optional[_Union[_types_pb2.LogitsOutput, _Mapping]] = ..., positions: _Optional[_Iterable[_Union[_types_pb2.LogitsOutput, _Mapping]]] = ..., embedding: _Optional[_Union[_types_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., output: _Optional[_Union[_types_pb2.LogitsOutput, _Mapping]] = ..., positions: _Optional[_Iterable[_Union[_types_pb2.LogitsOutput, _Mapping]]] = ..., embedding: _Optional[_Union[_types_pb2.Tensor, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("model_id", "input", "client_step_id")
@@ -242,7 +250,7 @@ class BatchDecodeResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[DecodeOutput, _Mapping]]] = ..., timings: _Optional[_Union[_types_pb2.StepTimings, _Mapping]] = ...) -> None: ...
 
 class UnifiedBatchItem(_message.Message):
-    __slots__ = ("seq_id", "q_tokens", "cache_id", "pos_offset", "is_final_chunk", "logits", "metadata")
+    __slots__ = ("seq_id", "q_tokens", "cache_id", "pos_offset", "is_final_chunk", "logits", "metadata", "cache_salt", "bypass_prefix_cache")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     Q_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +258,8 @@ class UnifiedBatchItem(_message.Message):
     IS_FINAL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    BYPASS_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     q_tokens: _containers.RepeatedScalarFieldContainer[int]
     cache_id: str
@@ -257,7 +267,9 @@ class UnifiedBatchItem(_message.Message):
     is_final_chunk: bool
     logits: _types_pb2.LogitsPolicy
     metadata: _struct_pb2.Struct
-    def __init__(self, seq_id: _Optional[str] = ..., q_tokens: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    bypass_prefix_cache: bool
+    def __init__(self, seq_id: _Optional[str] = ..., q_tokens: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class UnifiedDecodeRequest(_message.Message):
     __slots__ = ("model_id", "items", "client_step_id")
@@ -270,14 +282,16 @@ class UnifiedDecodeRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[UnifiedBatchItem, _Mapping]]] = ..., client_step_id: _Optional[str] = ...) -> None: ...
 
 class UnifiedItemResult(_message.Message):
-    __slots__ = ("seq_id", "cache", "output")
+    __slots__ = ("seq_id", "cache", "output", "cached_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     cache: _types_pb2.KvCacheHandle
     output: _types_pb2.LogitsOutput
-    def __init__(self, seq_id: _Optional[str] = ..., cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., output: _Optional[_Union[_types_pb2.LogitsOutput, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., output: _Optional[_Union[_types_pb2.LogitsOutput, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class UnifiedDecodeResponse(_message.Message):
     __slots__ = ("results", "timings")
@@ -376,6 +390,28 @@ class ReleaseCacheResponse(_message.Message):
     freed_bytes: int
     freed_tokens: int
     def __init__(self, released: _Optional[bool] = ..., freed_bytes: _Optional[int] = ..., freed_tokens: _Optional[int] = ...) -> None: ...
+
+class ForkCacheRequest(_message.Message):
+    __slots__ = ("model_id", "cache_id", "keep_tokens", "reserve_tokens", "client_step_id")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    cache_id: str
+    keep_tokens: int
+    reserve_tokens: int
+    client_step_id: str
+    def __init__(self, model_id: _Optional[str] = ..., cache_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., reserve_tokens: _Optional[int] = ..., client_step_id: _Optional[str] = ...) -> None: ...
+
+class ForkCacheResponse(_message.Message):
+    __slots__ = ("cache", "shared_blocks")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    cache: _types_pb2.KvCacheHandle
+    shared_blocks: int
+    def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., shared_blocks: _Optional[int] = ...) -> None: ...
 
 class ReserveKvSlotsRequest(_message.Message):
     __slots__ = ("model_id", "requests")
@@ -538,7 +574,7 @@ class StopConditions(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., stop_sequences: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model_id", "token_ids", "text", "chat", "cache_id", "last_token_id", "sampling", "stop", "top_logprobs", "keep_cache", "request_id", "stream_text")
+    __slots__ = ("model_id", "token_ids", "text", "chat", "cache_id", "last_token_id", "sampling", "stop", "top_logprobs", "keep_cache", "request_id", "stream_text", "cache_salt", "bypass_prefix_cache", "n")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -551,6 +587,9 @@ class GenerateRequest(_message.Message):
     KEEP_CACHE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STREAM_TEXT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    BYPASS_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     token_ids: TokenIds
     text: str
@@ -563,34 +602,41 @@ class GenerateRequest(_message.Message):
     keep_cache: bool
     request_id: str
     stream_text: bool
-    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., cache_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., keep_cache: _Optional[bool] = ..., request_id: _Optional[str] = ..., stream_text: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    bypass_prefix_cache: bool
+    n: int
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., cache_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., keep_cache: _Optional[bool] = ..., request_id: _Optional[str] = ..., stream_text: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., n: _Optional[int] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
-    __slots__ = ("cache", "prompt_tokens", "request_id")
+    __slots__ = ("cache", "prompt_tokens", "request_id", "cached_tokens")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache: _types_pb2.KvCacheHandle
     prompt_tokens: int
     request_id: str
-    def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_logprobs", "index", "text")
+    __slots__ = ("token_id", "logprob", "top_logprobs", "index", "text", "sample_index")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprob]
     index: int
     text: str
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+    sample_index: int
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., sample_index: _Optional[int] = ...) -> None: ...
 
 class GenerateFinished(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "generated_tokens", "cache", "text", "time_to_first_token_ns", "total_ns")
+    __slots__ = ("finish_reason", "prompt_tokens", "generated_tokens", "cache", "text", "time_to_first_token_ns", "total_ns", "sample_index")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -598,6 +644,7 @@ class GenerateFinished(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     prompt_tokens: int
     generated_tokens: int
@@ -605,7 +652,8 @@ class GenerateFinished(_message.Message):
     text: str
     time_to_first_token_ns: int
     total_ns: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., text: _Optional[str] = ..., time_to_first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
+    sample_index: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., text: _Optional[str] = ..., time_to_first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., sample_index: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("started", "token", "finished")
@@ -618,7 +666,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ..., finished: _Optional[_Union[GenerateFinished, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("step_id", "prefill", "batch_prefill", "decode", "batch_decode", "unified_decode", "forward_verify", "truncate_kv", "release_cache")
+    __slots__ = ("step_id", "prefill", "batch_prefill", "decode", "batch_decode", "unified_decode", "forward_verify", "truncate_kv", "release_cache", "fork_cache")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     BATCH_PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -628,6 +676,7 @@ class SessionRequest(_message.Message):
     FORWARD_VERIFY_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_KV_FIELD_NUMBER: _ClassVar[int]
     RELEASE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    FORK_CACHE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     prefill: PrefillRequest
     batch_prefill: BatchPrefillRequest
@@ -637,10 +686,11 @@ class SessionRequest(_message.Message):
     forward_verify: ForwardVerifyRequest
     truncate_kv: TruncateKvRequest
     release_cache: ReleaseCacheRequest
-    def __init__(self, step_id: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., batch_prefill: _Optional[_Union[BatchPrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., batch_decode: _Optional[_Union[BatchDecodeRequest, _Mapping]] = ..., unified_decode: _Optional[_Union[UnifiedDecodeRequest, _Mapping]] = ..., forward_verify: _Optional[_Union[ForwardVerifyRequest, _Mapping]] = ..., truncate_kv: _Optional[_Union[TruncateKvRequest, _Mapping]] = ..., release_cache: _Optional[_Union[ReleaseCacheRequest, _Mapping]] = ...) -> None: ...
+    fork_cache: ForkCacheRequest
+    def __init__(self, step_id: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., batch_prefill: _Optional[_Union[BatchPrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., batch_decode: _Optional[_Union[BatchDecodeRequest, _Mapping]] = ..., unified_decode: _Optional[_Union[UnifiedDecodeRequest, _Mapping]] = ..., forward_verify: _Optional[_Union[ForwardVerifyRequest, _Mapping]] = ..., truncate_kv: _Optional[_Union[TruncateKvRequest, _Mapping]] = ..., release_cache: _Optional[_Union[ReleaseCacheRequest, _Mapping]] = ..., fork_cache: _Optional[_Union[ForkCacheRequest, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("step_id", "prefill", "batch_prefill", "decode", "batch_decode", "unified_decode", "forward_verify", "truncate_kv", "release_cache", "error")
+    __slots__ = ("step_id", "prefill", "batch_prefill", "decode", "batch_decode", "unified_decode", "forward_verify", "truncate_kv", "release_cache", "fork_cache", "error")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     BATCH_PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -650,6 +700,7 @@ class SessionResponse(_message.Message):
     FORWARD_VERIFY_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_KV_FIELD_NUMBER: _ClassVar[int]
     RELEASE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    FORK_CACHE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     prefill: PrefillResponse
@@ -660,8 +711,9 @@ class SessionResponse(_message.Message):
     forward_verify: ForwardVerifyResponse
     truncate_kv: TruncateKvResponse
     release_cache: ReleaseCacheResponse
+    fork_cache: ForkCacheResponse
     error: _types_pb2.StepError
-    def __init__(self, step_id: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., batch_prefill: _Optional[_Union[BatchPrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., batch_decode: _Optional[_Union[BatchDecodeResponse, _Mapping]] = ..., unified_decode: _Optional[_Union[UnifiedDecodeResponse, _Mapping]] = ..., forward_verify: _Optional[_Union[ForwardVerifyResponse, _Mapping]] = ..., truncate_kv: _Optional[_Union[TruncateKvResponse, _Mapping]] = ..., release_cache: _Optional[_Union[ReleaseCacheResponse, _Mapping]] = ..., error: _Optional[_Union[_types_pb2.StepError, _Mapping]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., batch_prefill: _Optional[_Union[BatchPrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., batch_decode: _Optional[_Union[BatchDecodeResponse, _Mapping]] = ..., unified_decode: _Optional[_Union[UnifiedDecodeResponse, _Mapping]] = ..., forward_verify: _Optional[_Union[ForwardVerifyResponse, _Mapping]] = ..., truncate_kv: _Optional[_Union[TruncateKvResponse, _Mapping]] = ..., release_cache: _Optional[_Union[ReleaseCacheResponse, _Mapping]] = ..., fork_cache: _Optional[_Union[ForkCacheResponse, _Mapping]] = ..., error: _Optional[_Union[_types_pb2.StepError, _Mapping]] = ...) -> None: ...
 
 class LoadsRequest(_message.Message):
     __slots__ = ("model_id",)
@@ -680,7 +732,7 @@ class LatencySummary(_message.Message):
     def __init__(self, p50_ns: _Optional[int] = ..., p99_ns: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class ModelLoad(_message.Message):
-    __slots__ = ("model_id", "active_caches", "resident_tokens", "free_tokens", "free_blocks", "total_blocks", "block_size", "running_steps", "queued_steps", "active_streams", "prefill_latency", "decode_latency", "reserved_tokens")
+    __slots__ = ("model_id", "active_caches", "resident_tokens", "free_tokens", "free_blocks", "total_blocks", "block_size", "running_steps", "queued_steps", "active_streams", "prefill_latency", "decode_latency", "reserved_tokens", "evictable_blocks", "cached_blocks", "prefix_hit_tokens", "prefix_queried_tokens")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_CACHES_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -694,6 +746,10 @@ class ModelLoad(_message.Message):
     PREFILL_LATENCY_FIELD_NUMBER: _ClassVar[int]
     DECODE_LATENCY_FIELD_NUMBER: _ClassVar[int]
     RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     active_caches: int
     resident_tokens: int
@@ -707,7 +763,11 @@ class ModelLoad(_message.Message):
     prefill_latency: LatencySummary
     decode_latency: LatencySummary
     reserved_tokens: int
-    def __init__(self, model_id: _Optional[str] = ..., active_caches: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_steps: _Optional[int] = ..., queued_steps: _Optional[int] = ..., active_streams: _Optional[int] = ..., prefill_latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., decode_latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., reserved_tokens: _Optional[int] = ...) -> None: ...
+    evictable_blocks: int
+    cached_blocks: int
+    prefix_hit_tokens: int
+    prefix_queried_tokens: int
+    def __init__(self, model_id: _Optional[str] = ..., active_caches: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_steps: _Optional[int] = ..., queued_steps: _Optional[int] = ..., active_streams: _Optional[int] = ..., prefill_latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., decode_latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., reserved_tokens: _Optional[int] = ..., evictable_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadsResponse(_message.Message):
     __slots__ = ("loads", "kv_event_seq")
@@ -748,12 +808,52 @@ class KvEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[KvEventKind, str]] = ..., model_id: _Optional[str] = ..., cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., time_unix_ns: _Optional[int] = ...) -> None: ...
 
 class SubscribeKvEventsRequest(_message.Message):
-    __slots__ = ("model_id", "from_seq")
+    __slots__ = ("model_id", "from_seq", "include_block_events")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_BLOCK_EVENTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     from_seq: int
-    def __init__(self, model_id: _Optional[str] = ..., from_seq: _Optional[int] = ...) -> None: ...
+    include_block_events: bool
+    def __init__(self, model_id: _Optional[str] = ..., from_seq: _Optional[int] = ..., include_block_events: _Optional[bool] = ...) -> None: ...
+
+class KvBlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class KvBlockRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KvBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvBlockEvent(_message.Message):
+    __slots__ = ("seq", "model_id", "time_unix_ns", "stored", "removed", "cleared")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    model_id: str
+    time_unix_ns: int
+    stored: KvBlockStored
+    removed: KvBlockRemoved
+    cleared: KvBlocksCleared
+    def __init__(self, seq: _Optional[int] = ..., model_id: _Optional[str] = ..., time_unix_ns: _Optional[int] = ..., stored: _Optional[_Union[KvBlockStored, _Mapping]] = ..., removed: _Optional[_Union[KvBlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[KvBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class ResyncRequired(_message.Message):
     __slots__ = ("requested_seq", "oldest_available_seq", "next_seq")
@@ -766,12 +866,14 @@ class ResyncRequired(_message.Message):
     def __init__(self, requested_seq: _Optional[int] = ..., oldest_available_seq: _Optional[int] = ..., next_seq: _Optional[int] = ...) -> None: ...
 
 class SubscribeKvEventsResponse(_message.Message):
-    __slots__ = ("event", "resync_required")
+    __slots__ = ("event", "resync_required", "block_event")
     EVENT_FIELD_NUMBER: _ClassVar[int]
     RESYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_EVENT_FIELD_NUMBER: _ClassVar[int]
     event: KvEvent
     resync_required: ResyncRequired
-    def __init__(self, event: _Optional[_Union[KvEvent, _Mapping]] = ..., resync_required: _Optional[_Union[ResyncRequired, _Mapping]] = ...) -> None: ...
+    block_event: KvBlockEvent
+    def __init__(self, event: _Optional[_Union[KvEvent, _Mapping]] = ..., resync_required: _Optional[_Union[ResyncRequired, _Mapping]] = ..., block_event: _Optional[_Union[KvBlockEvent, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("model_id", "request_id", "cache_id")

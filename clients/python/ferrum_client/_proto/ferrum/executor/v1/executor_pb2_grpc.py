@@ -105,6 +105,11 @@ class ModelExecutorStub:
                 request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ReleaseCacheRequest.SerializeToString,
                 response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ReleaseCacheResponse.FromString,
                 _registered_method=True)
+        self.ForkCache = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/ForkCache',
+                request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ForkCacheRequest.SerializeToString,
+                response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ForkCacheResponse.FromString,
+                _registered_method=True)
         self.ReserveKvSlots = channel.unary_unary(
                 '/ferrum.executor.v1.ModelExecutor/ReserveKvSlots',
                 request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ReserveKvSlotsRequest.SerializeToString,
@@ -285,6 +290,14 @@ class ModelExecutorServicer:
     def ReleaseCache(self, request, context):
         """`release_cache()`: free a cache. Idempotent: releasing an unknown or already released cache
         succeeds with `released = false` (ferrum's `release_cache` is infallible too).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkCache(self, request, context):
+        """A new cache sharing another's first `keep_tokens` tokens (copy-on-write blocks): parallel
+        sampling, beam search, tree speculation, agent branches.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -485,6 +498,11 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.ReleaseCache,
                     request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ReleaseCacheRequest.FromString,
                     response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ReleaseCacheResponse.SerializeToString,
+            ),
+            'ForkCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkCache,
+                    request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ForkCacheRequest.FromString,
+                    response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ForkCacheResponse.SerializeToString,
             ),
             'ReserveKvSlots': grpc.unary_unary_rpc_method_handler(
                     servicer.ReserveKvSlots,
@@ -941,6 +959,33 @@ class ModelExecutor:
             '/ferrum.executor.v1.ModelExecutor/ReleaseCache',
             ferrum_dot_executor_dot_v1_dot_executor__pb2.ReleaseCacheRequest.SerializeToString,
             ferrum_dot_executor_dot_v1_dot_executor__pb2.ReleaseCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/ForkCache',
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.ForkCacheRequest.SerializeToString,
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.ForkCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -171,7 +171,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "model_type", "model_type_detail", "num_parameters", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size", "max_sequence_length", "dtype", "device", "version", "license", "metadata", "head_dim", "executor", "eos_token_ids", "has_tokenizer", "has_chat_template")
+    __slots__ = ("model_id", "model_type", "model_type_detail", "num_parameters", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size", "max_sequence_length", "dtype", "device", "version", "license", "metadata", "head_dim", "executor", "eos_token_ids", "has_tokenizer", "has_chat_template", "prefix_cache")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_type: ModelType
     model_type_detail: str
@@ -212,7 +213,22 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_tokenizer: bool
     has_chat_template: bool
-    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[_Union[ModelType, str]] = ..., model_type_detail: _Optional[str] = ..., num_parameters: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[_Union[DataType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., license: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., head_dim: _Optional[int] = ..., executor: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    prefix_cache: PrefixCacheRecipe
+    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[_Union[ModelType, str]] = ..., model_type_detail: _Optional[str] = ..., num_parameters: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[_Union[DataType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., license: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., head_dim: _Optional[int] = ..., executor: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., prefix_cache: _Optional[_Union[PrefixCacheRecipe, _Mapping]] = ...) -> None: ...
+
+class PrefixCacheRecipe(_message.Message):
+    __slots__ = ("enabled", "algorithm", "block_size", "seed", "extra_keys")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    algorithm: str
+    block_size: int
+    seed: str
+    extra_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, enabled: _Optional[bool] = ..., algorithm: _Optional[str] = ..., block_size: _Optional[int] = ..., seed: _Optional[str] = ..., extra_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MemoryRequirements(_message.Message):
     __slots__ = ("parameter_memory_bytes", "activation_memory_per_token_bytes", "kv_cache_memory_per_token_bytes", "overhead_memory_bytes")
@@ -227,7 +243,7 @@ class MemoryRequirements(_message.Message):
     def __init__(self, parameter_memory_bytes: _Optional[int] = ..., activation_memory_per_token_bytes: _Optional[int] = ..., kv_cache_memory_per_token_bytes: _Optional[int] = ..., overhead_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ExecutorCapabilities(_message.Message):
-    __slots__ = ("max_batch_size", "max_sequence_length", "attention_mechanisms", "supports_dynamic_batching", "supports_continuous_batching", "supports_speculative_decoding", "supports_tensor_parallelism", "supports_pipeline_parallelism", "supported_dtypes", "supported_devices", "memory_requirements", "supports_native_unified_decode", "supports_generation", "supports_embeddings", "supports_forward", "supports_kv_truncation", "supports_native_forward_verify", "kv_block_size")
+    __slots__ = ("max_batch_size", "max_sequence_length", "attention_mechanisms", "supports_dynamic_batching", "supports_continuous_batching", "supports_speculative_decoding", "supports_tensor_parallelism", "supports_pipeline_parallelism", "supported_dtypes", "supported_devices", "memory_requirements", "supports_native_unified_decode", "supports_generation", "supports_embeddings", "supports_forward", "supports_kv_truncation", "supports_native_forward_verify", "kv_block_size", "supports_prefix_caching", "supports_fork")
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MECHANISMS_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +262,8 @@ class ExecutorCapabilities(_message.Message):
     SUPPORTS_KV_TRUNCATION_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_NATIVE_FORWARD_VERIFY_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_FORK_FIELD_NUMBER: _ClassVar[int]
     max_batch_size: int
     max_sequence_length: int
     attention_mechanisms: _containers.RepeatedScalarFieldContainer[AttentionType]
@@ -264,7 +282,9 @@ class ExecutorCapabilities(_message.Message):
     supports_kv_truncation: bool
     supports_native_forward_verify: bool
     kv_block_size: int
-    def __init__(self, max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., attention_mechanisms: _Optional[_Iterable[_Union[AttentionType, str]]] = ..., supports_dynamic_batching: _Optional[bool] = ..., supports_continuous_batching: _Optional[bool] = ..., supports_speculative_decoding: _Optional[bool] = ..., supports_tensor_parallelism: _Optional[bool] = ..., supports_pipeline_parallelism: _Optional[bool] = ..., supported_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., memory_requirements: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., supports_native_unified_decode: _Optional[bool] = ..., supports_generation: _Optional[bool] = ..., supports_embeddings: _Optional[bool] = ..., supports_forward: _Optional[bool] = ..., supports_kv_truncation: _Optional[bool] = ..., supports_native_forward_verify: _Optional[bool] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
+    supports_prefix_caching: bool
+    supports_fork: bool
+    def __init__(self, max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., attention_mechanisms: _Optional[_Iterable[_Union[AttentionType, str]]] = ..., supports_dynamic_batching: _Optional[bool] = ..., supports_continuous_batching: _Optional[bool] = ..., supports_speculative_decoding: _Optional[bool] = ..., supports_tensor_parallelism: _Optional[bool] = ..., supports_pipeline_parallelism: _Optional[bool] = ..., supported_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., memory_requirements: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., supports_native_unified_decode: _Optional[bool] = ..., supports_generation: _Optional[bool] = ..., supports_embeddings: _Optional[bool] = ..., supports_forward: _Optional[bool] = ..., supports_kv_truncation: _Optional[bool] = ..., supports_native_forward_verify: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., supports_prefix_caching: _Optional[bool] = ..., supports_fork: _Optional[bool] = ...) -> None: ...
 
 class ExecutorMemoryUsage(_message.Message):
     __slots__ = ("allocated_bytes", "used_bytes", "peak_bytes", "utilization_percent")
@@ -351,7 +371,7 @@ class KvCacheHandle(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ..., model_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., memory_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class KvCapacity(_message.Message):
-    __slots__ = ("per_request_tokens", "total_tokens", "used_tokens", "free_tokens", "reserved_tokens", "total_bytes", "used_bytes", "bytes_per_token")
+    __slots__ = ("per_request_tokens", "total_tokens", "used_tokens", "free_tokens", "reserved_tokens", "total_bytes", "used_bytes", "bytes_per_token", "block_size", "total_blocks", "free_blocks", "evictable_blocks", "cached_blocks")
     PER_REQUEST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +380,11 @@ class KvCapacity(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     per_request_tokens: int
     total_tokens: int
     used_tokens: int
@@ -368,7 +393,12 @@ class KvCapacity(_message.Message):
     total_bytes: int
     used_bytes: int
     bytes_per_token: int
-    def __init__(self, per_request_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., bytes_per_token: _Optional[int] = ...) -> None: ...
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+    evictable_blocks: int
+    cached_blocks: int
+    def __init__(self, per_request_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., evictable_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class ExecutorAdmissionLimits(_message.Message):
     __slots__ = ("maximum_active_sequences", "maximum_scheduled_tokens")

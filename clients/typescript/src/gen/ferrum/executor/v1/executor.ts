@@ -147,6 +147,8 @@ export enum KvEventKind {
   KV_EVENT_KIND_RECLAIMED = 5,
   /** KV_EVENT_KIND_EVICTED - Freed by the server to make room (not done by this version; reserved). */
   KV_EVENT_KIND_EVICTED = 6,
+  /** KV_EVENT_KIND_FORKED - A new cache made by `ForkCache` (or `Generate` with n > 1), sharing another's blocks. */
+  KV_EVENT_KIND_FORKED = 7,
   UNRECOGNIZED = -1,
 }
 
@@ -173,6 +175,9 @@ export function kvEventKindFromJSON(object: any): KvEventKind {
     case 6:
     case "KV_EVENT_KIND_EVICTED":
       return KvEventKind.KV_EVENT_KIND_EVICTED;
+    case 7:
+    case "KV_EVENT_KIND_FORKED":
+      return KvEventKind.KV_EVENT_KIND_FORKED;
     case -1:
     case "UNRECOGNIZED":
     default:
@@ -196,6 +201,8 @@ export function kvEventKindToJSON(object: KvEventKind): string {
       return "KV_EVENT_KIND_RECLAIMED";
     case KvEventKind.KV_EVENT_KIND_EVICTED:
       return "KV_EVENT_KIND_EVICTED";
+    case KvEventKind.KV_EVENT_KIND_FORKED:
+      return "KV_EVENT_KIND_FORKED";
     case KvEventKind.UNRECOGNIZED:
     default:
       return "UNRECOGNIZED";
@@ -288,6 +295,16 @@ export interface PrefillInput {
     | undefined;
   /** The caller's id for the request, echoed in logs and KV events. */
   requestId: string;
+  /**
+   * Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
+   * every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+   */
+  cacheSalt: string;
+  /**
+   * Compute every token of a new cache: take nothing from the prefix cache (its full blocks are
+   * still cached for later requests).
+   */
+  bypassPrefixCache: boolean;
 }
 
 /** Mirrors `PrefillOutput`. */
@@ -306,7 +323,14 @@ export interface PrefillOutput {
    * Encoders (BERT): the pooled embedding, shape [hidden]. ferrum's `BertModelExecutor` returns it
    * in `PrefillOutput.logits`; it has its own field here so no caller mistakes it for logits.
    */
-  embedding: Tensor | undefined;
+  embedding:
+    | Tensor
+    | undefined;
+  /**
+   * Leading tokens of this call taken from the prefix cache instead of computed (a multiple of
+   * the block size, or the whole prompt but its last token; 0 = all computed).
+   */
+  cachedTokens: number;
 }
 
 export interface PrefillRequest {
@@ -431,7 +455,19 @@ export interface UnifiedBatchItem {
    */
   isFinalChunk: boolean;
   logits: LogitsPolicy | undefined;
-  metadata: { [key: string]: any } | undefined;
+  metadata:
+    | { [key: string]: any }
+    | undefined;
+  /**
+   * Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
+   * every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+   */
+  cacheSalt: string;
+  /**
+   * Compute every token of a new cache: take nothing from the prefix cache (its full blocks are
+   * still cached for later requests).
+   */
+  bypassPrefixCache: boolean;
 }
 
 /**
@@ -457,7 +493,11 @@ export interface UnifiedItemResult {
     | KvCacheHandle
     | undefined;
   /** Present iff the item's `is_final_chunk`. */
-  output?: LogitsOutput | undefined;
+  output?:
+    | LogitsOutput
+    | undefined;
+  /** Leading tokens of a new sequence's `q_tokens` taken from the prefix cache (0 = all computed). */
+  cachedTokens: number;
 }
 
 export interface UnifiedDecodeResponse {
@@ -578,6 +618,34 @@ export interface ReleaseCacheResponse {
   freedBytes: number;
   /** Tokens the cache held. */
   freedTokens: number;
+}
+
+/** Not in ferrum's trait: a copy-on-write fork of a cache. */
+export interface ForkCacheRequest {
+  modelId: string;
+  /** The cache to fork (it is not changed). */
+  cacheId: string;
+  /**
+   * Tokens the fork starts with: the source's first `keep_tokens` (1 .. its length). Absent = all
+   * of them. The fork shares the source's blocks for those tokens; whichever cache writes into a
+   * shared block first gets its own copy, so neither ever sees the other's later tokens.
+   */
+  keepTokens?:
+    | number
+    | undefined;
+  /** The fork's total token reservation, as `PrefillInput.reserve_tokens` (0 = none). */
+  reserveTokens: number;
+  /** Safe retries, as `PrefillRequest.client_step_id`. */
+  clientStepId: string;
+}
+
+export interface ForkCacheResponse {
+  /** The new cache. */
+  cache:
+    | KvCacheHandle
+    | undefined;
+  /** Blocks the fork shares with the source (no new memory was used for them). */
+  sharedBlocks: number;
 }
 
 export interface ReserveKvSlotsRequest {
@@ -740,6 +808,23 @@ export interface GenerateRequest {
   requestId: string;
   /** Send each token's text piece (`TokenEvent.text`); needs a tokenizer. */
   streamText: boolean;
+  /**
+   * Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
+   * every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+   */
+  cacheSalt: string;
+  /**
+   * Compute every token of a new cache: take nothing from the prefix cache (its full blocks are
+   * still cached for later requests).
+   */
+  bypassPrefixCache: boolean;
+  /**
+   * Samples to generate from the one prompt (0 or 1 = one). The prompt is prefilled once and
+   * forked (`ForkCache`) into `n` caches that share its KV blocks; each sample then decodes on its
+   * own, with seed `sampling.seed + i` for sample `i`. Events carry `sample_index`; one `finished`
+   * event per sample. With `cache_id`, `n` must be 1. At most 64.
+   */
+  n: number;
 }
 
 /** The first event: the prompt was prefilled. */
@@ -747,6 +832,8 @@ export interface GenerateStarted {
   cache: KvCacheHandle | undefined;
   promptTokens: number;
   requestId: string;
+  /** Prompt tokens taken from the prefix cache instead of computed. */
+  cachedTokens: number;
 }
 
 /** One generated token. */
@@ -758,6 +845,8 @@ export interface TokenEvent {
   index: number;
   /** The token's text piece (with `stream_text`); pieces concatenate to the generated text. */
   text: string;
+  /** Which sample the token belongs to (`GenerateRequest.n`; 0 for a single sample). */
+  sampleIndex: number;
 }
 
 /** The last event. */
@@ -777,6 +866,11 @@ export interface GenerateFinished {
   /** Time to first token and total time on the server. */
   timeToFirstTokenNs: number;
   totalNs: number;
+  /**
+   * Which sample ended (`GenerateRequest.n`; 0 for a single sample). The stream ends after the
+   * last sample's `finished` event.
+   */
+  sampleIndex: number;
 }
 
 export interface GenerateResponse {
@@ -798,6 +892,7 @@ export interface SessionRequest {
     | { $case: "forwardVerify"; forwardVerify: ForwardVerifyRequest }
     | { $case: "truncateKv"; truncateKv: TruncateKvRequest }
     | { $case: "releaseCache"; releaseCache: ReleaseCacheRequest }
+    | { $case: "forkCache"; forkCache: ForkCacheRequest }
     | undefined;
 }
 
@@ -812,6 +907,7 @@ export interface SessionResponse {
     | { $case: "forwardVerify"; forwardVerify: ForwardVerifyResponse }
     | { $case: "truncateKv"; truncateKv: TruncateKvResponse }
     | { $case: "releaseCache"; releaseCache: ReleaseCacheResponse }
+    | { $case: "forkCache"; forkCache: ForkCacheResponse }
     | //
     /** The step failed; the session goes on. */
     { $case: "error"; error: StepError }
@@ -851,6 +947,15 @@ export interface ModelLoad {
     | undefined;
   /** Tokens promised by reservations, not yet used. */
   reservedTokens: number;
+  /**
+   * Prefix cache: blocks held only by the cache (no live owner; counted in `free_blocks` too,
+   * since an allocation evicts them), blocks keyed in it, and prompt tokens served from it vs.
+   * looked up since start (hit rate = hit / queried).
+   */
+  evictableBlocks: number;
+  cachedBlocks: number;
+  prefixHitTokens: number;
+  prefixQueriedTokens: number;
 }
 
 export interface LoadsResponse {
@@ -888,7 +993,52 @@ export interface SubscribeKvEventsRequest {
   /** Empty = every hosted model. */
   modelId: string;
   /** Replay from this sequence number (events with seq >= from_seq). Absent = live events only. */
-  fromSeq?: number | undefined;
+  fromSeq?:
+    | number
+    | undefined;
+  /**
+   * Also send prefix-cache block events (`KvBlockEvent`). They share the sequence numbers of cache
+   * events, so a subscriber without them sees gaps in `seq`.
+   */
+  includeBlockEvents: boolean;
+}
+
+/**
+ * Full blocks entered the prefix cache (vLLM's `BlockStored`): their keys, in chain order, and
+ * the tokens they hold. A router that mirrors these events knows which prefixes a replica holds.
+ */
+export interface KvBlockStored {
+  /** One 32-byte key per block, in chain order (`PrefixCacheRecipe`). */
+  blockHashes: Buffer[];
+  /**
+   * The key before the first block: the previous block's, or the chain root for a sequence's
+   * first block.
+   */
+  parentBlockHash: Buffer;
+  /** The blocks' tokens: `block_size` per block, in order. */
+  tokenIds: number[];
+  blockSize: number;
+}
+
+/** Blocks left the prefix cache (evicted, or overwritten after a truncation). vLLM's `BlockRemoved`. */
+export interface KvBlockRemoved {
+  blockHashes: Buffer[];
+}
+
+/** Every block left the prefix cache (the model shut down). vLLM's `AllBlocksCleared`. */
+export interface KvBlocksCleared {
+}
+
+/** One prefix-cache block event. */
+export interface KvBlockEvent {
+  seq: number;
+  modelId: string;
+  /** Server wall clock (Unix epoch nanoseconds). */
+  timeUnixNs: number;
+  data: { $case: "stored"; stored: KvBlockStored } | { $case: "removed"; removed: KvBlockRemoved } | {
+    $case: "cleared";
+    cleared: KvBlocksCleared;
+  } | undefined;
 }
 
 /**
@@ -902,7 +1052,9 @@ export interface ResyncRequired {
 }
 
 export interface SubscribeKvEventsResponse {
-  message: { $case: "event"; event: KvEvent } | { $case: "resyncRequired"; resyncRequired: ResyncRequired } | undefined;
+  message: { $case: "event"; event: KvEvent } | { $case: "resyncRequired"; resyncRequired: ResyncRequired } | //
+  /** Only with `include_block_events`. */
+  { $case: "blockEvent"; blockEvent: KvBlockEvent } | undefined;
 }
 
 export interface AbortRequest {
@@ -1789,6 +1941,8 @@ function createBasePrefillInput(): PrefillInput {
     allPositions: false,
     metadata: undefined,
     requestId: "",
+    cacheSalt: "",
+    bypassPrefixCache: false,
   };
 }
 
@@ -1818,6 +1972,12 @@ export const PrefillInput: MessageFns<PrefillInput> = {
     }
     if (message.requestId !== "") {
       writer.uint32(58).string(message.requestId);
+    }
+    if (message.cacheSalt !== "") {
+      writer.uint32(66).string(message.cacheSalt);
+    }
+    if (message.bypassPrefixCache !== false) {
+      writer.uint32(72).bool(message.bypassPrefixCache);
     }
     return writer;
   },
@@ -1901,6 +2061,22 @@ export const PrefillInput: MessageFns<PrefillInput> = {
             message.requestId = reader.string();
             continue;
           }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.cacheSalt = reader.string();
+            continue;
+          }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.bypassPrefixCache = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1942,6 +2118,16 @@ export const PrefillInput: MessageFns<PrefillInput> = {
         : isSet(object.request_id)
         ? globalThis.String(object.request_id)
         : "",
+      cacheSalt: isSet(object.cacheSalt)
+        ? globalThis.String(object.cacheSalt)
+        : isSet(object.cache_salt)
+        ? globalThis.String(object.cache_salt)
+        : "",
+      bypassPrefixCache: isSet(object.bypassPrefixCache)
+        ? globalThis.Boolean(object.bypassPrefixCache)
+        : isSet(object.bypass_prefix_cache)
+        ? globalThis.Boolean(object.bypass_prefix_cache)
+        : false,
     };
   },
 
@@ -1968,6 +2154,12 @@ export const PrefillInput: MessageFns<PrefillInput> = {
     if (message.requestId !== "") {
       obj.requestId = message.requestId;
     }
+    if (message.cacheSalt !== "") {
+      obj.cacheSalt = message.cacheSalt;
+    }
+    if (message.bypassPrefixCache !== false) {
+      obj.bypassPrefixCache = message.bypassPrefixCache;
+    }
     return obj;
   },
 
@@ -1985,12 +2177,14 @@ export const PrefillInput: MessageFns<PrefillInput> = {
     message.allPositions = object.allPositions ?? false;
     message.metadata = object.metadata ?? undefined;
     message.requestId = object.requestId ?? "";
+    message.cacheSalt = object.cacheSalt ?? "";
+    message.bypassPrefixCache = object.bypassPrefixCache ?? false;
     return message;
   },
 };
 
 function createBasePrefillOutput(): PrefillOutput {
-  return { cache: undefined, output: undefined, positions: [], embedding: undefined };
+  return { cache: undefined, output: undefined, positions: [], embedding: undefined, cachedTokens: 0 };
 }
 
 export const PrefillOutput: MessageFns<PrefillOutput> = {
@@ -2006,6 +2200,9 @@ export const PrefillOutput: MessageFns<PrefillOutput> = {
     }
     if (message.embedding !== undefined) {
       Tensor.encode(message.embedding, writer.uint32(34).fork()).join();
+    }
+    if (message.cachedTokens !== 0) {
+      writer.uint32(40).uint64(message.cachedTokens);
     }
     return writer;
   },
@@ -2055,6 +2252,14 @@ export const PrefillOutput: MessageFns<PrefillOutput> = {
             message.embedding = Tensor.decode(reader, reader.uint32());
             continue;
           }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.cachedTokens = longToNumber(reader.uint64());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2075,6 +2280,11 @@ export const PrefillOutput: MessageFns<PrefillOutput> = {
         ? object.positions.map((e: any) => LogitsOutput.fromJSON(e))
         : [],
       embedding: isSet(object.embedding) ? Tensor.fromJSON(object.embedding) : undefined,
+      cachedTokens: isSet(object.cachedTokens)
+        ? globalThis.Number(object.cachedTokens)
+        : isSet(object.cached_tokens)
+        ? globalThis.Number(object.cached_tokens)
+        : 0,
     };
   },
 
@@ -2091,6 +2301,9 @@ export const PrefillOutput: MessageFns<PrefillOutput> = {
     }
     if (message.embedding !== undefined) {
       obj.embedding = Tensor.toJSON(message.embedding);
+    }
+    if (message.cachedTokens !== 0) {
+      obj.cachedTokens = Math.round(message.cachedTokens);
     }
     return obj;
   },
@@ -2110,6 +2323,7 @@ export const PrefillOutput: MessageFns<PrefillOutput> = {
     message.embedding = (object.embedding !== undefined && object.embedding !== null)
       ? Tensor.fromPartial(object.embedding)
       : undefined;
+    message.cachedTokens = object.cachedTokens ?? 0;
     return message;
   },
 };
@@ -3151,6 +3365,8 @@ function createBaseUnifiedBatchItem(): UnifiedBatchItem {
     isFinalChunk: false,
     logits: undefined,
     metadata: undefined,
+    cacheSalt: "",
+    bypassPrefixCache: false,
   };
 }
 
@@ -3180,6 +3396,12 @@ export const UnifiedBatchItem: MessageFns<UnifiedBatchItem> = {
     }
     if (message.metadata !== undefined) {
       Struct.encode(Struct.wrap(message.metadata), writer.uint32(58).fork()).join();
+    }
+    if (message.cacheSalt !== "") {
+      writer.uint32(66).string(message.cacheSalt);
+    }
+    if (message.bypassPrefixCache !== false) {
+      writer.uint32(72).bool(message.bypassPrefixCache);
     }
     return writer;
   },
@@ -3263,6 +3485,22 @@ export const UnifiedBatchItem: MessageFns<UnifiedBatchItem> = {
             message.metadata = Struct.unwrap(Struct.decode(reader, reader.uint32()));
             continue;
           }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.cacheSalt = reader.string();
+            continue;
+          }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.bypassPrefixCache = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -3304,6 +3542,16 @@ export const UnifiedBatchItem: MessageFns<UnifiedBatchItem> = {
         : false,
       logits: isSet(object.logits) ? LogitsPolicy.fromJSON(object.logits) : undefined,
       metadata: isObject(object.metadata) ? object.metadata : undefined,
+      cacheSalt: isSet(object.cacheSalt)
+        ? globalThis.String(object.cacheSalt)
+        : isSet(object.cache_salt)
+        ? globalThis.String(object.cache_salt)
+        : "",
+      bypassPrefixCache: isSet(object.bypassPrefixCache)
+        ? globalThis.Boolean(object.bypassPrefixCache)
+        : isSet(object.bypass_prefix_cache)
+        ? globalThis.Boolean(object.bypass_prefix_cache)
+        : false,
     };
   },
 
@@ -3330,6 +3578,12 @@ export const UnifiedBatchItem: MessageFns<UnifiedBatchItem> = {
     if (message.metadata !== undefined) {
       obj.metadata = message.metadata;
     }
+    if (message.cacheSalt !== "") {
+      obj.cacheSalt = message.cacheSalt;
+    }
+    if (message.bypassPrefixCache !== false) {
+      obj.bypassPrefixCache = message.bypassPrefixCache;
+    }
     return obj;
   },
 
@@ -3347,6 +3601,8 @@ export const UnifiedBatchItem: MessageFns<UnifiedBatchItem> = {
       ? LogitsPolicy.fromPartial(object.logits)
       : undefined;
     message.metadata = object.metadata ?? undefined;
+    message.cacheSalt = object.cacheSalt ?? "";
+    message.bypassPrefixCache = object.bypassPrefixCache ?? false;
     return message;
   },
 };
@@ -3461,7 +3717,7 @@ export const UnifiedDecodeRequest: MessageFns<UnifiedDecodeRequest> = {
 };
 
 function createBaseUnifiedItemResult(): UnifiedItemResult {
-  return { seqId: "", cache: undefined, output: undefined };
+  return { seqId: "", cache: undefined, output: undefined, cachedTokens: 0 };
 }
 
 export const UnifiedItemResult: MessageFns<UnifiedItemResult> = {
@@ -3474,6 +3730,9 @@ export const UnifiedItemResult: MessageFns<UnifiedItemResult> = {
     }
     if (message.output !== undefined) {
       LogitsOutput.encode(message.output, writer.uint32(26).fork()).join();
+    }
+    if (message.cachedTokens !== 0) {
+      writer.uint32(32).uint64(message.cachedTokens);
     }
     return writer;
   },
@@ -3515,6 +3774,14 @@ export const UnifiedItemResult: MessageFns<UnifiedItemResult> = {
             message.output = LogitsOutput.decode(reader, reader.uint32());
             continue;
           }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.cachedTokens = longToNumber(reader.uint64());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -3536,6 +3803,11 @@ export const UnifiedItemResult: MessageFns<UnifiedItemResult> = {
         : "",
       cache: isSet(object.cache) ? KvCacheHandle.fromJSON(object.cache) : undefined,
       output: isSet(object.output) ? LogitsOutput.fromJSON(object.output) : undefined,
+      cachedTokens: isSet(object.cachedTokens)
+        ? globalThis.Number(object.cachedTokens)
+        : isSet(object.cached_tokens)
+        ? globalThis.Number(object.cached_tokens)
+        : 0,
     };
   },
 
@@ -3549,6 +3821,9 @@ export const UnifiedItemResult: MessageFns<UnifiedItemResult> = {
     }
     if (message.output !== undefined) {
       obj.output = LogitsOutput.toJSON(message.output);
+    }
+    if (message.cachedTokens !== 0) {
+      obj.cachedTokens = Math.round(message.cachedTokens);
     }
     return obj;
   },
@@ -3565,6 +3840,7 @@ export const UnifiedItemResult: MessageFns<UnifiedItemResult> = {
     message.output = (object.output !== undefined && object.output !== null)
       ? LogitsOutput.fromPartial(object.output)
       : undefined;
+    message.cachedTokens = object.cachedTokens ?? 0;
     return message;
   },
 };
@@ -4666,6 +4942,250 @@ export const ReleaseCacheResponse: MessageFns<ReleaseCacheResponse> = {
     message.released = object.released ?? false;
     message.freedBytes = object.freedBytes ?? 0;
     message.freedTokens = object.freedTokens ?? 0;
+    return message;
+  },
+};
+
+function createBaseForkCacheRequest(): ForkCacheRequest {
+  return { modelId: "", cacheId: "", keepTokens: undefined, reserveTokens: 0, clientStepId: "" };
+}
+
+export const ForkCacheRequest: MessageFns<ForkCacheRequest> = {
+  encode(message: ForkCacheRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.modelId !== "") {
+      writer.uint32(10).string(message.modelId);
+    }
+    if (message.cacheId !== "") {
+      writer.uint32(18).string(message.cacheId);
+    }
+    if (message.keepTokens !== undefined) {
+      writer.uint32(24).uint64(message.keepTokens);
+    }
+    if (message.reserveTokens !== 0) {
+      writer.uint32(32).uint64(message.reserveTokens);
+    }
+    if (message.clientStepId !== "") {
+      writer.uint32(122).string(message.clientStepId);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ForkCacheRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseForkCacheRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.modelId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.cacheId = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.keepTokens = longToNumber(reader.uint64());
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.reserveTokens = longToNumber(reader.uint64());
+            continue;
+          }
+          case 15: {
+            if (tag !== 122) {
+              break;
+            }
+
+            message.clientStepId = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ForkCacheRequest {
+    return {
+      modelId: isSet(object.modelId)
+        ? globalThis.String(object.modelId)
+        : isSet(object.model_id)
+        ? globalThis.String(object.model_id)
+        : "",
+      cacheId: isSet(object.cacheId)
+        ? globalThis.String(object.cacheId)
+        : isSet(object.cache_id)
+        ? globalThis.String(object.cache_id)
+        : "",
+      keepTokens: isSet(object.keepTokens)
+        ? globalThis.Number(object.keepTokens)
+        : isSet(object.keep_tokens)
+        ? globalThis.Number(object.keep_tokens)
+        : undefined,
+      reserveTokens: isSet(object.reserveTokens)
+        ? globalThis.Number(object.reserveTokens)
+        : isSet(object.reserve_tokens)
+        ? globalThis.Number(object.reserve_tokens)
+        : 0,
+      clientStepId: isSet(object.clientStepId)
+        ? globalThis.String(object.clientStepId)
+        : isSet(object.client_step_id)
+        ? globalThis.String(object.client_step_id)
+        : "",
+    };
+  },
+
+  toJSON(message: ForkCacheRequest): unknown {
+    const obj: any = {};
+    if (message.modelId !== "") {
+      obj.modelId = message.modelId;
+    }
+    if (message.cacheId !== "") {
+      obj.cacheId = message.cacheId;
+    }
+    if (message.keepTokens !== undefined) {
+      obj.keepTokens = Math.round(message.keepTokens);
+    }
+    if (message.reserveTokens !== 0) {
+      obj.reserveTokens = Math.round(message.reserveTokens);
+    }
+    if (message.clientStepId !== "") {
+      obj.clientStepId = message.clientStepId;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ForkCacheRequest>, I>>(base?: I): ForkCacheRequest {
+    return ForkCacheRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ForkCacheRequest>, I>>(object: I): ForkCacheRequest {
+    const message = createBaseForkCacheRequest();
+    message.modelId = object.modelId ?? "";
+    message.cacheId = object.cacheId ?? "";
+    message.keepTokens = object.keepTokens ?? undefined;
+    message.reserveTokens = object.reserveTokens ?? 0;
+    message.clientStepId = object.clientStepId ?? "";
+    return message;
+  },
+};
+
+function createBaseForkCacheResponse(): ForkCacheResponse {
+  return { cache: undefined, sharedBlocks: 0 };
+}
+
+export const ForkCacheResponse: MessageFns<ForkCacheResponse> = {
+  encode(message: ForkCacheResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.cache !== undefined) {
+      KvCacheHandle.encode(message.cache, writer.uint32(10).fork()).join();
+    }
+    if (message.sharedBlocks !== 0) {
+      writer.uint32(16).uint32(message.sharedBlocks);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ForkCacheResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseForkCacheResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.cache = KvCacheHandle.decode(reader, reader.uint32());
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.sharedBlocks = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ForkCacheResponse {
+    return {
+      cache: isSet(object.cache) ? KvCacheHandle.fromJSON(object.cache) : undefined,
+      sharedBlocks: isSet(object.sharedBlocks)
+        ? globalThis.Number(object.sharedBlocks)
+        : isSet(object.shared_blocks)
+        ? globalThis.Number(object.shared_blocks)
+        : 0,
+    };
+  },
+
+  toJSON(message: ForkCacheResponse): unknown {
+    const obj: any = {};
+    if (message.cache !== undefined) {
+      obj.cache = KvCacheHandle.toJSON(message.cache);
+    }
+    if (message.sharedBlocks !== 0) {
+      obj.sharedBlocks = Math.round(message.sharedBlocks);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ForkCacheResponse>, I>>(base?: I): ForkCacheResponse {
+    return ForkCacheResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ForkCacheResponse>, I>>(object: I): ForkCacheResponse {
+    const message = createBaseForkCacheResponse();
+    message.cache = (object.cache !== undefined && object.cache !== null)
+      ? KvCacheHandle.fromPartial(object.cache)
+      : undefined;
+    message.sharedBlocks = object.sharedBlocks ?? 0;
     return message;
   },
 };
@@ -6590,6 +7110,9 @@ function createBaseGenerateRequest(): GenerateRequest {
     keepCache: false,
     requestId: "",
     streamText: false,
+    cacheSalt: "",
+    bypassPrefixCache: false,
+    n: 0,
   };
 }
 
@@ -6632,6 +7155,15 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     }
     if (message.streamText !== false) {
       writer.uint32(96).bool(message.streamText);
+    }
+    if (message.cacheSalt !== "") {
+      writer.uint32(106).string(message.cacheSalt);
+    }
+    if (message.bypassPrefixCache !== false) {
+      writer.uint32(112).bool(message.bypassPrefixCache);
+    }
+    if (message.n !== 0) {
+      writer.uint32(120).uint32(message.n);
     }
     return writer;
   },
@@ -6745,6 +7277,30 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
             message.streamText = reader.bool();
             continue;
           }
+          case 13: {
+            if (tag !== 106) {
+              break;
+            }
+
+            message.cacheSalt = reader.string();
+            continue;
+          }
+          case 14: {
+            if (tag !== 112) {
+              break;
+            }
+
+            message.bypassPrefixCache = reader.bool();
+            continue;
+          }
+          case 15: {
+            if (tag !== 120) {
+              break;
+            }
+
+            message.n = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -6805,6 +7361,17 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
         : isSet(object.stream_text)
         ? globalThis.Boolean(object.stream_text)
         : false,
+      cacheSalt: isSet(object.cacheSalt)
+        ? globalThis.String(object.cacheSalt)
+        : isSet(object.cache_salt)
+        ? globalThis.String(object.cache_salt)
+        : "",
+      bypassPrefixCache: isSet(object.bypassPrefixCache)
+        ? globalThis.Boolean(object.bypassPrefixCache)
+        : isSet(object.bypass_prefix_cache)
+        ? globalThis.Boolean(object.bypass_prefix_cache)
+        : false,
+      n: isSet(object.n) ? globalThis.Number(object.n) : 0,
     };
   },
 
@@ -6843,6 +7410,15 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     }
     if (message.streamText !== false) {
       obj.streamText = message.streamText;
+    }
+    if (message.cacheSalt !== "") {
+      obj.cacheSalt = message.cacheSalt;
+    }
+    if (message.bypassPrefixCache !== false) {
+      obj.bypassPrefixCache = message.bypassPrefixCache;
+    }
+    if (message.n !== 0) {
+      obj.n = Math.round(message.n);
     }
     return obj;
   },
@@ -6885,12 +7461,15 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     message.keepCache = object.keepCache ?? false;
     message.requestId = object.requestId ?? "";
     message.streamText = object.streamText ?? false;
+    message.cacheSalt = object.cacheSalt ?? "";
+    message.bypassPrefixCache = object.bypassPrefixCache ?? false;
+    message.n = object.n ?? 0;
     return message;
   },
 };
 
 function createBaseGenerateStarted(): GenerateStarted {
-  return { cache: undefined, promptTokens: 0, requestId: "" };
+  return { cache: undefined, promptTokens: 0, requestId: "", cachedTokens: 0 };
 }
 
 export const GenerateStarted: MessageFns<GenerateStarted> = {
@@ -6903,6 +7482,9 @@ export const GenerateStarted: MessageFns<GenerateStarted> = {
     }
     if (message.requestId !== "") {
       writer.uint32(26).string(message.requestId);
+    }
+    if (message.cachedTokens !== 0) {
+      writer.uint32(32).uint32(message.cachedTokens);
     }
     return writer;
   },
@@ -6944,6 +7526,14 @@ export const GenerateStarted: MessageFns<GenerateStarted> = {
             message.requestId = reader.string();
             continue;
           }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.cachedTokens = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -6969,6 +7559,11 @@ export const GenerateStarted: MessageFns<GenerateStarted> = {
         : isSet(object.request_id)
         ? globalThis.String(object.request_id)
         : "",
+      cachedTokens: isSet(object.cachedTokens)
+        ? globalThis.Number(object.cachedTokens)
+        : isSet(object.cached_tokens)
+        ? globalThis.Number(object.cached_tokens)
+        : 0,
     };
   },
 
@@ -6983,6 +7578,9 @@ export const GenerateStarted: MessageFns<GenerateStarted> = {
     if (message.requestId !== "") {
       obj.requestId = message.requestId;
     }
+    if (message.cachedTokens !== 0) {
+      obj.cachedTokens = Math.round(message.cachedTokens);
+    }
     return obj;
   },
 
@@ -6996,12 +7594,13 @@ export const GenerateStarted: MessageFns<GenerateStarted> = {
       : undefined;
     message.promptTokens = object.promptTokens ?? 0;
     message.requestId = object.requestId ?? "";
+    message.cachedTokens = object.cachedTokens ?? 0;
     return message;
   },
 };
 
 function createBaseTokenEvent(): TokenEvent {
-  return { tokenId: 0, logprob: 0, topLogprobs: [], index: 0, text: "" };
+  return { tokenId: 0, logprob: 0, topLogprobs: [], index: 0, text: "", sampleIndex: 0 };
 }
 
 export const TokenEvent: MessageFns<TokenEvent> = {
@@ -7020,6 +7619,9 @@ export const TokenEvent: MessageFns<TokenEvent> = {
     }
     if (message.text !== "") {
       writer.uint32(42).string(message.text);
+    }
+    if (message.sampleIndex !== 0) {
+      writer.uint32(48).uint32(message.sampleIndex);
     }
     return writer;
   },
@@ -7077,6 +7679,14 @@ export const TokenEvent: MessageFns<TokenEvent> = {
             message.text = reader.string();
             continue;
           }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.sampleIndex = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -7104,6 +7714,11 @@ export const TokenEvent: MessageFns<TokenEvent> = {
         : [],
       index: isSet(object.index) ? globalThis.Number(object.index) : 0,
       text: isSet(object.text) ? globalThis.String(object.text) : "",
+      sampleIndex: isSet(object.sampleIndex)
+        ? globalThis.Number(object.sampleIndex)
+        : isSet(object.sample_index)
+        ? globalThis.Number(object.sample_index)
+        : 0,
     };
   },
 
@@ -7124,6 +7739,9 @@ export const TokenEvent: MessageFns<TokenEvent> = {
     if (message.text !== "") {
       obj.text = message.text;
     }
+    if (message.sampleIndex !== 0) {
+      obj.sampleIndex = Math.round(message.sampleIndex);
+    }
     return obj;
   },
 
@@ -7137,6 +7755,7 @@ export const TokenEvent: MessageFns<TokenEvent> = {
     message.topLogprobs = object.topLogprobs?.map((e) => TokenLogprob.fromPartial(e)) || [];
     message.index = object.index ?? 0;
     message.text = object.text ?? "";
+    message.sampleIndex = object.sampleIndex ?? 0;
     return message;
   },
 };
@@ -7150,6 +7769,7 @@ function createBaseGenerateFinished(): GenerateFinished {
     text: "",
     timeToFirstTokenNs: 0,
     totalNs: 0,
+    sampleIndex: 0,
   };
 }
 
@@ -7175,6 +7795,9 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
     }
     if (message.totalNs !== 0) {
       writer.uint32(56).uint64(message.totalNs);
+    }
+    if (message.sampleIndex !== 0) {
+      writer.uint32(64).uint32(message.sampleIndex);
     }
     return writer;
   },
@@ -7248,6 +7871,14 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
             message.totalNs = longToNumber(reader.uint64());
             continue;
           }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.sampleIndex = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -7289,6 +7920,11 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
         : isSet(object.total_ns)
         ? globalThis.Number(object.total_ns)
         : 0,
+      sampleIndex: isSet(object.sampleIndex)
+        ? globalThis.Number(object.sampleIndex)
+        : isSet(object.sample_index)
+        ? globalThis.Number(object.sample_index)
+        : 0,
     };
   },
 
@@ -7315,6 +7951,9 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
     if (message.totalNs !== 0) {
       obj.totalNs = Math.round(message.totalNs);
     }
+    if (message.sampleIndex !== 0) {
+      obj.sampleIndex = Math.round(message.sampleIndex);
+    }
     return obj;
   },
 
@@ -7332,6 +7971,7 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
     message.text = object.text ?? "";
     message.timeToFirstTokenNs = object.timeToFirstTokenNs ?? 0;
     message.totalNs = object.totalNs ?? 0;
+    message.sampleIndex = object.sampleIndex ?? 0;
     return message;
   },
 };
@@ -7492,6 +8132,9 @@ export const SessionRequest: MessageFns<SessionRequest> = {
       case "releaseCache":
         ReleaseCacheRequest.encode(message.step.releaseCache, writer.uint32(74).fork()).join();
         break;
+      case "forkCache":
+        ForkCacheRequest.encode(message.step.forkCache, writer.uint32(82).fork()).join();
+        break;
     }
     return writer;
   },
@@ -7587,6 +8230,14 @@ export const SessionRequest: MessageFns<SessionRequest> = {
             message.step = { $case: "releaseCache", releaseCache: ReleaseCacheRequest.decode(reader, reader.uint32()) };
             continue;
           }
+          case 10: {
+            if (tag !== 82) {
+              break;
+            }
+
+            message.step = { $case: "forkCache", forkCache: ForkCacheRequest.decode(reader, reader.uint32()) };
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -7634,6 +8285,10 @@ export const SessionRequest: MessageFns<SessionRequest> = {
         ? { $case: "releaseCache", releaseCache: ReleaseCacheRequest.fromJSON(object.releaseCache) }
         : isSet(object.release_cache)
         ? { $case: "releaseCache", releaseCache: ReleaseCacheRequest.fromJSON(object.release_cache) }
+        : isSet(object.forkCache)
+        ? { $case: "forkCache", forkCache: ForkCacheRequest.fromJSON(object.forkCache) }
+        : isSet(object.fork_cache)
+        ? { $case: "forkCache", forkCache: ForkCacheRequest.fromJSON(object.fork_cache) }
         : undefined,
     };
   },
@@ -7659,6 +8314,8 @@ export const SessionRequest: MessageFns<SessionRequest> = {
       obj.truncateKv = TruncateKvRequest.toJSON(message.step.truncateKv);
     } else if (message.step?.$case === "releaseCache") {
       obj.releaseCache = ReleaseCacheRequest.toJSON(message.step.releaseCache);
+    } else if (message.step?.$case === "forkCache") {
+      obj.forkCache = ForkCacheRequest.toJSON(message.step.forkCache);
     }
     return obj;
   },
@@ -7730,6 +8387,12 @@ export const SessionRequest: MessageFns<SessionRequest> = {
         }
         break;
       }
+      case "forkCache": {
+        if (object.step?.forkCache !== undefined && object.step?.forkCache !== null) {
+          message.step = { $case: "forkCache", forkCache: ForkCacheRequest.fromPartial(object.step.forkCache) };
+        }
+        break;
+      }
     }
     return message;
   },
@@ -7768,6 +8431,9 @@ export const SessionResponse: MessageFns<SessionResponse> = {
         break;
       case "releaseCache":
         ReleaseCacheResponse.encode(message.result.releaseCache, writer.uint32(74).fork()).join();
+        break;
+      case "forkCache":
+        ForkCacheResponse.encode(message.result.forkCache, writer.uint32(82).fork()).join();
         break;
       case "error":
         StepError.encode(message.result.error, writer.uint32(122).fork()).join();
@@ -7873,6 +8539,14 @@ export const SessionResponse: MessageFns<SessionResponse> = {
             };
             continue;
           }
+          case 10: {
+            if (tag !== 82) {
+              break;
+            }
+
+            message.result = { $case: "forkCache", forkCache: ForkCacheResponse.decode(reader, reader.uint32()) };
+            continue;
+          }
           case 15: {
             if (tag !== 122) {
               break;
@@ -7928,6 +8602,10 @@ export const SessionResponse: MessageFns<SessionResponse> = {
         ? { $case: "releaseCache", releaseCache: ReleaseCacheResponse.fromJSON(object.releaseCache) }
         : isSet(object.release_cache)
         ? { $case: "releaseCache", releaseCache: ReleaseCacheResponse.fromJSON(object.release_cache) }
+        : isSet(object.forkCache)
+        ? { $case: "forkCache", forkCache: ForkCacheResponse.fromJSON(object.forkCache) }
+        : isSet(object.fork_cache)
+        ? { $case: "forkCache", forkCache: ForkCacheResponse.fromJSON(object.fork_cache) }
         : isSet(object.error)
         ? { $case: "error", error: StepError.fromJSON(object.error) }
         : undefined,
@@ -7955,6 +8633,8 @@ export const SessionResponse: MessageFns<SessionResponse> = {
       obj.truncateKv = TruncateKvResponse.toJSON(message.result.truncateKv);
     } else if (message.result?.$case === "releaseCache") {
       obj.releaseCache = ReleaseCacheResponse.toJSON(message.result.releaseCache);
+    } else if (message.result?.$case === "forkCache") {
+      obj.forkCache = ForkCacheResponse.toJSON(message.result.forkCache);
     } else if (message.result?.$case === "error") {
       obj.error = StepError.toJSON(message.result.error);
     }
@@ -8031,6 +8711,12 @@ export const SessionResponse: MessageFns<SessionResponse> = {
             $case: "releaseCache",
             releaseCache: ReleaseCacheResponse.fromPartial(object.result.releaseCache),
           };
+        }
+        break;
+      }
+      case "forkCache": {
+        if (object.result?.forkCache !== undefined && object.result?.forkCache !== null) {
+          message.result = { $case: "forkCache", forkCache: ForkCacheResponse.fromPartial(object.result.forkCache) };
         }
         break;
       }
@@ -8242,6 +8928,10 @@ function createBaseModelLoad(): ModelLoad {
     prefillLatency: undefined,
     decodeLatency: undefined,
     reservedTokens: 0,
+    evictableBlocks: 0,
+    cachedBlocks: 0,
+    prefixHitTokens: 0,
+    prefixQueriedTokens: 0,
   };
 }
 
@@ -8285,6 +8975,18 @@ export const ModelLoad: MessageFns<ModelLoad> = {
     }
     if (message.reservedTokens !== 0) {
       writer.uint32(104).uint64(message.reservedTokens);
+    }
+    if (message.evictableBlocks !== 0) {
+      writer.uint32(112).uint64(message.evictableBlocks);
+    }
+    if (message.cachedBlocks !== 0) {
+      writer.uint32(120).uint64(message.cachedBlocks);
+    }
+    if (message.prefixHitTokens !== 0) {
+      writer.uint32(128).uint64(message.prefixHitTokens);
+    }
+    if (message.prefixQueriedTokens !== 0) {
+      writer.uint32(136).uint64(message.prefixQueriedTokens);
     }
     return writer;
   },
@@ -8406,6 +9108,38 @@ export const ModelLoad: MessageFns<ModelLoad> = {
             message.reservedTokens = longToNumber(reader.uint64());
             continue;
           }
+          case 14: {
+            if (tag !== 112) {
+              break;
+            }
+
+            message.evictableBlocks = longToNumber(reader.uint64());
+            continue;
+          }
+          case 15: {
+            if (tag !== 120) {
+              break;
+            }
+
+            message.cachedBlocks = longToNumber(reader.uint64());
+            continue;
+          }
+          case 16: {
+            if (tag !== 128) {
+              break;
+            }
+
+            message.prefixHitTokens = longToNumber(reader.uint64());
+            continue;
+          }
+          case 17: {
+            if (tag !== 136) {
+              break;
+            }
+
+            message.prefixQueriedTokens = longToNumber(reader.uint64());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -8485,6 +9219,26 @@ export const ModelLoad: MessageFns<ModelLoad> = {
         : isSet(object.reserved_tokens)
         ? globalThis.Number(object.reserved_tokens)
         : 0,
+      evictableBlocks: isSet(object.evictableBlocks)
+        ? globalThis.Number(object.evictableBlocks)
+        : isSet(object.evictable_blocks)
+        ? globalThis.Number(object.evictable_blocks)
+        : 0,
+      cachedBlocks: isSet(object.cachedBlocks)
+        ? globalThis.Number(object.cachedBlocks)
+        : isSet(object.cached_blocks)
+        ? globalThis.Number(object.cached_blocks)
+        : 0,
+      prefixHitTokens: isSet(object.prefixHitTokens)
+        ? globalThis.Number(object.prefixHitTokens)
+        : isSet(object.prefix_hit_tokens)
+        ? globalThis.Number(object.prefix_hit_tokens)
+        : 0,
+      prefixQueriedTokens: isSet(object.prefixQueriedTokens)
+        ? globalThis.Number(object.prefixQueriedTokens)
+        : isSet(object.prefix_queried_tokens)
+        ? globalThis.Number(object.prefix_queried_tokens)
+        : 0,
     };
   },
 
@@ -8529,6 +9283,18 @@ export const ModelLoad: MessageFns<ModelLoad> = {
     if (message.reservedTokens !== 0) {
       obj.reservedTokens = Math.round(message.reservedTokens);
     }
+    if (message.evictableBlocks !== 0) {
+      obj.evictableBlocks = Math.round(message.evictableBlocks);
+    }
+    if (message.cachedBlocks !== 0) {
+      obj.cachedBlocks = Math.round(message.cachedBlocks);
+    }
+    if (message.prefixHitTokens !== 0) {
+      obj.prefixHitTokens = Math.round(message.prefixHitTokens);
+    }
+    if (message.prefixQueriedTokens !== 0) {
+      obj.prefixQueriedTokens = Math.round(message.prefixQueriedTokens);
+    }
     return obj;
   },
 
@@ -8554,6 +9320,10 @@ export const ModelLoad: MessageFns<ModelLoad> = {
       ? LatencySummary.fromPartial(object.decodeLatency)
       : undefined;
     message.reservedTokens = object.reservedTokens ?? 0;
+    message.evictableBlocks = object.evictableBlocks ?? 0;
+    message.cachedBlocks = object.cachedBlocks ?? 0;
+    message.prefixHitTokens = object.prefixHitTokens ?? 0;
+    message.prefixQueriedTokens = object.prefixQueriedTokens ?? 0;
     return message;
   },
 };
@@ -8975,7 +9745,7 @@ export const KvEvent: MessageFns<KvEvent> = {
 };
 
 function createBaseSubscribeKvEventsRequest(): SubscribeKvEventsRequest {
-  return { modelId: "", fromSeq: undefined };
+  return { modelId: "", fromSeq: undefined, includeBlockEvents: false };
 }
 
 export const SubscribeKvEventsRequest: MessageFns<SubscribeKvEventsRequest> = {
@@ -8985,6 +9755,9 @@ export const SubscribeKvEventsRequest: MessageFns<SubscribeKvEventsRequest> = {
     }
     if (message.fromSeq !== undefined) {
       writer.uint32(16).uint64(message.fromSeq);
+    }
+    if (message.includeBlockEvents !== false) {
+      writer.uint32(24).bool(message.includeBlockEvents);
     }
     return writer;
   },
@@ -9018,6 +9791,14 @@ export const SubscribeKvEventsRequest: MessageFns<SubscribeKvEventsRequest> = {
             message.fromSeq = longToNumber(reader.uint64());
             continue;
           }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.includeBlockEvents = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -9042,6 +9823,11 @@ export const SubscribeKvEventsRequest: MessageFns<SubscribeKvEventsRequest> = {
         : isSet(object.from_seq)
         ? globalThis.Number(object.from_seq)
         : undefined,
+      includeBlockEvents: isSet(object.includeBlockEvents)
+        ? globalThis.Boolean(object.includeBlockEvents)
+        : isSet(object.include_block_events)
+        ? globalThis.Boolean(object.include_block_events)
+        : false,
     };
   },
 
@@ -9053,6 +9839,9 @@ export const SubscribeKvEventsRequest: MessageFns<SubscribeKvEventsRequest> = {
     if (message.fromSeq !== undefined) {
       obj.fromSeq = Math.round(message.fromSeq);
     }
+    if (message.includeBlockEvents !== false) {
+      obj.includeBlockEvents = message.includeBlockEvents;
+    }
     return obj;
   },
 
@@ -9063,6 +9852,457 @@ export const SubscribeKvEventsRequest: MessageFns<SubscribeKvEventsRequest> = {
     const message = createBaseSubscribeKvEventsRequest();
     message.modelId = object.modelId ?? "";
     message.fromSeq = object.fromSeq ?? undefined;
+    message.includeBlockEvents = object.includeBlockEvents ?? false;
+    return message;
+  },
+};
+
+function createBaseKvBlockStored(): KvBlockStored {
+  return { blockHashes: [], parentBlockHash: Buffer.alloc(0), tokenIds: [], blockSize: 0 };
+}
+
+export const KvBlockStored: MessageFns<KvBlockStored> = {
+  encode(message: KvBlockStored, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    for (const v of message.blockHashes) {
+      writer.uint32(10).bytes(v!);
+    }
+    if (message.parentBlockHash.length !== 0) {
+      writer.uint32(18).bytes(message.parentBlockHash);
+    }
+    if (message.tokenIds.length !== 0) {
+      writer.uint32(26).fork();
+      for (const v of message.tokenIds) {
+        writer.int32(v);
+      }
+      writer.join();
+    }
+    if (message.blockSize !== 0) {
+      writer.uint32(32).uint32(message.blockSize);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): KvBlockStored {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseKvBlockStored();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.blockHashes.push(Buffer.from(reader.bytes()));
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.parentBlockHash = Buffer.from(reader.bytes());
+            continue;
+          }
+          case 3: {
+            if (tag === 24) {
+              message.tokenIds.push(reader.int32());
+
+              continue;
+            }
+
+            if (tag === 26) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.tokenIds.push(reader.int32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.blockSize = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): KvBlockStored {
+    return {
+      blockHashes: globalThis.Array.isArray(object?.blockHashes)
+        ? object.blockHashes.map((e: any) => Buffer.from(bytesFromBase64(e)))
+        : globalThis.Array.isArray(object?.block_hashes)
+        ? object.block_hashes.map((e: any) => Buffer.from(bytesFromBase64(e)))
+        : [],
+      parentBlockHash: isSet(object.parentBlockHash)
+        ? Buffer.from(bytesFromBase64(object.parentBlockHash))
+        : isSet(object.parent_block_hash)
+        ? Buffer.from(bytesFromBase64(object.parent_block_hash))
+        : Buffer.alloc(0),
+      tokenIds: globalThis.Array.isArray(object?.tokenIds)
+        ? object.tokenIds.map((e: any) => globalThis.Number(e))
+        : globalThis.Array.isArray(object?.token_ids)
+        ? object.token_ids.map((e: any) => globalThis.Number(e))
+        : [],
+      blockSize: isSet(object.blockSize)
+        ? globalThis.Number(object.blockSize)
+        : isSet(object.block_size)
+        ? globalThis.Number(object.block_size)
+        : 0,
+    };
+  },
+
+  toJSON(message: KvBlockStored): unknown {
+    const obj: any = {};
+    if (message.blockHashes?.length) {
+      obj.blockHashes = message.blockHashes.map((e) => base64FromBytes(e));
+    }
+    if (message.parentBlockHash.length !== 0) {
+      obj.parentBlockHash = base64FromBytes(message.parentBlockHash);
+    }
+    if (message.tokenIds?.length) {
+      obj.tokenIds = message.tokenIds.map((e) => Math.round(e));
+    }
+    if (message.blockSize !== 0) {
+      obj.blockSize = Math.round(message.blockSize);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<KvBlockStored>, I>>(base?: I): KvBlockStored {
+    return KvBlockStored.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<KvBlockStored>, I>>(object: I): KvBlockStored {
+    const message = createBaseKvBlockStored();
+    message.blockHashes = object.blockHashes?.map((e) => e) || [];
+    message.parentBlockHash = object.parentBlockHash ?? Buffer.alloc(0);
+    message.tokenIds = object.tokenIds?.map((e) => e) || [];
+    message.blockSize = object.blockSize ?? 0;
+    return message;
+  },
+};
+
+function createBaseKvBlockRemoved(): KvBlockRemoved {
+  return { blockHashes: [] };
+}
+
+export const KvBlockRemoved: MessageFns<KvBlockRemoved> = {
+  encode(message: KvBlockRemoved, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    for (const v of message.blockHashes) {
+      writer.uint32(10).bytes(v!);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): KvBlockRemoved {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseKvBlockRemoved();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.blockHashes.push(Buffer.from(reader.bytes()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): KvBlockRemoved {
+    return {
+      blockHashes: globalThis.Array.isArray(object?.blockHashes)
+        ? object.blockHashes.map((e: any) => Buffer.from(bytesFromBase64(e)))
+        : globalThis.Array.isArray(object?.block_hashes)
+        ? object.block_hashes.map((e: any) => Buffer.from(bytesFromBase64(e)))
+        : [],
+    };
+  },
+
+  toJSON(message: KvBlockRemoved): unknown {
+    const obj: any = {};
+    if (message.blockHashes?.length) {
+      obj.blockHashes = message.blockHashes.map((e) => base64FromBytes(e));
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<KvBlockRemoved>, I>>(base?: I): KvBlockRemoved {
+    return KvBlockRemoved.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<KvBlockRemoved>, I>>(object: I): KvBlockRemoved {
+    const message = createBaseKvBlockRemoved();
+    message.blockHashes = object.blockHashes?.map((e) => e) || [];
+    return message;
+  },
+};
+
+function createBaseKvBlocksCleared(): KvBlocksCleared {
+  return {};
+}
+
+export const KvBlocksCleared: MessageFns<KvBlocksCleared> = {
+  encode(_: KvBlocksCleared, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): KvBlocksCleared {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseKvBlocksCleared();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(_: any): KvBlocksCleared {
+    return {};
+  },
+
+  toJSON(_: KvBlocksCleared): unknown {
+    const obj: any = {};
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<KvBlocksCleared>, I>>(base?: I): KvBlocksCleared {
+    return KvBlocksCleared.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<KvBlocksCleared>, I>>(_: I): KvBlocksCleared {
+    const message = createBaseKvBlocksCleared();
+    return message;
+  },
+};
+
+function createBaseKvBlockEvent(): KvBlockEvent {
+  return { seq: 0, modelId: "", timeUnixNs: 0, data: undefined };
+}
+
+export const KvBlockEvent: MessageFns<KvBlockEvent> = {
+  encode(message: KvBlockEvent, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.seq !== 0) {
+      writer.uint32(8).uint64(message.seq);
+    }
+    if (message.modelId !== "") {
+      writer.uint32(18).string(message.modelId);
+    }
+    if (message.timeUnixNs !== 0) {
+      writer.uint32(24).int64(message.timeUnixNs);
+    }
+    switch (message.data?.$case) {
+      case "stored":
+        KvBlockStored.encode(message.data.stored, writer.uint32(34).fork()).join();
+        break;
+      case "removed":
+        KvBlockRemoved.encode(message.data.removed, writer.uint32(42).fork()).join();
+        break;
+      case "cleared":
+        KvBlocksCleared.encode(message.data.cleared, writer.uint32(50).fork()).join();
+        break;
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): KvBlockEvent {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseKvBlockEvent();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.seq = longToNumber(reader.uint64());
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.modelId = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.timeUnixNs = longToNumber(reader.int64());
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.data = { $case: "stored", stored: KvBlockStored.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.data = { $case: "removed", removed: KvBlockRemoved.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.data = { $case: "cleared", cleared: KvBlocksCleared.decode(reader, reader.uint32()) };
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): KvBlockEvent {
+    return {
+      seq: isSet(object.seq) ? globalThis.Number(object.seq) : 0,
+      modelId: isSet(object.modelId)
+        ? globalThis.String(object.modelId)
+        : isSet(object.model_id)
+        ? globalThis.String(object.model_id)
+        : "",
+      timeUnixNs: isSet(object.timeUnixNs)
+        ? globalThis.Number(object.timeUnixNs)
+        : isSet(object.time_unix_ns)
+        ? globalThis.Number(object.time_unix_ns)
+        : 0,
+      data: isSet(object.stored)
+        ? { $case: "stored", stored: KvBlockStored.fromJSON(object.stored) }
+        : isSet(object.removed)
+        ? { $case: "removed", removed: KvBlockRemoved.fromJSON(object.removed) }
+        : isSet(object.cleared)
+        ? { $case: "cleared", cleared: KvBlocksCleared.fromJSON(object.cleared) }
+        : undefined,
+    };
+  },
+
+  toJSON(message: KvBlockEvent): unknown {
+    const obj: any = {};
+    if (message.seq !== 0) {
+      obj.seq = Math.round(message.seq);
+    }
+    if (message.modelId !== "") {
+      obj.modelId = message.modelId;
+    }
+    if (message.timeUnixNs !== 0) {
+      obj.timeUnixNs = Math.round(message.timeUnixNs);
+    }
+    if (message.data?.$case === "stored") {
+      obj.stored = KvBlockStored.toJSON(message.data.stored);
+    } else if (message.data?.$case === "removed") {
+      obj.removed = KvBlockRemoved.toJSON(message.data.removed);
+    } else if (message.data?.$case === "cleared") {
+      obj.cleared = KvBlocksCleared.toJSON(message.data.cleared);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<KvBlockEvent>, I>>(base?: I): KvBlockEvent {
+    return KvBlockEvent.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<KvBlockEvent>, I>>(object: I): KvBlockEvent {
+    const message = createBaseKvBlockEvent();
+    message.seq = object.seq ?? 0;
+    message.modelId = object.modelId ?? "";
+    message.timeUnixNs = object.timeUnixNs ?? 0;
+    switch (object.data?.$case) {
+      case "stored": {
+        if (object.data?.stored !== undefined && object.data?.stored !== null) {
+          message.data = { $case: "stored", stored: KvBlockStored.fromPartial(object.data.stored) };
+        }
+        break;
+      }
+      case "removed": {
+        if (object.data?.removed !== undefined && object.data?.removed !== null) {
+          message.data = { $case: "removed", removed: KvBlockRemoved.fromPartial(object.data.removed) };
+        }
+        break;
+      }
+      case "cleared": {
+        if (object.data?.cleared !== undefined && object.data?.cleared !== null) {
+          message.data = { $case: "cleared", cleared: KvBlocksCleared.fromPartial(object.data.cleared) };
+        }
+        break;
+      }
+    }
     return message;
   },
 };
@@ -9193,6 +10433,9 @@ export const SubscribeKvEventsResponse: MessageFns<SubscribeKvEventsResponse> = 
       case "resyncRequired":
         ResyncRequired.encode(message.message.resyncRequired, writer.uint32(18).fork()).join();
         break;
+      case "blockEvent":
+        KvBlockEvent.encode(message.message.blockEvent, writer.uint32(26).fork()).join();
+        break;
     }
     return writer;
   },
@@ -9229,6 +10472,14 @@ export const SubscribeKvEventsResponse: MessageFns<SubscribeKvEventsResponse> = 
             };
             continue;
           }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.message = { $case: "blockEvent", blockEvent: KvBlockEvent.decode(reader, reader.uint32()) };
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -9249,6 +10500,10 @@ export const SubscribeKvEventsResponse: MessageFns<SubscribeKvEventsResponse> = 
         ? { $case: "resyncRequired", resyncRequired: ResyncRequired.fromJSON(object.resyncRequired) }
         : isSet(object.resync_required)
         ? { $case: "resyncRequired", resyncRequired: ResyncRequired.fromJSON(object.resync_required) }
+        : isSet(object.blockEvent)
+        ? { $case: "blockEvent", blockEvent: KvBlockEvent.fromJSON(object.blockEvent) }
+        : isSet(object.block_event)
+        ? { $case: "blockEvent", blockEvent: KvBlockEvent.fromJSON(object.block_event) }
         : undefined,
     };
   },
@@ -9259,6 +10514,8 @@ export const SubscribeKvEventsResponse: MessageFns<SubscribeKvEventsResponse> = 
       obj.event = KvEvent.toJSON(message.message.event);
     } else if (message.message?.$case === "resyncRequired") {
       obj.resyncRequired = ResyncRequired.toJSON(message.message.resyncRequired);
+    } else if (message.message?.$case === "blockEvent") {
+      obj.blockEvent = KvBlockEvent.toJSON(message.message.blockEvent);
     }
     return obj;
   },
@@ -9281,6 +10538,12 @@ export const SubscribeKvEventsResponse: MessageFns<SubscribeKvEventsResponse> = 
             $case: "resyncRequired",
             resyncRequired: ResyncRequired.fromPartial(object.message.resyncRequired),
           };
+        }
+        break;
+      }
+      case "blockEvent": {
+        if (object.message?.blockEvent !== undefined && object.message?.blockEvent !== null) {
+          message.message = { $case: "blockEvent", blockEvent: KvBlockEvent.fromPartial(object.message.blockEvent) };
         }
         break;
       }
@@ -9675,6 +10938,19 @@ export const ModelExecutorService = {
       Buffer.from(ReleaseCacheResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): ReleaseCacheResponse => ReleaseCacheResponse.decode(value),
   },
+  /**
+   * A new cache sharing another's first `keep_tokens` tokens (copy-on-write blocks): parallel
+   * sampling, beam search, tree speculation, agent branches.
+   */
+  forkCache: {
+    path: "/ferrum.executor.v1.ModelExecutor/ForkCache" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: ForkCacheRequest): Buffer => Buffer.from(ForkCacheRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ForkCacheRequest => ForkCacheRequest.decode(value),
+    responseSerialize: (value: ForkCacheResponse): Buffer => Buffer.from(ForkCacheResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): ForkCacheResponse => ForkCacheResponse.decode(value),
+  },
   /** `reserve_kv_slots()`: paged-KV admission at a batch boundary. RESOURCE_EXHAUSTED = defer. */
   reserveKvSlots: {
     path: "/ferrum.executor.v1.ModelExecutor/ReserveKvSlots" as const,
@@ -9913,6 +11189,11 @@ export interface ModelExecutorServer extends UntypedServiceImplementation {
    * succeeds with `released = false` (ferrum's `release_cache` is infallible too).
    */
   releaseCache: handleUnaryCall<ReleaseCacheRequest, ReleaseCacheResponse>;
+  /**
+   * A new cache sharing another's first `keep_tokens` tokens (copy-on-write blocks): parallel
+   * sampling, beam search, tree speculation, agent branches.
+   */
+  forkCache: handleUnaryCall<ForkCacheRequest, ForkCacheResponse>;
   /** `reserve_kv_slots()`: paged-KV admission at a batch boundary. RESOURCE_EXHAUSTED = defer. */
   reserveKvSlots: handleUnaryCall<ReserveKvSlotsRequest, ReserveKvSlotsResponse>;
   /** `kv_slot_capacity_snapshot()`: allocates nothing. */
@@ -10215,6 +11496,25 @@ export interface ModelExecutorClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: ReleaseCacheResponse) => void,
   ): ClientUnaryCall;
+  /**
+   * A new cache sharing another's first `keep_tokens` tokens (copy-on-write blocks): parallel
+   * sampling, beam search, tree speculation, agent branches.
+   */
+  forkCache(
+    request: ForkCacheRequest,
+    callback: (error: ServiceError | null, response: ForkCacheResponse) => void,
+  ): ClientUnaryCall;
+  forkCache(
+    request: ForkCacheRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: ForkCacheResponse) => void,
+  ): ClientUnaryCall;
+  forkCache(
+    request: ForkCacheRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: ForkCacheResponse) => void,
+  ): ClientUnaryCall;
   /** `reserve_kv_slots()`: paged-KV admission at a batch boundary. RESOURCE_EXHAUSTED = defer. */
   reserveKvSlots(
     request: ReserveKvSlotsRequest,
@@ -10468,6 +11768,14 @@ export const ModelExecutorClient = makeGenericClientConstructor(
   service: typeof ModelExecutorService;
   serviceName: string;
 };
+
+function bytesFromBase64(b64: string): Uint8Array {
+  return Uint8Array.from(globalThis.Buffer.from(b64, "base64"));
+}
+
+function base64FromBytes(arr: Uint8Array): string {
+  return globalThis.Buffer.from(arr).toString("base64");
+}
 
 function floatToJson(value: number | null | undefined): number | string | null | undefined {
   return typeof value === "number" && !globalThis.Number.isFinite(value) ? globalThis.String(value) : value;

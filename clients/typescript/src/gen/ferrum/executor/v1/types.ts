@@ -670,6 +670,42 @@ export interface ModelInfo {
   hasTokenizer: boolean;
   /** True when the tokenizer has a chat template (`ApplyChatTemplate`, chat prompts work). */
   hasChatTemplate: boolean;
+  /**
+   * How this model's KV blocks are keyed for prefix caching (absent when the executor has no
+   * prefix cache). A router computes the same keys from token ids alone (see `PrefixCacheRecipe`).
+   */
+  prefixCache: PrefixCacheRecipe | undefined;
+}
+
+/**
+ * The recipe of the block keys of automatic prefix caching, as advertised in `ModelInfo`.
+ *
+ * Every *full* block of `block_size` tokens of a sequence gets a key chained from its parent's:
+ *
+ *     root    = SHA-256( seed || 0x00 || model_id || 0x00 || cache_salt )       (UTF-8 strings)
+ *     key[0]  = SHA-256( root     || token ids of block 0 as little-endian uint32, in order )
+ *     key[i]  = SHA-256( key[i-1] || token ids of block i as little-endian uint32, in order )
+ *
+ * A block's key thus names its tokens and every token before it. Two sequences share their
+ * leading blocks exactly when their keys match. Keys travel as 32 raw bytes (`KvBlockStored`).
+ */
+export interface PrefixCacheRecipe {
+  /**
+   * True when the executor reuses cached prefixes now (false: turned off with
+   * `--no-prefix-cache`; keys are still defined, but no block is ever cached).
+   */
+  enabled: boolean;
+  /** The recipe's name: "sha256-chain-v1" (the formula above). */
+  algorithm: string;
+  /** Tokens per block; only full blocks are keyed and shared. */
+  blockSize: number;
+  /** The string the chain root starts with ("ferrum-prefix-v1"). */
+  seed: string;
+  /**
+   * The extra keys folded into the root, in order ("model_id", "cache_salt"); a later version may
+   * add more (a LoRA adapter's name), each after a 0x00 byte.
+   */
+  extraKeys: string[];
 }
 
 /** Memory an executor needs. Mirrors `MemoryRequirements`. */
@@ -725,6 +761,13 @@ export interface ExecutorCapabilities {
   supportsNativeForwardVerify: boolean;
   /** KV block size in tokens (the unit of `KvCacheHandle.num_blocks`). */
   kvBlockSize: number;
+  /**
+   * Automatic prefix caching is on: new sequences take their leading full blocks from earlier
+   * sequences with the same prefix (`PrefillOutput.cached_tokens`), see `PrefixCacheRecipe`.
+   */
+  supportsPrefixCaching: boolean;
+  /** `ForkCache` works: a new cache sharing another's first tokens, copy-on-write. */
+  supportsFork: boolean;
 }
 
 /** Memory use. Mirrors `ExecutorMemoryUsage`. */
@@ -821,6 +864,22 @@ export interface KvCapacity {
   usedBytes: number;
   /** Bytes per token over all layers (2 · layers · kv_heads · head_dim · dtype size). */
   bytesPerToken: number;
+  /**
+   * Paged executors: the block pool itself (0 when the executor does not page its KV). A block
+   * shared by several caches counts once, so `used_tokens` (summed per cache) may exceed what the
+   * pool holds.
+   */
+  blockSize: number;
+  totalBlocks: number;
+  /** Blocks no cache holds and no prefix is cached in. */
+  freeBlocks: number;
+  /**
+   * Blocks held by the prefix cache whose last owner is gone: reused on a prefix hit, evicted
+   * (least recently used first) when an allocation needs them. Admission counts them as free.
+   */
+  evictableBlocks: number;
+  /** Blocks keyed in the prefix cache (held by live caches or evictable). */
+  cachedBlocks: number;
 }
 
 /** Admission ceilings. Mirrors `ferrum_types::execution_policy::ExecutorAdmissionLimits`. */
@@ -1109,6 +1168,7 @@ function createBaseModelInfo(): ModelInfo {
     eosTokenIds: [],
     hasTokenizer: false,
     hasChatTemplate: false,
+    prefixCache: undefined,
   };
 }
 
@@ -1177,6 +1237,9 @@ export const ModelInfo: MessageFns<ModelInfo> = {
     }
     if (message.hasChatTemplate !== false) {
       writer.uint32(160).bool(message.hasChatTemplate);
+    }
+    if (message.prefixCache !== undefined) {
+      PrefixCacheRecipe.encode(message.prefixCache, writer.uint32(170).fork()).join();
     }
     return writer;
   },
@@ -1364,6 +1427,14 @@ export const ModelInfo: MessageFns<ModelInfo> = {
             message.hasChatTemplate = reader.bool();
             continue;
           }
+          case 21: {
+            if (tag !== 170) {
+              break;
+            }
+
+            message.prefixCache = PrefixCacheRecipe.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1454,6 +1525,11 @@ export const ModelInfo: MessageFns<ModelInfo> = {
         : isSet(object.has_chat_template)
         ? globalThis.Boolean(object.has_chat_template)
         : false,
+      prefixCache: isSet(object.prefixCache)
+        ? PrefixCacheRecipe.fromJSON(object.prefixCache)
+        : isSet(object.prefix_cache)
+        ? PrefixCacheRecipe.fromJSON(object.prefix_cache)
+        : undefined,
     };
   },
 
@@ -1519,6 +1595,9 @@ export const ModelInfo: MessageFns<ModelInfo> = {
     if (message.hasChatTemplate !== false) {
       obj.hasChatTemplate = message.hasChatTemplate;
     }
+    if (message.prefixCache !== undefined) {
+      obj.prefixCache = PrefixCacheRecipe.toJSON(message.prefixCache);
+    }
     return obj;
   },
 
@@ -1547,6 +1626,150 @@ export const ModelInfo: MessageFns<ModelInfo> = {
     message.eosTokenIds = object.eosTokenIds?.map((e) => e) || [];
     message.hasTokenizer = object.hasTokenizer ?? false;
     message.hasChatTemplate = object.hasChatTemplate ?? false;
+    message.prefixCache = (object.prefixCache !== undefined && object.prefixCache !== null)
+      ? PrefixCacheRecipe.fromPartial(object.prefixCache)
+      : undefined;
+    return message;
+  },
+};
+
+function createBasePrefixCacheRecipe(): PrefixCacheRecipe {
+  return { enabled: false, algorithm: "", blockSize: 0, seed: "", extraKeys: [] };
+}
+
+export const PrefixCacheRecipe: MessageFns<PrefixCacheRecipe> = {
+  encode(message: PrefixCacheRecipe, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.enabled !== false) {
+      writer.uint32(8).bool(message.enabled);
+    }
+    if (message.algorithm !== "") {
+      writer.uint32(18).string(message.algorithm);
+    }
+    if (message.blockSize !== 0) {
+      writer.uint32(24).uint32(message.blockSize);
+    }
+    if (message.seed !== "") {
+      writer.uint32(34).string(message.seed);
+    }
+    for (const v of message.extraKeys) {
+      writer.uint32(42).string(v!);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): PrefixCacheRecipe {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBasePrefixCacheRecipe();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.enabled = reader.bool();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.algorithm = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.blockSize = reader.uint32();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.seed = reader.string();
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.extraKeys.push(reader.string());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): PrefixCacheRecipe {
+    return {
+      enabled: isSet(object.enabled) ? globalThis.Boolean(object.enabled) : false,
+      algorithm: isSet(object.algorithm) ? globalThis.String(object.algorithm) : "",
+      blockSize: isSet(object.blockSize)
+        ? globalThis.Number(object.blockSize)
+        : isSet(object.block_size)
+        ? globalThis.Number(object.block_size)
+        : 0,
+      seed: isSet(object.seed) ? globalThis.String(object.seed) : "",
+      extraKeys: globalThis.Array.isArray(object?.extraKeys)
+        ? object.extraKeys.map((e: any) => globalThis.String(e))
+        : globalThis.Array.isArray(object?.extra_keys)
+        ? object.extra_keys.map((e: any) => globalThis.String(e))
+        : [],
+    };
+  },
+
+  toJSON(message: PrefixCacheRecipe): unknown {
+    const obj: any = {};
+    if (message.enabled !== false) {
+      obj.enabled = message.enabled;
+    }
+    if (message.algorithm !== "") {
+      obj.algorithm = message.algorithm;
+    }
+    if (message.blockSize !== 0) {
+      obj.blockSize = Math.round(message.blockSize);
+    }
+    if (message.seed !== "") {
+      obj.seed = message.seed;
+    }
+    if (message.extraKeys?.length) {
+      obj.extraKeys = message.extraKeys;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<PrefixCacheRecipe>, I>>(base?: I): PrefixCacheRecipe {
+    return PrefixCacheRecipe.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<PrefixCacheRecipe>, I>>(object: I): PrefixCacheRecipe {
+    const message = createBasePrefixCacheRecipe();
+    message.enabled = object.enabled ?? false;
+    message.algorithm = object.algorithm ?? "";
+    message.blockSize = object.blockSize ?? 0;
+    message.seed = object.seed ?? "";
+    message.extraKeys = object.extraKeys?.map((e) => e) || [];
     return message;
   },
 };
@@ -1709,6 +1932,8 @@ function createBaseExecutorCapabilities(): ExecutorCapabilities {
     supportsKvTruncation: false,
     supportsNativeForwardVerify: false,
     kvBlockSize: 0,
+    supportsPrefixCaching: false,
+    supportsFork: false,
   };
 }
 
@@ -1775,6 +2000,12 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
     }
     if (message.kvBlockSize !== 0) {
       writer.uint32(144).uint32(message.kvBlockSize);
+    }
+    if (message.supportsPrefixCaching !== false) {
+      writer.uint32(152).bool(message.supportsPrefixCaching);
+    }
+    if (message.supportsFork !== false) {
+      writer.uint32(160).bool(message.supportsFork);
     }
     return writer;
   },
@@ -1956,6 +2187,22 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
             message.kvBlockSize = reader.uint32();
             continue;
           }
+          case 19: {
+            if (tag !== 152) {
+              break;
+            }
+
+            message.supportsPrefixCaching = reader.bool();
+            continue;
+          }
+          case 20: {
+            if (tag !== 160) {
+              break;
+            }
+
+            message.supportsFork = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2060,6 +2307,16 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
         : isSet(object.kv_block_size)
         ? globalThis.Number(object.kv_block_size)
         : 0,
+      supportsPrefixCaching: isSet(object.supportsPrefixCaching)
+        ? globalThis.Boolean(object.supportsPrefixCaching)
+        : isSet(object.supports_prefix_caching)
+        ? globalThis.Boolean(object.supports_prefix_caching)
+        : false,
+      supportsFork: isSet(object.supportsFork)
+        ? globalThis.Boolean(object.supportsFork)
+        : isSet(object.supports_fork)
+        ? globalThis.Boolean(object.supports_fork)
+        : false,
     };
   },
 
@@ -2119,6 +2376,12 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
     if (message.kvBlockSize !== 0) {
       obj.kvBlockSize = Math.round(message.kvBlockSize);
     }
+    if (message.supportsPrefixCaching !== false) {
+      obj.supportsPrefixCaching = message.supportsPrefixCaching;
+    }
+    if (message.supportsFork !== false) {
+      obj.supportsFork = message.supportsFork;
+    }
     return obj;
   },
 
@@ -2147,6 +2410,8 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
     message.supportsKvTruncation = object.supportsKvTruncation ?? false;
     message.supportsNativeForwardVerify = object.supportsNativeForwardVerify ?? false;
     message.kvBlockSize = object.kvBlockSize ?? 0;
+    message.supportsPrefixCaching = object.supportsPrefixCaching ?? false;
+    message.supportsFork = object.supportsFork ?? false;
     return message;
   },
 };
@@ -3098,6 +3363,11 @@ function createBaseKvCapacity(): KvCapacity {
     totalBytes: 0,
     usedBytes: 0,
     bytesPerToken: 0,
+    blockSize: 0,
+    totalBlocks: 0,
+    freeBlocks: 0,
+    evictableBlocks: 0,
+    cachedBlocks: 0,
   };
 }
 
@@ -3126,6 +3396,21 @@ export const KvCapacity: MessageFns<KvCapacity> = {
     }
     if (message.bytesPerToken !== 0) {
       writer.uint32(64).uint64(message.bytesPerToken);
+    }
+    if (message.blockSize !== 0) {
+      writer.uint32(72).uint32(message.blockSize);
+    }
+    if (message.totalBlocks !== 0) {
+      writer.uint32(80).uint64(message.totalBlocks);
+    }
+    if (message.freeBlocks !== 0) {
+      writer.uint32(88).uint64(message.freeBlocks);
+    }
+    if (message.evictableBlocks !== 0) {
+      writer.uint32(96).uint64(message.evictableBlocks);
+    }
+    if (message.cachedBlocks !== 0) {
+      writer.uint32(104).uint64(message.cachedBlocks);
     }
     return writer;
   },
@@ -3207,6 +3492,46 @@ export const KvCapacity: MessageFns<KvCapacity> = {
             message.bytesPerToken = longToNumber(reader.uint64());
             continue;
           }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.blockSize = reader.uint32();
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.totalBlocks = longToNumber(reader.uint64());
+            continue;
+          }
+          case 11: {
+            if (tag !== 88) {
+              break;
+            }
+
+            message.freeBlocks = longToNumber(reader.uint64());
+            continue;
+          }
+          case 12: {
+            if (tag !== 96) {
+              break;
+            }
+
+            message.evictableBlocks = longToNumber(reader.uint64());
+            continue;
+          }
+          case 13: {
+            if (tag !== 104) {
+              break;
+            }
+
+            message.cachedBlocks = longToNumber(reader.uint64());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -3261,6 +3586,31 @@ export const KvCapacity: MessageFns<KvCapacity> = {
         : isSet(object.bytes_per_token)
         ? globalThis.Number(object.bytes_per_token)
         : 0,
+      blockSize: isSet(object.blockSize)
+        ? globalThis.Number(object.blockSize)
+        : isSet(object.block_size)
+        ? globalThis.Number(object.block_size)
+        : 0,
+      totalBlocks: isSet(object.totalBlocks)
+        ? globalThis.Number(object.totalBlocks)
+        : isSet(object.total_blocks)
+        ? globalThis.Number(object.total_blocks)
+        : 0,
+      freeBlocks: isSet(object.freeBlocks)
+        ? globalThis.Number(object.freeBlocks)
+        : isSet(object.free_blocks)
+        ? globalThis.Number(object.free_blocks)
+        : 0,
+      evictableBlocks: isSet(object.evictableBlocks)
+        ? globalThis.Number(object.evictableBlocks)
+        : isSet(object.evictable_blocks)
+        ? globalThis.Number(object.evictable_blocks)
+        : 0,
+      cachedBlocks: isSet(object.cachedBlocks)
+        ? globalThis.Number(object.cachedBlocks)
+        : isSet(object.cached_blocks)
+        ? globalThis.Number(object.cached_blocks)
+        : 0,
     };
   },
 
@@ -3290,6 +3640,21 @@ export const KvCapacity: MessageFns<KvCapacity> = {
     if (message.bytesPerToken !== 0) {
       obj.bytesPerToken = Math.round(message.bytesPerToken);
     }
+    if (message.blockSize !== 0) {
+      obj.blockSize = Math.round(message.blockSize);
+    }
+    if (message.totalBlocks !== 0) {
+      obj.totalBlocks = Math.round(message.totalBlocks);
+    }
+    if (message.freeBlocks !== 0) {
+      obj.freeBlocks = Math.round(message.freeBlocks);
+    }
+    if (message.evictableBlocks !== 0) {
+      obj.evictableBlocks = Math.round(message.evictableBlocks);
+    }
+    if (message.cachedBlocks !== 0) {
+      obj.cachedBlocks = Math.round(message.cachedBlocks);
+    }
     return obj;
   },
 
@@ -3306,6 +3671,11 @@ export const KvCapacity: MessageFns<KvCapacity> = {
     message.totalBytes = object.totalBytes ?? 0;
     message.usedBytes = object.usedBytes ?? 0;
     message.bytesPerToken = object.bytesPerToken ?? 0;
+    message.blockSize = object.blockSize ?? 0;
+    message.totalBlocks = object.totalBlocks ?? 0;
+    message.freeBlocks = object.freeBlocks ?? 0;
+    message.evictableBlocks = object.evictableBlocks ?? 0;
+    message.cachedBlocks = object.cachedBlocks ?? 0;
     return message;
   },
 };
