@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-KINDS = {"created": 1, "extended": 2, "truncated": 3, "released": 4, "reclaimed": 5, "evicted": 6}
+KINDS = {"created": 1, "extended": 2, "truncated": 3, "released": 4, "reclaimed": 5, "evicted": 6, "forked": 7}
 
 
 @dataclass(frozen=True)

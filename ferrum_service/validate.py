@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Iterable
 from . import errors
 from .callers import current_caller
 from .convert import check_token, check_tokens, logits_policy, pb, struct_to_dict
+from .executors.item_steps import StepItem
 from .kv_registry import CacheEntry
 from .types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
 
@@ -245,20 +246,17 @@ class RequestChecks:
 
 # ---- KV admission ---------------------------------------------------------------------------------
 def admit(host: "ModelHost", field: str, *, grow: Iterable[tuple[CacheEntry, int]] = (),
-          new: Iterable[int] = ()) -> None:
+          new: Iterable[StepItem] = ()) -> None:
     """Admit one step's KV growth, all or nothing, before any work: ``grow`` lists live caches and
-    the length each will reach, ``new`` the tokens each cache the step creates will hold (or
-    reserve). RESOURCE_EXHAUSTED (with RetryInfo) when the budget, or the active-cache limit, does
-    not allow all of it now."""
-    reg = host.executor.registry
-    new = list(new)
-    need = sum(reg.growth(e, n) for e, n in grow) + sum(new)
-    reg.admit(need, field, new_caches=len(new))
+    the length each will reach, ``new`` the caches the step creates (their tokens, reservation and
+    prefix-cache options). RESOURCE_EXHAUSTED (with RetryInfo) when the executor's KV budget, or
+    the active-cache limit, does not allow all of it now."""
+    host.executor.admit_kv(list(grow), list(new), field)
 
 
 def admit_prefills(host: "ModelHost", inputs: list[PrefillInput], field: str = "inputs") -> None:
     """Admission for prompts: those extending a cache grow it by their tokens; new ones hold their
-    tokens or their reservation, whichever is larger."""
+    tokens or their reservation, whichever is larger (less what the prefix cache holds)."""
     reg = host.executor.registry
     grow, new = [], []
     for i in inputs:
@@ -266,7 +264,9 @@ def admit_prefills(host: "ModelHost", inputs: list[PrefillInput], field: str = "
             e = reg.get(i.cache_id)
             grow.append((e, e.num_tokens + len(i.token_ids)))
         else:
-            new.append(max(len(i.token_ids), i.reserve_tokens))
+            want = "all" if i.all_positions else "last"
+            new.append(StepItem(None, list(i.token_ids), want, reserve=int(i.reserve_tokens or 0),
+                                salt=i.cache_salt, bypass=i.bypass_prefix_cache))
     admit(host, field, grow=grow, new=new)
 
 
@@ -281,7 +281,8 @@ def admit_unified(host: "ModelHost", items: list[UnifiedItem], field: str = "ite
     reg = host.executor.registry
     admit(host, field,
           grow=[(reg.get(i.cache_id), i.pos_offset + len(i.q_tokens)) for i in items if i.cache_id],
-          new=[len(i.q_tokens) for i in items if not i.cache_id])
+          new=[StepItem(None, list(i.q_tokens), "last", salt=i.cache_salt, bypass=i.bypass_prefix_cache)
+               for i in items if not i.cache_id])
 
 
 __all__ = ["RequestChecks", "admit", "admit_decodes", "admit_prefills", "admit_unified"]
