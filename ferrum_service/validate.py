@@ -26,6 +26,9 @@ from .executors.item_steps import StepItem
 from .kv_registry import CacheEntry
 from .types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
 
+#: Longest ``cache_salt`` accepted (it is hashed into every block key of the cache).
+MAX_CACHE_SALT_BYTES = 1024
+
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 if TYPE_CHECKING:
@@ -194,6 +197,14 @@ class RequestChecks:
             )
 
     # ---- step inputs ------------------------------------------------------------------------------
+    @staticmethod
+    def salt(salt: str, field: str) -> str:
+        """A prefix-cache salt: at most :data:`MAX_CACHE_SALT_BYTES` bytes (INVALID_ARGUMENT)."""
+        if len(salt) > MAX_CACHE_SALT_BYTES or len(salt.encode()) > MAX_CACHE_SALT_BYTES:
+            raise errors.invalid(f"{field} is longer than {MAX_CACHE_SALT_BYTES} bytes", field=field,
+                                 limit=MAX_CACHE_SALT_BYTES)
+        return salt
+
     def prefill_input(self, host: "ModelHost", msg: pb.PrefillInput, field: str) -> PrefillInput:
         """A checked prompt: ids, its cache (if it extends one), the length it may reach."""
         ids = self.tokens(host, msg.token_ids, f"{field}.token_ids")
@@ -210,6 +221,8 @@ class RequestChecks:
             all_positions=msg.all_positions,
             metadata=struct_to_dict(msg.metadata),
             request_id=msg.request_id,
+            cache_salt=self.salt(msg.cache_salt, f"{field}.cache_salt"),
+            bypass_prefix_cache=msg.bypass_prefix_cache,
         )
 
     def decode_input(self, host: "ModelHost", msg: pb.DecodeInput, field: str) -> DecodeInput:
@@ -240,7 +253,8 @@ class RequestChecks:
         return UnifiedItem(
             seq_id=m.seq_id, q_tokens=q, cache_id=m.cache_id, pos_offset=int(m.pos_offset),
             is_final_chunk=m.is_final_chunk, policy=logits_policy(m.logits, host.vocab_size, f"{field}.logits"),
-            metadata=struct_to_dict(m.metadata),
+            metadata=struct_to_dict(m.metadata), cache_salt=self.salt(m.cache_salt, f"{field}.cache_salt"),
+            bypass_prefix_cache=m.bypass_prefix_cache,
         )
 
 
