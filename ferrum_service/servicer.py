@@ -416,7 +416,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     bs = reg.block_size or 1
                     free = max(0, reg.total_tokens - held)
                     free_blocks, total_blocks = free // bs, reg.total_tokens // bs
-                pm = (h.executor.cache_metrics() or {}).get("prefix_cache", {}) if cap.total_blocks else {}
+                pm = (h.executor.cache_metrics() or {}).get("prefix_cache", {})
                 lat = h.executor.stats.latencies()
                 running = min(h.running, 1)
                 resp.loads.add(

@@ -43,8 +43,10 @@ from ..types import (
     KvSlotReservation,
     MemoryRequirements,
     ModelInfo,
+    PrefillInput,
 )
 from .item_steps import ItemStepExecutor, StepItem
+from .llama_prefix import SequencePrefixIndex
 
 log = structlog.get_logger(__name__)
 
@@ -98,11 +100,12 @@ class LlamaCppExecutor(ItemStepExecutor):
 
     def __init__(self, path: str | Path, *, model_id: str | None = None, n_ctx: int | None = None,
                  threads: int | None = None, device: str = "auto", n_seq: int = DEFAULT_N_SEQ,
-                 n_ubatch: int = 512, flash_attn: bool | None = None) -> None:
+                 n_ubatch: int = 512, flash_attn: bool | None = None, prefix_cache: bool = True) -> None:
         """Load ``path`` (a .gguf file). ``n_ctx``: KV cells over all sequences (the KV budget in
         tokens); ``threads``: llama.cpp threads (default: all cores); ``device``: auto | cpu | cuda
         (auto offloads every layer when the llama.cpp build supports a GPU); ``n_seq``: most live
-        caches (llama.cpp sequence ids); ``flash_attn``: None = llama.cpp's choice (auto)."""
+        caches (llama.cpp sequence ids); ``flash_attn``: None = llama.cpp's choice (auto);
+        ``prefix_cache``: reuse the KV of earlier prompts' full blocks (:mod:`.llama_prefix`)."""
         super().__init__()
         L = self._L = _lib()
         p = Path(path).expanduser()
@@ -150,6 +153,8 @@ class LlamaCppExecutor(ItemStepExecutor):
         self._b_out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
         self._b_nsq[:] = 1
         self._free_seq = list(range(self.n_seq - 1, -1, -1))  # pop() hands out the lowest id first
+        self.prefix = SequencePrefixIndex(self.model_id or p.stem, enabled=prefix_cache,
+                                          wipe=lambda s: L.llama_memory_seq_rm(self._mem, s, -1, -1))
 
         self.n_layer = int(L.llama_model_n_layer(m))
         self.n_embd = int(L.llama_model_n_embd(m))
@@ -209,6 +214,7 @@ class LlamaCppExecutor(ItemStepExecutor):
             eos_token_ids=self._eog_ids(),
             has_tokenizer=True,
             has_chat_template=bool(self._tokenizer.chat_template),
+            prefix_cache=self.prefix.recipe(),
         )
 
     def info(self) -> ModelInfo:
@@ -239,6 +245,7 @@ class LlamaCppExecutor(ItemStepExecutor):
             supports_kv_truncation=True,
             supports_native_forward_verify=True,
             supports_fork=True,
+            supports_prefix_caching=self.prefix.enabled,
             kv_block_size=1,
         )
 
@@ -256,14 +263,17 @@ class LlamaCppExecutor(ItemStepExecutor):
         return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def live_sequences(self) -> int:
-        """Sequence ids in use (for leak checks: equals the live caches)."""
-        return self.n_seq - len(self._free_seq)
+        """Sequence ids held by live caches (for leak checks: equals the live caches; retired
+        sequences kept by the prefix cache are not counted)."""
+        return self.n_seq - len(self._free_seq) - len(self.prefix.evictable)
 
     def kv_cells_used(self) -> int:
-        """KV cells llama.cpp holds, summed over sequence ids in use (from llama.cpp itself)."""
+        """KV positions llama.cpp holds for sequences of live caches (from llama.cpp itself)."""
         L = self._L
         total = 0
         for s in range(self.n_seq):
+            if s in self.prefix.evictable:
+                continue
             pmax = int(L.llama_memory_seq_pos_max(self._mem, s))
             if pmax >= 0:
                 total += pmax - int(L.llama_memory_seq_pos_min(self._mem, s)) + 1
@@ -285,10 +295,11 @@ class LlamaCppExecutor(ItemStepExecutor):
                                    field="input_ids", limit=self.n_batch)
         self.registry.check_sequence_length(n, "input_ids", self.max_sequence_length)
         self.registry.admit(b * n, "input_ids")
-        if b > len(self._free_seq):
+        if b > len(self._free_seq) + len(self.prefix.evictable):
             raise errors.exhausted(f"input_ids: {b} sequences but only {len(self._free_seq)} sequence ids are free",
                                    field="input_ids")
-        seqs = [self._free_seq.pop() for _ in range(b)]
+        self._make_room(b * n)
+        seqs = [self._take_seq() for _ in range(b)]
         try:
             rows = self._decode_batch([StepItem(None, ids[i].tolist(), "all") for i in range(b)], [(s, 0) for s in seqs])
         finally:
@@ -333,6 +344,7 @@ class LlamaCppExecutor(ItemStepExecutor):
                                       num_tokens=entry.num_tokens)
         if not self._L.llama_memory_seq_rm(self._mem, entry.payload, new_len, -1):
             raise errors.FerrumError(errors.ErrorKind.BACKEND, f"llama.cpp refused to truncate cache {cache_id!r}")
+        self.prefix.truncate(entry.payload, new_len)
         removed = self.registry.truncate(entry, new_len)
         return self.handle(entry), removed
 
@@ -350,14 +362,17 @@ class LlamaCppExecutor(ItemStepExecutor):
         if not 1 <= keep <= src.num_tokens:
             raise errors.out_of_range(f"keep_tokens must be in [1, {src.num_tokens}], not {keep}",
                                       field="keep_tokens", num_tokens=src.num_tokens)
-        if not self._free_seq:
+        if not self._free_seq and not self.prefix.evictable:
             raise errors.exhausted(f"cache_id: all {self.n_seq} sequence ids are in use", field="cache_id")
         self.registry.check_sequence_length(max(keep, int(reserve_tokens or 0)), "reserve_tokens",
                                             self.max_sequence_length)
         entry = self.registry.create(src.tokens[:keep], reserve_tokens=int(reserve_tokens or 0), field="cache_id",
                                      event="forked")
-        seq = self._free_seq.pop()
+        seq = self._take_seq(keep={src.payload})
         self._L.llama_memory_seq_cp(self._mem, src.payload, seq, 0, keep)
+        self.prefix.start(seq, self.prefix.roots.get(src.payload, b""),
+                          self.prefix.keys.get(src.payload, [])[: keep // self.prefix.block_size])
+        self.prefix.stats.forks += 1
         entry.payload = seq
         return entry, keep
 
@@ -367,9 +382,51 @@ class LlamaCppExecutor(ItemStepExecutor):
         entry.payload = None
         if seq is None:
             return 0
-        self._L.llama_memory_seq_rm(self._mem, seq, -1, -1)
-        self._free_seq.append(seq)
+        if not self.prefix.retire(seq, entry.num_tokens):  # kept (evictable) when it holds cached blocks
+            self._L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            self._free_seq.append(seq)
         return entry.num_tokens * self.registry.bytes_per_token
+
+    def shutdown(self) -> int:
+        n = super().shutdown()
+        self._free_seq.extend(self.prefix.clear())
+        return n
+
+    def cached_prefix(self, inp: PrefillInput) -> int:
+        """Tokens a prefill of ``inp`` (a new prompt) would take from the prefix cache now."""
+        if inp.cache_id or inp.bypass_prefix_cache or inp.all_positions:
+            return 0
+        return self.prefix.match(inp.token_ids, inp.cache_salt)[1]
+
+    def cache_metrics(self) -> dict[str, Any]:
+        """Prefix-cache counters (ferrum's ``cache_metrics_snapshot``)."""
+        st, pc = self.prefix.stats, self.prefix
+        return {"prefix_cache": {
+            "enabled": pc.enabled, "block_size": pc.block_size, "cached_blocks": pc.cached_blocks,
+            "retired_sequences": len(pc.evictable), "retired_tokens": pc.retired_tokens,
+            "queried_tokens": st.queried_tokens, "hit_tokens": st.hit_tokens, "hit_rate": st.hit_rate,
+            "lookups": st.lookups, "hits": st.hits, "evicted_blocks": st.evicted_blocks, "forks": st.forks,
+        }}
+
+    def _take_seq(self, keep: set[int] = frozenset()) -> int:
+        """A free sequence id, evicting the least recently retired sequence when none is free."""
+        if not self._free_seq:
+            seq = self.prefix.evict(keep)
+            if seq is None:
+                raise errors.exhausted(f"all {self.n_seq} sequence ids are in use")
+            self._free_seq.append(seq)
+        return self._free_seq.pop()
+
+    def _make_room(self, need: int, keep: set[int] = frozenset()) -> None:
+        """Evict retired sequences until ``need`` more cells certainly fit next to the live caches'
+        budget and what retired sequences hold (both counted in full: shared cells count twice, so
+        llama.cpp never runs out of cells)."""
+        while (self.registry.total_tokens - self.registry.free_tokens + need + self.prefix.retired_tokens
+               > self.n_ctx and self.prefix.evictable):
+            seq = self.prefix.evict(keep)
+            if seq is None:
+                return
+            self._free_seq.append(seq)
 
     def handle(self, entry: CacheEntry) -> CacheHandle:
         h = self.registry.handle(entry)
@@ -422,28 +479,46 @@ class LlamaCppExecutor(ItemStepExecutor):
                 need_tokens += self.registry.growth(it.entry, max(total, it.reserve))
             self.registry.check_sequence_length(total, field, self.max_sequence_length)
         self.registry.admit(need_tokens, field, new_caches=new_caches)
-        if new_caches > len(self._free_seq):
+        pc = self.prefix
+        # Per item: (sequence to copy a cached prefix from, tokens taken, their keys, chain root).
+        hits = [pc.match(it.tokens if not it.bypass and it.want != "all" else [], it.salt)
+                if it.entry is None else (None, 0, [], b"") for it in items]
+        sources = {src for src, *_ in hits if src is not None}
+        if new_caches > len(self._free_seq) + sum(1 for s in pc.evictable if s not in sources):
             raise errors.exhausted(f"{field}: {new_caches} new sequences but only {len(self._free_seq)} of "
                                    f"{self.n_seq} sequence ids are free", field=field)
+        self._make_room(need_tokens, sources)
 
         t0 = time.perf_counter()
         created: list[CacheEntry] = []
         placed: list[tuple[int, int]] = []  # (seq id, first position written) for rollback
         entries: list[CacheEntry] = []
+        work: list[StepItem] = []  # what is decoded: a new sequence's tokens after its prefix hit
         try:
-            for it in items:
+            for it, (src, take, keys, root) in zip(items, hits):
                 if it.entry is None:
                     e = self.registry.create(it.tokens, reserve_tokens=it.reserve, field=field)
                     created.append(e)
-                    e.payload = self._free_seq.pop()
-                    past = 0
+                    e.payload = self._take_seq(sources)
+                    pc.start(e.payload, root, keys)
+                    if src is not None:
+                        self._L.llama_memory_seq_cp(self._mem, src, e.payload, 0, take)
+                        pc.touch(src)
+                    it.cached = past = take
+                    if it.want != "all" and not it.bypass:
+                        pc.stats.lookups += 1
+                        pc.stats.queried_tokens += len(it.tokens)
+                        pc.stats.hit_tokens += take
+                        pc.stats.hits += take > 0
+                    work.append(StepItem(e, it.tokens[take:], it.want))
                 else:
                     e, past = it.entry, it.entry.num_tokens
                     if it.reserve > e.reserved_total:
                         self.registry.set_reserved(e, it.reserve)
+                    work.append(it)
                 entries.append(e)
                 placed.append((e.payload, past))
-            logits = self._decode_batch(items, placed)
+            logits = self._decode_batch(work, placed)
         except BaseException:
             for seq, past in placed:
                 self._L.llama_memory_seq_rm(self._mem, seq, past, -1)
@@ -453,6 +528,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         for it, e in zip(items, entries):
             if it.entry is not None:
                 self.registry.extend(e, it.tokens)
+            pc.commit(e.payload, e.tokens)
         kind = "prefill" if any(it.entry is None or len(it.tokens) > 1 for it in items) else "decode"
         self.stats.record(kind, time.perf_counter() - t0, rows=len(items))
         return list(zip(entries, logits))

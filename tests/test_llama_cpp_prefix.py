@@ -1,0 +1,139 @@
+"""Prefix reuse on the llama.cpp executor (:mod:`ferrum_service.executors.llama_prefix`): a new
+prompt copies (``llama_memory_seq_cp``) the cached full blocks another sequence holds, released
+sequences stay cached until their id or cells are needed, keys and events follow the contract's
+recipe. Results are compared with the same executor computing everything (bypass)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ferrum_client import Client, pb
+from ferrum_client.prefix_keys import block_keys
+from ferrum_service.types import DecodeInput, PrefillInput
+
+from .support.servers import InProcessServer
+from .test_llama_cpp import TOL, _gguf
+
+pytest.importorskip("llama_cpp")
+
+
+@pytest.fixture
+def llc():
+    from ferrum_service.executors.llama_cpp import LlamaCppExecutor
+
+    ex = LlamaCppExecutor(_gguf(), model_id="smollm2", threads=2, n_ctx=512, n_seq=4)
+    events: list[tuple[str, dict]] = []
+    ex.prefix.on_event = lambda kind, data: events.append((kind, data))
+    ex.events = events
+    yield ex
+    for e in ex.registry.entries():
+        ex.release_cache(e.cache_id)
+    assert ex.live_sequences() == 0 and ex.kv_cells_used() == 0
+    mirror: set[bytes] = set()
+    for kind, data in events:
+        if kind == "stored":
+            mirror.update(data["block_hashes"])
+        elif kind == "removed":
+            mirror.difference_update(data["block_hashes"])
+        else:
+            mirror.clear()
+    assert mirror == set(ex.prefix.index)
+    ex.shutdown()
+    assert len(ex._free_seq) == ex.n_seq and not ex.prefix.index
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def _fresh(ex, tokens):
+    out = ex.prefill(PrefillInput(tokens, bypass_prefix_cache=True))
+    ex.release_cache(out.cache.cache_id)
+    return out.logits
+
+
+def _same(a, b) -> None:
+    assert int(a.argmax()) == int(b.argmax())
+    assert (a - b).abs().max().item() < TOL * 3
+
+
+@pytest.mark.parametrize("shared,expect", [(0, 0), (10, 0), (32, 32), (60, 48), (64, 63)])
+def test_hit_equals_no_hit(llc, shared, expect):
+    first = _prompt(64, 1)
+    second = first[:shared] + _prompt(64 - shared, 2)
+    a = llc.prefill(PrefillInput(first))
+    llc.release_cache(a.cache.cache_id)  # retired: its blocks stay cached
+    b = llc.prefill(PrefillInput(second))
+    assert b.cached_tokens == expect
+    _same(b.logits, _fresh(llc, second))
+    _same(llc.decode(DecodeInput(b.cache.cache_id, 5)).logits, _fresh(llc, second + [5]))
+
+
+def test_salt_and_bypass(llc):
+    p = _prompt(40, 3)
+    llc.prefill(PrefillInput(p, cache_salt="a"))
+    assert llc.prefill(PrefillInput(p, cache_salt="b")).cached_tokens == 0
+    assert llc.prefill(PrefillInput(p, cache_salt="a", bypass_prefix_cache=True)).cached_tokens == 0
+    assert llc.prefill(PrefillInput(p, cache_salt="a")).cached_tokens == 32
+
+
+def test_keys_and_events_follow_the_recipe(llc):
+    p = _prompt(40, 4)
+    llc.prefill(PrefillInput(p))
+    (kind, data), = [(k, d) for k, d in llc.events if k == "stored"]
+    assert data["block_hashes"] == block_keys(p, 16, model_id="smollm2")
+    assert data["token_ids"] == p[:32]
+    assert llc.info().prefix_cache["block_size"] == 16 and llc.capabilities().supports_prefix_caching
+
+
+def test_retired_sequences_give_way_to_new_ones(llc):
+    outs = [llc.prefill(PrefillInput(_prompt(40, 10 + i))) for i in range(4)]  # every sequence id
+    for o in outs:
+        llc.release_cache(o.cache.cache_id)
+    assert len(llc.prefix.evictable) == 4 and llc.live_sequences() == 0
+    # four new prompts need the four ids: the retired sequences are evicted, oldest first
+    news = [llc.prefill(PrefillInput(_prompt(40, 20 + i))) for i in range(4)]
+    assert not llc.prefix.evictable and llc.prefix.stats.evicted_blocks == 8
+    removed = {k for kind, d in llc.events if kind == "removed" for k in d["block_hashes"]}
+    assert block_keys(_prompt(40, 10), 16, model_id="smollm2")[0] in removed
+    for o in news:
+        llc.release_cache(o.cache.cache_id)
+
+
+def test_retired_cells_give_way_to_a_long_prompt(llc):
+    a = llc.prefill(PrefillInput(_prompt(300, 5)))
+    llc.release_cache(a.cache.cache_id)
+    b = llc.prefill(PrefillInput(_prompt(400, 6)))  # 300 + 400 > 512 cells: the retired one goes
+    assert b.cached_tokens == 0 and not llc.prefix.evictable
+    llc.release_cache(b.cache.cache_id)
+    _same(b.logits, _fresh(llc, _prompt(400, 6)))  # computed on clean cells, and again after eviction
+
+
+def test_truncating_a_source_shortens_later_hits(llc):
+    p = _prompt(64, 7)
+    a = llc.prefill(PrefillInput(p))
+    llc.truncate_kv(a.cache.cache_id, 20)
+    b = llc.prefill(PrefillInput(p))
+    assert b.cached_tokens == 16
+    _same(b.logits, _fresh(llc, p))
+
+
+def test_generate_reuses_a_repeated_prompt_over_the_wire(llc):
+    with InProcessServer([llc]) as srv, Client(srv.target) as c:
+        req = pb.GenerateRequest(model_id="smollm2", text="The history of the printing press " * 8,
+                                 stop=pb.StopConditions(max_tokens=3, ignore_eos=True))
+        first = list(c.stub.Generate(req))
+        second = list(c.stub.Generate(req))
+        assert first[0].started.cached_tokens == 0 and second[0].started.cached_tokens >= 32
+        assert [e.token.token_id for e in first if e.WhichOneof("event") == "token"] == \
+               [e.token.token_id for e in second if e.WhichOneof("event") == "token"]
+        (load,) = c.stub.Loads(pb.LoadsRequest(model_id="smollm2")).loads
+        assert load.prefix_hit_tokens == second[0].started.cached_tokens
+        assert srv.live_caches()["smollm2"] == 0  # the streams' caches are released (and retired)
+        m = srv.server.metrics
+        assert m.value("ferrum_prefix_cached_blocks", {"model": "smollm2"}) >= 2
+        assert m.value("ferrum_prefix_hit_tokens_total", {"model": "smollm2"}) == load.prefix_hit_tokens
+        assert m.value("ferrum_kv_used_bytes", {"model": "smollm2"}) == 0
