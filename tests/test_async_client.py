@@ -149,6 +149,9 @@ async def scenario(d) -> list:
     assert not (await d.call("lora_metrics", "mock")).HasField("metrics")
     assert (await d.call("abort", "mock", cache_id=bp[0].cache.cache_id)).released_cache
     assert not (await d.call("abort", "mock", cache_id=bp[0].cache.cache_id)).released_cache
+    # ForkCache of an unknown cache: refused (NOT_FOUND, or UNIMPLEMENTED where the executor cannot fork)
+    rec.append(await _error(d, "fork_cache", "mock", "no-such-cache", keep_tokens=1))
+    assert rec[-1][1] in (C.NOT_FOUND, C.UNIMPLEMENTED), rec[-1]
     assert (await d.call("release_cache", "mock", cid)).released
     assert (await d.call("release_cache", "mock", bp[1].cache.cache_id)).released
     gen = await d.take("generate", None, "mock", token_ids=[1, 2], max_tokens=3)
