@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--open-admin-rpcs", action="store_true", default=None,
                    help="let any caller call Warmup/Shutdown when no admin token is configured "
                         "(default: PERMISSION_DENIED)")
+    s.add_argument("--no-prefix-cache", action="store_true", default=None,
+                   help="turn automatic prefix caching off (every prompt is computed in full) [FERRUM_NO_PREFIX_CACHE=1]")
     s.add_argument("--allow-pickle", action="store_true", default=None,
                    help="allow pickled weights (*.bin; unpickling can run code) where a model has no safetensors")
 
@@ -109,6 +111,8 @@ def resolve_serve_settings(args: argparse.Namespace) -> dict:
                                     or cfg.get("trust_remote_code"))
     out["open_admin_rpcs"] = bool(args.open_admin_rpcs or os.environ.get("FERRUM_OPEN_ADMIN_RPCS") == "1"
                                   or cfg.get("open_admin_rpcs"))
+    out["prefix_cache"] = not (args.no_prefix_cache or os.environ.get("FERRUM_NO_PREFIX_CACHE") == "1"
+                               or cfg.get("prefix_cache") is False)
     out["allow_pickle"] = bool(args.allow_pickle or os.environ.get("FERRUM_ALLOW_PICKLE") == "1"
                                or cfg.get("allow_pickle"))
     from .model_specs import DEFAULT_MODELS, parse_spec, spec_from_mapping
@@ -154,7 +158,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             ex = worker.submit(build_executor, spec, device=st["device"], dtype=st["dtype"],
                                kv_budget_tokens=st["kv_budget_tokens"] or None,
-                               trust_remote_code=st["trust_remote_code"], allow_pickle=st["allow_pickle"]).result()
+                               trust_remote_code=st["trust_remote_code"], allow_pickle=st["allow_pickle"],
+                               prefix_cache=st["prefix_cache"]).result()
         except (ValueError, FileNotFoundError, ImportError, OSError, FerrumError) as e:
             log.error("could not load model", executor=spec.executor, model_id=spec.model_id, error=str(e))
             worker.shutdown(wait=False)

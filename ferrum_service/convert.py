@@ -233,6 +233,8 @@ def model_info_pb(i: ModelInfo) -> tpb.ModelInfo:
         has_tokenizer=i.has_tokenizer,
         has_chat_template=i.has_chat_template,
     )
+    if i.prefix_cache:
+        m.prefix_cache.CopyFrom(tpb.PrefixCacheRecipe(**i.prefix_cache))
     if i.metadata:
         m.metadata.update(i.metadata)
     return m
@@ -264,6 +266,8 @@ def capabilities_pb(c: ExecutorCapabilities) -> tpb.ExecutorCapabilities:
         supports_kv_truncation=c.supports_kv_truncation,
         supports_native_forward_verify=c.supports_native_forward_verify,
         kv_block_size=c.kv_block_size,
+        supports_prefix_caching=c.supports_prefix_caching,
+        supports_fork=c.supports_fork,
     )
 
 
@@ -298,6 +302,11 @@ def kv_capacity_pb(k: KvCapacity) -> tpb.KvCapacity:
         total_bytes=k.total_bytes,
         used_bytes=k.used_bytes,
         bytes_per_token=k.bytes_per_token,
+        block_size=k.block_size,
+        total_blocks=k.total_blocks,
+        free_blocks=k.free_blocks,
+        evictable_blocks=k.evictable_blocks,
+        cached_blocks=k.cached_blocks,
     )
     if k.per_request_tokens is not None:
         m.per_request_tokens = k.per_request_tokens
@@ -324,6 +333,7 @@ __all__ = [
     "capabilities_pb",
     "status_pb",
     "kv_capacity_pb",
+    "block_event_pb",
     "struct_to_dict",
     "dict_to_struct",
 ]
@@ -373,3 +383,18 @@ def step_error_pb(e: errors.FerrumError) -> tpb.StepError:
     """A FerrumError as a Session step's in-band ``StepError`` (the session goes on)."""
     return tpb.StepError(code=e.code.value[0], message=e.message, kind=e.kind.value, field=e.field,
                          metadata=e.metadata, retry_after_ms=e.retry_after_ms)
+
+
+def block_event_pb(ev) -> pb.KvBlockEvent:
+    """A prefix-cache block event (``kv_events.KvEventRecord`` with ``block_kind``)."""
+    m = pb.KvBlockEvent(seq=ev.seq, model_id=ev.model_id, time_unix_ns=ev.time_unix_ns)
+    d = ev.block or {}
+    if ev.block_kind == "stored":
+        m.stored.CopyFrom(pb.KvBlockStored(block_hashes=d["block_hashes"], parent_block_hash=d["parent_block_hash"],
+                                           token_ids=d["token_ids"], block_size=d["block_size"]))
+    elif ev.block_kind == "removed":
+        m.removed.CopyFrom(pb.KvBlockRemoved(block_hashes=d["block_hashes"]))
+    else:
+        m.cleared.CopyFrom(pb.KvBlocksCleared())
+    return m
+

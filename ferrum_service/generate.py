@@ -11,6 +11,7 @@ was yielded, else ``reclaimed`` (the stream ended abnormally, as a Session's cac
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -92,6 +93,24 @@ def _stop_sequence_in(text: str, piece: str, stops) -> bool:
     return bool(piece) and any(s and s in text[-(len(piece) + len(s) - 1):] for s in stops)
 
 
+MAX_SAMPLES = 64
+_SAMPLE_SEED_STRIDE = 1 << 32
+
+
+class _Sample:
+    """One sample's decode loop: its cache, its policy, the tokens and text it produced."""
+
+    def __init__(self, index: int, cache_id: str, row, policy: LogitsPolicy, detok) -> None:
+        self.index = index
+        self.cache_id = cache_id
+        self.row = row
+        self.policy = policy
+        self.detok = detok
+        self.out_ids: list[int] = []
+        self.generated = 0
+        self.finish = pb.FINISH_REASON_UNSPECIFIED
+
+
 async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRequest, owner: str,
                    state: StreamState) -> AsyncIterator[pb.GenerateResponse]:
     """Run one generation; yields ``GenerateResponse`` events. ``state.aborted`` (``Abort``) stops
@@ -103,6 +122,14 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
     sp = sampling_params(req.sampling, host.vocab_size, "sampling")
     if req.top_logprobs > 64:
         raise errors.invalid(f"top_logprobs = {req.top_logprobs} exceeds the maximum 64", field="top_logprobs")
+    n = max(1, int(req.n))
+    if n > MAX_SAMPLES:
+        raise errors.invalid(f"n = {req.n} exceeds the maximum {MAX_SAMPLES}", field="n")
+    if n > 1 and req.cache_id:
+        raise errors.invalid("n > 1 needs a new prompt, not a cache_id", field="n")
+    if n > 1 and not host.executor.capabilities().supports_fork:
+        raise errors.unsupported(f"n > 1: model {host.model_id!r} cannot fork caches (ForkCache)")
+    salt = checks.salt(req.cache_salt, "cache_salt")
     policy = LogitsPolicy(mode=OutputMode.SAMPLED_TOKEN, sampling=sp, top_logprobs=int(req.top_logprobs))
     max_tokens = int(req.stop.max_tokens) or DEFAULT_MAX_TOKENS
     stop_ids = set(check_tokens(req.stop.stop_token_ids, host.vocab_size, "stop.stop_token_ids", allow_empty=True))
@@ -123,26 +150,29 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
     checks.check_length(host, total, "stop.max_tokens")
     if prompt:
         checks.check_step(host, [(len(prompt), prior)], 1, "token_ids" if req.token_ids.token_ids else "prompt")
-    detok = IncrementalDetokenizer(tok) if tok is not None and (req.stream_text or req.stop.stop_sequences) else None
 
-    created = ""
+    def detokenizer():
+        return IncrementalDetokenizer(tok) if tok is not None and (req.stream_text or req.stop.stop_sequences) else None
+
+    created: list[str] = []  # caches this stream made (released at the end unless kept)
     cache_id = req.cache_id
-    generated = 0
-    finish = pb.FINISH_REASON_UNSPECIFIED
-    out_ids: list[int] = []
     ttft = 0
-    finished = False  # GenerateFinished was yielded: the stream ended normally
+    finished = [0]  # GenerateFinished events yielded (all n of them: the stream ended normally)
     try:
         with host.hold([cache_id], "cache_id"):
             # --- prefill (or feed the caller's last token into its cache) ---
+            cached = 0
             if prompt:
                 inp = PrefillInput(token_ids=prompt, cache_id=cache_id, policy=policy,
-                                   reserve_tokens=total if not cache_id else 0, request_id=req.request_id)
+                                   reserve_tokens=total if not cache_id else 0, request_id=req.request_id,
+                                   cache_salt=salt, bypass_prefix_cache=req.bypass_prefix_cache)
                 if cache_id:
                     admit(host, "stop.max_tokens", grow=[(reg.get(cache_id), total)])
                 out, row = await host.batcher.prefill(inp)
+                cached = out.cached_tokens
                 if not cache_id:
-                    created = cache_id = out.cache.cache_id
+                    cache_id = out.cache.cache_id
+                    created.append(cache_id)
                     state.cache_id = cache_id
                     checks.adopt(reg.get(cache_id), "" if req.keep_cache else owner)
                 handle = out.cache
@@ -152,68 +182,174 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
                     DecodeInput(cache_id=cache_id, token_id=req.last_token_id, policy=policy)
                 )
                 handle = host.executor.handle(reg.get(cache_id))
+            samples = [_Sample(0, cache_id, row, policy, detokenizer())]
+            if n > 1:
+                samples += await _fork_samples(host, checks, samples[0], prompt, n, total, owner, req, created,
+                                               detokenizer, salt)
             yield pb.GenerateResponse(started=pb.GenerateStarted(
-                cache=handle_pb(handle), prompt_tokens=len(prompt), request_id=req.request_id))
+                cache=handle_pb(handle), prompt_tokens=len(prompt), request_id=req.request_id, cached_tokens=cached))
             ttft = time.perf_counter_ns() - t_start
             if tracing.enabled():
                 tracing.annotate(cache_id=cache_id)
                 tracing.interval("generate.prompt", t_start, t_start + ttft, prompt_tokens=len(prompt))
 
-            # --- decode loop ---
             # On a cache the stream owns, the next step is queued before this token's event is
             # sent, so sending overlaps the next forward (on a caller's cache it is not: a step the
             # caller never sees would leave an extra token in it).
             pipeline = bool(created) and not req.keep_cache
-            pending: asyncio.Task | None = None
-            try:
-                while True:
-                    state.check_aborted()
-                    token = row.token_id
-                    generated += 1
-                    out_ids.append(token)
-                    piece = detok.push(token) if detok is not None else ""
-                    ev = pb.TokenEvent(token_id=token, logprob=row.logprob, index=generated - 1,
-                                       text=piece if req.stream_text else "")
-                    for t, lp in row.top:
-                        ev.top_logprobs.add(token_id=t, logprob=lp)
-                    if token in stop_ids:
-                        finish = pb.FINISH_REASON_STOP
-                    elif token in eos_ids:
-                        finish = pb.FINISH_REASON_EOS
-                    elif detok is not None and _stop_sequence_in(detok.text, piece, req.stop.stop_sequences):
-                        finish = pb.FINISH_REASON_STOP
-                    elif generated >= max_tokens:
-                        finish = pb.FINISH_REASON_LENGTH
-                    nxt = DecodeInput(cache_id=cache_id, token_id=token, policy=policy)
-                    if pipeline and finish == pb.FINISH_REASON_UNSPECIFIED:
-                        pending = asyncio.ensure_future(host.batcher.decode(nxt))
-                    yield pb.GenerateResponse(token=ev)
-                    if finish != pb.FINISH_REASON_UNSPECIFIED:
-                        break
-                    state.check_aborted()
-                    if pending is not None:
-                        row, pending = await pending, None
-                    else:
-                        row = await host.batcher.decode(nxt)
-            finally:
-                if pending is not None:  # the stream ended with a step queued: drop it
-                    pending.cancel()
-                    pending.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+            async def run(s: _Sample) -> AsyncIterator[pb.GenerateResponse]:
+                async for ev in _decode_loop(host, req, state, s, pipeline, max_tokens, stop_ids, eos_ids):
+                    yield ev
+                finished[0] += 1
+                yield pb.GenerateResponse(finished=_finished(host, req, s, len(prompt), ttft, t_start, tok,
+                                                             keep=bool(req.keep_cache or not created)))
+
+            if n == 1:
+                async for ev in run(samples[0]):
+                    yield ev
+            else:
+                async for ev in _merged([run(s) for s in samples]):
+                    yield ev
         if tracing.enabled():
-            tracing.interval("generate.decode", t_start + ttft, time.perf_counter_ns(), generated_tokens=generated,
-                             finish_reason=pb.FinishReason.Name(finish))
-        fin = pb.GenerateFinished(
-            finish_reason=finish, prompt_tokens=len(prompt), generated_tokens=generated,
-            time_to_first_token_ns=ttft, total_ns=time.perf_counter_ns() - t_start,
-        )
-        if req.stream_text and detok is not None:
-            fin.text = detok.text  # exactly the streamed pieces (a trailing partial UTF-8 char is dropped)
-        elif tok is not None:
-            fin.text = tok.decode(out_ids, skip_special_tokens=True)
-        if cache_id and (req.keep_cache or not created) and cache_id in reg:
-            fin.cache.CopyFrom(handle_pb(host.executor.handle(reg.get(cache_id))))
-        finished = True
-        yield pb.GenerateResponse(finished=fin)
+            tracing.interval("generate.decode", t_start + ttft, time.perf_counter_ns(),
+                             generated_tokens=sum(s.generated for s in samples),
+                             finish_reason=pb.FinishReason.Name(samples[0].finish))
     finally:
-        if created and not req.keep_cache:
-            host.release_soon(created, "released" if finished else "reclaimed")
+        if not req.keep_cache:
+            for c in created:
+                host.release_soon(c, "released" if finished[0] == n else "reclaimed")
+
+
+async def _fork_samples(host, checks, first: _Sample, prompt: list[int], n: int, total: int, owner: str, req,
+                        created: list[str], detokenizer, salt: str) -> list[_Sample]:
+    """Samples 1..n-1: caches forked from the prompt's (all but its last token, shared blocks),
+    then the last prompt token decoded into each with the sample's own seed, in one batched step."""
+    reg = host.executor.registry
+    sp = first.policy.sampling
+    forks: list[str] = []
+    for _ in range(1, n):
+        if len(prompt) > 1:
+            entry, _shared = (await host.call(host.executor.fork_cache, first.cache_id, len(prompt) - 1, total)).value
+        else:  # nothing to share: the one-token prompt is prefilled per sample below
+            entry = None
+        if entry is not None:
+            forks.append(entry.cache_id)
+            created.append(entry.cache_id)
+            checks.adopt(reg.get(entry.cache_id), "" if req.keep_cache else owner)
+        else:
+            forks.append("")
+    samples = []
+    steps = []
+    for i, fork in enumerate(forks, start=1):
+        seed = None if sp.seed is None else (sp.seed + i * _SAMPLE_SEED_STRIDE) % (1 << 63)
+        policy = dataclasses.replace(first.policy, sampling=dataclasses.replace(sp, seed=seed))
+        samples.append(_Sample(i, fork, None, policy, detokenizer()))
+        if fork:
+            steps.append(host.batcher.decode(DecodeInput(cache_id=fork, token_id=prompt[-1], policy=policy)))
+        else:
+            steps.append(host.batcher.prefill(PrefillInput(token_ids=list(prompt), policy=policy, reserve_tokens=total,
+                                                           cache_salt=salt, bypass_prefix_cache=True)))
+    results = await asyncio.gather(*steps, return_exceptions=True)
+    for s, r in zip(samples, results):
+        if not s.cache_id and not isinstance(r, BaseException):
+            out, r = r
+            s.cache_id = out.cache.cache_id
+            created.append(s.cache_id)
+            checks.adopt(reg.get(s.cache_id), "" if req.keep_cache else owner)
+        s.row = r
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return samples
+
+
+async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool, max_tokens: int,
+                       stop_ids: set[int], eos_ids: set[int]) -> AsyncIterator[pb.GenerateResponse]:
+    """One sample's tokens, one ``TokenEvent`` each, until a stop condition (``s.finish``)."""
+    row = s.row
+    pending: asyncio.Task | None = None
+    try:
+        while True:
+            state.check_aborted()
+            token = row.token_id
+            s.generated += 1
+            s.out_ids.append(token)
+            piece = s.detok.push(token) if s.detok is not None else ""
+            ev = pb.TokenEvent(token_id=token, logprob=row.logprob, index=s.generated - 1,
+                               text=piece if req.stream_text else "", sample_index=s.index)
+            for t, lp in row.top:
+                ev.top_logprobs.add(token_id=t, logprob=lp)
+            if token in stop_ids:
+                s.finish = pb.FINISH_REASON_STOP
+            elif token in eos_ids:
+                s.finish = pb.FINISH_REASON_EOS
+            elif s.detok is not None and _stop_sequence_in(s.detok.text, piece, req.stop.stop_sequences):
+                s.finish = pb.FINISH_REASON_STOP
+            elif s.generated >= max_tokens:
+                s.finish = pb.FINISH_REASON_LENGTH
+            nxt = DecodeInput(cache_id=s.cache_id, token_id=token, policy=s.policy)
+            if pipeline and s.finish == pb.FINISH_REASON_UNSPECIFIED:
+                pending = asyncio.ensure_future(host.batcher.decode(nxt))
+            yield pb.GenerateResponse(token=ev)
+            if s.finish != pb.FINISH_REASON_UNSPECIFIED:
+                return
+            state.check_aborted()
+            if pending is not None:
+                row, pending = await pending, None
+            else:
+                row = await host.batcher.decode(nxt)
+    finally:
+        if pending is not None:  # the stream ended with a step queued: drop it
+            pending.cancel()
+            pending.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def _finished(host, req, s: _Sample, prompt_tokens: int, ttft: int, t_start: int, tok, keep: bool
+              ) -> pb.GenerateFinished:
+    fin = pb.GenerateFinished(
+        finish_reason=s.finish, prompt_tokens=prompt_tokens, generated_tokens=s.generated,
+        time_to_first_token_ns=ttft, total_ns=time.perf_counter_ns() - t_start, sample_index=s.index,
+    )
+    if req.stream_text and s.detok is not None:
+        fin.text = s.detok.text  # exactly the streamed pieces (a trailing partial UTF-8 char is dropped)
+    elif tok is not None:
+        fin.text = tok.decode(s.out_ids, skip_special_tokens=True)
+    reg = host.executor.registry
+    if s.cache_id and keep and s.cache_id in reg:
+        fin.cache.CopyFrom(handle_pb(host.executor.handle(reg.get(s.cache_id))))
+    return fin
+
+
+async def _merged(streams: list[AsyncIterator[pb.GenerateResponse]]) -> AsyncIterator[pb.GenerateResponse]:
+    """Events of several samples' streams as they come; the first error cancels the others."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(it) -> None:
+        try:
+            async for ev in it:
+                queue.put_nowait(ev)
+            queue.put_nowait(done)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            queue.put_nowait(e)
+        finally:
+            await it.aclose()
+
+    tasks = [asyncio.ensure_future(pump(it)) for it in streams]
+    left = len(tasks)
+    try:
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

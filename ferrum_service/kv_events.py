@@ -4,6 +4,10 @@ Registries call :meth:`KvEventHub.publish` (from the event loop or a model's wor
 each change. Events carry the cache's absolute length, so a mirror that applies an event twice,
 or applies events on top of a snapshot that already contains them, stays correct.
 
+Prefix-cache block events (``stored`` / ``removed`` / ``cleared``, see
+``executors/prefix_cache.py``) share the sequence and the replay buffer; only subscribers that
+asked for them (``include_block_events``) receive them.
+
 Subscribers get a bounded queue each: compute never waits for them. A subscriber whose queue
 overflows is dropped and told where to resume; one that asks for a sequence number older than
 the replay buffer is told to resync from a snapshot.
@@ -17,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-KINDS = {"created": 1, "extended": 2, "truncated": 3, "released": 4, "reclaimed": 5, "evicted": 6}
+KINDS = {"created": 1, "extended": 2, "truncated": 3, "released": 4, "reclaimed": 5, "evicted": 6, "forked": 7}
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,8 @@ class KvEventRecord:
     cache_id: str
     num_tokens: int
     time_unix_ns: int
+    block_kind: str = ""  # "stored" | "removed" | "cleared" for a block event ("" = a cache event)
+    block: dict | None = None  # the block event's fields (KvBlockStored / KvBlockRemoved)
 
 
 class SubscriberDropped(Exception):
@@ -42,9 +48,10 @@ class SubscriberDropped(Exception):
 class Subscription:
     """One subscriber's bounded queue of events."""
 
-    def __init__(self, hub: "KvEventHub", model_id: str, limit: int) -> None:
+    def __init__(self, hub: "KvEventHub", model_id: str, limit: int, blocks: bool = False) -> None:
         self.hub = hub
         self.model_id = model_id
+        self.blocks = blocks
         self.limit = limit
         self.queue: collections.deque[KvEventRecord] = collections.deque()
         self.wakeup = asyncio.Event()
@@ -56,7 +63,7 @@ class Subscription:
         self.live_from = 0
 
     def _offer(self, ev: KvEventRecord) -> None:  # on the subscriber's loop
-        if self.dropped_at is not None or (self.model_id and ev.model_id != self.model_id):
+        if self.dropped_at is not None or not self.wants(ev):
             return
         if len(self.queue) >= self.limit:
             self.dropped_at = self.queue[0].seq if self.queue else ev.seq
@@ -82,7 +89,7 @@ class Subscription:
         while True:
             while self.replay_next < self.live_from and self.dropped_at is None:
                 ev = self._replayed()
-                if ev is not None and (not self.model_id or ev.model_id == self.model_id):
+                if ev is not None and self.wants(ev):
                     return ev
             if self.dropped_at is not None:
                 raise SubscriberDropped(self.dropped_at, self.limit)
@@ -90,6 +97,9 @@ class Subscription:
                 return self.queue.popleft()
             self.wakeup.clear()
             await self.wakeup.wait()
+
+    def wants(self, ev: KvEventRecord) -> bool:
+        return (not self.model_id or ev.model_id == self.model_id) and (self.blocks or not ev.block_kind)
 
     def close(self) -> None:
         self.hub._subs.discard(self)
@@ -111,9 +121,17 @@ class KvEventHub:
         return self._seq
 
     def publish(self, kind: str, model_id: str, cache_id: str, num_tokens: int) -> None:
+        """A cache event (``kind``: a key of :data:`KINDS`)."""
+        self._publish(lambda seq: KvEventRecord(seq, KINDS[kind], model_id, cache_id, num_tokens, time.time_ns()))
+
+    def publish_block(self, kind: str, model_id: str, data: dict) -> None:
+        """A prefix-cache block event (``kind``: stored | removed | cleared)."""
+        self._publish(lambda seq: KvEventRecord(seq, 0, model_id, "", 0, time.time_ns(), kind, data))
+
+    def _publish(self, make) -> None:
         with self._lock:
             self._seq += 1
-            ev = KvEventRecord(self._seq, KINDS[kind], model_id, cache_id, num_tokens, time.time_ns())
+            ev = make(self._seq)
             self.replay.append(ev)
             for sub in list(self._subs):
                 try:
@@ -121,10 +139,12 @@ class KvEventHub:
                 except RuntimeError:  # the subscriber's loop is closed
                     self._subs.discard(sub)
 
-    def subscribe(self, model_id: str, from_seq: int | None) -> tuple[Subscription, int | None, int]:
-        """A new subscription. Returns (subscription, oldest available seq if ``from_seq`` is
-        gone else None, next seq). Replayed events are queued before live ones, in order."""
-        sub = Subscription(self, model_id, self.subscriber_buffer)
+    def subscribe(self, model_id: str, from_seq: int | None, blocks: bool = False
+                  ) -> tuple[Subscription, int | None, int]:
+        """A new subscription (``blocks``: with block events). Returns (subscription, oldest
+        available seq if ``from_seq`` is gone else None, next seq). Replayed events are queued
+        before live ones, in order."""
+        sub = Subscription(self, model_id, self.subscriber_buffer, blocks)
         with self._lock:
             gone = None
             sub.live_from = sub.replay_next = self._seq + 1

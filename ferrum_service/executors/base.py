@@ -257,6 +257,19 @@ class ModelExecutor(abc.ABC):
         removed = self.registry.truncate(entry, new_len)
         return self.handle(entry), removed
 
+    def fork_cache(self, cache_id: str, keep_tokens: int | None = None, reserve_tokens: int = 0) -> tuple[CacheEntry, int]:
+        """Not in ferrum's trait: a new cache sharing ``cache_id``'s first tokens (copy-on-write).
+        Returns (the new entry, blocks shared). Default unsupported."""
+        raise errors.unsupported(f"ForkCache is not supported by the {self.kind} executor")
+
+    def admit_kv(self, grow: list[tuple[CacheEntry, int]], new: list, field: str) -> None:
+        """Admission for a step the server is about to queue, before any work: ``grow`` = live
+        caches and the length each will reach; ``new`` = the caches it creates (``StepItem``:
+        tokens, reservation, prefix-cache options). Default: the registry's token budget."""
+        reg = self.registry
+        need = sum(reg.growth(e, n) for e, n in grow) + sum(max(len(i.tokens), i.reserve) for i in new)
+        reg.admit(need, field, new_caches=len(new))
+
     def release_cache(self, cache_id: str, reason: str = "released") -> tuple[bool, int, int]:
         """``release_cache()``: (released, freed_bytes, freed_tokens); idempotent."""
         entry = self.registry.release(cache_id, reason=reason)

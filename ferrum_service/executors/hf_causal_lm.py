@@ -63,8 +63,13 @@ Measured with the earlier padded-gather steps (SmolLM2-135M fp32, 2 CPU cores,
 and 67-73 tok/s at B=8 (prompts of 16..128 tokens, one forward per step); a 128-token prefill
 340-370 ms, the same as a bare ``model(ids, logits_to_keep=1)`` on this machine (±30 % noise).
 
-Admission happens before any work: a step that needs more blocks than are free, or more tokens of
-budget than the registry has free, is refused with RESOURCE_EXHAUSTED, and nothing is allocated.
+Admission happens before any work: a step that needs more blocks than are available (free, or
+cached but evictable) is refused with RESOURCE_EXHAUSTED, and nothing is allocated. The pool is
+the only KV budget: blocks shared by several caches count once.
+
+Prefix caching (:mod:`.prefix_cache`): a new sequence takes the leading full blocks that an
+earlier sequence with the same tokens (and model, and ``cache_salt``) left in the index, and
+computes only the rest; forks share blocks; a write into a shared or cached block copies it first.
 
 Models with sliding-window attention layers are served with the full-attention mask, so their
 context is capped at the window; models with linear-attention (recurrent) layers are refused.
@@ -102,7 +107,8 @@ from ..types import (
 from .item_steps import ItemStepExecutor, StepItem
 from .checkpoint_files import require_safe_weights
 from .packed_attention import base_implementation, build_step, install, packed_step
-from .paged_kv import BlockPool, PagedSeq, PagedWriteCache
+from .paged_kv import BlockPool, PagedWriteCache
+from .prefix_cache import PrefixCache, SeqBlocks
 from .torch_device import DTYPES, device_name, dtype_name, resolve_device, resolve_dtype
 
 log = structlog.get_logger(__name__)
@@ -153,6 +159,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         source: str = "",
         weight_format: str = "",
         num_parameters: int | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         """Wrap a loaded model (use :meth:`from_path` to load one).
 
@@ -161,7 +168,8 @@ class HfCausalLmExecutor(ItemStepExecutor):
         full-length sequence. ``max_batch_size`` / ``max_batch_tokens`` bound one forward (rows /
         new tokens) and are what :meth:`admission_limits` reports. ``weight_format`` /
         ``num_parameters`` describe weights transformed after loading (``int8``: see
-        ``int8_weights.py``).
+        ``int8_weights.py``). ``prefix_cache=False`` turns automatic prefix caching off (forks
+        still share blocks).
         """
         super().__init__()
         self.model = model.eval()
@@ -204,10 +212,12 @@ class HfCausalLmExecutor(ItemStepExecutor):
             dtype=self.dtype,
             device=self.device,
         )
+        self.prefix = PrefixCache(self.pool, model_id=model_id, enabled=prefix_cache)
         total_tokens = num_blocks * block_size
         self.registry = CacheRegistry(
             model_id,
             total_tokens=total_tokens,
+            token_admission=False,  # the pool admits (shared blocks count once)
             block_size=block_size,
             bytes_per_token=bpt,
             per_request_tokens=total_tokens if total_tokens < self.max_sequence_length else None,
@@ -243,6 +253,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         trust_remote_code: bool = False,
         allow_pickle: bool = False,
         attn_implementation: str = "sdpa",
+        prefix_cache: bool = True,
     ) -> "HfCausalLmExecutor":
         """Load a local checkpoint directory, or a GGUF file (``gguf_file=`` inside ``path``, or
         ``path`` itself ending in ``.gguf``).
@@ -311,6 +322,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
             source=str(p / gguf_file) if gguf_file else str(p),
             weight_format="int8" if int8 else "",
             num_parameters=n_params,
+            prefix_cache=prefix_cache,
         )
         i = ex._info
         log.info(
@@ -427,6 +439,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
             eos_token_ids=self._eos_token_ids(),
             has_tokenizer=tok is not None,
             has_chat_template=bool(getattr(tok, "chat_template", None)),
+            prefix_cache=self.prefix.recipe(),
         )
 
     # ---- metadata ------------------------------------------------------------------------------
@@ -471,11 +484,13 @@ class HfCausalLmExecutor(ItemStepExecutor):
             supports_kv_truncation=True,
             supports_native_forward_verify=True,
             kv_block_size=self.block_size,
+            supports_prefix_caching=self.prefix.enabled,
+            supports_fork=True,
         )
 
     def status(self) -> ExecutorStatus:
         st = super().status()
-        used = self.pool.used_blocks * self.pool.block_bytes
+        used = self.prefix.used_blocks * self.pool.block_bytes
         total = self.pool.num_blocks * self.pool.block_bytes
         st.memory_usage = ExecutorMemoryUsage(
             allocated_bytes=self.pool.total_bytes,
@@ -486,12 +501,32 @@ class HfCausalLmExecutor(ItemStepExecutor):
         return st
 
     def kv_capacity(self) -> KvCapacity:
-        """Tokens as the registry counts them; bytes as the pool holds them (whole blocks)."""
+        """Tokens as the registry counts them (per cache); free space and bytes from the pool
+        (whole blocks; a shared block counts once; cached-but-evictable blocks are free)."""
         cap = super().kv_capacity()
-        cap.total_bytes = self.pool.num_blocks * self.pool.block_bytes
-        cap.used_bytes = self.pool.used_blocks * self.pool.block_bytes
-        cap.bytes_per_token = self.pool.bytes_per_token
+        pool, pc = self.pool, self.prefix
+        cap.free_tokens = pc.available_blocks * self.block_size
+        cap.total_bytes = pool.num_blocks * pool.block_bytes
+        cap.used_bytes = pc.used_blocks * pool.block_bytes
+        cap.bytes_per_token = pool.bytes_per_token
+        cap.block_size = self.block_size
+        cap.total_blocks = pool.num_blocks
+        cap.free_blocks = pool.free_blocks
+        cap.evictable_blocks = len(pc.evictable)
+        cap.cached_blocks = pc.cached_blocks
         return cap
+
+    def cache_metrics(self) -> dict[str, Any]:
+        """Prefix-cache counters (ferrum's ``cache_metrics_snapshot``: paged-KV prefix reuse)."""
+        st, pc = self.prefix.stats, self.prefix
+        return {"prefix_cache": {
+            "enabled": pc.enabled, "block_size": self.block_size, "total_blocks": self.pool.num_blocks,
+            "free_blocks": self.pool.free_blocks, "used_blocks": pc.used_blocks,
+            "cached_blocks": pc.cached_blocks, "evictable_blocks": len(pc.evictable),
+            "queried_tokens": st.queried_tokens, "hit_tokens": st.hit_tokens, "hit_rate": st.hit_rate,
+            "lookups": st.lookups, "hits": st.hits, "evicted_blocks": st.evicted_blocks,
+            "cow_copies": st.cow_copies, "forks": st.forks,
+        }}
 
     def admission_limits(self) -> AdmissionLimits:
         return AdmissionLimits(
@@ -522,7 +557,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         return self._tokenizer
 
     def handle(self, entry: CacheEntry) -> CacheHandle:
-        blocks = entry.payload.blocks if isinstance(entry.payload, PagedSeq) else []
+        blocks = entry.payload.blocks if isinstance(entry.payload, SeqBlocks) else []
         h = self.registry.handle(entry, memory_bytes=len(blocks) * self.pool.block_bytes)
         h.block_ids = list(blocks[: h.num_blocks])
         h.num_layers = self.num_layers
@@ -540,33 +575,40 @@ class HfCausalLmExecutor(ItemStepExecutor):
         out = self.model(input_ids=ids, use_cache=False)
         return out.logits.to(DTYPES.get(logits_dtype, torch.float32))
 
-    def _admit(self, need_blocks: int, need_tokens: int, field: str, *, new_caches: int = 0) -> None:
-        """RESOURCE_EXHAUSTED unless the pool has ``need_blocks`` free blocks and the registry's
-        budget ``need_tokens`` free tokens (and room for ``new_caches``); allocates nothing."""
-        pool = self.pool
-        if need_blocks > pool.free_blocks:
+    def _admit(self, need_blocks: int, field: str, *, new_caches: int = 0, revived: int = 0) -> None:
+        """RESOURCE_EXHAUSTED unless ``need_blocks`` new blocks can be had (free, or evicted from the
+        prefix cache) after taking back ``revived`` evictable blocks for prefix hits, and the
+        registry has room for ``new_caches``; allocates nothing."""
+        avail = self.prefix.available_blocks - revived
+        if need_blocks > avail:
             raise errors.exhausted(
                 f"{field}: needs {need_blocks} more KV blocks ({self.block_size} tokens each) but only "
-                f"{pool.free_blocks} of {pool.num_blocks} are free",
+                f"{avail} of {self.pool.num_blocks} are free",
                 field=field,
                 needed_blocks=need_blocks,
-                free_blocks=pool.free_blocks,
+                free_blocks=avail,
             )
-        self.registry.admit(need_tokens, field, new_caches=new_caches)
+        self.registry.admit(0, field, new_caches=new_caches)
+
+    def admit_kv(self, grow: list[tuple[CacheEntry, int]], new: list[StepItem], field: str) -> None:
+        """The pool's admission for a step the server is about to queue (see :meth:`_plan`)."""
+        items = [StepItem(e, [0] * max(0, n - e.num_tokens), "none") for e, n in grow] + list(new)
+        need, revived, _ = self._plan(items)
+        self._admit(need, field, new_caches=len(new), revived=len(revived))
 
     def kv_slot_capacity(self) -> KvSlotCapacitySnapshot:
-        """The block pool now (allocates nothing)."""
+        """The block pool now (allocates nothing); evictable cached blocks count as free."""
         return KvSlotCapacitySnapshot(block_size=self.block_size, total_blocks=self.pool.num_blocks,
-                                      free_blocks=self.pool.free_blocks)
+                                      free_blocks=self.prefix.available_blocks)
 
     def reserve_kv_slots(self, requests: list[KvSlotRequest]) -> KvSlotReservation:
         """Paged admission at a batch boundary (ferrum's ``reserve_kv_slots``): give each cache the
         blocks for ``max(target_len, admission_target_len)`` tokens now, all or nothing; the
-        reservation holds its budget until the cache grows into it, is truncated or released.
-        RESOURCE_EXHAUSTED (nothing allocated) when the pool or the token budget cannot cover it."""
+        reservation holds its blocks until the cache grows into them, is truncated or released.
+        RESOURCE_EXHAUSTED (nothing allocated) when the pool cannot cover it."""
         pool, reg = self.pool, self.registry
         plan: list[tuple[CacheEntry, int, int]] = []
-        need_blocks = need_tokens = 0
+        need_blocks = 0
         for k, r in enumerate(requests):
             entry = reg.get(r.cache_id, field=f"requests[{k}].cache_id")
             target = max(int(r.target_len), int(r.admission_target_len or 0))
@@ -575,59 +617,122 @@ class HfCausalLmExecutor(ItemStepExecutor):
             new = max(0, pool.blocks_for(target) - have)
             plan.append((entry, target, new))
             need_blocks += new
-            need_tokens += reg.growth(entry, target)
-        free_before = pool.free_blocks
-        self._admit(need_blocks, need_tokens, "requests")
+        free_before = self.prefix.available_blocks
+        self._admit(need_blocks, "requests")
         allocations = []
         for entry, target, new in plan:
             blocks = entry.payload.blocks
             before = len(blocks)
-            blocks.extend(pool.allocate(new))
+            blocks.extend(self.prefix.allocate(new, blocks[-1] if blocks else None))
             reg.set_reserved(entry, max(entry.reserved_total, target))
             allocations.append(KvSlotAllocation(cache_id=entry.cache_id, blocks_before=before,
                                                 blocks_after=len(blocks), new_blocks=new))
         return KvSlotReservation(block_size=self.block_size, total_blocks=pool.num_blocks,
-                                 free_blocks_before=free_before, free_blocks_after=pool.free_blocks,
+                                 free_blocks_before=free_before, free_blocks_after=self.prefix.available_blocks,
                                  allocations=allocations)
 
     def truncate_kv(self, cache_id: str, new_len: int) -> tuple[CacheHandle, int]:
-        """Roll the cache back to ``new_len`` tokens; blocks no longer needed go back to the pool."""
+        """Roll the cache back to ``new_len`` tokens; blocks no longer needed are let go (to the
+        pool, or, when cached, to the evictable list). A kept block that others share is copied
+        when this cache next writes into it, so they never see the change."""
         entry = self.registry.get(cache_id)
         if not 0 <= new_len <= entry.num_tokens:
             raise errors.out_of_range(
                 f"new_len must be in [0, {entry.num_tokens}], not {new_len}", field="new_len", num_tokens=entry.num_tokens
             )
         removed = self.registry.truncate(entry, new_len)
-        blocks = entry.payload.blocks
+        seq = entry.payload
+        self.prefix.truncate_keys(seq, new_len)
         keep = self.pool.blocks_for(max(new_len, entry.reserved_total))
-        if len(blocks) > keep:
-            self.pool.free(blocks[keep:])
-            del blocks[keep:]
+        if len(seq.blocks) > keep:
+            self.prefix.release(seq.blocks[keep:])
+            del seq.blocks[keep:]
         return self.handle(entry), removed
 
+    def fork_cache(self, cache_id: str, keep_tokens: int | None = None, reserve_tokens: int = 0) -> tuple[CacheEntry, int]:
+        """A new cache holding ``cache_id``'s first ``keep_tokens`` tokens, sharing their blocks
+        (copy-on-write). Returns (the new entry, blocks shared)."""
+        if self.state == "shutdown":
+            raise errors.unavailable(f"model {self.model_id!r} is shut down")
+        src = self.registry.get(cache_id)
+        keep = src.num_tokens if keep_tokens is None else int(keep_tokens)
+        if not 1 <= keep <= src.num_tokens:
+            raise errors.out_of_range(f"keep_tokens must be in [1, {src.num_tokens}], not {keep}",
+                                      field="keep_tokens", num_tokens=src.num_tokens)
+        reserve = int(reserve_tokens or 0)
+        self.registry.check_sequence_length(max(keep, reserve), "reserve_tokens", self.max_sequence_length)
+        shared = src.payload.blocks[: self.pool.blocks_for(keep)]
+        extra = self.pool.blocks_for(max(keep, reserve)) - len(shared)
+        self._admit(extra, "cache_id", new_caches=1)
+        entry = self.registry.create(src.tokens[:keep], reserve_tokens=reserve, field="cache_id", event="forked")
+        self.prefix.take(shared)
+        seq = SeqBlocks(list(shared), src.payload.keys[: keep // self.block_size], src.payload.root)
+        seq.blocks.extend(self.prefix.allocate(extra, shared[-1] if shared else None))
+        entry.payload = seq
+        self.prefix.stats.forks += 1
+        return entry, len(shared)
+
     def free_payload(self, entry: CacheEntry) -> int:
-        """Return the cache's blocks to the pool; the bytes they hold."""
+        """Let go of the cache's blocks (cached ones stay evictable); the bytes they held."""
         seq = entry.payload
         entry.payload = None
-        if not isinstance(seq, PagedSeq):
+        if not isinstance(seq, SeqBlocks):
             return 0
-        self.pool.free(seq.blocks)
+        self.prefix.release(seq.blocks)
         freed = len(seq.blocks) * self.pool.block_bytes
         seq.blocks = []
         return freed
 
+    def shutdown(self) -> int:
+        n = super().shutdown()
+        self.prefix.clear()
+        return n
+
     @torch.inference_mode()
     def warmup(self) -> None:
         """One tiny prefill + decode through the paged path (allocates and frees one block)."""
-        if self.pool.free_blocks < 1:
+        if self.prefix.available_blocks < 1:
             return
-        ((entry, _),) = self._step([StepItem(None, [self._pad_id], "last")], "warmup")
+        ((entry, _),) = self._step([StepItem(None, [self._pad_id], "last", bypass=True)], "warmup")
         try:
             self._step([StepItem(entry, [self._pad_id], "last")], "warmup")
         finally:
             self.release_cache(entry.cache_id)
 
     # ---- the one forward -----------------------------------------------------------------------
+    def _plan(self, items: list[StepItem]) -> tuple[int, set[int], list[tuple[list[int], list[bytes], bytes]]]:
+        """What a step over ``items`` needs from the pool: (new blocks, evictable blocks its prefix
+        hits take back, per item (hit blocks, their keys, chain root)). Sets ``item.cached``.
+
+        A new sequence looks its prompt up unless it bypasses the cache or wants every position's
+        logits; at least its last token is computed, so a prompt that is all cached recomputes
+        that token into a copy of its last block. A continuing sequence needs blocks for its
+        growth plus a copy of each block it writes into that is shared or cached."""
+        pc, pool, bs = self.prefix, self.pool, self.block_size
+        need = 0
+        revived: set[int] = set()
+        hits: list[tuple[list[int], list[bytes], bytes]] = []
+        for it in items:
+            if it.entry is None:
+                root = pc.root(it.salt)
+                hb: list[int] = []
+                hk: list[bytes] = []
+                if not it.bypass and it.want != "all":
+                    hb, hk = pc.match(it.tokens, root)
+                it.cached = min(len(hb) * bs, len(it.tokens) - 1)
+                cow = 1 if it.cached < len(hb) * bs else 0
+                need += pool.blocks_for(max(len(it.tokens), it.reserve)) - len(hb) + cow
+                revived.update(b for b in hb if b in pc.evictable)
+                hits.append((hb, hk, root))
+            else:
+                blocks, past = it.entry.payload.blocks, it.entry.num_tokens
+                end = past + len(it.tokens)
+                need += max(0, pool.blocks_for(max(end, it.reserve)) - len(blocks))
+                written = range(past // bs, min(len(blocks), pool.blocks_for(end)))
+                need += sum(1 for i in written if pc.must_copy(blocks[i]))
+                hits.append(([], [], b""))
+        return need, revived, hits
+
     def _step(self, items: list[StepItem], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
         """Admit, allocate, run one forward over all items, commit; undo everything on failure."""
         if self.state == "shutdown":
@@ -647,40 +752,47 @@ class HfCausalLmExecutor(ItemStepExecutor):
             )
 
         # Admission, before anything is allocated or computed.
-        pool = self.pool
-        need_blocks = need_tokens = new_caches = 0
-        for it in items:
-            if it.entry is None:
-                target = max(len(it.tokens), it.reserve)
-                need_blocks += pool.blocks_for(target)
-                need_tokens += target
-                new_caches += 1
-            else:
-                target = max(it.entry.num_tokens + len(it.tokens), it.reserve)
-                need_blocks += max(0, pool.blocks_for(target) - len(it.entry.payload.blocks))
-                need_tokens += self.registry.growth(it.entry, target)
-        self._admit(need_blocks, need_tokens, field, new_caches=new_caches)
+        pc, pool, bs = self.prefix, self.pool, self.block_size
+        need, revived, hits = self._plan(items)
+        self._admit(need, field, new_caches=sum(1 for it in items if it.entry is None), revived=len(revived))
 
         created: list[CacheEntry] = []
         grown: list[tuple[CacheEntry, int, int]] = []
         entries: list[CacheEntry] = []
         rows: list[_Row] = []
         try:
-            for it in items:
+            # Prefix hits are taken first, so that no allocation below can evict a hit block.
+            for it, (hb, hk, root) in zip(items, hits):
                 if it.entry is None:
                     e = self.registry.create(it.tokens, reserve_tokens=it.reserve, field=field)
                     created.append(e)
-                    e.payload = PagedSeq(pool.allocate(pool.blocks_for(max(len(it.tokens), it.reserve))))
-                    past = 0
+                    pc.take(hb)
+                    e.payload = SeqBlocks(list(hb), list(hk), root)
+                    if it.want != "all" and not it.bypass:
+                        pc.stats.lookups += 1
+                        pc.stats.queried_tokens += len(it.tokens)
+                        pc.stats.hit_tokens += it.cached
+                        pc.stats.hits += it.cached > 0
+            fresh = iter(created)
+            for it in items:
+                if it.entry is None:
+                    e = next(fresh)
+                    seq, past, new = e.payload, it.cached, it.tokens[it.cached:]
+                    total = pool.blocks_for(max(len(it.tokens), it.reserve))
+                    seq.blocks.extend(pc.allocate(total - len(seq.blocks), seq.blocks[-1] if seq.blocks else None))
                 else:
-                    e, past = it.entry, it.entry.num_tokens
-                    blocks = e.payload.blocks
-                    grown.append((e, len(blocks), e.reserved_total))
-                    target = max(past + len(it.tokens), it.reserve)
-                    blocks.extend(pool.allocate(pool.blocks_for(target) - len(blocks), blocks[-1] if blocks else None))
+                    e, past, new = it.entry, it.entry.num_tokens, it.tokens
+                    seq = e.payload
+                    grown.append((e, len(seq.blocks), e.reserved_total))
+                    target = max(past + len(new), it.reserve)
+                    seq.blocks.extend(pc.allocate(pool.blocks_for(target) - len(seq.blocks),
+                                                  seq.blocks[-1] if seq.blocks else None))
                     self.registry.set_reserved(e, max(e.reserved_total, it.reserve))
+                # Copy-on-write: every block this row writes into must be its own.
+                for i in range(past // bs, pool.blocks_for(past + len(new))):
+                    pc.own(seq, i)
                 entries.append(e)
-                rows.append(_Row(e.payload.blocks, past, it.tokens, it.want))
+                rows.append(_Row(seq.blocks, past, new, it.want))
             logits = self._forward_rows(rows)
         except BaseException:
             for e in created:
@@ -688,13 +800,14 @@ class HfCausalLmExecutor(ItemStepExecutor):
             for e, n_blocks, reserved in grown:
                 extra = e.payload.blocks[n_blocks:]
                 if extra:
-                    pool.free(extra)
+                    pc.release(extra)
                     del e.payload.blocks[n_blocks:]
                 self.registry.set_reserved(e, reserved)
             raise
         for it, e in zip(items, entries):
             if it.entry is not None:
                 self.registry.extend(e, it.tokens)
+            pc.commit(e.payload, e.tokens)
         return list(zip(entries, logits))
 
     def _forward_rows(self, rows: list[_Row]) -> list[torch.Tensor | None]:

@@ -37,6 +37,9 @@ class StepItem:
     tokens: list[int]
     want: str  # "none" | "last" | "all": which logits rows to compute
     reserve: int = 0
+    salt: str = ""  # a new cache's prefix-cache salt
+    bypass: bool = False  # a new cache computes every token (no prefix-cache lookup)
+    cached: int = 0  # set by ``_step``: leading tokens taken from the prefix cache
 
 
 class ItemStepExecutor(ModelExecutor):
@@ -49,12 +52,14 @@ class ItemStepExecutor(ModelExecutor):
     # ---- interface --------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, inp: PrefillInput) -> PrefillOutput:
-        return self._prefill_outputs(self._step(self._prefill_items([inp], "input"), "input"))[0]
+        items = self._prefill_items([inp], "input")
+        return self._prefill_outputs(items, self._step(items, "input"))[0]
 
     @torch.inference_mode()
     def batch_prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
         """All prompts (new or continued caches) in one forward; all or nothing."""
-        return self._prefill_outputs(self._step(self._prefill_items(inputs, "inputs"), "inputs"))
+        items = self._prefill_items(inputs, "inputs")
+        return self._prefill_outputs(items, self._step(items, "inputs"))
 
     @torch.inference_mode()
     def decode(self, inp: DecodeInput) -> DecodeOutput:
@@ -69,10 +74,10 @@ class ItemStepExecutor(ModelExecutor):
     def mixed_step(self, prefills: list[PrefillInput], decodes: list[DecodeInput]
                    ) -> tuple[list[PrefillOutput], list[DecodeOutput]]:
         """New prompts (or prompt chunks) and other sequences' decode steps in one forward."""
-        results = self._step(self._prefill_items(prefills, "inputs") + self._decode_items(decodes, "inputs"),
-                             "inputs")
+        items = self._prefill_items(prefills, "inputs") + self._decode_items(decodes, "inputs")
+        results = self._step(items, "inputs")
         n = len(prefills)
-        return self._prefill_outputs(results[:n]), self._decode_outputs(results[n:])
+        return self._prefill_outputs(items[:n], results[:n]), self._decode_outputs(results[n:])
 
     @torch.inference_mode()
     def unified_decode(self, items: list[UnifiedItem]) -> list[UnifiedResult]:
@@ -86,10 +91,12 @@ class ItemStepExecutor(ModelExecutor):
                     f"items[{k}].pos_offset is {it.pos_offset} but the cache holds {have} tokens",
                     field=f"items[{k}].pos_offset")
             work.append(StepItem(entry, list(it.q_tokens),
-                                 "last" if it.is_final_chunk and it.policy.needs_logits else "none"))
+                                 "last" if it.is_final_chunk and it.policy.needs_logits else "none",
+                                 salt=it.cache_salt, bypass=it.bypass_prefix_cache))
         results = self._step(work, "items")
-        return [UnifiedResult(seq_id=it.seq_id, cache=self.handle(e), logits=l if it.is_final_chunk else None)
-                for it, (e, l) in zip(items, results)]
+        return [UnifiedResult(seq_id=it.seq_id, cache=self.handle(e), logits=l if it.is_final_chunk else None,
+                              cached_tokens=w.cached)
+                for it, w, (e, l) in zip(items, work, results)]
 
     @torch.inference_mode()
     def forward_verify(self, cache_id: str, token_ids: list[int], policy: LogitsPolicy) -> VerifyOutput:
@@ -105,7 +112,8 @@ class ItemStepExecutor(ModelExecutor):
         for inp in inputs:
             entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id") if inp.cache_id else None
             want = "none" if not inp.policy.needs_logits else "all" if inp.all_positions else "last"
-            items.append(StepItem(entry, list(inp.token_ids), want, reserve=int(inp.reserve_tokens or 0)))
+            items.append(StepItem(entry, list(inp.token_ids), want, reserve=int(inp.reserve_tokens or 0),
+                                  salt=inp.cache_salt, bypass=inp.bypass_prefix_cache))
         return items
 
     def _decode_items(self, inputs: list[DecodeInput], field: str) -> list[StepItem]:
@@ -119,11 +127,11 @@ class ItemStepExecutor(ModelExecutor):
             items.append(StepItem(entry, [int(inp.token_id)], "last" if inp.policy.needs_logits else "none"))
         return items
 
-    def _prefill_outputs(self, results) -> list[PrefillOutput]:
+    def _prefill_outputs(self, items: list[StepItem], results) -> list[PrefillOutput]:
         """Logits ``[n, vocab]`` (all positions asked for) give ``all_logits`` and their last row."""
         outs = []
-        for entry, logits in results:
-            out = PrefillOutput(cache=self.handle(entry))
+        for it, (entry, logits) in zip(items, results):
+            out = PrefillOutput(cache=self.handle(entry), cached_tokens=it.cached)
             if logits is not None and logits.dim() == 2:
                 out.all_logits, out.logits = logits, logits[-1]
             else:

@@ -2,7 +2,8 @@
 
 Layout. Per layer, one K tensor and one V tensor of shape
 ``[num_blocks + 1, block_size, kv_heads, head_dim]``, allocated once for the executor's whole KV
-budget. A sequence owns a list of block ids (its block table); token ``p`` of a sequence lives in
+budget. A sequence holds a list of block ids (its block table; :class:`.prefix_cache.SeqBlocks`,
+where refcounts let tables share blocks); token ``p`` of a sequence lives in
 slot ``p % block_size`` of block ``table[p // block_size]``. Block 0 is the *null block*: always
 zero and never handed out.
 
@@ -18,17 +19,9 @@ See the module docstring of ``hf_causal_lm`` for why this layout was chosen and 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache
-
-
-@dataclass
-class PagedSeq:
-    """Payload of one registry entry: the blocks that back the sequence, in position order."""
-
-    blocks: list[int] = field(default_factory=list)
 
 
 class BlockPool:
@@ -136,6 +129,11 @@ class BlockPool:
 
     def free(self, ids: list[int]) -> None:
         self._free.extend(reversed(ids))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src``'s K/V into block ``dst`` in every layer (copy-on-write)."""
+        for t in (*self.k, *self.v):
+            t[dst].copy_(t[src])
 
 
 class PagedWriteCache(Cache):
