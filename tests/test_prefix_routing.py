@@ -156,3 +156,35 @@ def test_router_sends_a_repeated_prefix_to_the_replica_that_holds_it(replicas):
                 assert out.cached_tokens == 0
                 s.release_cache(MODEL, out.cache.cache_id)
         busy.close()
+
+
+def test_fork_cache_as_a_session_step_sync_and_async(replicas):
+    import asyncio
+
+    from ferrum_client import AsyncClient, messages as m
+    from ferrum_client import requests as rq
+
+    target = replicas[1].target
+    with Client(target, timeout=STEP_TIMEOUT) as c:
+        bs = _recipe(c).block_size
+    prompt = _prompt(11, 2 * bs + 3)
+
+    pre = pb.PrefillRequest(model_id=MODEL, input=m.prefill_input(prompt, cache_salt="s"))
+
+    def fork(cid: str) -> pb.ForkCacheRequest:
+        return rq.fork_cache(MODEL, cid, keep_tokens=2 * bs, reserve_tokens=4 * bs)
+
+    with Client(target, timeout=STEP_TIMEOUT) as c, c.session() as s:
+        p = s.step(pre).output
+        f = s.step(fork(p.cache.cache_id))
+        sync = (f.cache.num_tokens, f.shared_blocks)
+
+    async def run():
+        async with AsyncClient(target, timeout=STEP_TIMEOUT) as ac, ac.session() as s:
+            p = (await s.step(pre)).output
+            f = await s.step(fork(p.cache.cache_id))
+            return (f.cache.num_tokens, f.shared_blocks), p.cached_tokens
+
+    got, cached = asyncio.run(run())
+    assert sync == got == (2 * bs, 2)
+    assert cached == 2 * bs  # the second prefill of the same salted prompt took its two full blocks
