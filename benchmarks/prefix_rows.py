@@ -256,8 +256,11 @@ def rows_from(R: dict, drift: dict) -> list[dict]:
     return out
 
 
-def measure(target: str, quick: bool = False) -> tuple[dict, dict]:
-    """Every section against a running ``smollm2-hf`` server: (results, drift per section)."""
+def measure(target: str, quick: bool = False, model: str = "smollm2") -> tuple[dict, dict]:
+    """Every section against a running ``smollm2-hf`` server (model id ``model``): (results,
+    drift per section)."""
+    global MODEL
+    MODEL = model
     R, drift = {}, {}
     for name, fn in (("ttft", lambda: ttft_row(target, 2 if quick else 4)),
                      ("chat", lambda: chat_row(target, 6 if quick else 12, 16 if quick else 32)),
@@ -278,10 +281,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--spec", default=f"smollm2-hf,id={MODEL}",
+                    help="the served model (a smoke run may use a tiny hf-causal-lm with 4k positions)")
     a = ap.parse_args(argv)
-    raw: dict = {"threads": a.threads, "load_before": os.getloadavg()}
-    with Server(f"smollm2-hf,id={MODEL}", threads=a.threads, name="server-prefix") as srv:
-        R, drift = measure(srv.target, a.quick)
+    model = dict(kv.split("=", 1) for kv in a.spec.split(",")[1:] if "=" in kv).get("id", MODEL)
+    raw: dict = {"threads": a.threads, "load_before": os.getloadavg(), "spec": a.spec}
+    with Server(a.spec, threads=a.threads, name="server-prefix") as srv:
+        R, drift = measure(srv.target, a.quick, model)
     raw["load_after"] = os.getloadavg()
     rows = rows_from({k: v for k, v in R.items() if "error" not in v}, drift)
     print("| row | ours | base | ratio | target | met | drift |\n|---|---|---|---|---|---|---|")
