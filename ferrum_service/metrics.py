@@ -35,6 +35,7 @@ class Metrics:
         if models is not None:
             self._model_gauges(models)
             r.register(_ReclaimedCollector(models))
+            r.register(_PrefixCollector(models))
 
     def _model_gauges(self, models: "ModelSet") -> None:
         r = self.registry
@@ -43,14 +44,24 @@ class Metrics:
         used_b = Gauge("ferrum_kv_used_bytes", "KV bytes held", ["model"], registry=r)
         blocks = Gauge("ferrum_kv_used_blocks", "KV blocks held", ["model"], registry=r)
         queue = Gauge("ferrum_queue_depth", "Steps running or waiting on the model's worker", ["model"], registry=r)
+        cached = Gauge("ferrum_prefix_cached_blocks", "KV blocks keyed in the prefix cache", ["model"], registry=r)
+        evictable = Gauge("ferrum_prefix_evictable_blocks", "Cached KV blocks no cache holds (free on demand)",
+                          ["model"], registry=r)
         for host in models:
             reg = host.executor.registry
             mid = host.model_id
+            prefix = getattr(host.executor, "prefix", None)
             active.labels(mid).set_function(lambda reg=reg: len(reg))
             used.labels(mid).set_function(lambda reg=reg: reg.used_tokens)
-            used_b.labels(mid).set_function(lambda reg=reg: reg.used_tokens * reg.bytes_per_token)
-            blocks.labels(mid).set_function(
-                lambda reg=reg: sum(-(-e.num_tokens // reg.block_size) for e in reg.entries()))
+            if prefix is not None:  # a paged pool: blocks and bytes as the pool holds them (shared ones once)
+                used_b.labels(mid).set_function(lambda p=prefix: p.used_blocks * p.pool.block_bytes)
+                blocks.labels(mid).set_function(lambda p=prefix: p.used_blocks)
+                cached.labels(mid).set_function(lambda p=prefix: p.cached_blocks)
+                evictable.labels(mid).set_function(lambda p=prefix: len(p.evictable))
+            else:
+                used_b.labels(mid).set_function(lambda reg=reg: reg.used_tokens * reg.bytes_per_token)
+                blocks.labels(mid).set_function(
+                    lambda reg=reg: sum(-(-e.num_tokens // reg.block_size) for e in reg.entries()))
             queue.labels(mid).set_function(lambda host=host: host.running)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
@@ -97,3 +108,27 @@ class _ReclaimedCollector:
         for host in self.models:
             c.add_metric([host.model_id], host.executor.registry.reclaimed_total)
         yield c
+
+
+class _PrefixCollector:
+    """``ferrum_prefix_queried_tokens_total`` / ``ferrum_prefix_hit_tokens_total{model}``: prompt
+    tokens of new sequences that looked the prefix cache up, and those it served (hit rate = hit /
+    queried); ``ferrum_prefix_evicted_blocks_total``."""
+
+    _NAMES = (("ferrum_prefix_queried_tokens", "Prompt tokens looked up in the prefix cache", "queried_tokens"),
+              ("ferrum_prefix_hit_tokens", "Prompt tokens served from the prefix cache", "hit_tokens"),
+              ("ferrum_prefix_evicted_blocks", "Cached KV blocks evicted to make room", "evicted_blocks"))
+
+    def __init__(self, models: "ModelSet") -> None:
+        self.models = [h for h in models if getattr(h.executor, "prefix", None) is not None]
+
+    def describe(self):
+        return [CounterMetricFamily(n, h, labels=["model"]) for n, h, _ in self._NAMES]
+
+    def collect(self):
+        for name, help_, attr in self._NAMES:
+            c = CounterMetricFamily(name, help_, labels=["model"])
+            for host in self.models:
+                c.add_metric([host.model_id], getattr(host.executor.prefix.stats, attr))
+            yield c
+

@@ -484,10 +484,14 @@ class ExecutorMachine(RuleBasedStateMachine):
     def running_sums_equal_a_recount(self):
         reg = self.t.executor.registry
         assert (reg.used_tokens, reg.used_tokens + reg.reserved_tokens) == reg.recount()
-        pool = getattr(self.t.executor, "pool", None)
-        if pool is not None:
-            used = sum(len(e.payload.blocks) for e in reg.entries())
-            assert pool.num_blocks - pool.free_blocks == used, (pool.free_blocks, used)
+        prefix = getattr(self.t.executor, "prefix", None)
+        if prefix is not None:  # the paged pool: blocks held = the union of the block tables
+            held: dict[int, int] = {}
+            for e in reg.entries():
+                for blk in e.payload.blocks:
+                    held[blk] = held.get(blk, 0) + 1
+            assert held == prefix.refs, "refcounts differ from the block tables"
+            prefix.check()
 
     @invariant()
     def rss_bounded(self):

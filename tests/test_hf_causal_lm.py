@@ -55,7 +55,7 @@ def ex(tiny_llama):
     yield tiny_llama
     for e in tiny_llama.registry.entries():
         tiny_llama.release_cache(e.cache_id)
-    assert tiny_llama.pool.used_blocks == 0
+    assert tiny_llama.prefix.used_blocks == 0
 
 
 @pytest.fixture
@@ -277,7 +277,7 @@ def test_over_budget_prefill_is_refused_before_any_work(small_budget):
             ex.prefill(PrefillInput(token_ids=[5], reserve_tokens=100))
         assert ei.value.kind == ErrorKind.RESOURCE_EXHAUSTED
     assert fc.calls == 0
-    assert len(ex.registry) == 0 and ex.pool.used_blocks == 0 and ex.kv_capacity().used_bytes == 0
+    assert len(ex.registry) == 0 and ex.prefix.used_blocks == 0 and ex.kv_capacity().used_bytes == 0
 
 
 def test_batches_are_all_or_nothing_under_the_budget(small_budget):
@@ -295,7 +295,7 @@ def test_batches_are_all_or_nothing_under_the_budget(small_budget):
     assert ex.decode(DecodeInput(cache_id=a, token_id=5)).cache.num_tokens == 33
     ex.release_cache(a)
     ex.release_cache(b)
-    assert ex.pool.used_blocks == 0
+    assert ex.prefix.used_blocks == 0
 
 
 def test_reserved_tokens_hold_their_blocks(small_budget):
@@ -306,7 +306,7 @@ def test_reserved_tokens_hold_their_blocks(small_budget):
     assert cap.used_tokens == 3 and cap.reserved_tokens == 45 and cap.free_tokens == 16
     for t in range(45):  # grows into its reservation without new admission
         ex.decode(DecodeInput(cache_id=out.cache.cache_id, token_id=5 + t, policy=NONE))
-    assert ex.pool.used_blocks == 3
+    assert ex.prefix.used_blocks == 3
     ex.release_cache(out.cache.cache_id)
 
 
@@ -341,10 +341,10 @@ def test_reserve_kv_slots_allocates_up_front_all_or_nothing(small_budget):
 def test_failed_forward_leaves_no_trace(tiny_llama):
     ex = HfCausalLmExecutor(tiny_llama.model, tiny_llama.tokenizer, model_id="tiny-err", kv_budget_tokens=256)
     a = ex.prefill(PrefillInput(token_ids=[5] * 16, policy=NONE)).cache.cache_id
-    used = ex.pool.used_blocks
+    used = ex.prefix.used_blocks
     with pytest.raises(IndexError):  # a token id past the embedding table fails inside the model
         ex.batch_prefill([PrefillInput(token_ids=[6], cache_id=a), PrefillInput(token_ids=[10**6])])
-    assert len(ex.registry) == 1 and ex.registry.get(a).num_tokens == 16 and ex.pool.used_blocks == used
+    assert len(ex.registry) == 1 and ex.registry.get(a).num_tokens == 16 and ex.prefix.used_blocks == used
 
 
 # ---- metadata -------------------------------------------------------------------------------------

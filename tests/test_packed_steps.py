@@ -39,7 +39,7 @@ def ex(tiny_llama):
     yield e
     for entry in e.registry.entries():
         e.release_cache(entry.cache_id)
-    assert e.pool.used_blocks == 0
+    assert e.prefix.used_blocks == 0
 
 
 def _scattered(ex, tokens: list[int], spacer_seed: int) -> str:

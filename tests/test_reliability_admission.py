@@ -154,11 +154,11 @@ def test_real_model_under_kv_pressure_refuses_instead_of_allocating(tiny_llama_d
                 assert e.code == X and e.retry_after_s, e
                 refusals += 1
         assert len(held) >= 2 and refusals >= 8
-        assert ex.pool.used_blocks <= ex.pool.num_blocks == 4
+        assert ex.prefix.used_blocks <= ex.pool.num_blocks == 4
         assert c.kv_capacity("tiny").used_tokens <= 64
         for cid in held:
             assert c.release_cache("tiny", cid).released
-        assert ex.pool.used_blocks == 0
+        assert ex.prefix.used_blocks == 0
         assert c.prefill("tiny", list(range(5, 69))).output.cache.num_tokens == 64
 
 
