@@ -224,6 +224,20 @@ def test_follower_replays_from_the_start_and_starts_over_on_a_break_and_on_resyn
             f.stop()
 
 
+def test_follower_replays_the_buffer_window_when_seq_1_is_gone():
+    keys = pk.block_keys(PROMPT, BS, model_id=MODEL)
+    scripts = [[resync(), "hold"], [stored(51, PROMPT[:8]), removed(52, keys[:1]), "hold"]]
+    errors: list = []
+    with ScriptedReplica(scripts) as rep, Client(f"127.0.0.1:{rep.port}") as c:
+        f = BlockEventFollower(c, retry_s=5.0, on_error=errors.append).start()  # no retry delay expected
+        try:
+            assert wait_until(lambda: f.mirror.last_seq == 52, timeout=4)
+            assert f.mirror.keys(MODEL) == {keys[1]} and f.connections == 2 and not errors
+            assert [r.from_seq for r in rep.requests] == [1, 50]
+        finally:
+            f.stop()
+
+
 def test_follower_survives_a_replica_that_is_down_and_comes_up():
     from ferrum_service.testing.server_process import free_port
 

@@ -150,9 +150,12 @@ class BlockEventFollower:
     """Keeps a :class:`PrefixMirror` current from one replica, on a daemon thread.
 
     ``client`` is a :class:`ferrum_client.Client` for the replica. Each connection: ``Info`` (the
-    recipes), then ``SubscribeKvEvents(include_block_events=True, from_seq=1)`` — the replay buffer
-    from its oldest event, then live events. When the stream ends or fails, or the server answers
-    ``ResyncRequired``, the mirror is emptied and (after ``retry_s``) the follower connects again.
+    recipes), then ``SubscribeKvEvents(include_block_events=True, from_seq=1)`` — the replica's
+    whole event history, then live events. When seq 1 has left the replay buffer (the answer is
+    ``ResyncRequired``), it reconnects at once from the buffer's oldest event: the blocks stored
+    since then are known, older ones are not (the mirror under-reports, never over-reports). When
+    the stream ends or fails, or a ``ResyncRequired`` comes later, the mirror is emptied and (after
+    ``retry_s``) the follower connects again from seq 1.
     ``on_error(exc)`` is told of each failure. ``stop()`` ends the thread.
     """
 
@@ -175,10 +178,12 @@ class BlockEventFollower:
         return self
 
     def _run(self) -> None:
+        from_seq = 1
         while not self._stop.is_set():
+            window = None
             try:
                 self.mirror.set_recipes(self.client.info(timeout=5.0))
-                stream = self.client.subscribe_kv_events(self.model_id, from_seq=1, include_block_events=True)
+                stream = self.client.subscribe_kv_events(self.model_id, from_seq=from_seq, include_block_events=True)
                 with self._lock:
                     if self._stop.is_set():
                         stream.cancel()
@@ -187,12 +192,20 @@ class BlockEventFollower:
                 self.mirror.clear()
                 self.connections += 1
                 self.connected.set()
+                first = True
                 for msg in stream:
                     self.mirror.apply(msg)
+                    if first and from_seq == 1 and msg.WhichOneof("message") == "resync_required":
+                        # seq 1 has left the replay buffer: replay what it still holds instead
+                        # (stored keys from that window are still valid; older ones stay unknown)
+                        window = msg.resync_required.oldest_available_seq
+                        stream.cancel()
+                        break
+                    first = False
             except Exception as e:  # noqa: BLE001 - any failure: start over from an empty mirror
                 if self._stop.is_set():
                     return
-                if self.on_error is not None:
+                if self.on_error is not None and window is None:
                     self.on_error(e)
             finally:
                 self.connected.clear()
@@ -201,6 +214,10 @@ class BlockEventFollower:
             if self._stop.is_set():
                 return
             self.mirror.clear()
+            if window is not None:
+                from_seq = window  # reconnect at once, from the oldest event the buffer holds
+                continue
+            from_seq = 1
             self._stop.wait(self.retry_s)
 
     def wait_connected(self, timeout: float = 10.0) -> bool:
