@@ -291,6 +291,8 @@ def test_prefix_aware_router_picks_the_longest_cached_prefix_then_the_fewest_ses
         for _ in range(3):
             with router.new_session(prompt_tokens=PROMPT, model_id=MODEL) as s:
                 assert s.target == b and s.expected_cached_tokens == 12
+            rb = next(r for r in router.replicas() if r.target == b)
+            assert router.any_client(prompt_tokens=PROMPT, model_id=MODEL) is rb.client  # for a Generate, say
         # another tenant's salt matches nothing: fewest sessions decides
         least = min((a, b), key=lambda t: len(next(r for r in router.replicas() if r.target == t).sessions))
         with router.new_session(prompt_tokens=PROMPT, model_id=MODEL, cache_salt="tenant-x") as s:

@@ -294,10 +294,12 @@ class StickyRouter:
                 raise ReplicaLost(r.target, session_id, e.message) from e
             raise
 
-    def any_client(self) -> Client:
-        """A client for a stateless call (Info, Generate, Tokenize ...), chosen like a new session."""
+    def any_client(self, *, prompt_tokens=None, model_id: str = "", cache_salt: str = "") -> Client:
+        """A client for a stateless call (Info, Generate, Tokenize ...), chosen like a new session
+        (in prefix-aware mode, pass a ``Generate``'s prompt to send it where its prefix is cached)."""
+        tokens = list(prompt_tokens) if prompt_tokens is not None else None
         with self._lock:
-            return self._pick()[0].client
+            return self._pick(tokens, model_id, cache_salt)[0].client
 
     def close(self) -> None:
         with self._lock:
