@@ -94,7 +94,11 @@ def _stop_sequence_in(text: str, piece: str, stops) -> bool:
 
 
 MAX_SAMPLES = 64
-_SAMPLE_SEED_STRIDE = 1 << 32
+# Sample i draws with seed ``seed + i * stride``. torch's CPU generator keeps only the low 32 bits
+# of a seed, and a draw at position p uses ``seed + p``: with this odd stride (2^32 / golden ratio)
+# the low 32 bits of two samples' seeds stay more than 2^25 apart for all 64 samples, so no two
+# samples share a draw at any position below that.
+_SAMPLE_SEED_STRIDE = 0x9E3779B9
 
 
 class _Sample:

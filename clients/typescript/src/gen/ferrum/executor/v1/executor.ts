@@ -821,10 +821,10 @@ export interface GenerateRequest {
   /**
    * Samples to generate from the one prompt (0 or 1 = one). The prompt is prefilled once; samples
    * 1..n-1 fork its cache (`ForkCache`, sharing its KV blocks) and draw their first token from the
-   * prompt's last position themselves. Sample `i` samples with seed `sampling.seed + i * 2^32` (no
-   * two samples share a draw). Events carry `sample_index`, one `finished` event per sample; the
-   * stream ends after the last one. Needs an executor that forks; with `cache_id`, `n` must be 1.
-   * At most 64.
+   * prompt's last position themselves. Sample `i` samples with seed
+   * `sampling.seed + i * 0x9E3779B9` (mod 2^63; no two samples share a draw). Events carry
+   * `sample_index`, one `finished` event per sample; the stream ends after the last one. Needs an
+   * executor that forks; with `cache_id`, `n` must be 1. At most 64.
    */
   n: number;
 }
