@@ -117,7 +117,7 @@ def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, t
                      n: int = 1) -> pb.GenerateRequest:
     """``GenerateRequest``: the prompt as ``token_ids``, ``text`` or ``chat`` (or continue
     ``cache_id`` from ``last_token_id``). ``n`` samples of one prompt share its prefilled KV
-    (events carry ``sample_index``; sample ``i`` uses seed ``seed + i * 2**32``); ``cache_salt`` /
+    (events carry ``sample_index``; sample ``i`` uses seed ``seed + i * 0x9E3779B9``); ``cache_salt`` /
     ``bypass_prefix_cache`` control prefix caching as in :func:`prefill_input`."""
     req = pb.GenerateRequest(
         model_id=model_id, cache_id=cache_id,
