@@ -35,6 +35,7 @@ class _Pending:
     fut: asyncio.Future
     done: int = 0
     created: str = ""
+    cached: int = 0  # leading tokens of the prompt's first chunk the prefix cache holds now
 
     def fail(self, e: BaseException) -> None:
         if not self.fut.done():
@@ -49,7 +50,8 @@ class _Pending:
             return inp, True
         return PrefillInput(token_ids=ids, cache_id=self.created or inp.cache_id, policy=inp.policy,
                             reserve_tokens=inp.reserve_tokens if not self.done and not inp.cache_id else 0,
-                            metadata=inp.metadata, request_id=inp.request_id), last
+                            metadata=inp.metadata, request_id=inp.request_id, cache_salt=inp.cache_salt,
+                            bypass_prefix_cache=inp.bypass_prefix_cache), last
 
 
 class ContinuousBatcher:
@@ -161,8 +163,11 @@ class ContinuousBatcher:
             budget = self.prefill_tokens_per_step - tokens
             if budget <= 0:
                 break
+            # A new prompt's first chunk also takes the tokens the prefix cache holds: they cost
+            # nothing to compute, so they do not count against the budget.
+            p.cached = self.host.executor.cached_prefix(p.inp) if not p.done and not p.inp.cache_id else 0
             # Only a running batch is protected by chunking; alone, a prompt goes in one step.
-            size = min(left, budget) if decodes or prefills else left
+            size = min(left, budget + p.cached) if decodes or prefills else left
             chunk, last = p.chunk(size)
             if (prefills or decodes) and not self._fits(prefills + [p], decodes, [chunk]):
                 if not prefills:
@@ -171,7 +176,7 @@ class ContinuousBatcher:
             self._prefill_queue.pop(0)
             prefills.append(p)
             self._chunks.append((chunk, last))
-            tokens += len(chunk.token_ids)
+            tokens += len(chunk.token_ids) - p.cached
             if not last:
                 break  # the rest of this prompt goes in the next steps, ahead of later prompts
         return prefills, decodes
@@ -192,9 +197,10 @@ class ContinuousBatcher:
         stays within the model's per-step ceilings."""
         reg, lim = self.host.executor.registry, self.host.limits
         rows = []
-        for inp in [c for c, _ in self._chunks] + list(extra):
-            past = reg.get(inp.cache_id).num_tokens if inp.cache_id in reg else 0
-            rows.append((len(inp.token_ids), past))
+        cached = [p.cached for p in prefills]
+        for k, inp in enumerate([c for c, _ in self._chunks] + list(extra)):
+            past = reg.get(inp.cache_id).num_tokens if inp.cache_id in reg else cached[k] if k < len(cached) else 0
+            rows.append((len(inp.token_ids) - (0 if inp.cache_id else past), past))
         for p in decodes:
             rows.append((1, reg.get(p.inp.cache_id).num_tokens if p.inp.cache_id in reg else 0))
         cost = self.host.executor.step_cost(rows, len(rows))

@@ -76,7 +76,10 @@ def test_a_long_prompt_joins_running_streams_a_chunk_at_a_time(tiny_llama_dir): 
     every stream — greedy and seeded — equals the same request run alone."""
     from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
 
-    ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=8192)
+    # Prefix caching off: the reference runs below would otherwise leave every prompt cached, and
+    # a cached prompt joins in one chunk (test_prefix_cache_rpcs covers that).
+    ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=8192,
+                                      prefix_cache=False)
     with InProcessServer([ex]) as srv, Client(srv.target) as c:
         host = srv.models.get("tiny")
         host.batcher.prefill_tokens_per_step = 16

@@ -149,6 +149,32 @@ def test_generate_n_samples_share_the_prompt_and_reproduce(srv):
     assert srv.live_caches()["tiny"] == 0
 
 
+def test_a_cached_prompt_joins_running_streams_in_one_chunk(srv):
+    """Chunked prefill budgets computed tokens: a prompt whose prefix is cached joins the running
+    decodes with its cached tokens plus at most one budget of new ones."""
+    host = srv.models.get("tiny")
+    host.batcher.prefill_tokens_per_step = 16
+    steps = []
+    real_step = host.step_and_sample
+
+    def spy(prefills, decodes):
+        steps.append(([len(p.token_ids) for p in prefills], len(decodes)))
+        return real_step(prefills, decodes)
+
+    host.step_and_sample = spy
+    with Client(srv.target) as c:
+        long = _prompt(100, seed=9)
+        _release(c, _prefill(c, long[:96]).cache.cache_id)  # 96 tokens cached (6 blocks)
+        running = c.stub.Generate(pb.GenerateRequest(model_id="tiny", token_ids=pb.TokenIds(token_ids=[3, 4]),
+                                                     stop=pb.StopConditions(max_tokens=30, ignore_eos=True)))
+        next(running)
+        late = _generate(c, long, max_tokens=2)
+        assert late[0].started.cached_tokens == 96
+        list(running)
+    joined = [chunks for chunks, d in steps if chunks and d]
+    assert [100] in joined, steps  # 96 cached + 4 new tokens in one step beside the decode
+
+
 def test_capacity_loads_and_metrics_read_the_pool(srv):
     with Client(srv.target) as c:
         p = _prompt(64)

@@ -262,6 +262,11 @@ class ModelExecutor(abc.ABC):
         Returns (the new entry, blocks shared). Default unsupported."""
         raise errors.unsupported(f"ForkCache is not supported by the {self.kind} executor")
 
+    def cached_prefix(self, inp: PrefillInput) -> int:
+        """Leading tokens of a new prompt the executor's prefix cache holds now (what a prefill of
+        it would not compute); 0 without a prefix cache. Takes nothing."""
+        return 0
+
     def admit_kv(self, grow: list[tuple[CacheEntry, int]], new: list, field: str) -> None:
         """Admission for a step the server is about to queue, before any work: ``grow`` = live
         caches and the length each will reach; ``new`` = the caches it creates (``StepItem``:

@@ -102,6 +102,7 @@ from ..types import (
     KvSlotReservation,
     MemoryRequirements,
     ModelInfo,
+    PrefillInput,
     StepCost,
 )
 from .item_steps import ItemStepExecutor, StepItem
@@ -589,6 +590,13 @@ class HfCausalLmExecutor(ItemStepExecutor):
                 free_blocks=avail,
             )
         self.registry.admit(0, field, new_caches=new_caches)
+
+    def cached_prefix(self, inp: PrefillInput) -> int:
+        """Tokens a prefill of ``inp`` (a new prompt) would take from the prefix cache now."""
+        if inp.cache_id or inp.bypass_prefix_cache or inp.all_positions or not self.prefix.enabled:
+            return 0
+        blocks, _ = self.prefix.match(inp.token_ids, self.prefix.root(inp.cache_salt))
+        return min(len(blocks) * self.block_size, len(inp.token_ids) - 1)
 
     def admit_kv(self, grow: list[tuple[CacheEntry, int]], new: list[StepItem], field: str) -> None:
         """The pool's admission for a step the server is about to queue (see :meth:`_plan`)."""
