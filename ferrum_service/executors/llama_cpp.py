@@ -238,6 +238,7 @@ class LlamaCppExecutor(ItemStepExecutor):
             supports_forward=True,
             supports_kv_truncation=True,
             supports_native_forward_verify=True,
+            supports_fork=True,
             kv_block_size=1,
         )
 
@@ -334,6 +335,31 @@ class LlamaCppExecutor(ItemStepExecutor):
             raise errors.FerrumError(errors.ErrorKind.BACKEND, f"llama.cpp refused to truncate cache {cache_id!r}")
         removed = self.registry.truncate(entry, new_len)
         return self.handle(entry), removed
+
+    def fork_cache(self, cache_id: str, keep_tokens: int | None = None, reserve_tokens: int = 0
+                   ) -> tuple[CacheEntry, int]:
+        """A new sequence holding ``cache_id``'s first ``keep_tokens`` positions
+        (``llama_memory_seq_cp``: in the unified KV cache the cells are shared, each tagged with
+        both sequence ids; later writes of either go to new cells, so neither sees the other's).
+        The registry still counts the fork's tokens in full (the budget is conservative). Returns
+        (the new entry, cells shared)."""
+        if self.state == "shutdown":
+            raise errors.unavailable(f"model {self.model_id!r} is shut down")
+        src = self.registry.get(cache_id)
+        keep = src.num_tokens if keep_tokens is None else int(keep_tokens)
+        if not 1 <= keep <= src.num_tokens:
+            raise errors.out_of_range(f"keep_tokens must be in [1, {src.num_tokens}], not {keep}",
+                                      field="keep_tokens", num_tokens=src.num_tokens)
+        if not self._free_seq:
+            raise errors.exhausted(f"cache_id: all {self.n_seq} sequence ids are in use", field="cache_id")
+        self.registry.check_sequence_length(max(keep, int(reserve_tokens or 0)), "reserve_tokens",
+                                            self.max_sequence_length)
+        entry = self.registry.create(src.tokens[:keep], reserve_tokens=int(reserve_tokens or 0), field="cache_id",
+                                     event="forked")
+        seq = self._free_seq.pop()
+        self._L.llama_memory_seq_cp(self._mem, src.payload, seq, 0, keep)
+        entry.payload = seq
+        return entry, keep
 
     def free_payload(self, entry: CacheEntry) -> int:
         """Free the sequence's KV cells and recycle its sequence id."""
