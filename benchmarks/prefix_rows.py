@@ -1,7 +1,7 @@
 """Prefix caching, forks and Generate n (issue 20): SmolLM2-135M on the transformers executor
 (``smollm2-hf``; the llama.cpp executor has no prefix cache yet), served as a subprocess.
 
-    .venv/bin/python -m benchmarks.prefix_rows [--quick] [--threads N]
+    .venv/bin/python -m benchmarks.prefix_rows [--quick] [--threads N] [--rows ttft,chat,n4] [--spec SPEC]
 
 Rows:
 
@@ -256,15 +256,21 @@ def rows_from(R: dict, drift: dict) -> list[dict]:
     return out
 
 
-def measure(target: str, quick: bool = False, model: str = "smollm2") -> tuple[dict, dict]:
-    """Every section against a running ``smollm2-hf`` server (model id ``model``): (results,
-    drift per section)."""
+SECTIONS = ("ttft", "chat", "n4")
+
+
+def measure(target: str, quick: bool = False, model: str = "smollm2",
+            sections: tuple[str, ...] = SECTIONS) -> tuple[dict, dict]:
+    """The sections (default: every one) against a running ``smollm2-hf`` server (model id
+    ``model``): (results, drift per section)."""
     global MODEL
     MODEL = model
     R, drift = {}, {}
     for name, fn in (("ttft", lambda: ttft_row(target, 2 if quick else 4)),
                      ("chat", lambda: chat_row(target, 6 if quick else 12, 16 if quick else 32)),
                      ("n4", lambda: n_samples_row(target, 2 if quick else 3, 16 if quick else 32))):
+        if name not in sections:
+            continue
         t = time.perf_counter()
         try:
             R[name], drift[name] = timed_row(fn)
@@ -283,11 +289,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--spec", default=f"smollm2-hf,id={MODEL}",
                     help="the served model (a smoke run may use a tiny hf-causal-lm with 4k positions)")
+    ap.add_argument("--rows", default=",".join(SECTIONS),
+                    help="sections to measure, comma-separated (ttft, chat, n4): rerun a busy one alone")
     a = ap.parse_args(argv)
+    sections = tuple(x.strip() for x in a.rows.split(",") if x.strip())
+    assert set(sections) <= set(SECTIONS), sections
     model = dict(kv.split("=", 1) for kv in a.spec.split(",")[1:] if "=" in kv).get("id", MODEL)
     raw: dict = {"threads": a.threads, "load_before": os.getloadavg(), "spec": a.spec}
     with Server(a.spec, threads=a.threads, name="server-prefix") as srv:
-        R, drift = measure(srv.target, a.quick, model)
+        R, drift = measure(srv.target, a.quick, model, sections)
     raw["load_after"] = os.getloadavg()
     rows = rows_from({k: v for k, v in R.items() if "error" not in v}, drift)
     print("| row | ours | base | ratio | target | met | drift |\n|---|---|---|---|---|---|---|")
@@ -301,7 +311,8 @@ def main(argv=None) -> int:
     for k, v in R.items():
         if "error" in v:
             print(f"- {k}: {v['error']}")
-    out = REPO / "benchmarks" / "results" / "prefix_rows.json"
+    out = REPO / "benchmarks" / "results" / ("prefix_rows.json" if sections == SECTIONS
+                                             else f"prefix_rows-{'-'.join(sections)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "drift": drift, "raw": R, **raw}, indent=1, default=str))
     print(f"load average before {raw['load_before']}, after {raw['load_after']}")
