@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer steps/repeats (a smoke run, numbers noisier)")
     p.add_argument("--skip-variants", action="store_true", help="skip the bf16 / int8 weight variants")
     p.add_argument("--skip-llama-cpp", action="store_true")
+    p.add_argument("--skip-prefix", action="store_true", help="skip the prefix-caching rows (issue 20)")
     p.add_argument("--threads", type=int, default=0, help="torch threads, driver and server (0 = all cores)")
     p.add_argument("--sessions", type=int, default=10_000, help="short sessions for the RSS row")
     a = p.parse_args(argv)
@@ -141,6 +142,10 @@ def main(argv=None) -> int:
         section("spec2", lambda: remote.speculative(tgt, "smollm2", rep_prompt, n_spec))
         section("kv", lambda: remote.kv_bytes(tgt, "smollm2"))
         section("loads_smollm2", lambda: remote.loads_cost(tgt, 300))
+        if not a.skip_prefix:  # issue 20: prefix caching, Generate n (benchmarks/prefix_rows.py)
+            from . import prefix_rows
+
+            section("prefix", lambda: prefix_rows.measure(tgt, a.quick))
 
     # ---- the same model served with lighter weights (row 7 takes the best of all) -----------------
     def dtype_server(wf: str) -> dict:
@@ -308,6 +313,16 @@ def main(argv=None) -> int:
                         note=f"row {len(rows)+1}: pool bytes/token {k['bytes_per_token']} (exact); allocated for a "
                              f"{k['tokens']}-token cache incl. the last block's unused slots "
                              f"({k['num_layers']} layers, {k['num_kv_heads']} kv heads, head_dim {k['head_dim'] or 64}, fp32)"))
+    if R.get("prefix"):
+        from .prefix_rows import rows_from
+
+        pr, pdrift = R["prefix"]
+        for k, v in pr.items():
+            if "error" in v:
+                res["errors"][f"prefix_{k}"] = v["error"]
+        for r in rows_from({k: v for k, v in pr.items() if "error" not in v}, pdrift):
+            r["note"] = f"row {len(rows)+1}: " + r["note"] + " (issue 20)"
+            rows.append(r)
     if R.get("rss"):
         r = R["rss"]
         res["rss_curve"] = r["curve"]

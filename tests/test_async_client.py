@@ -149,6 +149,9 @@ async def scenario(d) -> list:
     assert not (await d.call("lora_metrics", "mock")).HasField("metrics")
     assert (await d.call("abort", "mock", cache_id=bp[0].cache.cache_id)).released_cache
     assert not (await d.call("abort", "mock", cache_id=bp[0].cache.cache_id)).released_cache
+    # ForkCache of an unknown cache: refused (NOT_FOUND, or UNIMPLEMENTED where the executor cannot fork)
+    rec.append(await _error(d, "fork_cache", "mock", "no-such-cache", keep_tokens=1))
+    assert rec[-1][1] in (C.NOT_FOUND, C.UNIMPLEMENTED), rec[-1]
     assert (await d.call("release_cache", "mock", cid)).released
     assert (await d.call("release_cache", "mock", bp[1].cache.cache_id)).released
     gen = await d.take("generate", None, "mock", token_ids=[1, 2], max_tokens=3)
@@ -299,10 +302,20 @@ def test_async_steps_on_a_tiny_model_match_the_sync_client(tiny_llama_dir):  # n
     def sync_run(c: Client) -> dict:
         p = c.prefill("tiny", prompt, policy=m.full_logits()).output
         tok = int(np.argmax(m.logits_array(p.output)))
+        fork = c.fork_cache("tiny", p.cache.cache_id, keep_tokens=3)
         d = c.decode("tiny", p.cache.cache_id, tok, policy=m.full_logits()).output
+        fd = c.decode("tiny", fork.cache.cache_id, tok, policy=m.full_logits()).output
         u = c.unified_decode("tiny", [m.unified_item([7], cache_id=p.cache.cache_id, pos_offset=4)]).results[0]
         c.release_cache("tiny", p.cache.cache_id)
+        c.release_cache("tiny", fork.cache.cache_id)
+        b = c.prefill("tiny", prompt, cache_salt="t", bypass_prefix_cache=True).output
+        c.release_cache("tiny", b.cache.cache_id)
+        n2 = [(ev.token.sample_index, ev.token.token_id) for ev in c.generate(
+            "tiny", token_ids=prompt, max_tokens=3, ignore_eos=True, n=2, temperature=0.9, seed=3)
+            if ev.WhichOneof("event") == "token"]
         return {"prefill": m.logits_array(p.output), "tok": tok, "decode": m.logits_array(d.output),
+                "fork": (fork.cache.num_tokens, m.logits_array(fd.output)), "bypass": (b.cached_tokens, b.output.token_id),
+                "n2": sorted(n2),
                 "unified": (u.output.token_id, u.cache.num_tokens),
                 "forward": m.tensor_array(c.forward("tiny", np.array([prompt + [tok]])).output),
                 "tokens": c.tokenize("tiny", "hello world"), "text": c.detokenize("tiny", [5, 17, 42]),
@@ -312,11 +325,21 @@ def test_async_steps_on_a_tiny_model_match_the_sync_client(tiny_llama_dir):  # n
     async def async_run(ac: AsyncClient) -> dict:
         p = (await ac.prefill("tiny", prompt, policy=m.full_logits())).output
         tok = int(np.argmax(m.logits_array(p.output)))
+        fork = await ac.fork_cache("tiny", p.cache.cache_id, keep_tokens=3)
         d = (await ac.decode("tiny", p.cache.cache_id, tok, policy=m.full_logits())).output
+        fd = (await ac.decode("tiny", fork.cache.cache_id, tok, policy=m.full_logits())).output
         u = (await ac.unified_decode("tiny", [m.unified_item([7], cache_id=p.cache.cache_id, pos_offset=4)])
              ).results[0]
         await ac.release_cache("tiny", p.cache.cache_id)
+        await ac.release_cache("tiny", fork.cache.cache_id)
+        b = (await ac.prefill("tiny", prompt, cache_salt="t", bypass_prefix_cache=True)).output
+        await ac.release_cache("tiny", b.cache.cache_id)
+        n2 = [(ev.token.sample_index, ev.token.token_id) async for ev in ac.generate(
+            "tiny", token_ids=prompt, max_tokens=3, ignore_eos=True, n=2, temperature=0.9, seed=3)
+            if ev.WhichOneof("event") == "token"]
         return {"prefill": m.logits_array(p.output), "tok": tok, "decode": m.logits_array(d.output),
+                "fork": (fork.cache.num_tokens, m.logits_array(fd.output)), "bypass": (b.cached_tokens, b.output.token_id),
+                "n2": sorted(n2),
                 "unified": (u.output.token_id, u.cache.num_tokens),
                 "forward": m.tensor_array((await ac.forward("tiny", np.array([prompt + [tok]]))).output),
                 "tokens": await ac.tokenize("tiny", "hello world"),
@@ -341,5 +364,9 @@ def test_async_steps_on_a_tiny_model_match_the_sync_client(tiny_llama_dir):  # n
     assert got["generate"][0] == got["tok"]
     for key in ("prefill", "decode", "forward"):
         assert np.abs(got[key] - want[key]).max() < 1e-5, key
-    for key in ("tok", "unified", "tokens", "text", "chat", "generate"):
+    # a fork of the prompt decodes exactly like the prompt's own cache; n=2 gives 3 tokens per sample
+    assert got["fork"][0] == 3 and np.abs(got["fork"][1] - got["decode"]).max() < 1e-4
+    assert np.abs(got["fork"][1] - want["fork"][1]).max() < 1e-5
+    assert got["bypass"] == (0, got["tok"]) and [i for i, _ in got["n2"]] == [0, 0, 0, 1, 1, 1]
+    for key in ("tok", "unified", "tokens", "text", "chat", "generate", "bypass", "n2"):
         assert got[key] == want[key], key

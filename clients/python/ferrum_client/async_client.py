@@ -84,9 +84,11 @@ class AsyncClient(Connection):
 
     # ---- streams --------------------------------------------------------------------------------
     async def subscribe_kv_events(self, model_id: str = "", from_seq: int | None = None,
-                                  timeout: float | None = None) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
-        """Async iterator over ``SubscribeKvEventsResponse`` (break out of the loop to cancel)."""
-        call = self.stub.SubscribeKvEvents(rq.kv_events(model_id, from_seq), timeout=timeout, metadata=self.metadata)
+                                  include_block_events: bool = False, timeout: float | None = None) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        """Async iterator over ``SubscribeKvEventsResponse`` (break out of the loop to cancel);
+        ``include_block_events`` adds the prefix cache's ``KvBlockEvent`` messages."""
+        request = rq.kv_events(model_id, from_seq, include_block_events)
+        call = self.stub.SubscribeKvEvents(request, timeout=timeout, metadata=self.metadata)
         async with aclosing(_messages(call)) as messages:
             async for msg in messages:
                 yield msg

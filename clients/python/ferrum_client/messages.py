@@ -80,9 +80,13 @@ def ids_tensor(ids: np.ndarray) -> tpb.Tensor:
 
 
 def prefill_input(token_ids: Iterable[int], cache_id: str = "", policy: tpb.LogitsPolicy | None = None,
-                  reserve_tokens: int = 0, all_positions: bool = False, request_id: str = "") -> pb.PrefillInput:
+                  reserve_tokens: int = 0, all_positions: bool = False, request_id: str = "", *,
+                  cache_salt: str = "", bypass_prefix_cache: bool = False) -> pb.PrefillInput:
+    """``PrefillInput``. Prefix caching (a new cache only): ``cache_salt`` keeps tenants with
+    different salts from sharing KV blocks; ``bypass_prefix_cache`` computes every token."""
     return pb.PrefillInput(token_ids=list(token_ids), cache_id=cache_id, logits=policy, reserve_tokens=reserve_tokens,
-                           all_positions=all_positions, request_id=request_id)
+                           all_positions=all_positions, request_id=request_id, cache_salt=cache_salt,
+                           bypass_prefix_cache=bypass_prefix_cache)
 
 
 def decode_input(cache_id: str, token_id: int, policy: tpb.LogitsPolicy | None = None,
@@ -94,9 +98,12 @@ def decode_input(cache_id: str, token_id: int, policy: tpb.LogitsPolicy | None =
 
 
 def unified_item(q_tokens: Iterable[int], *, cache_id: str = "", pos_offset: int = 0, is_final_chunk: bool = True,
-                 seq_id: str = "", policy: tpb.LogitsPolicy | None = None) -> pb.UnifiedBatchItem:
+                 seq_id: str = "", policy: tpb.LogitsPolicy | None = None, cache_salt: str = "",
+                 bypass_prefix_cache: bool = False) -> pb.UnifiedBatchItem:
+    """``UnifiedBatchItem``; ``cache_salt`` / ``bypass_prefix_cache`` as in :func:`prefill_input`."""
     return pb.UnifiedBatchItem(seq_id=seq_id, q_tokens=list(q_tokens), cache_id=cache_id, pos_offset=pos_offset,
-                               is_final_chunk=is_final_chunk, logits=policy)
+                               is_final_chunk=is_final_chunk, logits=policy, cache_salt=cache_salt,
+                               bypass_prefix_cache=bypass_prefix_cache)
 
 
 def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, text: str | None = None,
@@ -106,7 +113,12 @@ def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, t
                      repetition_penalty: float | None = None, seed: int | None = None,
                      stop_token_ids: Sequence[int] = (), stop_sequences: Sequence[str] = (), ignore_eos: bool = False,
                      top_logprobs: int = 0, keep_cache: bool = False, stream_text: bool = False,
-                     request_id: str = "") -> pb.GenerateRequest:
+                     request_id: str = "", cache_salt: str = "", bypass_prefix_cache: bool = False,
+                     n: int = 1) -> pb.GenerateRequest:
+    """``GenerateRequest``: the prompt as ``token_ids``, ``text`` or ``chat`` (or continue
+    ``cache_id`` from ``last_token_id``). ``n`` samples of one prompt share its prefilled KV
+    (events carry ``sample_index``; sample ``i`` uses seed ``seed + i * 0x9E3779B9``); ``cache_salt`` /
+    ``bypass_prefix_cache`` control prefix caching as in :func:`prefill_input`."""
     req = pb.GenerateRequest(
         model_id=model_id, cache_id=cache_id,
         sampling=sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -114,6 +126,7 @@ def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, t
         stop=pb.StopConditions(max_tokens=max_tokens, stop_token_ids=list(stop_token_ids),
                                stop_sequences=list(stop_sequences), ignore_eos=ignore_eos),
         top_logprobs=top_logprobs, keep_cache=keep_cache, stream_text=stream_text, request_id=request_id,
+        cache_salt=cache_salt, bypass_prefix_cache=bypass_prefix_cache, n=n,
     )
     if token_ids is not None:
         req.token_ids.token_ids.extend(token_ids)

@@ -51,6 +51,16 @@ def _model_only(request_type):
     return build
 
 
+def fork_cache(model_id: str, cache_id: str, keep_tokens: int | None = None,
+               reserve_tokens: int = 0) -> pb.ForkCacheRequest:
+    """``ForkCacheRequest``: a new cache sharing the first ``keep_tokens`` tokens of ``cache_id``
+    (all of them when None), copy-on-write."""
+    req = pb.ForkCacheRequest(model_id=model_id, cache_id=cache_id, reserve_tokens=reserve_tokens)
+    if keep_tokens is not None:
+        req.keep_tokens = keep_tokens
+    return req
+
+
 def reserve_kv_slots(model_id: str, requests: Iterable[tpb.KvSlotRequest]) -> pb.ReserveKvSlotsRequest:
     """``ReserveKvSlotsRequest`` for the given slot requests."""
     return pb.ReserveKvSlotsRequest(model_id=model_id, requests=list(requests))
@@ -76,10 +86,13 @@ def apply_chat_template(model_id: str, messages: Sequence[tuple[str, str]],
 
 
 def prefill(model_id: str, token_ids: Sequence[int], cache_id: str = "", policy: tpb.LogitsPolicy | None = None,
-            reserve_tokens: int = 0, all_positions: bool = False) -> pb.PrefillRequest:
-    """``PrefillRequest`` (see :func:`ferrum_client.messages.prefill_input`)."""
+            reserve_tokens: int = 0, all_positions: bool = False, *, cache_salt: str = "",
+            bypass_prefix_cache: bool = False) -> pb.PrefillRequest:
+    """``PrefillRequest`` (see :func:`ferrum_client.messages.prefill_input`); ``cache_salt`` and
+    ``bypass_prefix_cache`` steer prefix caching of a new cache."""
     return pb.PrefillRequest(model_id=model_id, input=m.prefill_input(
-        token_ids, cache_id, policy, reserve_tokens, all_positions))
+        token_ids, cache_id, policy, reserve_tokens, all_positions, cache_salt=cache_salt,
+        bypass_prefix_cache=bypass_prefix_cache))
 
 
 def batch_prefill(model_id: str, prompts: Sequence[Sequence[int] | pb.PrefillInput]) -> pb.BatchPrefillRequest:
@@ -139,9 +152,11 @@ def abort(model_id: str = "", *, request_id: str | None = None, cache_id: str | 
     return req
 
 
-def kv_events(model_id: str = "", from_seq: int | None = None) -> pb.SubscribeKvEventsRequest:
-    """``SubscribeKvEventsRequest``; ``from_seq`` resumes after a known event."""
-    req = pb.SubscribeKvEventsRequest(model_id=model_id)
+def kv_events(model_id: str = "", from_seq: int | None = None,
+              include_block_events: bool = False) -> pb.SubscribeKvEventsRequest:
+    """``SubscribeKvEventsRequest``; ``from_seq`` resumes after a known event;
+    ``include_block_events`` adds the prefix cache's block events (``KvBlockEvent``)."""
+    req = pb.SubscribeKvEventsRequest(model_id=model_id, include_block_events=include_block_events)
     if from_seq is not None:
         req.from_seq = from_seq
     return req
@@ -212,6 +227,9 @@ UNARY: dict[str, Unary] = {
     "truncate_kv": Unary("TruncateKv", truncate_kv, "Cut a cache back to ``new_len`` tokens.",
                          pb.TruncateKvResponse),
     "release_cache": Unary("ReleaseCache", release_cache, "Free a cache.", pb.ReleaseCacheResponse),
+    "fork_cache": Unary("ForkCache", fork_cache, "A new cache sharing the first ``keep_tokens`` tokens of "
+                        "``cache_id`` (all when None), copy-on-write; ``reserve_tokens`` as for Prefill.",
+                        pb.ForkCacheResponse),
     # scheduler-facing operations
     "loads": Unary("Loads", _model_only(pb.LoadsRequest), "Per-model load (caches, resident tokens, latencies) "
                    "and the last KV event's sequence number.", pb.LoadsResponse),
@@ -259,6 +277,7 @@ STEP_FIELDS = {
     pb.ForwardVerifyRequest: "forward_verify",
     pb.TruncateKvRequest: "truncate_kv",
     pb.ReleaseCacheRequest: "release_cache",
+    pb.ForkCacheRequest: "fork_cache",
 }
 
 

@@ -6,6 +6,12 @@ Decode, ForwardVerify, TruncateKv or ReleaseCache (they answer NOT_FOUND). So:
 1. **New session -> pick a replica**: among the replicas that are up and not draining, the one
    with the fewest open sessions here (ties broken round-robin). Stateless calls (Info, Generate,
    Tokenize, ...) may go anywhere; :meth:`StickyRouter.any_client` picks the same way.
+   **Prefix-aware** (``StickyRouter(..., prefix_aware=True)``): the router follows every replica's
+   prefix-cache block events (:mod:`ferrum_client.prefix_mirror`, one background thread per
+   replica) and ``new_session(prompt_tokens=..., model_id=..., cache_salt=...)`` goes to the
+   replica holding the longest cached prefix of the prompt, in blocks keyed by
+   :mod:`ferrum_client.prefix_keys` with that replica's advertised recipe; ties (a cold prompt
+   included) fall back to the fewest sessions, then round-robin.
 2. **Every step of a session -> that replica**, never another one.
 3. **A replica fails** (UNAVAILABLE from a call, or removed from the replica set): every session
    on it fails fast with :class:`ReplicaLost` (code UNAVAILABLE) without further network calls
@@ -26,6 +32,7 @@ from __future__ import annotations
 import itertools
 import socket
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -34,6 +41,7 @@ import grpc
 
 from .client import Client
 from .errors import FerrumRpcError
+from .prefix_mirror import BlockEventFollower, PrefixMirror
 
 __all__ = ["StickyRouter", "RoutedSession", "Replica", "ReplicaLost", "NoReplicaAvailable", "resolve_dns"]
 
@@ -64,6 +72,9 @@ class Replica:
     draining: bool = False
     sessions: set[str] = field(default_factory=set)
     last_error: str = ""
+    # prefix-aware routing: the replica's cached block keys, kept by a follower thread
+    mirror: PrefixMirror | None = None
+    follower: BlockEventFollower | None = None
 
 
 def resolve_dns(host: str, port: int) -> list[str]:
@@ -89,12 +100,15 @@ class StickyRouter:
     (used by :meth:`refresh`); ``step_timeout``: default deadline of each routed call, so a call to
     a replica that vanished without a connection reset still fails within it. Extra keyword
     arguments go to each :class:`Client` (``token``, ``root_certificates``, ...).
+    ``prefix_aware``: follow each replica's prefix-cache block events and route a new session
+    with ``prompt_tokens`` to the replica holding the longest cached prefix (module docstring).
     Thread-safe.
     """
 
     def __init__(self, targets: Iterable[str] = (), *, resolver: Callable[[], Iterable[str]] | None = None,
                  step_timeout: float = 10.0, client_factory: Callable[..., Client] = Client,
-                 **client_kw: Any) -> None:
+                 prefix_aware: bool = False, **client_kw: Any) -> None:
+        self.prefix_aware = prefix_aware
         self._lock = threading.RLock()
         self._replicas: dict[str, Replica] = {}
         self._sessions: dict[str, Replica] = {}
@@ -118,10 +132,30 @@ class StickyRouter:
         r = self._replicas.get(target)
         if r is None or not r.up:
             if r is not None:
+                self._stop_following(r)
                 r.client.close()
             r = Replica(target, self._factory(target, **self._client_kw))
+            if self.prefix_aware:
+                r.mirror = PrefixMirror()
+                r.follower = BlockEventFollower(r.client, r.mirror, name=target).start()
             self._replicas[target] = r
         return r
+
+    @staticmethod
+    def _stop_following(r: Replica, timeout: float = 0.0) -> None:
+        if r.follower is not None:
+            r.follower.stop(timeout)
+        if r.mirror is not None:
+            r.mirror.clear()
+
+    def wait_following(self, timeout: float = 10.0) -> bool:
+        """Prefix-aware mode: wait until every live replica's block-event stream is open."""
+        deadline = time.monotonic() + timeout
+        for r in self.replicas():
+            if r.up and r.follower is not None:
+                if not r.follower.wait_connected(max(0.0, deadline - time.monotonic())):
+                    return False
+        return True
 
     def refresh(self) -> None:
         """Re-resolve the replica set: new targets join; vanished ones are marked down (their sessions fail fast)."""
@@ -162,6 +196,7 @@ class StickyRouter:
         if r.up:
             r.up = False
             r.last_error = why
+            self._stop_following(r)
 
     def mark_down(self, target: str, why: str = "marked down") -> None:
         with self._lock:
@@ -169,25 +204,62 @@ class StickyRouter:
             if r is not None:
                 self._mark_down(r, why)
 
-    def _pick(self) -> Replica:
+    def _prefix_scores(self, replicas: Iterable[Replica], prompt_tokens, model_id: str,
+                       cache_salt: str) -> dict[str, int]:
+        """Cached leading tokens of the prompt per replica, from the mirrors (keys computed once
+        per distinct recipe)."""
+        keyed: dict[tuple, list[bytes]] = {}
+        out = {}
+        for r in replicas:
+            if r.mirror is None:
+                out[r.target] = 0
+                continue
+            recipe = r.mirror.recipes.get(model_id)
+            k = (recipe.block_size, recipe.seed, tuple(recipe.extra_keys)) if recipe is not None else None
+            if k not in keyed:
+                keyed[k] = r.mirror.prompt_keys(model_id, prompt_tokens, cache_salt)
+            keys = keyed[k]
+            out[r.target] = r.mirror.cached_blocks(model_id, keys) * recipe.block_size if keys else 0
+        return out
+
+    def _pick(self, prompt_tokens=None, model_id: str = "", cache_salt: str = "") -> tuple[Replica, int]:
         live = [r for r in self._replicas.values() if r.up and not r.draining]
         if not live:
             raise NoReplicaAvailable()
+        cached = 0
+        if self.prefix_aware and prompt_tokens:
+            scores = self._prefix_scores(live, prompt_tokens, model_id, cache_salt)
+            cached = max(scores.values())
+            live = [r for r in live if scores[r.target] == cached]
         least = min(len(r.sessions) for r in live)
         tied = sorted((r for r in live if len(r.sessions) == least), key=lambda r: r.target)
-        return tied[next(self._rr) % len(tied)]
+        return tied[next(self._rr) % len(tied)], cached
+
+    def prefix_matches(self, prompt_tokens, model_id: str, cache_salt: str = "") -> dict[str, int]:
+        """Prefix-aware mode: per live replica, the leading tokens of ``prompt_tokens`` its
+        mirrored prefix cache holds (what routing compares)."""
+        with self._lock:
+            live = [r for r in self._replicas.values() if r.up]
+        return self._prefix_scores(live, list(prompt_tokens), model_id, cache_salt)
 
     # ---- sessions ------------------------------------------------------------------------------
-    def new_session(self, session_id: str | None = None) -> "RoutedSession":
-        """Bind a new session to a replica (least sessions, round-robin on ties)."""
+    def new_session(self, session_id: str | None = None, *, prompt_tokens=None, model_id: str = "",
+                    cache_salt: str = "") -> "RoutedSession":
+        """Bind a new session to a replica: least sessions, round-robin on ties; in prefix-aware
+        mode with ``prompt_tokens`` (and the ``model_id`` and ``cache_salt`` its Prefill will
+        use), first the replicas holding the longest cached prefix of the prompt. The session's
+        ``expected_cached_tokens`` is that prefix's length per the mirror (a hint)."""
         sid = session_id or uuid.uuid4().hex
+        tokens = list(prompt_tokens) if prompt_tokens is not None else None
         with self._lock:
             if sid in self._sessions:
                 raise ValueError(f"session {sid} already exists")
-            r = self._pick()
+            r, cached = self._pick(tokens, model_id, cache_salt)
             r.sessions.add(sid)
             self._sessions[sid] = r
-        return RoutedSession(self, sid)
+        s = RoutedSession(self, sid)
+        s.expected_cached_tokens = cached
+        return s
 
     def replica_of(self, session_id: str) -> Replica:
         with self._lock:
@@ -222,12 +294,18 @@ class StickyRouter:
                 raise ReplicaLost(r.target, session_id, e.message) from e
             raise
 
-    def any_client(self) -> Client:
-        """A client for a stateless call (Info, Generate, Tokenize ...), chosen like a new session."""
+    def any_client(self, *, prompt_tokens=None, model_id: str = "", cache_salt: str = "") -> Client:
+        """A client for a stateless call (Info, Generate, Tokenize ...), chosen like a new session
+        (in prefix-aware mode, pass a ``Generate``'s prompt to send it where its prefix is cached)."""
+        tokens = list(prompt_tokens) if prompt_tokens is not None else None
         with self._lock:
-            return self._pick().client
+            return self._pick(tokens, model_id, cache_salt)[0].client
 
     def close(self) -> None:
+        with self._lock:
+            replicas = list(self._replicas.values())
+        for r in replicas:
+            self._stop_following(r, timeout=5.0)
         with self._lock:
             for r in self._replicas.values():
                 r.client.close()
@@ -249,6 +327,7 @@ class RoutedSession:
     def __init__(self, router: StickyRouter, session_id: str) -> None:
         self.router = router
         self.session_id = session_id
+        self.expected_cached_tokens = 0
 
     @property
     def replica(self) -> Replica:

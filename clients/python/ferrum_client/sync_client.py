@@ -71,10 +71,11 @@ class Client(Connection):
 
     # ---- streams --------------------------------------------------------------------------------
     def subscribe_kv_events(self, model_id: str = "", from_seq: int | None = None,
-                            timeout: float | None = None) -> GenerateStream:
-        """Stream of ``SubscribeKvEventsResponse`` (iterate; ``.cancel()`` to stop)."""
-        return GenerateStream(self.stub.SubscribeKvEvents(rq.kv_events(model_id, from_seq), timeout=timeout,
-                                                          metadata=self.metadata))
+                            include_block_events: bool = False, timeout: float | None = None) -> GenerateStream:
+        """Stream of ``SubscribeKvEventsResponse`` (iterate; ``.cancel()`` to stop);
+        ``include_block_events`` adds the prefix cache's ``KvBlockEvent`` messages."""
+        request = rq.kv_events(model_id, from_seq, include_block_events)
+        return GenerateStream(self.stub.SubscribeKvEvents(request, timeout=timeout, metadata=self.metadata))
 
     def generate(self, model_id: str, *, timeout: float | None = None, **kw) -> GenerateStream:
         """Stream a generation (see :func:`ferrum_client.messages.generate_request` for the
