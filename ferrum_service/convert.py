@@ -23,6 +23,7 @@ from . import errors
 from .sampling import RowResult
 from .types import (
     CacheHandle,
+    ConstraintSpec,
     ExecutorCapabilities,
     ExecutorStatus,
     KvCapacity,
@@ -33,6 +34,8 @@ from .types import (
 )
 
 MAX_TOP_LOGPROBS = 64
+#: Longest structured-output constraint (schema, regex, grammar, all choices), in bytes.
+MAX_CONSTRAINT_BYTES = 64 * 1024
 
 _DTYPE_TO_PB = {
     "fp32": tpb.DATA_TYPE_FP32,
@@ -142,6 +145,7 @@ def sampling_params(msg: tpb.SamplingParams, vocab_size: int, field: str) -> Sam
     if mask is not None and not any(mask[:vocab_size]):
         raise errors.invalid(f"{field}.token_mask allows no token of the vocabulary", field=f"{field}.token_mask")
     return SamplingParams(
+        constraint=constraint_spec(msg, f"{field}.constraint"),
         temperature=float(t),
         top_k=int(msg.top_k),
         top_p=float(top_p),
@@ -151,6 +155,32 @@ def sampling_params(msg: tpb.SamplingParams, vocab_size: int, field: str) -> Sam
         seed=msg.seed if msg.HasField("seed") else None,
         token_mask=mask,
     )
+
+
+def constraint_spec(msg: tpb.SamplingParams, field: str) -> ConstraintSpec | None:
+    """The message-level checks of ``OutputConstraint`` (compiling it needs the model: guided.py)."""
+    if not msg.HasField("constraint"):
+        return None
+    c = msg.constraint
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        raise errors.invalid(f"{field} is set but names no kind (json_schema, regex, ebnf_grammar, lark_grammar, "
+                             "choice)", field=field)
+    if kind == "choice":
+        if not c.choice.choices:
+            raise errors.invalid(f"{field}.choice has no choices", field=f"{field}.choice")
+        size = sum(len(x.encode()) for x in c.choice.choices)
+        spec = ConstraintSpec(kind, choices=tuple(c.choice.choices))
+    else:
+        text = getattr(c, kind)
+        if not text:
+            raise errors.invalid(f"{field}.{kind} is empty", field=f"{field}.{kind}")
+        size = len(text.encode())
+        spec = ConstraintSpec(kind, text=text)
+    if size > MAX_CONSTRAINT_BYTES:
+        raise errors.invalid(f"{field}.{kind} is {size} bytes; the limit is {MAX_CONSTRAINT_BYTES}",
+                             field=f"{field}.{kind}", limit=MAX_CONSTRAINT_BYTES)
+    return spec
 
 
 def logits_policy(msg: tpb.LogitsPolicy, vocab_size: int, field: str) -> LogitsPolicy:

@@ -124,6 +124,7 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
     state.model_id, state.request_id, state.cache_id = host.model_id, req.request_id, req.cache_id
     checks.require_generation(host, "Generate")
     sp = sampling_params(req.sampling, host.vocab_size, "sampling")
+    checks.guide(host, sp, "sampling.constraint")
     if req.top_logprobs > 64:
         raise errors.invalid(f"top_logprobs = {req.top_logprobs} exceeds the maximum 64", field="top_logprobs")
     n = max(1, int(req.n))

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 from . import errors
 from .batcher import ContinuousBatcher
 from .executors.base import ModelExecutor
+from .guided import mask_rows, refuse_broken
 from .sampling import RowResult, process_rows
 from .types import DecodeInput, PrefillInput
 
@@ -207,15 +208,22 @@ class ModelHost:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def decode_and_sample(self, inputs: list[DecodeInput]) -> tuple[list, list[RowResult]]:
-        """One (batched) decode step and its sampling; runs on the worker thread."""
-        _, outs, rows = self.step_and_sample([], inputs)
+        """One (batched) decode step and its sampling; runs on the worker thread. A token fed that
+        the cache's structured-output constraint refuses is FAILED_PRECONDITION (after the step:
+        the cache holds the token)."""
+        _, outs, rows, problems = self._step_and_sample([], inputs)
+        refuse_broken(problems, "inputs")
         return outs, rows
 
     def step_and_sample(self, prefills: list[PrefillInput], decodes: list[DecodeInput]):
         """One step over prompts and decode steps of different sequences (one forward where the
         executor can: ``mixed_step``) and the sampling of every row; runs on the worker thread.
-        Each row's repetition-penalty history is its cache's tokens. Returns (prefill outputs,
-        decode outputs, rows: the prompts' rows first)."""
+        Each row's repetition-penalty history is its cache's tokens; rows with a structured-output
+        constraint are masked first. Returns (prefill outputs, decode outputs, rows: the prompts'
+        rows first)."""
+        return self._step_and_sample(prefills, decodes)[:3]
+
+    def _step_and_sample(self, prefills: list[PrefillInput], decodes: list[DecodeInput]):
         ex = self.executor
         t0 = time.perf_counter()
         if prefills and decodes:
@@ -231,10 +239,9 @@ class ModelHost:
             ex.stats.record("decode", dt, len(decodes))
         reg = ex.registry
         caches = [o.cache for o in pre] + [o.cache for o in dec]
-        rows = process_rows(
-            [o.logits for o in pre] + [o.logits for o in dec],
-            [i.policy for i in prefills + decodes],
-            [reg.get(c.cache_id).tokens for c in caches],
-            [c.num_tokens for c in caches],
-        )
-        return pre, dec, rows
+        logits = [o.logits for o in pre] + [o.logits for o in dec]
+        policies = [i.policy for i in prefills + decodes]
+        entries = [reg.get(c.cache_id) for c in caches]
+        problems = mask_rows(ex, entries, logits, policies)
+        rows = process_rows(logits, policies, [e.tokens for e in entries], [c.num_tokens for c in caches])
+        return pre, dec, rows, problems

@@ -46,6 +46,7 @@ class CacheEntry:
     payload: Any = None  # executor-specific state (e.g. K/V tensors)
     owner: str = ""  # a Session / Generate stream that frees it when it ends ("" = the caller)
     tenant: str = ""  # the authenticated caller it belongs to ("" = calls are not authenticated)
+    guide: Any = None  # structured-output state (guided.GuideState) once a constrained row was sampled
     last_access: float = field(default_factory=time.monotonic)
 
     @property

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from . import errors, tracing
 from .convert import handle_pb, logits_policy, pb, row_pb, tpb
 from .retries import StepDeduper
+from .guided import guides_of, mask_rows, refuse_broken
 from .sampling import encode_row, process_rows
 from .types import DecodeInput, KvSlotRequest, OutputMode, PrefillInput
 from .validate import RequestChecks, admit, admit_decodes, admit_prefills, admit_unified
@@ -55,11 +56,13 @@ class Operations:
     def _prefill_outputs(self, host, inputs: list[PrefillInput], outs) -> tuple[list[pb.PrefillOutput], int]:
         t0 = time.perf_counter_ns()
         rows = [o.logits for o in outs]
+        reg = host.executor.registry
+        entries = [reg.get(o.cache.cache_id) if o.cache.cache_id in reg else None for o in outs]
+        refuse_broken(mask_rows(host.executor, entries, rows, [i.policy for i in inputs]), "inputs")
         res = process_rows(
             rows,
             [i.policy for i in inputs],
-            [host.executor.registry.get(o.cache.cache_id).tokens if o.cache.cache_id in host.executor.registry else []
-             for o in outs],
+            [e.tokens if e is not None else [] for e in entries],
             [o.cache.num_tokens for o in outs],
         )
         msgs = []
@@ -207,6 +210,8 @@ class Operations:
         t_s = time.perf_counter_ns()
         reg = host.executor.registry
         final = [k for k, it in enumerate(items) if it.is_final_chunk and results[k].logits is not None]
+        refuse_broken(mask_rows(host.executor, [reg.get(results[k].cache.cache_id) for k in final],
+                                [results[k].logits for k in final], [items[k].policy for k in final]), "items")
         rows = process_rows(
             [results[k].logits for k in final],
             [items[k].policy for k in final],
@@ -222,6 +227,9 @@ class Operations:
         entry = self.checks.live_entry(host, req.cache_id, "cache_id")
         ids = self.checks.tokens(host, req.token_ids, "token_ids")
         policy = logits_policy(req.logits, host.vocab_size, "logits")
+        if policy.sampling.constraint is not None:
+            raise errors.invalid("logits.sampling.constraint: ForwardVerify does not take a structured-output "
+                                 "constraint (verify the drafts, then decode with it)", field="logits.sampling.constraint")
         if req.accept_greedy_prefix and policy.mode != OutputMode.SAMPLED_TOKEN:
             raise errors.invalid("accept_greedy_prefix needs logits.mode OUTPUT_MODE_SAMPLED_TOKEN",
                                  field="accept_greedy_prefix")
@@ -307,8 +315,12 @@ class Operations:
 
     @staticmethod
     def _run_fork(host, cache_id: str, keep: int, reserve: int):
-        entry, shared = host.executor.fork_cache(cache_id, keep, reserve)
-        return host.executor.handle(entry), shared
+        ex = host.executor
+        entry, shared = ex.fork_cache(cache_id, keep, reserve)
+        guide = ex.registry.get(cache_id).guide
+        if guide is not None and keep >= guide.start:  # the fork continues the constrained output
+            entry.guide = guide.spawn(guides_of(ex).compile(guide.spec, "cache_id"))
+        return ex.handle(entry), shared
 
     async def reserve_kv_slots(self, req: pb.ReserveKvSlotsRequest) -> pb.ReserveKvSlotsResponse:
         """ferrum's paged admission: grow each named cache's block reservation, all or nothing."""

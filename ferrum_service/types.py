@@ -25,6 +25,16 @@ class OutputMode(enum.IntEnum):
     NONE = 4
 
 
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """A structured-output constraint (``OutputConstraint``): ``kind`` json_schema | regex |
+    ebnf_grammar | lark_grammar (``text``) or choice (``choices``)."""
+
+    kind: str
+    text: str = ""
+    choices: tuple[str, ...] = ()
+
+
 @dataclass
 class SamplingParams:
     """Server-side sampling. All defaults = greedy."""
@@ -37,6 +47,8 @@ class SamplingParams:
     penalty_token_ids: list[int] | None = None  # None = the cache's whole history
     seed: int | None = None
     token_mask: bytes | None = None  # one byte per token id; non-zero = allowed
+    constraint: ConstraintSpec | None = None  # structured output (see guided.py)
+    compiled: Any = field(default=None, compare=False, repr=False)  # the constraint, compiled for the model
 
     @property
     def is_plain_greedy(self) -> bool:

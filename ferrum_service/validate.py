@@ -198,6 +198,21 @@ class RequestChecks:
 
     # ---- step inputs ------------------------------------------------------------------------------
     @staticmethod
+    def policy(host: "ModelHost", msg: pb.LogitsPolicy, field: str) -> LogitsPolicy:
+        """A checked logits policy; a structured-output constraint is compiled for the model here
+        (INVALID_ARGUMENT when it does not compile), before any work."""
+        p = logits_policy(msg, host.vocab_size, field)
+        RequestChecks.guide(host, p.sampling, f"{field}.sampling.constraint")
+        return p
+
+    @staticmethod
+    def guide(host: "ModelHost", sp, field: str) -> None:
+        """Compile ``sp.constraint`` (if any) for the model into ``sp.compiled``."""
+        if sp.constraint is not None:
+            from .guided import guides_of
+
+            sp.compiled = guides_of(host.executor).compile(sp.constraint, field)
+    @staticmethod
     def salt(salt: str, field: str) -> str:
         """A prefix-cache salt: at most :data:`MAX_CACHE_SALT_BYTES` bytes (INVALID_ARGUMENT)."""
         if len(salt) > MAX_CACHE_SALT_BYTES or len(salt.encode()) > MAX_CACHE_SALT_BYTES:
@@ -208,7 +223,7 @@ class RequestChecks:
     def prefill_input(self, host: "ModelHost", msg: pb.PrefillInput, field: str) -> PrefillInput:
         """A checked prompt: ids, its cache (if it extends one), the length it may reach."""
         ids = self.tokens(host, msg.token_ids, f"{field}.token_ids")
-        policy = logits_policy(msg.logits, host.vocab_size, f"{field}.logits")
+        policy = self.policy(host, msg.logits, f"{field}.logits")
         prior = self.live_entry(host, msg.cache_id, f"{field}.cache_id").num_tokens if msg.cache_id else 0
         total = max(prior + len(ids), msg.reserve_tokens)
         self.check_length(host, total, f"{field}.reserve_tokens" if msg.reserve_tokens > prior + len(ids)
@@ -229,7 +244,7 @@ class RequestChecks:
         """A checked decode step: a live cache, a token, the position it must be at."""
         entry = self.live_entry(host, msg.cache_id, f"{field}.cache_id")
         check_token(msg.token_id, host.vocab_size, f"{field}.token_id")
-        policy = logits_policy(msg.logits, host.vocab_size, f"{field}.logits")
+        policy = self.policy(host, msg.logits, f"{field}.logits")
         if msg.HasField("position") and msg.position != entry.num_tokens:
             raise errors.failed_precondition(
                 f"{field}.position = {msg.position} but cache {msg.cache_id!r} holds {entry.num_tokens} tokens",
@@ -252,7 +267,7 @@ class RequestChecks:
         self.check_length(host, n + len(q), f"{field}.q_tokens")
         return UnifiedItem(
             seq_id=m.seq_id, q_tokens=q, cache_id=m.cache_id, pos_offset=int(m.pos_offset),
-            is_final_chunk=m.is_final_chunk, policy=logits_policy(m.logits, host.vocab_size, f"{field}.logits"),
+            is_final_chunk=m.is_final_chunk, policy=self.policy(host, m.logits, f"{field}.logits"),
             metadata=struct_to_dict(m.metadata), cache_salt=self.salt(m.cache_salt, f"{field}.cache_salt"),
             bypass_prefix_cache=m.bypass_prefix_cache,
         )

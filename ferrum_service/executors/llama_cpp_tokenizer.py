@@ -36,6 +36,12 @@ class GgufTokenizer:
         n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
         return buf.raw[: max(n, 0)].decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        """The raw bytes a token spells (empty for control tokens), as grammar masks need them."""
+        buf = ctypes.create_string_buffer(256)
+        n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        return buf.raw[: max(n, 0)]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special-token text (``<|im_start|>``) parses as the special token,
         as transformers tokenizers do; ``add_special_tokens`` adds BOS where the model wants it."""

@@ -2133,7 +2133,10 @@ type SamplingParams struct {
 	Seed *uint64 `protobuf:"varint,7,opt,name=seed,proto3,oneof" json:"seed,omitempty"`
 	// Allowed tokens, ferrum's `TokenSelectionMask.valid_token_mask`: one byte per token id, non-zero
 	// = allowed; ids at or past its length are not allowed. Empty = every token allowed.
-	TokenMask     []byte `protobuf:"bytes,8,opt,name=token_mask,json=tokenMask,proto3" json:"token_mask,omitempty"`
+	TokenMask []byte `protobuf:"bytes,8,opt,name=token_mask,json=tokenMask,proto3" json:"token_mask,omitempty"`
+	// Structured output: the tokens sampled from now on must spell text that the constraint accepts
+	// (masks computed on the server with xgrammar). See `OutputConstraint`.
+	Constraint    *OutputConstraint `protobuf:"bytes,9,opt,name=constraint,proto3" json:"constraint,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2224,6 +2227,203 @@ func (x *SamplingParams) GetTokenMask() []byte {
 	return nil
 }
 
+func (x *SamplingParams) GetConstraint() *OutputConstraint {
+	if x != nil {
+		return x.Constraint
+	}
+	return nil
+}
+
+// Server-side structured output. The constraint's state lives with the cache: it starts at the
+// first row sampled with it (the cache's length then), advances with every token the cache takes
+// from then on (the sampled tokens a scheduler feeds back, or Generate's), rolls back with
+// `TruncateKv`, and carries over to a `ForkCache` fork. Once the text is complete only the model's
+// end tokens are allowed. A row is masked before the policy is applied, so log-probabilities, top
+// log-probabilities and full logits are those of the constrained distribution (disallowed tokens
+// are -inf). Needs a model with a tokenizer; a constraint that does not compile is
+// INVALID_ARGUMENT naming the field. A token fed back that the constraint does not allow is
+// FAILED_PRECONDITION at the next constrained row (the cache keeps it; truncate to recover).
+type OutputConstraint struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Kind:
+	//
+	//	*OutputConstraint_JsonSchema
+	//	*OutputConstraint_Regex
+	//	*OutputConstraint_EbnfGrammar
+	//	*OutputConstraint_Choice
+	//	*OutputConstraint_LarkGrammar
+	Kind          isOutputConstraint_Kind `protobuf_oneof:"kind"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OutputConstraint) Reset() {
+	*x = OutputConstraint{}
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OutputConstraint) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OutputConstraint) ProtoMessage() {}
+
+func (x *OutputConstraint) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OutputConstraint.ProtoReflect.Descriptor instead.
+func (*OutputConstraint) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *OutputConstraint) GetKind() isOutputConstraint_Kind {
+	if x != nil {
+		return x.Kind
+	}
+	return nil
+}
+
+func (x *OutputConstraint) GetJsonSchema() string {
+	if x != nil {
+		if x, ok := x.Kind.(*OutputConstraint_JsonSchema); ok {
+			return x.JsonSchema
+		}
+	}
+	return ""
+}
+
+func (x *OutputConstraint) GetRegex() string {
+	if x != nil {
+		if x, ok := x.Kind.(*OutputConstraint_Regex); ok {
+			return x.Regex
+		}
+	}
+	return ""
+}
+
+func (x *OutputConstraint) GetEbnfGrammar() string {
+	if x != nil {
+		if x, ok := x.Kind.(*OutputConstraint_EbnfGrammar); ok {
+			return x.EbnfGrammar
+		}
+	}
+	return ""
+}
+
+func (x *OutputConstraint) GetChoice() *ChoiceList {
+	if x != nil {
+		if x, ok := x.Kind.(*OutputConstraint_Choice); ok {
+			return x.Choice
+		}
+	}
+	return nil
+}
+
+func (x *OutputConstraint) GetLarkGrammar() string {
+	if x != nil {
+		if x, ok := x.Kind.(*OutputConstraint_LarkGrammar); ok {
+			return x.LarkGrammar
+		}
+	}
+	return ""
+}
+
+type isOutputConstraint_Kind interface {
+	isOutputConstraint_Kind()
+}
+
+type OutputConstraint_JsonSchema struct {
+	// A JSON Schema (JSON text): the output is one JSON value valid under it, without
+	// insignificant whitespace. "{}" or "true" allows any JSON value.
+	JsonSchema string `protobuf:"bytes,1,opt,name=json_schema,json=jsonSchema,proto3,oneof"`
+}
+
+type OutputConstraint_Regex struct {
+	// A regular expression the whole output must match.
+	Regex string `protobuf:"bytes,2,opt,name=regex,proto3,oneof"`
+}
+
+type OutputConstraint_EbnfGrammar struct {
+	// A context-free grammar in EBNF (GBNF: llama.cpp's / xgrammar's dialect, `root ::= ...`).
+	EbnfGrammar string `protobuf:"bytes,3,opt,name=ebnf_grammar,json=ebnfGrammar,proto3,oneof"`
+}
+
+type OutputConstraint_Choice struct {
+	// The output is exactly one of these strings.
+	Choice *ChoiceList `protobuf:"bytes,4,opt,name=choice,proto3,oneof"`
+}
+
+type OutputConstraint_LarkGrammar struct {
+	// A context-free grammar in Lark syntax (`start: ...`).
+	LarkGrammar string `protobuf:"bytes,5,opt,name=lark_grammar,json=larkGrammar,proto3,oneof"`
+}
+
+func (*OutputConstraint_JsonSchema) isOutputConstraint_Kind() {}
+
+func (*OutputConstraint_Regex) isOutputConstraint_Kind() {}
+
+func (*OutputConstraint_EbnfGrammar) isOutputConstraint_Kind() {}
+
+func (*OutputConstraint_Choice) isOutputConstraint_Kind() {}
+
+func (*OutputConstraint_LarkGrammar) isOutputConstraint_Kind() {}
+
+// The strings `OutputConstraint.choice` allows (at least one).
+type ChoiceList struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Choices       []string               `protobuf:"bytes,1,rep,name=choices,proto3" json:"choices,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChoiceList) Reset() {
+	*x = ChoiceList{}
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChoiceList) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChoiceList) ProtoMessage() {}
+
+func (x *ChoiceList) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChoiceList.ProtoReflect.Descriptor instead.
+func (*ChoiceList) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *ChoiceList) GetChoices() []string {
+	if x != nil {
+		return x.Choices
+	}
+	return nil
+}
+
 // What a caller wants back from a step. Unset = a greedy token.
 type LogitsPolicy struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -2241,7 +2441,7 @@ type LogitsPolicy struct {
 
 func (x *LogitsPolicy) Reset() {
 	*x = LogitsPolicy{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[16]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2253,7 +2453,7 @@ func (x *LogitsPolicy) String() string {
 func (*LogitsPolicy) ProtoMessage() {}
 
 func (x *LogitsPolicy) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[16]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2266,7 +2466,7 @@ func (x *LogitsPolicy) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LogitsPolicy.ProtoReflect.Descriptor instead.
 func (*LogitsPolicy) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{16}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *LogitsPolicy) GetMode() OutputMode {
@@ -2308,7 +2508,7 @@ type TokenLogprob struct {
 
 func (x *TokenLogprob) Reset() {
 	*x = TokenLogprob{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[17]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2320,7 +2520,7 @@ func (x *TokenLogprob) String() string {
 func (*TokenLogprob) ProtoMessage() {}
 
 func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[17]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2333,7 +2533,7 @@ func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenLogprob.ProtoReflect.Descriptor instead.
 func (*TokenLogprob) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{17}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *TokenLogprob) GetTokenId() int32 {
@@ -2367,7 +2567,7 @@ type LogitsOutput struct {
 
 func (x *LogitsOutput) Reset() {
 	*x = LogitsOutput{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[18]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2379,7 +2579,7 @@ func (x *LogitsOutput) String() string {
 func (*LogitsOutput) ProtoMessage() {}
 
 func (x *LogitsOutput) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[18]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2392,7 +2592,7 @@ func (x *LogitsOutput) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LogitsOutput.ProtoReflect.Descriptor instead.
 func (*LogitsOutput) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{18}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *LogitsOutput) GetTokenId() int32 {
@@ -2440,7 +2640,7 @@ type StepTimings struct {
 
 func (x *StepTimings) Reset() {
 	*x = StepTimings{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[19]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2452,7 +2652,7 @@ func (x *StepTimings) String() string {
 func (*StepTimings) ProtoMessage() {}
 
 func (x *StepTimings) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[19]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2465,7 +2665,7 @@ func (x *StepTimings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepTimings.ProtoReflect.Descriptor instead.
 func (*StepTimings) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{19}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *StepTimings) GetQueuedNs() uint64 {
@@ -2517,7 +2717,7 @@ type StepError struct {
 
 func (x *StepError) Reset() {
 	*x = StepError{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[20]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2529,7 +2729,7 @@ func (x *StepError) String() string {
 func (*StepError) ProtoMessage() {}
 
 func (x *StepError) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[20]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2542,7 +2742,7 @@ func (x *StepError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepError.ProtoReflect.Descriptor instead.
 func (*StepError) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{20}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *StepError) GetCode() int32 {
@@ -2758,7 +2958,7 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"block_size\x18\x01 \x01(\x04R\tblockSize\x12!\n" +
 	"\ftotal_blocks\x18\x02 \x01(\x04R\vtotalBlocks\x12\x1f\n" +
 	"\vfree_blocks\x18\x03 \x01(\x04R\n" +
-	"freeBlocks\"\xb8\x02\n" +
+	"freeBlocks\"\xfe\x02\n" +
 	"\x0eSamplingParams\x12 \n" +
 	"\vtemperature\x18\x01 \x01(\x02R\vtemperature\x12\x13\n" +
 	"\x05top_k\x18\x02 \x01(\rR\x04topK\x12\x18\n" +
@@ -2768,10 +2968,24 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\x11penalty_token_ids\x18\x06 \x03(\x05R\x0fpenaltyTokenIds\x12\x17\n" +
 	"\x04seed\x18\a \x01(\x04H\x02R\x04seed\x88\x01\x01\x12\x1d\n" +
 	"\n" +
-	"token_mask\x18\b \x01(\fR\ttokenMaskB\b\n" +
+	"token_mask\x18\b \x01(\fR\ttokenMask\x12D\n" +
+	"\n" +
+	"constraint\x18\t \x01(\v2$.ferrum.executor.v1.OutputConstraintR\n" +
+	"constraintB\b\n" +
 	"\x06_top_pB\x15\n" +
 	"\x13_repetition_penaltyB\a\n" +
-	"\x05_seed\"\xe6\x01\n" +
+	"\x05_seed\"\xd9\x01\n" +
+	"\x10OutputConstraint\x12!\n" +
+	"\vjson_schema\x18\x01 \x01(\tH\x00R\n" +
+	"jsonSchema\x12\x16\n" +
+	"\x05regex\x18\x02 \x01(\tH\x00R\x05regex\x12#\n" +
+	"\febnf_grammar\x18\x03 \x01(\tH\x00R\vebnfGrammar\x128\n" +
+	"\x06choice\x18\x04 \x01(\v2\x1e.ferrum.executor.v1.ChoiceListH\x00R\x06choice\x12#\n" +
+	"\flark_grammar\x18\x05 \x01(\tH\x00R\vlarkGrammarB\x06\n" +
+	"\x04kind\"&\n" +
+	"\n" +
+	"ChoiceList\x12\x18\n" +
+	"\achoices\x18\x01 \x03(\tR\achoices\"\xe6\x01\n" +
 	"\fLogitsPolicy\x122\n" +
 	"\x04mode\x18\x01 \x01(\x0e2\x1e.ferrum.executor.v1.OutputModeR\x04mode\x12>\n" +
 	"\bsampling\x18\x02 \x01(\v2\".ferrum.executor.v1.SamplingParamsR\bsampling\x12!\n" +
@@ -2895,7 +3109,7 @@ func file_ferrum_executor_v1_types_proto_rawDescGZIP() []byte {
 }
 
 var file_ferrum_executor_v1_types_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_ferrum_executor_v1_types_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_ferrum_executor_v1_types_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
 var file_ferrum_executor_v1_types_proto_goTypes = []any{
 	(DataType)(0),                   // 0: ferrum.executor.v1.DataType
 	(ModelType)(0),                  // 1: ferrum.executor.v1.ModelType
@@ -2919,19 +3133,21 @@ var file_ferrum_executor_v1_types_proto_goTypes = []any{
 	(*KvSlotReservation)(nil),       // 19: ferrum.executor.v1.KvSlotReservation
 	(*KvSlotCapacitySnapshot)(nil),  // 20: ferrum.executor.v1.KvSlotCapacitySnapshot
 	(*SamplingParams)(nil),          // 21: ferrum.executor.v1.SamplingParams
-	(*LogitsPolicy)(nil),            // 22: ferrum.executor.v1.LogitsPolicy
-	(*TokenLogprob)(nil),            // 23: ferrum.executor.v1.TokenLogprob
-	(*LogitsOutput)(nil),            // 24: ferrum.executor.v1.LogitsOutput
-	(*StepTimings)(nil),             // 25: ferrum.executor.v1.StepTimings
-	(*StepError)(nil),               // 26: ferrum.executor.v1.StepError
-	nil,                             // 27: ferrum.executor.v1.StepError.MetadataEntry
-	(*structpb.Struct)(nil),         // 28: google.protobuf.Struct
+	(*OutputConstraint)(nil),        // 22: ferrum.executor.v1.OutputConstraint
+	(*ChoiceList)(nil),              // 23: ferrum.executor.v1.ChoiceList
+	(*LogitsPolicy)(nil),            // 24: ferrum.executor.v1.LogitsPolicy
+	(*TokenLogprob)(nil),            // 25: ferrum.executor.v1.TokenLogprob
+	(*LogitsOutput)(nil),            // 26: ferrum.executor.v1.LogitsOutput
+	(*StepTimings)(nil),             // 27: ferrum.executor.v1.StepTimings
+	(*StepError)(nil),               // 28: ferrum.executor.v1.StepError
+	nil,                             // 29: ferrum.executor.v1.StepError.MetadataEntry
+	(*structpb.Struct)(nil),         // 30: google.protobuf.Struct
 }
 var file_ferrum_executor_v1_types_proto_depIdxs = []int32{
 	0,  // 0: ferrum.executor.v1.Tensor.dtype:type_name -> ferrum.executor.v1.DataType
 	1,  // 1: ferrum.executor.v1.ModelInfo.model_type:type_name -> ferrum.executor.v1.ModelType
 	0,  // 2: ferrum.executor.v1.ModelInfo.dtype:type_name -> ferrum.executor.v1.DataType
-	28, // 3: ferrum.executor.v1.ModelInfo.metadata:type_name -> google.protobuf.Struct
+	30, // 3: ferrum.executor.v1.ModelInfo.metadata:type_name -> google.protobuf.Struct
 	8,  // 4: ferrum.executor.v1.ModelInfo.prefix_cache:type_name -> ferrum.executor.v1.PrefixCacheRecipe
 	2,  // 5: ferrum.executor.v1.ExecutorCapabilities.attention_mechanisms:type_name -> ferrum.executor.v1.AttentionType
 	0,  // 6: ferrum.executor.v1.ExecutorCapabilities.supported_dtypes:type_name -> ferrum.executor.v1.DataType
@@ -2939,18 +3155,20 @@ var file_ferrum_executor_v1_types_proto_depIdxs = []int32{
 	3,  // 8: ferrum.executor.v1.ExecutorStatus.state:type_name -> ferrum.executor.v1.ExecutorState
 	11, // 9: ferrum.executor.v1.ExecutorStatus.memory_usage:type_name -> ferrum.executor.v1.ExecutorMemoryUsage
 	18, // 10: ferrum.executor.v1.KvSlotReservation.allocations:type_name -> ferrum.executor.v1.KvSlotAllocation
-	4,  // 11: ferrum.executor.v1.LogitsPolicy.mode:type_name -> ferrum.executor.v1.OutputMode
-	21, // 12: ferrum.executor.v1.LogitsPolicy.sampling:type_name -> ferrum.executor.v1.SamplingParams
-	0,  // 13: ferrum.executor.v1.LogitsPolicy.logits_dtype:type_name -> ferrum.executor.v1.DataType
-	23, // 14: ferrum.executor.v1.LogitsOutput.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
-	6,  // 15: ferrum.executor.v1.LogitsOutput.logits:type_name -> ferrum.executor.v1.Tensor
-	5,  // 16: ferrum.executor.v1.StepError.kind:type_name -> ferrum.executor.v1.ErrorKind
-	27, // 17: ferrum.executor.v1.StepError.metadata:type_name -> ferrum.executor.v1.StepError.MetadataEntry
-	18, // [18:18] is the sub-list for method output_type
-	18, // [18:18] is the sub-list for method input_type
-	18, // [18:18] is the sub-list for extension type_name
-	18, // [18:18] is the sub-list for extension extendee
-	0,  // [0:18] is the sub-list for field type_name
+	22, // 11: ferrum.executor.v1.SamplingParams.constraint:type_name -> ferrum.executor.v1.OutputConstraint
+	23, // 12: ferrum.executor.v1.OutputConstraint.choice:type_name -> ferrum.executor.v1.ChoiceList
+	4,  // 13: ferrum.executor.v1.LogitsPolicy.mode:type_name -> ferrum.executor.v1.OutputMode
+	21, // 14: ferrum.executor.v1.LogitsPolicy.sampling:type_name -> ferrum.executor.v1.SamplingParams
+	0,  // 15: ferrum.executor.v1.LogitsPolicy.logits_dtype:type_name -> ferrum.executor.v1.DataType
+	25, // 16: ferrum.executor.v1.LogitsOutput.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
+	6,  // 17: ferrum.executor.v1.LogitsOutput.logits:type_name -> ferrum.executor.v1.Tensor
+	5,  // 18: ferrum.executor.v1.StepError.kind:type_name -> ferrum.executor.v1.ErrorKind
+	29, // 19: ferrum.executor.v1.StepError.metadata:type_name -> ferrum.executor.v1.StepError.MetadataEntry
+	20, // [20:20] is the sub-list for method output_type
+	20, // [20:20] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_ferrum_executor_v1_types_proto_init() }
@@ -2962,14 +3180,21 @@ func file_ferrum_executor_v1_types_proto_init() {
 	file_ferrum_executor_v1_types_proto_msgTypes[9].OneofWrappers = []any{}
 	file_ferrum_executor_v1_types_proto_msgTypes[11].OneofWrappers = []any{}
 	file_ferrum_executor_v1_types_proto_msgTypes[15].OneofWrappers = []any{}
-	file_ferrum_executor_v1_types_proto_msgTypes[18].OneofWrappers = []any{}
+	file_ferrum_executor_v1_types_proto_msgTypes[16].OneofWrappers = []any{
+		(*OutputConstraint_JsonSchema)(nil),
+		(*OutputConstraint_Regex)(nil),
+		(*OutputConstraint_EbnfGrammar)(nil),
+		(*OutputConstraint_Choice)(nil),
+		(*OutputConstraint_LarkGrammar)(nil),
+	}
+	file_ferrum_executor_v1_types_proto_msgTypes[20].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ferrum_executor_v1_types_proto_rawDesc), len(file_ferrum_executor_v1_types_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   22,
+			NumMessages:   24,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -455,7 +455,7 @@ class KvSlotCapacitySnapshot(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "penalty_token_ids", "seed", "token_mask")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "penalty_token_ids", "seed", "token_mask", "constraint")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -464,6 +464,7 @@ class SamplingParams(_message.Message):
     PENALTY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASK_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -472,7 +473,28 @@ class SamplingParams(_message.Message):
     penalty_token_ids: _containers.RepeatedScalarFieldContainer[int]
     seed: int
     token_mask: bytes
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., penalty_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., token_mask: _Optional[bytes] = ...) -> None: ...
+    constraint: OutputConstraint
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., penalty_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., token_mask: _Optional[bytes] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ...) -> None: ...
+
+class OutputConstraint(_message.Message):
+    __slots__ = ("json_schema", "regex", "ebnf_grammar", "choice", "lark_grammar")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    EBNF_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    LARK_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    regex: str
+    ebnf_grammar: str
+    choice: ChoiceList
+    lark_grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf_grammar: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., lark_grammar: _Optional[str] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LogitsPolicy(_message.Message):
     __slots__ = ("mode", "sampling", "top_logprobs", "logits_dtype")

@@ -958,6 +958,50 @@ export interface SamplingParams {
    * = allowed; ids at or past its length are not allowed. Empty = every token allowed.
    */
   tokenMask: Buffer;
+  /**
+   * Structured output: the tokens sampled from now on must spell text that the constraint accepts
+   * (masks computed on the server with xgrammar). See `OutputConstraint`.
+   */
+  constraint: OutputConstraint | undefined;
+}
+
+/**
+ * Server-side structured output. The constraint's state lives with the cache: it starts at the
+ * first row sampled with it (the cache's length then), advances with every token the cache takes
+ * from then on (the sampled tokens a scheduler feeds back, or Generate's), rolls back with
+ * `TruncateKv`, and carries over to a `ForkCache` fork. Once the text is complete only the model's
+ * end tokens are allowed. A row is masked before the policy is applied, so log-probabilities, top
+ * log-probabilities and full logits are those of the constrained distribution (disallowed tokens
+ * are -inf). Needs a model with a tokenizer; a constraint that does not compile is
+ * INVALID_ARGUMENT naming the field. A token fed back that the constraint does not allow is
+ * FAILED_PRECONDITION at the next constrained row (the cache keeps it; truncate to recover).
+ */
+export interface OutputConstraint {
+  kind:
+    | //
+    /**
+     * A JSON Schema (JSON text): the output is one JSON value valid under it, without
+     * insignificant whitespace. "{}" or "true" allows any JSON value.
+     */
+    { $case: "jsonSchema"; jsonSchema: string }
+    | //
+    /** A regular expression the whole output must match. */
+    { $case: "regex"; regex: string }
+    | //
+    /** A context-free grammar in EBNF (GBNF: llama.cpp's / xgrammar's dialect, `root ::= ...`). */
+    { $case: "ebnfGrammar"; ebnfGrammar: string }
+    | //
+    /** The output is exactly one of these strings. */
+    { $case: "choice"; choice: ChoiceList }
+    | //
+    /** A context-free grammar in Lark syntax (`start: ...`). */
+    { $case: "larkGrammar"; larkGrammar: string }
+    | undefined;
+}
+
+/** The strings `OutputConstraint.choice` allows (at least one). */
+export interface ChoiceList {
+  choices: string[];
 }
 
 /** What a caller wants back from a step. Unset = a greedy token. */
@@ -4293,6 +4337,7 @@ function createBaseSamplingParams(): SamplingParams {
     penaltyTokenIds: [],
     seed: undefined,
     tokenMask: Buffer.alloc(0),
+    constraint: undefined,
   };
 }
 
@@ -4325,6 +4370,9 @@ export const SamplingParams: MessageFns<SamplingParams> = {
     }
     if (message.tokenMask.length !== 0) {
       writer.uint32(66).bytes(message.tokenMask);
+    }
+    if (message.constraint !== undefined) {
+      OutputConstraint.encode(message.constraint, writer.uint32(74).fork()).join();
     }
     return writer;
   },
@@ -4416,6 +4464,14 @@ export const SamplingParams: MessageFns<SamplingParams> = {
             message.tokenMask = Buffer.from(reader.bytes());
             continue;
           }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.constraint = OutputConstraint.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -4462,6 +4518,7 @@ export const SamplingParams: MessageFns<SamplingParams> = {
         : isSet(object.token_mask)
         ? Buffer.from(bytesFromBase64(object.token_mask))
         : Buffer.alloc(0),
+      constraint: isSet(object.constraint) ? OutputConstraint.fromJSON(object.constraint) : undefined,
     };
   },
 
@@ -4491,6 +4548,9 @@ export const SamplingParams: MessageFns<SamplingParams> = {
     if (message.tokenMask.length !== 0) {
       obj.tokenMask = base64FromBytes(message.tokenMask);
     }
+    if (message.constraint !== undefined) {
+      obj.constraint = OutputConstraint.toJSON(message.constraint);
+    }
     return obj;
   },
 
@@ -4507,6 +4567,248 @@ export const SamplingParams: MessageFns<SamplingParams> = {
     message.penaltyTokenIds = object.penaltyTokenIds?.map((e) => e) || [];
     message.seed = object.seed ?? undefined;
     message.tokenMask = object.tokenMask ?? Buffer.alloc(0);
+    message.constraint = (object.constraint !== undefined && object.constraint !== null)
+      ? OutputConstraint.fromPartial(object.constraint)
+      : undefined;
+    return message;
+  },
+};
+
+function createBaseOutputConstraint(): OutputConstraint {
+  return { kind: undefined };
+}
+
+export const OutputConstraint: MessageFns<OutputConstraint> = {
+  encode(message: OutputConstraint, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    switch (message.kind?.$case) {
+      case "jsonSchema":
+        writer.uint32(10).string(message.kind.jsonSchema);
+        break;
+      case "regex":
+        writer.uint32(18).string(message.kind.regex);
+        break;
+      case "ebnfGrammar":
+        writer.uint32(26).string(message.kind.ebnfGrammar);
+        break;
+      case "choice":
+        ChoiceList.encode(message.kind.choice, writer.uint32(34).fork()).join();
+        break;
+      case "larkGrammar":
+        writer.uint32(42).string(message.kind.larkGrammar);
+        break;
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): OutputConstraint {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseOutputConstraint();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.kind = { $case: "jsonSchema", jsonSchema: reader.string() };
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.kind = { $case: "regex", regex: reader.string() };
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.kind = { $case: "ebnfGrammar", ebnfGrammar: reader.string() };
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.kind = { $case: "choice", choice: ChoiceList.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.kind = { $case: "larkGrammar", larkGrammar: reader.string() };
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): OutputConstraint {
+    return {
+      kind: isSet(object.jsonSchema)
+        ? { $case: "jsonSchema", jsonSchema: globalThis.String(object.jsonSchema) }
+        : isSet(object.json_schema)
+        ? { $case: "jsonSchema", jsonSchema: globalThis.String(object.json_schema) }
+        : isSet(object.regex)
+        ? { $case: "regex", regex: globalThis.String(object.regex) }
+        : isSet(object.ebnfGrammar)
+        ? { $case: "ebnfGrammar", ebnfGrammar: globalThis.String(object.ebnfGrammar) }
+        : isSet(object.ebnf_grammar)
+        ? { $case: "ebnfGrammar", ebnfGrammar: globalThis.String(object.ebnf_grammar) }
+        : isSet(object.choice)
+        ? { $case: "choice", choice: ChoiceList.fromJSON(object.choice) }
+        : isSet(object.larkGrammar)
+        ? { $case: "larkGrammar", larkGrammar: globalThis.String(object.larkGrammar) }
+        : isSet(object.lark_grammar)
+        ? { $case: "larkGrammar", larkGrammar: globalThis.String(object.lark_grammar) }
+        : undefined,
+    };
+  },
+
+  toJSON(message: OutputConstraint): unknown {
+    const obj: any = {};
+    if (message.kind?.$case === "jsonSchema") {
+      obj.jsonSchema = message.kind.jsonSchema;
+    } else if (message.kind?.$case === "regex") {
+      obj.regex = message.kind.regex;
+    } else if (message.kind?.$case === "ebnfGrammar") {
+      obj.ebnfGrammar = message.kind.ebnfGrammar;
+    } else if (message.kind?.$case === "choice") {
+      obj.choice = ChoiceList.toJSON(message.kind.choice);
+    } else if (message.kind?.$case === "larkGrammar") {
+      obj.larkGrammar = message.kind.larkGrammar;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<OutputConstraint>, I>>(base?: I): OutputConstraint {
+    return OutputConstraint.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<OutputConstraint>, I>>(object: I): OutputConstraint {
+    const message = createBaseOutputConstraint();
+    switch (object.kind?.$case) {
+      case "jsonSchema": {
+        if (object.kind?.jsonSchema !== undefined && object.kind?.jsonSchema !== null) {
+          message.kind = { $case: "jsonSchema", jsonSchema: object.kind.jsonSchema };
+        }
+        break;
+      }
+      case "regex": {
+        if (object.kind?.regex !== undefined && object.kind?.regex !== null) {
+          message.kind = { $case: "regex", regex: object.kind.regex };
+        }
+        break;
+      }
+      case "ebnfGrammar": {
+        if (object.kind?.ebnfGrammar !== undefined && object.kind?.ebnfGrammar !== null) {
+          message.kind = { $case: "ebnfGrammar", ebnfGrammar: object.kind.ebnfGrammar };
+        }
+        break;
+      }
+      case "choice": {
+        if (object.kind?.choice !== undefined && object.kind?.choice !== null) {
+          message.kind = { $case: "choice", choice: ChoiceList.fromPartial(object.kind.choice) };
+        }
+        break;
+      }
+      case "larkGrammar": {
+        if (object.kind?.larkGrammar !== undefined && object.kind?.larkGrammar !== null) {
+          message.kind = { $case: "larkGrammar", larkGrammar: object.kind.larkGrammar };
+        }
+        break;
+      }
+    }
+    return message;
+  },
+};
+
+function createBaseChoiceList(): ChoiceList {
+  return { choices: [] };
+}
+
+export const ChoiceList: MessageFns<ChoiceList> = {
+  encode(message: ChoiceList, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    for (const v of message.choices) {
+      writer.uint32(10).string(v!);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ChoiceList {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseChoiceList();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.choices.push(reader.string());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ChoiceList {
+    return {
+      choices: globalThis.Array.isArray(object?.choices) ? object.choices.map((e: any) => globalThis.String(e)) : [],
+    };
+  },
+
+  toJSON(message: ChoiceList): unknown {
+    const obj: any = {};
+    if (message.choices?.length) {
+      obj.choices = message.choices;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ChoiceList>, I>>(base?: I): ChoiceList {
+    return ChoiceList.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ChoiceList>, I>>(object: I): ChoiceList {
+    const message = createBaseChoiceList();
+    message.choices = object.choices?.map((e) => e) || [];
     return message;
   },
 };
