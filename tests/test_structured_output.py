@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from ferrum_client import Client, pb, tpb
+from ferrum_client import messages as m
 from ferrum_service.executors.configurable import ConfigurableModelExecutor
 
 from .support.servers import InProcessServer
@@ -162,3 +163,19 @@ def test_refusals_without_a_tokenizer_and_in_verify(server):
                                                      token_ids=[3, 4], logits=pol))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     c.stub.ReleaseCache(pb.ReleaseCacheRequest(model_id="smollm2", cache_id=out.cache.cache_id))
+
+
+def test_python_client_helpers(server):
+    srv, c = server
+    choices = ["red", "green", "blue"]
+    evs = list(c.generate("smollm2", chat=[("user", "Pick a colour.")], max_tokens=8, temperature=0.5, seed=2,
+                          constraint=m.constraint(choices=choices)))
+    assert evs[-1].finished.text in choices
+    schema = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+    pol = m.sampled(m.sampling(0.0, constraint=m.constraint(json_schema=schema)))
+    tok = srv.models.get("smollm2").executor.tokenizer
+    out = c.prefill("smollm2", tok.encode("JSON: "), policy=pol).output
+    assert tok.decode([out.output.token_id]) in ('{', '{"')  # the schema's first character(s)
+    c.release_cache("smollm2", out.cache.cache_id)
+    with pytest.raises(ValueError):
+        m.constraint(regex="a", choices=["b"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -12,12 +13,31 @@ from ._proto.ferrum.executor.v1 import types_pb2 as tpb
 _DTYPES = {"fp32": tpb.DATA_TYPE_FP32, "fp16": tpb.DATA_TYPE_FP16, "bf16": tpb.DATA_TYPE_BF16}
 
 
+def constraint(*, json_schema: str | dict | None = None, regex: str | None = None, ebnf_grammar: str | None = None,
+               lark_grammar: str | None = None, choices: Sequence[str] | None = None) -> tpb.OutputConstraint:
+    """``OutputConstraint`` (structured output): exactly one of a JSON schema (a dict or its JSON
+    text), a regex, an EBNF or Lark grammar, or a list of choices."""
+    given = {k: v for k, v in dict(json_schema=json_schema, regex=regex, ebnf_grammar=ebnf_grammar,
+                                   lark_grammar=lark_grammar, choices=choices).items() if v is not None}
+    if len(given) != 1:
+        raise ValueError(f"give exactly one constraint, not {sorted(given) or 'none'}")
+    (kind, value), = given.items()
+    if kind == "choices":
+        return tpb.OutputConstraint(choice=tpb.ChoiceList(choices=list(value)))
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    return tpb.OutputConstraint(**{kind: value})
+
+
 def sampling(temperature: float = 0.0, *, top_k: int = 0, top_p: float | None = None, min_p: float = 0.0,
              repetition_penalty: float | None = None, penalty_token_ids: Sequence[int] = (),
-             seed: int | None = None, token_mask: bytes = b"") -> tpb.SamplingParams:
-    """``SamplingParams``; the defaults are greedy."""
+             seed: int | None = None, token_mask: bytes = b"",
+             constraint: tpb.OutputConstraint | None = None) -> tpb.SamplingParams:
+    """``SamplingParams``; the defaults are greedy. ``constraint``: see :func:`constraint`."""
     sp = tpb.SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p,
                             penalty_token_ids=list(penalty_token_ids), token_mask=token_mask)
+    if constraint is not None:
+        sp.constraint.CopyFrom(constraint)
     if top_p is not None:
         sp.top_p = top_p
     if repetition_penalty is not None:
@@ -114,15 +134,16 @@ def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, t
                      stop_token_ids: Sequence[int] = (), stop_sequences: Sequence[str] = (), ignore_eos: bool = False,
                      top_logprobs: int = 0, keep_cache: bool = False, stream_text: bool = False,
                      request_id: str = "", cache_salt: str = "", bypass_prefix_cache: bool = False,
-                     n: int = 1) -> pb.GenerateRequest:
+                     n: int = 1, constraint: tpb.OutputConstraint | None = None) -> pb.GenerateRequest:
     """``GenerateRequest``: the prompt as ``token_ids``, ``text`` or ``chat`` (or continue
     ``cache_id`` from ``last_token_id``). ``n`` samples of one prompt share its prefilled KV
     (events carry ``sample_index``; sample ``i`` uses seed ``seed + i * 0x9E3779B9``); ``cache_salt`` /
-    ``bypass_prefix_cache`` control prefix caching as in :func:`prefill_input`."""
+    ``bypass_prefix_cache`` control prefix caching as in :func:`prefill_input`; ``constraint``
+    (:func:`constraint`) makes the output follow a JSON schema, regex, grammar or choice list."""
     req = pb.GenerateRequest(
         model_id=model_id, cache_id=cache_id,
         sampling=sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                          repetition_penalty=repetition_penalty, seed=seed),
+                          repetition_penalty=repetition_penalty, seed=seed, constraint=constraint),
         stop=pb.StopConditions(max_tokens=max_tokens, stop_token_ids=list(stop_token_ids),
                                stop_sequences=list(stop_sequences), ignore_eos=ignore_eos),
         top_logprobs=top_logprobs, keep_cache=keep_cache, stream_text=stream_text, request_id=request_id,
