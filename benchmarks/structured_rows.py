@@ -1,0 +1,95 @@
+"""Structured output (issue 17): Generate tok/s with a JSON-schema constraint ÷ the same Generate
+without one, at 1 and 8 concurrent streams (target ≥ 0.85), on the default SmolLM2 executor
+(llama.cpp on CPU), served as a subprocess.
+
+    .venv/bin/python -m benchmarks.structured_rows [--quick] [--spec smollm2-llama] [--threads N]
+
+Both sides sample (temperature 0.8, seeded, ``ignore_eos`` off) from the same chat prompt with
+``max_tokens``; the constrained side's schema lets the JSON run long (a list of up to 40 short
+strings) so that both sides generate about as many tokens. tok/s = generated tokens ÷ wall time of
+the whole batch of streams; the two sides alternate, three rounds, median. Each row is timed
+between two runs of ``reference_workload()`` (drift > 15 % = ``busy``). Writes
+``results/structured_rows.json`` and prints a Markdown table and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from .common import REPO, Server, median
+from .llama_cpp_rows import DRIFT_LIMIT, timed_row
+
+SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 40},
+    "items": {"type": "array", "maxItems": 40, "items": {"type": "string", "maxLength": 24}}},
+    "required": ["title", "items"]}
+PROMPT = "List many fruits and vegetables as JSON with a title and an items array."
+
+
+def _run(target: str, streams: int, max_tokens: int, constrained: bool, seed0: int) -> tuple[int, float]:
+    from ferrum_client import Client
+    from ferrum_client import messages as m
+
+    cons = m.constraint(json_schema=SCHEMA) if constrained else None
+
+    def one(i: int) -> int:
+        with Client(target) as c:
+            evs = list(c.generate("smollm2", chat=[("user", PROMPT)], max_tokens=max_tokens, temperature=0.8,
+                                  seed=seed0 + i, constraint=cons, bypass_prefix_cache=True))
+            fin = evs[-1].finished
+            if constrained and fin.finish_reason == 3:  # EOS: the text must be the schema's JSON
+                json.loads(fin.text)
+            return fin.generated_tokens
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        tokens = sum(pool.map(one, range(streams)))
+    return tokens, time.perf_counter() - t0
+
+
+def row(target: str, streams: int, max_tokens: int, rounds: int) -> dict:
+    _run(target, streams, 8, True, 0)  # compile the schema and warm both paths
+    rates = {True: [], False: []}
+    toks = {True: [], False: []}
+    for r in range(rounds):
+        for constrained in ((True, False) if r % 2 else (False, True)):
+            n, dt = _run(target, streams, max_tokens, constrained, 100 * r)
+            rates[constrained].append(n / dt)
+            toks[constrained].append(n / streams)
+    return {"streams": streams, "constrained_tok_s": median(rates[True]), "plain_tok_s": median(rates[False]),
+            "ratio": median(rates[True]) / median(rates[False]),
+            "tokens_per_stream": {"constrained": median(toks[True]), "plain": median(toks[False])}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--spec", default="smollm2-llama")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    a = ap.parse_args()
+    max_tokens, rounds = (48, 1) if a.quick else (96, 3)
+    results = []
+    with Server(a.spec, threads=a.threads, name="structured_rows") as srv:
+        for streams in (1, 8):
+            out, drift = timed_row(lambda: row(srv.target, streams, max_tokens, rounds))
+            out["drift"] = drift
+            out["busy"] = drift > DRIFT_LIMIT
+            results.append(out)
+    load = os.getloadavg()
+    path = REPO / "benchmarks" / "results" / "structured_rows.json"
+    path.write_text(json.dumps({"spec": a.spec, "max_tokens": max_tokens, "rounds": rounds, "loadavg": load,
+                                "rows": results}, indent=2))
+    print("| streams | JSON schema tok/s | plain tok/s | ratio | target | drift |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['streams']} | {r['constrained_tok_s']:.1f} | {r['plain_tok_s']:.1f} | {r['ratio']:.2f} | ≥ 0.85 | "
+              f"{100 * r['drift']:.0f} %{' (busy)' if r['busy'] else ''} |")
+    print(f"load average: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
