@@ -15,6 +15,7 @@ from ferrum_service.types import DecodeInput, PrefillInput
 
 from .support.servers import InProcessServer
 from .test_llama_cpp import TOL, _gguf
+from .test_prefix_cache import _mirror
 
 pytest.importorskip("llama_cpp")
 
@@ -31,15 +32,7 @@ def llc():
     for e in ex.registry.entries():
         ex.release_cache(e.cache_id)
     assert ex.live_sequences() == 0 and ex.kv_cells_used() == 0
-    mirror: set[bytes] = set()
-    for kind, data in events:
-        if kind == "stored":
-            mirror.update(data["block_hashes"])
-        elif kind == "removed":
-            mirror.difference_update(data["block_hashes"])
-        else:
-            mirror.clear()
-    assert mirror == set(ex.prefix.index)
+    assert _mirror(events) == set(ex.prefix.index)  # block events replayed give the cached set
     ex.shutdown()
     assert len(ex._free_seq) == ex.n_seq and not ex.prefix.index
 

@@ -660,13 +660,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
     def fork_cache(self, cache_id: str, keep_tokens: int | None = None, reserve_tokens: int = 0) -> tuple[CacheEntry, int]:
         """A new cache holding ``cache_id``'s first ``keep_tokens`` tokens, sharing their blocks
         (copy-on-write). Returns (the new entry, blocks shared)."""
-        if self.state == "shutdown":
-            raise errors.unavailable(f"model {self.model_id!r} is shut down")
-        src = self.registry.get(cache_id)
-        keep = src.num_tokens if keep_tokens is None else int(keep_tokens)
-        if not 1 <= keep <= src.num_tokens:
-            raise errors.out_of_range(f"keep_tokens must be in [1, {src.num_tokens}], not {keep}",
-                                      field="keep_tokens", num_tokens=src.num_tokens)
+        src, keep = self._fork_source(cache_id, keep_tokens)
         reserve = int(reserve_tokens or 0)
         self.registry.check_sequence_length(max(keep, reserve), "reserve_tokens", self.max_sequence_length)
         shared = src.payload.blocks[: self.pool.blocks_for(keep)]

@@ -106,6 +106,18 @@ class ItemStepExecutor(ModelExecutor):
         ((entry, rows),) = self._step([StepItem(entry, list(token_ids), "all")], "token_ids")
         return VerifyOutput(rows=rows, cache=self.handle(entry), base_len=base)
 
+    def _fork_source(self, cache_id: str, keep_tokens: int | None) -> tuple[CacheEntry, int]:
+        """The cache a fork copies and how many of its tokens (all when ``keep_tokens`` is None;
+        OUT_OF_RANGE outside ``[1, its length]``)."""
+        if self.state == "shutdown":
+            raise errors.unavailable(f"model {self.model_id!r} is shut down")
+        src = self.registry.get(cache_id)
+        keep = src.num_tokens if keep_tokens is None else int(keep_tokens)
+        if not 1 <= keep <= src.num_tokens:
+            raise errors.out_of_range(f"keep_tokens must be in [1, {src.num_tokens}], not {keep}",
+                                      field="keep_tokens", num_tokens=src.num_tokens)
+        return src, keep
+
     # ---- items and outputs ------------------------------------------------------------------------
     def _prefill_items(self, inputs: list[PrefillInput], field: str) -> list[StepItem]:
         items = []

@@ -355,13 +355,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         both sequence ids; later writes of either go to new cells, so neither sees the other's).
         The registry still counts the fork's tokens in full (the budget is conservative). Returns
         (the new entry, cells shared)."""
-        if self.state == "shutdown":
-            raise errors.unavailable(f"model {self.model_id!r} is shut down")
-        src = self.registry.get(cache_id)
-        keep = src.num_tokens if keep_tokens is None else int(keep_tokens)
-        if not 1 <= keep <= src.num_tokens:
-            raise errors.out_of_range(f"keep_tokens must be in [1, {src.num_tokens}], not {keep}",
-                                      field="keep_tokens", num_tokens=src.num_tokens)
+        src, keep = self._fork_source(cache_id, keep_tokens)
         if not self._free_seq and not self.prefix.evictable:
             raise errors.exhausted(f"cache_id: all {self.n_seq} sequence ids are in use", field="cache_id")
         self.registry.check_sequence_length(max(keep, int(reserve_tokens or 0)), "reserve_tokens",
