@@ -33,7 +33,9 @@ _tracer: Any = None  # an opentelemetry Tracer while tracing is on
 _propagator: Any = None
 _provider: Any = None
 _current: contextvars.ContextVar[Any] = contextvars.ContextVar("ferrum_span", default=None)
-# perf_counter_ns -> epoch ns (steps are timed with perf_counter; spans need wall-clock times)
+# perf_counter_ns -> epoch ns (steps are timed with perf_counter; spans need wall-clock times).
+# Every span's start and end come from perf_counter through this one offset, so a parent always
+# encloses its children even when the wall clock is stepped or slewed while the server runs.
 _EPOCH_OFFSET = time.time_ns() - time.perf_counter_ns()
 
 
@@ -79,6 +81,10 @@ def _epoch(perf_ns: int) -> int:
     return perf_ns + _EPOCH_OFFSET
 
 
+def _now() -> int:
+    return _epoch(time.perf_counter_ns())
+
+
 # ---- RPC spans ------------------------------------------------------------------------------------
 def start_rpc(rpc: str, metadata, **attrs: Any) -> Any:
     """Start the span of one RPC (continuing a ``traceparent`` in ``metadata``) and make it this
@@ -90,7 +96,7 @@ def start_rpc(rpc: str, metadata, **attrs: Any) -> Any:
     carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
     span = _tracer.start_span(f"ferrum.executor.v1.ModelExecutor/{rpc}", context=_propagator.extract(carrier),
                               kind=SpanKind.SERVER, attributes={"rpc.system": "grpc", "rpc.method": rpc,
-                                                                **_clean(attrs)})
+                                                                **_clean(attrs)}, start_time=_now())
     _current.set(span)
     return span
 
@@ -100,7 +106,7 @@ def start_child(name: str, **attrs: Any) -> Any:
     if _tracer is None:
         return None
     parent = _current.get()
-    span = _tracer.start_span(name, context=_in(parent), attributes=_clean(attrs))
+    span = _tracer.start_span(name, context=_in(parent), attributes=_clean(attrs), start_time=_now())
     _current.set(span)
     return span
 
@@ -114,7 +120,7 @@ def end(span: Any, code: str = "OK", restore: Any = None) -> None:
     span.set_attribute("rpc.grpc.status_code", code)
     if code not in ("OK", "CANCELLED"):
         span.set_status(Status(StatusCode.ERROR, code))
-    span.end()
+    span.end(end_time=_now())
     _current.set(restore)
 
 
