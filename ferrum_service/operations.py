@@ -322,23 +322,48 @@ class Operations:
             entry.guide = guide.spawn(guides_of(ex).compile(guide.spec, "cache_id"))
         return ex.handle(entry), shared
 
-    async def reserve_kv_slots(self, req: pb.ReserveKvSlotsRequest) -> pb.ReserveKvSlotsResponse:
-        """ferrum's paged admission: grow each named cache's block reservation, all or nothing."""
+    async def reserve_kv_slots(self, req: pb.ReserveKvSlotsRequest, owner: str = "") -> pb.ReserveKvSlotsResponse:
+        """ferrum's paged admission: grow each named cache's block reservation, all or nothing. A
+        ``new_sequence`` request names a sequence the server has never seen (ferrum's engine names
+        a new sequence by its own KV allocation id): the executor creates an empty cache holding
+        the reservation and its id comes back as ``created_cache_id``; it belongs to the caller
+        like a cache made by a unary ``Prefill`` (the idle lease applies)."""
         host = self.models.get(req.model_id)
         reqs = []
         for i, r in enumerate(req.requests):
-            self.checks.live_entry(host, r.cache_id, f"requests[{i}].cache_id")
+            field = f"requests[{i}].cache_id"
+            if r.new_sequence:
+                if not r.cache_id:
+                    raise errors.invalid(f"{field} is empty: a new sequence needs the caller's name for it",
+                                         field=field)
+                host.check_up()
+            else:
+                self.checks.live_entry(host, r.cache_id, field)
             reqs.append(KvSlotRequest(r.cache_id, int(r.target_len),
-                                      int(r.admission_target_len) if r.HasField("admission_target_len") else None))
-        with host.hold([r.cache_id for r in reqs], "requests.cache_id"):
-            res = (await host.call(host.executor.reserve_kv_slots, reqs)).value
+                                      int(r.admission_target_len) if r.HasField("admission_target_len") else None,
+                                      new_sequence=r.new_sequence))
+        self.checks.unique([r.cache_id for r in reqs], "requests.cache_id")
+        known = [r.cache_id for r in reqs if not r.new_sequence]
+
+        def orphaned(value) -> None:
+            for a in (value.allocations if value is not None else []):
+                if a.created_cache_id:
+                    host.release_soon(a.created_cache_id, "reclaimed")
+
+        with host.hold(known, "requests.cache_id"):
+            res = (await host.call(host.executor.reserve_kv_slots, reqs, on_orphan=orphaned)).value
         resp = pb.ReserveKvSlotsResponse()
         if res is not None:
+            reg = host.executor.registry
+            for a in res.allocations:
+                if a.created_cache_id and a.created_cache_id in reg:
+                    self.checks.adopt(reg.get(a.created_cache_id), owner)
             resp.reservation.CopyFrom(tpb.KvSlotReservation(
                 block_size=res.block_size, total_blocks=res.total_blocks,
                 free_blocks_before=res.free_blocks_before, free_blocks_after=res.free_blocks_after,
                 allocations=[tpb.KvSlotAllocation(cache_id=a.cache_id, blocks_before=a.blocks_before,
-                                                  blocks_after=a.blocks_after, new_blocks=a.new_blocks)
+                                                  blocks_after=a.blocks_after, new_blocks=a.new_blocks,
+                                                  created_cache_id=a.created_cache_id)
                              for a in res.allocations]))
         return resp
 

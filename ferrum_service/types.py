@@ -265,6 +265,9 @@ class KvSlotRequest:
     cache_id: str
     target_len: int
     admission_target_len: int | None = None
+    # True: ``cache_id`` is the caller's name for a sequence with no cache yet; the executor
+    # creates an empty cache holding the reservation (``KvSlotAllocation.created_cache_id``).
+    new_sequence: bool = False
 
 
 @dataclass
@@ -273,6 +276,7 @@ class KvSlotAllocation:
     blocks_before: int
     blocks_after: int
     new_blocks: int
+    created_cache_id: str = ""  # the cache made for a ``new_sequence`` request
 
 
 @dataclass

@@ -338,6 +338,33 @@ def test_reserve_kv_slots_allocates_up_front_all_or_nothing(small_budget):
     assert ex.kv_slot_capacity().free_blocks == 4 and ex.registry.free_tokens == 64
 
 
+def test_reserve_kv_slots_for_a_new_sequence_creates_the_cache_its_first_step_fills(small_budget):
+    """Issue 15 (1): a ``new_sequence`` request (ferrum's engine reserves for a sequence before its
+    first step, under its own name) creates an empty cache holding the blocks; a unified item on
+    that cache at position 0 is the prompt and gives the same logits as a fresh prefill. All or
+    nothing: a reservation that does not fit creates nothing."""
+    from ferrum_service.types import KvSlotRequest
+
+    ex = small_budget  # 64 tokens = 4 blocks of 16
+    res = ex.reserve_kv_slots([KvSlotRequest("engine-seq-1", 20, new_sequence=True)])
+    (a,) = res.allocations
+    assert a.cache_id == "engine-seq-1" and a.created_cache_id and a.created_cache_id != "engine-seq-1"
+    assert (a.blocks_before, a.blocks_after, a.new_blocks) == (0, 2, 2) and res.free_blocks_after == 2
+    entry = ex.registry.get(a.created_cache_id)
+    assert entry.num_tokens == 0 and entry.reserved_total == 20
+    prompt = _prompt(31, 12)
+    (r,) = ex.unified_decode([UnifiedItem(seq_id="engine-seq-1", q_tokens=prompt, cache_id=a.created_cache_id)])
+    assert r.cache.cache_id == a.created_cache_id and r.cache.num_tokens == 12
+    assert ex.pool.used_blocks == 2  # grew inside its reservation
+    assert _maxdiff(r.logits, _full(ex, prompt)[-1]) < TOL
+    with pytest.raises(FerrumError) as e:  # 2 blocks free: the second new sequence cannot fit
+        ex.reserve_kv_slots([KvSlotRequest("s2", 16, new_sequence=True), KvSlotRequest("s3", 17, new_sequence=True)])
+    assert e.value.kind == ErrorKind.RESOURCE_EXHAUSTED
+    assert len(ex.registry) == 1 and ex.pool.used_blocks == 2
+    ex.release_cache(a.created_cache_id)
+    assert ex.pool.used_blocks == 0 and ex.registry.free_tokens == 64
+
+
 def test_failed_forward_leaves_no_trace(tiny_llama):
     ex = HfCausalLmExecutor(tiny_llama.model, tiny_llama.tokenizer, model_id="tiny-err", kv_budget_tokens=256)
     a = ex.prefill(PrefillInput(token_ids=[5] * 16, policy=NONE)).cache.cache_id

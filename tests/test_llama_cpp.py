@@ -11,7 +11,7 @@ import torch
 
 from ferrum_client import Client, FerrumRpcError
 from ferrum_service.errors import FerrumError
-from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
+from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
 
 from .support.servers import InProcessServer
 
@@ -175,6 +175,25 @@ def test_reserve_kv_slots_books_the_budget(ex):
     with pytest.raises(FerrumError):
         ex.reserve_kv_slots([KvSlotRequest(cache_id=cid, target_len=ex.registry.total_tokens + 1)])
     assert ex.registry.free_tokens == ex.registry.total_tokens - 100
+
+
+def test_reserve_kv_slots_for_a_new_sequence_takes_a_sequence_id(ex):
+    """Issue 15 (1): a ``new_sequence`` reservation creates an empty cache (a llama.cpp sequence
+    id holding the promise) that a unified item at position 0 fills like a fresh prompt."""
+    from ferrum_service.types import KvSlotRequest
+
+    seqs = ex.live_sequences()
+    r = ex.reserve_kv_slots([KvSlotRequest(cache_id="engine-seq", target_len=40, new_sequence=True)])
+    (a,) = r.allocations
+    assert a.cache_id == "engine-seq" and a.created_cache_id and a.new_blocks == 40
+    assert ex.live_sequences() == seqs + 1 and ex.registry.get(a.created_cache_id).num_tokens == 0
+    prompt = _prompt(23, 9)
+    (u,) = ex.unified_decode([UnifiedItem(seq_id="engine-seq", q_tokens=prompt, cache_id=a.created_cache_id)])
+    ref = ex.prefill(PrefillInput(token_ids=prompt))
+    assert u.cache.num_tokens == 9 and _maxdiff(u.logits, ref.logits) < TOL
+    for c in (a.created_cache_id, ref.cache.cache_id):
+        ex.release_cache(c)
+    assert ex.live_sequences() == seqs
 
 
 def test_sequence_ids_are_recycled(small_server):

@@ -252,6 +252,34 @@ def test_kv_slot_rpcs_report_and_reserve_the_paged_pool(tc):
     assert tc.kv_slot_capacity("tiny").snapshot.free_blocks == 512
 
 
+def test_reserve_kv_slots_for_a_new_sequence_then_unified_decode_fills_it(tc):
+    """Issue 15 (1), over the wire: ``new_sequence`` names a sequence the server has never seen;
+    the created cache comes back in ``created_cache_id``, and the first UnifiedDecode item on it
+    (pos_offset 0) is the prompt: the same token as Generate's first."""
+    from ferrum_client import tpb
+
+    free = tc.kv_slot_capacity("tiny").snapshot.free_blocks
+    r = tc.reserve_kv_slots("tiny", [tpb.KvSlotRequest(cache_id="engine-7", target_len=40, new_sequence=True)])
+    (a,) = r.reservation.allocations
+    assert a.cache_id == "engine-7" and a.created_cache_id
+    assert (a.blocks_before, a.new_blocks) == (0, 3) and tc.kv_slot_capacity("tiny").snapshot.free_blocks == free - 3
+    prompt = [1, 100, 200, 300]
+    item = pb.UnifiedBatchItem(seq_id="engine-7", q_tokens=prompt, cache_id=a.created_cache_id, pos_offset=0,
+                               is_final_chunk=True, logits=m.greedy())
+    (res,) = tc.unified_decode("tiny", [item]).results
+    first = next(iter(tc.generate("tiny", token_ids=prompt, max_tokens=1).tokens()))
+    assert res.cache.cache_id == a.created_cache_id and res.cache.num_tokens == 4
+    assert res.output.token_id == first
+    with pytest.raises(FerrumRpcError) as e:  # without new_sequence an unknown name is NOT_FOUND
+        tc.reserve_kv_slots("tiny", [tpb.KvSlotRequest(cache_id="engine-8", target_len=4)])
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(FerrumRpcError) as e:  # a new sequence needs a name
+        tc.reserve_kv_slots("tiny", [tpb.KvSlotRequest(target_len=4, new_sequence=True)])
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    tc.release_cache("tiny", a.created_cache_id)
+    assert tc.kv_slot_capacity("tiny").snapshot.free_blocks == free
+
+
 def test_embedding_model_refuses_generation(tc):
     out = tc.prefill("enc", [1, 2, 3]).output
     assert len(out.embedding.shape) == 1 and out.embedding.shape[0] > 0

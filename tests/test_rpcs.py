@@ -52,6 +52,11 @@ def test_admission_and_slot_rpcs_report_none_for_contract_executors(client):
     cid = client.prefill("mock", [1]).output.cache.cache_id
     r = client.reserve_kv_slots("mock", [tpb.KvSlotRequest(cache_id=cid, target_len=2)])
     assert not r.HasField("reservation")
+    # A new sequence on an executor without paged admission: nothing is created (ferrum's Ok(None)).
+    live = client.kv_capacity("mock").used_tokens, len(client.list_caches("mock").caches)
+    r = client.reserve_kv_slots("mock", [tpb.KvSlotRequest(cache_id="engine-1", target_len=2, new_sequence=True)])
+    assert not r.HasField("reservation")
+    assert (client.kv_capacity("mock").used_tokens, len(client.list_caches("mock").caches)) == live
     assert not client.cache_metrics("mock").HasField("metrics")
     assert not client.lora_metrics("mock").HasField("metrics")
 

@@ -613,28 +613,39 @@ class HfCausalLmExecutor(ItemStepExecutor):
         """Paged admission at a batch boundary (ferrum's ``reserve_kv_slots``): give each cache the
         blocks for ``max(target_len, admission_target_len)`` tokens now, all or nothing; the
         reservation holds its blocks until the cache grows into them, is truncated or released.
-        RESOURCE_EXHAUSTED (nothing allocated) when the pool cannot cover it."""
+        A ``new_sequence`` request gets a new empty cache holding its blocks (ferrum's executors
+        create a sequence's KV at its first reservation). RESOURCE_EXHAUSTED (nothing allocated,
+        nothing created) when the pool or the active-cache limit cannot cover it."""
         pool, reg = self.pool, self.registry
-        plan: list[tuple[CacheEntry, int, int]] = []
-        need_blocks = 0
+        plan: list[tuple[CacheEntry | None, int, int, str]] = []
+        need_blocks = new_caches = 0
         for k, r in enumerate(requests):
-            entry = reg.get(r.cache_id, field=f"requests[{k}].cache_id")
             target = max(int(r.target_len), int(r.admission_target_len or 0))
             self.registry.check_sequence_length(target, f"requests[{k}].target_len", self.max_sequence_length)
-            have = len(entry.payload.blocks)
+            if r.new_sequence:
+                entry, have = None, 0
+                new_caches += 1
+            else:
+                entry = reg.get(r.cache_id, field=f"requests[{k}].cache_id")
+                have = len(entry.payload.blocks)
             new = max(0, pool.blocks_for(target) - have)
-            plan.append((entry, target, new))
+            plan.append((entry, target, new, r.cache_id))
             need_blocks += new
         free_before = self.prefix.available_blocks
-        self._admit(need_blocks, "requests")
+        self._admit(need_blocks, "requests", new_caches=new_caches)
         allocations = []
-        for entry, target, new in plan:
+        for entry, target, new, name in plan:
+            created = ""
+            if entry is None:
+                entry = reg.create([], reserve_tokens=target, field="requests")
+                entry.payload = SeqBlocks([], [], self.prefix.root())
+                created = entry.cache_id
             blocks = entry.payload.blocks
             before = len(blocks)
             blocks.extend(self.prefix.allocate(new, blocks[-1] if blocks else None))
             reg.set_reserved(entry, max(entry.reserved_total, target))
-            allocations.append(KvSlotAllocation(cache_id=entry.cache_id, blocks_before=before,
-                                                blocks_after=len(blocks), new_blocks=new))
+            allocations.append(KvSlotAllocation(cache_id=name, blocks_before=before, blocks_after=len(blocks),
+                                                new_blocks=new, created_cache_id=created))
         return KvSlotReservation(block_size=self.block_size, total_blocks=pool.num_blocks,
                                  free_blocks_before=free_before, free_blocks_after=self.prefix.available_blocks,
                                  allocations=allocations)

@@ -315,24 +315,41 @@ class LlamaCppExecutor(ItemStepExecutor):
 
     def reserve_kv_slots(self, requests: list[KvSlotRequest]) -> KvSlotReservation:
         """Promise each cache ``max(target_len, admission_target_len)`` tokens of KV, all or nothing
-        (RESOURCE_EXHAUSTED, nothing reserved, when the budget cannot cover them)."""
+        (RESOURCE_EXHAUSTED, nothing reserved, when the budget cannot cover them). A
+        ``new_sequence`` request gets a new empty cache (a free llama.cpp sequence id) holding its
+        promise; RESOURCE_EXHAUSTED, nothing created, when no sequence id is free."""
         reg = self.registry
         plan = []
-        need = 0
+        need = new_caches = 0
         for k, r in enumerate(requests):
-            entry = reg.get(r.cache_id, field=f"requests[{k}].cache_id")
             target = max(int(r.target_len), int(r.admission_target_len or 0))
             reg.check_sequence_length(target, f"requests[{k}].target_len", self.max_sequence_length)
-            plan.append((entry, target))
-            need += reg.growth(entry, target)
+            if r.new_sequence:
+                entry = None
+                need += target
+                new_caches += 1
+            else:
+                entry = reg.get(r.cache_id, field=f"requests[{k}].cache_id")
+                need += reg.growth(entry, target)
+            plan.append((entry, target, r.cache_id))
         free_before = reg.free_tokens
-        reg.admit(need, "requests")
+        reg.admit(need, "requests", new_caches=new_caches)
+        if new_caches > len(self._free_seq) + len(self.prefix.evictable):
+            raise errors.exhausted(f"requests: {new_caches} new sequences but only {len(self._free_seq)} of "
+                                   f"{self.n_seq} sequence ids are free", field="requests")
+        self._make_room(need)
         allocations = []
-        for entry, target in plan:
+        for entry, target, name in plan:
+            created = ""
+            if entry is None:
+                entry = reg.create([], field="requests")
+                entry.payload = self._take_seq()
+                self.prefix.start(entry.payload, self.prefix.match([], "")[3], [])
+                created = entry.cache_id
             before = entry.footprint
             reg.set_reserved(entry, max(entry.reserved_total, target))
-            allocations.append(KvSlotAllocation(cache_id=entry.cache_id, blocks_before=before,
-                                                blocks_after=entry.footprint, new_blocks=entry.footprint - before))
+            allocations.append(KvSlotAllocation(cache_id=name, blocks_before=before, blocks_after=entry.footprint,
+                                                new_blocks=entry.footprint - before, created_cache_id=created))
         return KvSlotReservation(block_size=1, total_blocks=self.n_ctx, free_blocks_before=free_before,
                                  free_blocks_after=reg.free_tokens, allocations=allocations)
 

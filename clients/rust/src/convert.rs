@@ -228,6 +228,7 @@ pub fn slot_request_to_proto(r: &KvSlotRequest) -> proto::KvSlotRequest {
         cache_id: r.cache_id.clone(),
         target_len: r.target_len as u64,
         admission_target_len: r.admission_target_len.map(|x| x as u64),
+        new_sequence: false,
     }
 }
 

@@ -3,7 +3,7 @@
 //! See the crate docs for the method-by-method mapping and where the trait and the contract
 //! cannot meet exactly.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -71,6 +71,58 @@ struct Shared {
     release_failures: AtomicU64,
     /// `unified_decode` calls answered `Unsupported` locally (no RPC sent).
     local_unsupported: AtomicU64,
+    /// Server cache ids this executor has handed out and not released: a `KvSlotRequest` naming
+    /// anything else (and no alias) is a new sequence.
+    minted: Mutex<HashSet<String>>,
+    rpc: RpcCounters,
+}
+
+/// Step RPCs sent by a [`RemoteModelExecutor`] (see [`RemoteModelExecutor::rpc_counts`]).
+#[derive(Debug, Default)]
+struct RpcCounters {
+    prefill: AtomicU64,
+    batch_prefill: AtomicU64,
+    decode: AtomicU64,
+    batch_decode: AtomicU64,
+    unified_decode: AtomicU64,
+    forward_verify: AtomicU64,
+    truncate_kv: AtomicU64,
+    reserve_kv_slots: AtomicU64,
+    release_cache: AtomicU64,
+}
+
+/// How many step RPCs a [`RemoteModelExecutor`] has sent, by RPC (a snapshot).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RpcCounts {
+    pub prefill: u64,
+    pub batch_prefill: u64,
+    pub decode: u64,
+    pub batch_decode: u64,
+    pub unified_decode: u64,
+    pub forward_verify: u64,
+    pub truncate_kv: u64,
+    pub reserve_kv_slots: u64,
+    /// `ReleaseCache` RPCs (queued, spawned or awaited).
+    pub release_cache: u64,
+}
+
+impl RpcCounts {
+    /// All of them.
+    pub fn total(&self) -> u64 {
+        self.prefill
+            + self.batch_prefill
+            + self.decode
+            + self.batch_decode
+            + self.unified_decode
+            + self.forward_verify
+            + self.truncate_kv
+            + self.reserve_kv_slots
+            + self.release_cache
+    }
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
 }
 
 /// ferrum's `ModelExecutor` served by a remote `ferrum.executor.v1.ModelExecutor`.
@@ -241,6 +293,8 @@ impl RemoteModelExecutor {
                 pending_releases: Mutex::new(HashMap::new()),
                 release_failures: AtomicU64::new(0),
                 local_unsupported: AtomicU64::new(0),
+                minted: Mutex::new(HashSet::new()),
+                rpc: RpcCounters::default(),
             }),
             client,
             opts,
@@ -271,6 +325,29 @@ impl RemoteModelExecutor {
         self.shared.local_unsupported.load(Ordering::Relaxed)
     }
 
+    /// The step RPCs sent so far (`unified_decode` answered locally is not one).
+    pub fn rpc_counts(&self) -> RpcCounts {
+        let r = &self.shared.rpc;
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        RpcCounts {
+            prefill: g(&r.prefill),
+            batch_prefill: g(&r.batch_prefill),
+            decode: g(&r.decode),
+            batch_decode: g(&r.batch_decode),
+            unified_decode: g(&r.unified_decode),
+            forward_verify: g(&r.forward_verify),
+            truncate_kv: g(&r.truncate_kv),
+            reserve_kv_slots: g(&r.reserve_kv_slots),
+            release_cache: g(&r.release_cache) + self.release_queue_stats().0,
+        }
+    }
+
+    /// Engine-side names currently mapped to server caches (new sequences named by the caller,
+    /// see `reserve_kv_slots` / `unified_decode`); 0 once every sequence has been released.
+    pub fn aliases_len(&self) -> usize {
+        self.shared.aliases.lock().unwrap().len()
+    }
+
     /// `ReleaseCache` RPCs sent by the release queue, and the largest group sent at once.
     pub fn release_queue_stats(&self) -> (u64, u64) {
         self.releases.as_ref().map_or((0, 0), |q| {
@@ -295,11 +372,15 @@ impl RemoteModelExecutor {
     pub async fn release_cache_async(&self, cache_id: &str) -> Result<proto::ReleaseCacheResponse> {
         let id = self.take_alias(cache_id);
         self.wait_released(std::slice::from_ref(&id)).await;
+        bump(&self.shared.rpc.release_cache);
         self.client.release_cache(&id).await.map_err(st)
     }
 
+    /// The server id for a released name (alias or own id), forgetting both.
     fn take_alias(&self, id: &str) -> String {
-        self.shared.aliases.lock().unwrap().remove(id).unwrap_or_else(|| id.to_string())
+        let sid = self.shared.aliases.lock().unwrap().remove(id).unwrap_or_else(|| id.to_string());
+        self.shared.minted.lock().unwrap().remove(&sid);
+        sid
     }
 
     /// The server's cache id for a handle, if the server knows it: ours, or an alias recorded by
@@ -317,6 +398,15 @@ impl RemoteModelExecutor {
         self.known_cache(h).unwrap_or_else(|| h.cache_id())
     }
 
+    fn note_minted(&self, id: &str) {
+        if !id.is_empty() {
+            let mut m = self.shared.minted.lock().unwrap();
+            if !m.contains(id) {
+                m.insert(id.to_string());
+            }
+        }
+    }
+
     async fn wait_released(&self, ids: &[String]) {
         let rxs: Vec<_> = {
             let p = self.shared.pending_releases.lock().unwrap();
@@ -328,6 +418,7 @@ impl RemoteModelExecutor {
     }
 
     fn handle(&self, h: &proto::KvCacheHandle) -> Arc<dyn KvCacheHandle> {
+        self.note_minted(&h.cache_id);
         Arc::new(RemoteKvCacheHandle::from_proto(h, self.device.clone()))
     }
 
@@ -447,24 +538,70 @@ impl ModelExecutor for RemoteModelExecutor {
     }
 
     /// `ReserveKvSlots`, as a blocking call (see [`RemoteExecutorOptions::admission_rpc`]).
+    ///
+    /// A request naming neither a cache this executor handed out nor a name it already maps is a
+    /// sequence the server has never seen: ferrum's engine names a new sequence by its own KV
+    /// allocation id and reserves before the first step. It goes out with `new_sequence`; the
+    /// server creates an empty cache holding the reservation, and its id is remembered under the
+    /// engine's name, so the next `unified_decode` item (or `prefill`) with that name fills it and
+    /// `release_cache(name)` frees it. Requests naming one cache twice are merged (largest
+    /// targets), as ferrum's own executors do.
     fn reserve_kv_slots(&self, requests: &[KvSlotRequest]) -> Result<Option<KvSlotReservation>> {
         if !self.opts.admission_rpc || requests.is_empty() {
             return Ok(None);
         }
-        let reqs: Vec<_> = requests
-            .iter()
-            .map(|r| {
+        let mut reqs: Vec<proto::KvSlotRequest> = Vec::with_capacity(requests.len());
+        let mut names: Vec<String> = Vec::with_capacity(requests.len());
+        {
+            let aliases = self.shared.aliases.lock().unwrap();
+            let minted = self.shared.minted.lock().unwrap();
+            for r in requests {
                 let mut p = convert::slot_request_to_proto(r);
-                if let Some(id) = self.shared.aliases.lock().unwrap().get(&p.cache_id) {
-                    p.cache_id = id.clone();
+                if let Some(i) = names.iter().position(|n| n == &r.cache_id) {
+                    let q = &mut reqs[i];
+                    q.target_len = q.target_len.max(p.target_len);
+                    q.admission_target_len = match (q.admission_target_len, p.admission_target_len) {
+                        (Some(a), Some(b)) => Some(a.max(b)),
+                        (a, b) => a.or(b),
+                    };
+                    continue;
                 }
-                p
-            })
-            .collect();
+                if let Some(id) = aliases.get(&p.cache_id) {
+                    p.cache_id = id.clone();
+                } else if !minted.contains(&p.cache_id) {
+                    p.new_sequence = true;
+                }
+                names.push(r.cache_id.clone());
+                reqs.push(p);
+            }
+        }
         let client = self.client.clone();
+        bump(&self.shared.rpc.reserve_kv_slots);
         match self.block_on(async move { client.reserve_kv_slots(reqs).await }) {
             None => Ok(None),
-            Some(Ok(r)) => Ok(r.as_ref().map(convert::reservation_from_proto)),
+            Some(Ok(r)) => {
+                let Some(r) = r else { return Ok(None) };
+                let mut created = Vec::new();
+                for a in &r.allocations {
+                    if !a.created_cache_id.is_empty() {
+                        created.push((a.cache_id.clone(), a.created_cache_id.clone()));
+                    }
+                }
+                if !created.is_empty() {
+                    let mut aliases = self.shared.aliases.lock().unwrap();
+                    let mut minted = self.shared.minted.lock().unwrap();
+                    for (name, id) in created {
+                        minted.insert(id.clone());
+                        aliases.insert(name, id);
+                    }
+                }
+                let mut out = convert::reservation_from_proto(&r);
+                // Allocations name the caller's caches as the caller did (server ids → names).
+                for (a, name) in out.allocations.iter_mut().zip(&names) {
+                    a.cache_id = name.clone();
+                }
+                Ok(Some(out))
+            }
             Some(Err(e)) if e.code() == tonic::Code::Unimplemented => Ok(None),
             Some(Err(e)) => Err(st(e)),
         }
@@ -480,6 +617,7 @@ impl ModelExecutor for RemoteModelExecutor {
         if !p.cache_id.is_empty() {
             self.wait_released(std::slice::from_ref(&p.cache_id)).await;
         }
+        bump(&self.shared.rpc.prefill);
         let out = self.client.prefill_input(p).await.map_err(st)?;
         self.prefill_from_proto(&out)
     }
@@ -490,6 +628,7 @@ impl ModelExecutor for RemoteModelExecutor {
             return Ok(Vec::new());
         }
         let ps = inputs.iter().map(|i| self.prefill_to_proto(i)).collect::<Result<Vec<_>>>()?;
+        bump(&self.shared.rpc.batch_prefill);
         let outs = self.client.batch_prefill(ps).await.map_err(st)?;
         if outs.len() != inputs.len() {
             return Err(FerrumError::internal(format!(
@@ -505,6 +644,7 @@ impl ModelExecutor for RemoteModelExecutor {
         let p = self.decode_to_proto(input)?;
         self.wait_released(std::slice::from_ref(&p.cache_id)).await;
         let full = p.logits.as_ref().is_some_and(is_full);
+        bump(&self.shared.rpc.decode);
         let out = self.client.decode_input(p).await.map_err(st)?;
         self.decode_from_proto(&out, full)
     }
@@ -518,6 +658,7 @@ impl ModelExecutor for RemoteModelExecutor {
         let ids: Vec<String> = ps.iter().map(|p| p.cache_id.clone()).collect();
         self.wait_released(&ids).await;
         let fulls: Vec<bool> = ps.iter().map(|p| p.logits.as_ref().is_some_and(is_full)).collect();
+        bump(&self.shared.rpc.batch_decode);
         let outs = self.client.batch_decode(ps).await.map_err(st)?;
         if outs.len() != inputs.len() {
             return Err(FerrumError::internal(format!(
@@ -566,6 +707,7 @@ impl ModelExecutor for RemoteModelExecutor {
         }
         let ids: Vec<String> = items.iter().map(|i| i.cache_id.clone()).filter(|s| !s.is_empty()).collect();
         self.wait_released(&ids).await;
+        bump(&self.shared.rpc.unified_decode);
         let results = self.client.unified_decode(items.clone()).await.map_err(st)?;
         if results.len() != batch.items.len() {
             return Err(FerrumError::internal(format!(
@@ -578,9 +720,12 @@ impl ModelExecutor for RemoteModelExecutor {
         for ((it, sent), (r, full)) in batch.items.iter().zip(&items).zip(results.iter().zip(fulls)) {
             if sent.cache_id.is_empty() {
                 if let Some(c) = &r.cache {
+                    self.note_minted(&c.cache_id);
                     let mut a = self.shared.aliases.lock().unwrap();
                     a.insert(it.seq_id.clone(), c.cache_id.clone());
-                    a.insert(it.kv_cache.cache_id(), c.cache_id.clone());
+                    if it.kv_cache.cache_id() != it.seq_id {
+                        a.insert(it.kv_cache.cache_id(), c.cache_id.clone());
+                    }
                 }
             }
             out.push(if it.is_final_chunk { Some(output_row(r.output.as_ref(), full)?) } else { None });
@@ -601,6 +746,7 @@ impl ModelExecutor for RemoteModelExecutor {
         let id = self.step_cache(kv_cache);
         self.wait_released(std::slice::from_ref(&id)).await;
         let new_len = i64::try_from(new_len).map_err(|_| FerrumError::invalid_parameter("new_len too large"))?;
+        bump(&self.shared.rpc.truncate_kv);
         self.client.truncate_kv(&id, new_len).await.map_err(st)?;
         Ok(())
     }
@@ -634,6 +780,7 @@ impl ModelExecutor for RemoteModelExecutor {
         let pol = logits_policy_to_proto(&inputs[0].logits_policy, full_forced);
         let full = is_full(&pol);
         self.wait_released(&ids[..1]).await;
+        bump(&self.shared.rpc.forward_verify);
         let resp = self.client.forward_verify(&ids[0], &tokens, Some(pol), false).await.map_err(st)?;
         let cache = resp.cache.as_ref().ok_or_else(|| FerrumError::internal("ForwardVerify returned no cache"))?;
         if resp.outputs.len() != inputs.len() {
@@ -727,6 +874,7 @@ impl ModelExecutor for RemoteModelExecutor {
         }
         let client = self.client.clone();
         let shared = self.shared.clone();
+        bump(&shared.rpc.release_cache);
         self.runtime.spawn(async move {
             if client.release_cache(&id).await.is_err() {
                 shared.release_failures.fetch_add(1, Ordering::Relaxed);

@@ -145,7 +145,7 @@ pub mod proto {
 
 pub use client::{policy, Client, GenerateStream};
 pub use error::{error_reason, status_to_ferrum, step_error_to_status};
-pub use executor::{logits_policy_to_proto, RemoteExecutorOptions, RemoteModelExecutor};
+pub use executor::{logits_policy_to_proto, RemoteExecutorOptions, RemoteModelExecutor, RpcCounts};
 pub use kv::RemoteKvCacheHandle;
 pub use session::{Session, Step, StepResult};
 pub use tensor::{HostTensor, HostTensorFactory};

@@ -1842,14 +1842,27 @@ func (x *ExecutorAdmissionLimits) GetMaximumScheduledTokens() uint64 {
 
 // One sequence's slot request. Mirrors `KvSlotRequest`.
 type KvSlotRequest struct {
-	state   protoimpl.MessageState `protogen:"open.v1"`
-	CacheId string                 `protobuf:"bytes,1,opt,name=cache_id,json=cacheId,proto3" json:"cache_id,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The cache to reserve slots for. With `new_sequence`, the caller's own name for a sequence that
+	// has no cache yet (ferrum's engine names a new sequence by its KV allocation's id before the
+	// first step); the server does not keep that name, it only echoes it in the allocation.
+	// Names must be unique within one request.
+	CacheId string `protobuf:"bytes,1,opt,name=cache_id,json=cacheId,proto3" json:"cache_id,omitempty"`
 	// Tokens that must be writable before the next forward.
 	TargetLen uint64 `protobuf:"varint,2,opt,name=target_len,json=targetLen,proto3" json:"target_len,omitempty"`
 	// A larger bound used only to check the fit; nothing is allocated for it.
 	AdmissionTargetLen *uint64 `protobuf:"varint,3,opt,name=admission_target_len,json=admissionTargetLen,proto3,oneof" json:"admission_target_len,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// True: `cache_id` is a sequence the server has never seen. The server creates an empty cache
+	// (0 tokens) holding this reservation, as ferrum's executors create model-side KV for a
+	// sequence at its first reservation, and returns its id in `KvSlotAllocation.created_cache_id`.
+	// The caller's next step names that id (a `UnifiedBatchItem.cache_id` with `pos_offset` 0, or a
+	// `PrefillInput.cache_id`); the prompt fills it. It is an ordinary cache: released by
+	// `ReleaseCache`, with the idle lease of a cache made by a unary call. All or nothing: if any
+	// request of the call fails, no cache is created. Executors without paged admission (the response has no reservation) create
+	// nothing. False (the default): `cache_id` must be a live cache (NOT_FOUND otherwise).
+	NewSequence   bool `protobuf:"varint,4,opt,name=new_sequence,json=newSequence,proto3" json:"new_sequence,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *KvSlotRequest) Reset() {
@@ -1903,15 +1916,26 @@ func (x *KvSlotRequest) GetAdmissionTargetLen() uint64 {
 	return 0
 }
 
+func (x *KvSlotRequest) GetNewSequence() bool {
+	if x != nil {
+		return x.NewSequence
+	}
+	return false
+}
+
 // Mirrors `KvSlotAllocation`.
 type KvSlotAllocation struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	CacheId       string                 `protobuf:"bytes,1,opt,name=cache_id,json=cacheId,proto3" json:"cache_id,omitempty"`
-	BlocksBefore  uint64                 `protobuf:"varint,2,opt,name=blocks_before,json=blocksBefore,proto3" json:"blocks_before,omitempty"`
-	BlocksAfter   uint64                 `protobuf:"varint,3,opt,name=blocks_after,json=blocksAfter,proto3" json:"blocks_after,omitempty"`
-	NewBlocks     uint64                 `protobuf:"varint,4,opt,name=new_blocks,json=newBlocks,proto3" json:"new_blocks,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The request's `cache_id` (for a `new_sequence` request, the caller's name for it).
+	CacheId      string `protobuf:"bytes,1,opt,name=cache_id,json=cacheId,proto3" json:"cache_id,omitempty"`
+	BlocksBefore uint64 `protobuf:"varint,2,opt,name=blocks_before,json=blocksBefore,proto3" json:"blocks_before,omitempty"`
+	BlocksAfter  uint64 `protobuf:"varint,3,opt,name=blocks_after,json=blocksAfter,proto3" json:"blocks_after,omitempty"`
+	NewBlocks    uint64 `protobuf:"varint,4,opt,name=new_blocks,json=newBlocks,proto3" json:"new_blocks,omitempty"`
+	// For a `new_sequence` request: the id of the cache the server created, which the caller's
+	// following steps name. Empty for the other requests.
+	CreatedCacheId string `protobuf:"bytes,5,opt,name=created_cache_id,json=createdCacheId,proto3" json:"created_cache_id,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *KvSlotAllocation) Reset() {
@@ -1970,6 +1994,13 @@ func (x *KvSlotAllocation) GetNewBlocks() uint64 {
 		return x.NewBlocks
 	}
 	return 0
+}
+
+func (x *KvSlotAllocation) GetCreatedCacheId() string {
+	if x != nil {
+		return x.CreatedCacheId
+	}
+	return ""
 }
 
 // Mirrors `KvSlotReservation`.
@@ -2933,19 +2964,21 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\x13_per_request_tokens\"\x8d\x01\n" +
 	"\x17ExecutorAdmissionLimits\x128\n" +
 	"\x18maximum_active_sequences\x18\x01 \x01(\rR\x16maximumActiveSequences\x128\n" +
-	"\x18maximum_scheduled_tokens\x18\x02 \x01(\x04R\x16maximumScheduledTokens\"\x99\x01\n" +
+	"\x18maximum_scheduled_tokens\x18\x02 \x01(\x04R\x16maximumScheduledTokens\"\xbc\x01\n" +
 	"\rKvSlotRequest\x12\x19\n" +
 	"\bcache_id\x18\x01 \x01(\tR\acacheId\x12\x1d\n" +
 	"\n" +
 	"target_len\x18\x02 \x01(\x04R\ttargetLen\x125\n" +
-	"\x14admission_target_len\x18\x03 \x01(\x04H\x00R\x12admissionTargetLen\x88\x01\x01B\x17\n" +
-	"\x15_admission_target_len\"\x94\x01\n" +
+	"\x14admission_target_len\x18\x03 \x01(\x04H\x00R\x12admissionTargetLen\x88\x01\x01\x12!\n" +
+	"\fnew_sequence\x18\x04 \x01(\bR\vnewSequenceB\x17\n" +
+	"\x15_admission_target_len\"\xbe\x01\n" +
 	"\x10KvSlotAllocation\x12\x19\n" +
 	"\bcache_id\x18\x01 \x01(\tR\acacheId\x12#\n" +
 	"\rblocks_before\x18\x02 \x01(\x04R\fblocksBefore\x12!\n" +
 	"\fblocks_after\x18\x03 \x01(\x04R\vblocksAfter\x12\x1d\n" +
 	"\n" +
-	"new_blocks\x18\x04 \x01(\x04R\tnewBlocks\"\xf7\x01\n" +
+	"new_blocks\x18\x04 \x01(\x04R\tnewBlocks\x12(\n" +
+	"\x10created_cache_id\x18\x05 \x01(\tR\x0ecreatedCacheId\"\xf7\x01\n" +
 	"\x11KvSlotReservation\x12\x1d\n" +
 	"\n" +
 	"block_size\x18\x01 \x01(\x04R\tblockSize\x12!\n" +

@@ -409,26 +409,30 @@ class ExecutorAdmissionLimits(_message.Message):
     def __init__(self, maximum_active_sequences: _Optional[int] = ..., maximum_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class KvSlotRequest(_message.Message):
-    __slots__ = ("cache_id", "target_len", "admission_target_len")
+    __slots__ = ("cache_id", "target_len", "admission_target_len", "new_sequence")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_LEN_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_TARGET_LEN_FIELD_NUMBER: _ClassVar[int]
+    NEW_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     target_len: int
     admission_target_len: int
-    def __init__(self, cache_id: _Optional[str] = ..., target_len: _Optional[int] = ..., admission_target_len: _Optional[int] = ...) -> None: ...
+    new_sequence: bool
+    def __init__(self, cache_id: _Optional[str] = ..., target_len: _Optional[int] = ..., admission_target_len: _Optional[int] = ..., new_sequence: _Optional[bool] = ...) -> None: ...
 
 class KvSlotAllocation(_message.Message):
-    __slots__ = ("cache_id", "blocks_before", "blocks_after", "new_blocks")
+    __slots__ = ("cache_id", "blocks_before", "blocks_after", "new_blocks", "created_cache_id")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_AFTER_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     blocks_before: int
     blocks_after: int
     new_blocks: int
-    def __init__(self, cache_id: _Optional[str] = ..., blocks_before: _Optional[int] = ..., blocks_after: _Optional[int] = ..., new_blocks: _Optional[int] = ...) -> None: ...
+    created_cache_id: str
+    def __init__(self, cache_id: _Optional[str] = ..., blocks_before: _Optional[int] = ..., blocks_after: _Optional[int] = ..., new_blocks: _Optional[int] = ..., created_cache_id: _Optional[str] = ...) -> None: ...
 
 class KvSlotReservation(_message.Message):
     __slots__ = ("block_size", "total_blocks", "free_blocks_before", "free_blocks_after", "allocations")

@@ -890,19 +890,44 @@ export interface ExecutorAdmissionLimits {
 
 /** One sequence's slot request. Mirrors `KvSlotRequest`. */
 export interface KvSlotRequest {
+  /**
+   * The cache to reserve slots for. With `new_sequence`, the caller's own name for a sequence that
+   * has no cache yet (ferrum's engine names a new sequence by its KV allocation's id before the
+   * first step); the server does not keep that name, it only echoes it in the allocation.
+   * Names must be unique within one request.
+   */
   cacheId: string;
   /** Tokens that must be writable before the next forward. */
   targetLen: number;
   /** A larger bound used only to check the fit; nothing is allocated for it. */
-  admissionTargetLen?: number | undefined;
+  admissionTargetLen?:
+    | number
+    | undefined;
+  /**
+   * True: `cache_id` is a sequence the server has never seen. The server creates an empty cache
+   * (0 tokens) holding this reservation, as ferrum's executors create model-side KV for a
+   * sequence at its first reservation, and returns its id in `KvSlotAllocation.created_cache_id`.
+   * The caller's next step names that id (a `UnifiedBatchItem.cache_id` with `pos_offset` 0, or a
+   * `PrefillInput.cache_id`); the prompt fills it. It is an ordinary cache: released by
+   * `ReleaseCache`, with the idle lease of a cache made by a unary call. All or nothing: if any
+   * request of the call fails, no cache is created. Executors without paged admission (the response has no reservation) create
+   * nothing. False (the default): `cache_id` must be a live cache (NOT_FOUND otherwise).
+   */
+  newSequence: boolean;
 }
 
 /** Mirrors `KvSlotAllocation`. */
 export interface KvSlotAllocation {
+  /** The request's `cache_id` (for a `new_sequence` request, the caller's name for it). */
   cacheId: string;
   blocksBefore: number;
   blocksAfter: number;
   newBlocks: number;
+  /**
+   * For a `new_sequence` request: the id of the cache the server created, which the caller's
+   * following steps name. Empty for the other requests.
+   */
+  createdCacheId: string;
 }
 
 /** Mirrors `KvSlotReservation`. */
@@ -3818,7 +3843,7 @@ export const ExecutorAdmissionLimits: MessageFns<ExecutorAdmissionLimits> = {
 };
 
 function createBaseKvSlotRequest(): KvSlotRequest {
-  return { cacheId: "", targetLen: 0, admissionTargetLen: undefined };
+  return { cacheId: "", targetLen: 0, admissionTargetLen: undefined, newSequence: false };
 }
 
 export const KvSlotRequest: MessageFns<KvSlotRequest> = {
@@ -3831,6 +3856,9 @@ export const KvSlotRequest: MessageFns<KvSlotRequest> = {
     }
     if (message.admissionTargetLen !== undefined) {
       writer.uint32(24).uint64(message.admissionTargetLen);
+    }
+    if (message.newSequence !== false) {
+      writer.uint32(32).bool(message.newSequence);
     }
     return writer;
   },
@@ -3872,6 +3900,14 @@ export const KvSlotRequest: MessageFns<KvSlotRequest> = {
             message.admissionTargetLen = longToNumber(reader.uint64());
             continue;
           }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.newSequence = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -3901,6 +3937,11 @@ export const KvSlotRequest: MessageFns<KvSlotRequest> = {
         : isSet(object.admission_target_len)
         ? globalThis.Number(object.admission_target_len)
         : undefined,
+      newSequence: isSet(object.newSequence)
+        ? globalThis.Boolean(object.newSequence)
+        : isSet(object.new_sequence)
+        ? globalThis.Boolean(object.new_sequence)
+        : false,
     };
   },
 
@@ -3915,6 +3956,9 @@ export const KvSlotRequest: MessageFns<KvSlotRequest> = {
     if (message.admissionTargetLen !== undefined) {
       obj.admissionTargetLen = Math.round(message.admissionTargetLen);
     }
+    if (message.newSequence !== false) {
+      obj.newSequence = message.newSequence;
+    }
     return obj;
   },
 
@@ -3926,12 +3970,13 @@ export const KvSlotRequest: MessageFns<KvSlotRequest> = {
     message.cacheId = object.cacheId ?? "";
     message.targetLen = object.targetLen ?? 0;
     message.admissionTargetLen = object.admissionTargetLen ?? undefined;
+    message.newSequence = object.newSequence ?? false;
     return message;
   },
 };
 
 function createBaseKvSlotAllocation(): KvSlotAllocation {
-  return { cacheId: "", blocksBefore: 0, blocksAfter: 0, newBlocks: 0 };
+  return { cacheId: "", blocksBefore: 0, blocksAfter: 0, newBlocks: 0, createdCacheId: "" };
 }
 
 export const KvSlotAllocation: MessageFns<KvSlotAllocation> = {
@@ -3947,6 +3992,9 @@ export const KvSlotAllocation: MessageFns<KvSlotAllocation> = {
     }
     if (message.newBlocks !== 0) {
       writer.uint32(32).uint64(message.newBlocks);
+    }
+    if (message.createdCacheId !== "") {
+      writer.uint32(42).string(message.createdCacheId);
     }
     return writer;
   },
@@ -3996,6 +4044,14 @@ export const KvSlotAllocation: MessageFns<KvSlotAllocation> = {
             message.newBlocks = longToNumber(reader.uint64());
             continue;
           }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.createdCacheId = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -4030,6 +4086,11 @@ export const KvSlotAllocation: MessageFns<KvSlotAllocation> = {
         : isSet(object.new_blocks)
         ? globalThis.Number(object.new_blocks)
         : 0,
+      createdCacheId: isSet(object.createdCacheId)
+        ? globalThis.String(object.createdCacheId)
+        : isSet(object.created_cache_id)
+        ? globalThis.String(object.created_cache_id)
+        : "",
     };
   },
 
@@ -4047,6 +4108,9 @@ export const KvSlotAllocation: MessageFns<KvSlotAllocation> = {
     if (message.newBlocks !== 0) {
       obj.newBlocks = Math.round(message.newBlocks);
     }
+    if (message.createdCacheId !== "") {
+      obj.createdCacheId = message.createdCacheId;
+    }
     return obj;
   },
 
@@ -4059,6 +4123,7 @@ export const KvSlotAllocation: MessageFns<KvSlotAllocation> = {
     message.blocksBefore = object.blocksBefore ?? 0;
     message.blocksAfter = object.blocksAfter ?? 0;
     message.newBlocks = object.newBlocks ?? 0;
+    message.createdCacheId = object.createdCacheId ?? "";
     return message;
   },
 };
