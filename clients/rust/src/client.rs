@@ -249,6 +249,11 @@ impl Client {
         let m = proto::LoraMetricsRequest { model_id: self.model_id.clone() };
         Ok(self.stub.clone().lora_metrics(self.req(m)).await?.into_inner().metrics)
     }
+    /// `ListCaches`: the live caches of the client's model (all models when it has none).
+    pub async fn list_caches(&self) -> Result<proto::ListCachesResponse, Status> {
+        let m = proto::ListCachesRequest { model_id: self.model_id.clone() };
+        Ok(self.stub.clone().list_caches(self.req(m)).await?.into_inner())
+    }
     pub async fn warmup(&self) -> Result<proto::WarmupResponse, Status> {
         let m = proto::WarmupRequest { model_id: self.model_id.clone() };
         Ok(self.stub.clone().warmup(self.req(m)).await?.into_inner())

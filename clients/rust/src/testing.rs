@@ -212,3 +212,84 @@ impl Drop for ServerProcess {
         let _ = self.child.wait();
     }
 }
+
+/// A ferrum `Tokenizer` whose text *is* token ids ("1 100 200" ↔ `[1, 100, 200]`), for driving
+/// ferrum's engine with prompts tokenized elsewhere (the server's `Tokenize` /
+/// `ApplyChatTemplate`), so the engine's tokens can be compared with the server's own `Generate`.
+/// No special tokens are added; `eos` is the stop token the engine knows (None = none).
+#[derive(Debug, Clone)]
+pub struct IdTokenizer {
+    vocab_size: usize,
+    special: ferrum_types::SpecialTokens,
+}
+
+impl IdTokenizer {
+    pub fn new(vocab_size: usize, eos: Option<u32>) -> Self {
+        Self {
+            vocab_size,
+            special: ferrum_types::SpecialTokens {
+                bos_token: None,
+                eos_token: eos.map(ferrum_types::TokenId::new),
+                unk_token: None,
+                pad_token: None,
+                sep_token: None,
+                cls_token: None,
+                mask_token: None,
+                extra_eos_tokens: Vec::new(),
+            },
+        }
+    }
+
+    /// The prompt text that encodes to `ids`.
+    pub fn text(ids: &[u32]) -> String {
+        ids.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(" ")
+    }
+}
+
+impl ferrum_interfaces::Tokenizer for IdTokenizer {
+    fn encode(&self, text: &str, _add_special: bool) -> ferrum_types::Result<Vec<ferrum_types::TokenId>> {
+        text.split_whitespace()
+            .map(|w| {
+                w.parse::<u32>()
+                    .map(ferrum_types::TokenId::new)
+                    .map_err(|e| ferrum_types::FerrumError::invalid_parameter(format!("IdTokenizer: {w:?}: {e}")))
+            })
+            .collect()
+    }
+
+    fn decode(&self, tokens: &[ferrum_types::TokenId], _skip_special: bool) -> ferrum_types::Result<String> {
+        Ok(Self::text(&tokens.iter().map(|t| t.get()).collect::<Vec<_>>()))
+    }
+
+    fn decode_incremental(&self, prev: &[ferrum_types::TokenId], next: ferrum_types::TokenId) -> ferrum_types::Result<String> {
+        Ok(if prev.is_empty() { next.get().to_string() } else { format!(" {}", next.get()) })
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn special_tokens(&self) -> &ferrum_types::SpecialTokens {
+        &self.special
+    }
+
+    fn token_id(&self, text: &str) -> Option<ferrum_types::TokenId> {
+        text.trim().parse::<u32>().ok().map(ferrum_types::TokenId::new)
+    }
+
+    fn token_text(&self, _token_id: ferrum_types::TokenId) -> Option<&str> {
+        None
+    }
+
+    fn info(&self) -> ferrum_interfaces::tokenizer::TokenizerInfo {
+        ferrum_interfaces::tokenizer::TokenizerInfo {
+            tokenizer_type: ferrum_interfaces::tokenizer::TokenizerType::Custom,
+            vocab_size: self.vocab_size,
+            special_tokens: self.special.clone(),
+            supports_incremental: true,
+            supports_chat_template: false,
+            max_token_length: Some(16),
+            model_name: Some("token-ids".into()),
+        }
+    }
+}

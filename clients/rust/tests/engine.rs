@@ -1,0 +1,142 @@
+//! Issue 15: ferrum's own `ContinuousBatchEngine` (ferrum-engine 0.8.8) driving
+//! `RemoteModelExecutor` against a live `ferrum-service serve`.
+//!
+//! * The configurable executor: the engine produces exactly the tokens it produces with ferrum's
+//!   in-process `ConfigurableModelExecutor` (split path: the executor has no unified decode, which
+//!   the client answers locally).
+//! * The tiny transformers model (native unified decode): concurrent requests give the server's
+//!   own greedy `Generate` tokens, every prefill goes through `UnifiedDecode` (the engine's
+//!   `ReserveKvSlots` for a sequence it has just named creates the cache: issue 15 fix 1), and no
+//!   cache is left on the server.
+
+#[path = "common/engine_rig.rs"]
+mod rig;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferrum_engine::LlmInferenceEngine;
+use ferrum_interfaces::model_executor::ModelExecutor;
+use ferrum_remote_executor::testing::{tiny_model_dir, IdTokenizer, ServerProcess};
+use ferrum_remote_executor::{proto, Client, HostTensorFactory, RemoteExecutorOptions, RemoteModelExecutor};
+use ferrum_testkit::{ConfigurableModelExecutor, MockTensorFactory, MockTokenizer};
+use futures_util::StreamExt;
+
+async fn live_caches(client: &Client) -> usize {
+    client.list_caches().await.expect("ListCaches").caches.len()
+}
+
+/// Releases are queued (ferrum's `release_cache` is sync): wait for them, then for the server.
+async fn assert_no_caches_left(exec: &RemoteModelExecutor, client: &Client) {
+    exec.flush_releases().await;
+    for _ in 0..50 {
+        if live_caches(client).await == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(live_caches(client).await, 0, "caches left on the server");
+    assert_eq!(exec.aliases_len(), 0, "engine names still mapped");
+    assert_eq!(exec.release_failures(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_over_remote_configurable_equals_in_process() {
+    let prompts = ["Hello world", "the quick brown fox jumps", "a"];
+    let run = |engine: ferrum_engine::ContinuousBatchEngine| async move {
+        let mut out = Vec::new();
+        for p in prompts {
+            let r = engine.infer(rig::greedy_request(p, "mock", 6)).await.expect("infer");
+            out.push(r.tokens.iter().map(|t| t.get()).collect::<Vec<u32>>());
+        }
+        out
+    };
+    let local = run(rig::engine(
+        Arc::new(ConfigurableModelExecutor::with_token_sequence(1000, vec![10, 20, 30])),
+        Arc::new(MockTokenizer::new(1000)),
+        Arc::new(MockTensorFactory),
+    ))
+    .await;
+
+    let server = ServerProcess::start_mock().await.expect("start the server");
+    let exec = Arc::new(
+        RemoteModelExecutor::connect(
+            server.endpoint.clone(),
+            RemoteExecutorOptions { model_id: "mock".into(), ..Default::default() },
+        )
+        .await
+        .expect("connect"),
+    );
+    let dyn_exec: Arc<dyn ModelExecutor + Send + Sync> = exec.clone();
+    let remote =
+        run(rig::engine(dyn_exec, Arc::new(MockTokenizer::new(1000)), Arc::new(HostTensorFactory::new()))).await;
+    assert_eq!(remote, local, "ferrum's engine: remote configurable == in-process ConfigurableModelExecutor");
+    assert_eq!(local[0], vec![10, 10, 20, 30, 10, 20]);
+
+    let n = exec.rpc_counts();
+    println!("configurable: {n:?}, unified answered locally {}", exec.local_unsupported_unified());
+    assert_eq!(n.unified_decode, 0, "no UnifiedDecode RPC against an executor without it");
+    assert!(n.batch_prefill + n.prefill >= prompts.len() as u64);
+    assert_no_caches_left(&exec, &server.client().await.with_model("mock")).await;
+}
+
+async fn server_generate(client: &Client, prompt: &[u32], max_tokens: u32) -> Vec<u32> {
+    let mut stream = client
+        .generate(proto::GenerateRequest {
+            prompt: Some(proto::generate_request::Prompt::TokenIds(proto::TokenIds {
+                token_ids: prompt.iter().map(|&t| t as i32).collect(),
+            })),
+            stop: Some(proto::StopConditions { max_tokens, ignore_eos: true, ..Default::default() }),
+            ..Default::default()
+        })
+        .await
+        .expect("Generate");
+    let mut out = Vec::new();
+    while let Some(ev) = stream.next().await {
+        if let Some(proto::generate_response::Event::Token(t)) = ev.expect("Generate event").event {
+            out.push(t.token_id as u32);
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_over_remote_tiny_llama_batches_prefills_through_unified_decode() {
+    let dir = tiny_model_dir().expect("tiny model");
+    let server =
+        ServerProcess::start(&[format!("hf-causal-lm,id=tiny,path={}", dir.display())]).await.expect("server");
+    let exec = Arc::new(
+        RemoteModelExecutor::connect(server.endpoint.clone(), RemoteExecutorOptions::default()).await.expect("connect"),
+    );
+    assert!(exec.supports_native_unified_decode());
+    let vocab = exec.info().vocab_size;
+    let dyn_exec: Arc<dyn ModelExecutor + Send + Sync> = exec.clone();
+    // No EOS known to the engine; the server's Generate ignores EOS too: both run max_tokens.
+    let engine = Arc::new(rig::engine(dyn_exec, Arc::new(IdTokenizer::new(vocab, None)), Arc::new(HostTensorFactory::new())));
+
+    let prompts: Vec<Vec<u32>> = vec![vec![1, 100, 200, 300], vec![5, 6, 7, 8, 9, 10, 11], vec![42, 43], vec![300; 20]];
+    let max_tokens = 8;
+    let tasks: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let engine = engine.clone();
+            let text = IdTokenizer::text(p);
+            tokio::spawn(async move { engine.infer(rig::greedy_request(&text, "tiny", max_tokens)).await })
+        })
+        .collect();
+    let mut got = Vec::new();
+    for t in tasks {
+        let r = t.await.unwrap().expect("infer");
+        got.push(r.tokens.iter().map(|t| t.get()).collect::<Vec<u32>>());
+    }
+    let client = server.client().await.with_model("tiny");
+    for (p, g) in prompts.iter().zip(&got) {
+        assert_eq!(g, &server_generate(&client, p, max_tokens as u32).await, "engine vs Generate for {p:?}");
+    }
+
+    let n = exec.rpc_counts();
+    println!("tiny llama, {} requests x {max_tokens} tokens: {n:?} ({} RPCs)", prompts.len(), n.total());
+    assert!(n.unified_decode > 0 && n.reserve_kv_slots > 0);
+    assert_eq!((n.prefill, n.batch_prefill), (0, 0), "every prefill went through UnifiedDecode");
+    assert_no_caches_left(&exec, &client).await;
+}
