@@ -8,16 +8,76 @@ servers use one shared identity (``""``), as before.
 
 The servicer sets :data:`current_caller` at the start of each RPC (each RPC runs in its own
 asyncio task, so the value is that call's); checks and cache adoption read it.
+
+:data:`current_origin` is where the call comes from: the caller's identity and its network host
+(``context.peer()`` without the port, so a client that reconnects is the same origin). A cache made
+by a unary call records it, and :class:`CallerActivity` remembers when each origin last called, so
+the lease reaper can free the caches of an origin that has gone quiet (``leases.py``).
 """
 
 from __future__ import annotations
 
 import contextvars
 import hashlib
+import time
 
 import grpc
 
 current_caller: contextvars.ContextVar[str] = contextvars.ContextVar("ferrum_caller", default="")
+current_origin: contextvars.ContextVar[str] = contextvars.ContextVar("ferrum_origin", default="")
+
+
+def peer_host(peer: str | None) -> str:
+    """``context.peer()`` without the client's port: ``ipv4:127.0.0.1:50000`` → ``ipv4:127.0.0.1``,
+    ``ipv6:[::1]:50000`` → ``ipv6:[::1]``; other forms (``unix:...``) unchanged."""
+    if not peer:
+        return ""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        head, _, port = peer.rpartition(":")
+        if port.isdigit() and head not in ("ipv4", "ipv6"):
+            return head
+    return peer
+
+
+class CallerActivity:
+    """When each origin (caller identity @ host) last made a call. Written on the event loop by
+    every RPC and Session step, read by the lease reaper; a plain dict is enough."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def seen(self, origin: str, now: float | None = None) -> None:
+        if origin:
+            self._last[origin] = time.monotonic() if now is None else now
+
+    def idle_for(self, origin: str, now: float | None = None) -> float:
+        """Seconds since ``origin`` last called (infinite if never seen)."""
+        last = self._last.get(origin)
+        if last is None:
+            return float("inf")
+        return (time.monotonic() if now is None else now) - last
+
+    def forget_idle(self, older_than: float, now: float | None = None) -> None:
+        """Drop origins quiet for longer than ``older_than`` seconds (keeps the table small)."""
+        now = time.monotonic() if now is None else now
+        for k in [k for k, t in self._last.items() if now - t > older_than]:
+            del self._last[k]
+
+
+def enter_call(context: grpc.aio.ServicerContext, activity: CallerActivity | None, *, tokens_checked: bool) -> str:
+    """Set :data:`current_caller` and :data:`current_origin` for this call and record the origin's
+    activity; returns the origin."""
+    caller = caller_identity(context, tokens_checked=tokens_checked)
+    current_caller.set(caller)
+    try:
+        host = peer_host(context.peer())
+    except Exception:  # noqa: BLE001 - a test double without a peer
+        host = ""
+    origin = f"{caller}@{host}" if host else ""
+    current_origin.set(origin)
+    if activity is not None:
+        activity.seen(origin)
+    return origin
 
 
 def caller_identity(context: grpc.aio.ServicerContext, *, tokens_checked: bool) -> str:
@@ -36,4 +96,4 @@ def caller_identity(context: grpc.aio.ServicerContext, *, tokens_checked: bool) 
     return ""
 
 
-__all__ = ["caller_identity", "current_caller"]
+__all__ = ["CallerActivity", "caller_identity", "current_caller", "current_origin", "enter_call", "peer_host"]

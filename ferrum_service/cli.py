@@ -34,6 +34,8 @@ SERVE_FLAGS = {
     "grace_period": (float, 20.0, "seconds in-flight streams get on SIGTERM"),
     "cache_ttl": (float, 600.0, "seconds an ownerless cache (made by unary RPCs) may sit idle before it is "
                   "reclaimed (0 = never)"),
+    "origin_idle_ttl": (float, 60.0, "seconds after which the ownerless caches of an origin (caller@host) that "
+                        "has made no call for that long are reclaimed, before --cache-ttl (0 = off)"),
     "max_queue": (int, 256, "steps that may wait for one model's worker before new ones get "
                   "RESOURCE_EXHAUSTED (0 = unbounded)"),
     "max_step_bytes": (int, 2 * 1024**3, "transient memory one forward may need (masks, activations, logits); "
@@ -178,7 +180,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ([os.environ["FERRUM_AUTH_TOKEN"]] if os.environ.get("FERRUM_AUTH_TOKEN") else []),
         admin_tokens=_read_tokens(st["admin_token_file"]) or
         ([os.environ["FERRUM_ADMIN_TOKEN"]] if os.environ.get("FERRUM_ADMIN_TOKEN") else []),
-        max_batch=st["max_batch"], cache_ttl=st["cache_ttl"], max_queue=st["max_queue"],
+        max_batch=st["max_batch"], cache_ttl=st["cache_ttl"], origin_idle_ttl=st["origin_idle_ttl"],
+        max_queue=st["max_queue"],
         open_admin_rpcs=st["open_admin_rpcs"], max_step_bytes=st["max_step_bytes"],
         max_text_bytes=st["max_text_bytes"], otlp_endpoint=st["otlp_endpoint"],
     )

@@ -47,6 +47,7 @@ class CacheEntry:
     owner: str = ""  # a Session / Generate stream that frees it when it ends ("" = the caller)
     tenant: str = ""  # the authenticated caller it belongs to ("" = calls are not authenticated)
     guide: Any = None  # structured-output state (guided.GuideState) once a constrained row was sampled
+    origin: str = ""  # where the unary call that made it came from ("caller@host", callers.py)
     last_access: float = field(default_factory=time.monotonic)
 
     @property

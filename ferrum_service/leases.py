@@ -11,7 +11,17 @@ and releases, with reason ``reclaimed``, every ownerless cache idle for longer t
 seconds that no step holds right now. Each reclaim is logged and counted
 (``ferrum_expired_caches_total``, and ``ferrum_reclaimed_caches_total`` with the others).
 
-``ttl = 0`` turns leases off (caches live until released or the server stops).
+**Quiet origins.** A cache records where the unary call that made it came from (its *origin*:
+the caller's identity and network host, ``callers.py``). When an origin has made no call at all for
+``origin_idle_ttl`` seconds (default 60) — the scheduler that made the cache has stopped or died —
+its ownerless caches idle that long are reclaimed then, without waiting for the full ``ttl``. An
+origin that keeps calling keeps the full ``ttl`` for each of its caches. This is what frees the
+caches a client made and can never release, e.g. ferrum's engine in speculative mode, which never
+calls ``release_cache`` on its draft executor (ferrum in process keeps those too), soon after that
+engine goes quiet. Reclaims by this rule are counted in ``ferrum_idle_origin_caches_total``.
+
+``ttl = 0`` turns leases off (caches live until released or the server stops);
+``origin_idle_ttl = 0`` turns the quiet-origin rule off (it never exceeds ``ttl``).
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ import time
 from typing import TYPE_CHECKING
 
 import structlog
+
+from .callers import CallerActivity
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -32,13 +44,20 @@ log = structlog.get_logger("ferrum_service.leases")
 class LeaseReaper:
     """Background task reclaiming idle ownerless caches."""
 
-    def __init__(self, models: "ModelSet", metrics: "Metrics", ttl: float, interval: float | None = None) -> None:
+    def __init__(self, models: "ModelSet", metrics: "Metrics", ttl: float, interval: float | None = None,
+                 *, origin_idle_ttl: float = 0.0, activity: CallerActivity | None = None) -> None:
         self.models = models
         self.metrics = metrics
         self.ttl = float(ttl)
+        self.activity = activity
+        # The quiet-origin rule needs to know who calls; it never waits longer than the TTL itself.
+        self.origin_idle_ttl = float(origin_idle_ttl) if activity is not None and self.ttl > 0 else 0.0
+        if self.origin_idle_ttl > self.ttl:
+            self.origin_idle_ttl = self.ttl
+        shortest = min(t for t in (self.ttl, self.origin_idle_ttl) if t > 0) if self.ttl > 0 else 0.0
         # Check often enough that a cache outlives its TTL by at most ~25 %, but not more than
         # once per 50 ms nor less than once per 30 s.
-        self.interval = interval if interval is not None else min(30.0, max(0.05, self.ttl / 4))
+        self.interval = interval if interval is not None else min(30.0, max(0.05, shortest / 4))
         self._task: asyncio.Task | None = None
 
     @property
@@ -68,8 +87,19 @@ class LeaseReaper:
             except Exception:  # noqa: BLE001 - the reaper must outlive a bad sweep
                 log.exception("lease sweep failed")
 
+    def _why(self, entry, now: float) -> str | None:
+        """Why an ownerless cache not held by a step is due now: "lease" (idle past the TTL),
+        "idle_origin" (idle past ``origin_idle_ttl`` and its origin quiet that long), else None."""
+        idle = now - entry.last_access
+        if idle > self.ttl:
+            return "lease"
+        t = self.origin_idle_ttl
+        if t > 0 and entry.origin and idle > t and self.activity.idle_for(entry.origin, now) > t:
+            return "idle_origin"
+        return None
+
     def expired(self, now: float | None = None) -> list[tuple[object, object]]:
-        """(host, entry) of every ownerless cache idle past the TTL and not held by a step."""
+        """(host, entry) of every ownerless cache due for reclaim and not held by a step."""
         now = time.monotonic() if now is None else now
         out = []
         for host in self.models:
@@ -78,19 +108,20 @@ class LeaseReaper:
             for entry in host.executor.registry.entries():
                 if entry.owner or host.is_busy(entry.cache_id):
                     continue
-                if now - entry.last_access > self.ttl:
+                if self._why(entry, now):
                     out.append((host, entry))
         return out
 
     async def sweep(self) -> int:
-        """Reclaim what has expired now; returns how many caches were freed."""
+        """Reclaim what is due now; returns how many caches were freed."""
         n = 0
         for host, entry in self.expired():
             cid = entry.cache_id
             # Re-check at the last moment: a step may have taken or renewed the cache meanwhile.
             if host.is_busy(cid) or cid not in host.executor.registry:
                 continue
-            if time.monotonic() - entry.last_access <= self.ttl:
+            why = self._why(entry, time.monotonic())
+            if why is None:
                 continue
             idle = time.monotonic() - entry.last_access
             try:
@@ -102,7 +133,15 @@ class LeaseReaper:
                 continue
             if released:
                 n += 1
-                self.metrics.expired_caches.labels(host.model_id).inc()
-                log.info("cache lease expired; reclaimed", model_id=host.model_id, cache_id=cid,
-                         idle_s=round(idle, 3), ttl_s=self.ttl, tokens=tokens, freed_bytes=freed_bytes)
+                if why == "lease":
+                    self.metrics.expired_caches.labels(host.model_id).inc()
+                    log.info("cache lease expired; reclaimed", model_id=host.model_id, cache_id=cid,
+                             idle_s=round(idle, 3), ttl_s=self.ttl, tokens=tokens, freed_bytes=freed_bytes)
+                else:
+                    self.metrics.idle_origin_caches.labels(host.model_id).inc()
+                    log.info("cache of a quiet origin reclaimed", model_id=host.model_id, cache_id=cid,
+                             origin=entry.origin, idle_s=round(idle, 3), origin_idle_ttl_s=self.origin_idle_ttl,
+                             tokens=tokens, freed_bytes=freed_bytes)
+        if self.activity is not None:
+            self.activity.forget_idle(max(self.ttl, 3600.0))
         return n

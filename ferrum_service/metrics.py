@@ -32,6 +32,9 @@ class Metrics:
         self.expired_caches = Counter("ferrum_expired_caches_total",
                                       "Ownerless caches reclaimed because their lease (--cache-ttl) expired",
                                       ["model"], registry=r)
+        self.idle_origin_caches = Counter("ferrum_idle_origin_caches_total",
+                                          "Ownerless caches reclaimed early because the origin that made them "
+                                          "(caller@host) made no call for --origin-idle-ttl", ["model"], registry=r)
         if models is not None:
             self._model_gauges(models)
             r.register(_ReclaimedCollector(models))

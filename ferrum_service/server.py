@@ -26,6 +26,7 @@ from . import tracing
 from .auth import AuthInterceptor
 from .host import ModelHost
 from .kv_events import KvEventHub
+from .callers import CallerActivity
 from .leases import LeaseReaper
 from .metrics import Metrics
 from .models import ModelSet
@@ -57,6 +58,9 @@ class ServerConfig:
     admin_tokens: list[str] = field(default_factory=list)
     max_batch: int = 64
     cache_ttl: float = 600.0  # seconds an ownerless cache may sit idle before it is reclaimed (0 = never)
+    # seconds after which the ownerless caches of an origin (caller@host) that made no call that
+    # long are reclaimed, before cache_ttl (0 = off; capped at cache_ttl); see leases.py
+    origin_idle_ttl: float = 60.0
     max_queue: int = 256  # steps that may wait for one model's worker (0 = unbounded)
     open_admin_rpcs: bool = False  # Warmup/Shutdown for any caller when no admin token is configured
     max_step_bytes: int = 2 * 1024**3  # transient memory one forward may need (0 = no limit)
@@ -88,6 +92,8 @@ class Server:
         self.cfg = cfg
         if cfg.cache_ttl < 0:
             raise ValueError("cache_ttl must be >= 0 (0 = never reclaim)")
+        if cfg.origin_idle_ttl < 0:
+            raise ValueError("origin_idle_ttl must be >= 0 (0 = off)")
         if cfg.max_queue < 0:
             raise ValueError("max_queue must be >= 0 (0 = unbounded)")
         for host in models:
@@ -96,7 +102,9 @@ class Server:
             host.limits.max_response_bytes = cfg.max_message_bytes
             host.limits.max_text_bytes = cfg.max_text_bytes
         self.metrics = Metrics(models)
-        self.leases = LeaseReaper(models, self.metrics, cfg.cache_ttl)
+        self.activity = CallerActivity()
+        self.leases = LeaseReaper(models, self.metrics, cfg.cache_ttl, origin_idle_ttl=cfg.origin_idle_ttl,
+                                  activity=self.activity)
         self.draining = False
         self.health = health.aio.HealthServicer()
         self.streams = StreamRegistry(models)
@@ -113,7 +121,8 @@ class Server:
         self.servicer = ModelExecutorServicer(models, Operations(models, RequestChecks(models)), self.streams,
                                               self.events, self.metrics, draining=lambda: self.draining,
                                               tokens_checked=bool(cfg.auth_tokens),
-                                              admin_open=bool(cfg.admin_tokens) or cfg.open_admin_rpcs)
+                                              admin_open=bool(cfg.admin_tokens) or cfg.open_admin_rpcs,
+                                              activity=self.activity)
         self.servicer.on_model_shutdown = self._model_down
         interceptors = []
         if cfg.auth_tokens or cfg.admin_tokens:
@@ -166,7 +175,7 @@ class Server:
         log.info("serving", port=self.port, models=[h.model_id for h in self.models], tls=bool(self.cfg.tls_cert),
                  auth=bool(self.cfg.auth_tokens), mtls=bool(self.cfg.tls_client_ca),
                  metrics_port=self.cfg.metrics_port or None, cache_ttl_s=self.cfg.cache_ttl or None,
-                 max_queue=self.cfg.max_queue or None)
+                 origin_idle_ttl_s=self.leases.origin_idle_ttl or None, max_queue=self.cfg.max_queue or None)
 
     async def drain(self, grace: float | None = None) -> None:
         """Graceful shutdown (see the module doc)."""

@@ -38,7 +38,7 @@ from .convert import (
     step_error_pb,
     tpb,
 )
-from .callers import caller_identity, current_caller
+from .callers import CallerActivity, current_caller, current_origin, enter_call
 from .generate import generate
 from .kv_events import KvEventHub, SubscriberDropped
 from .metrics import Metrics
@@ -73,11 +73,13 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
 
     def __init__(self, models: ModelSet, ops: Operations, streams: StreamRegistry, events: KvEventHub,
                  metrics: Metrics, *, draining: Callable[[], bool] = lambda: False, tokens_checked: bool = False,
-                 admin_open: bool = False) -> None:
+                 admin_open: bool = False, activity: CallerActivity | None = None) -> None:
         """``tokens_checked``: bearer tokens are verified (they then name the caller that owns a
         cache); ``admin_open``: Warmup / Shutdown may be called (admin tokens guard them, or the
-        operator opened them)."""
+        operator opened them); ``activity``: where each call's origin is recorded (for the lease
+        reaper's idle-origin rule)."""
         self.models = models
+        self.activity = activity if activity is not None else CallerActivity()
         self.tokens_checked = tokens_checked
         self.admin_open = admin_open
         self.ops = ops
@@ -97,7 +99,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         counted under the code it ended with, and traced (when tracing is on)."""
         t0 = time.perf_counter()
         outcome = _Outcome()
-        current_caller.set(caller_identity(context, tokens_checked=self.tokens_checked))
+        enter_call(context, self.activity, tokens_checked=self.tokens_checked)
         span = tracing.start_rpc(rpc, context.invocation_metadata(), **_ids(request)) if tracing.enabled() else None
         try:
             self._check_serving()
@@ -319,7 +321,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
     # ---- streams --------------------------------------------------------------------------------
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
         owner = self.streams.new_owner("generate")
-        current_caller.set(caller_identity(context, tokens_checked=self.tokens_checked))
+        enter_call(context, self.activity, tokens_checked=self.tokens_checked)
         tokens = 0
         with self.streams.running(), self.streams.generation(owner) as state:
             try:
@@ -352,7 +354,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         t0 = time.perf_counter()
         code = "OK"
         steps = 0
-        current_caller.set(caller_identity(context, tokens_checked=self.tokens_checked))
+        enter_call(context, self.activity, tokens_checked=self.tokens_checked)
         span = tracing.start_rpc("Session", context.invocation_metadata()) if tracing.enabled() else None
         log.info("session opened", owner=owner, peer=context.peer())
         with self.streams.running():
@@ -379,6 +381,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         code = "OK"
         stream_span = tracing.current()
         span = tracing.start_child(f"Session.{rpc}", **_ids(getattr(req, which))) if which and stream_span else None
+        self.activity.seen(current_origin.get())
         try:
             self._check_serving()
             if which is None:

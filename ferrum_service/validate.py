@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 from . import errors
-from .callers import current_caller
+from .callers import current_caller, current_origin
 from .convert import check_token, check_tokens, logits_policy, pb, struct_to_dict
 from .executors.item_steps import StepItem
 from .kv_registry import CacheEntry
@@ -79,8 +79,10 @@ class RequestChecks:
 
     @staticmethod
     def adopt(entry: CacheEntry, owner: str = "") -> None:
-        """Record who a new cache belongs to: the current caller, and the stream that frees it."""
+        """Record who a new cache belongs to: the current caller, the stream that frees it, and
+        where the call came from (for the idle-origin lease, ``leases.py``)."""
         entry.tenant = current_caller.get()
+        entry.origin = current_origin.get()
         if owner and not entry.owner:
             entry.owner = owner
 

@@ -302,6 +302,42 @@ def test_idle_ownerless_caches_are_reclaimed_after_the_ttl_and_steps_renew_the_l
         assert srv.server.metrics.value("ferrum_reclaimed_caches_total", {"model": "mock"}) == 4  # + the session's
 
 
+def test_caches_of_a_quiet_origin_are_reclaimed_long_before_the_ttl():
+    """Issue 15 (4): ownerless caches remember where the call that made them came from (caller @
+    host). While that origin keeps calling, an idle cache of it keeps the full TTL; once the origin
+    makes no call at all for ``origin_idle_ttl``, its idle caches are reclaimed then (ferrum's
+    engine never releases its draft executor's caches; they go soon after the engine goes quiet)."""
+    from ferrum_service.callers import peer_host
+
+    assert peer_host("ipv4:127.0.0.1:50123") == "ipv4:127.0.0.1"
+    assert peer_host("ipv6:[::1]:50123") == "ipv6:[::1]" and peer_host("unix:/tmp/s") == "unix:/tmp/s"
+    quiet = 0.4
+    with InProcessServer([ConfigurableModelExecutor.with_token_sequence(1000, [7], model_id="mock")],
+                         cache_ttl=60, origin_idle_ttl=quiet) as srv, Client(srv.target) as c:
+        assert srv.server.leases.interval == pytest.approx(quiet / 4)
+        reg = srv.models.get("mock").executor.registry
+        idle = c.prefill("mock", [1, 2]).output.cache.cache_id
+        used = c.prefill("mock", [1, 2]).output.cache.cache_id
+        assert reg.get(idle).origin == "@ipv4:127.0.0.1"
+        t_end = time.monotonic() + 4 * quiet
+        while time.monotonic() < t_end:  # the origin keeps calling: its idle cache is kept
+            c.decode("mock", used, 1)
+            time.sleep(quiet / 8)
+        assert idle in reg and used in reg
+        t_quiet = time.monotonic()
+        assert _wait_until(lambda: srv.live_caches()["mock"] == 0, timeout=5)  # the origin went quiet
+        assert time.monotonic() - t_quiet < 3 * quiet + 0.5
+        assert srv.server.metrics.value("ferrum_idle_origin_caches_total", {"model": "mock"}) == 2
+        assert srv.server.metrics.value("ferrum_expired_caches_total", {"model": "mock"}) == 0
+    with InProcessServer([ConfigurableModelExecutor.with_token_sequence(1000, [7], model_id="mock")],
+                         cache_ttl=60, origin_idle_ttl=0) as srv, Client(srv.target) as c:
+        cid = c.prefill("mock", [1]).output.cache.cache_id
+        srv.models.get("mock").executor.registry.get(cid).last_access -= 30  # idle, origin quiet: kept
+        srv.server.activity._last.clear()
+        assert srv.server.leases.expired() == []  # the rule is off: only the TTL reclaims
+        assert c.decode("mock", cid, 1).output.cache.num_tokens == 2
+
+
 def test_ttl_zero_never_reclaims():
     with InProcessServer([ConfigurableModelExecutor.with_token_sequence(1000, [7], model_id="mock")],
                          cache_ttl=0) as srv, Client(srv.target) as c:

@@ -44,6 +44,11 @@ pub struct RemoteExecutorOptions {
     pub admission_rpc: bool,
     /// Refresh the cached `status()` in the background when it is older than this.
     pub status_refresh: Duration,
+    /// When the executor is dropped, release every server cache it handed out and nobody
+    /// released, as dropping an in-process ferrum executor drops its model's KV. This is what
+    /// frees the draft caches of ferrum's speculative engine, which never calls `release_cache`
+    /// on its draft executor (see README, "How ferrum's engine uses this client").
+    pub release_on_drop: bool,
 }
 
 impl Default for RemoteExecutorOptions {
@@ -54,6 +59,7 @@ impl Default for RemoteExecutorOptions {
             guard_positions: false,
             admission_rpc: true,
             status_refresh: Duration::from_secs(1),
+            release_on_drop: true,
         }
     }
 }
@@ -885,6 +891,35 @@ impl ModelExecutor for RemoteModelExecutor {
                 p.remove(&id);
             }
         });
+    }
+}
+
+impl Drop for RemoteModelExecutor {
+    /// With `release_on_drop`: queue the release of every cache still handed out; the release
+    /// queue, dropped next, sends them before its thread ends. (`with_client` executors spawn the
+    /// releases on the connect-time runtime, best effort.)
+    fn drop(&mut self) {
+        if !self.opts.release_on_drop {
+            return;
+        }
+        let ids: Vec<String> = self.shared.minted.lock().unwrap().drain().collect();
+        self.shared.aliases.lock().unwrap().clear();
+        if ids.is_empty() {
+            return;
+        }
+        if let Some(q) = &self.releases {
+            for id in ids {
+                let (tx, _rx) = watch::channel(false);
+                q.release(id, tx);
+            }
+        } else {
+            let client = self.client.clone();
+            self.runtime.spawn(async move {
+                for id in ids {
+                    let _ = client.release_cache(&id).await;
+                }
+            });
+        }
     }
 }
 

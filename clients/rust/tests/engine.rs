@@ -8,6 +8,9 @@
 //!   own greedy `Generate` tokens, every prefill goes through `UnifiedDecode` (the engine's
 //!   `ReserveKvSlots` for a sequence it has just named creates the cache: issue 15 fix 1), and no
 //!   cache is left on the server.
+//! * Speculative mode: ferrum's engine never calls `release_cache` on its draft executor (in
+//!   process too); the draft caches stay on the server until the draft `RemoteModelExecutor` is
+//!   dropped (`release_on_drop`) or the server's lease reclaims them.
 
 #[path = "common/engine_rig.rs"]
 mod rig;
@@ -139,4 +142,55 @@ async fn engine_over_remote_tiny_llama_batches_prefills_through_unified_decode()
     assert!(n.unified_decode > 0 && n.reserve_kv_slots > 0);
     assert_eq!((n.prefill, n.batch_prefill), (0, 0), "every prefill went through UnifiedDecode");
     assert_no_caches_left(&exec, &client).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_engine_leaves_draft_caches_until_the_draft_executor_is_dropped() {
+    let draft_spec = "configurable,id=draft,vocab_size=1000,token_sequence=10:20:30".to_string();
+    let server = ServerProcess::start(&[ServerProcess::MOCK.to_string(), draft_spec]).await.expect("server");
+    let connect = |model: &str| {
+        let opts = RemoteExecutorOptions { model_id: model.into(), ..Default::default() };
+        RemoteModelExecutor::connect(server.endpoint.clone(), opts)
+    };
+    let target = Arc::new(connect("mock").await.expect("target"));
+    let draft = Arc::new(connect("draft").await.expect("draft"));
+    let engine = rig::speculative_engine(
+        target.clone(),
+        draft.clone(),
+        3,
+        // No special tokens: ferrum speculates only when no token is masked for the request.
+        Arc::new(IdTokenizer::new(1000, None)),
+        Arc::new(HostTensorFactory::new()),
+    );
+    for p in [&[1u32, 2, 3][..], &[7, 8]] {
+        let r = engine.infer(rig::greedy_request(&IdTokenizer::text(p), "mock", 8)).await.expect("infer");
+        assert_eq!(r.tokens.len(), 8);
+    }
+    let n = target.rpc_counts();
+    println!("speculative: target {n:?}, draft {:?}", draft.rpc_counts());
+    assert!(n.forward_verify > 0, "the engine verified drafts on the target");
+    let client = server.client().await;
+    assert_no_caches_left(&target, &client.model("mock")).await;
+    // ferrum's engine released the target's caches, never the draft's.
+    draft.flush_releases().await;
+    assert_eq!(live_caches(&client.model("draft")).await, 2, "one draft cache per request, never released");
+    assert_eq!(draft.rpc_counts().release_cache, 0);
+    // Dropping the draft executor (once the engine has stopped and let go of it) releases them.
+    ferrum_engine::InferenceEngineInterface::shutdown(&engine).await.expect("engine shutdown");
+    drop(engine);
+    let mut draft = Some(draft);
+    for _ in 0..100 {
+        match Arc::try_unwrap(draft.take().unwrap()) {
+            Ok(d) => {
+                drop(d);
+                break;
+            }
+            Err(d) => {
+                draft = Some(d);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+    assert!(draft.is_none(), "the engine still holds the draft executor");
+    assert_eq!(live_caches(&client.model("draft")).await, 0, "release_on_drop freed the draft caches");
 }

@@ -32,6 +32,28 @@ pub fn engine(
     .expect("legacy engine composition")
 }
 
+/// The engine in speculative mode: `draft` proposes `n` tokens per step, `executor` verifies.
+pub fn speculative_engine(
+    executor: Arc<dyn ModelExecutor + Send + Sync>,
+    draft: Arc<dyn ModelExecutor + Send + Sync>,
+    n: usize,
+    tokenizer: Arc<dyn Tokenizer + Send + Sync>,
+    tensors: Arc<dyn TensorFactory>,
+) -> ContinuousBatchEngine {
+    ContinuousBatchEngine::new_with_speculation(
+        EngineConfig::default(),
+        Arc::new(ContinuousBatchScheduler::new(SchedulerConfig::default())),
+        tokenizer,
+        Arc::new(MockSampler),
+        Arc::new(MockKvCacheManager::new(4096)),
+        executor,
+        tensors,
+        Some(draft),
+        Some(ferrum_engine::speculative::SpeculativeDecodingConfig { num_speculative_tokens: n, temperature: 0.0 }),
+    )
+    .expect("speculative engine composition")
+}
+
 /// A greedy request for `prompt` (text for the engine's tokenizer) of `max_tokens` tokens.
 pub fn greedy_request(prompt: &str, model_id: &str, max_tokens: usize) -> InferenceRequest {
     let mut req = InferenceRequest::new(prompt, model_id);
