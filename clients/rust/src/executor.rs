@@ -42,6 +42,14 @@ pub struct RemoteExecutorOptions {
     /// Call `ReserveKvSlots` from the synchronous `reserve_kv_slots` (a blocking RPC on a
     /// multi-thread runtime). Off = the trait's default `Ok(None)`.
     pub admission_rpc: bool,
+    /// Reserve this many tokens beyond each `KvSlotRequest.target_len`, and answer a later
+    /// `reserve_kv_slots` whose requests are all already covered by what the server granted
+    /// (`blocks_after × block_size`) locally, with no new blocks, as the server would. ferrum's
+    /// engine reserves before every step (one token more per sequence each time), so this turns
+    /// one `ReserveKvSlots` per step into one per `reserve_ahead_tokens` steps. A reservation the
+    /// server refuses with the extra tokens is retried without them. 0 = exact reservations, one
+    /// RPC per call.
+    pub reserve_ahead_tokens: usize,
     /// Refresh the cached `status()` in the background when it is older than this.
     pub status_refresh: Duration,
     /// When the executor is dropped, release every server cache it handed out and nobody
@@ -58,6 +66,7 @@ impl Default for RemoteExecutorOptions {
             timeout: Some(Duration::from_secs(60)),
             guard_positions: false,
             admission_rpc: true,
+            reserve_ahead_tokens: 16,
             status_refresh: Duration::from_secs(1),
             release_on_drop: true,
         }
@@ -80,6 +89,15 @@ struct Shared {
     /// Server cache ids this executor has handed out and not released: a `KvSlotRequest` naming
     /// anything else (and no alias) is a new sequence.
     minted: Mutex<HashSet<String>>,
+    /// Server cache id → tokens of KV the server has granted it (last `ReserveKvSlots`).
+    covered: Mutex<HashMap<String, u64>>,
+    /// The last reservation's pool figures (block size, total, free after), for local answers.
+    last_pool: Mutex<Option<(u64, u64, u64)>>,
+    /// `reserve_kv_slots` calls answered locally (every request already covered).
+    local_reservations: AtomicU64,
+    /// The server answered a reservation with no reservation (or UNIMPLEMENTED): the executor
+    /// does no paged admission, so every later call is ferrum's `Ok(None)` without an RPC.
+    no_paged_admission: std::sync::atomic::AtomicBool,
     rpc: RpcCounters,
 }
 
@@ -300,6 +318,10 @@ impl RemoteModelExecutor {
                 release_failures: AtomicU64::new(0),
                 local_unsupported: AtomicU64::new(0),
                 minted: Mutex::new(HashSet::new()),
+                covered: Mutex::new(HashMap::new()),
+                last_pool: Mutex::new(None),
+                local_reservations: AtomicU64::new(0),
+                no_paged_admission: false.into(),
                 rpc: RpcCounters::default(),
             }),
             client,
@@ -348,6 +370,12 @@ impl RemoteModelExecutor {
         }
     }
 
+    /// `reserve_kv_slots` calls answered without an RPC: every request was already covered by
+    /// what the server granted (see [`RemoteExecutorOptions::reserve_ahead_tokens`]).
+    pub fn local_reservations(&self) -> u64 {
+        self.shared.local_reservations.load(Ordering::Relaxed)
+    }
+
     /// Engine-side names currently mapped to server caches (new sequences named by the caller,
     /// see `reserve_kv_slots` / `unified_decode`); 0 once every sequence has been released.
     pub fn aliases_len(&self) -> usize {
@@ -386,6 +414,7 @@ impl RemoteModelExecutor {
     fn take_alias(&self, id: &str) -> String {
         let sid = self.shared.aliases.lock().unwrap().remove(id).unwrap_or_else(|| id.to_string());
         self.shared.minted.lock().unwrap().remove(&sid);
+        self.shared.covered.lock().unwrap().remove(&sid);
         sid
     }
 
@@ -509,6 +538,61 @@ async fn refresh_shared(client: &Client, shared: &Shared) -> Result<()> {
 }
 
 impl RemoteModelExecutor {
+    /// A reservation the server already covers: every request names a cache the server granted
+    /// at least `max(target_len, admission_target_len)` tokens. The answer is the server's for
+    /// that case (no new blocks; pool figures of the last reservation).
+    fn covered_locally(&self, reqs: &[proto::KvSlotRequest], names: &[String]) -> Option<KvSlotReservation> {
+        if self.opts.reserve_ahead_tokens == 0 {
+            return None;
+        }
+        let (block_size, total, free) = (*self.shared.last_pool.lock().unwrap())?;
+        if block_size == 0 {
+            return None;
+        }
+        let covered = self.shared.covered.lock().unwrap();
+        let mut allocations = Vec::with_capacity(reqs.len());
+        for (p, name) in reqs.iter().zip(names) {
+            let have = *covered.get(&p.cache_id)?;
+            if p.new_sequence || p.target_len.max(p.admission_target_len.unwrap_or(0)) > have {
+                return None;
+            }
+            let blocks = (have / block_size) as usize;
+            allocations.push(ferrum_interfaces::model_executor::KvSlotAllocation {
+                cache_id: name.clone(),
+                blocks_before: blocks,
+                blocks_after: blocks,
+                new_blocks: 0,
+            });
+        }
+        Some(KvSlotReservation {
+            block_size: block_size as usize,
+            total_blocks: total as usize,
+            free_blocks_before: free as usize,
+            free_blocks_after: free as usize,
+            allocations,
+        })
+    }
+
+    /// One `ReserveKvSlots`, each target `ahead` tokens further (None: cannot block here).
+    fn reserve_rpc(
+        &self,
+        reqs: &[proto::KvSlotRequest],
+        ahead: u64,
+    ) -> Option<std::result::Result<Option<proto::KvSlotReservation>, tonic::Status>> {
+        let mut reqs = reqs.to_vec();
+        // Never ahead past what one sequence may hold (that would be INVALID_ARGUMENT).
+        let mut limit = self.kv_capacity.map_or(u64::MAX, |c| c as u64);
+        if self.info.max_sequence_length > 0 {
+            limit = limit.min(self.info.max_sequence_length as u64);
+        }
+        for p in &mut reqs {
+            p.target_len = (p.target_len + ahead).min(limit).max(p.target_len);
+        }
+        let client = self.client.clone();
+        bump(&self.shared.rpc.reserve_kv_slots);
+        self.block_on(async move { client.reserve_kv_slots(reqs).await })
+    }
+
     /// Run an RPC from a synchronous trait method. On a multi-thread runtime this blocks the
     /// worker with `block_in_place`; outside any runtime it blocks on the connect-time runtime;
     /// on a current-thread runtime it cannot (the runtime would deadlock) and returns None.
@@ -556,6 +640,10 @@ impl ModelExecutor for RemoteModelExecutor {
         if !self.opts.admission_rpc || requests.is_empty() {
             return Ok(None);
         }
+        if self.shared.no_paged_admission.load(Ordering::Relaxed) {
+            self.shared.local_reservations.fetch_add(1, Ordering::Relaxed);
+            return Ok(None);
+        }
         let mut reqs: Vec<proto::KvSlotRequest> = Vec::with_capacity(requests.len());
         let mut names: Vec<String> = Vec::with_capacity(requests.len());
         {
@@ -581,18 +669,34 @@ impl ModelExecutor for RemoteModelExecutor {
                 reqs.push(p);
             }
         }
-        let client = self.client.clone();
-        bump(&self.shared.rpc.reserve_kv_slots);
-        match self.block_on(async move { client.reserve_kv_slots(reqs).await }) {
+        if let Some(local) = self.covered_locally(&reqs, &names) {
+            self.shared.local_reservations.fetch_add(1, Ordering::Relaxed);
+            return Ok(Some(local));
+        }
+        let ahead = self.opts.reserve_ahead_tokens as u64;
+        let mut answer = self.reserve_rpc(&reqs, ahead);
+        if ahead > 0 && matches!(&answer, Some(Err(e)) if e.code() == tonic::Code::ResourceExhausted) {
+            answer = self.reserve_rpc(&reqs, 0); // the extra tokens did not fit: exactly what was asked
+        }
+        match answer {
             None => Ok(None),
             Some(Ok(r)) => {
-                let Some(r) = r else { return Ok(None) };
+                let Some(r) = r else {
+                    self.shared.no_paged_admission.store(true, Ordering::Relaxed);
+                    return Ok(None);
+                };
                 let mut created = Vec::new();
-                for a in &r.allocations {
-                    if !a.created_cache_id.is_empty() {
-                        created.push((a.cache_id.clone(), a.created_cache_id.clone()));
+                {
+                    let mut covered = self.shared.covered.lock().unwrap();
+                    for (a, p) in r.allocations.iter().zip(&reqs) {
+                        let sid = if a.created_cache_id.is_empty() { p.cache_id.clone() } else { a.created_cache_id.clone() };
+                        covered.insert(sid, a.blocks_after * r.block_size);
+                        if !a.created_cache_id.is_empty() {
+                            created.push((a.cache_id.clone(), a.created_cache_id.clone()));
+                        }
                     }
                 }
+                *self.shared.last_pool.lock().unwrap() = Some((r.block_size, r.total_blocks, r.free_blocks_after));
                 if !created.is_empty() {
                     let mut aliases = self.shared.aliases.lock().unwrap();
                     let mut minted = self.shared.minted.lock().unwrap();
@@ -608,7 +712,10 @@ impl ModelExecutor for RemoteModelExecutor {
                 }
                 Ok(Some(out))
             }
-            Some(Err(e)) if e.code() == tonic::Code::Unimplemented => Ok(None),
+            Some(Err(e)) if e.code() == tonic::Code::Unimplemented => {
+                self.shared.no_paged_admission.store(true, Ordering::Relaxed);
+                Ok(None)
+            }
             Some(Err(e)) => Err(st(e)),
         }
     }
@@ -904,6 +1011,7 @@ impl Drop for RemoteModelExecutor {
         }
         let ids: Vec<String> = self.shared.minted.lock().unwrap().drain().collect();
         self.shared.aliases.lock().unwrap().clear();
+        self.shared.covered.lock().unwrap().clear();
         if ids.is_empty() {
             return;
         }

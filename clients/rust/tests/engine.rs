@@ -79,6 +79,8 @@ async fn engine_over_remote_configurable_equals_in_process() {
     let n = exec.rpc_counts();
     println!("configurable: {n:?}, unified answered locally {}", exec.local_unsupported_unified());
     assert_eq!(n.unified_decode, 0, "no UnifiedDecode RPC against an executor without it");
+    // Its first reservation answers "no paged admission"; later ones are ferrum's Ok(None) locally.
+    assert_eq!(n.reserve_kv_slots, 1);
     assert!(n.batch_prefill + n.prefill >= prompts.len() as u64);
     assert_no_caches_left(&exec, &server.client().await.with_model("mock")).await;
 }
@@ -138,8 +140,15 @@ async fn engine_over_remote_tiny_llama_batches_prefills_through_unified_decode()
     }
 
     let n = exec.rpc_counts();
-    println!("tiny llama, {} requests x {max_tokens} tokens: {n:?} ({} RPCs)", prompts.len(), n.total());
+    println!(
+        "tiny llama, {} requests x {max_tokens} tokens: {n:?} ({} RPCs; {} reservations answered locally)",
+        prompts.len(),
+        n.total(),
+        exec.local_reservations()
+    );
     assert!(n.unified_decode > 0 && n.reserve_kv_slots > 0);
+    // Reservations 16 tokens ahead (the default): later steps are covered without an RPC.
+    assert!(exec.local_reservations() > 0 && n.reserve_kv_slots < n.unified_decode);
     assert_eq!((n.prefill, n.batch_prefill), (0, 0), "every prefill went through UnifiedDecode");
     assert_no_caches_left(&exec, &client).await;
 }

@@ -358,3 +358,50 @@ async fn unsupported_unified_decode_is_answered_locally() {
     exec.release_cache(&out.kv_cache.cache_id());
     exec.flush_releases().await;
 }
+
+/// Issue 15: `reserve_kv_slots` for a name the server has never seen creates the cache
+/// (`new_sequence`); reservations go `reserve_ahead_tokens` further, fall back to the exact target
+/// when the extra tokens do not fit, and a later reservation already covered is answered locally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_create_new_sequences_reserve_ahead_and_answer_covered_ones_locally() {
+    let dir = tiny_model_dir().expect("tiny model");
+    let server = ServerProcess::start(&[format!("hf-causal-lm,id=tiny,path={},kv_budget_tokens=64", dir.display())])
+        .await
+        .expect("server");
+    let exec = RemoteModelExecutor::connect(server.endpoint.clone(), RemoteExecutorOptions::default()).await.unwrap();
+    let req = |t: usize| ferrum_interfaces::model_executor::KvSlotRequest {
+        cache_id: "engine-seq-1".into(),
+        target_len: t,
+        admission_target_len: None,
+    };
+    // A sequence may hold 64 tokens here: 60 + 16 ahead are capped to 64 (4 blocks of 16).
+    let r = exec.reserve_kv_slots(&[req(60)]).unwrap().expect("the transformers executor pages its KV");
+    assert_eq!((r.allocations[0].cache_id.as_str(), r.allocations[0].blocks_after), ("engine-seq-1", 4));
+    assert_eq!(exec.rpc_counts().reserve_kv_slots, 1);
+    let client = server.client().await.with_model("tiny");
+    let caches = client.list_caches().await.unwrap().caches;
+    assert_eq!(caches.len(), 1);
+    assert_eq!(caches[0].num_tokens, 0, "an empty cache holding the reservation");
+    // Covered by the 64 tokens granted: no RPC, no new blocks.
+    let r = exec.reserve_kv_slots(&[req(63)]).unwrap().unwrap();
+    assert_eq!((r.allocations[0].new_blocks, r.allocations[0].blocks_after), (0, 4));
+    assert_eq!((exec.rpc_counts().reserve_kv_slots, exec.local_reservations()), (1, 1));
+    // The budget is full: a second sequence's 4 + 16 ahead are refused, then its exact 4 too.
+    let other = ferrum_interfaces::model_executor::KvSlotRequest {
+        cache_id: "engine-seq-2".into(),
+        target_len: 4,
+        admission_target_len: None,
+    };
+    assert!(matches!(exec.reserve_kv_slots(&[other.clone()]), Err(FerrumError::ResourceExhausted { .. })));
+    assert_eq!(exec.rpc_counts().reserve_kv_slots, 3, "retried without the extra tokens");
+    // The engine's name releases the server's cache; then the second one fits, 16 ahead.
+    exec.release_cache("engine-seq-1");
+    exec.flush_releases().await;
+    assert!(client.list_caches().await.unwrap().caches.is_empty());
+    let r = exec.reserve_kv_slots(&[other]).unwrap().unwrap();
+    assert_eq!(r.allocations[0].blocks_after, 2, "4 + 16 tokens = 2 blocks");
+    exec.release_cache("engine-seq-2");
+    exec.flush_releases().await;
+    assert!(client.list_caches().await.unwrap().caches.is_empty());
+    assert_eq!(exec.aliases_len(), 0);
+}

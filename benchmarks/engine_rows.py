@@ -1,0 +1,115 @@
+"""ferrum's own engine over the wire (issue 15): ferrum-engine 0.8.8's ``ContinuousBatchEngine``
+driving the remote SmolLM2 through the Rust ``RemoteModelExecutor``, against the same server's own
+``Generate``, side by side in one run.
+
+    .venv/bin/python -m benchmarks.engine_rows [--quick] [--threads N] [--executor llama-cpp|hf]
+
+Rows, at 1 and 8 concurrent requests of the same chat prompt (37 tokens), greedy, every request
+``max_tokens`` long (EOS ignored on both sides):
+
+* end-to-end aggregate tok/s (prefills included) of the engine
+  (``clients/rust/examples/engine_bench.rs``, one process per run, after a warm-up request) ÷
+  the same number of concurrent ``Generate`` streams (``remote.generate_streams``), target ≥ 0.8;
+* the engine's step RPCs per generated token (``RemoteModelExecutor::rpc_counts``: per engine step
+  one ``ReserveKvSlots`` + one ``UnifiedDecode``, prefills included; plus one ``ReleaseCache`` per
+  request) — ``Generate`` sends one RPC per request.
+
+The two sides alternate (engine, Generate, engine, Generate, …; medians), and the fixed reference
+workload of ``llama_cpp_rows`` is timed before and after each row: a row whose drift exceeds 15 % is
+flagged ``busy``. The example is built in the debug profile (the cargo target dir the Rust tests
+use; a release build of ferrum-engine's dependencies would take another ~15 minutes on 2 cores):
+only the engine's own bookkeeping runs there, the model runs in the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from .common import REPO, Server, median
+from .llama_cpp_rows import DRIFT_LIMIT, timed_row
+from .remote import generate_streams
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
+          8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+
+
+def target_dir() -> Path:
+    cache = Path(os.environ.get("FERRUM_CACHE_DIR", Path.home() / ".cache" / "ferrum-service"))
+    return Path(os.environ.get("CARGO_TARGET_DIR", cache / "cargo-target"))
+
+
+def build_example() -> Path:
+    """``cargo build --example engine_bench`` (debug, cached target dir); the binary's path."""
+    env = {**os.environ, "CARGO_TARGET_DIR": str(target_dir())}
+    cargo = Path.home() / ".cargo" / "bin" / "cargo"
+    subprocess.run([str(cargo) if cargo.exists() else "cargo", "build", "--locked", "-q", "--example", "engine_bench"],
+                   cwd=REPO / "clients" / "rust", env=env, check=True, timeout=3600)
+    return target_dir() / "debug" / "examples" / "engine_bench"
+
+
+def engine_run(exe: Path, target: str, model: str, prompt: list[int], b: int, max_tokens: int) -> dict:
+    """One run of ``engine_bench`` (its own process, warm-up request first): its JSON line."""
+    out = subprocess.run([str(exe), "--endpoint", f"http://{target}", "--model", model,
+                          "--prompt", ",".join(map(str, prompt)), "--concurrency", str(b),
+                          "--max-tokens", str(max_tokens)],
+                         check=True, capture_output=True, text=True, timeout=600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def paired(exe: Path, target: str, model: str, b: int, n: int, runs: int) -> dict:
+    """``runs`` alternations of (engine, Generate); medians of each side's e2e tok/s."""
+    eng, gen = [], []
+    for _ in range(runs):
+        eng.append(engine_run(exe, target, model, PROMPT, b, n))
+        gen.append(generate_streams(target, model, PROMPT, b, n))
+    return {
+        "engine_tok_s": median([r["e2e_tok_s"] for r in eng]),
+        "generate_tok_s": median([r["e2e_tok_s"] for r in gen]),
+        "rpc_per_token": median([r["rpc_per_token"] for r in eng]),
+        "engine_runs": eng,
+        "generate_runs": [{k: v for k, v in r.items() if k != "tokens0"} for r in gen],
+        # greedy on both sides: the engine's tokens are the server's own
+        "same_tokens": all(r["tokens0"] == gen[0]["tokens0"] for r in eng),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--executor", choices=("llama-cpp", "hf"), default="llama-cpp")
+    a = ap.parse_args(argv)
+    n = 16 if a.quick else 32
+    runs = 1 if a.quick else 3
+    exe = build_example()
+    spec = (f"smollm2-llama,id=smollm2,threads={a.threads}" if a.executor == "llama-cpp"
+            else "smollm2-hf,id=smollm2")
+    rows, raw = [], {"threads": a.threads, "executor": a.executor, "max_tokens": n, "runs": runs,
+                     "load_before": os.getloadavg()}
+    print("| row | engine tok/s | Generate tok/s | ratio | target | RPCs / token | same tokens | drift | flag |\n"
+          "|---|---|---|---|---|---|---|---|---|", flush=True)
+    with Server(spec, threads=a.threads, name="server-engine-rows") as srv:
+        generate_streams(srv.target, "smollm2", PROMPT, 1, 4)  # warm-up
+        for b in (1, 8):
+            r, drift = timed_row(lambda: paired(exe, srv.target, "smollm2", b, n, runs))
+            raw[f"b{b}"] = r
+            ratio = r["engine_tok_s"] / r["generate_tok_s"]
+            rows.append((f"ferrum engine, {b} concurrent ÷ {b} Generate streams ({a.executor})",
+                         f"{r['engine_tok_s']:.1f}", f"{r['generate_tok_s']:.1f}", f"{ratio:.2f}", "≥ 0.8",
+                         f"{r['rpc_per_token']:.2f}", str(r["same_tokens"]), f"{100 * drift:.0f} %",
+                         "busy" if drift > DRIFT_LIMIT else ""))
+            print(f"| {' | '.join(rows[-1])} |", flush=True)
+    raw["load_after"] = os.getloadavg()
+    out = REPO / "benchmarks" / "results" / "engine_rows.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": rows, "raw": raw}, indent=1, default=str))
+    print(f"load average before {raw['load_before']}, after {raw['load_after']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,105 @@
+//! ferrum's own engine (`ContinuousBatchEngine`, ferrum-engine 0.8.8) driving a remote model
+//! through `RemoteModelExecutor`: `B` concurrent greedy requests of the same prompt, each
+//! `max_tokens` long (the engine knows no EOS, so every request runs to the end). Prints one JSON
+//! line per run: tokens, wall time, end-to-end tok/s (prefills included), and the step RPCs sent by
+//! kind. Used by `benchmarks/engine_rows.py`.
+//!
+//! ```text
+//! cargo run --example engine_bench -- --endpoint http://127.0.0.1:50051 --model smollm2 \
+//!     --prompt 1,9690,198 --concurrency 8 --max-tokens 32 [--runs 1]
+//! ```
+
+#[path = "../tests/common/engine_rig.rs"]
+mod rig;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use ferrum_engine::LlmInferenceEngine;
+use ferrum_interfaces::model_executor::ModelExecutor;
+use ferrum_remote_executor::testing::IdTokenizer;
+use ferrum_remote_executor::{HostTensorFactory, RemoteExecutorOptions, RemoteModelExecutor, RpcCounts};
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+}
+
+fn delta(a: RpcCounts, b: RpcCounts) -> RpcCounts {
+    RpcCounts {
+        prefill: b.prefill - a.prefill,
+        batch_prefill: b.batch_prefill - a.batch_prefill,
+        decode: b.decode - a.decode,
+        batch_decode: b.batch_decode - a.batch_decode,
+        unified_decode: b.unified_decode - a.unified_decode,
+        forward_verify: b.forward_verify - a.forward_verify,
+        truncate_kv: b.truncate_kv - a.truncate_kv,
+        reserve_kv_slots: b.reserve_kv_slots - a.reserve_kv_slots,
+        release_cache: b.release_cache - a.release_cache,
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let endpoint = arg(&args, "--endpoint").unwrap_or_else(|| "http://127.0.0.1:50051".into());
+    let model = arg(&args, "--model").unwrap_or_default();
+    let prompt: Vec<u32> = arg(&args, "--prompt")
+        .unwrap_or_else(|| "1,2,3".into())
+        .split(',')
+        .map(|t| t.trim().parse().expect("--prompt: comma-separated token ids"))
+        .collect();
+    let b: usize = arg(&args, "--concurrency").map_or(1, |s| s.parse().expect("--concurrency"));
+    let max_tokens: usize = arg(&args, "--max-tokens").map_or(32, |s| s.parse().expect("--max-tokens"));
+    let runs: usize = arg(&args, "--runs").map_or(1, |s| s.parse().expect("--runs"));
+
+    let exec = Arc::new(
+        RemoteModelExecutor::connect(endpoint, RemoteExecutorOptions { model_id: model.clone(), ..Default::default() })
+            .await
+            .expect("connect"),
+    );
+    let model = exec.info().model_id.to_string();
+    let vocab = exec.info().vocab_size;
+    let dyn_exec: Arc<dyn ModelExecutor + Send + Sync> = exec.clone();
+    let engine =
+        Arc::new(rig::engine(dyn_exec, Arc::new(IdTokenizer::new(vocab, None)), Arc::new(HostTensorFactory::new())));
+    let text = IdTokenizer::text(&prompt);
+    // Warm-up: one short request (connections, the engine's loop, the server's first step).
+    engine.infer(rig::greedy_request(&text, &model, 2)).await.expect("warm-up");
+    exec.flush_releases().await;
+
+    for _ in 0..runs {
+        let before = exec.rpc_counts();
+        let t0 = Instant::now();
+        let tasks: Vec<_> = (0..b)
+            .map(|_| {
+                let engine = engine.clone();
+                let req = rig::greedy_request(&text, &model, max_tokens);
+                tokio::spawn(async move { engine.infer(req).await })
+            })
+            .collect();
+        let mut tokens = Vec::new();
+        for t in tasks {
+            let r = t.await.expect("task").expect("infer");
+            tokens.push(r.tokens.iter().map(|t| t.get()).collect::<Vec<u32>>());
+        }
+        let wall = t0.elapsed().as_secs_f64();
+        exec.flush_releases().await;
+        let n = delta(before, exec.rpc_counts());
+        let total: usize = tokens.iter().map(|t| t.len()).sum();
+        println!(
+            "{}",
+            serde_json::json!({
+                "b": b, "max_tokens": max_tokens, "total_tokens": total, "wall_s": wall,
+                "e2e_tok_s": total as f64 / wall,
+                "rpc": {
+                    "reserve_kv_slots": n.reserve_kv_slots, "unified_decode": n.unified_decode,
+                    "prefill": n.prefill, "batch_prefill": n.batch_prefill, "decode": n.decode,
+                    "batch_decode": n.batch_decode, "release_cache": n.release_cache, "total": n.total(),
+                },
+                "rpc_per_token": n.total() as f64 / total as f64,
+                "same_tokens": tokens.iter().all(|t| t == &tokens[0]),
+                "tokens0": tokens[0],
+            })
+        );
+    }
+}
