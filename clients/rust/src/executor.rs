@@ -477,6 +477,7 @@ impl RemoteModelExecutor {
             all_positions: false,
             metadata: convert::json_map_to_struct(&input.metadata),
             request_id: input.request_id.as_ref().map(|r| r.0.to_string()).unwrap_or_default(),
+            ..Default::default()
         })
     }
 
@@ -816,6 +817,7 @@ impl ModelExecutor for RemoteModelExecutor {
                 is_final_chunk: it.is_final_chunk,
                 logits: Some(if it.is_final_chunk { pol } else { policy::none() }),
                 metadata: convert::json_map_to_struct(&it.metadata),
+                ..Default::default()
             });
         }
         let ids: Vec<String> = items.iter().map(|i| i.cache_id.clone()).filter(|s| !s.is_empty()).collect();

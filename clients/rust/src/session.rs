@@ -129,6 +129,7 @@ session_steps! {
     ForwardVerify(ForwardVerifyRequest, ForwardVerifyResponse) => into_forward_verify, "forward_verify";
     TruncateKv(TruncateKvRequest, TruncateKvResponse) => into_truncate_kv, "truncate_kv";
     ReleaseCache(ReleaseCacheRequest, ReleaseCacheResponse) => into_release_cache, "release_cache";
+    ForkCache(ForkCacheRequest, ForkCacheResponse) => into_fork_cache, "fork_cache";
 }
 
 /// The request half of the stream: what [`Session::send`] queues.
