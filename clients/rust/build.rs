@@ -25,9 +25,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // it to prost_types::Struct (prost's default extern path for well-known types).
     let wkt_include = protoc_bin_vendored::include_path()?;
 
+    // PrefixCacheRecipe's proto comment has an indented formula, which rustdoc would compile as a
+    // doctest: generate that message without its comment.
+    let mut config = tonic_prost_build::Config::new();
+    config.disable_comments([".ferrum.executor.v1.PrefixCacheRecipe"]);
     tonic_prost_build::configure()
         .build_server(false)
         .build_client(true)
-        .compile_protos(&files, &[protos, wkt_include])?;
+        .compile_with_config(config, &files, &[protos, wkt_include])?;
     Ok(())
 }
