@@ -52,11 +52,19 @@ async fn main() {
     let max_tokens: usize = arg(&args, "--max-tokens").map_or(32, |s| s.parse().expect("--max-tokens"));
     let runs: usize = arg(&args, "--runs").map_or(1, |s| s.parse().expect("--runs"));
 
+    // --raw MASK: no engine, the same greedy unified steps sent straight through the executor
+    // (MASK = none | ones: GreedyArgmax without / with an all-allowed token mask), to split the
+    // engine's own cost from the round trips'.
+    let raw = arg(&args, "--raw");
     let exec = Arc::new(
         RemoteModelExecutor::connect(endpoint, RemoteExecutorOptions { model_id: model.clone(), ..Default::default() })
             .await
             .expect("connect"),
     );
+    if let Some(mask) = raw {
+        raw_steps(&exec, &prompt, max_tokens, runs, mask == "ones").await;
+        return;
+    }
     let model = exec.info().model_id.to_string();
     let vocab = exec.info().vocab_size;
     let dyn_exec: Arc<dyn ModelExecutor + Send + Sync> = exec.clone();
@@ -101,5 +109,48 @@ async fn main() {
                 "tokens0": tokens[0],
             })
         );
+    }
+}
+
+async fn raw_steps(exec: &RemoteModelExecutor, prompt: &[u32], max_tokens: usize, runs: usize, mask: bool) {
+    use ferrum_interfaces::model_executor::{LogitsReturnPolicy, TokenSelectionMask, UnifiedBatch, UnifiedBatchItem};
+    let vocab = exec.info().vocab_size;
+    let policy = LogitsReturnPolicy::GreedyArgmax {
+        token_mask: mask.then(|| TokenSelectionMask::new(vec![1i8; vocab])),
+        repetition_penalty: None,
+    };
+    for run in 0..runs + 1 {
+        // A handle the server has never seen, as the engine's KV manager makes.
+        let handle: Arc<dyn ferrum_interfaces::KvCacheHandle> =
+            Arc::new(ferrum_testkit::MockKvCacheHandle::new(ferrum_types::RequestId::new(), 1, 0));
+        let name = handle.cache_id();
+        let t0 = Instant::now();
+        let mut pos = 0;
+        let mut q: Vec<u32> = prompt.to_vec();
+        let mut n = 0;
+        while n < max_tokens {
+            let item = UnifiedBatchItem {
+                seq_id: name.clone(),
+                q_tokens: q.clone(),
+                kv_cache: handle.clone(),
+                recurrent_state: None,
+                pos_offset: pos,
+                is_final_chunk: true,
+                metadata: Default::default(),
+                logits_policy: policy.clone(),
+            };
+            let mut batch = UnifiedBatch::new();
+            batch.items.push(item);
+            let out = ferrum_interfaces::model_executor::ModelExecutor::unified_decode(exec, &batch).await.expect("unified");
+            pos += q.len();
+            q = vec![out[0].as_ref().unwrap()[0] as u32];
+            n += 1;
+        }
+        let wall = t0.elapsed().as_secs_f64();
+        ferrum_interfaces::model_executor::ModelExecutor::release_cache(exec, &name);
+        exec.flush_releases().await;
+        if run > 0 {
+            println!("{}", serde_json::json!({"raw": true, "mask": mask, "max_tokens": max_tokens, "wall_s": wall, "e2e_tok_s": max_tokens as f64 / wall}));
+        }
     }
 }

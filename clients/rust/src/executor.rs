@@ -95,6 +95,10 @@ struct Shared {
     last_pool: Mutex<Option<(u64, u64, u64)>>,
     /// `reserve_kv_slots` calls answered locally (every request already covered).
     local_reservations: AtomicU64,
+    /// Token masks as sent, by `TokenSelectionMask.fingerprint` (ferrum's engine builds one per
+    /// request and sends it every step): None = every id of the vocabulary allowed, sent as no
+    /// mask at all.
+    masks: Mutex<HashMap<u64, Option<Arc<Vec<u8>>>>>,
     /// The server answered a reservation with no reservation (or UNIMPLEMENTED): the executor
     /// does no paged admission, so every later call is ferrum's `Ok(None)` without an RPC.
     no_paged_admission: std::sync::atomic::AtomicBool,
@@ -321,6 +325,7 @@ impl RemoteModelExecutor {
                 covered: Mutex::new(HashMap::new()),
                 last_pool: Mutex::new(None),
                 local_reservations: AtomicU64::new(0),
+                masks: Mutex::new(HashMap::new()),
                 no_paged_admission: false.into(),
                 rpc: RpcCounters::default(),
             }),
@@ -433,6 +438,43 @@ impl RemoteModelExecutor {
         self.known_cache(h).unwrap_or_else(|| h.cache_id())
     }
 
+    /// [`logits_policy_to_proto`], with the token mask converted once per distinct mask (cached
+    /// by fingerprint) and left out when it allows every id of the vocabulary (the contract's
+    /// empty mask), so a step does not carry vocabulary-sized bytes for nothing.
+    fn policy(&self, p: &LogitsReturnPolicy, force_full: bool) -> proto::LogitsPolicy {
+        let LogitsReturnPolicy::GreedyArgmax { token_mask: Some(m), repetition_penalty } = p else {
+            return logits_policy_to_proto(p, force_full);
+        };
+        if force_full {
+            return policy::full_logits();
+        }
+        let bytes = {
+            let mut masks = self.shared.masks.lock().unwrap();
+            if masks.len() > 1024 {
+                masks.clear();
+            }
+            masks
+                .entry(m.fingerprint)
+                .or_insert_with(|| {
+                    let v = &m.valid_token_mask;
+                    if v.len() >= self.info.vocab_size && v.iter().all(|&x| x != 0) {
+                        None
+                    } else {
+                        Some(Arc::new(v.iter().map(|&x| u8::from(x != 0)).collect()))
+                    }
+                })
+                .clone()
+        };
+        let mut out = logits_policy_to_proto(
+            &LogitsReturnPolicy::GreedyArgmax { token_mask: None, repetition_penalty: repetition_penalty.clone() },
+            false,
+        );
+        if let (Some(b), Some(s)) = (bytes, out.sampling.as_mut()) {
+            s.token_mask = b.as_ref().clone();
+        }
+        out
+    }
+
     fn note_minted(&self, id: &str) {
         if !id.is_empty() {
             let mut m = self.shared.minted.lock().unwrap();
@@ -515,7 +557,7 @@ impl RemoteModelExecutor {
         Ok(proto::DecodeInput {
             cache_id: self.step_cache(&input.kv_cache),
             token_id: *token,
-            logits: Some(logits_policy_to_proto(&input.logits_policy, forces_full(&input.metadata))),
+            logits: Some(self.policy(&input.logits_policy, forces_full(&input.metadata))),
             position,
             metadata: convert::json_map_to_struct(&input.metadata),
         })
@@ -807,7 +849,7 @@ impl ModelExecutor for RemoteModelExecutor {
             let known = self
                 .known_cache(&it.kv_cache)
                 .or_else(|| self.shared.aliases.lock().unwrap().get(&it.seq_id).cloned());
-            let pol = logits_policy_to_proto(&it.logits_policy, forces_full(&it.metadata));
+            let pol = self.policy(&it.logits_policy, forces_full(&it.metadata));
             fulls.push(is_full(&pol));
             items.push(proto::UnifiedBatchItem {
                 seq_id: it.seq_id.clone(),
@@ -892,7 +934,7 @@ impl ModelExecutor for RemoteModelExecutor {
             tokens.push(*tok);
         }
         let full_forced = inputs.iter().any(|i| forces_full(&i.metadata) || i.logits_policy.requires_full_logits());
-        let pol = logits_policy_to_proto(&inputs[0].logits_policy, full_forced);
+        let pol = self.policy(&inputs[0].logits_policy, full_forced);
         let full = is_full(&pol);
         self.wait_released(&ids[..1]).await;
         bump(&self.shared.rpc.forward_verify);
