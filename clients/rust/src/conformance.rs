@@ -231,6 +231,7 @@ impl Runner {
                 .unwrap_or_default(),
             seed: s["seed"].as_u64(),
             token_mask: Vec::new(),
+            ..Default::default()
         }))
     }
 
