@@ -400,7 +400,6 @@ class LlamaCppExecutor(ItemStepExecutor):
             raise errors.exhausted(f"{field}: {new_caches} new sequences but only {len(self._free_seq)} of "
                                    f"{self.n_seq} sequence ids are free", field=field)
 
-        t0 = time.perf_counter()
         created: list[CacheEntry] = []
         placed: list[tuple[int, int]] = []  # (seq id, first position written) for rollback
         entries: list[CacheEntry] = []
@@ -427,8 +426,8 @@ class LlamaCppExecutor(ItemStepExecutor):
         for it, e in zip(items, entries):
             if it.entry is not None:
                 self.registry.extend(e, it.tokens)
-        kind = "prefill" if any(it.entry is None or len(it.tokens) > 1 for it in items) else "decode"
-        self.stats.record(kind, time.perf_counter() - t0, rows=len(items))
+        # Status counters are recorded by the server around each step (operations.py, host.py), as for
+        # every executor; recording here too counted each llama.cpp step twice.
         return list(zip(entries, logits))
 
     def _decode_batch(self, items: list[StepItem], placed: list[tuple[int, int]]) -> list[torch.Tensor | None]:
