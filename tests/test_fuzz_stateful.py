@@ -559,7 +559,7 @@ def test_stateful_fuzz_llama_cpp():
     with InProcessServer([ex], cache_ttl=0) as srv:
         ExecutorMachine.target = Target(srv, "llama")
         ExecutorMachine.name = "llama"
-        _run(ExecutorMachine, examples=12, steps=25)
+        _run(ExecutorMachine, examples=10, steps=25)
         llama.assert_books(srv.models.get("llama"), idle=True)
     _report("llama", VALID_KINDS | {"UnifiedDecode"})
 

@@ -4,7 +4,7 @@
 llama_cpp or the package is missing); ``books(host)`` reads the executor's own sequence-id pool
 and llama.cpp's KV cells *on the model's worker thread* (so never while a ``llama_decode`` runs);
 ``assert_books(host)`` checks they agree with the cache registry, and with ``idle=True`` that they
-are back at their initial values (no sequence id in use, no KV cell held).
+are back at their initial values (no sequence id in use, no KV cell held, the whole KV budget free).
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def books(host) -> dict[str, int]:
     def read():
         held = [e.payload for e in ex.registry.entries()]
         return {"seq_ids_in_use": ex.live_sequences(), "kv_cells": ex.kv_cells_used(), "caches": len(ex.registry),
-                "used_tokens": ex.registry.used_tokens,
+                "used_tokens": ex.registry.used_tokens, "reserved_tokens": ex.registry.reserved_tokens,
+                "free_tokens": ex.registry.free_tokens, "total_tokens": ex.registry.total_tokens,
                 # every id exactly once: free, or held by one live cache
                 "pool_intact": sorted(list(ex._free_seq) + held) == list(range(ex.n_seq))}
 
@@ -63,4 +64,5 @@ def assert_books(host, *, idle: bool = False) -> dict[str, int]:
     assert b["pool_intact"], f"sequence-id pool lost or duplicated ids: {b}"
     if idle:
         assert b["seq_ids_in_use"] == 0 and b["kv_cells"] == 0 and b["caches"] == 0, f"leak: {b}"
+        assert b["free_tokens"] == b["total_tokens"] and b["reserved_tokens"] == 0, f"KV budget not returned: {b}"
     return b
