@@ -1,7 +1,7 @@
 """The llama.cpp executor's rows (issue 14), each timed between two runs of a fixed reference
 workload so a row measured while the machine's speed moved is flagged instead of published.
 
-    .venv/bin/python -m benchmarks.llama_cpp_rows [--quick] [--threads N]
+    .venv/bin/python -m benchmarks.llama_cpp_rows [--quick] [--threads N] [--only peers|grid] [--runs N]
 
 Rows:
 
@@ -10,7 +10,14 @@ Rows:
 * aggregate steady-state tok/s of 8 / 16 / 32 Generate streams ÷ llama.cpp's own batched decode of
   as many sequences (low-level API here: one ``llama_batch`` of B sequence ids per step, greedy),
   target ≥ 0.9;
-* Generate B=1 llama-cpp executor ÷ transformers executor (same file, same prompt), target ≥ 4×.
+* Generate B=1 llama-cpp executor ÷ transformers executor (same file, same prompt), target ≥ 4×;
+* both executors at 1 / 8 / 32 Generate streams and at 32 and 1,536 tokens of context (reported):
+  steady-state aggregate decode tok/s of B streams whose prompts are C tokens long, the llama.cpp
+  and transformers servers run alternately, run by run (``--runs``, default 2; median per side),
+  each pair of runs between two probes of the reference workload. The prompts join the running
+  decodes in chunks (the batcher's ``prefill_tokens_per_step``), so each stream decodes
+  ⌈B·C / 512⌉ + ``steps`` tokens: the steady window (all B streams decoding) then holds about
+  ``steps`` steps at a context of C + what was decoded so far.
 
 Drift: the reference workload (a fixed float32 matmul loop) is timed before and after each row;
 ``drift`` = |after − before| ÷ before; rows with drift > 15 % are flagged ``busy``.
@@ -19,7 +26,6 @@ Drift: the reference workload (a fixed float32 matmul loop) is timed before and 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import time
@@ -116,10 +122,61 @@ def llama_batched(gguf: str, prompt: list[int], b: int, steps: int, threads: int
     return {"b": b, "steps": steps, "tok_s": b * steps / dt}
 
 
+CONTEXTS = (32, 1536)
+STREAMS = (1, 8, 32)
+
+
+def context_prompt(n: int, salt: int = 0) -> list[int]:
+    """A fixed prompt of exactly ``n`` tokens (ordinary vocabulary ids of SmolLM2, BOS first)."""
+    return [1] + [100 + (7919 * (i + salt) + 13 * salt) % 40000 for i in range(n - 1)]
+
+
+def context_grid(gguf: str, th: int, steps: int, runs: int, add_grid, raw: dict,
+                 contexts=CONTEXTS, streams=STREAMS) -> None:
+    """Both executors at 1 / 8 / 32 streams × 32 / 1,536 tokens of context, alternated run by run."""
+    budget = max(streams) * (max(contexts) + max(streams) * max(contexts) // 512 + steps + 64)
+    llc_spec = f"llama-cpp,id=llc,path={gguf},threads={th},n_ctx={budget}"
+    hf_spec = f"smollm2-hf,id=hf,kv_budget_tokens={budget}"
+    with Server(llc_spec, threads=th, name="server-llama-cpp-grid") as llc, \
+            Server(hf_spec, threads=th, name="server-hf-grid") as hf:
+        sides = (("llama-cpp", llc.target, "llc"), ("transformers", hf.target, "hf"))
+        for _, target, mid in sides:  # warm-up (first-call allocations, both contexts)
+            for ctx in contexts:
+                generate_streams(target, mid, context_prompt(ctx), 1, 2)
+        for ctx in contexts:
+            for b in streams:
+                n = -(-b * ctx // 512) + steps
+                prompt = context_prompt(ctx)
+                got: dict[str, list[dict]] = {name: [] for name, _, _ in sides}
+
+                def pair():
+                    for r in range(runs):  # alternate the two sides, starting side swapped each run
+                        order = sides if r % 2 == 0 else sides[::-1]
+                        for name, target, mid in order:
+                            got[name].append(generate_streams(target, mid, prompt, b, n))
+
+                _, drift = timed_row(pair)
+                cell = {}
+                for name, _, _ in sides:
+                    recs = got[name]
+                    cell[name] = {"steady_tok_s": median([x["steady_tok_s"] for x in recs]),
+                                  "runs": [round(x["steady_tok_s"], 1) for x in recs],
+                                  "itl_p50_ms": median([x["itl_p50_ms"] for x in recs]),
+                                  "ttft_p50_ms": median([x["ttft_p50_ms"] for x in recs]),
+                                  "all_complete": all(x["all_complete"] for x in recs), "max_tokens": n}
+                raw[f"grid_c{ctx}_b{b}"] = {**cell, "drift": drift}
+                add_grid(ctx, b, cell["llama-cpp"], cell["transformers"], drift)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--only", choices=["peers", "grid"], default=None,
+                    help="peers: the rows against llama.cpp's own API and transformers B=1; grid: streams × context")
+    ap.add_argument("--runs", type=int, default=None, help="grid: runs per side and cell (default 2, --quick 1)")
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="grid: prompt lengths (comma-separated)")
+    ap.add_argument("--streams", default=",".join(map(str, STREAMS)), help="grid: stream counts (comma-separated)")
     a = ap.parse_args(argv)
     from ferrum_service.packaged_models import smollm2_gguf
 
@@ -138,6 +195,31 @@ def main(argv=None) -> int:
         rows.append((name, f"{ours:.1f}", f"{base:.1f}", f"{ratio:.2f}", target, f"{100 * drift:.0f} %", flag))
         print(f"| {' | '.join(rows[-1])} |", flush=True)
 
+    grid = []
+
+    def add_grid(ctx, b, llc, hf, drift):
+        ratio = llc["steady_tok_s"] / hf["steady_tok_s"] if hf["steady_tok_s"] else float("nan")
+        grid.append((f"{ctx:,}", str(b), f"{llc['steady_tok_s']:.1f}", f"{hf['steady_tok_s']:.1f}", f"{ratio:.2f}",
+                     f"{llc['itl_p50_ms']:.0f} / {hf['itl_p50_ms']:.0f}", f"{100 * drift:.0f} %",
+                     "busy" if drift > DRIFT_LIMIT else ""))
+        print(f"| {' | '.join(grid[-1])} |", flush=True)
+
+    if a.only != "grid":
+        peer_rows(gguf, th, n, steps, prompt, add, raw)
+    if a.only != "peers":
+        print("| context tokens | streams | llama-cpp tok/s | transformers tok/s | llama-cpp ÷ transformers "
+              "| ITL p50 ms (llama-cpp / transformers) | drift | flag |\n|---|---|---|---|---|---|---|---|")
+        context_grid(gguf, th, 16 if a.quick else 32, a.runs or (1 if a.quick else 2), add_grid, raw,
+                     tuple(int(x) for x in a.contexts.split(",")), tuple(int(x) for x in a.streams.split(",")))
+    raw["load_after"] = os.getloadavg()
+    out = REPO / "benchmarks" / "results" / ("llama_cpp_rows.json" if a.only is None else f"llama_cpp_rows_{a.only}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": rows, "grid": grid, "raw": raw}, indent=1, default=str))
+    print(f"load average before {raw['load_before']}, after {raw['load_after']}")
+    return 0
+
+
+def peer_rows(gguf, th, n, steps, prompt, add, raw) -> None:
     print("| row | ours tok/s | peer tok/s | ratio | target | drift | flag |\n|---|---|---|---|---|---|---|")
     with Server(f"llama-cpp,id=llc,path={gguf},threads={th},n_ctx=8192", threads=th, name="server-llama-cpp") as srv:
         generate_streams(srv.target, "llc", prompt, 1, 4)  # warm-up
@@ -157,12 +239,6 @@ def main(argv=None) -> int:
         hf, d = timed_row(lambda: generate_streams(srv.target, "hf", prompt, 1, n))
         raw["hf_b1"] = hf
         add("Generate B=1 llama-cpp executor ÷ transformers executor", llc_b1, hf["steady_tok_s"], "≥ 4×", d)
-    raw["load_after"] = os.getloadavg()
-    out = REPO / "benchmarks" / "results" / "llama_cpp_rows.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "raw": raw}, indent=1, default=str))
-    print(f"load average before {raw['load_before']}, after {raw['load_after']}")
-    return 0
 
 
 if __name__ == "__main__":

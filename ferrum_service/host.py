@@ -86,6 +86,13 @@ class ModelHost:
         self.batcher = ContinuousBatcher(self)
 
     # ---- running executor methods -------------------------------------------------------------
+    def on_worker(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
+        """Run ``fn()`` on the model's worker from a thread that is not the event loop (e.g. a
+        metrics scrape reading the executor's native state, never while a step runs); blocks."""
+        if self.executor.inline:
+            return fn()
+        return self._pool.submit(fn).result(timeout)
+
     @property
     def waiting(self) -> int:
         """Steps queued behind the one the worker is running (new Generate prompts included)."""

@@ -68,6 +68,15 @@ class Metrics:
                 blocks.labels(mid).set_function(
                     lambda reg=reg: sum(-(-e.num_tokens // reg.block_size) for e in reg.entries()))
             queue.labels(mid).set_function(lambda host=host: host.running)
+        llama = [h for h in models if hasattr(h.executor, "live_sequences") and hasattr(h.executor, "kv_cells_used")]
+        if llama:  # the llama.cpp executor's own books, for leak checks beside the registry's
+            seqs = Gauge("ferrum_llama_cpp_sequence_ids_in_use", "llama.cpp sequence ids held by live caches",
+                         ["model"], registry=r)
+            cells = Gauge("ferrum_llama_cpp_kv_cells", "KV cells llama.cpp holds (read from llama.cpp on the "
+                          "model's worker, between steps)", ["model"], registry=r)
+            for host in llama:
+                seqs.labels(host.model_id).set_function(lambda ex=host.executor: ex.live_sequences())
+                cells.labels(host.model_id).set_function(lambda host=host: _on_worker(host, host.executor.kv_cells_used))
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """A sample's current value (0 when absent): for tests and the Status RPC."""
@@ -93,6 +102,13 @@ class Metrics:
             server.server_close()
             thread.join(5)
             self._http = None
+
+
+def _on_worker(host, fn) -> float:
+    try:
+        return float(host.on_worker(fn))
+    except Exception:  # noqa: BLE001 - worker shut down or busy past the timeout: no value, not a failed scrape
+        return float("nan")
 
 
 class _ReclaimedCollector:

@@ -1,16 +1,36 @@
 """The language-neutral conformance scenario (tests/conformance/scenario.json) through the Python
-client, against a fresh ``ferrum-service serve`` subprocess on a loopback port."""
+client, against a fresh ``ferrum-service serve`` subprocess on a loopback port: once with the
+top-level models (``tiny`` on transformers) and once per profile (``llama-cpp``: ``tiny`` on llama.cpp)."""
 
 from __future__ import annotations
 
-from tests.conformance.harness import scenario_models, start_server
+import importlib.util
+
+import pytest
+
+from tests.conformance.harness import profiles, scenario_models, start_server
 from tests.conformance.run_python import run_scenario
 
 
-def test_conformance_scenario():
+def _skip_without_llama_cpp(profile: str) -> None:
+    if profile != "llama-cpp":
+        return
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama_cpp is not installed")
+    from ferrum_service.packaged_models import PackagedModelMissing, smollm2_gguf
+
+    try:
+        smollm2_gguf()
+    except PackagedModelMissing as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("profile", profiles(), ids=lambda p: p or "default")
+def test_conformance_scenario(profile):
+    _skip_without_llama_cpp(profile)
     lines: list[str] = []
-    with start_server(scenario_models()) as srv:
-        passed, failed, records = run_scenario(srv.target, out=lines.append)
+    with start_server(scenario_models(profile_name=profile)) as srv:
+        passed, failed, records = run_scenario(srv.target, out=lines.append, profile=profile)
     print("\n".join(lines))
     bad = [f"{r['id']}: {r['error']}" for r in records if r["status"] == "FAIL"]
     assert not bad, f"{failed} conformance step(s) failed:\n" + "\n".join(bad)

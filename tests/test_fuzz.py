@@ -5,12 +5,16 @@ Requests are generated from the protobuf descriptors, so every field of every re
 models' vocabularies (negative, huge), cache ids drawn from the caches that really exist, model
 ids real and bogus, random logits policies, NaN/inf floats, random bytes, unknown enum values,
 random oneof choices, nested messages, Struct metadata. Against an in-process server hosting the
-scripted, EOS, per-sequence and stub executors and the tiny real Llama:
+scripted, EOS, per-sequence and stub executors, the tiny real Llama on transformers and SmolLM2 on
+the llama.cpp executor (``llama``; 16 sequence ids, 2,048 KV cells, so both run out):
 
 * no call ends INTERNAL or UNKNOWN (nor a Session step), the server never goes down;
 * no leaked cache: after every case the registries hold only caches the fuzzer was told about
   (unary results) — caches of Sessions and Generates that ended are gone; at the end the fuzzer
-  releases everything it holds and every registry is empty.
+  releases everything it holds and every registry is empty;
+* the llama.cpp executor's own books agree with its registry after every case (sequence ids in
+  use = live caches, every id free or held exactly once, llama.cpp's KV cells = the registry's
+  tokens) and are back at their initial values at the end.
 
 ``FERRUM_FUZZ_EXAMPLES`` (default 2000, split over the tests) scales it; derandomized, so CI runs
 the same cases every time (set ``FERRUM_FUZZ_RANDOM=1`` to explore new ones).
@@ -37,13 +41,14 @@ from ferrum_client._proto.ferrum.executor.v1 import executor_pb2
 from ferrum_service.executors import ConfigurableModelExecutor, StubModelExecutor
 
 from .conftest_models import tiny_llama_dir  # noqa: F401
+from .support import llama
 from .support.servers import InProcessServer
 
 TOTAL = int(os.environ.get("FERRUM_FUZZ_EXAMPLES", "2000"))
 DERANDOMIZE = os.environ.get("FERRUM_FUZZ_RANDOM") != "1"
 SERVICE = executor_pb2.DESCRIPTOR.services_by_name["ModelExecutor"]
 SKIP = {"Shutdown"}
-MODEL_IDS = ["mock", "eos", "perseq", "stub", "tiny"]
+MODEL_IDS = ["mock", "eos", "perseq", "stub", "tiny", "llama"]
 BAD = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 STEP_TIMEOUT = 10.0
 
@@ -250,6 +255,7 @@ class Fuzzer:
         self.current = None
         self.failures: list[str] = []
         self.details: collections.Counter = collections.Counter()
+        self.ok_by_model: collections.Counter = collections.Counter()  # successful unary/streaming calls
 
     def method(self, name: str):
         m = SERVICE.methods_by_name[name]
@@ -281,6 +287,7 @@ class Fuzzer:
                 for resp in fn(req, timeout=timeout):
                     self.absorb(resp)
             self.stats[(name, "OK")] += 1
+            self.ok_by_model[getattr(req, "model_id", "")] += 1
         except grpc.RpcError as e:
             if name == "SubscribeKvEvents" and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self.stats[(name, "OK(deadline)")] += 1
@@ -329,6 +336,12 @@ class Fuzzer:
         for h in self.srv.server.models:  # the registry's running sums agree with a recount
             reg = h.executor.registry
             assert (reg.used_tokens, reg.used_tokens + reg.reserved_tokens) == reg.recount(), self.current
+            if llama.is_llama(h.executor):  # sequence ids and llama.cpp's KV cells agree with the registry
+                try:
+                    llama.assert_books(h)
+                except AssertionError as e:
+                    self.failures.append(f"{e} after {self.current!r}")
+                    raise
         self.known = {c for c in self.known if self.live(c)}
         assert self.srv.server.streams.active == set() or self._wait_streams()
         assert self.srv.run(_ok()) == "ok", "the server's loop stopped answering"
@@ -355,6 +368,7 @@ def fuzz(tiny_llama_dir):  # noqa: F811
         ConfigurableModelExecutor.with_token_sequence(1000, [10, 20, 30], model_id="perseq", counter="per_sequence"),
         StubModelExecutor("stub", 100),
         HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=4096),
+        llama.executor("llama", n_ctx=2048, n_seq=16),
     ]
     with InProcessServer(executors, cache_ttl=0) as srv:
         f = Fuzzer(srv)
@@ -374,12 +388,15 @@ def fuzz(tiny_llama_dir):  # noqa: F811
                 except grpc.RpcError:
                     pass
         assert f.registry_ids() == set(), "caches left after releasing everything the fuzzer held"
+        llama.assert_books(srv.models.get("llama"), idle=True)
         for h in srv.models:
             assert h.executor.state != "shutdown"
         for fl in f.failures[:5]:
             print("FUZZ FAILURE:", fl)
         if f.details:
             print("\n".join(f"{v:5d} {k}" for k, v in f.details.most_common(40)))
+        print("fuzz: successful calls by model: " + ", ".join(f"{k or '(none)'}={v}" for k, v in
+                                                               sorted(f.ok_by_model.items())))
         print(f"\nfuzz: {f.cases} cases; outcomes: " + ", ".join(
             f"{k[0]}:{k[1]}={v}" for k, v in sorted(f.stats.items())))
 

@@ -8,7 +8,9 @@ ForwardVerify (with and without server-side acceptance), TruncateKv, ReleaseCach
 on live caches, Generate with and without ``keep_cache`` — interleaved with hostile ones (tokens out
 of the vocabulary, released caches, truncation past the end, prompts past the model's length,
 padded batches of one long row and many short rows, large ``Forward`` tensors, long texts).
-One machine runs against the tiny real Llama (paged KV) and one against the scripted executor.
+One machine runs against the tiny real Llama (paged KV), one against SmolLM2 on the llama.cpp
+executor (one unified KV buffer of ``n_ctx`` cells, a pool of sequence ids) and one against the
+scripted executor.
 
 After every step the machine checks:
 
@@ -21,6 +23,9 @@ After every step the machine checks:
   token counts the responses report advance as the contract says (decode +1, verify +N+1 or
   the accepted prefix, truncate to ``new_len``, unified +len(q_tokens));
 * the registry's running sums equal ``registry.recount()``;
+* on llama.cpp, the executor's own books agree: sequence ids in use = live caches (every id free or
+  held exactly once), llama.cpp's KV cells = the registry's tokens; after each run both are back
+  at zero;
 * the server process's RSS stays within ``RSS_BOUND_MIB`` of its level when the machine started.
 
 The counts of successful steps of each kind are printed at the end (``-s`` shows them) and the
@@ -50,6 +55,7 @@ from ferrum_client._proto.ferrum.executor.v1 import types_pb2 as tpb
 from ferrum_service.executors import ConfigurableModelExecutor
 
 from .conftest_models import tiny_llama_dir  # noqa: F401
+from .support import llama
 from .support.servers import InProcessServer
 
 SCALE = float(os.environ.get("FERRUM_FUZZ_STATEFUL_SCALE", "1.0"))
@@ -86,6 +92,8 @@ class Target:
         self.block_size = reg.block_size
         pool = getattr(self.executor, "pool", None)
         self.num_blocks = pool.num_blocks if pool is not None else None
+        # llama.cpp: at most n_seq live sequences (each cache holds one sequence id)
+        self.max_caches = self.executor.n_seq if llama.is_llama(self.executor) else None
         self.proc = psutil.Process()
 
     def registry(self) -> dict[str, int]:
@@ -105,21 +113,29 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.t = t
         self.stats = STATS[self.name]
         self.caches: dict[str, int] = {}  # cache id -> tokens, as the contract says they must be
+        self.reserved: dict[str, int] = {}  # cache id -> tokens of budget Generate(keep_cache) reserved
         self.rss0 = t.proc.memory_info().rss
         assert t.registry() == {}, "a previous run left caches"
 
     # ---- helpers ---------------------------------------------------------------------------------
-    def fits(self, new_lengths: dict[str | None, int]) -> bool:
-        """Whether the KV budget can hold the caches at ``new_lengths`` (None keys = new caches)."""
+    def fits(self, new_lengths: dict[str | None, int], fresh: list[int] = ()) -> bool:
+        """Whether the KV budget can hold the caches at ``new_lengths`` (None keys and ``fresh``:
+        new caches). The token budget counts each cache's footprint (its tokens, or what a
+        ``Generate(keep_cache)`` reserved for it if more); blocks count tokens; on llama.cpp at most
+        ``n_seq`` caches live at once."""
         lengths = dict(self.caches)
-        extra = []
+        footprint = {k: max(n, self.reserved.get(k, 0)) for k, n in self.caches.items()}
+        extra = list(fresh)
         for k, n in new_lengths.items():
             if k is None:
                 extra.append(n)
             else:
                 lengths[k] = max(lengths[k], n)
+                footprint[k] = max(footprint[k], n)
         all_n = list(lengths.values()) + extra
-        if sum(all_n) > self.t.total_tokens:
+        if sum(footprint.values()) + sum(extra) > self.t.total_tokens:
+            return False
+        if self.t.max_caches is not None and len(all_n) > self.t.max_caches:
             return False
         if self.t.num_blocks is not None:
             return sum(math.ceil(n / self.t.block_size) for n in all_n) <= self.t.num_blocks
@@ -189,9 +205,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         rows = data.draw(st.integers(1, 8), label="rows")
         lens = [data.draw(st.integers(1, 48), label="len") for _ in range(rows)]
         inputs = [pb.PrefillInput(token_ids=[(i + j) % self.t.vocab for j in range(n)]) for i, n in enumerate(lens)]
-        fits = self.fits({**{None: 0}}) and sum(lens) <= self.t.total_tokens - sum(self.caches.values()) and (
-            self.t.num_blocks is None or sum(math.ceil(n / self.t.block_size) for n in list(self.caches.values()) + lens)
-            <= self.t.num_blocks)
+        fits = self.fits({}, lens)
         r = self.valid("BatchPrefill", lambda: self.t.stub.BatchPrefill(pb.BatchPrefillRequest(
             model_id=self.mid, inputs=inputs), timeout=DEADLINE), fits=fits)
         if r is not None:
@@ -248,9 +262,7 @@ class ExecutorMachine(RuleBasedStateMachine):
             fresh.append(len(q))
             expect.append(len(q))
         lengths = dict(new)
-        fits = self.fits(lengths) and sum(self.caches.values()) + sum(new[c] - self.caches[c] for c in new) + sum(fresh) \
-            <= self.t.total_tokens and (self.t.num_blocks is None or sum(
-                math.ceil(n / self.t.block_size) for n in list({**self.caches, **new}.values()) + fresh) <= self.t.num_blocks)
+        fits = self.fits(lengths, fresh)
         if not self.t.unified:  # documented: UNIMPLEMENTED, nothing changes
             return self.hostile("UnifiedDecode unsupported", lambda: self.t.stub.UnifiedDecode(pb.UnifiedDecodeRequest(
                 model_id=self.mid, items=items), timeout=DEADLINE), {C.UNIMPLEMENTED})
@@ -317,6 +329,7 @@ class ExecutorMachine(RuleBasedStateMachine):
             model_id=self.mid, cache_id=cid), timeout=DEADLINE))
         assert r.released and r.freed_tokens == self.caches[cid]
         del self.caches[cid]
+        self.reserved.pop(cid, None)
 
     @rule(data=st.data())
     def session(self, data):
@@ -414,6 +427,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         elif keep:
             assert fin.cache.num_tokens == len(p) + max_tokens - 1, fin
             self.caches[fin.cache.cache_id] = fin.cache.num_tokens
+            self.reserved[fin.cache.cache_id] = len(p) + max_tokens  # the stream's reservation stays with the cache
             self.stats["Generate(keep_cache)"] += 1
         else:
             self.stats["Generate"] += 1
@@ -505,13 +519,16 @@ class ExecutorMachine(RuleBasedStateMachine):
         reg = self.t.executor.registry
         assert (reg.used_tokens, reg.used_tokens + reg.reserved_tokens) == reg.recount()
         prefix = getattr(self.t.executor, "prefix", None)
-        if prefix is not None:  # the paged pool: blocks held = the union of the block tables
+        if hasattr(prefix, "refs"):  # the paged pool: blocks held = the union of the block tables
             held: dict[int, int] = {}
             for e in reg.entries():
                 for blk in e.payload.blocks:
                     held[blk] = held.get(blk, 0) + 1
             assert held == prefix.refs, "refcounts differ from the block tables"
             prefix.check()
+        if llama.is_llama(self.t.executor):
+            b = llama.assert_books(self.t.host)
+            self.stats["peak sequence ids in use"] = max(self.stats["peak sequence ids in use"], b["seq_ids_in_use"])
 
     @invariant()
     def rss_bounded(self):
@@ -524,6 +541,8 @@ class ExecutorMachine(RuleBasedStateMachine):
             assert self.t.stub.ReleaseCache(pb.ReleaseCacheRequest(model_id=self.mid, cache_id=cid),
                                             timeout=DEADLINE).released
         assert self.t.registry() == {}
+        if llama.is_llama(self.t.executor):
+            llama.assert_books(self.t.host, idle=True)
 
 
 def _run(machine_cls, examples: int, steps: int) -> None:
@@ -555,6 +574,18 @@ def test_stateful_fuzz_tiny_real_model(tiny_llama_dir):  # noqa: F811
         ExecutorMachine.name = "tiny"
         _run(ExecutorMachine, examples=12, steps=25)
     _report("tiny", VALID_KINDS | {"UnifiedDecode", "ForkCache"})
+
+
+def test_stateful_fuzz_llama_cpp():
+    """SmolLM2 on the llama.cpp executor (1,024 KV cells = its longest sequence and its whole
+    budget, 24 sequence ids: long prompts and wide batches exhaust it)."""
+    ex = llama.executor("llama", n_ctx=1024, n_seq=24)
+    with InProcessServer([ex], cache_ttl=0) as srv:
+        ExecutorMachine.target = Target(srv, "llama")
+        ExecutorMachine.name = "llama"
+        _run(ExecutorMachine, examples=10, steps=25)
+        llama.assert_books(srv.models.get("llama"), idle=True)
+    _report("llama", VALID_KINDS | {"UnifiedDecode"})
 
 
 def test_stateful_fuzz_scripted_executor():

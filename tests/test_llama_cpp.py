@@ -274,28 +274,22 @@ def test_cancelled_generate_frees_its_sequence(small_server):
     _assert_no_leak(small)
 
 
-def test_conformance_scenario_on_llama_cpp(tmp_path):
-    """The shared scenario, its ``tiny`` model served by llama.cpp (SmolLM2 GGUF) instead."""
-    import json
+def test_status_counts_each_step_once(small_server):
+    """Status' operation counters count each llama.cpp step once (the executor recorded its steps
+    itself as well as the server around them: every prefill and decode counted twice)."""
+    srv, small = small_server
+    with Client(srv.target) as c:
+        st0 = c.status("small").status
+        p = c.prefill("small", _prompt(11, 8)).output
+        cid = p.cache.cache_id
+        c.decode("small", cid, p.output.token_id)
+        c.decode("small", cid, 5)
+        st = c.status("small").status
+        c.release_cache("small", cid)
+    assert st.prefill_operations - st0.prefill_operations == 1
+    assert st.decode_operations - st0.decode_operations == 2
+    _assert_no_leak(small)
 
-    from tests.conformance.harness import SCENARIO, start_server
-    from tests.conformance.run_python import run_scenario
 
-    sc = json.loads(SCENARIO.read_text())
-    models = [m for m in sc["server_models"] if not m.startswith("hf-causal-lm,id=tiny")]
-    models.append(f"llama-cpp,id=tiny,path={_gguf()},n_ctx=4096,threads=2")
-    # The two facts the scenario states about the tiny model itself: its vocabulary and executor.
-    for step in sc["steps"]:
-        if step["id"] == "info":
-            step["expect"]["models"]["tiny"].update(vocab_size=49152, executor="llama-cpp")
-        elif step["id"] == "bad.tiny.token_past_vocab":
-            step["token"] = 49152
-    scenario = tmp_path / "scenario.json"
-    scenario.write_text(json.dumps(sc))
-    lines: list[str] = []
-    with start_server(models) as srv:
-        passed, failed, records = run_scenario(srv.target, scenario, out=lines.append)
-    print("\n".join(lines))
-    bad = [f"{r['id']}: {r['error']}" for r in records if r["status"] == "FAIL"]
-    assert not bad, f"{failed} conformance step(s) failed:\n" + "\n".join(bad)
-    assert passed >= 40
+# The shared conformance scenario on llama.cpp: tests/test_conformance.py[llama-cpp] (profile
+# "llama-cpp" of tests/conformance/scenario.json), run by every client's runner.

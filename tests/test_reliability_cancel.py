@@ -4,7 +4,9 @@ its caches are freed; ownerless caches idle past ``--cache-ttl`` are reclaimed; 
 
 The model here is a configurable executor made slow (``inline = False`` and 20 ms per decode, on
 its worker thread like a real model), so "within one step" is measurable: after the stream ends at
-most the one step already on the worker completes.
+most the one step already on the worker completes. Every test that uses the ``srv`` fixture runs
+again on the llama.cpp executor (SmolLM2 Q4_1, the same 20 ms added to each step) and then also
+checks the executor's own books: no sequence id in use and no KV cell held by llama.cpp.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ferrum_client import Client, FerrumRpcError, messages as m, pb
 
 from ferrum_service.executors import ConfigurableModelExecutor
 
+from .support import llama
 from .support.servers import REPO, InProcessServer, ServerProcess
 
 STEP_S = 0.02
@@ -51,10 +54,31 @@ def _slow():
     return SlowModel(1000, [10, 20, 30], model_id="slow")
 
 
-@pytest.fixture
-def srv():
-    with InProcessServer([_slow()], cache_ttl=0) as s:
+def _slow_llama():
+    """The llama.cpp executor with ``STEP_S`` added to every step; counts the rows it runs."""
+    from ferrum_service.executors.llama_cpp import LlamaCppExecutor
+
+    class SlowLlama(LlamaCppExecutor):
+        def _step(self, items, field):
+            time.sleep(STEP_S)
+            self.decodes += len(items)
+            return super()._step(items, field)
+
+    ex = SlowLlama(llama.gguf(), model_id="slow", threads=2, n_ctx=8192, n_seq=16)
+    ex.decodes = 0
+    ex.warmup()  # llama.cpp's first decode builds its graphs: not part of "one step"
+    ex.decodes = 0
+    return ex
+
+
+@pytest.fixture(params=["configurable", "llama-cpp"])
+def srv(request):
+    ex = _slow() if request.param == "configurable" else _slow_llama()
+    with InProcessServer([ex], cache_ttl=0) as s:
         yield s
+        if llama.is_llama(ex):  # the executor's own books back to their initial values
+            _wait_until(lambda: s.live_caches()["slow"] == 0)
+            llama.assert_books(s.models.get("slow"), idle=True)
 
 
 def _ex(srv) -> SlowModel:
@@ -71,12 +95,15 @@ def _wait_until(pred, timeout: float = 5.0) -> bool:
 
 
 def _assert_stopped_and_freed(srv, ex: SlowModel) -> None:
-    """No more than one step runs after the stream ended, and its caches are gone."""
+    """No more than one step runs after the stream ended, and its caches are gone (on llama.cpp:
+    its sequence ids and KV cells too)."""
     assert _wait_until(lambda: srv.live_caches()["slow"] == 0), "the stream's cache was not freed"
     settled = ex.decodes
     time.sleep(10 * STEP_S)
     assert ex.decodes == settled, "decodes went on after the stream ended"
     assert srv.server.streams.active == set()
+    if llama.is_llama(ex):
+        llama.assert_books(srv.models.get("slow"), idle=True)
 
 
 def _metric(srv, name: str, **labels) -> float:

@@ -3,8 +3,11 @@
 few abandoned mid-way (cancelled with their cache still live). No cache, file-descriptor or thread
 leak in the server process (psutil), RSS growth reported (target < 5 %).
 
-Run on the scripted model (``FERRUM_SOAK_SESSIONS``, default 10000) and on the tiny real Llama
-(``FERRUM_SOAK_SESSIONS_TINY``, default 400: real forwards on 2 CPU cores, kept bounded).
+Run on the scripted model (``FERRUM_SOAK_SESSIONS``, default 10000), on the tiny real Llama
+(``FERRUM_SOAK_SESSIONS_TINY``, default 400: real forwards on 2 CPU cores, kept bounded) and on
+SmolLM2 on the llama.cpp executor (``FERRUM_SOAK_SESSIONS_LLAMA``, default 600), where the
+executor's own books are read from /metrics at the end: no sequence id in use, no KV cell held by
+llama.cpp (``ferrum_llama_cpp_sequence_ids_in_use``, ``ferrum_llama_cpp_kv_cells``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import psutil
 
 from ferrum_client import AsyncClient, Client, messages as m, pb
 
-from .support.servers import REPO, ServerProcess
+from .support import llama
+from .support.servers import REPO, ServerProcess, free_port
 
 import pytest
 
@@ -27,8 +31,9 @@ from .conftest_models import tiny_llama_dir  # noqa: F401
 
 N = int(os.environ.get("FERRUM_SOAK_SESSIONS", "10000"))
 N_TINY = int(os.environ.get("FERRUM_SOAK_SESSIONS_TINY", "400"))
+N_LLAMA = int(os.environ.get("FERRUM_SOAK_SESSIONS_LLAMA", "600"))
 CONCURRENCY = 32
-VOCAB = {"mock": 1000, "tiny": 512}
+VOCAB = {"mock": 1000, "tiny": 512, "llama": 49152}
 
 
 def _sample(proc: psutil.Process) -> dict:
@@ -79,13 +84,30 @@ async def _run(target: str, start: int, count: int, errors: list, MODEL: str) ->
         await c.close()
 
 
-@pytest.mark.parametrize("MODEL", ["mock", "tiny"])
+def _scrape(port: int) -> dict[str, float]:
+    """``name{labels}`` -> value of the server's /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            out[k] = float(v)
+    return out
+
+
+@pytest.mark.parametrize("MODEL", ["mock", "tiny", "llama"])
 def test_soak_short_sessions_no_leaks(MODEL, request):
+    metrics_port = free_port()
     if MODEL == "mock":
         spec, N = f"configurable,id={MODEL},vocab_size=1000,token_sequence=10:20:30", globals()["N"]
-    else:
+    elif MODEL == "tiny":
         spec, N = f"hf-causal-lm,id=tiny,path={request.getfixturevalue('tiny_llama_dir')}", N_TINY
-    with ServerProcess("--model", spec, env={"FERRUM_LOG_LEVEL": "warning"}) as srv, Client(srv.target) as c:
+    else:
+        spec, N = f"llama-cpp,id=llama,path={llama.gguf()},n_ctx=4096,n_seq=64,threads=2", N_LLAMA
+    with ServerProcess("--model", spec, "--metrics-port", str(metrics_port),
+                       env={"FERRUM_LOG_LEVEL": "warning"}) as srv, Client(srv.target) as c:
         proc = psutil.Process(srv.proc.pid)
         errors: list[str] = []
         t0 = time.monotonic()
@@ -101,17 +123,23 @@ def test_soak_short_sessions_no_leaks(MODEL, request):
         end = _sample(proc)
         st = c.status(MODEL).status
         kv = c.kv_capacity(MODEL)
+        scraped = _scrape(metrics_port)
     growth = (end["rss_mb"] - first["rss_mb"]) / first["rss_mb"] * 100
     report = {"sessions": N, "seconds": round(wall, 1), "sessions_per_s": round(N / wall, 1), "errors": len(errors),
               "after_100": first, "end": end, "rss_growth_pct": round(growth, 2),
               "active_caches_end": st.active_caches, "kv_used_tokens_end": kv.used_tokens,
               "prefills": st.prefill_operations}
+    if MODEL == "llama":
+        report["llama_cpp_end"] = {k.split("{")[0]: v for k, v in scraped.items() if k.startswith("ferrum_llama_cpp_")}
     out = REPO / "benchmarks" / "results" / "tmp"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"soak-{MODEL}.json").write_text(json.dumps(report, indent=2))
     print("\nsoak:", json.dumps(report))
     assert not errors, "\n".join(errors[:10])
     assert st.active_caches == 0 and kv.used_tokens == 0, "caches leaked"
+    if MODEL == "llama":  # the executor's own books: its sequence-id pool and llama.cpp's KV cells
+        assert scraped['ferrum_llama_cpp_sequence_ids_in_use{model="llama"}'] == 0, "sequence ids leaked"
+        assert scraped['ferrum_llama_cpp_kv_cells{model="llama"}'] == 0, "llama.cpp still holds KV cells"
     assert st.prefill_operations == N
     assert end["fds"] <= first["fds"] + 2, f"fd leak: {first['fds']} -> {end['fds']}"
     assert end["threads"] <= first["threads"] + 1, f"thread leak: {first['threads']} -> {end['threads']}"

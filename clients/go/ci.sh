@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CI for the Go client: tools, codegen check, build, vet, tests against live servers (each test
-# package starts its own fresh ferrum-service; the conformance scenario gets a server of its own),
+# package starts its own fresh ferrum-service; the conformance scenario gets a server of its own,
+# twice: its top-level models, then profile llama-cpp with "tiny" on the llama.cpp executor),
 # and the example scheduler. Exits non-zero on any failure.
 #
 # The server is $FERRUM_SERVER_CMD, else <repo>/.venv/bin/ferrum-service; without either the live
@@ -38,7 +39,7 @@ echo "[go] go test"
 go test -count=1 -v -timeout 10m ./... 2>&1 | tee "$tmp/test.log"
 echo "[go] summary: $(grep -c '^--- PASS' "$tmp/test.log" || true) tests passed," \
   "$(grep -c '^--- FAIL' "$tmp/test.log" || true) failed, $(grep -c '^--- SKIP' "$tmp/test.log" || true) skipped;" \
-  "conformance: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$tmp/test.log" | tail -n 1)"
+  "conformance (default, llama-cpp): $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$tmp/test.log" | paste -sd '|' | sed 's/|/; /g')"
 
 if [ -n "${FERRUM_SERVER_CMD:-}" ] || [ -x "$here/../../.venv/bin/ferrum-service" ]; then
   echo "[go] example scheduler"

@@ -36,4 +36,4 @@ fi
 echo "[ts] node --test"
 node --test --test-concurrency=1 dist/test/ 2>&1 | tee "$tmp/test.log"
 echo "[ts] summary: $(grep -E '^# (pass|fail|skipped) ' "$tmp/test.log" | tr '\n' ' ');" \
-  "conformance: $(grep -E '^# [0-9]+ passed, [0-9]+ failed$' "$tmp/test.log" | tail -n 1 | sed 's/^# //')"
+  "conformance (default, llama-cpp): $(grep -E '^# [0-9]+ passed, [0-9]+ failed$' "$tmp/test.log" | sed 's/^# //' | paste -sd '|' | sed 's/|/; /g')"

@@ -500,7 +500,6 @@ class LlamaCppExecutor(ItemStepExecutor):
                                    f"{self.n_seq} sequence ids are free", field=field)
         self._make_room(need_tokens, sources)
 
-        t0 = time.perf_counter()
         created: list[CacheEntry] = []
         placed: list[tuple[int, int]] = []  # (seq id, first position written) for rollback
         entries: list[CacheEntry] = []
@@ -540,8 +539,8 @@ class LlamaCppExecutor(ItemStepExecutor):
             if it.entry is not None:
                 self.registry.extend(e, it.tokens)
             pc.commit(e.payload, e.tokens)
-        kind = "prefill" if any(it.entry is None or len(it.tokens) > 1 for it in items) else "decode"
-        self.stats.record(kind, time.perf_counter() - t0, rows=len(items))
+        # Status counters are recorded by the server around each step (operations.py, host.py), as for
+        # every executor; recording here too counted each llama.cpp step twice.
         return list(zip(entries, logits))
 
     def _decode_batch(self, items: list[StepItem], placed: list[tuple[int, int]]) -> list[torch.Tensor | None]:

