@@ -58,7 +58,7 @@ class Guides:
 
     def __init__(self, executor: Any) -> None:
         self.executor = executor
-        self.vocab_size = int(executor.vocab_size)
+        self.vocab_size = int(executor.info().vocab_size)
         self._compiler = None
 
     def _compiler_for(self):

@@ -230,7 +230,8 @@ def _tame(req) -> None:
 
 
 def _cache_ids(msg, out: set[str]) -> None:
-    """Every KvCacheHandle.cache_id in a response (the caches the fuzzer now holds)."""
+    """Every KvCacheHandle.cache_id in a response, and every cache a reservation created for a new
+    sequence (``KvSlotAllocation.created_cache_id``): the caches the fuzzer now holds."""
     for f, v in msg.ListFields():
         if f.type != D.FieldDescriptor.TYPE_MESSAGE:
             continue
@@ -241,6 +242,8 @@ def _cache_ids(msg, out: set[str]) -> None:
         for it in items:
             if it.DESCRIPTOR.name in ("KvCacheHandle", "CacheHandle") and it.cache_id:
                 out.add(it.cache_id)
+            if it.DESCRIPTOR.name == "KvSlotAllocation" and it.created_cache_id:  # a new_sequence reservation
+                out.add(it.created_cache_id)
             _cache_ids(it, out)
 
 
