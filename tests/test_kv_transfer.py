@@ -288,6 +288,44 @@ def test_roles(tiny_llama_dir):
     _assert_empty(dec)
 
 
+def test_disaggregated_router_matches_one_server(tiny_llama_dir):
+    from ferrum_client.routing import DisaggregatedRouter
+
+    pre, dec, one = _executor(tiny_llama_dir), _executor(tiny_llama_dir), _executor(tiny_llama_dir)
+    with InProcessServer([pre], role="prefill") as sp, InProcessServer([dec], role="decode") as sd, \
+            InProcessServer([one]) as so, Client(so.target) as co:
+        with DisaggregatedRouter.from_roles([sp.target, sd.target]) as router:
+            assert [r.target for r in router.prefill.replicas()] == [sp.target]
+            assert [r.target for r in router.decode.replicas()] == [sd.target]
+            for i in range(3):
+                p = _prompt(30 + 7 * i, seed=i)
+                ref = [e.token.token_id for e in co.generate(M, token_ids=p, max_tokens=6, ignore_eos=True)
+                       if e.WhichOneof("event") == "token"]
+                with router.new_session() as s:
+                    assert s.target == sd.target
+                    got = list(s.generate(M, p, max_tokens=6, ignore_eos=True))
+                    h = s.prefill(M, p, reserve_tokens=len(p) + 4)
+                    assert h.output.token_id == ref[0] and h.cache.num_tokens == len(p)
+                    assert h.imported.imported_tokens == len(p) and h.handoff_s > 0
+                    d = s.decode(M, h.cache.cache_id, h.output.token_id)
+                    assert d.output.output.token_id == ref[1]
+                    s.release_cache(M, h.cache.cache_id)
+                assert got == ref
+    for ex in (pre, dec):
+        _assert_empty(ex)
+
+
+def test_client_push_import(pair):
+    sa, sb, a, b = pair
+    with Client(sa.target) as ca, Client(sb.target) as cb:
+        src = _prefill(ca, _prompt(33))
+        r = cb.import_kv(M, ca.export_kv(M, src.cache.cache_id, max_chunk_bytes=1024), reserve_tokens=40)
+        assert r.cache.num_tokens == 33 and r.chunks > 2
+        cb.release_cache(M, r.cache.cache_id)
+        ca.release_cache(M, src.cache.cache_id)
+    _assert_empty(b)
+
+
 def test_unsupported_executor_is_unimplemented():
     from ferrum_service.executors import StubModelExecutor
 

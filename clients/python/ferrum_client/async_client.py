@@ -91,6 +91,16 @@ class AsyncClient(Connection):
             async for msg in messages:
                 yield msg
 
+    async def export_kv(self, model_id: str, cache_id: str, from_token: int = 0, to_token: int = 0,
+                        max_chunk_bytes: int = 0, timeout: float | None = None
+                        ) -> AsyncIterator[pb.ExportKvResponse]:
+        """Async iterator over ``ExportKvResponse``: a header, then checksummed K/V chunks."""
+        call = self.stub.ExportKv(rq.export_kv(model_id, cache_id, from_token, to_token, max_chunk_bytes),
+                                  timeout=timeout, metadata=self.metadata)
+        async with aclosing(_messages(call)) as messages:
+            async for msg in messages:
+                yield msg
+
     async def generate(self, model_id: str, *, timeout: float | None = None,
                        **kw) -> AsyncIterator[pb.GenerateResponse]:
         """Async iterator over a generation's events (see
