@@ -27,6 +27,7 @@ kept open per target.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import zlib
 from typing import Any, AsyncIterator
@@ -43,7 +44,9 @@ from .executors.base import KvLayout
 log = structlog.get_logger("ferrum_service.kv_transfer")
 
 #: K+V bytes per chunk when the request does not say.
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
+#: Chunk writes an import keeps queued on the model's worker while it reads the next chunks.
+_WRITES_IN_FLIGHT = 4
 CHECKSUM = "crc32"
 _DTYPE_PB = {"fp32": tpb.DATA_TYPE_FP32, "fp16": tpb.DATA_TYPE_FP16, "bf16": tpb.DATA_TYPE_BF16}
 _PB_NAMES = {v: k for k, v in _DTYPE_PB.items()}
@@ -113,21 +116,39 @@ class KvTransfer:
                 f"{_MAX_LAYER_READ_BYTES // (k_tok + v_tok)} tokens per call (from_token / to_token)",
                 field="to_token")
         ranges = _chunk_ranges(start, end, k_tok + v_tok, self._max_chunk(req.max_chunk_bytes))
+        def layer_chunks(layer: int) -> list[pb.ExportKvResponse]:
+            """One layer's chunks, read, cut and checksummed on the model's worker."""
+            k, v = ex.export_kv_layer(req.cache_id, start, end, layer)
+            out = []
+            for j, (s, e) in enumerate(ranges):
+                kb = k[(s - start) * k_tok:(e - start) * k_tok]
+                vb = v[(s - start) * v_tok:(e - start) * v_tok]
+                out.append(pb.ExportKvResponse(chunk=pb.KvChunk(
+                    index=layer * len(ranges) + j, layer=layer, token_start=s, token_end=e, key=kb, value=vb,
+                    checksum=checksum(kb, vb))))
+            return out
+
+        async def read(layer: int):
+            return (await host.call(layer_chunks, layer, admit=False)).value
+
         with host.hold([req.cache_id], "cache_id"):
             tokens = list(entry.tokens[start:end])
             yield pb.ExportKvResponse(header=self.header_of(
                 layout, tokens, start, end, len(ranges) * layout.num_layers,
                 (end - start) * (k_tok + v_tok) * layout.num_layers))
-            index = 0
-            for layer in range(layout.num_layers):
-                k, v = (await host.call(ex.export_kv_layer, req.cache_id, start, end, layer, admit=False)).value
-                for s, e in ranges:
-                    kb = k[(s - start) * k_tok:(e - start) * k_tok]
-                    vb = v[(s - start) * v_tok:(e - start) * v_tok]
-                    yield pb.ExportKvResponse(chunk=pb.KvChunk(
-                        index=index, layer=layer, token_start=s, token_end=e, key=kb, value=vb,
-                        checksum=checksum(kb, vb)))
-                    index += 1
+            # The next layer is read while this one is sent.
+            nxt = asyncio.ensure_future(read(0))
+            try:
+                for layer in range(layout.num_layers):
+                    msgs = await nxt
+                    if layer + 1 < layout.num_layers:
+                        nxt = asyncio.ensure_future(read(layer + 1))
+                    for msg in msgs:
+                        yield msg
+            finally:
+                if not nxt.done():
+                    nxt.cancel()
+                    nxt.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     # ---- import ---------------------------------------------------------------------------------
     async def import_(self, requests: AsyncIterator[pb.ImportKvRequest], metadata) -> pb.ImportKvResponse:
@@ -215,6 +236,7 @@ class KvTransfer:
         done = False
         try:
             written = [0] * layout.num_layers
+            writes: collections.deque[asyncio.Future] = collections.deque()
             count = 0
             nbytes = 0
             async for c in chunks:
@@ -230,15 +252,15 @@ class KvTransfer:
                 if len(c.key) != (e - s) * k_tok or len(c.value) != (e - s) * v_tok:
                     raise errors.invalid(f"{where}: {len(c.key)} + {len(c.value)} bytes; {e - s} tokens need "
                                          f"{(e - s) * k_tok} + {(e - s) * v_tok}", field="chunk.key")
-                if checksum(c.key, c.value) != c.checksum:
-                    raise errors.FerrumError(
-                        errors.ErrorKind.SERIALIZATION, f"{where} (layer {c.layer}, tokens [{s}, {e})): checksum "
-                        "mismatch; the K/V were corrupted in transit", code=grpc.StatusCode.DATA_LOSS,
-                        field="chunk.checksum")
-                await host.call(ex.import_write, staged, c.layer, s, e, c.key, c.value, admit=False)
+                # Checked and written on the worker, up to a few chunks behind the reading.
+                writes.append(asyncio.ensure_future(host.call(_verify_and_write, ex, staged, c, where, admit=False)))
+                while len(writes) > _WRITES_IN_FLIGHT or (writes and writes[0].done()):
+                    await writes.popleft()
                 written[c.layer] = e
                 count += 1
                 nbytes += len(c.key) + len(c.value)
+            while writes:
+                await writes.popleft()
             missing = [i for i, w in enumerate(written) if w != n]
             if missing or (h.num_chunks and count != h.num_chunks):
                 raise errors.FerrumError(
@@ -250,6 +272,9 @@ class KvTransfer:
             done = True
         finally:
             if not done:
+                for f in writes:
+                    f.cancel()
+                    f.add_done_callback(lambda f: f.cancelled() or f.exception())
                 # Runs after any write still queued on the worker (one thread, FIFO); not awaited,
                 # so a cancelled caller cannot interrupt it.
                 if ex.inline:
@@ -307,6 +332,16 @@ class KvTransfer:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+
+
+def _verify_and_write(ex, staged, c: pb.KvChunk, where: str) -> None:
+    """On the model's worker: the chunk's checksum (DATA_LOSS), then its write."""
+    if checksum(c.key, c.value) != c.checksum:
+        raise errors.FerrumError(
+            errors.ErrorKind.SERIALIZATION, f"{where} (layer {c.layer}, tokens [{c.token_start}, {c.token_end})): "
+            "checksum mismatch; the K/V were corrupted in transit", code=grpc.StatusCode.DATA_LOSS,
+            field="chunk.checksum")
+    ex.import_write(staged, c.layer, int(c.token_start), int(c.token_end), c.key, c.value)
 
 
 def _source_error(src: pb.KvSource, e: grpc.aio.AioRpcError) -> errors.FerrumError:

@@ -81,6 +81,7 @@ import hashlib
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -763,7 +764,9 @@ class HfCausalLmExecutor(ItemStepExecutor):
         slots = self._slots_of(staged.blocks, start, end)
         n, h = end - start, self.num_kv_heads
         for pool, d, data in ((self.pool.k[layer], self.head_dim, key), (self.pool.v[layer], self.v_head_dim, value)):
-            src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.pool.dtype).view(n, h, d)
+            with warnings.catch_warnings():  # read-only bytes: the tensor is only read
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(data, dtype=torch.uint8).view(self.pool.dtype).view(n, h, d)
             pool.view(-1, h, d).index_copy_(0, slots, src.to(self.device))
 
     def import_commit(self, staged: "_StagedImport") -> tuple[CacheEntry, int]:
