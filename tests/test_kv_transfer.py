@@ -326,6 +326,36 @@ def test_client_push_import(pair):
     _assert_empty(b)
 
 
+def test_server_pull_forwards_the_callers_token(tiny_llama_dir):
+    a, b = _executor(tiny_llama_dir), _executor(tiny_llama_dir)
+    tokens = ["tok-alice", "tok-bob"]
+    with InProcessServer([a], auth_tokens=tokens) as sa, InProcessServer([b], auth_tokens=tokens) as sb, \
+            Client(sa.target, token="tok-alice") as alice_a, Client(sb.target, token="tok-alice") as alice_b, \
+            Client(sb.target, token="tok-bob") as bob_b:
+        src = alice_a.prefill(M, _prompt(20)).output
+        # bob's pull reaches A with bob's token: alice's cache is NOT_FOUND to him, and B keeps nothing
+        with pytest.raises(Exception) as e:
+            bob_b.pull_kv(M, sa.target, src.cache.cache_id)
+        assert "NOT_FOUND" in str(e.value)
+        _assert_empty(b)
+        r = alice_b.pull_kv(M, sa.target, src.cache.cache_id)
+        assert r.cache.num_tokens == 20
+        assert [c.cache_id for c in alice_b.list_caches().caches] == [r.cache.cache_id]
+        assert not bob_b.list_caches().caches  # the imported cache is alice's
+        alice_b.release_cache(M, r.cache.cache_id)
+        alice_a.release_cache(M, src.cache.cache_id)
+    _assert_empty(a)
+    _assert_empty(b)
+
+
+def test_role_flag_is_checked():
+    from ferrum_service.models import ModelSet
+    from ferrum_service.server import Server, ServerConfig
+
+    with pytest.raises(ValueError, match="role"):
+        Server(ModelSet(), ServerConfig(role="decoder", port=0, metrics_port=0))
+
+
 def test_unsupported_executor_is_unimplemented():
     from ferrum_service.executors import StubModelExecutor
 
