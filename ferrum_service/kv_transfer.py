@@ -194,10 +194,6 @@ class KvTransfer:
             raise errors.failed_precondition(
                 f"the K/V come from a {h.executor!r} executor; this model runs on {layout.executor!r}",
                 field="header.executor")
-        if h.fingerprint != layout.fingerprint:
-            raise errors.failed_precondition(
-                f"weights fingerprint {h.fingerprint[:16]}… differs from this server's {layout.fingerprint[:16]}… "
-                "(other weights or config)", field="header.fingerprint")
         if _PB_NAMES.get(h.kv_dtype) != layout.dtype:
             raise errors.failed_precondition(
                 f"KV dtype {tpb.DataType.Name(h.kv_dtype)} differs from this model's {layout.dtype}",
@@ -207,6 +203,10 @@ class KvTransfer:
         if shape != want:
             raise errors.failed_precondition(f"KV shape (layers, kv heads, head dim, v head dim) {shape} differs "
                                              f"from this model's {want}", field="header")
+        if h.fingerprint != layout.fingerprint:
+            raise errors.failed_precondition(
+                f"weights fingerprint {h.fingerprint[:16]}… differs from this server's {layout.fingerprint[:16]}… "
+                "(other weights or config)", field="header.fingerprint")
         if h.checksum_algorithm not in ("", CHECKSUM):
             raise errors.failed_precondition(f"checksum {h.checksum_algorithm!r} is not supported (crc32 is)",
                                              field="header.checksum_algorithm")

@@ -6,6 +6,7 @@ B equals one server doing it all; refusals leave nothing behind (no cache, every
 from __future__ import annotations
 
 import random
+import shutil
 import threading
 import time
 
@@ -46,8 +47,11 @@ def _release_all(ex: HfCausalLmExecutor) -> None:
 
 
 @pytest.fixture
-def pair(tiny_llama_dir):
-    a, b = _executor(tiny_llama_dir), _executor(tiny_llama_dir)
+def pair(tiny_llama_dir, tmp_path):
+    # B loads a copy from another directory: the fingerprint names the weights, not their path
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama_dir, copy)
+    a, b = _executor(tiny_llama_dir), _executor(copy)
     with InProcessServer([a]) as sa, InProcessServer([b]) as sb:
         yield sa, sb, a, b
     for ex in (a, b):

@@ -704,12 +704,15 @@ class HfCausalLmExecutor(ItemStepExecutor):
     # ---- KV transfer (ExportKv / ImportKv) -------------------------------------------------------
     def kv_layout(self) -> KvLayout:
         """This model's K/V as the wire describes them; the fingerprint (SHA-256 over the executor
-        kind, the config and every weight's name, shape, dtype and bytes, in name order) is computed
-        once, on first use, on the worker thread."""
+        kind, the config — less its path, library version and dtype keys — and every weight's name,
+        shape, dtype and bytes, in name order) is computed once, on first use, on the worker thread."""
         if self._kv_layout is None:
             h = hashlib.sha256()
             h.update(f"{self.kind}\n".encode())
-            h.update(json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode())
+            # Where the files were and which library version wrote them do not change the K/V.
+            cfg = {k: v for k, v in self.config.to_dict().items()
+                   if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")}
+            h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
             with torch.inference_mode():
                 tensors = dict(self.model.named_parameters())
                 tensors.update(dict(self.model.named_buffers()))
