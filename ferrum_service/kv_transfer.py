@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import time
 import zlib
 from typing import Any, AsyncIterator
@@ -72,6 +73,13 @@ class KvTransfer:
         self.checks = checks
         self.max_message_bytes = max_message_bytes
         self._channels: dict[tuple[str, bool], grpc.aio.Channel] = {}
+        # Chunk reads (export) and checks + writes (import) run on this one thread, not on the
+        # models' workers: a prefill server's worker is busy with prompts, and a handoff must not
+        # queue behind them. Safe because they only touch blocks nothing else writes: an exported
+        # cache is held (no step runs on it; its shared blocks are copy-on-write for others), an
+        # import's staged blocks are in no table. One thread, so work submitted after an import's
+        # writes (its abort) runs after them.
+        self._io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer")
 
     @staticmethod
     def _require(host) -> None:
@@ -95,6 +103,12 @@ class KvTransfer:
             checksum_algorithm=CHECKSUM)
 
     # ---- export ---------------------------------------------------------------------------------
+    async def _layout(self, host) -> KvLayout:
+        """The model's KV layout: on the worker the first time (the fingerprint reads every
+        weight), from the executor's memo afterwards (never behind queued steps)."""
+        memo = getattr(host.executor, "_kv_layout", None)
+        return memo if memo is not None else (await host.call(host.executor.kv_layout)).value
+
     async def export(self, req: pb.ExportKvRequest) -> AsyncIterator[pb.ExportKvResponse]:
         host = self.models.get(req.model_id)
         self._require(host)
@@ -107,7 +121,7 @@ class KvTransfer:
                 f"token range [{start}, {end}) must be non-empty and inside the cache's {n} tokens",
                 field="to_token" if end > n else "from_token", num_tokens=n)
         ex = host.executor
-        layout: KvLayout = (await host.call(ex.kv_layout)).value
+        layout = await self._layout(host)
         k_tok = layout.num_kv_heads * layout.head_dim * layout.element_size
         v_tok = layout.num_kv_heads * layout.v_head_dim * layout.element_size
         if (end - start) * (k_tok + v_tok) > _MAX_LAYER_READ_BYTES:
@@ -117,7 +131,7 @@ class KvTransfer:
                 field="to_token")
         ranges = _chunk_ranges(start, end, k_tok + v_tok, self._max_chunk(req.max_chunk_bytes))
         def layer_chunks(layer: int) -> list[pb.ExportKvResponse]:
-            """One layer's chunks, read, cut and checksummed on the model's worker."""
+            """One layer's chunks, read, cut and checksummed (on the transfer thread)."""
             k, v = ex.export_kv_layer(req.cache_id, start, end, layer)
             out = []
             for j, (s, e) in enumerate(ranges):
@@ -128,8 +142,10 @@ class KvTransfer:
                     checksum=checksum(kb, vb))))
             return out
 
+        loop = asyncio.get_running_loop()
+
         async def read(layer: int):
-            return (await host.call(layer_chunks, layer, admit=False)).value
+            return await asyncio.wrap_future(self._io.submit(layer_chunks, layer), loop=loop)
 
         with host.hold([req.cache_id], "cache_id"):
             tokens = list(entry.tokens[start:end])
@@ -224,7 +240,7 @@ class KvTransfer:
 
     async def _import(self, host, h: pb.KvTransferHeader, chunks, reserve: int, salt: str, t0: int):
         ex = host.executor
-        layout: KvLayout = (await host.call(ex.kv_layout)).value
+        layout = await self._layout(host)
         tokens = self._check_header(host, layout, h)
         if reserve:
             self.checks.check_length(host, reserve, "reserve_tokens")
@@ -252,8 +268,8 @@ class KvTransfer:
                 if len(c.key) != (e - s) * k_tok or len(c.value) != (e - s) * v_tok:
                     raise errors.invalid(f"{where}: {len(c.key)} + {len(c.value)} bytes; {e - s} tokens need "
                                          f"{(e - s) * k_tok} + {(e - s) * v_tok}", field="chunk.key")
-                # Checked and written on the worker, up to a few chunks behind the reading.
-                writes.append(asyncio.ensure_future(host.call(_verify_and_write, ex, staged, c, where, admit=False)))
+                # Checked and written on the transfer thread, up to a few chunks behind the reading.
+                writes.append(asyncio.wrap_future(self._io.submit(_verify_and_write, ex, staged, c, where), loop=loop))
                 while len(writes) > _WRITES_IN_FLIGHT or (writes and writes[0].done()):
                     await writes.popleft()
                 written[c.layer] = e
@@ -273,20 +289,30 @@ class KvTransfer:
         finally:
             if not done:
                 for f in writes:
-                    f.cancel()
                     f.add_done_callback(lambda f: f.cancelled() or f.exception())
-                # Runs after any write still queued on the worker (one thread, FIFO); not awaited,
-                # so a cancelled caller cannot interrupt it.
-                if ex.inline:
-                    ex.import_abort(staged)
-                else:
-                    fut = loop.run_in_executor(host._pool, ex.import_abort, staged)
-                    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+                self._abort_after_writes(host, staged)
         self.checks.adopt(entry)
         log.info("kv imported", model_id=host.model_id, cache_id=entry.cache_id, tokens=n, chunks=count,
                  bytes=nbytes, cached_blocks=cached, ms=round((time.perf_counter_ns() - t0) / 1e6, 1))
         return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
                                    cached_blocks=cached, transfer_ns=time.perf_counter_ns() - t0)
+
+    def _abort_after_writes(self, host, staged) -> None:
+        """Give a failed import's blocks back once every write already handed to the transfer
+        thread has run (that thread is FIFO), on the model's worker (which owns the block pool's
+        bookkeeping). Not awaited: a cancelled caller cannot interrupt it."""
+        ex = host.executor
+
+        def on_worker() -> None:
+            if ex.inline:
+                ex.import_abort(staged)
+                return
+            try:
+                host._pool.submit(ex.import_abort, staged)
+            except RuntimeError:  # the worker is gone (shutdown): the pool goes with it
+                pass
+
+        self._io.submit(on_worker).add_done_callback(lambda f: f.exception())
 
     # ---- server pull ----------------------------------------------------------------------------
     def _channel(self, target: str, tls: bool) -> grpc.aio.Channel:
@@ -332,6 +358,7 @@ class KvTransfer:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        self._io.shutdown(wait=False)
 
 
 def _verify_and_write(ex, staged, c: pb.KvChunk, where: str) -> None:

@@ -352,6 +352,22 @@ def test_server_pull_forwards_the_callers_token(tiny_llama_dir):
     _assert_empty(b)
 
 
+def test_export_does_not_wait_for_the_sources_busy_worker(pair):
+    """A prefill server's worker is busy with prompts; a pull from it must not queue behind them."""
+    sa, sb, a, b = pair
+    with Client(sa.target) as ca, Client(sb.target) as cb:
+        src = ca.prefill(M, _prompt(64)).output
+        cb.release_cache(M, cb.pull_kv(M, sa.target, src.cache.cache_id).cache.cache_id)  # warm (fingerprints)
+        busy = sa.models.get(M)._pool.submit(time.sleep, 3.0)  # a long step on A's worker
+        t0 = time.perf_counter()
+        r = cb.pull_kv(M, sa.target, src.cache.cache_id)
+        assert time.perf_counter() - t0 < 2.0 and not busy.done()
+        busy.result()
+        cb.release_cache(M, r.cache.cache_id)
+        ca.release_cache(M, src.cache.cache_id)
+    _assert_empty(b)
+
+
 def test_role_flag_is_checked():
     from ferrum_service.models import ModelSet
     from ferrum_service.server import Server, ServerConfig
