@@ -80,6 +80,7 @@ class KvTransfer:
         # import's staged blocks are in no table. One thread, so work submitted after an import's
         # writes (its abort) runs after them.
         self._io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer")
+        self._aborts: set[asyncio.Task] = set()
 
     @staticmethod
     def _require(host) -> None:
@@ -249,10 +250,9 @@ class KvTransfer:
         n = len(tokens)
         loop = asyncio.get_running_loop()
         staged = (await host.call(ex.import_begin, tokens, reserve, salt)).value  # admission
-        done = False
+        writes: collections.deque[asyncio.Future] = collections.deque()
         try:
             written = [0] * layout.num_layers
-            writes: collections.deque[asyncio.Future] = collections.deque()
             count = 0
             nbytes = 0
             async for c in chunks:
@@ -285,34 +285,43 @@ class KvTransfer:
                     "incomplete); nothing was imported", code=grpc.StatusCode.DATA_LOSS, field="chunk")
             orphan = (lambda v: host.release_soon(v[0].cache_id, "reclaimed"))
             entry, cached = (await host.call(ex.import_commit, staged, admit=False, on_orphan=orphan)).value
-            done = True
-        finally:
-            if not done:
-                for f in writes:
-                    f.add_done_callback(lambda f: f.cancelled() or f.exception())
-                self._abort_after_writes(host, staged)
+        except BaseException as exc:
+            for f in writes:
+                f.add_done_callback(lambda f: f.cancelled() or f.exception())
+            aborted = self._abort_after_writes(host, staged)
+            if not isinstance(exc, asyncio.CancelledError):
+                # A refusal answers once the blocks are back; a cancelled call cannot wait for that.
+                await asyncio.shield(aborted)
+            raise
         self.checks.adopt(entry)
         log.info("kv imported", model_id=host.model_id, cache_id=entry.cache_id, tokens=n, chunks=count,
                  bytes=nbytes, cached_blocks=cached, ms=round((time.perf_counter_ns() - t0) / 1e6, 1))
         return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
                                    cached_blocks=cached, transfer_ns=time.perf_counter_ns() - t0)
 
-    def _abort_after_writes(self, host, staged) -> None:
+    def _abort_after_writes(self, host, staged) -> asyncio.Task:
         """Give a failed import's blocks back once every write already handed to the transfer
-        thread has run (that thread is FIFO), on the model's worker (which owns the block pool's
-        bookkeeping). Not awaited: a cancelled caller cannot interrupt it."""
+        thread has run (that thread is FIFO: a no-op submitted now finishes after them), on the
+        model's worker (which owns the block pool's bookkeeping). Its own task: a cancelled caller
+        cannot interrupt it."""
         ex = host.executor
+        loop = asyncio.get_running_loop()
+        barrier = asyncio.wrap_future(self._io.submit(lambda: None), loop=loop)
 
-        def on_worker() -> None:
-            if ex.inline:
-                ex.import_abort(staged)
-                return
+        async def run() -> None:
             try:
-                host._pool.submit(ex.import_abort, staged)
+                await barrier
+                if ex.inline:
+                    ex.import_abort(staged)
+                else:
+                    await loop.run_in_executor(host._pool, ex.import_abort, staged)
             except RuntimeError:  # the worker is gone (shutdown): the pool goes with it
                 pass
 
-        self._io.submit(on_worker).add_done_callback(lambda f: f.exception())
+        task = loop.create_task(run())
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+        return task
 
     # ---- server pull ----------------------------------------------------------------------------
     def _channel(self, target: str, tls: bool) -> grpc.aio.Channel:
