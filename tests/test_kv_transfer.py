@@ -319,6 +319,24 @@ def test_disaggregated_router_matches_one_server(tiny_llama_dir):
         _assert_empty(ex)
 
 
+def test_router_source_down_marks_the_prefill_replica(tiny_llama_dir):
+    """A decode replica that cannot reach the source answers UNAVAILABLE naming the source: the
+    router marks the prefill replica down and keeps the decode replica."""
+    from ferrum_client.routing import DisaggregatedRouter, ReplicaLost
+
+    pre, dec = _executor(tiny_llama_dir), _executor(tiny_llama_dir)
+    with InProcessServer([pre], role="prefill") as sp, InProcessServer([dec], role="decode") as sd:
+        # the decode replica is told to reach the prefill replica at a dead address
+        with DisaggregatedRouter([sp.target], [sd.target], source_targets={sp.target: "127.0.0.1:1"},
+                                 handoff_timeout=10) as router, router.new_session() as s:
+            with pytest.raises(ReplicaLost) as e:
+                s.prefill(M, _prompt(20))
+            assert e.value.target == sp.target
+            assert not router.prefill.replicas()[0].up and router.decode.replicas()[0].up
+    _assert_empty(pre)
+    _assert_empty(dec)
+
+
 def test_client_push_import(pair):
     sa, sb, a, b = pair
     with Client(sa.target) as ca, Client(sb.target) as cb:

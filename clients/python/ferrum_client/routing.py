@@ -380,9 +380,8 @@ class DisaggregatedSession:
             t1 = time.perf_counter()
             try:
                 source = self.router.source_targets.get(ps.target, ps.target)
-                imported = self.decode_session.call("pull_kv", model_id, source, out.cache.cache_id,
-                                                    reserve_tokens=max(reserve_tokens, len(ids)),
-                                                    cache_salt=cache_salt, timeout=self.router.handoff_timeout)
+                imported = self._pull(model_id, source, prefill_target, out.cache.cache_id,
+                                      reserve_tokens=max(reserve_tokens, len(ids)), cache_salt=cache_salt)
             finally:
                 try:
                     ps.call("release_cache", model_id, out.cache.cache_id)
@@ -392,6 +391,25 @@ class DisaggregatedSession:
         return Handoff(cache=imported.cache, output=out.output, cached_tokens=out.cached_tokens,
                        prefill_target=prefill_target, decode_target=self.target, prefill_s=t1 - t0, handoff_s=t2 - t1,
                        imported=imported)
+
+    def _pull(self, model_id: str, source: str, prefill_target: str, cache_id: str, **kw: Any) -> pb.ImportKvResponse:
+        """The decode replica pulls ``cache_id`` from ``source``. UNAVAILABLE naming the source (the
+        decode replica could not reach the prefill replica) marks the prefill replica down, not
+        this session's decode replica."""
+        sid = self.decode_session.session_id
+        r = self.decode_session.replica
+        if not r.up:
+            raise ReplicaLost(r.target, sid, r.last_error)
+        try:
+            return r.client.pull_kv(model_id, source, cache_id, timeout=self.router.handoff_timeout, **kw)
+        except FerrumRpcError as e:
+            if e.code not in _REPLICA_DOWN_CODES:
+                raise
+            if e.field == "source":
+                self.router.prefill.mark_down(prefill_target, f"unreachable from {r.target}: {e.message}")
+                raise ReplicaLost(prefill_target, sid, e.message) from e
+            self.router.decode.mark_down(r.target, f"ImportKv: {e.code.name}: {e.message}")
+            raise ReplicaLost(r.target, sid, e.message) from e
 
     def generate(self, model_id: str, token_ids: Iterable[int], *, max_tokens: int = 16, temperature: float = 0.0,
                  seed: int | None = None, **kw: Any):
