@@ -68,8 +68,9 @@ def _chunk_ranges(start: int, end: int, per_token: int, max_bytes: int) -> list[
 class KvTransfer:
     """The two RPCs' server side (the servicer hands them the request and the call context)."""
 
-    def __init__(self, models, checks, *, max_message_bytes: int) -> None:
+    def __init__(self, models, checks, *, max_message_bytes: int, metrics=None) -> None:
         self.models = models
+        self.metrics = metrics
         self.checks = checks
         self.max_message_bytes = max_message_bytes
         self._channels: dict[tuple[str, bool], grpc.aio.Channel] = {}
@@ -162,6 +163,9 @@ class KvTransfer:
                         nxt = asyncio.ensure_future(read(layer + 1))
                     for msg in msgs:
                         yield msg
+                    if self.metrics is not None:
+                        self.metrics.kv_transfer_bytes.labels(host.model_id, "export").inc(
+                            sum(len(x.chunk.key) + len(x.chunk.value) for x in msgs))
             finally:
                 if not nxt.done():
                     nxt.cancel()
@@ -294,6 +298,8 @@ class KvTransfer:
                 await asyncio.shield(aborted)
             raise
         self.checks.adopt(entry)
+        if self.metrics is not None:
+            self.metrics.kv_transfer_bytes.labels(host.model_id, "import").inc(nbytes)
         log.info("kv imported", model_id=host.model_id, cache_id=entry.cache_id, tokens=n, chunks=count,
                  bytes=nbytes, cached_blocks=cached, ms=round((time.perf_counter_ns() - t0) / 1e6, 1))
         return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,

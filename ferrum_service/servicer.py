@@ -89,7 +89,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         self.metrics = metrics
         self.draining = draining
         self.role = role
-        self.kv = KvTransfer(models, ops.checks, max_message_bytes=max_message_bytes)
+        self.kv = KvTransfer(models, ops.checks, max_message_bytes=max_message_bytes, metrics=metrics)
 
     # ---- plumbing -------------------------------------------------------------------------------
     def _check_serving(self) -> None:

@@ -117,6 +117,7 @@ def test_prefill_on_a_decode_on_b_equals_one_server(pair, mode):
             r = cb.stub.ImportKv(iter(_push(msgs, reserve_tokens=64)))
         assert r.imported_tokens == 50 and r.cache.num_tokens == 50 and r.cached_blocks == 3
         assert r.bytes == 50 * a.pool.bytes_per_token
+        assert sb.server.metrics.value("ferrum_kv_transfer_bytes_total", {"model": M, "direction": "import"}) == r.bytes
         ca.stub.ReleaseCache(pb.ReleaseCacheRequest(model_id=M, cache_id=src.cache.cache_id))
 
         toks, rows = _decode_chain(cb, r.cache.cache_id, t0, 8)
