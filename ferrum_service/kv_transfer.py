@@ -132,6 +132,7 @@ class KvTransfer:
                 f"{_MAX_LAYER_READ_BYTES // (k_tok + v_tok)} tokens per call (from_token / to_token)",
                 field="to_token")
         ranges = _chunk_ranges(start, end, k_tok + v_tok, self._max_chunk(req.max_chunk_bytes))
+
         def layer_chunks(layer: int) -> list[pb.ExportKvResponse]:
             """One layer's chunks, read, cut and checksummed (on the transfer thread)."""
             k, v = ex.export_kv_layer(req.cache_id, start, end, layer)
@@ -150,6 +151,9 @@ class KvTransfer:
             return await asyncio.wrap_future(self._io.submit(layer_chunks, layer), loop=loop)
 
         with host.hold([req.cache_id], "cache_id"):
+            entry = self.checks.live_entry(host, req.cache_id, "cache_id")  # still live once held
+            if entry.num_tokens < end:
+                raise errors.out_of_range(f"the cache holds {entry.num_tokens} tokens now", field="to_token")
             tokens = list(entry.tokens[start:end])
             yield pb.ExportKvResponse(header=self.header_of(
                 layout, tokens, start, end, len(ranges) * layout.num_layers,

@@ -201,7 +201,6 @@ def test_interrupted_transfer_leaves_no_cache(pair):
         assert b.pool.free_blocks == b.pool.num_blocks
         # the source going away mid-pull: the exporter's cache released while B pulls
         big = _prefill(ca, _prompt(200, seed=3))
-        sa.models.get(M)  # same server
         pulled = cb.stub.ImportKv.future(iter([pb.ImportKvRequest(model_id=M, source=pb.KvSource(
             target=sa.target, cache_id=big.cache.cache_id, max_chunk_bytes=1024))]))
         try:
