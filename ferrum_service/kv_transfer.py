@@ -124,6 +124,10 @@ class KvTransfer:
                 field="to_token" if end > n else "from_token", num_tokens=n)
         ex = host.executor
         layout = await self._layout(host)
+        if layout.state_format:
+            async for msg in self._export_state(host, req, layout, start, end, n):
+                yield msg
+            return
         k_tok = layout.num_kv_heads * layout.head_dim * layout.element_size
         v_tok = layout.num_kv_heads * layout.v_head_dim * layout.element_size
         if (end - start) * (k_tok + v_tok) > _MAX_LAYER_READ_BYTES:
@@ -174,6 +178,28 @@ class KvTransfer:
                 if not nxt.done():
                     nxt.cancel()
                     nxt.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _export_state(self, host, req, layout: KvLayout, start: int, end: int, n: int):
+        """An executor's own serialisation of a whole sequence (e.g. llama.cpp's), cut into chunks.
+        Read on the model's worker (such a backend is not safe to call from another thread)."""
+        if start != 0 or end != n:
+            raise errors.invalid(f"the {layout.executor} executor exports whole caches only ({layout.state_format}): "
+                                 f"leave from_token / to_token at 0", field="from_token")
+        with host.hold([req.cache_id], "cache_id"):
+            entry = self.checks.live_entry(host, req.cache_id, "cache_id")
+            tokens = list(entry.tokens)
+            end = len(tokens)
+            blob = (await host.call(host.executor.export_kv_state, req.cache_id, admit=False)).value
+            step = self._max_chunk(req.max_chunk_bytes)
+            pieces = [blob[i:i + step] for i in range(0, len(blob), step)]
+            header = self.header_of(layout, tokens, 0, end, len(pieces), len(blob))
+            header.state_format = layout.state_format
+            yield pb.ExportKvResponse(header=header)
+            for i, piece in enumerate(pieces):
+                yield pb.ExportKvResponse(chunk=pb.KvChunk(index=i, layer=0, token_start=0, token_end=end, key=piece,
+                                                           checksum=checksum(piece, b"")))
+            if self.metrics is not None:
+                self.metrics.kv_transfer_bytes.labels(host.model_id, "export").inc(len(blob))
 
     # ---- import ---------------------------------------------------------------------------------
     async def import_(self, requests: AsyncIterator[pb.ImportKvRequest], metadata) -> pb.ImportKvResponse:
@@ -228,6 +254,10 @@ class KvTransfer:
         if shape != want:
             raise errors.failed_precondition(f"KV shape (layers, kv heads, head dim, v head dim) {shape} differs "
                                              f"from this model's {want}", field="header")
+        if h.state_format != layout.state_format:
+            raise errors.failed_precondition(
+                f"the K/V are in format {h.state_format or 'per-layer tensors'!r}; this model imports "
+                f"{layout.state_format or 'per-layer tensors'!r}", field="header.state_format")
         if h.fingerprint != layout.fingerprint:
             raise errors.failed_precondition(
                 f"weights fingerprint {h.fingerprint[:16]}… differs from this server's {layout.fingerprint[:16]}… "
@@ -241,7 +271,7 @@ class KvTransfer:
         if n < 1 or len(h.token_ids) != n or (h.positions and list(h.positions) != list(range(n))):
             raise errors.invalid(f"the header must list {n} token ids (and positions 0..{n - 1})",
                                  field="header.token_ids")
-        if h.num_layers and h.num_chunks < h.num_layers:
+        if h.num_layers and h.num_chunks < h.num_layers and not layout.state_format:
             raise errors.invalid("num_chunks is below one chunk per layer", field="header.num_chunks")
         tokens = self.checks.tokens(host, h.token_ids, "header.token_ids")
         self.checks.check_length(host, n, "header.token_ids")
@@ -258,6 +288,8 @@ class KvTransfer:
         n = len(tokens)
         loop = asyncio.get_running_loop()
         staged = (await host.call(ex.import_begin, tokens, reserve, salt)).value  # admission
+        if layout.state_format:
+            return await self._import_state(host, h, chunks, staged, n, t0)
         writes: collections.deque[asyncio.Future] = collections.deque()
         try:
             written = [0] * layout.num_layers
@@ -306,6 +338,49 @@ class KvTransfer:
             self.metrics.kv_transfer_bytes.labels(host.model_id, "import").inc(nbytes)
         log.info("kv imported", model_id=host.model_id, cache_id=entry.cache_id, tokens=n, chunks=count,
                  bytes=nbytes, cached_blocks=cached, ms=round((time.perf_counter_ns() - t0) / 1e6, 1))
+        return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
+                                   cached_blocks=cached, transfer_ns=time.perf_counter_ns() - t0)
+
+    async def _import_state(self, host, h: pb.KvTransferHeader, chunks, staged, n: int, t0: int):
+        """An executor's own serialisation (``header.state_format``): checked chunk by chunk,
+        loaded at the end on the model's worker; all or nothing as the tensor path."""
+        ex = host.executor
+        parts: list[bytes] = []
+        count = nbytes = 0
+        try:
+            async for c in chunks:
+                if c.index != count:
+                    raise errors.invalid(f"chunk {count}: index {c.index}, expected {count}", field="chunk.index")
+                if checksum(c.key, c.value) != c.checksum:
+                    raise errors.FerrumError(errors.ErrorKind.SERIALIZATION, f"chunk {count}: checksum mismatch; the "
+                                             "state was corrupted in transit", code=grpc.StatusCode.DATA_LOSS,
+                                             field="chunk.checksum")
+                parts.append(c.key)
+                parts.append(c.value)
+                count += 1
+                nbytes += len(c.key) + len(c.value)
+            if (h.num_chunks and count != h.num_chunks) or (h.total_bytes and nbytes != h.total_bytes) or not nbytes:
+                raise errors.FerrumError(
+                    errors.ErrorKind.SERIALIZATION, f"the stream ended after {count} of {h.num_chunks or '?'} chunks "
+                    f"({nbytes} of {h.total_bytes} bytes); nothing was imported", code=grpc.StatusCode.DATA_LOSS,
+                    field="chunk")
+
+            def load():
+                ex.import_write_state(staged, b"".join(parts))
+                return ex.import_commit(staged)
+
+            orphan = (lambda v: host.release_soon(v[0].cache_id, "reclaimed"))
+            entry, cached = (await host.call(load, admit=False, on_orphan=orphan)).value
+        except BaseException as exc:
+            aborted = self._abort_after_writes(host, staged)
+            if not isinstance(exc, asyncio.CancelledError):
+                await asyncio.shield(aborted)
+            raise
+        self.checks.adopt(entry)
+        if self.metrics is not None:
+            self.metrics.kv_transfer_bytes.labels(host.model_id, "import").inc(nbytes)
+        log.info("kv imported", model_id=host.model_id, cache_id=entry.cache_id, tokens=n, chunks=count,
+                 bytes=nbytes, format=h.state_format, ms=round((time.perf_counter_ns() - t0) / 1e6, 1))
         return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
                                    cached_blocks=cached, transfer_ns=time.perf_counter_ns() - t0)
 

@@ -58,6 +58,9 @@ class KvLayout:
     v_head_dim: int
     executor: str
     element_size: int
+    # "" = per-layer K/V tensors (export_kv_layer / import_write); otherwise the executor's own
+    # serialisation of a whole sequence (export_kv_state / import_write_state), e.g. llama.cpp's.
+    state_format: str = ""
 
 
 class Tokenizer(Protocol):

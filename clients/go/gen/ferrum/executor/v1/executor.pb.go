@@ -5957,8 +5957,14 @@ type KvTransferHeader struct {
 	Executor string `protobuf:"bytes,14,opt,name=executor,proto3" json:"executor,omitempty"`
 	// How `KvChunk.checksum` is computed: "crc32" (zlib / IEEE 802.3 CRC-32 of `key` then `value`).
 	ChecksumAlgorithm string `protobuf:"bytes,15,opt,name=checksum_algorithm,json=checksumAlgorithm,proto3" json:"checksum_algorithm,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Empty: the K/V tensors chunked by layer and token range, as `KvChunk` describes. Otherwise an
+	// executor's own serialisation of the whole range, opaque to the wire: "llama.cpp/seq-state"
+	// (llama.cpp's `llama_state_seq_get_data` of the sequence; only whole caches, from token 0).
+	// Its chunks carry consecutive slices of those bytes in `key` (`value` empty, `layer` 0, the
+	// header's token range), in order; `total_bytes` is their sum. Both sides must use the same format.
+	StateFormat   string `protobuf:"bytes,16,opt,name=state_format,json=stateFormat,proto3" json:"state_format,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *KvTransferHeader) Reset() {
@@ -6092,6 +6098,13 @@ func (x *KvTransferHeader) GetExecutor() string {
 func (x *KvTransferHeader) GetChecksumAlgorithm() string {
 	if x != nil {
 		return x.ChecksumAlgorithm
+	}
+	return ""
+}
+
+func (x *KvTransferHeader) GetStateFormat() string {
+	if x != nil {
+		return x.StateFormat
 	}
 	return ""
 }
@@ -7009,7 +7022,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\n" +
 	"from_token\x18\x03 \x01(\x04R\tfromToken\x12\x19\n" +
 	"\bto_token\x18\x04 \x01(\x04R\atoToken\x12&\n" +
-	"\x0fmax_chunk_bytes\x18\x05 \x01(\rR\rmaxChunkBytes\"\x82\x04\n" +
+	"\x0fmax_chunk_bytes\x18\x05 \x01(\rR\rmaxChunkBytes\"\xa5\x04\n" +
 	"\x10KvTransferHeader\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12 \n" +
 	"\vfingerprint\x18\x02 \x01(\tR\vfingerprint\x127\n" +
@@ -7032,7 +7045,8 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\vtotal_bytes\x18\r \x01(\x04R\n" +
 	"totalBytes\x12\x1a\n" +
 	"\bexecutor\x18\x0e \x01(\tR\bexecutor\x12-\n" +
-	"\x12checksum_algorithm\x18\x0f \x01(\tR\x11checksumAlgorithm\"\xb7\x01\n" +
+	"\x12checksum_algorithm\x18\x0f \x01(\tR\x11checksumAlgorithm\x12!\n" +
+	"\fstate_format\x18\x10 \x01(\tR\vstateFormat\"\xb7\x01\n" +
 	"\aKvChunk\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\rR\x05index\x12\x14\n" +
 	"\x05layer\x18\x02 \x01(\rR\x05layer\x12\x1f\n" +

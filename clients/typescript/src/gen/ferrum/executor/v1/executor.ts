@@ -1189,6 +1189,14 @@ export interface KvTransferHeader {
   executor: string;
   /** How `KvChunk.checksum` is computed: "crc32" (zlib / IEEE 802.3 CRC-32 of `key` then `value`). */
   checksumAlgorithm: string;
+  /**
+   * Empty: the K/V tensors chunked by layer and token range, as `KvChunk` describes. Otherwise an
+   * executor's own serialisation of the whole range, opaque to the wire: "llama.cpp/seq-state"
+   * (llama.cpp's `llama_state_seq_get_data` of the sequence; only whole caches, from token 0).
+   * Its chunks carry consecutive slices of those bytes in `key` (`value` empty, `layer` 0, the
+   * header's token range), in order; `total_bytes` is their sum. Both sides must use the same format.
+   */
+  stateFormat: string;
 }
 
 /** K and V of one layer for one token range. */
@@ -11167,6 +11175,7 @@ function createBaseKvTransferHeader(): KvTransferHeader {
     totalBytes: 0,
     executor: "",
     checksumAlgorithm: "",
+    stateFormat: "",
   };
 }
 
@@ -11224,6 +11233,9 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
     }
     if (message.checksumAlgorithm !== "") {
       writer.uint32(122).string(message.checksumAlgorithm);
+    }
+    if (message.stateFormat !== "") {
+      writer.uint32(130).string(message.stateFormat);
     }
     return writer;
   },
@@ -11381,6 +11393,14 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
             message.checksumAlgorithm = reader.string();
             continue;
           }
+          case 16: {
+            if (tag !== 130) {
+              break;
+            }
+
+            message.stateFormat = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -11460,6 +11480,11 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
         : isSet(object.checksum_algorithm)
         ? globalThis.String(object.checksum_algorithm)
         : "",
+      stateFormat: isSet(object.stateFormat)
+        ? globalThis.String(object.stateFormat)
+        : isSet(object.state_format)
+        ? globalThis.String(object.state_format)
+        : "",
     };
   },
 
@@ -11510,6 +11535,9 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
     if (message.checksumAlgorithm !== "") {
       obj.checksumAlgorithm = message.checksumAlgorithm;
     }
+    if (message.stateFormat !== "") {
+      obj.stateFormat = message.stateFormat;
+    }
     return obj;
   },
 
@@ -11533,6 +11561,7 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
     message.totalBytes = object.totalBytes ?? 0;
     message.executor = object.executor ?? "";
     message.checksumAlgorithm = object.checksumAlgorithm ?? "";
+    message.stateFormat = object.stateFormat ?? "";
     return message;
   },
 };
