@@ -6,7 +6,7 @@
 #   2. the Dockerfiles' install steps against pyproject.toml / scripts/bootstrap.sh
 #      (tests/test_deploy_inputs.py, when the project venv exists);
 #   3. helm lint --strict and helm template of the chart: default values, values-gpu.yaml, TLS +
-#      auth + ServiceMonitor, metrics off, plus one rendering with a deliberately misspelt field
+#      auth + ServiceMonitor, metrics off, two roles (prefill + decode Deployments), plus one rendering with a deliberately misspelt field
 #      and one with an invalid value combination, both of which must fail;
 #   4. go test in deploy/validate: every kustomize build and plain manifest in deploy/k8s and every
 #      helm rendering decoded strictly against k8s.io/api types (unknown, misspelt or duplicate
@@ -80,6 +80,8 @@ render tls-auth-monitor --set tls.enabled=true,tls.secretName=ferrum-tls,tls.mut
   --set auth.existingSecret=ferrum-auth,adminAuth.existingSecret=ferrum-admin \
   --set metrics.serviceMonitor.enabled=true
 render no-metrics --set metrics.enabled=false
+render roles --set roles.enabled=true,roles.prefill.replicaCount=2 \
+  --set-json 'roles.decode.resources={"requests":{"cpu":"2","memory":"4Gi"},"limits":{"memory":"8Gi"}}'
 # Negative: a misspelt field must render (helm does not know the schema) and then fail decoding.
 render broken --set-json 'extraEnv=[{"name":"FERRUM_LOG_LEVEL","valeu":"debug"}]'
 # Negative: the chart itself refuses TLS without a Secret.

@@ -43,6 +43,8 @@ SERVE_FLAGS = {
     "max_text_bytes": (int, 1024 * 1024, "UTF-8 bytes of text one request may ask to tokenize"),
     "otlp_endpoint": (str, None, "OTLP/gRPC endpoint for OpenTelemetry traces (off when unset, unless the "
                       "standard OTEL_* variables name one)"),
+    "role": (str, "both", "both | prefill | decode: what this server is deployed for, advertised in Info "
+             "(prefill: refuses decode steps; decode: refuses new prompts, decodes imported caches)"),
     "log_format": (str, "auto", "json | console | auto"),
     "log_level": (str, "info", "debug | info | warning | error"),
     "tls_cert": (str, None, "PEM certificate chain (enables TLS)"),
@@ -139,6 +141,9 @@ def _read_tokens(path: str | None) -> list[str]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     st = resolve_serve_settings(args)
+    if st["role"] not in ("both", "prefill", "decode"):
+        print(f"--role must be both, prefill or decode, not {st['role']!r}", file=sys.stderr)
+        return 2
     from . import logs
 
     logs.configure(st["log_format"], st["log_level"])
@@ -183,7 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch=st["max_batch"], cache_ttl=st["cache_ttl"], origin_idle_ttl=st["origin_idle_ttl"],
         max_queue=st["max_queue"],
         open_admin_rpcs=st["open_admin_rpcs"], max_step_bytes=st["max_step_bytes"],
-        max_text_bytes=st["max_text_bytes"], otlp_endpoint=st["otlp_endpoint"],
+        max_text_bytes=st["max_text_bytes"], otlp_endpoint=st["otlp_endpoint"], role=st["role"],
     )
     asyncio.run(serve(executors, cfg, workers))
     return 0

@@ -298,6 +298,7 @@ def capabilities_pb(c: ExecutorCapabilities) -> tpb.ExecutorCapabilities:
         kv_block_size=c.kv_block_size,
         supports_prefix_caching=c.supports_prefix_caching,
         supports_fork=c.supports_fork,
+        supports_kv_transfer=c.supports_kv_transfer,
     )
 
 

@@ -24,6 +24,9 @@ class Metrics:
                                 ["rpc", "code"], registry=r)
         self.latency = Histogram("ferrum_request_seconds", "RPC / step latency by status code", ["rpc", "code"],
                                  buckets=_BUCKETS, registry=r)
+        self.kv_transfer_bytes = Counter("ferrum_kv_transfer_bytes_total",
+                                         "K/V bytes sent by ExportKv / kept by ImportKv", ["model", "direction"],
+                                         registry=r)
         self.tokens_generated = Counter("ferrum_generated_tokens_total", "Tokens streamed by Generate", registry=r)
         self.admission_refusals = Counter("ferrum_admission_refusals_total", "RESOURCE_EXHAUSTED answers",
                                           registry=r)

@@ -106,6 +106,8 @@ class Operations:
         t = time.perf_counter_ns()
         host = self.models.get(req.model_id)
         inp = self.checks.prefill_input(host, req.input, "input")
+        if not inp.cache_id:
+            self.checks.check_new_prompt("Prefill")
         self.checks.check_prefill_step(host, [inp], "input")
         with host.hold([inp.cache_id], "input.cache_id"):
             timed = await host.call(self._run_prefill, host, [inp], on_orphan=self._orphaned(host, [inp]))
@@ -129,6 +131,8 @@ class Operations:
             raise errors.invalid("inputs is empty: at least one prompt is required", field="inputs")
         inputs = [self.checks.prefill_input(host, m, f"inputs[{i}]") for i, m in enumerate(req.inputs)]
         ids = [i.cache_id for i in inputs]
+        if not all(ids):
+            self.checks.check_new_prompt("BatchPrefill")
         self.checks.unique(ids, "inputs.cache_id")
         self.checks.check_prefill_step(host, inputs, "inputs")
         admit_prefills(host, inputs)
@@ -142,6 +146,7 @@ class Operations:
         t = time.perf_counter_ns()
         host = self.models.get(req.model_id)
         self.checks.require_generation(host, "Decode")
+        self.checks.check_decode_role("Decode")
         inp = self.checks.decode_input(host, req.input, "input")
         admit_decodes(host, [inp], "input.cache_id")
         self.checks.check_decode_step(host, [inp], "input")
@@ -161,6 +166,7 @@ class Operations:
         t = time.perf_counter_ns()
         host = self.models.get(req.model_id)
         self.checks.require_generation(host, "BatchDecode")
+        self.checks.check_decode_role("BatchDecode")
         if not req.inputs:
             raise errors.invalid("inputs is empty: at least one decode input is required", field="inputs")
         inputs = [self.checks.decode_input(host, m, f"inputs[{i}]") for i, m in enumerate(req.inputs)]
@@ -185,6 +191,8 @@ class Operations:
             raise errors.invalid("items is empty", field="items")
         items = [self.checks.unified_item(host, m, f"items[{i}]") for i, m in enumerate(req.items)]
         ids = [i.cache_id for i in items]
+        if not all(ids):
+            self.checks.check_new_prompt("UnifiedDecode")
         self.checks.unique(ids, "items.cache_id")
         self.checks.check_step(host, [(len(i.q_tokens), i.pos_offset) for i in items], len(items), "items",
                                sum(self.checks.row_bytes(host, i.policy) for i in items))
@@ -224,6 +232,7 @@ class Operations:
         t = time.perf_counter_ns()
         host = self.models.get(req.model_id)
         self.checks.require_generation(host, "ForwardVerify")
+        self.checks.check_decode_role("ForwardVerify")
         entry = self.checks.live_entry(host, req.cache_id, "cache_id")
         ids = self.checks.tokens(host, req.token_ids, "token_ids")
         policy = logits_policy(req.logits, host.vocab_size, "logits")

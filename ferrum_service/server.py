@@ -65,6 +65,7 @@ class ServerConfig:
     open_admin_rpcs: bool = False  # Warmup/Shutdown for any caller when no admin token is configured
     max_step_bytes: int = 2 * 1024**3  # transient memory one forward may need (0 = no limit)
     max_text_bytes: int = 1024 * 1024  # text one request may ask to tokenize
+    role: str = "both"  # both | prefill | decode (see ServerRole in the contract)
     otlp_endpoint: str | None = None  # OpenTelemetry traces to this OTLP/gRPC endpoint (see tracing.py)
 
 
@@ -118,11 +119,15 @@ class Server:
                 # events carry keys only (enough to route), not token ids.
                 prefix.on_event = (lambda kind, data, hub=self.events, m=host.model_id, ids=not cfg.auth_tokens:
                                    hub.publish_block(kind, m, data if ids else {**data, "token_ids": []}))
-        self.servicer = ModelExecutorServicer(models, Operations(models, RequestChecks(models)), self.streams,
-                                              self.events, self.metrics, draining=lambda: self.draining,
+        if cfg.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, not {cfg.role!r}")
+        self.servicer = ModelExecutorServicer(models, Operations(models, RequestChecks(models, cfg.role)),
+                                              self.streams, self.events, self.metrics,
+                                              draining=lambda: self.draining,
                                               tokens_checked=bool(cfg.auth_tokens),
                                               admin_open=bool(cfg.admin_tokens) or cfg.open_admin_rpcs,
-                                              activity=self.activity)
+                                              activity=self.activity, role=cfg.role,
+                                              max_message_bytes=cfg.max_message_bytes)
         self.servicer.on_model_shutdown = self._model_down
         interceptors = []
         if cfg.auth_tokens or cfg.admin_tokens:
@@ -175,7 +180,8 @@ class Server:
         log.info("serving", port=self.port, models=[h.model_id for h in self.models], tls=bool(self.cfg.tls_cert),
                  auth=bool(self.cfg.auth_tokens), mtls=bool(self.cfg.tls_client_ca),
                  metrics_port=self.cfg.metrics_port or None, cache_ttl_s=self.cfg.cache_ttl or None,
-                 origin_idle_ttl_s=self.leases.origin_idle_ttl or None, max_queue=self.cfg.max_queue or None)
+                 origin_idle_ttl_s=self.leases.origin_idle_ttl or None, max_queue=self.cfg.max_queue or None,
+                 role=self.cfg.role)
 
     async def drain(self, grace: float | None = None) -> None:
         """Graceful shutdown (see the module doc)."""
@@ -190,6 +196,7 @@ class Server:
         if self.streams.active:
             log.warning("grace period over; cancelling streams", active_streams=len(self.streams.active))
         await self.leases.stop()
+        await self.servicer.kv.close()
         # grpc.stop cancels the calls still running; their handlers' finally blocks free their caches.
         await self.grpc.stop(max(0.0, deadline - loop.time()))
         freed = 0

@@ -41,12 +41,15 @@ from .convert import (
 from .callers import CallerActivity, current_caller, current_origin, enter_call
 from .generate import generate
 from .kv_events import KvEventHub, SubscriberDropped
+from .kv_transfer import KvTransfer
 from .metrics import Metrics
 from .models import ModelSet
 from .operations import Operations
 from .streams import StreamRegistry
 
 log = structlog.get_logger("ferrum_service.servicer")
+
+_ROLES = {"both": pb.SERVER_ROLE_BOTH, "prefill": pb.SERVER_ROLE_PREFILL, "decode": pb.SERVER_ROLE_DECODE}
 
 #: Most token ids one Detokenize call may carry.
 MAX_DETOKENIZE_IDS = 1 << 18
@@ -73,7 +76,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
 
     def __init__(self, models: ModelSet, ops: Operations, streams: StreamRegistry, events: KvEventHub,
                  metrics: Metrics, *, draining: Callable[[], bool] = lambda: False, tokens_checked: bool = False,
-                 admin_open: bool = False, activity: CallerActivity | None = None) -> None:
+                 admin_open: bool = False, activity: CallerActivity | None = None,
+                 role: str = "both", max_message_bytes: int = 64 * 1024 * 1024) -> None:
         """``tokens_checked``: bearer tokens are verified (they then name the caller that owns a
         cache); ``admin_open``: Warmup / Shutdown may be called (admin tokens guard them, or the
         operator opened them); ``activity``: where each call's origin is recorded (for the lease
@@ -87,6 +91,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         self.events = events
         self.metrics = metrics
         self.draining = draining
+        self.role = role
+        self.kv = KvTransfer(models, ops.checks, max_message_bytes=max_message_bytes, metrics=metrics)
 
     # ---- plumbing -------------------------------------------------------------------------------
     def _check_serving(self) -> None:
@@ -136,7 +142,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         async def run():
             hosts = self.models.select(request.model_id)
             return pb.InfoResponse(models=[model_info_pb(h.executor.info()) for h in hosts],
-                                   server_version=__version__, contract_version="ferrum.executor.v1")
+                                   server_version=__version__, contract_version="ferrum.executor.v1",
+                                   role=_ROLES[self.role])
         return await self._unary("Info", context, run)
 
     async def Capabilities(self, request, context):
@@ -326,6 +333,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         with self.streams.running(), self.streams.generation(owner) as state:
             try:
                 async with self._answer("Generate", context, request):
+                    self.ops.checks.check_role_generate(request)
                     async for ev in generate(self.models, self.ops.checks, request, owner, state):
                         if ev.WhichOneof("event") == "token":
                             tokens += 1
@@ -479,6 +487,18 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                 await context.abort_with_status(rpc_status.to_status(status_of(e)))
             finally:
                 sub.close()
+
+    # ---- KV handoff ---------------------------------------------------------------------------------
+    async def ExportKv(self, request, context):
+        with self.streams.running():
+            async with self._answer("ExportKv", context, request):
+                async for msg in self.kv.export(request):
+                    yield msg
+
+    async def ImportKv(self, request_iterator, context):
+        with self.streams.running():
+            async with self._answer("ImportKv", context):
+                return await self.kv.import_(request_iterator, context.invocation_metadata())
 
     async def Abort(self, request, context):
         async def run():

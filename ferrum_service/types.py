@@ -212,6 +212,7 @@ class ExecutorCapabilities:
     kv_block_size: int = 16
     supports_prefix_caching: bool = False
     supports_fork: bool = False
+    supports_kv_transfer: bool = False
 
 
 @dataclass

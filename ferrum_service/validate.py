@@ -39,8 +39,29 @@ if TYPE_CHECKING:
 class RequestChecks:
     """Checks of requests against the hosted models (one instance per server)."""
 
-    def __init__(self, models: "ModelSet") -> None:
+    def __init__(self, models: "ModelSet", role: str = "both") -> None:
         self.models = models
+        self.role = role  # both | prefill | decode (the server's --role)
+
+    # ---- roles ------------------------------------------------------------------------------------
+    def check_new_prompt(self, rpc: str) -> None:
+        """A decode-role server computes no new prompts (they are imported: ImportKv)."""
+        if self.role == "decode":
+            raise errors.failed_precondition(
+                f"{rpc}: this server has role decode; new prompts are computed on prefill servers and their "
+                "caches imported here (ImportKv); continue a cache by its cache_id", field="role")
+
+    def check_decode_role(self, rpc: str) -> None:
+        """A prefill-role server runs no decode steps (caches are exported: ExportKv)."""
+        if self.role == "prefill":
+            raise errors.failed_precondition(
+                f"{rpc}: this server has role prefill; decode on a decode server after handing the cache "
+                "over (ImportKv with a source)", field="role")
+
+    def check_role_generate(self, req) -> None:
+        self.check_decode_role("Generate")
+        if not req.cache_id:
+            self.check_new_prompt("Generate")
 
     # ---- caches -----------------------------------------------------------------------------------
     def live_entry(self, host: "ModelHost", cache_id: str, field: str) -> CacheEntry:

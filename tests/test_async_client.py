@@ -41,7 +41,7 @@ def test_async_client_has_every_method_of_client_as_a_coroutine_with_the_same_pa
         assert async_fn.__doc__, f"AsyncClient.{name} has no docstring"
         if name == "session":
             assert inspect.signature(async_fn, eval_str=True).return_annotation is AsyncSession
-        elif name in ("generate", "subscribe_kv_events"):
+        elif name in ("generate", "subscribe_kv_events", "export_kv"):
             assert inspect.isasyncgenfunction(async_fn), name
         else:
             assert inspect.iscoroutinefunction(async_fn), name
@@ -172,6 +172,14 @@ async def scenario(d) -> list:
     assert [x[1] for x in rec[-1]] == [C.NOT_FOUND, C.UNIMPLEMENTED, C.UNIMPLEMENTED, C.FAILED_PRECONDITION,
                                       C.FAILED_PRECONDITION, C.FAILED_PRECONDITION, C.NOT_FOUND]
     assert rec[-1][1][2] == "UNSUPPORTED" and rec[-1][3][3] == "model_id"
+    # KV handoff: the scripted executors cannot export or import (UNIMPLEMENTED); an empty import
+    # stream is INVALID_ARGUMENT
+    rec.append([await _error(d, "pull_kv", "mock", "127.0.0.1:1", "no-such-cache"),
+                await _error(d, "import_kv", "mock", [])])
+    with pytest.raises(FerrumRpcError) as e:
+        await d.take("export_kv", None, "mock", "no-such-cache")
+    rec[-1].append(e.value.code)
+    assert [x[1] for x in rec[-1][:2]] + rec[-1][2:] == [C.UNIMPLEMENTED, C.INVALID_ARGUMENT, C.UNIMPLEMENTED]
     assert await d.call("wait_ready", timeout=5) is None
     assert await d.call("health") == "SERVING" and await d.call("health", "stub") == "SERVING"
     sd = await d.call("shutdown", "stub")

@@ -166,6 +166,7 @@ type Expect struct {
 	TLS            bool // TLS on: probes are exec health checks (the kubelet's gRPC probes are plaintext)
 	Metrics        bool // a metrics port with prometheus.io annotations or a ServiceMonitor
 	ServiceMonitor bool // a ServiceMonitor is expected
+	Roles          bool // disaggregated: one prefill and one decode Deployment (--role), each checked in full
 }
 
 // ServerConfigKeys are the keys the server's config file understands (the long names of the
@@ -174,7 +175,7 @@ var ServerConfigKeys = map[string]bool{
 	"models": true, "host": true, "port": true, "metrics_port": true, "device": true, "dtype": true,
 	"kv_budget_tokens": true, "max_message_bytes": true, "max_batch": true, "grace_period": true,
 	"log_format": true, "log_level": true, "tls_cert": true, "tls_key": true, "tls_client_ca": true,
-	"auth_token_file": true, "admin_token_file": true, "reflection": true, "trust_remote_code": true,
+	"auth_token_file": true, "admin_token_file": true, "reflection": true, "trust_remote_code": true, "role": true,
 }
 
 type serverConfig struct {
@@ -267,16 +268,62 @@ func Check(objs []Object, want Expect) []error {
 			cms[x.Name] = x
 		}
 	}
-	if len(deps) != 1 {
-		fail("want exactly one Deployment, got %d", len(deps))
+	if !want.Roles {
+		if len(deps) != 1 {
+			fail("want exactly one Deployment, got %d", len(deps))
+			return errs
+		}
+		return append(errs, checkDeployment(deps[0], svcs, pdbs, sms, cms, want)...)
+	}
+	// Two roles: a prefill and a decode Deployment, each with every check of a single one, against
+	// the Services and PodDisruptionBudgets that select its pods.
+	if len(deps) != 2 {
+		fail("roles: want a prefill and a decode Deployment, got %d Deployments", len(deps))
 		return errs
 	}
-	d := deps[0]
+	seen := map[string]bool{}
+	for _, d := range deps {
+		role := ""
+		if cs := d.Spec.Template.Spec.Containers; len(cs) == 1 {
+			for i, a := range cs[0].Args {
+				if a == "--role" && i+1 < len(cs[0].Args) {
+					role = cs[0].Args[i+1]
+				}
+			}
+		}
+		if role != "prefill" && role != "decode" {
+			fail("Deployment %s: container args must pass --role prefill or --role decode, got %q", d.Name, role)
+		}
+		seen[role] = true
+		podLabels := labels.Set(d.Spec.Template.Labels)
+		var mine []*corev1.Service
+		for _, s := range svcs {
+			if len(s.Spec.Selector) > 0 && labels.SelectorFromSet(s.Spec.Selector).Matches(podLabels) {
+				mine = append(mine, s)
+			}
+		}
+		for _, e := range checkDeployment(d, mine, pdbs, sms, cms, want) {
+			fail("Deployment %s: %v", d.Name, e)
+		}
+	}
+	if !seen["prefill"] || !seen["decode"] {
+		fail("roles: want one prefill and one decode Deployment")
+	}
+	return errs
+}
+
+// checkDeployment: every check of one Deployment and the objects around it.
+func checkDeployment(d *appsv1.Deployment, svcs []*corev1.Service, pdbs []*policyv1.PodDisruptionBudget,
+	sms []*monitoringv1.ServiceMonitor, cms map[string]*corev1.ConfigMap, want Expect) []error {
+	var errs []error
+	fail := func(format string, a ...any) { errs = append(errs, fmt.Errorf(format, a...)) }
+	var err error
 	pod := d.Spec.Template
 	podLabels := labels.Set(pod.Labels)
 
 	// Selector matches the template.
 	sel, err := metav1.LabelSelectorAsSelector(d.Spec.Selector)
+	_ = err
 	if err != nil || d.Spec.Selector == nil || sel.Empty() || !sel.Matches(podLabels) {
 		fail("Deployment %s: spec.selector does not match the pod template's labels", d.Name)
 	}
@@ -515,7 +562,8 @@ func Check(objs []Object, want Expect) []error {
 			balanced++
 		}
 	}
-	if headless != 1 {
+	if headless != 1 && !(want.Roles && headless == 2) {
+		// Two roles: the headless Service of every pod, and the one of this role's pods.
 		fail("want one headless Service (clusterIP: None), got %d", headless)
 	}
 	if balanced != 1 {

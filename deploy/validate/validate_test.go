@@ -107,6 +107,7 @@ func TestHelmRendered(t *testing.T) {
 		{"gpu.yaml", Expect{GPU: true, Metrics: true}},
 		{"tls-auth-monitor.yaml", Expect{TLS: true, Metrics: true, ServiceMonitor: true}},
 		{"no-metrics.yaml", Expect{}},
+		{"roles.yaml", Expect{Metrics: true, Roles: true}},
 	}
 	for _, c := range cases {
 		t.Run(strings.TrimSuffix(c.file, ".yaml"), func(t *testing.T) {

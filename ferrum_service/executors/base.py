@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -42,6 +43,24 @@ from ..types import (
     UnifiedResult,
     VerifyOutput,
 )
+
+
+@dataclass
+class KvLayout:
+    """How an executor's K/V look on the wire (``KvTransferHeader``)."""
+
+    model_id: str
+    fingerprint: str  # hex SHA-256 of the executor kind, config and weights
+    dtype: str  # fp32 | fp16 | bf16
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    executor: str
+    element_size: int
+    # "" = per-layer K/V tensors (export_kv_layer / import_write); otherwise the executor's own
+    # serialisation of a whole sequence (export_kv_state / import_write_state), e.g. llama.cpp's.
+    state_format: str = ""
 
 
 class Tokenizer(Protocol):
@@ -261,6 +280,31 @@ class ModelExecutor(abc.ABC):
         """Not in ferrum's trait: a new cache sharing ``cache_id``'s first tokens (copy-on-write).
         Returns (the new entry, blocks shared). Default unsupported."""
         raise errors.unsupported(f"ForkCache is not supported by the {self.kind} executor")
+
+    # ---- KV transfer between servers (ExportKv / ImportKv; see ``kv_transfer.py``) ------------
+    def kv_layout(self) -> "KvLayout":
+        """What this executor's K/V are (model fingerprint, dtype, shape). Default unsupported."""
+        raise errors.unsupported(f"KV transfer (ExportKv / ImportKv) is not supported by the {self.kind} executor")
+
+    def export_kv_layer(self, cache_id: str, start: int, end: int, layer: int) -> tuple[bytes, bytes]:
+        """K and V bytes of tokens [start, end) of one layer (``[n, kv_heads, head_dim]``, row-major)."""
+        raise errors.unsupported(f"ExportKv is not supported by the {self.kind} executor")
+
+    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str) -> Any:
+        """Admit and stage a new cache of ``tokens`` (RESOURCE_EXHAUSTED when it cannot fit); the
+        staged state is written by :meth:`import_write` and becomes a cache at :meth:`import_commit`
+        or is dropped by :meth:`import_abort`."""
+        raise errors.unsupported(f"ImportKv is not supported by the {self.kind} executor")
+
+    def import_write(self, staged: Any, layer: int, start: int, end: int, key: bytes, value: bytes) -> None:
+        raise errors.unsupported(f"ImportKv is not supported by the {self.kind} executor")
+
+    def import_commit(self, staged: Any) -> tuple[CacheEntry, int]:
+        """The staged import as a live cache: (its entry, full blocks it added to the prefix cache)."""
+        raise errors.unsupported(f"ImportKv is not supported by the {self.kind} executor")
+
+    def import_abort(self, staged: Any) -> None:
+        """Drop a staged import (idempotent): nothing of it is kept."""
 
     def cached_prefix(self, inp: PrefillInput) -> int:
         """Leading tokens of a new prompt the executor's prefix cache holds now (what a prefill of

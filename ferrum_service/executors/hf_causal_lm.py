@@ -77,9 +77,11 @@ context is capped at the window; models with linear-attention (recurrent) layers
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,6 +107,7 @@ from ..types import (
     PrefillInput,
     StepCost,
 )
+from .base import KvLayout
 from .item_steps import ItemStepExecutor, StepItem
 from .checkpoint_files import require_safe_weights
 from .packed_attention import base_implementation, build_step, install, packed_step
@@ -131,6 +134,22 @@ _MODEL_TYPES = {
     "gemma2": "gemma",
     "gemma3_text": "gemma",
 }
+
+
+@dataclass
+class _StagedImport:
+    """An import in flight: its tokens and the private blocks its chunks are written into."""
+
+    tokens: list[int]
+    reserve: int
+    salt: str
+    blocks: list[int] | None
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes as stored (row-major, native little-endian), copied to the host."""
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(torch.uint8).cpu().numpy().tobytes()
 
 
 @dataclass
@@ -225,6 +244,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
             id_prefix="hf",
         )
         self._pad_id = self._pick_pad_id()
+        self._kv_layout: KvLayout | None = None
         self._info = self._build_info()
         log.info(
             "kv pool ready",
@@ -487,6 +507,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
             kv_block_size=self.block_size,
             supports_prefix_caching=self.prefix.enabled,
             supports_fork=True,
+            supports_kv_transfer=True,
         )
 
     def status(self) -> ExecutorStatus:
@@ -684,6 +705,95 @@ class HfCausalLmExecutor(ItemStepExecutor):
         entry.payload = seq
         self.prefix.stats.forks += 1
         return entry, len(shared)
+
+    # ---- KV transfer (ExportKv / ImportKv) -------------------------------------------------------
+    def kv_layout(self) -> KvLayout:
+        """This model's K/V as the wire describes them; the fingerprint (SHA-256 over the executor
+        kind, the config — less its path, library version and dtype keys — and every weight's name,
+        shape, dtype and bytes, in name order) is computed once, on first use, on the worker thread."""
+        if self._kv_layout is None:
+            h = hashlib.sha256()
+            h.update(f"{self.kind}\n".encode())
+            # Where the files were and which library version wrote them do not change the K/V.
+            cfg = {k: v for k, v in self.config.to_dict().items()
+                   if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")}
+            h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+            with torch.inference_mode():
+                tensors = dict(self.model.named_parameters())
+                tensors.update(dict(self.model.named_buffers()))
+                for name in sorted(tensors):
+                    t = tensors[name].detach()
+                    h.update(f"\n{name}:{tuple(t.shape)}:{t.dtype}\n".encode())
+                    if t.numel():
+                        h.update(_raw_bytes(t))
+            self._kv_layout = KvLayout(
+                model_id=self.model_id, fingerprint=h.hexdigest(), dtype=dtype_name(self.pool.dtype),
+                num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                v_head_dim=self.v_head_dim, executor=self.kind, element_size=self.pool.element_size)
+        return self._kv_layout
+
+    def _slots_of(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
+        bs = self.block_size
+        pos = torch.arange(start, end, dtype=torch.long)
+        table = torch.tensor(blocks, dtype=torch.long)
+        return (table[pos // bs] * bs + pos % bs).to(self.device)
+
+    @torch.inference_mode()
+    def export_kv_layer(self, cache_id: str, start: int, end: int, layer: int) -> tuple[bytes, bytes]:
+        """K and V of tokens [start, end) of ``layer``, read from the pool (``[n, kv_heads, dim]``
+        row-major, the pool's dtype, little-endian), as bytes on the host."""
+        entry = self.registry.get(cache_id)
+        if not 0 <= start < end <= entry.num_tokens:
+            raise errors.out_of_range(f"token range [{start}, {end}) is outside the cache's {entry.num_tokens} tokens",
+                                      field="to_token")
+        slots = self._slots_of(entry.payload.blocks, start, end)
+        out = []
+        for pool, d in ((self.pool.k[layer], self.head_dim), (self.pool.v[layer], self.v_head_dim)):
+            out.append(_raw_bytes(pool.view(-1, self.num_kv_heads, d).index_select(0, slots)))
+        return out[0], out[1]
+
+    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str) -> "_StagedImport":
+        """Admit ``len(tokens)`` (or ``reserve_tokens``) of KV and take its blocks now (private,
+        zeroed, in no registry and no index): RESOURCE_EXHAUSTED before any byte is kept."""
+        if self.state == "shutdown":
+            raise errors.unavailable(f"model {self.model_id!r} is shut down")
+        total = max(len(tokens), int(reserve_tokens or 0))
+        self.registry.check_sequence_length(total, "reserve_tokens", self.max_sequence_length)
+        need = self.pool.blocks_for(total)
+        self._admit(need, "header", new_caches=1)
+        blocks = self.prefix.allocate(need)
+        return _StagedImport(list(tokens), int(reserve_tokens or 0), cache_salt, blocks)
+
+    @torch.inference_mode()
+    def import_write(self, staged: "_StagedImport", layer: int, start: int, end: int, key: bytes, value: bytes) -> None:
+        """Write one chunk (tokens [start, end) of ``layer``) into the staged blocks."""
+        if staged.blocks is None:
+            raise errors.FerrumError(errors.ErrorKind.INTERNAL, "the import was aborted")
+        slots = self._slots_of(staged.blocks, start, end)
+        n, h = end - start, self.num_kv_heads
+        for pool, d, data in ((self.pool.k[layer], self.head_dim, key), (self.pool.v[layer], self.v_head_dim, value)):
+            with warnings.catch_warnings():  # read-only bytes: the tensor is only read
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(data, dtype=torch.uint8).view(self.pool.dtype).view(n, h, d)
+            pool.view(-1, h, d).index_copy_(0, slots, src.to(self.device))
+
+    def import_commit(self, staged: "_StagedImport") -> tuple[CacheEntry, int]:
+        """Register the staged blocks as a new cache holding the imported tokens, then key its full
+        blocks into the prefix cache (block events, as for a computed prompt)."""
+        if staged.blocks is None:
+            raise errors.FerrumError(errors.ErrorKind.INTERNAL, "the import was aborted")
+        entry = self.registry.create(staged.tokens, reserve_tokens=staged.reserve, field="header")
+        before = self.prefix.cached_blocks
+        entry.payload = SeqBlocks(staged.blocks, [], self.prefix.root(staged.salt))
+        staged.blocks = None
+        self.prefix.commit(entry.payload, entry.tokens)
+        return entry, self.prefix.cached_blocks - before
+
+    def import_abort(self, staged: "_StagedImport") -> None:
+        """Give the staged blocks back (idempotent)."""
+        if staged.blocks:
+            self.prefix.release(staged.blocks)
+        staged.blocks = None
 
     def free_payload(self, entry: CacheEntry) -> int:
         """Let go of the cache's blocks (cached ones stay evictable); the bytes they held."""

@@ -32,6 +32,7 @@ import structlog
 import torch
 
 from .. import errors
+from .base import KvLayout
 from ..kv_registry import CacheEntry, CacheRegistry
 from ..types import (
     AdmissionLimits,
@@ -246,6 +247,7 @@ class LlamaCppExecutor(ItemStepExecutor):
             supports_native_forward_verify=True,
             supports_fork=True,
             supports_prefix_caching=self.prefix.enabled,
+            supports_kv_transfer=True,
             kv_block_size=1,
         )
 
@@ -386,6 +388,74 @@ class LlamaCppExecutor(ItemStepExecutor):
         self.prefix.stats.forks += 1
         entry.payload = seq
         return entry, keep
+
+    # ---- KV transfer: llama.cpp's per-sequence state (llama_state_seq_get_data / set_data) -------
+    STATE_FORMAT = "llama.cpp/seq-state"
+
+    def kv_layout(self) -> KvLayout:
+        """The sequence state is llama.cpp's own bytes (f16 K/V of every layer, positions); the
+        fingerprint is the SHA-256 of the executor kind and the GGUF file. Computed once."""
+        if getattr(self, "_kv_layout", None) is None:
+            import hashlib
+
+            h = hashlib.sha256(f"{self.kind}\n".encode())
+            with open(self.source, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    h.update(block)
+            self._kv_layout = KvLayout(
+                model_id=self.model_id, fingerprint=h.hexdigest(), dtype="fp16", num_layers=self.n_layer,
+                num_kv_heads=self.n_head_kv, head_dim=self.head_dim, v_head_dim=self.head_dim, executor=self.kind,
+                element_size=2, state_format=self.STATE_FORMAT)
+        return self._kv_layout
+
+    def export_kv_state(self, cache_id: str) -> bytes:
+        """The sequence's state (``llama_state_seq_get_data``), on the worker."""
+        entry = self.registry.get(cache_id)
+        L, seq = self._L, entry.payload
+        size = int(L.llama_state_seq_get_size(self._ctx, seq))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(L.llama_state_seq_get_data(self._ctx, buf, size, seq))
+        if n == 0:
+            raise errors.FerrumError(errors.ErrorKind.BACKEND, f"llama.cpp could not save cache {cache_id!r}")
+        return bytes(buf)[:n]
+
+    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str) -> dict:
+        """Admit the tokens (or the reservation) and a sequence id; the state is loaded at commit."""
+        if self.state == "shutdown":
+            raise errors.unavailable(f"model {self.model_id!r} is shut down")
+        total = max(len(tokens), int(reserve_tokens or 0))
+        self.registry.check_sequence_length(total, "reserve_tokens", self.max_sequence_length)
+        self.registry.admit(total, "header", new_caches=1)
+        if not self._free_seq:
+            raise errors.exhausted(f"header: all {self.n_seq} sequence ids are in use", field="header")
+        return {"tokens": list(tokens), "reserve": int(reserve_tokens or 0), "seq": self._free_seq.pop(),
+                "data": bytearray()}
+
+    def import_write_state(self, staged: dict, data: bytes) -> None:
+        if staged.get("seq") is None:
+            raise errors.FerrumError(errors.ErrorKind.INTERNAL, "the import was aborted")
+        staged["data"] += data
+
+    def import_commit(self, staged: dict) -> tuple[CacheEntry, int]:
+        """Load the state into the staged sequence id (``llama_state_seq_set_data``) and register
+        the cache; RESOURCE_EXHAUSTED (nothing kept) when llama.cpp finds no room for its cells."""
+        seq, data = staged.get("seq"), staged["data"]
+        if seq is None:
+            raise errors.FerrumError(errors.ErrorKind.INTERNAL, "the import was aborted")
+        buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
+        if int(self._L.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) == 0:
+            raise errors.exhausted("header: llama.cpp found no room for the sequence's KV cells", field="header")
+        entry = self.registry.create(staged["tokens"], reserve_tokens=staged["reserve"], field="header")
+        entry.payload = seq
+        staged["seq"] = None
+        return entry, 0
+
+    def import_abort(self, staged: dict) -> None:
+        seq = staged.get("seq")
+        staged["seq"] = None
+        if seq is not None:
+            self._L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            self._free_seq.append(seq)
 
     def free_payload(self, entry: CacheEntry) -> int:
         """Free the sequence's KV cells and recycle its sequence id."""

@@ -93,6 +93,42 @@ class AsyncClient(Connection):
             async for msg in messages:
                 yield msg
 
+    async def export_kv(self, model_id: str, cache_id: str, from_token: int = 0, to_token: int = 0,
+                        max_chunk_bytes: int = 0, timeout: float | None = None
+                        ) -> AsyncIterator[pb.ExportKvResponse]:
+        """Async iterator over ``ExportKvResponse``: a header, then checksummed K/V chunks."""
+        call = self.stub.ExportKv(rq.export_kv(model_id, cache_id, from_token, to_token, max_chunk_bytes),
+                                  timeout=timeout, metadata=self.metadata)
+        async with aclosing(_messages(call)) as messages:
+            async for msg in messages:
+                yield msg
+
+    async def import_kv(self, model_id: str, exported, *, reserve_tokens: int = 0, cache_salt: str = "",
+                        timeout: float | None = None) -> pb.ImportKvResponse:
+        """A new cache from ``ExportKvResponse`` messages (an iterable or async iterable, e.g.
+        another server's ``export_kv``): the client relays the bytes. Prefer :meth:`pull_kv`."""
+        async def messages():
+            if hasattr(exported, "__aiter__"):
+                async for msg in exported:
+                    yield msg
+            else:
+                for msg in exported:
+                    yield msg
+
+        async def stream():
+            first = True
+            async for msg in messages():
+                if first:
+                    yield pb.ImportKvRequest(model_id=model_id, reserve_tokens=reserve_tokens, cache_salt=cache_salt,
+                                             header=msg.header)
+                    first = False
+                else:
+                    yield pb.ImportKvRequest(chunk=msg.chunk)
+        try:
+            return await self.stub.ImportKv(stream(), timeout=timeout or self.timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            raise FerrumRpcError.from_rpc_error(e) from None
+
     async def generate(self, model_id: str, *, timeout: float | None = None,
                        **kw) -> AsyncIterator[pb.GenerateResponse]:
         """Async iterator over a generation's events (see

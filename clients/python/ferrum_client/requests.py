@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from grpc_health.v1 import health_pb2
 
@@ -142,6 +142,35 @@ def release_cache(model_id: str, cache_id: str) -> pb.ReleaseCacheRequest:
     return pb.ReleaseCacheRequest(model_id=model_id, cache_id=cache_id)
 
 
+def pull_kv(model_id: str, target: str, cache_id: str, *, source_model_id: str = "", from_token: int = 0,
+            to_token: int = 0, reserve_tokens: int = 0, cache_salt: str = "", tls: bool = False,
+            max_chunk_bytes: int = 0, request_id: str = "") -> Iterator[pb.ImportKvRequest]:
+    """The one-message ``ImportKv`` stream of a server pull: this server fetches ``cache_id`` from
+    the server at ``target`` itself (``ExportKv``, with this call's credentials)."""
+    return iter([pb.ImportKvRequest(
+        model_id=model_id, reserve_tokens=reserve_tokens, cache_salt=cache_salt, request_id=request_id,
+        source=pb.KvSource(target=target, cache_id=cache_id, model_id=source_model_id, from_token=from_token,
+                           to_token=to_token, tls=tls, max_chunk_bytes=max_chunk_bytes))])
+
+
+def export_kv(model_id: str, cache_id: str, from_token: int = 0, to_token: int = 0,
+              max_chunk_bytes: int = 0) -> pb.ExportKvRequest:
+    return pb.ExportKvRequest(model_id=model_id, cache_id=cache_id, from_token=from_token, to_token=to_token,
+                              max_chunk_bytes=max_chunk_bytes)
+
+
+def import_stream(model_id: str, exported, *, reserve_tokens: int = 0, cache_salt: str = ""):
+    """``ExportKvResponse`` messages (from ``export_kv``) as an ``ImportKv`` request stream."""
+    first = True
+    for msg in exported:
+        if first:
+            yield pb.ImportKvRequest(model_id=model_id, reserve_tokens=reserve_tokens, cache_salt=cache_salt,
+                                     header=msg.header)
+            first = False
+        else:
+            yield pb.ImportKvRequest(chunk=msg.chunk)
+
+
 def abort(model_id: str = "", *, request_id: str | None = None, cache_id: str | None = None) -> pb.AbortRequest:
     """``AbortRequest`` for a ``Generate`` stream's ``request_id`` or a ``cache_id``."""
     req = pb.AbortRequest(model_id=model_id)
@@ -235,6 +264,9 @@ UNARY: dict[str, Unary] = {
                    "and the last KV event's sequence number.", pb.LoadsResponse),
     "list_caches": Unary("ListCaches", _model_only(pb.ListCachesRequest), "A snapshot of the live caches, as of "
                          "a KV event sequence number.", pb.ListCachesResponse),
+    "pull_kv": Unary("ImportKv", pull_kv, "KV handoff by server pull: this server imports ``cache_id`` from the "
+                     "server at ``target`` (it calls ExportKv there with this call's credentials); the new cache "
+                     "is this caller's.", pb.ImportKvResponse),
     "abort": Unary("Abort", abort, "Abort a ``Generate`` stream by ``request_id`` or release a cache by "
                    "``cache_id`` (idempotent).", pb.AbortResponse),
 }

@@ -21,6 +21,13 @@ Decode, ForwardVerify, TruncateKv or ReleaseCache (they answer NOT_FOUND). So:
 On Kubernetes the replica set is the headless Service's A records (one per ready pod):
 :meth:`StickyRouter.from_dns` resolves them, :meth:`StickyRouter.refresh` re-resolves.
 
+**Disaggregated mode** (:class:`DisaggregatedRouter`): prompts are computed on prefill replicas
+(``--role prefill``), each cache is handed to a decode replica (``--role decode``) by server pull
+(``ImportKv`` with a ``source``: the decode replica fetches the K/V from the prefill replica itself,
+with this client's credentials; the client never relays the bytes), the prefill replica's cache is
+released, and every later step of the session goes to the decode replica. Long prompts then never
+stall the decode replicas' token streams.
+
     router = StickyRouter(["10.0.0.5:50051", "10.0.0.6:50051"])
     with router.new_session() as s:
         out = s.prefill("smollm2", [1, 2, 3]).output
@@ -39,11 +46,15 @@ from typing import Any, Callable, Iterable
 
 import grpc
 
+from . import messages as m
+from ._proto.ferrum.executor.v1 import executor_pb2 as pb
+from ._proto.ferrum.executor.v1 import types_pb2 as tpb
 from .client import Client
 from .errors import FerrumRpcError
 from .prefix_mirror import BlockEventFollower, PrefixMirror
 
-__all__ = ["StickyRouter", "RoutedSession", "Replica", "ReplicaLost", "NoReplicaAvailable", "resolve_dns"]
+__all__ = ["StickyRouter", "RoutedSession", "Replica", "ReplicaLost", "NoReplicaAvailable", "resolve_dns",
+           "DisaggregatedRouter", "DisaggregatedSession", "Handoff"]
 
 
 class ReplicaLost(FerrumRpcError):
@@ -353,3 +364,179 @@ class RoutedSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass
+class Handoff:
+    """A prompt computed on a prefill replica and its cache handed to a decode replica."""
+
+    cache: tpb.KvCacheHandle  # the cache on the decode replica
+    output: tpb.LogitsOutput  # the prompt's last-position output (computed on the prefill replica)
+    cached_tokens: int  # prompt tokens the prefill replica took from its prefix cache
+    prefill_target: str
+    decode_target: str
+    prefill_s: float  # the Prefill call
+    handoff_s: float  # the ImportKv (server pull) call
+    imported: pb.ImportKvResponse | None = None
+
+
+class DisaggregatedRouter:
+    """Prefill on a prefill replica, KV handoff by server pull, decode on a decode replica.
+
+    ``prefill_targets`` / ``decode_targets``: the two replica sets (a ``--role both`` replica may be
+    in both); each is a :class:`StickyRouter` (least sessions first, fail fast on a lost replica).
+    ``source_targets``: how decode replicas reach a prefill replica when that differs from this
+    client's address for it (``{client address: address seen from the decode replicas}``).
+    """
+
+    def __init__(self, prefill_targets: Iterable[str] = (), decode_targets: Iterable[str] = (), *,
+                 source_targets: dict[str, str] | None = None, step_timeout: float = 10.0,
+                 handoff_timeout: float = 60.0, client_factory: Callable[..., Client] = Client,
+                 **client_kw: Any) -> None:
+        self.prefill = StickyRouter(prefill_targets, step_timeout=step_timeout, client_factory=client_factory,
+                                    **client_kw)
+        self.decode = StickyRouter(decode_targets, step_timeout=step_timeout, client_factory=client_factory,
+                                   **client_kw)
+        self.source_targets = dict(source_targets or {})
+        self.handoff_timeout = handoff_timeout
+
+    @classmethod
+    def from_roles(cls, targets: Iterable[str], **kw: Any) -> "DisaggregatedRouter":
+        """Sort replicas by the role their ``Info`` advertises (``both`` / unspecified: in both sets)."""
+        factory = kw.get("client_factory", Client)
+        client_kw = {k: v for k, v in kw.items() if k not in ("source_targets", "step_timeout", "handoff_timeout",
+                                                               "client_factory")}
+        pre, dec = [], []
+        for t in targets:
+            with factory(t, **client_kw) as c:
+                role = c.info().role
+            if role in (pb.SERVER_ROLE_PREFILL, pb.SERVER_ROLE_BOTH, pb.SERVER_ROLE_UNSPECIFIED):
+                pre.append(t)
+            if role in (pb.SERVER_ROLE_DECODE, pb.SERVER_ROLE_BOTH, pb.SERVER_ROLE_UNSPECIFIED):
+                dec.append(t)
+        return cls(pre, dec, **kw)
+
+    def new_session(self, session_id: str | None = None) -> "DisaggregatedSession":
+        """A session whose cache will live on a decode replica (chosen now, least sessions first)."""
+        return DisaggregatedSession(self, self.decode.new_session(session_id))
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+    def __enter__(self) -> "DisaggregatedRouter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class DisaggregatedSession:
+    """One session of a :class:`DisaggregatedRouter`: :meth:`prefill` computes a prompt on a
+    prefill replica and hands its cache to this session's decode replica; every other
+    :class:`Client` step method (``decode``, ``forward_verify``, ``release_cache``, ...) goes to the
+    decode replica, as in a :class:`RoutedSession`."""
+
+    def __init__(self, router: DisaggregatedRouter, decode_session: RoutedSession) -> None:
+        self.router = router
+        self.decode_session = decode_session
+
+    @property
+    def target(self) -> str:
+        return self.decode_session.target
+
+    def prefill(self, model_id: str, token_ids: Iterable[int], *, reserve_tokens: int = 0,
+                policy: tpb.LogitsPolicy | None = None, cache_salt: str = "") -> Handoff:
+        """Prefill on a prefill replica, pull the cache into the decode replica, release it on the
+        prefill replica. The new cache (on the decode replica) is this session's."""
+        ids = list(token_ids)
+        with self.router.prefill.new_session() as ps:
+            t0 = time.perf_counter()
+            inp = pb.PrefillInput(token_ids=ids, logits=policy or m.greedy(), cache_salt=cache_salt)
+            out = _prefill(ps, model_id, inp)
+            prefill_target = ps.target
+            t1 = time.perf_counter()
+            try:
+                source = self.router.source_targets.get(ps.target, ps.target)
+                imported = self._pull(model_id, source, prefill_target, out.cache.cache_id,
+                                      reserve_tokens=max(reserve_tokens, len(ids)), cache_salt=cache_salt)
+            finally:
+                try:
+                    ps.call("release_cache", model_id, out.cache.cache_id)
+                except FerrumRpcError:
+                    pass  # the prefill replica is gone: its cache with it
+            t2 = time.perf_counter()
+        return Handoff(cache=imported.cache, output=out.output, cached_tokens=out.cached_tokens,
+                       prefill_target=prefill_target, decode_target=self.target, prefill_s=t1 - t0, handoff_s=t2 - t1,
+                       imported=imported)
+
+    def _pull(self, model_id: str, source: str, prefill_target: str, cache_id: str, **kw: Any) -> pb.ImportKvResponse:
+        """The decode replica pulls ``cache_id`` from ``source``. UNAVAILABLE naming the source (the
+        decode replica could not reach the prefill replica) marks the prefill replica down, not
+        this session's decode replica."""
+        sid = self.decode_session.session_id
+        r = self.decode_session.replica
+        if not r.up:
+            raise ReplicaLost(r.target, sid, r.last_error)
+        try:
+            return r.client.pull_kv(model_id, source, cache_id, timeout=self.router.handoff_timeout, **kw)
+        except FerrumRpcError as e:
+            if e.code not in _REPLICA_DOWN_CODES:
+                raise
+            if e.field == "source":
+                self.router.prefill.mark_down(prefill_target, f"unreachable from {r.target}: {e.message}")
+                raise ReplicaLost(prefill_target, sid, e.message) from e
+            self.router.decode.mark_down(r.target, f"ImportKv: {e.code.name}: {e.message}")
+            raise ReplicaLost(r.target, sid, e.message) from e
+
+    def generate(self, model_id: str, token_ids: Iterable[int], *, max_tokens: int = 16, temperature: float = 0.0,
+                 seed: int | None = None, **kw: Any):
+        """Token ids as they come: the first from the prefill replica (right after the prompt), the
+        rest from a ``Generate`` on the decode replica over the handed-off cache (released at the end)."""
+        ids = list(token_ids)
+        policy = m.sampled(m.sampling(temperature, seed=seed)) if temperature > 0 else m.greedy()
+        h = self.prefill(model_id, ids, reserve_tokens=len(ids) + max_tokens, policy=policy)
+        try:
+            first = h.output.token_id
+            yield first
+            if max_tokens > 1:
+                r = self.decode_session.replica
+                stream = r.client.generate(model_id, cache_id=h.cache.cache_id, last_token_id=first,
+                                           max_tokens=max_tokens - 1, temperature=temperature,
+                                           seed=None if seed is None else seed + 1, **kw)
+                for ev in stream:
+                    if ev.WhichOneof("event") == "token":
+                        yield ev.token.token_id
+        finally:
+            try:
+                self.decode_session.call("release_cache", model_id, h.cache.cache_id)
+            except FerrumRpcError:
+                pass
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return getattr(self.decode_session, method)
+
+    def close(self) -> None:
+        self.decode_session.close()
+
+    def __enter__(self) -> "DisaggregatedSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _prefill(session: RoutedSession, model_id: str, inp: pb.PrefillInput) -> pb.PrefillOutput:
+    """A Prefill of a full ``PrefillInput`` on a routed session's replica."""
+    r = session.replica
+    if not r.up:
+        raise ReplicaLost(r.target, session.session_id, r.last_error)
+    try:
+        return r.client._call("Prefill", pb.PrefillRequest(model_id=model_id, input=inp)).output
+    except FerrumRpcError as e:
+        if e.code in _REPLICA_DOWN_CODES:
+            session.router.mark_down(r.target, f"Prefill: {e.code.name}: {e.message}")
+            raise ReplicaLost(r.target, session.session_id, e.message) from e
+        raise

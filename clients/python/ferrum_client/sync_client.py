@@ -83,6 +83,23 @@ class Client(Connection):
         call = self.stub.Generate(m.generate_request(model_id, **kw), timeout=timeout, metadata=self.metadata)
         return GenerateStream(call)
 
+    def export_kv(self, model_id: str, cache_id: str, from_token: int = 0, to_token: int = 0,
+                  max_chunk_bytes: int = 0, timeout: float | None = None) -> GenerateStream:
+        """Stream of ``ExportKvResponse``: a header, then checksummed K/V chunks (iterate)."""
+        return GenerateStream(self.stub.ExportKv(rq.export_kv(model_id, cache_id, from_token, to_token, max_chunk_bytes),
+                                                 timeout=timeout, metadata=self.metadata))
+
+    def import_kv(self, model_id: str, exported, *, reserve_tokens: int = 0, cache_salt: str = "",
+                  timeout: float | None = None) -> pb.ImportKvResponse:
+        """A new cache from ``ExportKvResponse`` messages (e.g. another server's ``export_kv``):
+        the client relays the bytes. Prefer :meth:`pull_kv` (server to server)."""
+        try:
+            return self.stub.ImportKv(rq.import_stream(model_id, exported, reserve_tokens=reserve_tokens,
+                                                       cache_salt=cache_salt),
+                                      timeout=timeout or self.timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            raise FerrumRpcError.from_rpc_error(e) from None
+
     def session(self) -> Session:
         """Open a ``Session`` stream: steps in, results out in order."""
         return Session(self)

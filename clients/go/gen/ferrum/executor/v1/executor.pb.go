@@ -176,6 +176,66 @@ func (KvEventKind) EnumDescriptor() ([]byte, []int) {
 	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{1}
 }
 
+// What a server is deployed for, as `InfoResponse.role` advertises it (`--role`).
+type ServerRole int32
+
+const (
+	// Not said (a server from before roles): the same as BOTH.
+	ServerRole_SERVER_ROLE_UNSPECIFIED ServerRole = 0
+	// Computes prompts and decodes (the default).
+	ServerRole_SERVER_ROLE_BOTH ServerRole = 1
+	// Computes prompts and hands their caches to decode servers (`ExportKv`); refuses decode steps
+	// (`Decode`, `BatchDecode`, `ForwardVerify`, `Generate`) with FAILED_PRECONDITION.
+	ServerRole_SERVER_ROLE_PREFILL ServerRole = 2
+	// Decodes imported caches (`ImportKv`); refuses work that computes a new prompt (a prefill or
+	// `Generate` without a `cache_id`, a `UnifiedDecode` item without one) with FAILED_PRECONDITION.
+	// Continuing an existing cache (a chunk, a decode step, a verify pass) is served.
+	ServerRole_SERVER_ROLE_DECODE ServerRole = 3
+)
+
+// Enum value maps for ServerRole.
+var (
+	ServerRole_name = map[int32]string{
+		0: "SERVER_ROLE_UNSPECIFIED",
+		1: "SERVER_ROLE_BOTH",
+		2: "SERVER_ROLE_PREFILL",
+		3: "SERVER_ROLE_DECODE",
+	}
+	ServerRole_value = map[string]int32{
+		"SERVER_ROLE_UNSPECIFIED": 0,
+		"SERVER_ROLE_BOTH":        1,
+		"SERVER_ROLE_PREFILL":     2,
+		"SERVER_ROLE_DECODE":      3,
+	}
+)
+
+func (x ServerRole) Enum() *ServerRole {
+	p := new(ServerRole)
+	*p = x
+	return p
+}
+
+func (x ServerRole) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (ServerRole) Descriptor() protoreflect.EnumDescriptor {
+	return file_ferrum_executor_v1_executor_proto_enumTypes[2].Descriptor()
+}
+
+func (ServerRole) Type() protoreflect.EnumType {
+	return &file_ferrum_executor_v1_executor_proto_enumTypes[2]
+}
+
+func (x ServerRole) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use ServerRole.Descriptor instead.
+func (ServerRole) EnumDescriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{2}
+}
+
 type InfoRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Empty = every hosted model.
@@ -228,8 +288,10 @@ type InfoResponse struct {
 	ServerVersion string `protobuf:"bytes,2,opt,name=server_version,json=serverVersion,proto3" json:"server_version,omitempty"`
 	// The contract's package, "ferrum.executor.v1".
 	ContractVersion string `protobuf:"bytes,3,opt,name=contract_version,json=contractVersion,proto3" json:"contract_version,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// What this server is deployed for (`--role`): prefill, decode or both.
+	Role          ServerRole `protobuf:"varint,4,opt,name=role,proto3,enum=ferrum.executor.v1.ServerRole" json:"role,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *InfoResponse) Reset() {
@@ -281,6 +343,13 @@ func (x *InfoResponse) GetContractVersion() string {
 		return x.ContractVersion
 	}
 	return ""
+}
+
+func (x *InfoResponse) GetRole() ServerRole {
+	if x != nil {
+		return x.Role
+	}
+	return ServerRole_SERVER_ROLE_UNSPECIFIED
 }
 
 type CapabilitiesRequest struct {
@@ -5775,17 +5844,789 @@ func (x *AbortResponse) GetReleasedCache() bool {
 	return false
 }
 
+type ExportKvRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	ModelId string                 `protobuf:"bytes,1,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
+	// The cache to export (the caller's own, as for every step).
+	CacheId string `protobuf:"bytes,2,opt,name=cache_id,json=cacheId,proto3" json:"cache_id,omitempty"`
+	// First token of the range (default 0).
+	FromToken uint64 `protobuf:"varint,3,opt,name=from_token,json=fromToken,proto3" json:"from_token,omitempty"`
+	// One past the last token of the range; 0 = the cache's end. Must not exceed the cache's length.
+	ToToken uint64 `protobuf:"varint,4,opt,name=to_token,json=toToken,proto3" json:"to_token,omitempty"`
+	// Most K+V bytes per chunk (0 = the server's default, 1 MiB; capped by the message size limit).
+	// A chunk never spans layers; a layer is split by token ranges to stay under this size.
+	MaxChunkBytes uint32 `protobuf:"varint,5,opt,name=max_chunk_bytes,json=maxChunkBytes,proto3" json:"max_chunk_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ExportKvRequest) Reset() {
+	*x = ExportKvRequest{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[81]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ExportKvRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ExportKvRequest) ProtoMessage() {}
+
+func (x *ExportKvRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[81]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ExportKvRequest.ProtoReflect.Descriptor instead.
+func (*ExportKvRequest) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{81}
+}
+
+func (x *ExportKvRequest) GetModelId() string {
+	if x != nil {
+		return x.ModelId
+	}
+	return ""
+}
+
+func (x *ExportKvRequest) GetCacheId() string {
+	if x != nil {
+		return x.CacheId
+	}
+	return ""
+}
+
+func (x *ExportKvRequest) GetFromToken() uint64 {
+	if x != nil {
+		return x.FromToken
+	}
+	return 0
+}
+
+func (x *ExportKvRequest) GetToToken() uint64 {
+	if x != nil {
+		return x.ToToken
+	}
+	return 0
+}
+
+func (x *ExportKvRequest) GetMaxChunkBytes() uint32 {
+	if x != nil {
+		return x.MaxChunkBytes
+	}
+	return 0
+}
+
+// The first message of a transfer: what the K/V are and how they are laid out.
+type KvTransferHeader struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The model the K/V were computed by (its id on the exporting server).
+	ModelId string `protobuf:"bytes,1,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
+	// Hex SHA-256 over the model's config and weights (names, shapes, dtypes and bytes, in name
+	// order) and the executor kind. Both sides must agree: K/V of other weights are not the same
+	// tensors even when the shapes match.
+	Fingerprint string `protobuf:"bytes,2,opt,name=fingerprint,proto3" json:"fingerprint,omitempty"`
+	// Element type of every K and V byte string (the executor's KV dtype).
+	KvDtype    DataType `protobuf:"varint,3,opt,name=kv_dtype,json=kvDtype,proto3,enum=ferrum.executor.v1.DataType" json:"kv_dtype,omitempty"`
+	NumLayers  uint32   `protobuf:"varint,4,opt,name=num_layers,json=numLayers,proto3" json:"num_layers,omitempty"`
+	NumKvHeads uint32   `protobuf:"varint,5,opt,name=num_kv_heads,json=numKvHeads,proto3" json:"num_kv_heads,omitempty"`
+	// Head dimension of K.
+	HeadDim uint32 `protobuf:"varint,6,opt,name=head_dim,json=headDim,proto3" json:"head_dim,omitempty"`
+	// Head dimension of V (models whose V heads differ from K; equal to `head_dim` otherwise).
+	VHeadDim uint32 `protobuf:"varint,7,opt,name=v_head_dim,json=vHeadDim,proto3" json:"v_head_dim,omitempty"`
+	// The tokens of the range, in order.
+	TokenIds []int32 `protobuf:"varint,8,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
+	// Each token's position in its sequence (RoPE was applied at these positions): `from_token`,
+	// `from_token + 1`, ...
+	Positions []uint64 `protobuf:"varint,9,rep,packed,name=positions,proto3" json:"positions,omitempty"`
+	FromToken uint64   `protobuf:"varint,10,opt,name=from_token,json=fromToken,proto3" json:"from_token,omitempty"`
+	ToToken   uint64   `protobuf:"varint,11,opt,name=to_token,json=toToken,proto3" json:"to_token,omitempty"`
+	// Chunks that follow the header.
+	NumChunks uint32 `protobuf:"varint,12,opt,name=num_chunks,json=numChunks,proto3" json:"num_chunks,omitempty"`
+	// K+V bytes of all chunks together.
+	TotalBytes uint64 `protobuf:"varint,13,opt,name=total_bytes,json=totalBytes,proto3" json:"total_bytes,omitempty"`
+	// The exporting executor ("hf-causal-lm").
+	Executor string `protobuf:"bytes,14,opt,name=executor,proto3" json:"executor,omitempty"`
+	// How `KvChunk.checksum` is computed: "crc32" (zlib / IEEE 802.3 CRC-32 of `key` then `value`).
+	ChecksumAlgorithm string `protobuf:"bytes,15,opt,name=checksum_algorithm,json=checksumAlgorithm,proto3" json:"checksum_algorithm,omitempty"`
+	// Empty: the K/V tensors chunked by layer and token range, as `KvChunk` describes. Otherwise an
+	// executor's own serialisation of the whole range, opaque to the wire: "llama.cpp/seq-state"
+	// (llama.cpp's `llama_state_seq_get_data` of the sequence; only whole caches, from token 0).
+	// Its chunks carry consecutive slices of those bytes in `key` (`value` empty, `layer` 0, the
+	// header's token range), in order; `total_bytes` is their sum. Both sides must use the same format.
+	StateFormat   string `protobuf:"bytes,16,opt,name=state_format,json=stateFormat,proto3" json:"state_format,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KvTransferHeader) Reset() {
+	*x = KvTransferHeader{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[82]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KvTransferHeader) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KvTransferHeader) ProtoMessage() {}
+
+func (x *KvTransferHeader) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[82]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KvTransferHeader.ProtoReflect.Descriptor instead.
+func (*KvTransferHeader) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{82}
+}
+
+func (x *KvTransferHeader) GetModelId() string {
+	if x != nil {
+		return x.ModelId
+	}
+	return ""
+}
+
+func (x *KvTransferHeader) GetFingerprint() string {
+	if x != nil {
+		return x.Fingerprint
+	}
+	return ""
+}
+
+func (x *KvTransferHeader) GetKvDtype() DataType {
+	if x != nil {
+		return x.KvDtype
+	}
+	return DataType_DATA_TYPE_UNSPECIFIED
+}
+
+func (x *KvTransferHeader) GetNumLayers() uint32 {
+	if x != nil {
+		return x.NumLayers
+	}
+	return 0
+}
+
+func (x *KvTransferHeader) GetNumKvHeads() uint32 {
+	if x != nil {
+		return x.NumKvHeads
+	}
+	return 0
+}
+
+func (x *KvTransferHeader) GetHeadDim() uint32 {
+	if x != nil {
+		return x.HeadDim
+	}
+	return 0
+}
+
+func (x *KvTransferHeader) GetVHeadDim() uint32 {
+	if x != nil {
+		return x.VHeadDim
+	}
+	return 0
+}
+
+func (x *KvTransferHeader) GetTokenIds() []int32 {
+	if x != nil {
+		return x.TokenIds
+	}
+	return nil
+}
+
+func (x *KvTransferHeader) GetPositions() []uint64 {
+	if x != nil {
+		return x.Positions
+	}
+	return nil
+}
+
+func (x *KvTransferHeader) GetFromToken() uint64 {
+	if x != nil {
+		return x.FromToken
+	}
+	return 0
+}
+
+func (x *KvTransferHeader) GetToToken() uint64 {
+	if x != nil {
+		return x.ToToken
+	}
+	return 0
+}
+
+func (x *KvTransferHeader) GetNumChunks() uint32 {
+	if x != nil {
+		return x.NumChunks
+	}
+	return 0
+}
+
+func (x *KvTransferHeader) GetTotalBytes() uint64 {
+	if x != nil {
+		return x.TotalBytes
+	}
+	return 0
+}
+
+func (x *KvTransferHeader) GetExecutor() string {
+	if x != nil {
+		return x.Executor
+	}
+	return ""
+}
+
+func (x *KvTransferHeader) GetChecksumAlgorithm() string {
+	if x != nil {
+		return x.ChecksumAlgorithm
+	}
+	return ""
+}
+
+func (x *KvTransferHeader) GetStateFormat() string {
+	if x != nil {
+		return x.StateFormat
+	}
+	return ""
+}
+
+// K and V of one layer for one token range.
+type KvChunk struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Position of this chunk in the stream (0, 1, ...).
+	Index uint32 `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	// Layer, 0-based.
+	Layer uint32 `protobuf:"varint,2,opt,name=layer,proto3" json:"layer,omitempty"`
+	// Token range [token_start, token_end), as sequence positions (inside the header's range).
+	TokenStart uint64 `protobuf:"varint,3,opt,name=token_start,json=tokenStart,proto3" json:"token_start,omitempty"`
+	TokenEnd   uint64 `protobuf:"varint,4,opt,name=token_end,json=tokenEnd,proto3" json:"token_end,omitempty"`
+	// K: `[token_end - token_start, num_kv_heads, head_dim]`, row-major, little-endian `kv_dtype`.
+	Key []byte `protobuf:"bytes,5,opt,name=key,proto3" json:"key,omitempty"`
+	// V: `[token_end - token_start, num_kv_heads, v_head_dim]`, same encoding.
+	Value []byte `protobuf:"bytes,6,opt,name=value,proto3" json:"value,omitempty"`
+	// CRC-32 of `key` followed by `value` (see `KvTransferHeader.checksum_algorithm`).
+	Checksum      uint32 `protobuf:"varint,7,opt,name=checksum,proto3" json:"checksum,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KvChunk) Reset() {
+	*x = KvChunk{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[83]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KvChunk) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KvChunk) ProtoMessage() {}
+
+func (x *KvChunk) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[83]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KvChunk.ProtoReflect.Descriptor instead.
+func (*KvChunk) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{83}
+}
+
+func (x *KvChunk) GetIndex() uint32 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *KvChunk) GetLayer() uint32 {
+	if x != nil {
+		return x.Layer
+	}
+	return 0
+}
+
+func (x *KvChunk) GetTokenStart() uint64 {
+	if x != nil {
+		return x.TokenStart
+	}
+	return 0
+}
+
+func (x *KvChunk) GetTokenEnd() uint64 {
+	if x != nil {
+		return x.TokenEnd
+	}
+	return 0
+}
+
+func (x *KvChunk) GetKey() []byte {
+	if x != nil {
+		return x.Key
+	}
+	return nil
+}
+
+func (x *KvChunk) GetValue() []byte {
+	if x != nil {
+		return x.Value
+	}
+	return nil
+}
+
+func (x *KvChunk) GetChecksum() uint32 {
+	if x != nil {
+		return x.Checksum
+	}
+	return 0
+}
+
+type ExportKvResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Message:
+	//
+	//	*ExportKvResponse_Header
+	//	*ExportKvResponse_Chunk
+	Message       isExportKvResponse_Message `protobuf_oneof:"message"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ExportKvResponse) Reset() {
+	*x = ExportKvResponse{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[84]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ExportKvResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ExportKvResponse) ProtoMessage() {}
+
+func (x *ExportKvResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[84]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ExportKvResponse.ProtoReflect.Descriptor instead.
+func (*ExportKvResponse) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{84}
+}
+
+func (x *ExportKvResponse) GetMessage() isExportKvResponse_Message {
+	if x != nil {
+		return x.Message
+	}
+	return nil
+}
+
+func (x *ExportKvResponse) GetHeader() *KvTransferHeader {
+	if x != nil {
+		if x, ok := x.Message.(*ExportKvResponse_Header); ok {
+			return x.Header
+		}
+	}
+	return nil
+}
+
+func (x *ExportKvResponse) GetChunk() *KvChunk {
+	if x != nil {
+		if x, ok := x.Message.(*ExportKvResponse_Chunk); ok {
+			return x.Chunk
+		}
+	}
+	return nil
+}
+
+type isExportKvResponse_Message interface {
+	isExportKvResponse_Message()
+}
+
+type ExportKvResponse_Header struct {
+	// First message.
+	Header *KvTransferHeader `protobuf:"bytes,1,opt,name=header,proto3,oneof"`
+}
+
+type ExportKvResponse_Chunk struct {
+	// Every later message.
+	Chunk *KvChunk `protobuf:"bytes,2,opt,name=chunk,proto3,oneof"`
+}
+
+func (*ExportKvResponse_Header) isExportKvResponse_Message() {}
+
+func (*ExportKvResponse_Chunk) isExportKvResponse_Message() {}
+
+// Where a server pulls K/V from (`ImportKvRequest.source`): it calls `ExportKv` on `target` itself,
+// with the caller's `authorization` metadata, so a scheduler never relays the bytes.
+type KvSource struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The exporting server, HOST:PORT as this server can reach it.
+	Target string `protobuf:"bytes,1,opt,name=target,proto3" json:"target,omitempty"`
+	// The cache on that server.
+	CacheId string `protobuf:"bytes,2,opt,name=cache_id,json=cacheId,proto3" json:"cache_id,omitempty"`
+	// Its model id there (empty = the same as `ImportKvRequest.model_id`).
+	ModelId string `protobuf:"bytes,3,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
+	// The token range, as in `ExportKvRequest` (from_token must be 0: a new cache starts at 0).
+	FromToken uint64 `protobuf:"varint,4,opt,name=from_token,json=fromToken,proto3" json:"from_token,omitempty"`
+	ToToken   uint64 `protobuf:"varint,5,opt,name=to_token,json=toToken,proto3" json:"to_token,omitempty"`
+	// Connect with TLS (the system's root certificates); plaintext otherwise.
+	Tls bool `protobuf:"varint,6,opt,name=tls,proto3" json:"tls,omitempty"`
+	// Passed on as `ExportKvRequest.max_chunk_bytes`.
+	MaxChunkBytes uint32 `protobuf:"varint,7,opt,name=max_chunk_bytes,json=maxChunkBytes,proto3" json:"max_chunk_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KvSource) Reset() {
+	*x = KvSource{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[85]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KvSource) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KvSource) ProtoMessage() {}
+
+func (x *KvSource) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[85]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KvSource.ProtoReflect.Descriptor instead.
+func (*KvSource) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{85}
+}
+
+func (x *KvSource) GetTarget() string {
+	if x != nil {
+		return x.Target
+	}
+	return ""
+}
+
+func (x *KvSource) GetCacheId() string {
+	if x != nil {
+		return x.CacheId
+	}
+	return ""
+}
+
+func (x *KvSource) GetModelId() string {
+	if x != nil {
+		return x.ModelId
+	}
+	return ""
+}
+
+func (x *KvSource) GetFromToken() uint64 {
+	if x != nil {
+		return x.FromToken
+	}
+	return 0
+}
+
+func (x *KvSource) GetToToken() uint64 {
+	if x != nil {
+		return x.ToToken
+	}
+	return 0
+}
+
+func (x *KvSource) GetTls() bool {
+	if x != nil {
+		return x.Tls
+	}
+	return false
+}
+
+func (x *KvSource) GetMaxChunkBytes() uint32 {
+	if x != nil {
+		return x.MaxChunkBytes
+	}
+	return 0
+}
+
+// One message of an import stream. The first carries `model_id`, the settings and either the
+// `header` (the caller streams the K/V: then the chunks follow, one per message) or the `source`
+// (this server pulls: nothing else follows).
+type ImportKvRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The model to import into (first message).
+	ModelId string `protobuf:"bytes,1,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
+	// Total tokens the new cache may grow to (prompt + tokens to decode), admitted and reserved up
+	// front as a prefill's `reserve_tokens` (first message). 0 = only the imported tokens.
+	ReserveTokens uint64 `protobuf:"varint,2,opt,name=reserve_tokens,json=reserveTokens,proto3" json:"reserve_tokens,omitempty"`
+	// Prefix-cache salt for the keys of the imported blocks, as a prefill's `cache_salt` (first message).
+	CacheSalt string `protobuf:"bytes,3,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
+	// Pull from another server instead of streaming the K/V (first message).
+	Source *KvSource `protobuf:"bytes,4,opt,name=source,proto3" json:"source,omitempty"`
+	// The caller's id for the request, echoed in logs and KV events (first message).
+	RequestId string `protobuf:"bytes,5,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	// Types that are valid to be assigned to Data:
+	//
+	//	*ImportKvRequest_Header
+	//	*ImportKvRequest_Chunk
+	Data          isImportKvRequest_Data `protobuf_oneof:"data"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ImportKvRequest) Reset() {
+	*x = ImportKvRequest{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[86]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ImportKvRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ImportKvRequest) ProtoMessage() {}
+
+func (x *ImportKvRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[86]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ImportKvRequest.ProtoReflect.Descriptor instead.
+func (*ImportKvRequest) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{86}
+}
+
+func (x *ImportKvRequest) GetModelId() string {
+	if x != nil {
+		return x.ModelId
+	}
+	return ""
+}
+
+func (x *ImportKvRequest) GetReserveTokens() uint64 {
+	if x != nil {
+		return x.ReserveTokens
+	}
+	return 0
+}
+
+func (x *ImportKvRequest) GetCacheSalt() string {
+	if x != nil {
+		return x.CacheSalt
+	}
+	return ""
+}
+
+func (x *ImportKvRequest) GetSource() *KvSource {
+	if x != nil {
+		return x.Source
+	}
+	return nil
+}
+
+func (x *ImportKvRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+func (x *ImportKvRequest) GetData() isImportKvRequest_Data {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *ImportKvRequest) GetHeader() *KvTransferHeader {
+	if x != nil {
+		if x, ok := x.Data.(*ImportKvRequest_Header); ok {
+			return x.Header
+		}
+	}
+	return nil
+}
+
+func (x *ImportKvRequest) GetChunk() *KvChunk {
+	if x != nil {
+		if x, ok := x.Data.(*ImportKvRequest_Chunk); ok {
+			return x.Chunk
+		}
+	}
+	return nil
+}
+
+type isImportKvRequest_Data interface {
+	isImportKvRequest_Data()
+}
+
+type ImportKvRequest_Header struct {
+	// First message, unless `source` is set.
+	Header *KvTransferHeader `protobuf:"bytes,6,opt,name=header,proto3,oneof"`
+}
+
+type ImportKvRequest_Chunk struct {
+	// Every later message.
+	Chunk *KvChunk `protobuf:"bytes,7,opt,name=chunk,proto3,oneof"`
+}
+
+func (*ImportKvRequest_Header) isImportKvRequest_Data() {}
+
+func (*ImportKvRequest_Chunk) isImportKvRequest_Data() {}
+
+type ImportKvResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The new cache: it holds the transferred tokens and belongs to the caller (like a prefill's).
+	Cache *KvCacheHandle `protobuf:"bytes,1,opt,name=cache,proto3" json:"cache,omitempty"`
+	// Tokens imported.
+	ImportedTokens uint64 `protobuf:"varint,2,opt,name=imported_tokens,json=importedTokens,proto3" json:"imported_tokens,omitempty"`
+	// K+V bytes received.
+	Bytes uint64 `protobuf:"varint,3,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	// Chunks received.
+	Chunks uint32 `protobuf:"varint,4,opt,name=chunks,proto3" json:"chunks,omitempty"`
+	// Full blocks the import put in the prefix cache (0 when prefix caching is off or they were there).
+	CachedBlocks uint32 `protobuf:"varint,5,opt,name=cached_blocks,json=cachedBlocks,proto3" json:"cached_blocks,omitempty"`
+	// Wall time from the first message to the cache's creation, nanoseconds (a pull included).
+	TransferNs    uint64 `protobuf:"varint,6,opt,name=transfer_ns,json=transferNs,proto3" json:"transfer_ns,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ImportKvResponse) Reset() {
+	*x = ImportKvResponse{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[87]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ImportKvResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ImportKvResponse) ProtoMessage() {}
+
+func (x *ImportKvResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[87]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ImportKvResponse.ProtoReflect.Descriptor instead.
+func (*ImportKvResponse) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{87}
+}
+
+func (x *ImportKvResponse) GetCache() *KvCacheHandle {
+	if x != nil {
+		return x.Cache
+	}
+	return nil
+}
+
+func (x *ImportKvResponse) GetImportedTokens() uint64 {
+	if x != nil {
+		return x.ImportedTokens
+	}
+	return 0
+}
+
+func (x *ImportKvResponse) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *ImportKvResponse) GetChunks() uint32 {
+	if x != nil {
+		return x.Chunks
+	}
+	return 0
+}
+
+func (x *ImportKvResponse) GetCachedBlocks() uint32 {
+	if x != nil {
+		return x.CachedBlocks
+	}
+	return 0
+}
+
+func (x *ImportKvResponse) GetTransferNs() uint64 {
+	if x != nil {
+		return x.TransferNs
+	}
+	return 0
+}
+
 var File_ferrum_executor_v1_executor_proto protoreflect.FileDescriptor
 
 const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\n" +
 	"!ferrum/executor/v1/executor.proto\x12\x12ferrum.executor.v1\x1a\x1eferrum/executor/v1/types.proto\x1a\x1cgoogle/protobuf/struct.proto\"(\n" +
 	"\vInfoRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"\x97\x01\n" +
+	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"\xcb\x01\n" +
 	"\fInfoResponse\x125\n" +
 	"\x06models\x18\x01 \x03(\v2\x1d.ferrum.executor.v1.ModelInfoR\x06models\x12%\n" +
 	"\x0eserver_version\x18\x02 \x01(\tR\rserverVersion\x12)\n" +
-	"\x10contract_version\x18\x03 \x01(\tR\x0fcontractVersion\"0\n" +
+	"\x10contract_version\x18\x03 \x01(\tR\x0fcontractVersion\x122\n" +
+	"\x04role\x18\x04 \x01(\x0e2\x1e.ferrum.executor.v1.ServerRoleR\x04role\"0\n" +
 	"\x13CapabilitiesRequest\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"\x7f\n" +
 	"\x14CapabilitiesResponse\x12\x19\n" +
@@ -6174,7 +7015,79 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x06target\"_\n" +
 	"\rAbortResponse\x12'\n" +
 	"\x0faborted_streams\x18\x01 \x01(\rR\x0eabortedStreams\x12%\n" +
-	"\x0ereleased_cache\x18\x02 \x01(\bR\rreleasedCache*\xce\x01\n" +
+	"\x0ereleased_cache\x18\x02 \x01(\bR\rreleasedCache\"\xa9\x01\n" +
+	"\x0fExportKvRequest\x12\x19\n" +
+	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x19\n" +
+	"\bcache_id\x18\x02 \x01(\tR\acacheId\x12\x1d\n" +
+	"\n" +
+	"from_token\x18\x03 \x01(\x04R\tfromToken\x12\x19\n" +
+	"\bto_token\x18\x04 \x01(\x04R\atoToken\x12&\n" +
+	"\x0fmax_chunk_bytes\x18\x05 \x01(\rR\rmaxChunkBytes\"\xa5\x04\n" +
+	"\x10KvTransferHeader\x12\x19\n" +
+	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12 \n" +
+	"\vfingerprint\x18\x02 \x01(\tR\vfingerprint\x127\n" +
+	"\bkv_dtype\x18\x03 \x01(\x0e2\x1c.ferrum.executor.v1.DataTypeR\akvDtype\x12\x1d\n" +
+	"\n" +
+	"num_layers\x18\x04 \x01(\rR\tnumLayers\x12 \n" +
+	"\fnum_kv_heads\x18\x05 \x01(\rR\n" +
+	"numKvHeads\x12\x19\n" +
+	"\bhead_dim\x18\x06 \x01(\rR\aheadDim\x12\x1c\n" +
+	"\n" +
+	"v_head_dim\x18\a \x01(\rR\bvHeadDim\x12\x1b\n" +
+	"\ttoken_ids\x18\b \x03(\x05R\btokenIds\x12\x1c\n" +
+	"\tpositions\x18\t \x03(\x04R\tpositions\x12\x1d\n" +
+	"\n" +
+	"from_token\x18\n" +
+	" \x01(\x04R\tfromToken\x12\x19\n" +
+	"\bto_token\x18\v \x01(\x04R\atoToken\x12\x1d\n" +
+	"\n" +
+	"num_chunks\x18\f \x01(\rR\tnumChunks\x12\x1f\n" +
+	"\vtotal_bytes\x18\r \x01(\x04R\n" +
+	"totalBytes\x12\x1a\n" +
+	"\bexecutor\x18\x0e \x01(\tR\bexecutor\x12-\n" +
+	"\x12checksum_algorithm\x18\x0f \x01(\tR\x11checksumAlgorithm\x12!\n" +
+	"\fstate_format\x18\x10 \x01(\tR\vstateFormat\"\xb7\x01\n" +
+	"\aKvChunk\x12\x14\n" +
+	"\x05index\x18\x01 \x01(\rR\x05index\x12\x14\n" +
+	"\x05layer\x18\x02 \x01(\rR\x05layer\x12\x1f\n" +
+	"\vtoken_start\x18\x03 \x01(\x04R\n" +
+	"tokenStart\x12\x1b\n" +
+	"\ttoken_end\x18\x04 \x01(\x04R\btokenEnd\x12\x10\n" +
+	"\x03key\x18\x05 \x01(\fR\x03key\x12\x14\n" +
+	"\x05value\x18\x06 \x01(\fR\x05value\x12\x1a\n" +
+	"\bchecksum\x18\a \x01(\rR\bchecksum\"\x92\x01\n" +
+	"\x10ExportKvResponse\x12>\n" +
+	"\x06header\x18\x01 \x01(\v2$.ferrum.executor.v1.KvTransferHeaderH\x00R\x06header\x123\n" +
+	"\x05chunk\x18\x02 \x01(\v2\x1b.ferrum.executor.v1.KvChunkH\x00R\x05chunkB\t\n" +
+	"\amessage\"\xcc\x01\n" +
+	"\bKvSource\x12\x16\n" +
+	"\x06target\x18\x01 \x01(\tR\x06target\x12\x19\n" +
+	"\bcache_id\x18\x02 \x01(\tR\acacheId\x12\x19\n" +
+	"\bmodel_id\x18\x03 \x01(\tR\amodelId\x12\x1d\n" +
+	"\n" +
+	"from_token\x18\x04 \x01(\x04R\tfromToken\x12\x19\n" +
+	"\bto_token\x18\x05 \x01(\x04R\atoToken\x12\x10\n" +
+	"\x03tls\x18\x06 \x01(\bR\x03tls\x12&\n" +
+	"\x0fmax_chunk_bytes\x18\a \x01(\rR\rmaxChunkBytes\"\xc4\x02\n" +
+	"\x0fImportKvRequest\x12\x19\n" +
+	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12%\n" +
+	"\x0ereserve_tokens\x18\x02 \x01(\x04R\rreserveTokens\x12\x1d\n" +
+	"\n" +
+	"cache_salt\x18\x03 \x01(\tR\tcacheSalt\x124\n" +
+	"\x06source\x18\x04 \x01(\v2\x1c.ferrum.executor.v1.KvSourceR\x06source\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x05 \x01(\tR\trequestId\x12>\n" +
+	"\x06header\x18\x06 \x01(\v2$.ferrum.executor.v1.KvTransferHeaderH\x00R\x06header\x123\n" +
+	"\x05chunk\x18\a \x01(\v2\x1b.ferrum.executor.v1.KvChunkH\x00R\x05chunkB\x06\n" +
+	"\x04data\"\xe8\x01\n" +
+	"\x10ImportKvResponse\x127\n" +
+	"\x05cache\x18\x01 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x12'\n" +
+	"\x0fimported_tokens\x18\x02 \x01(\x04R\x0eimportedTokens\x12\x14\n" +
+	"\x05bytes\x18\x03 \x01(\x04R\x05bytes\x12\x16\n" +
+	"\x06chunks\x18\x04 \x01(\rR\x06chunks\x12#\n" +
+	"\rcached_blocks\x18\x05 \x01(\rR\fcachedBlocks\x12\x1f\n" +
+	"\vtransfer_ns\x18\x06 \x01(\x04R\n" +
+	"transferNs*\xce\x01\n" +
 	"\fFinishReason\x12\x1d\n" +
 	"\x19FINISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14FINISH_REASON_LENGTH\x10\x01\x12\x16\n" +
@@ -6191,7 +7104,13 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x16KV_EVENT_KIND_RELEASED\x10\x04\x12\x1b\n" +
 	"\x17KV_EVENT_KIND_RECLAIMED\x10\x05\x12\x19\n" +
 	"\x15KV_EVENT_KIND_EVICTED\x10\x06\x12\x18\n" +
-	"\x14KV_EVENT_KIND_FORKED\x10\a2\xfa\x15\n" +
+	"\x14KV_EVENT_KIND_FORKED\x10\a*p\n" +
+	"\n" +
+	"ServerRole\x12\x1b\n" +
+	"\x17SERVER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n" +
+	"\x10SERVER_ROLE_BOTH\x10\x01\x12\x17\n" +
+	"\x13SERVER_ROLE_PREFILL\x10\x02\x12\x16\n" +
+	"\x12SERVER_ROLE_DECODE\x10\x032\xac\x17\n" +
 	"\rModelExecutor\x12I\n" +
 	"\x04Info\x12\x1f.ferrum.executor.v1.InfoRequest\x1a .ferrum.executor.v1.InfoResponse\x12a\n" +
 	"\fCapabilities\x12'.ferrum.executor.v1.CapabilitiesRequest\x1a(.ferrum.executor.v1.CapabilitiesResponse\x12O\n" +
@@ -6226,7 +7145,9 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\n" +
 	"ListCaches\x12%.ferrum.executor.v1.ListCachesRequest\x1a&.ferrum.executor.v1.ListCachesResponse\x12r\n" +
 	"\x11SubscribeKvEvents\x12,.ferrum.executor.v1.SubscribeKvEventsRequest\x1a-.ferrum.executor.v1.SubscribeKvEventsResponse0\x01\x12L\n" +
-	"\x05Abort\x12 .ferrum.executor.v1.AbortRequest\x1a!.ferrum.executor.v1.AbortResponseB\xe8\x01\n" +
+	"\x05Abort\x12 .ferrum.executor.v1.AbortRequest\x1a!.ferrum.executor.v1.AbortResponse\x12W\n" +
+	"\bExportKv\x12#.ferrum.executor.v1.ExportKvRequest\x1a$.ferrum.executor.v1.ExportKvResponse0\x01\x12W\n" +
+	"\bImportKv\x12#.ferrum.executor.v1.ImportKvRequest\x1a$.ferrum.executor.v1.ImportKvResponse(\x01B\xe8\x01\n" +
 	"\x16com.ferrum.executor.v1B\rExecutorProtoP\x01ZUgithub.com/ferrum-service/ferrum-service/clients/go/gen/ferrum/executor/v1;executorv1\xa2\x02\x03FEX\xaa\x02\x12Ferrum.Executor.V1\xca\x02\x12Ferrum\\Executor\\V1\xe2\x02\x1eFerrum\\Executor\\V1\\GPBMetadata\xea\x02\x14Ferrum::Executor::V1b\x06proto3"
 
 var (
@@ -6241,271 +7162,291 @@ func file_ferrum_executor_v1_executor_proto_rawDescGZIP() []byte {
 	return file_ferrum_executor_v1_executor_proto_rawDescData
 }
 
-var file_ferrum_executor_v1_executor_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_ferrum_executor_v1_executor_proto_msgTypes = make([]protoimpl.MessageInfo, 81)
+var file_ferrum_executor_v1_executor_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_ferrum_executor_v1_executor_proto_msgTypes = make([]protoimpl.MessageInfo, 88)
 var file_ferrum_executor_v1_executor_proto_goTypes = []any{
 	(FinishReason)(0),                 // 0: ferrum.executor.v1.FinishReason
 	(KvEventKind)(0),                  // 1: ferrum.executor.v1.KvEventKind
-	(*InfoRequest)(nil),               // 2: ferrum.executor.v1.InfoRequest
-	(*InfoResponse)(nil),              // 3: ferrum.executor.v1.InfoResponse
-	(*CapabilitiesRequest)(nil),       // 4: ferrum.executor.v1.CapabilitiesRequest
-	(*CapabilitiesResponse)(nil),      // 5: ferrum.executor.v1.CapabilitiesResponse
-	(*StatusRequest)(nil),             // 6: ferrum.executor.v1.StatusRequest
-	(*StatusResponse)(nil),            // 7: ferrum.executor.v1.StatusResponse
-	(*KvCapacityRequest)(nil),         // 8: ferrum.executor.v1.KvCapacityRequest
-	(*KvCapacityResponse)(nil),        // 9: ferrum.executor.v1.KvCapacityResponse
-	(*AdmissionLimitsRequest)(nil),    // 10: ferrum.executor.v1.AdmissionLimitsRequest
-	(*AdmissionLimitsResponse)(nil),   // 11: ferrum.executor.v1.AdmissionLimitsResponse
-	(*PrefillInput)(nil),              // 12: ferrum.executor.v1.PrefillInput
-	(*PrefillOutput)(nil),             // 13: ferrum.executor.v1.PrefillOutput
-	(*PrefillRequest)(nil),            // 14: ferrum.executor.v1.PrefillRequest
-	(*PrefillResponse)(nil),           // 15: ferrum.executor.v1.PrefillResponse
-	(*BatchPrefillRequest)(nil),       // 16: ferrum.executor.v1.BatchPrefillRequest
-	(*BatchPrefillResponse)(nil),      // 17: ferrum.executor.v1.BatchPrefillResponse
-	(*DecodeInput)(nil),               // 18: ferrum.executor.v1.DecodeInput
-	(*DecodeOutput)(nil),              // 19: ferrum.executor.v1.DecodeOutput
-	(*DecodeRequest)(nil),             // 20: ferrum.executor.v1.DecodeRequest
-	(*DecodeResponse)(nil),            // 21: ferrum.executor.v1.DecodeResponse
-	(*BatchDecodeRequest)(nil),        // 22: ferrum.executor.v1.BatchDecodeRequest
-	(*BatchDecodeResponse)(nil),       // 23: ferrum.executor.v1.BatchDecodeResponse
-	(*UnifiedBatchItem)(nil),          // 24: ferrum.executor.v1.UnifiedBatchItem
-	(*UnifiedDecodeRequest)(nil),      // 25: ferrum.executor.v1.UnifiedDecodeRequest
-	(*UnifiedItemResult)(nil),         // 26: ferrum.executor.v1.UnifiedItemResult
-	(*UnifiedDecodeResponse)(nil),     // 27: ferrum.executor.v1.UnifiedDecodeResponse
-	(*ForwardRequest)(nil),            // 28: ferrum.executor.v1.ForwardRequest
-	(*ForwardResponse)(nil),           // 29: ferrum.executor.v1.ForwardResponse
-	(*ForwardVerifyRequest)(nil),      // 30: ferrum.executor.v1.ForwardVerifyRequest
-	(*ForwardVerifyResponse)(nil),     // 31: ferrum.executor.v1.ForwardVerifyResponse
-	(*TruncateKvRequest)(nil),         // 32: ferrum.executor.v1.TruncateKvRequest
-	(*TruncateKvResponse)(nil),        // 33: ferrum.executor.v1.TruncateKvResponse
-	(*ReleaseCacheRequest)(nil),       // 34: ferrum.executor.v1.ReleaseCacheRequest
-	(*ReleaseCacheResponse)(nil),      // 35: ferrum.executor.v1.ReleaseCacheResponse
-	(*ForkCacheRequest)(nil),          // 36: ferrum.executor.v1.ForkCacheRequest
-	(*ForkCacheResponse)(nil),         // 37: ferrum.executor.v1.ForkCacheResponse
-	(*ReserveKvSlotsRequest)(nil),     // 38: ferrum.executor.v1.ReserveKvSlotsRequest
-	(*ReserveKvSlotsResponse)(nil),    // 39: ferrum.executor.v1.ReserveKvSlotsResponse
-	(*KvSlotCapacityRequest)(nil),     // 40: ferrum.executor.v1.KvSlotCapacityRequest
-	(*KvSlotCapacityResponse)(nil),    // 41: ferrum.executor.v1.KvSlotCapacityResponse
-	(*CacheMetricsRequest)(nil),       // 42: ferrum.executor.v1.CacheMetricsRequest
-	(*CacheMetricsResponse)(nil),      // 43: ferrum.executor.v1.CacheMetricsResponse
-	(*LoraMetricsRequest)(nil),        // 44: ferrum.executor.v1.LoraMetricsRequest
-	(*LoraMetricsResponse)(nil),       // 45: ferrum.executor.v1.LoraMetricsResponse
-	(*WarmupRequest)(nil),             // 46: ferrum.executor.v1.WarmupRequest
-	(*WarmupResponse)(nil),            // 47: ferrum.executor.v1.WarmupResponse
-	(*ShutdownRequest)(nil),           // 48: ferrum.executor.v1.ShutdownRequest
-	(*ShutdownResponse)(nil),          // 49: ferrum.executor.v1.ShutdownResponse
-	(*TokenizeRequest)(nil),           // 50: ferrum.executor.v1.TokenizeRequest
-	(*TokenizeResponse)(nil),          // 51: ferrum.executor.v1.TokenizeResponse
-	(*DetokenizeRequest)(nil),         // 52: ferrum.executor.v1.DetokenizeRequest
-	(*DetokenizeResponse)(nil),        // 53: ferrum.executor.v1.DetokenizeResponse
-	(*ChatMessage)(nil),               // 54: ferrum.executor.v1.ChatMessage
-	(*ApplyChatTemplateRequest)(nil),  // 55: ferrum.executor.v1.ApplyChatTemplateRequest
-	(*ApplyChatTemplateResponse)(nil), // 56: ferrum.executor.v1.ApplyChatTemplateResponse
-	(*TokenIds)(nil),                  // 57: ferrum.executor.v1.TokenIds
-	(*ChatMessages)(nil),              // 58: ferrum.executor.v1.ChatMessages
-	(*StopConditions)(nil),            // 59: ferrum.executor.v1.StopConditions
-	(*GenerateRequest)(nil),           // 60: ferrum.executor.v1.GenerateRequest
-	(*GenerateStarted)(nil),           // 61: ferrum.executor.v1.GenerateStarted
-	(*TokenEvent)(nil),                // 62: ferrum.executor.v1.TokenEvent
-	(*GenerateFinished)(nil),          // 63: ferrum.executor.v1.GenerateFinished
-	(*GenerateResponse)(nil),          // 64: ferrum.executor.v1.GenerateResponse
-	(*SessionRequest)(nil),            // 65: ferrum.executor.v1.SessionRequest
-	(*SessionResponse)(nil),           // 66: ferrum.executor.v1.SessionResponse
-	(*LoadsRequest)(nil),              // 67: ferrum.executor.v1.LoadsRequest
-	(*LatencySummary)(nil),            // 68: ferrum.executor.v1.LatencySummary
-	(*ModelLoad)(nil),                 // 69: ferrum.executor.v1.ModelLoad
-	(*LoadsResponse)(nil),             // 70: ferrum.executor.v1.LoadsResponse
-	(*ListCachesRequest)(nil),         // 71: ferrum.executor.v1.ListCachesRequest
-	(*ListCachesResponse)(nil),        // 72: ferrum.executor.v1.ListCachesResponse
-	(*KvEvent)(nil),                   // 73: ferrum.executor.v1.KvEvent
-	(*SubscribeKvEventsRequest)(nil),  // 74: ferrum.executor.v1.SubscribeKvEventsRequest
-	(*KvBlockStored)(nil),             // 75: ferrum.executor.v1.KvBlockStored
-	(*KvBlockRemoved)(nil),            // 76: ferrum.executor.v1.KvBlockRemoved
-	(*KvBlocksCleared)(nil),           // 77: ferrum.executor.v1.KvBlocksCleared
-	(*KvBlockEvent)(nil),              // 78: ferrum.executor.v1.KvBlockEvent
-	(*ResyncRequired)(nil),            // 79: ferrum.executor.v1.ResyncRequired
-	(*SubscribeKvEventsResponse)(nil), // 80: ferrum.executor.v1.SubscribeKvEventsResponse
-	(*AbortRequest)(nil),              // 81: ferrum.executor.v1.AbortRequest
-	(*AbortResponse)(nil),             // 82: ferrum.executor.v1.AbortResponse
-	(*ModelInfo)(nil),                 // 83: ferrum.executor.v1.ModelInfo
-	(*ExecutorCapabilities)(nil),      // 84: ferrum.executor.v1.ExecutorCapabilities
-	(*ExecutorStatus)(nil),            // 85: ferrum.executor.v1.ExecutorStatus
-	(*ExecutorMetrics)(nil),           // 86: ferrum.executor.v1.ExecutorMetrics
-	(*KvCapacity)(nil),                // 87: ferrum.executor.v1.KvCapacity
-	(*ExecutorAdmissionLimits)(nil),   // 88: ferrum.executor.v1.ExecutorAdmissionLimits
-	(*LogitsPolicy)(nil),              // 89: ferrum.executor.v1.LogitsPolicy
-	(*structpb.Struct)(nil),           // 90: google.protobuf.Struct
-	(*KvCacheHandle)(nil),             // 91: ferrum.executor.v1.KvCacheHandle
-	(*LogitsOutput)(nil),              // 92: ferrum.executor.v1.LogitsOutput
-	(*Tensor)(nil),                    // 93: ferrum.executor.v1.Tensor
-	(*StepTimings)(nil),               // 94: ferrum.executor.v1.StepTimings
-	(DataType)(0),                     // 95: ferrum.executor.v1.DataType
-	(*KvSlotRequest)(nil),             // 96: ferrum.executor.v1.KvSlotRequest
-	(*KvSlotReservation)(nil),         // 97: ferrum.executor.v1.KvSlotReservation
-	(*KvSlotCapacitySnapshot)(nil),    // 98: ferrum.executor.v1.KvSlotCapacitySnapshot
-	(*SamplingParams)(nil),            // 99: ferrum.executor.v1.SamplingParams
-	(*TokenLogprob)(nil),              // 100: ferrum.executor.v1.TokenLogprob
-	(*StepError)(nil),                 // 101: ferrum.executor.v1.StepError
+	(ServerRole)(0),                   // 2: ferrum.executor.v1.ServerRole
+	(*InfoRequest)(nil),               // 3: ferrum.executor.v1.InfoRequest
+	(*InfoResponse)(nil),              // 4: ferrum.executor.v1.InfoResponse
+	(*CapabilitiesRequest)(nil),       // 5: ferrum.executor.v1.CapabilitiesRequest
+	(*CapabilitiesResponse)(nil),      // 6: ferrum.executor.v1.CapabilitiesResponse
+	(*StatusRequest)(nil),             // 7: ferrum.executor.v1.StatusRequest
+	(*StatusResponse)(nil),            // 8: ferrum.executor.v1.StatusResponse
+	(*KvCapacityRequest)(nil),         // 9: ferrum.executor.v1.KvCapacityRequest
+	(*KvCapacityResponse)(nil),        // 10: ferrum.executor.v1.KvCapacityResponse
+	(*AdmissionLimitsRequest)(nil),    // 11: ferrum.executor.v1.AdmissionLimitsRequest
+	(*AdmissionLimitsResponse)(nil),   // 12: ferrum.executor.v1.AdmissionLimitsResponse
+	(*PrefillInput)(nil),              // 13: ferrum.executor.v1.PrefillInput
+	(*PrefillOutput)(nil),             // 14: ferrum.executor.v1.PrefillOutput
+	(*PrefillRequest)(nil),            // 15: ferrum.executor.v1.PrefillRequest
+	(*PrefillResponse)(nil),           // 16: ferrum.executor.v1.PrefillResponse
+	(*BatchPrefillRequest)(nil),       // 17: ferrum.executor.v1.BatchPrefillRequest
+	(*BatchPrefillResponse)(nil),      // 18: ferrum.executor.v1.BatchPrefillResponse
+	(*DecodeInput)(nil),               // 19: ferrum.executor.v1.DecodeInput
+	(*DecodeOutput)(nil),              // 20: ferrum.executor.v1.DecodeOutput
+	(*DecodeRequest)(nil),             // 21: ferrum.executor.v1.DecodeRequest
+	(*DecodeResponse)(nil),            // 22: ferrum.executor.v1.DecodeResponse
+	(*BatchDecodeRequest)(nil),        // 23: ferrum.executor.v1.BatchDecodeRequest
+	(*BatchDecodeResponse)(nil),       // 24: ferrum.executor.v1.BatchDecodeResponse
+	(*UnifiedBatchItem)(nil),          // 25: ferrum.executor.v1.UnifiedBatchItem
+	(*UnifiedDecodeRequest)(nil),      // 26: ferrum.executor.v1.UnifiedDecodeRequest
+	(*UnifiedItemResult)(nil),         // 27: ferrum.executor.v1.UnifiedItemResult
+	(*UnifiedDecodeResponse)(nil),     // 28: ferrum.executor.v1.UnifiedDecodeResponse
+	(*ForwardRequest)(nil),            // 29: ferrum.executor.v1.ForwardRequest
+	(*ForwardResponse)(nil),           // 30: ferrum.executor.v1.ForwardResponse
+	(*ForwardVerifyRequest)(nil),      // 31: ferrum.executor.v1.ForwardVerifyRequest
+	(*ForwardVerifyResponse)(nil),     // 32: ferrum.executor.v1.ForwardVerifyResponse
+	(*TruncateKvRequest)(nil),         // 33: ferrum.executor.v1.TruncateKvRequest
+	(*TruncateKvResponse)(nil),        // 34: ferrum.executor.v1.TruncateKvResponse
+	(*ReleaseCacheRequest)(nil),       // 35: ferrum.executor.v1.ReleaseCacheRequest
+	(*ReleaseCacheResponse)(nil),      // 36: ferrum.executor.v1.ReleaseCacheResponse
+	(*ForkCacheRequest)(nil),          // 37: ferrum.executor.v1.ForkCacheRequest
+	(*ForkCacheResponse)(nil),         // 38: ferrum.executor.v1.ForkCacheResponse
+	(*ReserveKvSlotsRequest)(nil),     // 39: ferrum.executor.v1.ReserveKvSlotsRequest
+	(*ReserveKvSlotsResponse)(nil),    // 40: ferrum.executor.v1.ReserveKvSlotsResponse
+	(*KvSlotCapacityRequest)(nil),     // 41: ferrum.executor.v1.KvSlotCapacityRequest
+	(*KvSlotCapacityResponse)(nil),    // 42: ferrum.executor.v1.KvSlotCapacityResponse
+	(*CacheMetricsRequest)(nil),       // 43: ferrum.executor.v1.CacheMetricsRequest
+	(*CacheMetricsResponse)(nil),      // 44: ferrum.executor.v1.CacheMetricsResponse
+	(*LoraMetricsRequest)(nil),        // 45: ferrum.executor.v1.LoraMetricsRequest
+	(*LoraMetricsResponse)(nil),       // 46: ferrum.executor.v1.LoraMetricsResponse
+	(*WarmupRequest)(nil),             // 47: ferrum.executor.v1.WarmupRequest
+	(*WarmupResponse)(nil),            // 48: ferrum.executor.v1.WarmupResponse
+	(*ShutdownRequest)(nil),           // 49: ferrum.executor.v1.ShutdownRequest
+	(*ShutdownResponse)(nil),          // 50: ferrum.executor.v1.ShutdownResponse
+	(*TokenizeRequest)(nil),           // 51: ferrum.executor.v1.TokenizeRequest
+	(*TokenizeResponse)(nil),          // 52: ferrum.executor.v1.TokenizeResponse
+	(*DetokenizeRequest)(nil),         // 53: ferrum.executor.v1.DetokenizeRequest
+	(*DetokenizeResponse)(nil),        // 54: ferrum.executor.v1.DetokenizeResponse
+	(*ChatMessage)(nil),               // 55: ferrum.executor.v1.ChatMessage
+	(*ApplyChatTemplateRequest)(nil),  // 56: ferrum.executor.v1.ApplyChatTemplateRequest
+	(*ApplyChatTemplateResponse)(nil), // 57: ferrum.executor.v1.ApplyChatTemplateResponse
+	(*TokenIds)(nil),                  // 58: ferrum.executor.v1.TokenIds
+	(*ChatMessages)(nil),              // 59: ferrum.executor.v1.ChatMessages
+	(*StopConditions)(nil),            // 60: ferrum.executor.v1.StopConditions
+	(*GenerateRequest)(nil),           // 61: ferrum.executor.v1.GenerateRequest
+	(*GenerateStarted)(nil),           // 62: ferrum.executor.v1.GenerateStarted
+	(*TokenEvent)(nil),                // 63: ferrum.executor.v1.TokenEvent
+	(*GenerateFinished)(nil),          // 64: ferrum.executor.v1.GenerateFinished
+	(*GenerateResponse)(nil),          // 65: ferrum.executor.v1.GenerateResponse
+	(*SessionRequest)(nil),            // 66: ferrum.executor.v1.SessionRequest
+	(*SessionResponse)(nil),           // 67: ferrum.executor.v1.SessionResponse
+	(*LoadsRequest)(nil),              // 68: ferrum.executor.v1.LoadsRequest
+	(*LatencySummary)(nil),            // 69: ferrum.executor.v1.LatencySummary
+	(*ModelLoad)(nil),                 // 70: ferrum.executor.v1.ModelLoad
+	(*LoadsResponse)(nil),             // 71: ferrum.executor.v1.LoadsResponse
+	(*ListCachesRequest)(nil),         // 72: ferrum.executor.v1.ListCachesRequest
+	(*ListCachesResponse)(nil),        // 73: ferrum.executor.v1.ListCachesResponse
+	(*KvEvent)(nil),                   // 74: ferrum.executor.v1.KvEvent
+	(*SubscribeKvEventsRequest)(nil),  // 75: ferrum.executor.v1.SubscribeKvEventsRequest
+	(*KvBlockStored)(nil),             // 76: ferrum.executor.v1.KvBlockStored
+	(*KvBlockRemoved)(nil),            // 77: ferrum.executor.v1.KvBlockRemoved
+	(*KvBlocksCleared)(nil),           // 78: ferrum.executor.v1.KvBlocksCleared
+	(*KvBlockEvent)(nil),              // 79: ferrum.executor.v1.KvBlockEvent
+	(*ResyncRequired)(nil),            // 80: ferrum.executor.v1.ResyncRequired
+	(*SubscribeKvEventsResponse)(nil), // 81: ferrum.executor.v1.SubscribeKvEventsResponse
+	(*AbortRequest)(nil),              // 82: ferrum.executor.v1.AbortRequest
+	(*AbortResponse)(nil),             // 83: ferrum.executor.v1.AbortResponse
+	(*ExportKvRequest)(nil),           // 84: ferrum.executor.v1.ExportKvRequest
+	(*KvTransferHeader)(nil),          // 85: ferrum.executor.v1.KvTransferHeader
+	(*KvChunk)(nil),                   // 86: ferrum.executor.v1.KvChunk
+	(*ExportKvResponse)(nil),          // 87: ferrum.executor.v1.ExportKvResponse
+	(*KvSource)(nil),                  // 88: ferrum.executor.v1.KvSource
+	(*ImportKvRequest)(nil),           // 89: ferrum.executor.v1.ImportKvRequest
+	(*ImportKvResponse)(nil),          // 90: ferrum.executor.v1.ImportKvResponse
+	(*ModelInfo)(nil),                 // 91: ferrum.executor.v1.ModelInfo
+	(*ExecutorCapabilities)(nil),      // 92: ferrum.executor.v1.ExecutorCapabilities
+	(*ExecutorStatus)(nil),            // 93: ferrum.executor.v1.ExecutorStatus
+	(*ExecutorMetrics)(nil),           // 94: ferrum.executor.v1.ExecutorMetrics
+	(*KvCapacity)(nil),                // 95: ferrum.executor.v1.KvCapacity
+	(*ExecutorAdmissionLimits)(nil),   // 96: ferrum.executor.v1.ExecutorAdmissionLimits
+	(*LogitsPolicy)(nil),              // 97: ferrum.executor.v1.LogitsPolicy
+	(*structpb.Struct)(nil),           // 98: google.protobuf.Struct
+	(*KvCacheHandle)(nil),             // 99: ferrum.executor.v1.KvCacheHandle
+	(*LogitsOutput)(nil),              // 100: ferrum.executor.v1.LogitsOutput
+	(*Tensor)(nil),                    // 101: ferrum.executor.v1.Tensor
+	(*StepTimings)(nil),               // 102: ferrum.executor.v1.StepTimings
+	(DataType)(0),                     // 103: ferrum.executor.v1.DataType
+	(*KvSlotRequest)(nil),             // 104: ferrum.executor.v1.KvSlotRequest
+	(*KvSlotReservation)(nil),         // 105: ferrum.executor.v1.KvSlotReservation
+	(*KvSlotCapacitySnapshot)(nil),    // 106: ferrum.executor.v1.KvSlotCapacitySnapshot
+	(*SamplingParams)(nil),            // 107: ferrum.executor.v1.SamplingParams
+	(*TokenLogprob)(nil),              // 108: ferrum.executor.v1.TokenLogprob
+	(*StepError)(nil),                 // 109: ferrum.executor.v1.StepError
 }
 var file_ferrum_executor_v1_executor_proto_depIdxs = []int32{
-	83,  // 0: ferrum.executor.v1.InfoResponse.models:type_name -> ferrum.executor.v1.ModelInfo
-	84,  // 1: ferrum.executor.v1.CapabilitiesResponse.capabilities:type_name -> ferrum.executor.v1.ExecutorCapabilities
-	85,  // 2: ferrum.executor.v1.StatusResponse.status:type_name -> ferrum.executor.v1.ExecutorStatus
-	86,  // 3: ferrum.executor.v1.StatusResponse.metrics:type_name -> ferrum.executor.v1.ExecutorMetrics
-	87,  // 4: ferrum.executor.v1.KvCapacityResponse.capacity:type_name -> ferrum.executor.v1.KvCapacity
-	88,  // 5: ferrum.executor.v1.AdmissionLimitsResponse.limits:type_name -> ferrum.executor.v1.ExecutorAdmissionLimits
-	89,  // 6: ferrum.executor.v1.PrefillInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	90,  // 7: ferrum.executor.v1.PrefillInput.metadata:type_name -> google.protobuf.Struct
-	91,  // 8: ferrum.executor.v1.PrefillOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	92,  // 9: ferrum.executor.v1.PrefillOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
-	92,  // 10: ferrum.executor.v1.PrefillOutput.positions:type_name -> ferrum.executor.v1.LogitsOutput
-	93,  // 11: ferrum.executor.v1.PrefillOutput.embedding:type_name -> ferrum.executor.v1.Tensor
-	12,  // 12: ferrum.executor.v1.PrefillRequest.input:type_name -> ferrum.executor.v1.PrefillInput
-	13,  // 13: ferrum.executor.v1.PrefillResponse.output:type_name -> ferrum.executor.v1.PrefillOutput
-	94,  // 14: ferrum.executor.v1.PrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	12,  // 15: ferrum.executor.v1.BatchPrefillRequest.inputs:type_name -> ferrum.executor.v1.PrefillInput
-	13,  // 16: ferrum.executor.v1.BatchPrefillResponse.outputs:type_name -> ferrum.executor.v1.PrefillOutput
-	94,  // 17: ferrum.executor.v1.BatchPrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	89,  // 18: ferrum.executor.v1.DecodeInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	90,  // 19: ferrum.executor.v1.DecodeInput.metadata:type_name -> google.protobuf.Struct
-	91,  // 20: ferrum.executor.v1.DecodeOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	92,  // 21: ferrum.executor.v1.DecodeOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
-	18,  // 22: ferrum.executor.v1.DecodeRequest.input:type_name -> ferrum.executor.v1.DecodeInput
-	19,  // 23: ferrum.executor.v1.DecodeResponse.output:type_name -> ferrum.executor.v1.DecodeOutput
-	94,  // 24: ferrum.executor.v1.DecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	18,  // 25: ferrum.executor.v1.BatchDecodeRequest.inputs:type_name -> ferrum.executor.v1.DecodeInput
-	19,  // 26: ferrum.executor.v1.BatchDecodeResponse.outputs:type_name -> ferrum.executor.v1.DecodeOutput
-	94,  // 27: ferrum.executor.v1.BatchDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	89,  // 28: ferrum.executor.v1.UnifiedBatchItem.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	90,  // 29: ferrum.executor.v1.UnifiedBatchItem.metadata:type_name -> google.protobuf.Struct
-	24,  // 30: ferrum.executor.v1.UnifiedDecodeRequest.items:type_name -> ferrum.executor.v1.UnifiedBatchItem
-	91,  // 31: ferrum.executor.v1.UnifiedItemResult.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	92,  // 32: ferrum.executor.v1.UnifiedItemResult.output:type_name -> ferrum.executor.v1.LogitsOutput
-	26,  // 33: ferrum.executor.v1.UnifiedDecodeResponse.results:type_name -> ferrum.executor.v1.UnifiedItemResult
-	94,  // 34: ferrum.executor.v1.UnifiedDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	93,  // 35: ferrum.executor.v1.ForwardRequest.input:type_name -> ferrum.executor.v1.Tensor
-	95,  // 36: ferrum.executor.v1.ForwardRequest.logits_dtype:type_name -> ferrum.executor.v1.DataType
-	93,  // 37: ferrum.executor.v1.ForwardResponse.output:type_name -> ferrum.executor.v1.Tensor
-	94,  // 38: ferrum.executor.v1.ForwardResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	89,  // 39: ferrum.executor.v1.ForwardVerifyRequest.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	92,  // 40: ferrum.executor.v1.ForwardVerifyResponse.outputs:type_name -> ferrum.executor.v1.LogitsOutput
-	91,  // 41: ferrum.executor.v1.ForwardVerifyResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	94,  // 42: ferrum.executor.v1.ForwardVerifyResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	91,  // 43: ferrum.executor.v1.TruncateKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	91,  // 44: ferrum.executor.v1.ForkCacheResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	96,  // 45: ferrum.executor.v1.ReserveKvSlotsRequest.requests:type_name -> ferrum.executor.v1.KvSlotRequest
-	97,  // 46: ferrum.executor.v1.ReserveKvSlotsResponse.reservation:type_name -> ferrum.executor.v1.KvSlotReservation
-	98,  // 47: ferrum.executor.v1.KvSlotCapacityResponse.snapshot:type_name -> ferrum.executor.v1.KvSlotCapacitySnapshot
-	90,  // 48: ferrum.executor.v1.CacheMetricsResponse.metrics:type_name -> google.protobuf.Struct
-	90,  // 49: ferrum.executor.v1.LoraMetricsResponse.metrics:type_name -> google.protobuf.Struct
-	54,  // 50: ferrum.executor.v1.ApplyChatTemplateRequest.messages:type_name -> ferrum.executor.v1.ChatMessage
-	54,  // 51: ferrum.executor.v1.ChatMessages.messages:type_name -> ferrum.executor.v1.ChatMessage
-	57,  // 52: ferrum.executor.v1.GenerateRequest.token_ids:type_name -> ferrum.executor.v1.TokenIds
-	58,  // 53: ferrum.executor.v1.GenerateRequest.chat:type_name -> ferrum.executor.v1.ChatMessages
-	99,  // 54: ferrum.executor.v1.GenerateRequest.sampling:type_name -> ferrum.executor.v1.SamplingParams
-	59,  // 55: ferrum.executor.v1.GenerateRequest.stop:type_name -> ferrum.executor.v1.StopConditions
-	91,  // 56: ferrum.executor.v1.GenerateStarted.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	100, // 57: ferrum.executor.v1.TokenEvent.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
-	0,   // 58: ferrum.executor.v1.GenerateFinished.finish_reason:type_name -> ferrum.executor.v1.FinishReason
-	91,  // 59: ferrum.executor.v1.GenerateFinished.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	61,  // 60: ferrum.executor.v1.GenerateResponse.started:type_name -> ferrum.executor.v1.GenerateStarted
-	62,  // 61: ferrum.executor.v1.GenerateResponse.token:type_name -> ferrum.executor.v1.TokenEvent
-	63,  // 62: ferrum.executor.v1.GenerateResponse.finished:type_name -> ferrum.executor.v1.GenerateFinished
-	14,  // 63: ferrum.executor.v1.SessionRequest.prefill:type_name -> ferrum.executor.v1.PrefillRequest
-	16,  // 64: ferrum.executor.v1.SessionRequest.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillRequest
-	20,  // 65: ferrum.executor.v1.SessionRequest.decode:type_name -> ferrum.executor.v1.DecodeRequest
-	22,  // 66: ferrum.executor.v1.SessionRequest.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeRequest
-	25,  // 67: ferrum.executor.v1.SessionRequest.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeRequest
-	30,  // 68: ferrum.executor.v1.SessionRequest.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyRequest
-	32,  // 69: ferrum.executor.v1.SessionRequest.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvRequest
-	34,  // 70: ferrum.executor.v1.SessionRequest.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheRequest
-	36,  // 71: ferrum.executor.v1.SessionRequest.fork_cache:type_name -> ferrum.executor.v1.ForkCacheRequest
-	15,  // 72: ferrum.executor.v1.SessionResponse.prefill:type_name -> ferrum.executor.v1.PrefillResponse
-	17,  // 73: ferrum.executor.v1.SessionResponse.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillResponse
-	21,  // 74: ferrum.executor.v1.SessionResponse.decode:type_name -> ferrum.executor.v1.DecodeResponse
-	23,  // 75: ferrum.executor.v1.SessionResponse.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeResponse
-	27,  // 76: ferrum.executor.v1.SessionResponse.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeResponse
-	31,  // 77: ferrum.executor.v1.SessionResponse.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyResponse
-	33,  // 78: ferrum.executor.v1.SessionResponse.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvResponse
-	35,  // 79: ferrum.executor.v1.SessionResponse.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheResponse
-	37,  // 80: ferrum.executor.v1.SessionResponse.fork_cache:type_name -> ferrum.executor.v1.ForkCacheResponse
-	101, // 81: ferrum.executor.v1.SessionResponse.error:type_name -> ferrum.executor.v1.StepError
-	68,  // 82: ferrum.executor.v1.ModelLoad.prefill_latency:type_name -> ferrum.executor.v1.LatencySummary
-	68,  // 83: ferrum.executor.v1.ModelLoad.decode_latency:type_name -> ferrum.executor.v1.LatencySummary
-	69,  // 84: ferrum.executor.v1.LoadsResponse.loads:type_name -> ferrum.executor.v1.ModelLoad
-	91,  // 85: ferrum.executor.v1.ListCachesResponse.caches:type_name -> ferrum.executor.v1.KvCacheHandle
-	1,   // 86: ferrum.executor.v1.KvEvent.kind:type_name -> ferrum.executor.v1.KvEventKind
-	75,  // 87: ferrum.executor.v1.KvBlockEvent.stored:type_name -> ferrum.executor.v1.KvBlockStored
-	76,  // 88: ferrum.executor.v1.KvBlockEvent.removed:type_name -> ferrum.executor.v1.KvBlockRemoved
-	77,  // 89: ferrum.executor.v1.KvBlockEvent.cleared:type_name -> ferrum.executor.v1.KvBlocksCleared
-	73,  // 90: ferrum.executor.v1.SubscribeKvEventsResponse.event:type_name -> ferrum.executor.v1.KvEvent
-	79,  // 91: ferrum.executor.v1.SubscribeKvEventsResponse.resync_required:type_name -> ferrum.executor.v1.ResyncRequired
-	78,  // 92: ferrum.executor.v1.SubscribeKvEventsResponse.block_event:type_name -> ferrum.executor.v1.KvBlockEvent
-	2,   // 93: ferrum.executor.v1.ModelExecutor.Info:input_type -> ferrum.executor.v1.InfoRequest
-	4,   // 94: ferrum.executor.v1.ModelExecutor.Capabilities:input_type -> ferrum.executor.v1.CapabilitiesRequest
-	6,   // 95: ferrum.executor.v1.ModelExecutor.Status:input_type -> ferrum.executor.v1.StatusRequest
-	8,   // 96: ferrum.executor.v1.ModelExecutor.KvCapacity:input_type -> ferrum.executor.v1.KvCapacityRequest
-	10,  // 97: ferrum.executor.v1.ModelExecutor.AdmissionLimits:input_type -> ferrum.executor.v1.AdmissionLimitsRequest
-	14,  // 98: ferrum.executor.v1.ModelExecutor.Prefill:input_type -> ferrum.executor.v1.PrefillRequest
-	16,  // 99: ferrum.executor.v1.ModelExecutor.BatchPrefill:input_type -> ferrum.executor.v1.BatchPrefillRequest
-	20,  // 100: ferrum.executor.v1.ModelExecutor.Decode:input_type -> ferrum.executor.v1.DecodeRequest
-	22,  // 101: ferrum.executor.v1.ModelExecutor.BatchDecode:input_type -> ferrum.executor.v1.BatchDecodeRequest
-	25,  // 102: ferrum.executor.v1.ModelExecutor.UnifiedDecode:input_type -> ferrum.executor.v1.UnifiedDecodeRequest
-	28,  // 103: ferrum.executor.v1.ModelExecutor.Forward:input_type -> ferrum.executor.v1.ForwardRequest
-	30,  // 104: ferrum.executor.v1.ModelExecutor.ForwardVerify:input_type -> ferrum.executor.v1.ForwardVerifyRequest
-	32,  // 105: ferrum.executor.v1.ModelExecutor.TruncateKv:input_type -> ferrum.executor.v1.TruncateKvRequest
-	34,  // 106: ferrum.executor.v1.ModelExecutor.ReleaseCache:input_type -> ferrum.executor.v1.ReleaseCacheRequest
-	36,  // 107: ferrum.executor.v1.ModelExecutor.ForkCache:input_type -> ferrum.executor.v1.ForkCacheRequest
-	38,  // 108: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:input_type -> ferrum.executor.v1.ReserveKvSlotsRequest
-	40,  // 109: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:input_type -> ferrum.executor.v1.KvSlotCapacityRequest
-	42,  // 110: ferrum.executor.v1.ModelExecutor.CacheMetrics:input_type -> ferrum.executor.v1.CacheMetricsRequest
-	44,  // 111: ferrum.executor.v1.ModelExecutor.LoraMetrics:input_type -> ferrum.executor.v1.LoraMetricsRequest
-	46,  // 112: ferrum.executor.v1.ModelExecutor.Warmup:input_type -> ferrum.executor.v1.WarmupRequest
-	48,  // 113: ferrum.executor.v1.ModelExecutor.Shutdown:input_type -> ferrum.executor.v1.ShutdownRequest
-	50,  // 114: ferrum.executor.v1.ModelExecutor.Tokenize:input_type -> ferrum.executor.v1.TokenizeRequest
-	52,  // 115: ferrum.executor.v1.ModelExecutor.Detokenize:input_type -> ferrum.executor.v1.DetokenizeRequest
-	55,  // 116: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:input_type -> ferrum.executor.v1.ApplyChatTemplateRequest
-	60,  // 117: ferrum.executor.v1.ModelExecutor.Generate:input_type -> ferrum.executor.v1.GenerateRequest
-	65,  // 118: ferrum.executor.v1.ModelExecutor.Session:input_type -> ferrum.executor.v1.SessionRequest
-	67,  // 119: ferrum.executor.v1.ModelExecutor.Loads:input_type -> ferrum.executor.v1.LoadsRequest
-	71,  // 120: ferrum.executor.v1.ModelExecutor.ListCaches:input_type -> ferrum.executor.v1.ListCachesRequest
-	74,  // 121: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:input_type -> ferrum.executor.v1.SubscribeKvEventsRequest
-	81,  // 122: ferrum.executor.v1.ModelExecutor.Abort:input_type -> ferrum.executor.v1.AbortRequest
-	3,   // 123: ferrum.executor.v1.ModelExecutor.Info:output_type -> ferrum.executor.v1.InfoResponse
-	5,   // 124: ferrum.executor.v1.ModelExecutor.Capabilities:output_type -> ferrum.executor.v1.CapabilitiesResponse
-	7,   // 125: ferrum.executor.v1.ModelExecutor.Status:output_type -> ferrum.executor.v1.StatusResponse
-	9,   // 126: ferrum.executor.v1.ModelExecutor.KvCapacity:output_type -> ferrum.executor.v1.KvCapacityResponse
-	11,  // 127: ferrum.executor.v1.ModelExecutor.AdmissionLimits:output_type -> ferrum.executor.v1.AdmissionLimitsResponse
-	15,  // 128: ferrum.executor.v1.ModelExecutor.Prefill:output_type -> ferrum.executor.v1.PrefillResponse
-	17,  // 129: ferrum.executor.v1.ModelExecutor.BatchPrefill:output_type -> ferrum.executor.v1.BatchPrefillResponse
-	21,  // 130: ferrum.executor.v1.ModelExecutor.Decode:output_type -> ferrum.executor.v1.DecodeResponse
-	23,  // 131: ferrum.executor.v1.ModelExecutor.BatchDecode:output_type -> ferrum.executor.v1.BatchDecodeResponse
-	27,  // 132: ferrum.executor.v1.ModelExecutor.UnifiedDecode:output_type -> ferrum.executor.v1.UnifiedDecodeResponse
-	29,  // 133: ferrum.executor.v1.ModelExecutor.Forward:output_type -> ferrum.executor.v1.ForwardResponse
-	31,  // 134: ferrum.executor.v1.ModelExecutor.ForwardVerify:output_type -> ferrum.executor.v1.ForwardVerifyResponse
-	33,  // 135: ferrum.executor.v1.ModelExecutor.TruncateKv:output_type -> ferrum.executor.v1.TruncateKvResponse
-	35,  // 136: ferrum.executor.v1.ModelExecutor.ReleaseCache:output_type -> ferrum.executor.v1.ReleaseCacheResponse
-	37,  // 137: ferrum.executor.v1.ModelExecutor.ForkCache:output_type -> ferrum.executor.v1.ForkCacheResponse
-	39,  // 138: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:output_type -> ferrum.executor.v1.ReserveKvSlotsResponse
-	41,  // 139: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:output_type -> ferrum.executor.v1.KvSlotCapacityResponse
-	43,  // 140: ferrum.executor.v1.ModelExecutor.CacheMetrics:output_type -> ferrum.executor.v1.CacheMetricsResponse
-	45,  // 141: ferrum.executor.v1.ModelExecutor.LoraMetrics:output_type -> ferrum.executor.v1.LoraMetricsResponse
-	47,  // 142: ferrum.executor.v1.ModelExecutor.Warmup:output_type -> ferrum.executor.v1.WarmupResponse
-	49,  // 143: ferrum.executor.v1.ModelExecutor.Shutdown:output_type -> ferrum.executor.v1.ShutdownResponse
-	51,  // 144: ferrum.executor.v1.ModelExecutor.Tokenize:output_type -> ferrum.executor.v1.TokenizeResponse
-	53,  // 145: ferrum.executor.v1.ModelExecutor.Detokenize:output_type -> ferrum.executor.v1.DetokenizeResponse
-	56,  // 146: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:output_type -> ferrum.executor.v1.ApplyChatTemplateResponse
-	64,  // 147: ferrum.executor.v1.ModelExecutor.Generate:output_type -> ferrum.executor.v1.GenerateResponse
-	66,  // 148: ferrum.executor.v1.ModelExecutor.Session:output_type -> ferrum.executor.v1.SessionResponse
-	70,  // 149: ferrum.executor.v1.ModelExecutor.Loads:output_type -> ferrum.executor.v1.LoadsResponse
-	72,  // 150: ferrum.executor.v1.ModelExecutor.ListCaches:output_type -> ferrum.executor.v1.ListCachesResponse
-	80,  // 151: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:output_type -> ferrum.executor.v1.SubscribeKvEventsResponse
-	82,  // 152: ferrum.executor.v1.ModelExecutor.Abort:output_type -> ferrum.executor.v1.AbortResponse
-	123, // [123:153] is the sub-list for method output_type
-	93,  // [93:123] is the sub-list for method input_type
-	93,  // [93:93] is the sub-list for extension type_name
-	93,  // [93:93] is the sub-list for extension extendee
-	0,   // [0:93] is the sub-list for field type_name
+	91,  // 0: ferrum.executor.v1.InfoResponse.models:type_name -> ferrum.executor.v1.ModelInfo
+	2,   // 1: ferrum.executor.v1.InfoResponse.role:type_name -> ferrum.executor.v1.ServerRole
+	92,  // 2: ferrum.executor.v1.CapabilitiesResponse.capabilities:type_name -> ferrum.executor.v1.ExecutorCapabilities
+	93,  // 3: ferrum.executor.v1.StatusResponse.status:type_name -> ferrum.executor.v1.ExecutorStatus
+	94,  // 4: ferrum.executor.v1.StatusResponse.metrics:type_name -> ferrum.executor.v1.ExecutorMetrics
+	95,  // 5: ferrum.executor.v1.KvCapacityResponse.capacity:type_name -> ferrum.executor.v1.KvCapacity
+	96,  // 6: ferrum.executor.v1.AdmissionLimitsResponse.limits:type_name -> ferrum.executor.v1.ExecutorAdmissionLimits
+	97,  // 7: ferrum.executor.v1.PrefillInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	98,  // 8: ferrum.executor.v1.PrefillInput.metadata:type_name -> google.protobuf.Struct
+	99,  // 9: ferrum.executor.v1.PrefillOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	100, // 10: ferrum.executor.v1.PrefillOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
+	100, // 11: ferrum.executor.v1.PrefillOutput.positions:type_name -> ferrum.executor.v1.LogitsOutput
+	101, // 12: ferrum.executor.v1.PrefillOutput.embedding:type_name -> ferrum.executor.v1.Tensor
+	13,  // 13: ferrum.executor.v1.PrefillRequest.input:type_name -> ferrum.executor.v1.PrefillInput
+	14,  // 14: ferrum.executor.v1.PrefillResponse.output:type_name -> ferrum.executor.v1.PrefillOutput
+	102, // 15: ferrum.executor.v1.PrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	13,  // 16: ferrum.executor.v1.BatchPrefillRequest.inputs:type_name -> ferrum.executor.v1.PrefillInput
+	14,  // 17: ferrum.executor.v1.BatchPrefillResponse.outputs:type_name -> ferrum.executor.v1.PrefillOutput
+	102, // 18: ferrum.executor.v1.BatchPrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	97,  // 19: ferrum.executor.v1.DecodeInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	98,  // 20: ferrum.executor.v1.DecodeInput.metadata:type_name -> google.protobuf.Struct
+	99,  // 21: ferrum.executor.v1.DecodeOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	100, // 22: ferrum.executor.v1.DecodeOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
+	19,  // 23: ferrum.executor.v1.DecodeRequest.input:type_name -> ferrum.executor.v1.DecodeInput
+	20,  // 24: ferrum.executor.v1.DecodeResponse.output:type_name -> ferrum.executor.v1.DecodeOutput
+	102, // 25: ferrum.executor.v1.DecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	19,  // 26: ferrum.executor.v1.BatchDecodeRequest.inputs:type_name -> ferrum.executor.v1.DecodeInput
+	20,  // 27: ferrum.executor.v1.BatchDecodeResponse.outputs:type_name -> ferrum.executor.v1.DecodeOutput
+	102, // 28: ferrum.executor.v1.BatchDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	97,  // 29: ferrum.executor.v1.UnifiedBatchItem.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	98,  // 30: ferrum.executor.v1.UnifiedBatchItem.metadata:type_name -> google.protobuf.Struct
+	25,  // 31: ferrum.executor.v1.UnifiedDecodeRequest.items:type_name -> ferrum.executor.v1.UnifiedBatchItem
+	99,  // 32: ferrum.executor.v1.UnifiedItemResult.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	100, // 33: ferrum.executor.v1.UnifiedItemResult.output:type_name -> ferrum.executor.v1.LogitsOutput
+	27,  // 34: ferrum.executor.v1.UnifiedDecodeResponse.results:type_name -> ferrum.executor.v1.UnifiedItemResult
+	102, // 35: ferrum.executor.v1.UnifiedDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	101, // 36: ferrum.executor.v1.ForwardRequest.input:type_name -> ferrum.executor.v1.Tensor
+	103, // 37: ferrum.executor.v1.ForwardRequest.logits_dtype:type_name -> ferrum.executor.v1.DataType
+	101, // 38: ferrum.executor.v1.ForwardResponse.output:type_name -> ferrum.executor.v1.Tensor
+	102, // 39: ferrum.executor.v1.ForwardResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	97,  // 40: ferrum.executor.v1.ForwardVerifyRequest.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	100, // 41: ferrum.executor.v1.ForwardVerifyResponse.outputs:type_name -> ferrum.executor.v1.LogitsOutput
+	99,  // 42: ferrum.executor.v1.ForwardVerifyResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	102, // 43: ferrum.executor.v1.ForwardVerifyResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	99,  // 44: ferrum.executor.v1.TruncateKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	99,  // 45: ferrum.executor.v1.ForkCacheResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	104, // 46: ferrum.executor.v1.ReserveKvSlotsRequest.requests:type_name -> ferrum.executor.v1.KvSlotRequest
+	105, // 47: ferrum.executor.v1.ReserveKvSlotsResponse.reservation:type_name -> ferrum.executor.v1.KvSlotReservation
+	106, // 48: ferrum.executor.v1.KvSlotCapacityResponse.snapshot:type_name -> ferrum.executor.v1.KvSlotCapacitySnapshot
+	98,  // 49: ferrum.executor.v1.CacheMetricsResponse.metrics:type_name -> google.protobuf.Struct
+	98,  // 50: ferrum.executor.v1.LoraMetricsResponse.metrics:type_name -> google.protobuf.Struct
+	55,  // 51: ferrum.executor.v1.ApplyChatTemplateRequest.messages:type_name -> ferrum.executor.v1.ChatMessage
+	55,  // 52: ferrum.executor.v1.ChatMessages.messages:type_name -> ferrum.executor.v1.ChatMessage
+	58,  // 53: ferrum.executor.v1.GenerateRequest.token_ids:type_name -> ferrum.executor.v1.TokenIds
+	59,  // 54: ferrum.executor.v1.GenerateRequest.chat:type_name -> ferrum.executor.v1.ChatMessages
+	107, // 55: ferrum.executor.v1.GenerateRequest.sampling:type_name -> ferrum.executor.v1.SamplingParams
+	60,  // 56: ferrum.executor.v1.GenerateRequest.stop:type_name -> ferrum.executor.v1.StopConditions
+	99,  // 57: ferrum.executor.v1.GenerateStarted.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	108, // 58: ferrum.executor.v1.TokenEvent.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
+	0,   // 59: ferrum.executor.v1.GenerateFinished.finish_reason:type_name -> ferrum.executor.v1.FinishReason
+	99,  // 60: ferrum.executor.v1.GenerateFinished.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	62,  // 61: ferrum.executor.v1.GenerateResponse.started:type_name -> ferrum.executor.v1.GenerateStarted
+	63,  // 62: ferrum.executor.v1.GenerateResponse.token:type_name -> ferrum.executor.v1.TokenEvent
+	64,  // 63: ferrum.executor.v1.GenerateResponse.finished:type_name -> ferrum.executor.v1.GenerateFinished
+	15,  // 64: ferrum.executor.v1.SessionRequest.prefill:type_name -> ferrum.executor.v1.PrefillRequest
+	17,  // 65: ferrum.executor.v1.SessionRequest.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillRequest
+	21,  // 66: ferrum.executor.v1.SessionRequest.decode:type_name -> ferrum.executor.v1.DecodeRequest
+	23,  // 67: ferrum.executor.v1.SessionRequest.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeRequest
+	26,  // 68: ferrum.executor.v1.SessionRequest.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeRequest
+	31,  // 69: ferrum.executor.v1.SessionRequest.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyRequest
+	33,  // 70: ferrum.executor.v1.SessionRequest.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvRequest
+	35,  // 71: ferrum.executor.v1.SessionRequest.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheRequest
+	37,  // 72: ferrum.executor.v1.SessionRequest.fork_cache:type_name -> ferrum.executor.v1.ForkCacheRequest
+	16,  // 73: ferrum.executor.v1.SessionResponse.prefill:type_name -> ferrum.executor.v1.PrefillResponse
+	18,  // 74: ferrum.executor.v1.SessionResponse.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillResponse
+	22,  // 75: ferrum.executor.v1.SessionResponse.decode:type_name -> ferrum.executor.v1.DecodeResponse
+	24,  // 76: ferrum.executor.v1.SessionResponse.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeResponse
+	28,  // 77: ferrum.executor.v1.SessionResponse.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeResponse
+	32,  // 78: ferrum.executor.v1.SessionResponse.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyResponse
+	34,  // 79: ferrum.executor.v1.SessionResponse.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvResponse
+	36,  // 80: ferrum.executor.v1.SessionResponse.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheResponse
+	38,  // 81: ferrum.executor.v1.SessionResponse.fork_cache:type_name -> ferrum.executor.v1.ForkCacheResponse
+	109, // 82: ferrum.executor.v1.SessionResponse.error:type_name -> ferrum.executor.v1.StepError
+	69,  // 83: ferrum.executor.v1.ModelLoad.prefill_latency:type_name -> ferrum.executor.v1.LatencySummary
+	69,  // 84: ferrum.executor.v1.ModelLoad.decode_latency:type_name -> ferrum.executor.v1.LatencySummary
+	70,  // 85: ferrum.executor.v1.LoadsResponse.loads:type_name -> ferrum.executor.v1.ModelLoad
+	99,  // 86: ferrum.executor.v1.ListCachesResponse.caches:type_name -> ferrum.executor.v1.KvCacheHandle
+	1,   // 87: ferrum.executor.v1.KvEvent.kind:type_name -> ferrum.executor.v1.KvEventKind
+	76,  // 88: ferrum.executor.v1.KvBlockEvent.stored:type_name -> ferrum.executor.v1.KvBlockStored
+	77,  // 89: ferrum.executor.v1.KvBlockEvent.removed:type_name -> ferrum.executor.v1.KvBlockRemoved
+	78,  // 90: ferrum.executor.v1.KvBlockEvent.cleared:type_name -> ferrum.executor.v1.KvBlocksCleared
+	74,  // 91: ferrum.executor.v1.SubscribeKvEventsResponse.event:type_name -> ferrum.executor.v1.KvEvent
+	80,  // 92: ferrum.executor.v1.SubscribeKvEventsResponse.resync_required:type_name -> ferrum.executor.v1.ResyncRequired
+	79,  // 93: ferrum.executor.v1.SubscribeKvEventsResponse.block_event:type_name -> ferrum.executor.v1.KvBlockEvent
+	103, // 94: ferrum.executor.v1.KvTransferHeader.kv_dtype:type_name -> ferrum.executor.v1.DataType
+	85,  // 95: ferrum.executor.v1.ExportKvResponse.header:type_name -> ferrum.executor.v1.KvTransferHeader
+	86,  // 96: ferrum.executor.v1.ExportKvResponse.chunk:type_name -> ferrum.executor.v1.KvChunk
+	88,  // 97: ferrum.executor.v1.ImportKvRequest.source:type_name -> ferrum.executor.v1.KvSource
+	85,  // 98: ferrum.executor.v1.ImportKvRequest.header:type_name -> ferrum.executor.v1.KvTransferHeader
+	86,  // 99: ferrum.executor.v1.ImportKvRequest.chunk:type_name -> ferrum.executor.v1.KvChunk
+	99,  // 100: ferrum.executor.v1.ImportKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	3,   // 101: ferrum.executor.v1.ModelExecutor.Info:input_type -> ferrum.executor.v1.InfoRequest
+	5,   // 102: ferrum.executor.v1.ModelExecutor.Capabilities:input_type -> ferrum.executor.v1.CapabilitiesRequest
+	7,   // 103: ferrum.executor.v1.ModelExecutor.Status:input_type -> ferrum.executor.v1.StatusRequest
+	9,   // 104: ferrum.executor.v1.ModelExecutor.KvCapacity:input_type -> ferrum.executor.v1.KvCapacityRequest
+	11,  // 105: ferrum.executor.v1.ModelExecutor.AdmissionLimits:input_type -> ferrum.executor.v1.AdmissionLimitsRequest
+	15,  // 106: ferrum.executor.v1.ModelExecutor.Prefill:input_type -> ferrum.executor.v1.PrefillRequest
+	17,  // 107: ferrum.executor.v1.ModelExecutor.BatchPrefill:input_type -> ferrum.executor.v1.BatchPrefillRequest
+	21,  // 108: ferrum.executor.v1.ModelExecutor.Decode:input_type -> ferrum.executor.v1.DecodeRequest
+	23,  // 109: ferrum.executor.v1.ModelExecutor.BatchDecode:input_type -> ferrum.executor.v1.BatchDecodeRequest
+	26,  // 110: ferrum.executor.v1.ModelExecutor.UnifiedDecode:input_type -> ferrum.executor.v1.UnifiedDecodeRequest
+	29,  // 111: ferrum.executor.v1.ModelExecutor.Forward:input_type -> ferrum.executor.v1.ForwardRequest
+	31,  // 112: ferrum.executor.v1.ModelExecutor.ForwardVerify:input_type -> ferrum.executor.v1.ForwardVerifyRequest
+	33,  // 113: ferrum.executor.v1.ModelExecutor.TruncateKv:input_type -> ferrum.executor.v1.TruncateKvRequest
+	35,  // 114: ferrum.executor.v1.ModelExecutor.ReleaseCache:input_type -> ferrum.executor.v1.ReleaseCacheRequest
+	37,  // 115: ferrum.executor.v1.ModelExecutor.ForkCache:input_type -> ferrum.executor.v1.ForkCacheRequest
+	39,  // 116: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:input_type -> ferrum.executor.v1.ReserveKvSlotsRequest
+	41,  // 117: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:input_type -> ferrum.executor.v1.KvSlotCapacityRequest
+	43,  // 118: ferrum.executor.v1.ModelExecutor.CacheMetrics:input_type -> ferrum.executor.v1.CacheMetricsRequest
+	45,  // 119: ferrum.executor.v1.ModelExecutor.LoraMetrics:input_type -> ferrum.executor.v1.LoraMetricsRequest
+	47,  // 120: ferrum.executor.v1.ModelExecutor.Warmup:input_type -> ferrum.executor.v1.WarmupRequest
+	49,  // 121: ferrum.executor.v1.ModelExecutor.Shutdown:input_type -> ferrum.executor.v1.ShutdownRequest
+	51,  // 122: ferrum.executor.v1.ModelExecutor.Tokenize:input_type -> ferrum.executor.v1.TokenizeRequest
+	53,  // 123: ferrum.executor.v1.ModelExecutor.Detokenize:input_type -> ferrum.executor.v1.DetokenizeRequest
+	56,  // 124: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:input_type -> ferrum.executor.v1.ApplyChatTemplateRequest
+	61,  // 125: ferrum.executor.v1.ModelExecutor.Generate:input_type -> ferrum.executor.v1.GenerateRequest
+	66,  // 126: ferrum.executor.v1.ModelExecutor.Session:input_type -> ferrum.executor.v1.SessionRequest
+	68,  // 127: ferrum.executor.v1.ModelExecutor.Loads:input_type -> ferrum.executor.v1.LoadsRequest
+	72,  // 128: ferrum.executor.v1.ModelExecutor.ListCaches:input_type -> ferrum.executor.v1.ListCachesRequest
+	75,  // 129: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:input_type -> ferrum.executor.v1.SubscribeKvEventsRequest
+	82,  // 130: ferrum.executor.v1.ModelExecutor.Abort:input_type -> ferrum.executor.v1.AbortRequest
+	84,  // 131: ferrum.executor.v1.ModelExecutor.ExportKv:input_type -> ferrum.executor.v1.ExportKvRequest
+	89,  // 132: ferrum.executor.v1.ModelExecutor.ImportKv:input_type -> ferrum.executor.v1.ImportKvRequest
+	4,   // 133: ferrum.executor.v1.ModelExecutor.Info:output_type -> ferrum.executor.v1.InfoResponse
+	6,   // 134: ferrum.executor.v1.ModelExecutor.Capabilities:output_type -> ferrum.executor.v1.CapabilitiesResponse
+	8,   // 135: ferrum.executor.v1.ModelExecutor.Status:output_type -> ferrum.executor.v1.StatusResponse
+	10,  // 136: ferrum.executor.v1.ModelExecutor.KvCapacity:output_type -> ferrum.executor.v1.KvCapacityResponse
+	12,  // 137: ferrum.executor.v1.ModelExecutor.AdmissionLimits:output_type -> ferrum.executor.v1.AdmissionLimitsResponse
+	16,  // 138: ferrum.executor.v1.ModelExecutor.Prefill:output_type -> ferrum.executor.v1.PrefillResponse
+	18,  // 139: ferrum.executor.v1.ModelExecutor.BatchPrefill:output_type -> ferrum.executor.v1.BatchPrefillResponse
+	22,  // 140: ferrum.executor.v1.ModelExecutor.Decode:output_type -> ferrum.executor.v1.DecodeResponse
+	24,  // 141: ferrum.executor.v1.ModelExecutor.BatchDecode:output_type -> ferrum.executor.v1.BatchDecodeResponse
+	28,  // 142: ferrum.executor.v1.ModelExecutor.UnifiedDecode:output_type -> ferrum.executor.v1.UnifiedDecodeResponse
+	30,  // 143: ferrum.executor.v1.ModelExecutor.Forward:output_type -> ferrum.executor.v1.ForwardResponse
+	32,  // 144: ferrum.executor.v1.ModelExecutor.ForwardVerify:output_type -> ferrum.executor.v1.ForwardVerifyResponse
+	34,  // 145: ferrum.executor.v1.ModelExecutor.TruncateKv:output_type -> ferrum.executor.v1.TruncateKvResponse
+	36,  // 146: ferrum.executor.v1.ModelExecutor.ReleaseCache:output_type -> ferrum.executor.v1.ReleaseCacheResponse
+	38,  // 147: ferrum.executor.v1.ModelExecutor.ForkCache:output_type -> ferrum.executor.v1.ForkCacheResponse
+	40,  // 148: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:output_type -> ferrum.executor.v1.ReserveKvSlotsResponse
+	42,  // 149: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:output_type -> ferrum.executor.v1.KvSlotCapacityResponse
+	44,  // 150: ferrum.executor.v1.ModelExecutor.CacheMetrics:output_type -> ferrum.executor.v1.CacheMetricsResponse
+	46,  // 151: ferrum.executor.v1.ModelExecutor.LoraMetrics:output_type -> ferrum.executor.v1.LoraMetricsResponse
+	48,  // 152: ferrum.executor.v1.ModelExecutor.Warmup:output_type -> ferrum.executor.v1.WarmupResponse
+	50,  // 153: ferrum.executor.v1.ModelExecutor.Shutdown:output_type -> ferrum.executor.v1.ShutdownResponse
+	52,  // 154: ferrum.executor.v1.ModelExecutor.Tokenize:output_type -> ferrum.executor.v1.TokenizeResponse
+	54,  // 155: ferrum.executor.v1.ModelExecutor.Detokenize:output_type -> ferrum.executor.v1.DetokenizeResponse
+	57,  // 156: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:output_type -> ferrum.executor.v1.ApplyChatTemplateResponse
+	65,  // 157: ferrum.executor.v1.ModelExecutor.Generate:output_type -> ferrum.executor.v1.GenerateResponse
+	67,  // 158: ferrum.executor.v1.ModelExecutor.Session:output_type -> ferrum.executor.v1.SessionResponse
+	71,  // 159: ferrum.executor.v1.ModelExecutor.Loads:output_type -> ferrum.executor.v1.LoadsResponse
+	73,  // 160: ferrum.executor.v1.ModelExecutor.ListCaches:output_type -> ferrum.executor.v1.ListCachesResponse
+	81,  // 161: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:output_type -> ferrum.executor.v1.SubscribeKvEventsResponse
+	83,  // 162: ferrum.executor.v1.ModelExecutor.Abort:output_type -> ferrum.executor.v1.AbortResponse
+	87,  // 163: ferrum.executor.v1.ModelExecutor.ExportKv:output_type -> ferrum.executor.v1.ExportKvResponse
+	90,  // 164: ferrum.executor.v1.ModelExecutor.ImportKv:output_type -> ferrum.executor.v1.ImportKvResponse
+	133, // [133:165] is the sub-list for method output_type
+	101, // [101:133] is the sub-list for method input_type
+	101, // [101:101] is the sub-list for extension type_name
+	101, // [101:101] is the sub-list for extension extendee
+	0,   // [0:101] is the sub-list for field type_name
 }
 
 func init() { file_ferrum_executor_v1_executor_proto_init() }
@@ -6570,13 +7511,21 @@ func file_ferrum_executor_v1_executor_proto_init() {
 		(*AbortRequest_RequestId)(nil),
 		(*AbortRequest_CacheId)(nil),
 	}
+	file_ferrum_executor_v1_executor_proto_msgTypes[84].OneofWrappers = []any{
+		(*ExportKvResponse_Header)(nil),
+		(*ExportKvResponse_Chunk)(nil),
+	}
+	file_ferrum_executor_v1_executor_proto_msgTypes[86].OneofWrappers = []any{
+		(*ImportKvRequest_Header)(nil),
+		(*ImportKvRequest_Chunk)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ferrum_executor_v1_executor_proto_rawDesc), len(file_ferrum_executor_v1_executor_proto_rawDesc)),
-			NumEnums:      2,
-			NumMessages:   81,
+			NumEnums:      3,
+			NumMessages:   88,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -70,6 +70,8 @@ const (
 	ModelExecutor_ListCaches_FullMethodName        = "/ferrum.executor.v1.ModelExecutor/ListCaches"
 	ModelExecutor_SubscribeKvEvents_FullMethodName = "/ferrum.executor.v1.ModelExecutor/SubscribeKvEvents"
 	ModelExecutor_Abort_FullMethodName             = "/ferrum.executor.v1.ModelExecutor/Abort"
+	ModelExecutor_ExportKv_FullMethodName          = "/ferrum.executor.v1.ModelExecutor/ExportKv"
+	ModelExecutor_ImportKv_FullMethodName          = "/ferrum.executor.v1.ModelExecutor/ImportKv"
 )
 
 // ModelExecutorClient is the client API for ModelExecutor service.
@@ -161,6 +163,19 @@ type ModelExecutorClient interface {
 	// its cache; a cache (by `cache_id`) is released, ending any stream using it. Idempotent: an
 	// abort of something already gone succeeds with nothing aborted.
 	Abort(ctx context.Context, in *AbortRequest, opts ...grpc.CallOption) (*AbortResponse, error)
+	// A cache's K/V for a token range, streamed out: one `KvTransferHeader` first (model, weights
+	// fingerprint, KV dtype and shape, the tokens and their positions), then `KvChunk`s (one layer,
+	// one token range, K and V bytes, a CRC-32 each). The cache is held for the duration of the
+	// stream (a step on it meanwhile is ABORTED); it is not changed or released. UNIMPLEMENTED when
+	// `ExecutorCapabilities.supports_kv_transfer` is false.
+	ExportKv(ctx context.Context, in *ExportKvRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[ExportKvResponse], error)
+	// A new cache from streamed K/V (what `ExportKv` sends), or pulled by this server from another
+	// (`ImportKvRequest.source`). Admission first: RESOURCE_EXHAUSTED, before any chunk is read, when
+	// the blocks cannot be had; FAILED_PRECONDITION when the model, fingerprint, dtype or KV shape
+	// differ from this server's model; DATA_LOSS on a bad checksum or a missing chunk. All or
+	// nothing: a stream that fails or breaks off leaves no cache and no block behind. Imported full
+	// blocks enter the prefix cache like computed ones.
+	ImportKv(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[ImportKvRequest, ImportKvResponse], error)
 }
 
 type modelExecutorClient struct {
@@ -492,6 +507,38 @@ func (c *modelExecutorClient) Abort(ctx context.Context, in *AbortRequest, opts 
 	return out, nil
 }
 
+func (c *modelExecutorClient) ExportKv(ctx context.Context, in *ExportKvRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[ExportKvResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &ModelExecutor_ServiceDesc.Streams[3], ModelExecutor_ExportKv_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[ExportKvRequest, ExportKvResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type ModelExecutor_ExportKvClient = grpc.ServerStreamingClient[ExportKvResponse]
+
+func (c *modelExecutorClient) ImportKv(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[ImportKvRequest, ImportKvResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &ModelExecutor_ServiceDesc.Streams[4], ModelExecutor_ImportKv_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[ImportKvRequest, ImportKvResponse]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type ModelExecutor_ImportKvClient = grpc.ClientStreamingClient[ImportKvRequest, ImportKvResponse]
+
 // ModelExecutorServer is the server API for ModelExecutor service.
 // All implementations must embed UnimplementedModelExecutorServer
 // for forward compatibility.
@@ -581,6 +628,19 @@ type ModelExecutorServer interface {
 	// its cache; a cache (by `cache_id`) is released, ending any stream using it. Idempotent: an
 	// abort of something already gone succeeds with nothing aborted.
 	Abort(context.Context, *AbortRequest) (*AbortResponse, error)
+	// A cache's K/V for a token range, streamed out: one `KvTransferHeader` first (model, weights
+	// fingerprint, KV dtype and shape, the tokens and their positions), then `KvChunk`s (one layer,
+	// one token range, K and V bytes, a CRC-32 each). The cache is held for the duration of the
+	// stream (a step on it meanwhile is ABORTED); it is not changed or released. UNIMPLEMENTED when
+	// `ExecutorCapabilities.supports_kv_transfer` is false.
+	ExportKv(*ExportKvRequest, grpc.ServerStreamingServer[ExportKvResponse]) error
+	// A new cache from streamed K/V (what `ExportKv` sends), or pulled by this server from another
+	// (`ImportKvRequest.source`). Admission first: RESOURCE_EXHAUSTED, before any chunk is read, when
+	// the blocks cannot be had; FAILED_PRECONDITION when the model, fingerprint, dtype or KV shape
+	// differ from this server's model; DATA_LOSS on a bad checksum or a missing chunk. All or
+	// nothing: a stream that fails or breaks off leaves no cache and no block behind. Imported full
+	// blocks enter the prefix cache like computed ones.
+	ImportKv(grpc.ClientStreamingServer[ImportKvRequest, ImportKvResponse]) error
 	mustEmbedUnimplementedModelExecutorServer()
 }
 
@@ -680,6 +740,12 @@ func (UnimplementedModelExecutorServer) SubscribeKvEvents(*SubscribeKvEventsRequ
 }
 func (UnimplementedModelExecutorServer) Abort(context.Context, *AbortRequest) (*AbortResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Abort not implemented")
+}
+func (UnimplementedModelExecutorServer) ExportKv(*ExportKvRequest, grpc.ServerStreamingServer[ExportKvResponse]) error {
+	return status.Error(codes.Unimplemented, "method ExportKv not implemented")
+}
+func (UnimplementedModelExecutorServer) ImportKv(grpc.ClientStreamingServer[ImportKvRequest, ImportKvResponse]) error {
+	return status.Error(codes.Unimplemented, "method ImportKv not implemented")
 }
 func (UnimplementedModelExecutorServer) mustEmbedUnimplementedModelExecutorServer() {}
 func (UnimplementedModelExecutorServer) testEmbeddedByValue()                       {}
@@ -1217,6 +1283,24 @@ func _ModelExecutor_Abort_Handler(srv interface{}, ctx context.Context, dec func
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ModelExecutor_ExportKv_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(ExportKvRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(ModelExecutorServer).ExportKv(m, &grpc.GenericServerStream[ExportKvRequest, ExportKvResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type ModelExecutor_ExportKvServer = grpc.ServerStreamingServer[ExportKvResponse]
+
+func _ModelExecutor_ImportKv_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(ModelExecutorServer).ImportKv(&grpc.GenericServerStream[ImportKvRequest, ImportKvResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type ModelExecutor_ImportKvServer = grpc.ClientStreamingServer[ImportKvRequest, ImportKvResponse]
+
 // ModelExecutor_ServiceDesc is the grpc.ServiceDesc for ModelExecutor service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -1349,6 +1433,16 @@ var ModelExecutor_ServiceDesc = grpc.ServiceDesc{
 			StreamName:    "SubscribeKvEvents",
 			Handler:       _ModelExecutor_SubscribeKvEvents_Handler,
 			ServerStreams: true,
+		},
+		{
+			StreamName:    "ExportKv",
+			Handler:       _ModelExecutor_ExportKv_Handler,
+			ServerStreams: true,
+		},
+		{
+			StreamName:    "ImportKv",
+			Handler:       _ModelExecutor_ImportKv_Handler,
+			ClientStreams: true,
 		},
 	},
 	Metadata: "ferrum/executor/v1/executor.proto",

@@ -1022,9 +1022,11 @@ type ExecutorCapabilities struct {
 	// sequences with the same prefix (`PrefillOutput.cached_tokens`), see `PrefixCacheRecipe`.
 	SupportsPrefixCaching bool `protobuf:"varint,19,opt,name=supports_prefix_caching,json=supportsPrefixCaching,proto3" json:"supports_prefix_caching,omitempty"`
 	// `ForkCache` works: a new cache sharing another's first tokens, copy-on-write.
-	SupportsFork  bool `protobuf:"varint,20,opt,name=supports_fork,json=supportsFork,proto3" json:"supports_fork,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	SupportsFork bool `protobuf:"varint,20,opt,name=supports_fork,json=supportsFork,proto3" json:"supports_fork,omitempty"`
+	// `ExportKv` and `ImportKv` work: caches move between servers of the same model and dtype.
+	SupportsKvTransfer bool `protobuf:"varint,21,opt,name=supports_kv_transfer,json=supportsKvTransfer,proto3" json:"supports_kv_transfer,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *ExecutorCapabilities) Reset() {
@@ -1193,6 +1195,13 @@ func (x *ExecutorCapabilities) GetSupportsPrefixCaching() bool {
 func (x *ExecutorCapabilities) GetSupportsFork() bool {
 	if x != nil {
 		return x.SupportsFork
+	}
+	return false
+}
+
+func (x *ExecutorCapabilities) GetSupportsKvTransfer() bool {
+	if x != nil {
+		return x.SupportsKvTransfer
 	}
 	return false
 }
@@ -2867,7 +2876,7 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\x16parameter_memory_bytes\x18\x01 \x01(\x04R\x14parameterMemoryBytes\x12H\n" +
 	"!activation_memory_per_token_bytes\x18\x02 \x01(\x04R\x1dactivationMemoryPerTokenBytes\x12C\n" +
 	"\x1fkv_cache_memory_per_token_bytes\x18\x03 \x01(\x04R\x1akvCacheMemoryPerTokenBytes\x122\n" +
-	"\x15overhead_memory_bytes\x18\x04 \x01(\x04R\x13overheadMemoryBytes\"\xa5\t\n" +
+	"\x15overhead_memory_bytes\x18\x04 \x01(\x04R\x13overheadMemoryBytes\"\xd7\t\n" +
 	"\x14ExecutorCapabilities\x12$\n" +
 	"\x0emax_batch_size\x18\x01 \x01(\x04R\fmaxBatchSize\x12.\n" +
 	"\x13max_sequence_length\x18\x02 \x01(\x04R\x11maxSequenceLength\x12T\n" +
@@ -2889,7 +2898,8 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\x1esupports_native_forward_verify\x18\x11 \x01(\bR\x1bsupportsNativeForwardVerify\x12\"\n" +
 	"\rkv_block_size\x18\x12 \x01(\rR\vkvBlockSize\x126\n" +
 	"\x17supports_prefix_caching\x18\x13 \x01(\bR\x15supportsPrefixCaching\x12#\n" +
-	"\rsupports_fork\x18\x14 \x01(\bR\fsupportsFork\"\xad\x01\n" +
+	"\rsupports_fork\x18\x14 \x01(\bR\fsupportsFork\x120\n" +
+	"\x14supports_kv_transfer\x18\x15 \x01(\bR\x12supportsKvTransfer\"\xad\x01\n" +
 	"\x13ExecutorMemoryUsage\x12'\n" +
 	"\x0fallocated_bytes\x18\x01 \x01(\x04R\x0eallocatedBytes\x12\x1d\n" +
 	"\n" +

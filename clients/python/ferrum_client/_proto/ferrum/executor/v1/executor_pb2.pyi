@@ -29,6 +29,13 @@ class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_EVENT_KIND_RECLAIMED: _ClassVar[KvEventKind]
     KV_EVENT_KIND_EVICTED: _ClassVar[KvEventKind]
     KV_EVENT_KIND_FORKED: _ClassVar[KvEventKind]
+
+class ServerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVER_ROLE_UNSPECIFIED: _ClassVar[ServerRole]
+    SERVER_ROLE_BOTH: _ClassVar[ServerRole]
+    SERVER_ROLE_PREFILL: _ClassVar[ServerRole]
+    SERVER_ROLE_DECODE: _ClassVar[ServerRole]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -44,6 +51,10 @@ KV_EVENT_KIND_RELEASED: KvEventKind
 KV_EVENT_KIND_RECLAIMED: KvEventKind
 KV_EVENT_KIND_EVICTED: KvEventKind
 KV_EVENT_KIND_FORKED: KvEventKind
+SERVER_ROLE_UNSPECIFIED: ServerRole
+SERVER_ROLE_BOTH: ServerRole
+SERVER_ROLE_PREFILL: ServerRole
+SERVER_ROLE_DECODE: ServerRole
 
 class InfoRequest(_message.Message):
     __slots__ = ("model_id",)
@@ -52,14 +63,16 @@ class InfoRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("models", "server_version", "contract_version")
+    __slots__ = ("models", "server_version", "contract_version", "role")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[_types_pb2.ModelInfo]
     server_version: str
     contract_version: str
-    def __init__(self, models: _Optional[_Iterable[_Union[_types_pb2.ModelInfo, _Mapping]]] = ..., server_version: _Optional[str] = ..., contract_version: _Optional[str] = ...) -> None: ...
+    role: ServerRole
+    def __init__(self, models: _Optional[_Iterable[_Union[_types_pb2.ModelInfo, _Mapping]]] = ..., server_version: _Optional[str] = ..., contract_version: _Optional[str] = ..., role: _Optional[_Union[ServerRole, str]] = ...) -> None: ...
 
 class CapabilitiesRequest(_message.Message):
     __slots__ = ("model_id",)
@@ -892,3 +905,131 @@ class AbortResponse(_message.Message):
     aborted_streams: int
     released_cache: bool
     def __init__(self, aborted_streams: _Optional[int] = ..., released_cache: _Optional[bool] = ...) -> None: ...
+
+class ExportKvRequest(_message.Message):
+    __slots__ = ("model_id", "cache_id", "from_token", "to_token", "max_chunk_bytes")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TO_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    cache_id: str
+    from_token: int
+    to_token: int
+    max_chunk_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., cache_id: _Optional[str] = ..., from_token: _Optional[int] = ..., to_token: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class KvTransferHeader(_message.Message):
+    __slots__ = ("model_id", "fingerprint", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "v_head_dim", "token_ids", "positions", "from_token", "to_token", "num_chunks", "total_bytes", "executor", "checksum_algorithm", "state_format")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    V_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    FROM_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TO_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    STATE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    fingerprint: str
+    kv_dtype: _types_pb2.DataType
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    from_token: int
+    to_token: int
+    num_chunks: int
+    total_bytes: int
+    executor: str
+    checksum_algorithm: str
+    state_format: str
+    def __init__(self, model_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_dtype: _Optional[_Union[_types_pb2.DataType, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., from_token: _Optional[int] = ..., to_token: _Optional[int] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., executor: _Optional[str] = ..., checksum_algorithm: _Optional[str] = ..., state_format: _Optional[str] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("index", "layer", "token_start", "token_end", "key", "value", "checksum")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    layer: int
+    token_start: int
+    token_end: int
+    key: bytes
+    value: bytes
+    checksum: int
+    def __init__(self, index: _Optional[int] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class ExportKvResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: KvTransferHeader
+    chunk: KvChunk
+    def __init__(self, header: _Optional[_Union[KvTransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ...) -> None: ...
+
+class KvSource(_message.Message):
+    __slots__ = ("target", "cache_id", "model_id", "from_token", "to_token", "tls", "max_chunk_bytes")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TO_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    cache_id: str
+    model_id: str
+    from_token: int
+    to_token: int
+    tls: bool
+    max_chunk_bytes: int
+    def __init__(self, target: _Optional[str] = ..., cache_id: _Optional[str] = ..., model_id: _Optional[str] = ..., from_token: _Optional[int] = ..., to_token: _Optional[int] = ..., tls: _Optional[bool] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class ImportKvRequest(_message.Message):
+    __slots__ = ("model_id", "reserve_tokens", "cache_salt", "source", "request_id", "header", "chunk")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    reserve_tokens: int
+    cache_salt: str
+    source: KvSource
+    request_id: str
+    header: KvTransferHeader
+    chunk: KvChunk
+    def __init__(self, model_id: _Optional[str] = ..., reserve_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., source: _Optional[_Union[KvSource, _Mapping]] = ..., request_id: _Optional[str] = ..., header: _Optional[_Union[KvTransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ...) -> None: ...
+
+class ImportKvResponse(_message.Message):
+    __slots__ = ("cache", "imported_tokens", "bytes", "chunks", "cached_blocks", "transfer_ns")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    IMPORTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_NS_FIELD_NUMBER: _ClassVar[int]
+    cache: _types_pb2.KvCacheHandle
+    imported_tokens: int
+    bytes: int
+    chunks: int
+    cached_blocks: int
+    transfer_ns: int
+    def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., imported_tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., transfer_ns: _Optional[int] = ...) -> None: ...

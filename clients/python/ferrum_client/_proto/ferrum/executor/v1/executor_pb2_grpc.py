@@ -185,6 +185,16 @@ class ModelExecutorStub:
                 request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.AbortRequest.SerializeToString,
                 response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.ExportKv = channel.unary_stream(
+                '/ferrum.executor.v1.ModelExecutor/ExportKv',
+                request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ExportKvRequest.SerializeToString,
+                response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ExportKvResponse.FromString,
+                _registered_method=True)
+        self.ImportKv = channel.stream_unary(
+                '/ferrum.executor.v1.ModelExecutor/ImportKv',
+                request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ImportKvRequest.SerializeToString,
+                response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ImportKvResponse.FromString,
+                _registered_method=True)
 
 
 class ModelExecutorServicer:
@@ -426,6 +436,31 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportKv(self, request, context):
+        """--- KV handoff between servers --------------------------------------------------------------
+
+        A cache's K/V for a token range, streamed out: one `KvTransferHeader` first (model, weights
+        fingerprint, KV dtype and shape, the tokens and their positions), then `KvChunk`s (one layer,
+        one token range, K and V bytes, a CRC-32 each). The cache is held for the duration of the
+        stream (a step on it meanwhile is ABORTED); it is not changed or released. UNIMPLEMENTED when
+        `ExecutorCapabilities.supports_kv_transfer` is false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportKv(self, request_iterator, context):
+        """A new cache from streamed K/V (what `ExportKv` sends), or pulled by this server from another
+        (`ImportKvRequest.source`). Admission first: RESOURCE_EXHAUSTED, before any chunk is read, when
+        the blocks cannot be had; FAILED_PRECONDITION when the model, fingerprint, dtype or KV shape
+        differ from this server's model; DATA_LOSS on a bad checksum or a missing chunk. All or
+        nothing: a stream that fails or breaks off leaves no cache and no block behind. Imported full
+        blocks enter the prefix cache like computed ones.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -578,6 +613,16 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.AbortRequest.FromString,
                     response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.AbortResponse.SerializeToString,
+            ),
+            'ExportKv': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportKv,
+                    request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ExportKvRequest.FromString,
+                    response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ExportKvResponse.SerializeToString,
+            ),
+            'ImportKv': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportKv,
+                    request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ImportKvRequest.FromString,
+                    response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ImportKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1391,6 +1436,60 @@ class ModelExecutor:
             '/ferrum.executor.v1.ModelExecutor/Abort',
             ferrum_dot_executor_dot_v1_dot_executor__pb2.AbortRequest.SerializeToString,
             ferrum_dot_executor_dot_v1_dot_executor__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/ExportKv',
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.ExportKvRequest.SerializeToString,
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.ExportKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportKv(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/ImportKv',
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.ImportKvRequest.SerializeToString,
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.ImportKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -243,7 +243,7 @@ class MemoryRequirements(_message.Message):
     def __init__(self, parameter_memory_bytes: _Optional[int] = ..., activation_memory_per_token_bytes: _Optional[int] = ..., kv_cache_memory_per_token_bytes: _Optional[int] = ..., overhead_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ExecutorCapabilities(_message.Message):
-    __slots__ = ("max_batch_size", "max_sequence_length", "attention_mechanisms", "supports_dynamic_batching", "supports_continuous_batching", "supports_speculative_decoding", "supports_tensor_parallelism", "supports_pipeline_parallelism", "supported_dtypes", "supported_devices", "memory_requirements", "supports_native_unified_decode", "supports_generation", "supports_embeddings", "supports_forward", "supports_kv_truncation", "supports_native_forward_verify", "kv_block_size", "supports_prefix_caching", "supports_fork")
+    __slots__ = ("max_batch_size", "max_sequence_length", "attention_mechanisms", "supports_dynamic_batching", "supports_continuous_batching", "supports_speculative_decoding", "supports_tensor_parallelism", "supports_pipeline_parallelism", "supported_dtypes", "supported_devices", "memory_requirements", "supports_native_unified_decode", "supports_generation", "supports_embeddings", "supports_forward", "supports_kv_truncation", "supports_native_forward_verify", "kv_block_size", "supports_prefix_caching", "supports_fork", "supports_kv_transfer")
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MECHANISMS_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,7 @@ class ExecutorCapabilities(_message.Message):
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_FORK_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     max_batch_size: int
     max_sequence_length: int
     attention_mechanisms: _containers.RepeatedScalarFieldContainer[AttentionType]
@@ -284,7 +285,8 @@ class ExecutorCapabilities(_message.Message):
     kv_block_size: int
     supports_prefix_caching: bool
     supports_fork: bool
-    def __init__(self, max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., attention_mechanisms: _Optional[_Iterable[_Union[AttentionType, str]]] = ..., supports_dynamic_batching: _Optional[bool] = ..., supports_continuous_batching: _Optional[bool] = ..., supports_speculative_decoding: _Optional[bool] = ..., supports_tensor_parallelism: _Optional[bool] = ..., supports_pipeline_parallelism: _Optional[bool] = ..., supported_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., memory_requirements: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., supports_native_unified_decode: _Optional[bool] = ..., supports_generation: _Optional[bool] = ..., supports_embeddings: _Optional[bool] = ..., supports_forward: _Optional[bool] = ..., supports_kv_truncation: _Optional[bool] = ..., supports_native_forward_verify: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., supports_prefix_caching: _Optional[bool] = ..., supports_fork: _Optional[bool] = ...) -> None: ...
+    supports_kv_transfer: bool
+    def __init__(self, max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., attention_mechanisms: _Optional[_Iterable[_Union[AttentionType, str]]] = ..., supports_dynamic_batching: _Optional[bool] = ..., supports_continuous_batching: _Optional[bool] = ..., supports_speculative_decoding: _Optional[bool] = ..., supports_tensor_parallelism: _Optional[bool] = ..., supports_pipeline_parallelism: _Optional[bool] = ..., supported_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., memory_requirements: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., supports_native_unified_decode: _Optional[bool] = ..., supports_generation: _Optional[bool] = ..., supports_embeddings: _Optional[bool] = ..., supports_forward: _Optional[bool] = ..., supports_kv_truncation: _Optional[bool] = ..., supports_native_forward_verify: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., supports_prefix_caching: _Optional[bool] = ..., supports_fork: _Optional[bool] = ..., supports_kv_transfer: _Optional[bool] = ...) -> None: ...
 
 class ExecutorMemoryUsage(_message.Message):
     __slots__ = ("allocated_bytes", "used_bytes", "peak_bytes", "utilization_percent")

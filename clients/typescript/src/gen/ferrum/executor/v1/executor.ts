@@ -14,7 +14,9 @@ import {
   type ClientOptions,
   type ClientReadableStream,
   type ClientUnaryCall,
+  type ClientWritableStream,
   type handleBidiStreamingCall,
+  type handleClientStreamingCall,
   type handleServerStreamingCall,
   type handleUnaryCall,
   makeGenericClientConstructor,
@@ -209,6 +211,63 @@ export function kvEventKindToJSON(object: KvEventKind): string {
   }
 }
 
+/** What a server is deployed for, as `InfoResponse.role` advertises it (`--role`). */
+export enum ServerRole {
+  /** SERVER_ROLE_UNSPECIFIED - Not said (a server from before roles): the same as BOTH. */
+  SERVER_ROLE_UNSPECIFIED = 0,
+  /** SERVER_ROLE_BOTH - Computes prompts and decodes (the default). */
+  SERVER_ROLE_BOTH = 1,
+  /**
+   * SERVER_ROLE_PREFILL - Computes prompts and hands their caches to decode servers (`ExportKv`); refuses decode steps
+   * (`Decode`, `BatchDecode`, `ForwardVerify`, `Generate`) with FAILED_PRECONDITION.
+   */
+  SERVER_ROLE_PREFILL = 2,
+  /**
+   * SERVER_ROLE_DECODE - Decodes imported caches (`ImportKv`); refuses work that computes a new prompt (a prefill or
+   * `Generate` without a `cache_id`, a `UnifiedDecode` item without one) with FAILED_PRECONDITION.
+   * Continuing an existing cache (a chunk, a decode step, a verify pass) is served.
+   */
+  SERVER_ROLE_DECODE = 3,
+  UNRECOGNIZED = -1,
+}
+
+export function serverRoleFromJSON(object: any): ServerRole {
+  switch (object) {
+    case 0:
+    case "SERVER_ROLE_UNSPECIFIED":
+      return ServerRole.SERVER_ROLE_UNSPECIFIED;
+    case 1:
+    case "SERVER_ROLE_BOTH":
+      return ServerRole.SERVER_ROLE_BOTH;
+    case 2:
+    case "SERVER_ROLE_PREFILL":
+      return ServerRole.SERVER_ROLE_PREFILL;
+    case 3:
+    case "SERVER_ROLE_DECODE":
+      return ServerRole.SERVER_ROLE_DECODE;
+    case -1:
+    case "UNRECOGNIZED":
+    default:
+      return ServerRole.UNRECOGNIZED;
+  }
+}
+
+export function serverRoleToJSON(object: ServerRole): string {
+  switch (object) {
+    case ServerRole.SERVER_ROLE_UNSPECIFIED:
+      return "SERVER_ROLE_UNSPECIFIED";
+    case ServerRole.SERVER_ROLE_BOTH:
+      return "SERVER_ROLE_BOTH";
+    case ServerRole.SERVER_ROLE_PREFILL:
+      return "SERVER_ROLE_PREFILL";
+    case ServerRole.SERVER_ROLE_DECODE:
+      return "SERVER_ROLE_DECODE";
+    case ServerRole.UNRECOGNIZED:
+    default:
+      return "UNRECOGNIZED";
+  }
+}
+
 export interface InfoRequest {
   /** Empty = every hosted model. */
   modelId: string;
@@ -220,6 +279,8 @@ export interface InfoResponse {
   serverVersion: string;
   /** The contract's package, "ferrum.executor.v1". */
   contractVersion: string;
+  /** What this server is deployed for (`--role`): prefill, decode or both. */
+  role: ServerRole;
 }
 
 export interface CapabilitiesRequest {
@@ -1078,6 +1139,162 @@ export interface AbortResponse {
   releasedCache: boolean;
 }
 
+export interface ExportKvRequest {
+  modelId: string;
+  /** The cache to export (the caller's own, as for every step). */
+  cacheId: string;
+  /** First token of the range (default 0). */
+  fromToken: number;
+  /** One past the last token of the range; 0 = the cache's end. Must not exceed the cache's length. */
+  toToken: number;
+  /**
+   * Most K+V bytes per chunk (0 = the server's default, 1 MiB; capped by the message size limit).
+   * A chunk never spans layers; a layer is split by token ranges to stay under this size.
+   */
+  maxChunkBytes: number;
+}
+
+/** The first message of a transfer: what the K/V are and how they are laid out. */
+export interface KvTransferHeader {
+  /** The model the K/V were computed by (its id on the exporting server). */
+  modelId: string;
+  /**
+   * Hex SHA-256 over the model's config and weights (names, shapes, dtypes and bytes, in name
+   * order) and the executor kind. Both sides must agree: K/V of other weights are not the same
+   * tensors even when the shapes match.
+   */
+  fingerprint: string;
+  /** Element type of every K and V byte string (the executor's KV dtype). */
+  kvDtype: DataType;
+  numLayers: number;
+  numKvHeads: number;
+  /** Head dimension of K. */
+  headDim: number;
+  /** Head dimension of V (models whose V heads differ from K; equal to `head_dim` otherwise). */
+  vHeadDim: number;
+  /** The tokens of the range, in order. */
+  tokenIds: number[];
+  /**
+   * Each token's position in its sequence (RoPE was applied at these positions): `from_token`,
+   * `from_token + 1`, ...
+   */
+  positions: number[];
+  fromToken: number;
+  toToken: number;
+  /** Chunks that follow the header. */
+  numChunks: number;
+  /** K+V bytes of all chunks together. */
+  totalBytes: number;
+  /** The exporting executor ("hf-causal-lm"). */
+  executor: string;
+  /** How `KvChunk.checksum` is computed: "crc32" (zlib / IEEE 802.3 CRC-32 of `key` then `value`). */
+  checksumAlgorithm: string;
+  /**
+   * Empty: the K/V tensors chunked by layer and token range, as `KvChunk` describes. Otherwise an
+   * executor's own serialisation of the whole range, opaque to the wire: "llama.cpp/seq-state"
+   * (llama.cpp's `llama_state_seq_get_data` of the sequence; only whole caches, from token 0).
+   * Its chunks carry consecutive slices of those bytes in `key` (`value` empty, `layer` 0, the
+   * header's token range), in order; `total_bytes` is their sum. Both sides must use the same format.
+   */
+  stateFormat: string;
+}
+
+/** K and V of one layer for one token range. */
+export interface KvChunk {
+  /** Position of this chunk in the stream (0, 1, ...). */
+  index: number;
+  /** Layer, 0-based. */
+  layer: number;
+  /** Token range [token_start, token_end), as sequence positions (inside the header's range). */
+  tokenStart: number;
+  tokenEnd: number;
+  /** K: `[token_end - token_start, num_kv_heads, head_dim]`, row-major, little-endian `kv_dtype`. */
+  key: Buffer;
+  /** V: `[token_end - token_start, num_kv_heads, v_head_dim]`, same encoding. */
+  value: Buffer;
+  /** CRC-32 of `key` followed by `value` (see `KvTransferHeader.checksum_algorithm`). */
+  checksum: number;
+}
+
+export interface ExportKvResponse {
+  message:
+    | //
+    /** First message. */
+    { $case: "header"; header: KvTransferHeader }
+    | //
+    /** Every later message. */
+    { $case: "chunk"; chunk: KvChunk }
+    | undefined;
+}
+
+/**
+ * Where a server pulls K/V from (`ImportKvRequest.source`): it calls `ExportKv` on `target` itself,
+ * with the caller's `authorization` metadata, so a scheduler never relays the bytes.
+ */
+export interface KvSource {
+  /** The exporting server, HOST:PORT as this server can reach it. */
+  target: string;
+  /** The cache on that server. */
+  cacheId: string;
+  /** Its model id there (empty = the same as `ImportKvRequest.model_id`). */
+  modelId: string;
+  /** The token range, as in `ExportKvRequest` (from_token must be 0: a new cache starts at 0). */
+  fromToken: number;
+  toToken: number;
+  /** Connect with TLS (the system's root certificates); plaintext otherwise. */
+  tls: boolean;
+  /** Passed on as `ExportKvRequest.max_chunk_bytes`. */
+  maxChunkBytes: number;
+}
+
+/**
+ * One message of an import stream. The first carries `model_id`, the settings and either the
+ * `header` (the caller streams the K/V: then the chunks follow, one per message) or the `source`
+ * (this server pulls: nothing else follows).
+ */
+export interface ImportKvRequest {
+  /** The model to import into (first message). */
+  modelId: string;
+  /**
+   * Total tokens the new cache may grow to (prompt + tokens to decode), admitted and reserved up
+   * front as a prefill's `reserve_tokens` (first message). 0 = only the imported tokens.
+   */
+  reserveTokens: number;
+  /** Prefix-cache salt for the keys of the imported blocks, as a prefill's `cache_salt` (first message). */
+  cacheSalt: string;
+  /** Pull from another server instead of streaming the K/V (first message). */
+  source:
+    | KvSource
+    | undefined;
+  /** The caller's id for the request, echoed in logs and KV events (first message). */
+  requestId: string;
+  data:
+    | //
+    /** First message, unless `source` is set. */
+    { $case: "header"; header: KvTransferHeader }
+    | //
+    /** Every later message. */
+    { $case: "chunk"; chunk: KvChunk }
+    | undefined;
+}
+
+export interface ImportKvResponse {
+  /** The new cache: it holds the transferred tokens and belongs to the caller (like a prefill's). */
+  cache:
+    | KvCacheHandle
+    | undefined;
+  /** Tokens imported. */
+  importedTokens: number;
+  /** K+V bytes received. */
+  bytes: number;
+  /** Chunks received. */
+  chunks: number;
+  /** Full blocks the import put in the prefix cache (0 when prefix caching is off or they were there). */
+  cachedBlocks: number;
+  /** Wall time from the first message to the cache's creation, nanoseconds (a pull included). */
+  transferNs: number;
+}
+
 function createBaseInfoRequest(): InfoRequest {
   return { modelId: "" };
 }
@@ -1152,7 +1369,7 @@ export const InfoRequest: MessageFns<InfoRequest> = {
 };
 
 function createBaseInfoResponse(): InfoResponse {
-  return { models: [], serverVersion: "", contractVersion: "" };
+  return { models: [], serverVersion: "", contractVersion: "", role: 0 };
 }
 
 export const InfoResponse: MessageFns<InfoResponse> = {
@@ -1165,6 +1382,9 @@ export const InfoResponse: MessageFns<InfoResponse> = {
     }
     if (message.contractVersion !== "") {
       writer.uint32(26).string(message.contractVersion);
+    }
+    if (message.role !== 0) {
+      writer.uint32(32).int32(message.role);
     }
     return writer;
   },
@@ -1206,6 +1426,14 @@ export const InfoResponse: MessageFns<InfoResponse> = {
             message.contractVersion = reader.string();
             continue;
           }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.role = reader.int32() as any;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1231,6 +1459,7 @@ export const InfoResponse: MessageFns<InfoResponse> = {
         : isSet(object.contract_version)
         ? globalThis.String(object.contract_version)
         : "",
+      role: isSet(object.role) ? serverRoleFromJSON(object.role) : 0,
     };
   },
 
@@ -1245,6 +1474,9 @@ export const InfoResponse: MessageFns<InfoResponse> = {
     if (message.contractVersion !== "") {
       obj.contractVersion = message.contractVersion;
     }
+    if (message.role !== 0) {
+      obj.role = serverRoleToJSON(message.role);
+    }
     return obj;
   },
 
@@ -1256,6 +1488,7 @@ export const InfoResponse: MessageFns<InfoResponse> = {
     message.models = object.models?.map((e) => ModelInfo.fromPartial(e)) || [];
     message.serverVersion = object.serverVersion ?? "";
     message.contractVersion = object.contractVersion ?? "";
+    message.role = object.role ?? 0;
     return message;
   },
 };
@@ -10772,6 +11005,1388 @@ export const AbortResponse: MessageFns<AbortResponse> = {
   },
 };
 
+function createBaseExportKvRequest(): ExportKvRequest {
+  return { modelId: "", cacheId: "", fromToken: 0, toToken: 0, maxChunkBytes: 0 };
+}
+
+export const ExportKvRequest: MessageFns<ExportKvRequest> = {
+  encode(message: ExportKvRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.modelId !== "") {
+      writer.uint32(10).string(message.modelId);
+    }
+    if (message.cacheId !== "") {
+      writer.uint32(18).string(message.cacheId);
+    }
+    if (message.fromToken !== 0) {
+      writer.uint32(24).uint64(message.fromToken);
+    }
+    if (message.toToken !== 0) {
+      writer.uint32(32).uint64(message.toToken);
+    }
+    if (message.maxChunkBytes !== 0) {
+      writer.uint32(40).uint32(message.maxChunkBytes);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ExportKvRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseExportKvRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.modelId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.cacheId = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.fromToken = longToNumber(reader.uint64());
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.toToken = longToNumber(reader.uint64());
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.maxChunkBytes = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ExportKvRequest {
+    return {
+      modelId: isSet(object.modelId)
+        ? globalThis.String(object.modelId)
+        : isSet(object.model_id)
+        ? globalThis.String(object.model_id)
+        : "",
+      cacheId: isSet(object.cacheId)
+        ? globalThis.String(object.cacheId)
+        : isSet(object.cache_id)
+        ? globalThis.String(object.cache_id)
+        : "",
+      fromToken: isSet(object.fromToken)
+        ? globalThis.Number(object.fromToken)
+        : isSet(object.from_token)
+        ? globalThis.Number(object.from_token)
+        : 0,
+      toToken: isSet(object.toToken)
+        ? globalThis.Number(object.toToken)
+        : isSet(object.to_token)
+        ? globalThis.Number(object.to_token)
+        : 0,
+      maxChunkBytes: isSet(object.maxChunkBytes)
+        ? globalThis.Number(object.maxChunkBytes)
+        : isSet(object.max_chunk_bytes)
+        ? globalThis.Number(object.max_chunk_bytes)
+        : 0,
+    };
+  },
+
+  toJSON(message: ExportKvRequest): unknown {
+    const obj: any = {};
+    if (message.modelId !== "") {
+      obj.modelId = message.modelId;
+    }
+    if (message.cacheId !== "") {
+      obj.cacheId = message.cacheId;
+    }
+    if (message.fromToken !== 0) {
+      obj.fromToken = Math.round(message.fromToken);
+    }
+    if (message.toToken !== 0) {
+      obj.toToken = Math.round(message.toToken);
+    }
+    if (message.maxChunkBytes !== 0) {
+      obj.maxChunkBytes = Math.round(message.maxChunkBytes);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ExportKvRequest>, I>>(base?: I): ExportKvRequest {
+    return ExportKvRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ExportKvRequest>, I>>(object: I): ExportKvRequest {
+    const message = createBaseExportKvRequest();
+    message.modelId = object.modelId ?? "";
+    message.cacheId = object.cacheId ?? "";
+    message.fromToken = object.fromToken ?? 0;
+    message.toToken = object.toToken ?? 0;
+    message.maxChunkBytes = object.maxChunkBytes ?? 0;
+    return message;
+  },
+};
+
+function createBaseKvTransferHeader(): KvTransferHeader {
+  return {
+    modelId: "",
+    fingerprint: "",
+    kvDtype: 0,
+    numLayers: 0,
+    numKvHeads: 0,
+    headDim: 0,
+    vHeadDim: 0,
+    tokenIds: [],
+    positions: [],
+    fromToken: 0,
+    toToken: 0,
+    numChunks: 0,
+    totalBytes: 0,
+    executor: "",
+    checksumAlgorithm: "",
+    stateFormat: "",
+  };
+}
+
+export const KvTransferHeader: MessageFns<KvTransferHeader> = {
+  encode(message: KvTransferHeader, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.modelId !== "") {
+      writer.uint32(10).string(message.modelId);
+    }
+    if (message.fingerprint !== "") {
+      writer.uint32(18).string(message.fingerprint);
+    }
+    if (message.kvDtype !== 0) {
+      writer.uint32(24).int32(message.kvDtype);
+    }
+    if (message.numLayers !== 0) {
+      writer.uint32(32).uint32(message.numLayers);
+    }
+    if (message.numKvHeads !== 0) {
+      writer.uint32(40).uint32(message.numKvHeads);
+    }
+    if (message.headDim !== 0) {
+      writer.uint32(48).uint32(message.headDim);
+    }
+    if (message.vHeadDim !== 0) {
+      writer.uint32(56).uint32(message.vHeadDim);
+    }
+    if (message.tokenIds.length !== 0) {
+      writer.uint32(66).fork();
+      for (const v of message.tokenIds) {
+        writer.int32(v);
+      }
+      writer.join();
+    }
+    if (message.positions.length !== 0) {
+      writer.uint32(74).fork();
+      for (const v of message.positions) {
+        writer.uint64(v);
+      }
+      writer.join();
+    }
+    if (message.fromToken !== 0) {
+      writer.uint32(80).uint64(message.fromToken);
+    }
+    if (message.toToken !== 0) {
+      writer.uint32(88).uint64(message.toToken);
+    }
+    if (message.numChunks !== 0) {
+      writer.uint32(96).uint32(message.numChunks);
+    }
+    if (message.totalBytes !== 0) {
+      writer.uint32(104).uint64(message.totalBytes);
+    }
+    if (message.executor !== "") {
+      writer.uint32(114).string(message.executor);
+    }
+    if (message.checksumAlgorithm !== "") {
+      writer.uint32(122).string(message.checksumAlgorithm);
+    }
+    if (message.stateFormat !== "") {
+      writer.uint32(130).string(message.stateFormat);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): KvTransferHeader {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseKvTransferHeader();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.modelId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.fingerprint = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.kvDtype = reader.int32() as any;
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.numLayers = reader.uint32();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.numKvHeads = reader.uint32();
+            continue;
+          }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.headDim = reader.uint32();
+            continue;
+          }
+          case 7: {
+            if (tag !== 56) {
+              break;
+            }
+
+            message.vHeadDim = reader.uint32();
+            continue;
+          }
+          case 8: {
+            if (tag === 64) {
+              message.tokenIds.push(reader.int32());
+
+              continue;
+            }
+
+            if (tag === 66) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.tokenIds.push(reader.int32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 9: {
+            if (tag === 72) {
+              message.positions.push(longToNumber(reader.uint64()));
+
+              continue;
+            }
+
+            if (tag === 74) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.positions.push(longToNumber(reader.uint64()));
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.fromToken = longToNumber(reader.uint64());
+            continue;
+          }
+          case 11: {
+            if (tag !== 88) {
+              break;
+            }
+
+            message.toToken = longToNumber(reader.uint64());
+            continue;
+          }
+          case 12: {
+            if (tag !== 96) {
+              break;
+            }
+
+            message.numChunks = reader.uint32();
+            continue;
+          }
+          case 13: {
+            if (tag !== 104) {
+              break;
+            }
+
+            message.totalBytes = longToNumber(reader.uint64());
+            continue;
+          }
+          case 14: {
+            if (tag !== 114) {
+              break;
+            }
+
+            message.executor = reader.string();
+            continue;
+          }
+          case 15: {
+            if (tag !== 122) {
+              break;
+            }
+
+            message.checksumAlgorithm = reader.string();
+            continue;
+          }
+          case 16: {
+            if (tag !== 130) {
+              break;
+            }
+
+            message.stateFormat = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): KvTransferHeader {
+    return {
+      modelId: isSet(object.modelId)
+        ? globalThis.String(object.modelId)
+        : isSet(object.model_id)
+        ? globalThis.String(object.model_id)
+        : "",
+      fingerprint: isSet(object.fingerprint) ? globalThis.String(object.fingerprint) : "",
+      kvDtype: isSet(object.kvDtype)
+        ? dataTypeFromJSON(object.kvDtype)
+        : isSet(object.kv_dtype)
+        ? dataTypeFromJSON(object.kv_dtype)
+        : 0,
+      numLayers: isSet(object.numLayers)
+        ? globalThis.Number(object.numLayers)
+        : isSet(object.num_layers)
+        ? globalThis.Number(object.num_layers)
+        : 0,
+      numKvHeads: isSet(object.numKvHeads)
+        ? globalThis.Number(object.numKvHeads)
+        : isSet(object.num_kv_heads)
+        ? globalThis.Number(object.num_kv_heads)
+        : 0,
+      headDim: isSet(object.headDim)
+        ? globalThis.Number(object.headDim)
+        : isSet(object.head_dim)
+        ? globalThis.Number(object.head_dim)
+        : 0,
+      vHeadDim: isSet(object.vHeadDim)
+        ? globalThis.Number(object.vHeadDim)
+        : isSet(object.v_head_dim)
+        ? globalThis.Number(object.v_head_dim)
+        : 0,
+      tokenIds: globalThis.Array.isArray(object?.tokenIds)
+        ? object.tokenIds.map((e: any) => globalThis.Number(e))
+        : globalThis.Array.isArray(object?.token_ids)
+        ? object.token_ids.map((e: any) => globalThis.Number(e))
+        : [],
+      positions: globalThis.Array.isArray(object?.positions)
+        ? object.positions.map((e: any) => globalThis.Number(e))
+        : [],
+      fromToken: isSet(object.fromToken)
+        ? globalThis.Number(object.fromToken)
+        : isSet(object.from_token)
+        ? globalThis.Number(object.from_token)
+        : 0,
+      toToken: isSet(object.toToken)
+        ? globalThis.Number(object.toToken)
+        : isSet(object.to_token)
+        ? globalThis.Number(object.to_token)
+        : 0,
+      numChunks: isSet(object.numChunks)
+        ? globalThis.Number(object.numChunks)
+        : isSet(object.num_chunks)
+        ? globalThis.Number(object.num_chunks)
+        : 0,
+      totalBytes: isSet(object.totalBytes)
+        ? globalThis.Number(object.totalBytes)
+        : isSet(object.total_bytes)
+        ? globalThis.Number(object.total_bytes)
+        : 0,
+      executor: isSet(object.executor) ? globalThis.String(object.executor) : "",
+      checksumAlgorithm: isSet(object.checksumAlgorithm)
+        ? globalThis.String(object.checksumAlgorithm)
+        : isSet(object.checksum_algorithm)
+        ? globalThis.String(object.checksum_algorithm)
+        : "",
+      stateFormat: isSet(object.stateFormat)
+        ? globalThis.String(object.stateFormat)
+        : isSet(object.state_format)
+        ? globalThis.String(object.state_format)
+        : "",
+    };
+  },
+
+  toJSON(message: KvTransferHeader): unknown {
+    const obj: any = {};
+    if (message.modelId !== "") {
+      obj.modelId = message.modelId;
+    }
+    if (message.fingerprint !== "") {
+      obj.fingerprint = message.fingerprint;
+    }
+    if (message.kvDtype !== 0) {
+      obj.kvDtype = dataTypeToJSON(message.kvDtype);
+    }
+    if (message.numLayers !== 0) {
+      obj.numLayers = Math.round(message.numLayers);
+    }
+    if (message.numKvHeads !== 0) {
+      obj.numKvHeads = Math.round(message.numKvHeads);
+    }
+    if (message.headDim !== 0) {
+      obj.headDim = Math.round(message.headDim);
+    }
+    if (message.vHeadDim !== 0) {
+      obj.vHeadDim = Math.round(message.vHeadDim);
+    }
+    if (message.tokenIds?.length) {
+      obj.tokenIds = message.tokenIds.map((e) => Math.round(e));
+    }
+    if (message.positions?.length) {
+      obj.positions = message.positions.map((e) => Math.round(e));
+    }
+    if (message.fromToken !== 0) {
+      obj.fromToken = Math.round(message.fromToken);
+    }
+    if (message.toToken !== 0) {
+      obj.toToken = Math.round(message.toToken);
+    }
+    if (message.numChunks !== 0) {
+      obj.numChunks = Math.round(message.numChunks);
+    }
+    if (message.totalBytes !== 0) {
+      obj.totalBytes = Math.round(message.totalBytes);
+    }
+    if (message.executor !== "") {
+      obj.executor = message.executor;
+    }
+    if (message.checksumAlgorithm !== "") {
+      obj.checksumAlgorithm = message.checksumAlgorithm;
+    }
+    if (message.stateFormat !== "") {
+      obj.stateFormat = message.stateFormat;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<KvTransferHeader>, I>>(base?: I): KvTransferHeader {
+    return KvTransferHeader.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<KvTransferHeader>, I>>(object: I): KvTransferHeader {
+    const message = createBaseKvTransferHeader();
+    message.modelId = object.modelId ?? "";
+    message.fingerprint = object.fingerprint ?? "";
+    message.kvDtype = object.kvDtype ?? 0;
+    message.numLayers = object.numLayers ?? 0;
+    message.numKvHeads = object.numKvHeads ?? 0;
+    message.headDim = object.headDim ?? 0;
+    message.vHeadDim = object.vHeadDim ?? 0;
+    message.tokenIds = object.tokenIds?.map((e) => e) || [];
+    message.positions = object.positions?.map((e) => e) || [];
+    message.fromToken = object.fromToken ?? 0;
+    message.toToken = object.toToken ?? 0;
+    message.numChunks = object.numChunks ?? 0;
+    message.totalBytes = object.totalBytes ?? 0;
+    message.executor = object.executor ?? "";
+    message.checksumAlgorithm = object.checksumAlgorithm ?? "";
+    message.stateFormat = object.stateFormat ?? "";
+    return message;
+  },
+};
+
+function createBaseKvChunk(): KvChunk {
+  return { index: 0, layer: 0, tokenStart: 0, tokenEnd: 0, key: Buffer.alloc(0), value: Buffer.alloc(0), checksum: 0 };
+}
+
+export const KvChunk: MessageFns<KvChunk> = {
+  encode(message: KvChunk, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.index !== 0) {
+      writer.uint32(8).uint32(message.index);
+    }
+    if (message.layer !== 0) {
+      writer.uint32(16).uint32(message.layer);
+    }
+    if (message.tokenStart !== 0) {
+      writer.uint32(24).uint64(message.tokenStart);
+    }
+    if (message.tokenEnd !== 0) {
+      writer.uint32(32).uint64(message.tokenEnd);
+    }
+    if (message.key.length !== 0) {
+      writer.uint32(42).bytes(message.key);
+    }
+    if (message.value.length !== 0) {
+      writer.uint32(50).bytes(message.value);
+    }
+    if (message.checksum !== 0) {
+      writer.uint32(56).uint32(message.checksum);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): KvChunk {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseKvChunk();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.index = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.layer = reader.uint32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.tokenStart = longToNumber(reader.uint64());
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.tokenEnd = longToNumber(reader.uint64());
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.key = Buffer.from(reader.bytes());
+            continue;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.value = Buffer.from(reader.bytes());
+            continue;
+          }
+          case 7: {
+            if (tag !== 56) {
+              break;
+            }
+
+            message.checksum = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): KvChunk {
+    return {
+      index: isSet(object.index) ? globalThis.Number(object.index) : 0,
+      layer: isSet(object.layer) ? globalThis.Number(object.layer) : 0,
+      tokenStart: isSet(object.tokenStart)
+        ? globalThis.Number(object.tokenStart)
+        : isSet(object.token_start)
+        ? globalThis.Number(object.token_start)
+        : 0,
+      tokenEnd: isSet(object.tokenEnd)
+        ? globalThis.Number(object.tokenEnd)
+        : isSet(object.token_end)
+        ? globalThis.Number(object.token_end)
+        : 0,
+      key: isSet(object.key) ? Buffer.from(bytesFromBase64(object.key)) : Buffer.alloc(0),
+      value: isSet(object.value) ? Buffer.from(bytesFromBase64(object.value)) : Buffer.alloc(0),
+      checksum: isSet(object.checksum) ? globalThis.Number(object.checksum) : 0,
+    };
+  },
+
+  toJSON(message: KvChunk): unknown {
+    const obj: any = {};
+    if (message.index !== 0) {
+      obj.index = Math.round(message.index);
+    }
+    if (message.layer !== 0) {
+      obj.layer = Math.round(message.layer);
+    }
+    if (message.tokenStart !== 0) {
+      obj.tokenStart = Math.round(message.tokenStart);
+    }
+    if (message.tokenEnd !== 0) {
+      obj.tokenEnd = Math.round(message.tokenEnd);
+    }
+    if (message.key.length !== 0) {
+      obj.key = base64FromBytes(message.key);
+    }
+    if (message.value.length !== 0) {
+      obj.value = base64FromBytes(message.value);
+    }
+    if (message.checksum !== 0) {
+      obj.checksum = Math.round(message.checksum);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<KvChunk>, I>>(base?: I): KvChunk {
+    return KvChunk.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<KvChunk>, I>>(object: I): KvChunk {
+    const message = createBaseKvChunk();
+    message.index = object.index ?? 0;
+    message.layer = object.layer ?? 0;
+    message.tokenStart = object.tokenStart ?? 0;
+    message.tokenEnd = object.tokenEnd ?? 0;
+    message.key = object.key ?? Buffer.alloc(0);
+    message.value = object.value ?? Buffer.alloc(0);
+    message.checksum = object.checksum ?? 0;
+    return message;
+  },
+};
+
+function createBaseExportKvResponse(): ExportKvResponse {
+  return { message: undefined };
+}
+
+export const ExportKvResponse: MessageFns<ExportKvResponse> = {
+  encode(message: ExportKvResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    switch (message.message?.$case) {
+      case "header":
+        KvTransferHeader.encode(message.message.header, writer.uint32(10).fork()).join();
+        break;
+      case "chunk":
+        KvChunk.encode(message.message.chunk, writer.uint32(18).fork()).join();
+        break;
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ExportKvResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseExportKvResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.message = { $case: "header", header: KvTransferHeader.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.message = { $case: "chunk", chunk: KvChunk.decode(reader, reader.uint32()) };
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ExportKvResponse {
+    return {
+      message: isSet(object.header)
+        ? { $case: "header", header: KvTransferHeader.fromJSON(object.header) }
+        : isSet(object.chunk)
+        ? { $case: "chunk", chunk: KvChunk.fromJSON(object.chunk) }
+        : undefined,
+    };
+  },
+
+  toJSON(message: ExportKvResponse): unknown {
+    const obj: any = {};
+    if (message.message?.$case === "header") {
+      obj.header = KvTransferHeader.toJSON(message.message.header);
+    } else if (message.message?.$case === "chunk") {
+      obj.chunk = KvChunk.toJSON(message.message.chunk);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ExportKvResponse>, I>>(base?: I): ExportKvResponse {
+    return ExportKvResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ExportKvResponse>, I>>(object: I): ExportKvResponse {
+    const message = createBaseExportKvResponse();
+    switch (object.message?.$case) {
+      case "header": {
+        if (object.message?.header !== undefined && object.message?.header !== null) {
+          message.message = { $case: "header", header: KvTransferHeader.fromPartial(object.message.header) };
+        }
+        break;
+      }
+      case "chunk": {
+        if (object.message?.chunk !== undefined && object.message?.chunk !== null) {
+          message.message = { $case: "chunk", chunk: KvChunk.fromPartial(object.message.chunk) };
+        }
+        break;
+      }
+    }
+    return message;
+  },
+};
+
+function createBaseKvSource(): KvSource {
+  return { target: "", cacheId: "", modelId: "", fromToken: 0, toToken: 0, tls: false, maxChunkBytes: 0 };
+}
+
+export const KvSource: MessageFns<KvSource> = {
+  encode(message: KvSource, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.target !== "") {
+      writer.uint32(10).string(message.target);
+    }
+    if (message.cacheId !== "") {
+      writer.uint32(18).string(message.cacheId);
+    }
+    if (message.modelId !== "") {
+      writer.uint32(26).string(message.modelId);
+    }
+    if (message.fromToken !== 0) {
+      writer.uint32(32).uint64(message.fromToken);
+    }
+    if (message.toToken !== 0) {
+      writer.uint32(40).uint64(message.toToken);
+    }
+    if (message.tls !== false) {
+      writer.uint32(48).bool(message.tls);
+    }
+    if (message.maxChunkBytes !== 0) {
+      writer.uint32(56).uint32(message.maxChunkBytes);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): KvSource {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseKvSource();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.target = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.cacheId = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.modelId = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.fromToken = longToNumber(reader.uint64());
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.toToken = longToNumber(reader.uint64());
+            continue;
+          }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.tls = reader.bool();
+            continue;
+          }
+          case 7: {
+            if (tag !== 56) {
+              break;
+            }
+
+            message.maxChunkBytes = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): KvSource {
+    return {
+      target: isSet(object.target) ? globalThis.String(object.target) : "",
+      cacheId: isSet(object.cacheId)
+        ? globalThis.String(object.cacheId)
+        : isSet(object.cache_id)
+        ? globalThis.String(object.cache_id)
+        : "",
+      modelId: isSet(object.modelId)
+        ? globalThis.String(object.modelId)
+        : isSet(object.model_id)
+        ? globalThis.String(object.model_id)
+        : "",
+      fromToken: isSet(object.fromToken)
+        ? globalThis.Number(object.fromToken)
+        : isSet(object.from_token)
+        ? globalThis.Number(object.from_token)
+        : 0,
+      toToken: isSet(object.toToken)
+        ? globalThis.Number(object.toToken)
+        : isSet(object.to_token)
+        ? globalThis.Number(object.to_token)
+        : 0,
+      tls: isSet(object.tls) ? globalThis.Boolean(object.tls) : false,
+      maxChunkBytes: isSet(object.maxChunkBytes)
+        ? globalThis.Number(object.maxChunkBytes)
+        : isSet(object.max_chunk_bytes)
+        ? globalThis.Number(object.max_chunk_bytes)
+        : 0,
+    };
+  },
+
+  toJSON(message: KvSource): unknown {
+    const obj: any = {};
+    if (message.target !== "") {
+      obj.target = message.target;
+    }
+    if (message.cacheId !== "") {
+      obj.cacheId = message.cacheId;
+    }
+    if (message.modelId !== "") {
+      obj.modelId = message.modelId;
+    }
+    if (message.fromToken !== 0) {
+      obj.fromToken = Math.round(message.fromToken);
+    }
+    if (message.toToken !== 0) {
+      obj.toToken = Math.round(message.toToken);
+    }
+    if (message.tls !== false) {
+      obj.tls = message.tls;
+    }
+    if (message.maxChunkBytes !== 0) {
+      obj.maxChunkBytes = Math.round(message.maxChunkBytes);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<KvSource>, I>>(base?: I): KvSource {
+    return KvSource.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<KvSource>, I>>(object: I): KvSource {
+    const message = createBaseKvSource();
+    message.target = object.target ?? "";
+    message.cacheId = object.cacheId ?? "";
+    message.modelId = object.modelId ?? "";
+    message.fromToken = object.fromToken ?? 0;
+    message.toToken = object.toToken ?? 0;
+    message.tls = object.tls ?? false;
+    message.maxChunkBytes = object.maxChunkBytes ?? 0;
+    return message;
+  },
+};
+
+function createBaseImportKvRequest(): ImportKvRequest {
+  return { modelId: "", reserveTokens: 0, cacheSalt: "", source: undefined, requestId: "", data: undefined };
+}
+
+export const ImportKvRequest: MessageFns<ImportKvRequest> = {
+  encode(message: ImportKvRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.modelId !== "") {
+      writer.uint32(10).string(message.modelId);
+    }
+    if (message.reserveTokens !== 0) {
+      writer.uint32(16).uint64(message.reserveTokens);
+    }
+    if (message.cacheSalt !== "") {
+      writer.uint32(26).string(message.cacheSalt);
+    }
+    if (message.source !== undefined) {
+      KvSource.encode(message.source, writer.uint32(34).fork()).join();
+    }
+    if (message.requestId !== "") {
+      writer.uint32(42).string(message.requestId);
+    }
+    switch (message.data?.$case) {
+      case "header":
+        KvTransferHeader.encode(message.data.header, writer.uint32(50).fork()).join();
+        break;
+      case "chunk":
+        KvChunk.encode(message.data.chunk, writer.uint32(58).fork()).join();
+        break;
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ImportKvRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseImportKvRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.modelId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.reserveTokens = longToNumber(reader.uint64());
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.cacheSalt = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.source = KvSource.decode(reader, reader.uint32());
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.requestId = reader.string();
+            continue;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.data = { $case: "header", header: KvTransferHeader.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.data = { $case: "chunk", chunk: KvChunk.decode(reader, reader.uint32()) };
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ImportKvRequest {
+    return {
+      modelId: isSet(object.modelId)
+        ? globalThis.String(object.modelId)
+        : isSet(object.model_id)
+        ? globalThis.String(object.model_id)
+        : "",
+      reserveTokens: isSet(object.reserveTokens)
+        ? globalThis.Number(object.reserveTokens)
+        : isSet(object.reserve_tokens)
+        ? globalThis.Number(object.reserve_tokens)
+        : 0,
+      cacheSalt: isSet(object.cacheSalt)
+        ? globalThis.String(object.cacheSalt)
+        : isSet(object.cache_salt)
+        ? globalThis.String(object.cache_salt)
+        : "",
+      source: isSet(object.source) ? KvSource.fromJSON(object.source) : undefined,
+      requestId: isSet(object.requestId)
+        ? globalThis.String(object.requestId)
+        : isSet(object.request_id)
+        ? globalThis.String(object.request_id)
+        : "",
+      data: isSet(object.header)
+        ? { $case: "header", header: KvTransferHeader.fromJSON(object.header) }
+        : isSet(object.chunk)
+        ? { $case: "chunk", chunk: KvChunk.fromJSON(object.chunk) }
+        : undefined,
+    };
+  },
+
+  toJSON(message: ImportKvRequest): unknown {
+    const obj: any = {};
+    if (message.modelId !== "") {
+      obj.modelId = message.modelId;
+    }
+    if (message.reserveTokens !== 0) {
+      obj.reserveTokens = Math.round(message.reserveTokens);
+    }
+    if (message.cacheSalt !== "") {
+      obj.cacheSalt = message.cacheSalt;
+    }
+    if (message.source !== undefined) {
+      obj.source = KvSource.toJSON(message.source);
+    }
+    if (message.requestId !== "") {
+      obj.requestId = message.requestId;
+    }
+    if (message.data?.$case === "header") {
+      obj.header = KvTransferHeader.toJSON(message.data.header);
+    } else if (message.data?.$case === "chunk") {
+      obj.chunk = KvChunk.toJSON(message.data.chunk);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ImportKvRequest>, I>>(base?: I): ImportKvRequest {
+    return ImportKvRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ImportKvRequest>, I>>(object: I): ImportKvRequest {
+    const message = createBaseImportKvRequest();
+    message.modelId = object.modelId ?? "";
+    message.reserveTokens = object.reserveTokens ?? 0;
+    message.cacheSalt = object.cacheSalt ?? "";
+    message.source = (object.source !== undefined && object.source !== null)
+      ? KvSource.fromPartial(object.source)
+      : undefined;
+    message.requestId = object.requestId ?? "";
+    switch (object.data?.$case) {
+      case "header": {
+        if (object.data?.header !== undefined && object.data?.header !== null) {
+          message.data = { $case: "header", header: KvTransferHeader.fromPartial(object.data.header) };
+        }
+        break;
+      }
+      case "chunk": {
+        if (object.data?.chunk !== undefined && object.data?.chunk !== null) {
+          message.data = { $case: "chunk", chunk: KvChunk.fromPartial(object.data.chunk) };
+        }
+        break;
+      }
+    }
+    return message;
+  },
+};
+
+function createBaseImportKvResponse(): ImportKvResponse {
+  return { cache: undefined, importedTokens: 0, bytes: 0, chunks: 0, cachedBlocks: 0, transferNs: 0 };
+}
+
+export const ImportKvResponse: MessageFns<ImportKvResponse> = {
+  encode(message: ImportKvResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.cache !== undefined) {
+      KvCacheHandle.encode(message.cache, writer.uint32(10).fork()).join();
+    }
+    if (message.importedTokens !== 0) {
+      writer.uint32(16).uint64(message.importedTokens);
+    }
+    if (message.bytes !== 0) {
+      writer.uint32(24).uint64(message.bytes);
+    }
+    if (message.chunks !== 0) {
+      writer.uint32(32).uint32(message.chunks);
+    }
+    if (message.cachedBlocks !== 0) {
+      writer.uint32(40).uint32(message.cachedBlocks);
+    }
+    if (message.transferNs !== 0) {
+      writer.uint32(48).uint64(message.transferNs);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ImportKvResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseImportKvResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.cache = KvCacheHandle.decode(reader, reader.uint32());
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.importedTokens = longToNumber(reader.uint64());
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.bytes = longToNumber(reader.uint64());
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.chunks = reader.uint32();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.cachedBlocks = reader.uint32();
+            continue;
+          }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.transferNs = longToNumber(reader.uint64());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ImportKvResponse {
+    return {
+      cache: isSet(object.cache) ? KvCacheHandle.fromJSON(object.cache) : undefined,
+      importedTokens: isSet(object.importedTokens)
+        ? globalThis.Number(object.importedTokens)
+        : isSet(object.imported_tokens)
+        ? globalThis.Number(object.imported_tokens)
+        : 0,
+      bytes: isSet(object.bytes) ? globalThis.Number(object.bytes) : 0,
+      chunks: isSet(object.chunks) ? globalThis.Number(object.chunks) : 0,
+      cachedBlocks: isSet(object.cachedBlocks)
+        ? globalThis.Number(object.cachedBlocks)
+        : isSet(object.cached_blocks)
+        ? globalThis.Number(object.cached_blocks)
+        : 0,
+      transferNs: isSet(object.transferNs)
+        ? globalThis.Number(object.transferNs)
+        : isSet(object.transfer_ns)
+        ? globalThis.Number(object.transfer_ns)
+        : 0,
+    };
+  },
+
+  toJSON(message: ImportKvResponse): unknown {
+    const obj: any = {};
+    if (message.cache !== undefined) {
+      obj.cache = KvCacheHandle.toJSON(message.cache);
+    }
+    if (message.importedTokens !== 0) {
+      obj.importedTokens = Math.round(message.importedTokens);
+    }
+    if (message.bytes !== 0) {
+      obj.bytes = Math.round(message.bytes);
+    }
+    if (message.chunks !== 0) {
+      obj.chunks = Math.round(message.chunks);
+    }
+    if (message.cachedBlocks !== 0) {
+      obj.cachedBlocks = Math.round(message.cachedBlocks);
+    }
+    if (message.transferNs !== 0) {
+      obj.transferNs = Math.round(message.transferNs);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ImportKvResponse>, I>>(base?: I): ImportKvResponse {
+    return ImportKvResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ImportKvResponse>, I>>(object: I): ImportKvResponse {
+    const message = createBaseImportKvResponse();
+    message.cache = (object.cache !== undefined && object.cache !== null)
+      ? KvCacheHandle.fromPartial(object.cache)
+      : undefined;
+    message.importedTokens = object.importedTokens ?? 0;
+    message.bytes = object.bytes ?? 0;
+    message.chunks = object.chunks ?? 0;
+    message.cachedBlocks = object.cachedBlocks ?? 0;
+    message.transferNs = object.transferNs ?? 0;
+    return message;
+  },
+};
+
 /** ferrum's `ModelExecutor`, served remotely. */
 export type ModelExecutorService = typeof ModelExecutorService;
 export const ModelExecutorService = {
@@ -11142,6 +12757,39 @@ export const ModelExecutorService = {
     responseSerialize: (value: AbortResponse): Buffer => Buffer.from(AbortResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): AbortResponse => AbortResponse.decode(value),
   },
+  /**
+   * A cache's K/V for a token range, streamed out: one `KvTransferHeader` first (model, weights
+   * fingerprint, KV dtype and shape, the tokens and their positions), then `KvChunk`s (one layer,
+   * one token range, K and V bytes, a CRC-32 each). The cache is held for the duration of the
+   * stream (a step on it meanwhile is ABORTED); it is not changed or released. UNIMPLEMENTED when
+   * `ExecutorCapabilities.supports_kv_transfer` is false.
+   */
+  exportKv: {
+    path: "/ferrum.executor.v1.ModelExecutor/ExportKv" as const,
+    requestStream: false as const,
+    responseStream: true as const,
+    requestSerialize: (value: ExportKvRequest): Buffer => Buffer.from(ExportKvRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ExportKvRequest => ExportKvRequest.decode(value),
+    responseSerialize: (value: ExportKvResponse): Buffer => Buffer.from(ExportKvResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): ExportKvResponse => ExportKvResponse.decode(value),
+  },
+  /**
+   * A new cache from streamed K/V (what `ExportKv` sends), or pulled by this server from another
+   * (`ImportKvRequest.source`). Admission first: RESOURCE_EXHAUSTED, before any chunk is read, when
+   * the blocks cannot be had; FAILED_PRECONDITION when the model, fingerprint, dtype or KV shape
+   * differ from this server's model; DATA_LOSS on a bad checksum or a missing chunk. All or
+   * nothing: a stream that fails or breaks off leaves no cache and no block behind. Imported full
+   * blocks enter the prefix cache like computed ones.
+   */
+  importKv: {
+    path: "/ferrum.executor.v1.ModelExecutor/ImportKv" as const,
+    requestStream: true as const,
+    responseStream: false as const,
+    requestSerialize: (value: ImportKvRequest): Buffer => Buffer.from(ImportKvRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ImportKvRequest => ImportKvRequest.decode(value),
+    responseSerialize: (value: ImportKvResponse): Buffer => Buffer.from(ImportKvResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): ImportKvResponse => ImportKvResponse.decode(value),
+  },
 } as const;
 
 export interface ModelExecutorServer extends UntypedServiceImplementation {
@@ -11256,6 +12904,23 @@ export interface ModelExecutorServer extends UntypedServiceImplementation {
    * abort of something already gone succeeds with nothing aborted.
    */
   abort: handleUnaryCall<AbortRequest, AbortResponse>;
+  /**
+   * A cache's K/V for a token range, streamed out: one `KvTransferHeader` first (model, weights
+   * fingerprint, KV dtype and shape, the tokens and their positions), then `KvChunk`s (one layer,
+   * one token range, K and V bytes, a CRC-32 each). The cache is held for the duration of the
+   * stream (a step on it meanwhile is ABORTED); it is not changed or released. UNIMPLEMENTED when
+   * `ExecutorCapabilities.supports_kv_transfer` is false.
+   */
+  exportKv: handleServerStreamingCall<ExportKvRequest, ExportKvResponse>;
+  /**
+   * A new cache from streamed K/V (what `ExportKv` sends), or pulled by this server from another
+   * (`ImportKvRequest.source`). Admission first: RESOURCE_EXHAUSTED, before any chunk is read, when
+   * the blocks cannot be had; FAILED_PRECONDITION when the model, fingerprint, dtype or KV shape
+   * differ from this server's model; DATA_LOSS on a bad checksum or a missing chunk. All or
+   * nothing: a stream that fails or breaks off leaves no cache and no block behind. Imported full
+   * blocks enter the prefix cache like computed ones.
+   */
+  importKv: handleClientStreamingCall<ImportKvRequest, ImportKvResponse>;
 }
 
 export interface ModelExecutorClient extends Client {
@@ -11760,6 +13425,43 @@ export interface ModelExecutorClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: AbortResponse) => void,
   ): ClientUnaryCall;
+  /**
+   * A cache's K/V for a token range, streamed out: one `KvTransferHeader` first (model, weights
+   * fingerprint, KV dtype and shape, the tokens and their positions), then `KvChunk`s (one layer,
+   * one token range, K and V bytes, a CRC-32 each). The cache is held for the duration of the
+   * stream (a step on it meanwhile is ABORTED); it is not changed or released. UNIMPLEMENTED when
+   * `ExecutorCapabilities.supports_kv_transfer` is false.
+   */
+  exportKv(request: ExportKvRequest, options?: Partial<CallOptions>): ClientReadableStream<ExportKvResponse>;
+  exportKv(
+    request: ExportKvRequest,
+    metadata?: Metadata,
+    options?: Partial<CallOptions>,
+  ): ClientReadableStream<ExportKvResponse>;
+  /**
+   * A new cache from streamed K/V (what `ExportKv` sends), or pulled by this server from another
+   * (`ImportKvRequest.source`). Admission first: RESOURCE_EXHAUSTED, before any chunk is read, when
+   * the blocks cannot be had; FAILED_PRECONDITION when the model, fingerprint, dtype or KV shape
+   * differ from this server's model; DATA_LOSS on a bad checksum or a missing chunk. All or
+   * nothing: a stream that fails or breaks off leaves no cache and no block behind. Imported full
+   * blocks enter the prefix cache like computed ones.
+   */
+  importKv(
+    callback: (error: ServiceError | null, response: ImportKvResponse) => void,
+  ): ClientWritableStream<ImportKvRequest>;
+  importKv(
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: ImportKvResponse) => void,
+  ): ClientWritableStream<ImportKvRequest>;
+  importKv(
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: ImportKvResponse) => void,
+  ): ClientWritableStream<ImportKvRequest>;
+  importKv(
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: ImportKvResponse) => void,
+  ): ClientWritableStream<ImportKvRequest>;
 }
 
 export const ModelExecutorClient = makeGenericClientConstructor(

@@ -768,6 +768,8 @@ export interface ExecutorCapabilities {
   supportsPrefixCaching: boolean;
   /** `ForkCache` works: a new cache sharing another's first tokens, copy-on-write. */
   supportsFork: boolean;
+  /** `ExportKv` and `ImportKv` work: caches move between servers of the same model and dtype. */
+  supportsKvTransfer: boolean;
 }
 
 /** Memory use. Mirrors `ExecutorMemoryUsage`. */
@@ -2003,6 +2005,7 @@ function createBaseExecutorCapabilities(): ExecutorCapabilities {
     kvBlockSize: 0,
     supportsPrefixCaching: false,
     supportsFork: false,
+    supportsKvTransfer: false,
   };
 }
 
@@ -2075,6 +2078,9 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
     }
     if (message.supportsFork !== false) {
       writer.uint32(160).bool(message.supportsFork);
+    }
+    if (message.supportsKvTransfer !== false) {
+      writer.uint32(168).bool(message.supportsKvTransfer);
     }
     return writer;
   },
@@ -2272,6 +2278,14 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
             message.supportsFork = reader.bool();
             continue;
           }
+          case 21: {
+            if (tag !== 168) {
+              break;
+            }
+
+            message.supportsKvTransfer = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2386,6 +2400,11 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
         : isSet(object.supports_fork)
         ? globalThis.Boolean(object.supports_fork)
         : false,
+      supportsKvTransfer: isSet(object.supportsKvTransfer)
+        ? globalThis.Boolean(object.supportsKvTransfer)
+        : isSet(object.supports_kv_transfer)
+        ? globalThis.Boolean(object.supports_kv_transfer)
+        : false,
     };
   },
 
@@ -2451,6 +2470,9 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
     if (message.supportsFork !== false) {
       obj.supportsFork = message.supportsFork;
     }
+    if (message.supportsKvTransfer !== false) {
+      obj.supportsKvTransfer = message.supportsKvTransfer;
+    }
     return obj;
   },
 
@@ -2481,6 +2503,7 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
     message.kvBlockSize = object.kvBlockSize ?? 0;
     message.supportsPrefixCaching = object.supportsPrefixCaching ?? false;
     message.supportsFork = object.supportsFork ?? false;
+    message.supportsKvTransfer = object.supportsKvTransfer ?? false;
     return message;
   },
 };

@@ -1,0 +1,474 @@
+"""KV handoff between servers: ``ExportKv`` (server-streaming) and ``ImportKv`` (client-streaming,
+or a server-side pull from another server).
+
+Wire format (``KvTransferHeader`` then ``KvChunk``s): per layer, the range's K then V as
+``[tokens, kv_heads, head_dim]`` row-major bytes of the executor's KV dtype; a layer is split into
+token ranges so that a chunk's K+V stay under ``max_chunk_bytes``; each chunk carries the zlib
+CRC-32 of ``key || value``. Chunks come layer by layer, token ranges in order.
+
+Import, all or nothing:
+
+1. The header is checked against this server's model (model id, weights fingerprint, KV dtype and
+   shape: FAILED_PRECONDITION), then admitted: the executor takes the blocks for the tokens (or the
+   reservation) at once, privately — RESOURCE_EXHAUSTED before any chunk is read.
+2. Each chunk is checked (order, layer, token range, byte lengths: INVALID_ARGUMENT; checksum:
+   DATA_LOSS) and written into the staged blocks on the model's worker.
+3. When every layer's range is covered, the staged blocks become a cache in the registry (a
+   ``created`` KV event) and its full blocks are keyed into the prefix cache (block events).
+   A stream that ends early is DATA_LOSS; whatever way it fails (or the caller goes away), the
+   staged blocks go back to the pool and no cache exists.
+
+Server pull: with ``source`` set, this server calls ``ExportKv`` on ``source.target`` itself,
+forwarding the caller's ``authorization`` metadata (so the source sees the same caller and its
+ownership check applies), and feeds the stream through the same steps. Channels to sources are
+kept open per target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import time
+import zlib
+from typing import Any, AsyncIterator
+
+import grpc
+import structlog
+
+from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
+
+from . import errors
+from .convert import handle_pb, pb, tpb
+from .executors.base import KvLayout
+
+log = structlog.get_logger("ferrum_service.kv_transfer")
+
+#: K+V bytes per chunk when the request does not say.
+DEFAULT_CHUNK_BYTES = 4 << 20
+#: Chunk writes an import keeps queued on the model's worker while it reads the next chunks.
+_WRITES_IN_FLIGHT = 4
+CHECKSUM = "crc32"
+_DTYPE_PB = {"fp32": tpb.DATA_TYPE_FP32, "fp16": tpb.DATA_TYPE_FP16, "bf16": tpb.DATA_TYPE_BF16}
+_PB_NAMES = {v: k for k, v in _DTYPE_PB.items()}
+
+# Export reads a whole layer's range at once; bound that read (bytes of K+V of one layer).
+_MAX_LAYER_READ_BYTES = 256 << 20
+
+
+def checksum(key: bytes, value: bytes) -> int:
+    return zlib.crc32(value, zlib.crc32(key))
+
+
+def _chunk_ranges(start: int, end: int, per_token: int, max_bytes: int) -> list[tuple[int, int]]:
+    step = max(1, max_bytes // max(1, per_token))
+    return [(s, min(end, s + step)) for s in range(start, end, step)]
+
+
+class KvTransfer:
+    """The two RPCs' server side (the servicer hands them the request and the call context)."""
+
+    def __init__(self, models, checks, *, max_message_bytes: int, metrics=None) -> None:
+        self.models = models
+        self.metrics = metrics
+        self.checks = checks
+        self.max_message_bytes = max_message_bytes
+        self._channels: dict[tuple[str, bool], grpc.aio.Channel] = {}
+        # Chunk reads (export) and checks + writes (import) run on this one thread, not on the
+        # models' workers: a prefill server's worker is busy with prompts, and a handoff must not
+        # queue behind them. Safe because they only touch blocks nothing else writes: an exported
+        # cache is held (no step runs on it; its shared blocks are copy-on-write for others), an
+        # import's staged blocks are in no table. One thread, so work submitted after an import's
+        # writes (its abort) runs after them.
+        self._io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer")
+        self._aborts: set[asyncio.Task] = set()
+
+    @staticmethod
+    def _require(host) -> None:
+        if not host.capabilities.supports_kv_transfer:
+            raise errors.unsupported(
+                f"model {host.model_id!r} ({host.info.executor}) cannot export or import KV caches "
+                "(Capabilities.supports_kv_transfer is false)", field="model_id")
+
+    def _max_chunk(self, asked: int) -> int:
+        cap = max(4096, self.max_message_bytes - 64 * 1024)  # room for the message's other fields
+        return min(asked or DEFAULT_CHUNK_BYTES, cap)
+
+    @staticmethod
+    def header_of(layout: KvLayout, tokens: list[int], start: int, end: int, num_chunks: int,
+                  total_bytes: int) -> pb.KvTransferHeader:
+        return pb.KvTransferHeader(
+            model_id=layout.model_id, fingerprint=layout.fingerprint, kv_dtype=_DTYPE_PB.get(layout.dtype, 0),
+            num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+            v_head_dim=layout.v_head_dim, token_ids=tokens, positions=range(start, end), from_token=start,
+            to_token=end, num_chunks=num_chunks, total_bytes=total_bytes, executor=layout.executor,
+            checksum_algorithm=CHECKSUM)
+
+    # ---- export ---------------------------------------------------------------------------------
+    async def _layout(self, host) -> KvLayout:
+        """The model's KV layout: on the worker the first time (the fingerprint reads every
+        weight), from the executor's memo afterwards (never behind queued steps)."""
+        memo = getattr(host.executor, "_kv_layout", None)
+        return memo if memo is not None else (await host.call(host.executor.kv_layout)).value
+
+    async def export(self, req: pb.ExportKvRequest) -> AsyncIterator[pb.ExportKvResponse]:
+        host = self.models.get(req.model_id)
+        self._require(host)
+        entry = self.checks.live_entry(host, req.cache_id, "cache_id")
+        n = entry.num_tokens
+        start = int(req.from_token)
+        end = int(req.to_token) or n
+        if not 0 <= start < end <= n:
+            raise errors.out_of_range(
+                f"token range [{start}, {end}) must be non-empty and inside the cache's {n} tokens",
+                field="to_token" if end > n else "from_token", num_tokens=n)
+        ex = host.executor
+        layout = await self._layout(host)
+        if layout.state_format:
+            async for msg in self._export_state(host, req, layout, start, end, n):
+                yield msg
+            return
+        k_tok = layout.num_kv_heads * layout.head_dim * layout.element_size
+        v_tok = layout.num_kv_heads * layout.v_head_dim * layout.element_size
+        if (end - start) * (k_tok + v_tok) > _MAX_LAYER_READ_BYTES:
+            raise errors.invalid(
+                f"{end - start} tokens are {(end - start) * (k_tok + v_tok)} bytes per layer; export at most "
+                f"{_MAX_LAYER_READ_BYTES // (k_tok + v_tok)} tokens per call (from_token / to_token)",
+                field="to_token")
+        ranges = _chunk_ranges(start, end, k_tok + v_tok, self._max_chunk(req.max_chunk_bytes))
+
+        def layer_chunks(layer: int) -> list[pb.ExportKvResponse]:
+            """One layer's chunks, read, cut and checksummed (on the transfer thread)."""
+            k, v = ex.export_kv_layer(req.cache_id, start, end, layer)
+            out = []
+            for j, (s, e) in enumerate(ranges):
+                kb = k[(s - start) * k_tok:(e - start) * k_tok]
+                vb = v[(s - start) * v_tok:(e - start) * v_tok]
+                out.append(pb.ExportKvResponse(chunk=pb.KvChunk(
+                    index=layer * len(ranges) + j, layer=layer, token_start=s, token_end=e, key=kb, value=vb,
+                    checksum=checksum(kb, vb))))
+            return out
+
+        loop = asyncio.get_running_loop()
+
+        async def read(layer: int):
+            return await asyncio.wrap_future(self._io.submit(layer_chunks, layer), loop=loop)
+
+        with host.hold([req.cache_id], "cache_id"):
+            entry = self.checks.live_entry(host, req.cache_id, "cache_id")  # still live once held
+            if entry.num_tokens < end:
+                raise errors.out_of_range(f"the cache holds {entry.num_tokens} tokens now", field="to_token")
+            tokens = list(entry.tokens[start:end])
+            yield pb.ExportKvResponse(header=self.header_of(
+                layout, tokens, start, end, len(ranges) * layout.num_layers,
+                (end - start) * (k_tok + v_tok) * layout.num_layers))
+            # The next layer is read while this one is sent.
+            nxt = asyncio.ensure_future(read(0))
+            try:
+                for layer in range(layout.num_layers):
+                    msgs = await nxt
+                    if layer + 1 < layout.num_layers:
+                        nxt = asyncio.ensure_future(read(layer + 1))
+                    for msg in msgs:
+                        yield msg
+                    if self.metrics is not None:
+                        self.metrics.kv_transfer_bytes.labels(host.model_id, "export").inc(
+                            sum(len(x.chunk.key) + len(x.chunk.value) for x in msgs))
+            finally:
+                if not nxt.done():
+                    nxt.cancel()
+                    nxt.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _export_state(self, host, req, layout: KvLayout, start: int, end: int, n: int):
+        """An executor's own serialisation of a whole sequence (e.g. llama.cpp's), cut into chunks.
+        Read on the model's worker (such a backend is not safe to call from another thread)."""
+        if start != 0 or end != n:
+            raise errors.invalid(f"the {layout.executor} executor exports whole caches only ({layout.state_format}): "
+                                 f"leave from_token / to_token at 0", field="from_token")
+        with host.hold([req.cache_id], "cache_id"):
+            entry = self.checks.live_entry(host, req.cache_id, "cache_id")
+            tokens = list(entry.tokens)
+            end = len(tokens)
+            blob = (await host.call(host.executor.export_kv_state, req.cache_id, admit=False)).value
+            step = self._max_chunk(req.max_chunk_bytes)
+            pieces = [blob[i:i + step] for i in range(0, len(blob), step)]
+            header = self.header_of(layout, tokens, 0, end, len(pieces), len(blob))
+            header.state_format = layout.state_format
+            yield pb.ExportKvResponse(header=header)
+            for i, piece in enumerate(pieces):
+                yield pb.ExportKvResponse(chunk=pb.KvChunk(index=i, layer=0, token_start=0, token_end=end, key=piece,
+                                                           checksum=checksum(piece, b"")))
+            if self.metrics is not None:
+                self.metrics.kv_transfer_bytes.labels(host.model_id, "export").inc(len(blob))
+
+    # ---- import ---------------------------------------------------------------------------------
+    async def import_(self, requests: AsyncIterator[pb.ImportKvRequest], metadata) -> pb.ImportKvResponse:
+        t0 = time.perf_counter_ns()
+        first = None
+        async for first in requests:
+            break
+        if first is None:
+            raise errors.invalid("the import stream is empty: the first message names the model and carries the "
+                                 "header or a source", field="header")
+        host = self.models.get(first.model_id)
+        self._require(host)
+        salt = self.checks.salt(first.cache_salt, "cache_salt")
+        pull = None
+        if first.HasField("source"):
+            if first.WhichOneof("data") is not None:
+                raise errors.invalid("give either source or header (and chunks), not both", field="source")
+            pull = await self._pull(host, first.source, metadata)
+            header, chunks, _ = pull
+        else:
+            if first.WhichOneof("data") != "header":
+                raise errors.invalid("the first message must carry the header (or a source)", field="header")
+            header = first.header
+            chunks = self._pushed_chunks(requests)
+        try:
+            return await self._import(host, header, chunks, int(first.reserve_tokens), salt, t0)
+        finally:
+            if pull is not None:
+                pull[2].cancel()
+
+    @staticmethod
+    async def _pushed_chunks(requests) -> AsyncIterator[pb.KvChunk]:
+        async for m in requests:
+            if m.WhichOneof("data") != "chunk":
+                raise errors.invalid("every message after the first must carry a chunk", field="chunk")
+            yield m.chunk
+
+    def _check_header(self, host, layout: KvLayout, h: pb.KvTransferHeader) -> list[int]:
+        if h.model_id != host.model_id:
+            raise errors.failed_precondition(
+                f"the K/V are of model {h.model_id!r}; this import is into {host.model_id!r}", field="header.model_id")
+        if h.executor and h.executor != layout.executor:
+            raise errors.failed_precondition(
+                f"the K/V come from a {h.executor!r} executor; this model runs on {layout.executor!r}",
+                field="header.executor")
+        if _PB_NAMES.get(h.kv_dtype) != layout.dtype:
+            raise errors.failed_precondition(
+                f"KV dtype {tpb.DataType.Name(h.kv_dtype)} differs from this model's {layout.dtype}",
+                field="header.kv_dtype")
+        shape = (h.num_layers, h.num_kv_heads, h.head_dim, h.v_head_dim or h.head_dim)
+        want = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.v_head_dim)
+        if shape != want:
+            raise errors.failed_precondition(f"KV shape (layers, kv heads, head dim, v head dim) {shape} differs "
+                                             f"from this model's {want}", field="header")
+        if h.state_format != layout.state_format:
+            raise errors.failed_precondition(
+                f"the K/V are in format {h.state_format or 'per-layer tensors'!r}; this model imports "
+                f"{layout.state_format or 'per-layer tensors'!r}", field="header.state_format")
+        if h.fingerprint != layout.fingerprint:
+            raise errors.failed_precondition(
+                f"weights fingerprint {h.fingerprint[:16]}… differs from this server's {layout.fingerprint[:16]}… "
+                "(other weights or config)", field="header.fingerprint")
+        if h.checksum_algorithm not in ("", CHECKSUM):
+            raise errors.failed_precondition(f"checksum {h.checksum_algorithm!r} is not supported (crc32 is)",
+                                             field="header.checksum_algorithm")
+        if h.from_token != 0:
+            raise errors.invalid("a new cache starts at token 0: from_token must be 0", field="header.from_token")
+        n = int(h.to_token)
+        if n < 1 or len(h.token_ids) != n or (h.positions and list(h.positions) != list(range(n))):
+            raise errors.invalid(f"the header must list {n} token ids (and positions 0..{n - 1})",
+                                 field="header.token_ids")
+        if h.num_layers and h.num_chunks < h.num_layers and not layout.state_format:
+            raise errors.invalid("num_chunks is below one chunk per layer", field="header.num_chunks")
+        tokens = self.checks.tokens(host, h.token_ids, "header.token_ids")
+        self.checks.check_length(host, n, "header.token_ids")
+        return tokens
+
+    async def _import(self, host, h: pb.KvTransferHeader, chunks, reserve: int, salt: str, t0: int):
+        ex = host.executor
+        layout = await self._layout(host)
+        tokens = self._check_header(host, layout, h)
+        if reserve:
+            self.checks.check_length(host, reserve, "reserve_tokens")
+        k_tok = layout.num_kv_heads * layout.head_dim * layout.element_size
+        v_tok = layout.num_kv_heads * layout.v_head_dim * layout.element_size
+        n = len(tokens)
+        loop = asyncio.get_running_loop()
+        staged = (await host.call(ex.import_begin, tokens, reserve, salt)).value  # admission
+        if layout.state_format:
+            return await self._import_state(host, h, chunks, staged, n, t0)
+        writes: collections.deque[asyncio.Future] = collections.deque()
+        try:
+            written = [0] * layout.num_layers
+            count = 0
+            nbytes = 0
+            async for c in chunks:
+                where = f"chunk {count}"
+                if c.index != count:
+                    raise errors.invalid(f"{where}: index {c.index}, expected {count}", field="chunk.index")
+                if c.layer >= layout.num_layers:
+                    raise errors.invalid(f"{where}: layer {c.layer} of {layout.num_layers}", field="chunk.layer")
+                s, e = int(c.token_start), int(c.token_end)
+                if s != written[c.layer] or not s < e <= n:
+                    raise errors.invalid(f"{where}: tokens [{s}, {e}) of layer {c.layer}; expected a range starting "
+                                         f"at {written[c.layer]} inside [0, {n})", field="chunk.token_start")
+                if len(c.key) != (e - s) * k_tok or len(c.value) != (e - s) * v_tok:
+                    raise errors.invalid(f"{where}: {len(c.key)} + {len(c.value)} bytes; {e - s} tokens need "
+                                         f"{(e - s) * k_tok} + {(e - s) * v_tok}", field="chunk.key")
+                # Checked and written on the transfer thread, up to a few chunks behind the reading.
+                writes.append(asyncio.wrap_future(self._io.submit(_verify_and_write, ex, staged, c, where), loop=loop))
+                while len(writes) > _WRITES_IN_FLIGHT or (writes and writes[0].done()):
+                    await writes.popleft()
+                written[c.layer] = e
+                count += 1
+                nbytes += len(c.key) + len(c.value)
+            while writes:
+                await writes.popleft()
+            missing = [i for i, w in enumerate(written) if w != n]
+            if missing or (h.num_chunks and count != h.num_chunks):
+                raise errors.FerrumError(
+                    errors.ErrorKind.SERIALIZATION,
+                    f"the stream ended after {count} of {h.num_chunks or '?'} chunks ({len(missing)} layers "
+                    "incomplete); nothing was imported", code=grpc.StatusCode.DATA_LOSS, field="chunk")
+            orphan = (lambda v: host.release_soon(v[0].cache_id, "reclaimed"))
+            entry, cached = (await host.call(ex.import_commit, staged, admit=False, on_orphan=orphan)).value
+        except BaseException as exc:
+            for f in writes:
+                f.add_done_callback(lambda f: f.cancelled() or f.exception())
+            aborted = self._abort_after_writes(host, staged)
+            if not isinstance(exc, asyncio.CancelledError):
+                # A refusal answers once the blocks are back; a cancelled call cannot wait for that.
+                await asyncio.shield(aborted)
+            raise
+        self.checks.adopt(entry)
+        if self.metrics is not None:
+            self.metrics.kv_transfer_bytes.labels(host.model_id, "import").inc(nbytes)
+        log.info("kv imported", model_id=host.model_id, cache_id=entry.cache_id, tokens=n, chunks=count,
+                 bytes=nbytes, cached_blocks=cached, ms=round((time.perf_counter_ns() - t0) / 1e6, 1))
+        return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
+                                   cached_blocks=cached, transfer_ns=time.perf_counter_ns() - t0)
+
+    async def _import_state(self, host, h: pb.KvTransferHeader, chunks, staged, n: int, t0: int):
+        """An executor's own serialisation (``header.state_format``): checked chunk by chunk,
+        loaded at the end on the model's worker; all or nothing as the tensor path."""
+        ex = host.executor
+        parts: list[bytes] = []
+        count = nbytes = 0
+        try:
+            async for c in chunks:
+                if c.index != count:
+                    raise errors.invalid(f"chunk {count}: index {c.index}, expected {count}", field="chunk.index")
+                if checksum(c.key, c.value) != c.checksum:
+                    raise errors.FerrumError(errors.ErrorKind.SERIALIZATION, f"chunk {count}: checksum mismatch; the "
+                                             "state was corrupted in transit", code=grpc.StatusCode.DATA_LOSS,
+                                             field="chunk.checksum")
+                parts.append(c.key)
+                parts.append(c.value)
+                count += 1
+                nbytes += len(c.key) + len(c.value)
+            if (h.num_chunks and count != h.num_chunks) or (h.total_bytes and nbytes != h.total_bytes) or not nbytes:
+                raise errors.FerrumError(
+                    errors.ErrorKind.SERIALIZATION, f"the stream ended after {count} of {h.num_chunks or '?'} chunks "
+                    f"({nbytes} of {h.total_bytes} bytes); nothing was imported", code=grpc.StatusCode.DATA_LOSS,
+                    field="chunk")
+
+            def load():
+                ex.import_write_state(staged, b"".join(parts))
+                return ex.import_commit(staged)
+
+            orphan = (lambda v: host.release_soon(v[0].cache_id, "reclaimed"))
+            entry, cached = (await host.call(load, admit=False, on_orphan=orphan)).value
+        except BaseException as exc:
+            aborted = self._abort_after_writes(host, staged)
+            if not isinstance(exc, asyncio.CancelledError):
+                await asyncio.shield(aborted)
+            raise
+        self.checks.adopt(entry)
+        if self.metrics is not None:
+            self.metrics.kv_transfer_bytes.labels(host.model_id, "import").inc(nbytes)
+        log.info("kv imported", model_id=host.model_id, cache_id=entry.cache_id, tokens=n, chunks=count,
+                 bytes=nbytes, format=h.state_format, ms=round((time.perf_counter_ns() - t0) / 1e6, 1))
+        return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
+                                   cached_blocks=cached, transfer_ns=time.perf_counter_ns() - t0)
+
+    def _abort_after_writes(self, host, staged) -> asyncio.Task:
+        """Give a failed import's blocks back once every write already handed to the transfer
+        thread has run (that thread is FIFO: a no-op submitted now finishes after them), on the
+        model's worker (which owns the block pool's bookkeeping). Its own task: a cancelled caller
+        cannot interrupt it."""
+        ex = host.executor
+        loop = asyncio.get_running_loop()
+        barrier = asyncio.wrap_future(self._io.submit(lambda: None), loop=loop)
+
+        async def run() -> None:
+            try:
+                await barrier
+                if ex.inline:
+                    ex.import_abort(staged)
+                else:
+                    await loop.run_in_executor(host._pool, ex.import_abort, staged)
+            except RuntimeError:  # the worker is gone (shutdown): the pool goes with it
+                pass
+
+        task = loop.create_task(run())
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+        return task
+
+    # ---- server pull ----------------------------------------------------------------------------
+    def _channel(self, target: str, tls: bool) -> grpc.aio.Channel:
+        ch = self._channels.get((target, tls))
+        if ch is None:
+            opts = [("grpc.max_receive_message_length", self.max_message_bytes),
+                    ("grpc.max_send_message_length", self.max_message_bytes)]
+            ch = (grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(), options=opts) if tls
+                  else grpc.aio.insecure_channel(target, options=opts))
+            self._channels[(target, tls)] = ch
+        return ch
+
+    async def _pull(self, host, src: pb.KvSource, metadata) -> tuple[pb.KvTransferHeader, Any, Any]:
+        if not src.target or not src.cache_id:
+            raise errors.invalid("source needs a target and a cache_id", field="source")
+        md = tuple((k, v) for k, v in (metadata or ()) if k == "authorization")
+        stub = executor_pb2_grpc.ModelExecutorStub(self._channel(src.target, src.tls))
+        call = stub.ExportKv(pb.ExportKvRequest(
+            model_id=src.model_id or host.model_id, cache_id=src.cache_id, from_token=src.from_token,
+            to_token=src.to_token, max_chunk_bytes=src.max_chunk_bytes), metadata=md)
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise _source_error(src, e) from None
+        if first is grpc.aio.EOF or first.WhichOneof("message") != "header":
+            call.cancel()
+            raise errors.FerrumError(errors.ErrorKind.NETWORK, f"source {src.target}: ExportKv sent no header",
+                                     code=grpc.StatusCode.DATA_LOSS, field="source")
+
+        async def chunks():
+            try:
+                while True:
+                    m = await call.read()
+                    if m is grpc.aio.EOF:
+                        return
+                    yield m.chunk
+            except grpc.aio.AioRpcError as e:
+                raise _source_error(src, e) from None
+
+        return first.header, chunks(), call
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+        self._io.shutdown(wait=False)
+
+
+def _verify_and_write(ex, staged, c: pb.KvChunk, where: str) -> None:
+    """On the model's worker: the chunk's checksum (DATA_LOSS), then its write."""
+    if checksum(c.key, c.value) != c.checksum:
+        raise errors.FerrumError(
+            errors.ErrorKind.SERIALIZATION, f"{where} (layer {c.layer}, tokens [{c.token_start}, {c.token_end})): "
+            "checksum mismatch; the K/V were corrupted in transit", code=grpc.StatusCode.DATA_LOSS,
+            field="chunk.checksum")
+    ex.import_write(staged, c.layer, int(c.token_start), int(c.token_end), c.key, c.value)
+
+
+def _source_error(src: pb.KvSource, e: grpc.aio.AioRpcError) -> errors.FerrumError:
+    """The source server's refusal, passed on with its code (UNAVAILABLE when unreachable)."""
+    return errors.FerrumError(errors.ErrorKind.NETWORK, f"source {src.target}: ExportKv of {src.cache_id!r} failed: "
+                              f"{e.code().name}: {e.details()}", code=e.code(), field="source")
+
+
+__all__ = ["KvTransfer", "checksum", "DEFAULT_CHUNK_BYTES"]

@@ -1,0 +1,98 @@
+"""KV handoff on the llama.cpp executor: llama.cpp's per-sequence state (``llama_state_seq_get_data``
+/ ``set_data``) travels as an opaque ``state_format`` in checksummed chunks; prefill on A, pull on
+B, decode on B continues as on A."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+
+from ferrum_client import Client, messages as m, pb
+
+from .support.servers import InProcessServer
+from .test_llama_cpp import _gguf
+
+pytest.importorskip("llama_cpp")
+
+M = "smollm2"
+
+
+def _llc(n_ctx: int = 1024, n_seq: int = 4):
+    from ferrum_service.executors.llama_cpp import LlamaCppExecutor
+
+    return LlamaCppExecutor(_gguf(), model_id=M, threads=2, n_ctx=n_ctx, n_seq=n_seq)
+
+
+def _empty(ex) -> None:
+    assert len(ex.registry) == 0 and ex.live_sequences() == 0 and ex.kv_cells_used() == 0
+
+
+def test_llama_cpp_handoff_pull_and_push():
+    a, b = _llc(), _llc()
+    rng = random.Random(0)
+    p = [rng.randrange(100, 20000) for _ in range(40)]
+    with InProcessServer([a]) as sa, InProcessServer([b]) as sb, Client(sa.target) as ca, Client(sb.target) as cb:
+        assert cb.capabilities(M).supports_kv_transfer
+        ref = ca.prefill(M, p, policy=m.greedy()).output
+        ref_toks, tok = [], ref.output.token_id
+        for _ in range(6):
+            tok = ca.decode(M, ref.cache.cache_id, tok).output.output.token_id
+            ref_toks.append(tok)
+        src = ca.prefill(M, p, policy=m.greedy()).output
+        msgs = list(ca.export_kv(M, src.cache.cache_id, max_chunk_bytes=64 * 1024))
+        h = msgs[0].header
+        assert h.state_format == "llama.cpp/seq-state" and list(h.token_ids) == p and len(msgs) > 2
+        assert h.total_bytes == sum(len(x.chunk.key) for x in msgs[1:])
+        # a corrupted chunk is DATA_LOSS and leaves nothing
+        bad = [pb.ExportKvResponse() for _ in msgs]
+        for x, y in zip(bad, msgs):
+            x.CopyFrom(y)
+        bad[2].chunk.key = bytes([bad[2].chunk.key[0] ^ 1]) + bad[2].chunk.key[1:]
+        with pytest.raises(Exception) as e:
+            cb.import_kv(M, bad)
+        assert "DATA_LOSS" in str(e.value)
+        _empty(b)
+        # a partial range is refused: llama.cpp's state is the whole sequence
+        with pytest.raises(grpc.RpcError) as e:
+            list(ca.stub.ExportKv(pb.ExportKvRequest(model_id=M, cache_id=src.cache.cache_id, to_token=20)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for mode in ("pull", "push"):
+            if mode == "pull":
+                r = cb.pull_kv(M, sa.target, src.cache.cache_id, reserve_tokens=len(p) + 8)
+            else:
+                r = cb.import_kv(M, msgs, reserve_tokens=len(p) + 8)
+            assert r.cache.num_tokens == len(p)
+            toks, tok = [], src.output.token_id
+            for _ in range(6):
+                tok = cb.decode(M, r.cache.cache_id, tok).output.output.token_id
+                toks.append(tok)
+            assert toks == ref_toks
+            cb.release_cache(M, r.cache.cache_id)
+        # another executor kind (the tensor format) is refused
+        h2 = pb.ImportKvRequest(model_id=M, header=h)
+        h2.header.state_format = ""
+        with pytest.raises(grpc.RpcError) as e:
+            cb.stub.ImportKv(iter([h2]))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        ca.release_cache(M, src.cache.cache_id)
+        ca.release_cache(M, ref.cache.cache_id)
+    _empty(a)
+    _empty(b)
+
+
+def test_llama_cpp_import_refused_when_full():
+    a, b = _llc(), _llc(n_ctx=256, n_seq=2)
+    p = list(range(100, 400))
+    with InProcessServer([a]) as sa, InProcessServer([b]) as sb, Client(sa.target) as ca, Client(sb.target) as cb:
+        filler = cb.prefill(M, p[:200], policy=m.greedy()).output  # 200 of B's 256 cells
+        src = ca.prefill(M, p[:100], policy=m.greedy()).output
+        with pytest.raises(Exception) as e:
+            cb.pull_kv(M, sa.target, src.cache.cache_id)
+        assert "RESOURCE_EXHAUSTED" in str(e.value)
+        assert len(b.registry) == 1 and b.live_sequences() == 1
+        cb.release_cache(M, filler.cache.cache_id)
+        _empty(b)
+        ca.release_cache(M, src.cache.cache_id)
+    _empty(a)
