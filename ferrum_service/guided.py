@@ -40,6 +40,7 @@ class GuideState:
     matcher: Any
     accepted: list[int] = field(default_factory=list)
     broken: str = ""  # why the cache's tokens left the constraint ("" = they did not)
+    after_end: int = 0  # end tokens taken after the matcher terminated (ignore_eos): not in the matcher
 
     def spawn(self, compiled: Any) -> "GuideState":
         """The state for a fork of this cache: same constraint and start, a fresh matcher (it
@@ -120,12 +121,20 @@ def sync(state: GuideState, entry: CacheEntry) -> None:
             break
         c += 1
     if c < len(acc):
-        state.matcher.rollback(len(acc) - c)
+        drop = len(acc) - c
+        past_end = min(drop, state.after_end)  # the last tokens taken were end tokens past the end
+        state.after_end -= past_end
+        if drop > past_end:
+            state.matcher.rollback(drop - past_end)
         del acc[c:]
         state.broken = ""
     if state.broken:
         return
     for t in hist[c:]:
+        if state.matcher.is_terminated() and int(t) in state.matcher.stop_token_ids:
+            state.after_end += 1  # generation goes on past the end (ignore_eos): more end tokens
+            acc.append(int(t))
+            continue
         if not state.matcher.accept_token(int(t)):
             state.broken = f"token {t} at position {state.start + len(acc)} is not allowed by the constraint"
             return
@@ -152,7 +161,7 @@ def mask_rows(executor: Any, entries: Sequence[CacheEntry | None], rows: Sequenc
         if st is None or st.spec != sp.constraint or entry.num_tokens < st.start:
             st = entry.guide = GuideState(sp.constraint, entry.num_tokens, _matcher(sp.compiled))
         sync(st, entry)
-        if st.broken:
+        if st.broken or st.matcher.is_terminated():  # off the constraint, or done: end tokens only
             problems[i] = st.broken
             bitmask[j].zero_()
             for t in st.matcher.stop_token_ids:

@@ -179,3 +179,31 @@ def test_python_client_helpers(server):
     c.release_cache("smollm2", out.cache.cache_id)
     with pytest.raises(ValueError):
         m.constraint(regex="a", choices=["b"])
+
+
+def test_past_the_end_only_end_tokens_and_rollback_still_works(server):
+    """With ignore_eos a finished constraint keeps allowing only the end tokens (it does not fail);
+    truncating back into the text rolls those back too."""
+    srv, c = server
+    eos = set(srv.models.get("smollm2").info.eos_token_ids)
+    req = pb.GenerateRequest(model_id="smollm2", text="Pick:", keep_cache=True, sampling=tpb.SamplingParams(
+        constraint=tpb.OutputConstraint(choice=tpb.ChoiceList(choices=["yes", "no"]))),
+        stop=pb.StopConditions(max_tokens=8, ignore_eos=True))
+    evs = list(c.stub.Generate(req))
+    toks = [e.token.token_id for e in evs if e.WhichOneof("event") == "token"]
+    fin = evs[-1].finished
+    assert len(toks) == 8 and set(toks[-4:]) <= eos, toks
+    tok = srv.models.get("smollm2").executor.tokenizer
+    assert tok.decode([t for t in toks if t not in eos]) in ("yes", "no")
+    # back to the start of the answer: the choice is open again
+    cid = fin.cache.cache_id
+    start = fin.cache.num_tokens - 7  # the cache holds the prompt and the first 7 generated tokens
+    c.stub.TruncateKv(pb.TruncateKvRequest(model_id="smollm2", cache_id=cid, new_len=start))
+    pol = tpb.LogitsPolicy(mode=tpb.OUTPUT_MODE_TOP_LOGPROBS, top_logprobs=8, sampling=tpb.SamplingParams(
+        constraint=tpb.OutputConstraint(choice=tpb.ChoiceList(choices=["yes", "no"]))))
+    # feeding the first answer token again is accepted (refused if the finished state had stayed)
+    out = c.stub.Decode(pb.DecodeRequest(model_id="smollm2", input=pb.DecodeInput(
+        cache_id=cid, token_id=toks[0], logits=pol))).output
+    done = tok.decode([toks[0]]) in ("yes", "no")
+    assert _allowed(out) and (_allowed(out) <= eos) == done
+    c.stub.ReleaseCache(pb.ReleaseCacheRequest(model_id="smollm2", cache_id=cid))
