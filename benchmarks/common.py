@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -78,3 +79,14 @@ class Server(ServerProcess):
             args += ["--model", m]
         super().__init__(args, env={"FERRUM_TORCH_THREADS": str(self.threads)}, cwd=REPO,
                          log_path=REPO / "benchmarks" / "results" / f"{name}.log", ready_timeout=180, stop_timeout=20)
+
+
+def write_rows(name: str, rows: list, raw: dict) -> None:
+    """Write ``results/NAME.json`` (the table rows and the raw figures, with the load average after
+    the run next to the one before) and print both load averages."""
+    raw["load_after"] = os.getloadavg()
+    out = REPO / "benchmarks" / "results" / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": rows, "raw": raw}, indent=1, default=str))
+    print(f"load average before {raw.get('load_before')}, after {raw['load_after']}")
+

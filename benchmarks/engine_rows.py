@@ -29,7 +29,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from .common import REPO, Server, median
+from .common import REPO, Server, median, write_rows
 from .llama_cpp_rows import DRIFT_LIMIT, timed_row
 from .remote import generate_streams
 
@@ -103,11 +103,7 @@ def main(argv=None) -> int:
                          f"{r['rpc_per_token']:.2f}", str(r["same_tokens"]), f"{100 * drift:.0f} %",
                          "busy" if drift > DRIFT_LIMIT else ""))
             print(f"| {' | '.join(rows[-1])} |", flush=True)
-    raw["load_after"] = os.getloadavg()
-    out = REPO / "benchmarks" / "results" / "engine_rows.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "raw": raw}, indent=1, default=str))
-    print(f"load average before {raw['load_before']}, after {raw['load_after']}")
+    write_rows("engine_rows", rows, raw)
     return 0
 
 

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import time
 
 from ferrum_client import AsyncClient, Client, messages as m, pb
 
-from .common import REPO, Server, median, pct
+from .common import Server, median, pct, write_rows
 from .llama_cpp_rows import DRIFT_LIMIT, timed_row
 
 MODEL = "hf"
@@ -151,11 +150,7 @@ def main(argv=None) -> int:
                              f"{x:.0f} ms", f"{y:.0f} ms", f"{x / y:.2f}", "reported",
                              f"{100 * max(d1, d2):.0f} %", flag))
                 print(f"| {' | '.join(rows[-1])} |", flush=True)
-    raw["load_after"] = os.getloadavg()
-    out = REPO / "benchmarks" / "results" / "handoff_rows.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "raw": raw}, indent=1, default=str))
-    print(f"load average before {raw['load_before']}, after {raw['load_after']}")
+    write_rows("handoff_rows", rows, raw)
     return 0
 
 

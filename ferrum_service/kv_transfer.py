@@ -333,11 +333,7 @@ class KvTransfer:
                 # A refusal answers once the blocks are back; a cancelled call cannot wait for that.
                 await asyncio.shield(aborted)
             raise
-        self.checks.adopt(entry)
-        if self.metrics is not None:
-            self.metrics.kv_transfer_bytes.labels(host.model_id, "import").inc(nbytes)
-        log.info("kv imported", model_id=host.model_id, cache_id=entry.cache_id, tokens=n, chunks=count,
-                 bytes=nbytes, cached_blocks=cached, ms=round((time.perf_counter_ns() - t0) / 1e6, 1))
+        self._imported(host, entry, t0, tokens=n, chunks=count, bytes=nbytes, cached_blocks=cached)
         return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
                                    cached_blocks=cached, transfer_ns=time.perf_counter_ns() - t0)
 
@@ -376,13 +372,17 @@ class KvTransfer:
             if not isinstance(exc, asyncio.CancelledError):
                 await asyncio.shield(aborted)
             raise
-        self.checks.adopt(entry)
-        if self.metrics is not None:
-            self.metrics.kv_transfer_bytes.labels(host.model_id, "import").inc(nbytes)
-        log.info("kv imported", model_id=host.model_id, cache_id=entry.cache_id, tokens=n, chunks=count,
-                 bytes=nbytes, format=h.state_format, ms=round((time.perf_counter_ns() - t0) / 1e6, 1))
+        self._imported(host, entry, t0, tokens=n, chunks=count, bytes=nbytes, format=h.state_format)
         return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
                                    cached_blocks=cached, transfer_ns=time.perf_counter_ns() - t0)
+
+    def _imported(self, host, entry, t0: int, **fields) -> None:
+        """An import landed: the cache belongs to the caller; count its bytes; log it."""
+        self.checks.adopt(entry)
+        if self.metrics is not None:
+            self.metrics.kv_transfer_bytes.labels(host.model_id, "import").inc(fields["bytes"])
+        log.info("kv imported", model_id=host.model_id, cache_id=entry.cache_id,
+                 ms=round((time.perf_counter_ns() - t0) / 1e6, 1), **fields)
 
     def _abort_after_writes(self, host, staged) -> asyncio.Task:
         """Give a failed import's blocks back once every write already handed to the transfer
