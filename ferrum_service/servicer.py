@@ -370,11 +370,14 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                 async for req in request_iterator:
                     steps += 1
                     yield await self._session_step(req, owner)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):  # cancelled, or the stream closed on us
                 code = "CANCELLED"
                 self.metrics.cancelled_streams.inc()
                 raise
             finally:
+                if code == "OK" and context.cancelled():  # the call ended (cancel, deadline) while its
+                    code = "CANCELLED"                     # request stream merely looked finished
+                    self.metrics.cancelled_streams.inc()
                 freed = self.streams.release_owned(owner, reason="reclaimed")
                 self.metrics.observe("Session", code, time.perf_counter() - t0)
                 tracing.end(span, code)
