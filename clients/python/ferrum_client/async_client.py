@@ -118,12 +118,8 @@ class AsyncClient(Connection):
         async def stream():
             first = True
             async for msg in messages():
-                if first:
-                    yield pb.ImportKvRequest(model_id=model_id, reserve_tokens=reserve_tokens, cache_salt=cache_salt,
-                                             header=msg.header)
-                    first = False
-                else:
-                    yield pb.ImportKvRequest(chunk=msg.chunk)
+                yield rq.import_request(model_id, msg, first, reserve_tokens=reserve_tokens, cache_salt=cache_salt)
+                first = False
         try:
             return await self.stub.ImportKv(stream(), timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as e:

@@ -159,16 +159,20 @@ def export_kv(model_id: str, cache_id: str, from_token: int = 0, to_token: int =
                               max_chunk_bytes=max_chunk_bytes)
 
 
+def import_request(model_id: str, msg, first: bool, *, reserve_tokens: int = 0,
+                   cache_salt: str = "") -> pb.ImportKvRequest:
+    """One ``ExportKvResponse`` as the matching ``ImportKvRequest``: the first carries the header
+    and the import's options, the rest their chunk."""
+    if first:
+        return pb.ImportKvRequest(model_id=model_id, reserve_tokens=reserve_tokens, cache_salt=cache_salt,
+                                  header=msg.header)
+    return pb.ImportKvRequest(chunk=msg.chunk)
+
+
 def import_stream(model_id: str, exported, *, reserve_tokens: int = 0, cache_salt: str = ""):
     """``ExportKvResponse`` messages (from ``export_kv``) as an ``ImportKv`` request stream."""
-    first = True
-    for msg in exported:
-        if first:
-            yield pb.ImportKvRequest(model_id=model_id, reserve_tokens=reserve_tokens, cache_salt=cache_salt,
-                                     header=msg.header)
-            first = False
-        else:
-            yield pb.ImportKvRequest(chunk=msg.chunk)
+    for i, msg in enumerate(exported):
+        yield import_request(model_id, msg, i == 0, reserve_tokens=reserve_tokens, cache_salt=cache_salt)
 
 
 def abort(model_id: str = "", *, request_id: str | None = None, cache_id: str | None = None) -> pb.AbortRequest:
