@@ -338,7 +338,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                         if ev.WhichOneof("event") == "token":
                             tokens += 1
                         yield ev
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):  # cancelled, or the stream closed on us (as Session)
                 self.metrics.cancelled_streams.inc()
                 log.info("stream cancelled", rpc="Generate", owner=owner, tokens=tokens)
                 raise
