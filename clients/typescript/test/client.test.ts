@@ -106,7 +106,10 @@ test("errors carry code, kind and field", opts, async () => {
 });
 
 test("deadlines and abort signals", opts, async () => {
-  await rejectsWith(c.info("", { timeoutMs: 0.001 }), status.DEADLINE_EXCEEDED);
+  // A deadline far shorter than the work: 200 decode steps cannot finish in 20 ms. (A 1 µs deadline
+  // on Info raced a sub-millisecond loopback answer and once lost.)
+  const long = { modelId: "tiny", prompt: tokenPrompt(prompt), stop: { maxTokens: 200, ignoreEos: true } };
+  await rejectsWith(c.generateAll(long, { timeoutMs: 20 }), status.DEADLINE_EXCEEDED);
   const ac = new AbortController();
   const p = c.prefill("tiny", prompt, { signal: ac.signal });
   ac.abort();
