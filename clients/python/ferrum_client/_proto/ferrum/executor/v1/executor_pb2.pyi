@@ -133,7 +133,7 @@ class AdmissionLimitsResponse(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., limits: _Optional[_Union[_types_pb2.ExecutorAdmissionLimits, _Mapping]] = ...) -> None: ...
 
 class PrefillInput(_message.Message):
-    __slots__ = ("token_ids", "cache_id", "logits", "reserve_tokens", "all_positions", "metadata", "request_id", "cache_salt", "bypass_prefix_cache")
+    __slots__ = ("token_ids", "cache_id", "logits", "reserve_tokens", "all_positions", "metadata", "request_id", "cache_salt", "bypass_prefix_cache", "adapter")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class PrefillInput(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     BYPASS_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_id: str
     logits: _types_pb2.LogitsPolicy
@@ -152,7 +153,8 @@ class PrefillInput(_message.Message):
     request_id: str
     cache_salt: str
     bypass_prefix_cache: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., all_positions: _Optional[bool] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ...) -> None: ...
+    adapter: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., all_positions: _Optional[bool] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class PrefillOutput(_message.Message):
     __slots__ = ("cache", "output", "positions", "embedding", "cached_tokens")
@@ -263,7 +265,7 @@ class BatchDecodeResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[DecodeOutput, _Mapping]]] = ..., timings: _Optional[_Union[_types_pb2.StepTimings, _Mapping]] = ...) -> None: ...
 
 class UnifiedBatchItem(_message.Message):
-    __slots__ = ("seq_id", "q_tokens", "cache_id", "pos_offset", "is_final_chunk", "logits", "metadata", "cache_salt", "bypass_prefix_cache")
+    __slots__ = ("seq_id", "q_tokens", "cache_id", "pos_offset", "is_final_chunk", "logits", "metadata", "cache_salt", "bypass_prefix_cache", "adapter")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     Q_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +275,7 @@ class UnifiedBatchItem(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     BYPASS_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     q_tokens: _containers.RepeatedScalarFieldContainer[int]
     cache_id: str
@@ -282,7 +285,8 @@ class UnifiedBatchItem(_message.Message):
     metadata: _struct_pb2.Struct
     cache_salt: str
     bypass_prefix_cache: bool
-    def __init__(self, seq_id: _Optional[str] = ..., q_tokens: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ...) -> None: ...
+    adapter: str
+    def __init__(self, seq_id: _Optional[str] = ..., q_tokens: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., logits: _Optional[_Union[_types_pb2.LogitsPolicy, _Mapping]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class UnifiedDecodeRequest(_message.Message):
     __slots__ = ("model_id", "items", "client_step_id")
@@ -587,7 +591,7 @@ class StopConditions(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., stop_sequences: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model_id", "token_ids", "text", "chat", "cache_id", "last_token_id", "sampling", "stop", "top_logprobs", "keep_cache", "request_id", "stream_text", "cache_salt", "bypass_prefix_cache", "n")
+    __slots__ = ("model_id", "token_ids", "text", "chat", "cache_id", "last_token_id", "sampling", "stop", "top_logprobs", "keep_cache", "request_id", "stream_text", "cache_salt", "bypass_prefix_cache", "n", "adapter")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -603,6 +607,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     BYPASS_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     token_ids: TokenIds
     text: str
@@ -618,7 +623,8 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     bypass_prefix_cache: bool
     n: int
-    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., cache_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., keep_cache: _Optional[bool] = ..., request_id: _Optional[str] = ..., stream_text: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., n: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., cache_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., keep_cache: _Optional[bool] = ..., request_id: _Optional[str] = ..., stream_text: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., n: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
     __slots__ = ("cache", "prompt_tokens", "request_id", "cached_tokens")
@@ -831,16 +837,18 @@ class SubscribeKvEventsRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., from_seq: _Optional[int] = ..., include_block_events: _Optional[bool] = ...) -> None: ...
 
 class KvBlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "adapter")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_block_hash: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class KvBlockRemoved(_message.Message):
     __slots__ = ("block_hashes",)
@@ -921,7 +929,7 @@ class ExportKvRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., cache_id: _Optional[str] = ..., from_token: _Optional[int] = ..., to_token: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class KvTransferHeader(_message.Message):
-    __slots__ = ("model_id", "fingerprint", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "v_head_dim", "token_ids", "positions", "from_token", "to_token", "num_chunks", "total_bytes", "executor", "checksum_algorithm", "state_format")
+    __slots__ = ("model_id", "fingerprint", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "v_head_dim", "token_ids", "positions", "from_token", "to_token", "num_chunks", "total_bytes", "executor", "checksum_algorithm", "state_format", "adapter")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -938,6 +946,7 @@ class KvTransferHeader(_message.Message):
     EXECUTOR_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     STATE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     fingerprint: str
     kv_dtype: _types_pb2.DataType
@@ -954,7 +963,8 @@ class KvTransferHeader(_message.Message):
     executor: str
     checksum_algorithm: str
     state_format: str
-    def __init__(self, model_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_dtype: _Optional[_Union[_types_pb2.DataType, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., from_token: _Optional[int] = ..., to_token: _Optional[int] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., executor: _Optional[str] = ..., checksum_algorithm: _Optional[str] = ..., state_format: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, model_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_dtype: _Optional[_Union[_types_pb2.DataType, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., from_token: _Optional[int] = ..., to_token: _Optional[int] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., executor: _Optional[str] = ..., checksum_algorithm: _Optional[str] = ..., state_format: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("index", "layer", "token_start", "token_end", "key", "value", "checksum")
@@ -1033,3 +1043,77 @@ class ImportKvResponse(_message.Message):
     cached_blocks: int
     transfer_ns: int
     def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., imported_tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., transfer_ns: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("model_id", "name", "path")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    name: str
+    path: str
+    def __init__(self, model_id: _Optional[str] = ..., name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("adapter", "loaded", "load_ns")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_NS_FIELD_NUMBER: _ClassVar[int]
+    adapter: AdapterInfo
+    loaded: bool
+    load_ns: int
+    def __init__(self, adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ..., loaded: _Optional[bool] = ..., load_ns: _Optional[int] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("model_id", "name")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    name: str
+    def __init__(self, model_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("unloaded", "dropped_blocks")
+    UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    unloaded: bool
+    dropped_blocks: int
+    def __init__(self, unloaded: _Optional[bool] = ..., dropped_blocks: _Optional[int] = ...) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("model_id", "name", "path", "rank", "alpha", "target_modules", "resident", "weight_bytes", "live_caches", "steps", "loaded_unix_ms")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_CACHES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    resident: bool
+    weight_bytes: int
+    live_caches: int
+    steps: int
+    loaded_unix_ms: int
+    def __init__(self, model_id: _Optional[str] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., resident: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., live_caches: _Optional[int] = ..., steps: _Optional[int] = ..., loaded_unix_ms: _Optional[int] = ...) -> None: ...

@@ -195,6 +195,21 @@ class ModelExecutorStub:
                 request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ImportKvRequest.SerializeToString,
                 response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ImportKvResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/LoadAdapter',
+                request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/UnloadAdapter',
+                request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/ListAdapters',
+                request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class ModelExecutorServicer:
@@ -461,6 +476,37 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """--- LoRA adapters ---------------------------------------------------------------------------
+
+        Register a LoRA adapter (a PEFT directory: `adapter_config.json` + `adapter_model.safetensors`)
+        on a model under a name that requests then pass in their `adapter` field. The weights are read,
+        checked against the model (module names and shapes) and made resident. An admin RPC.
+        INVALID_ARGUMENT for a directory that is not a usable adapter (pickled weights, DoRA, modules
+        outside the decoder layers, shapes that do not fit), ALREADY_EXISTS for a name already loaded
+        from another path (loading the same path again is a no-op), UNIMPLEMENTED when
+        `ExecutorCapabilities.supports_lora` is false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Forget an adapter. FAILED_PRECONDITION while a live cache is bound to it (release those
+        first); its cached prefix blocks are dropped. Idempotent: an unknown name answers
+        `unloaded = false`. An admin RPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The adapters registered on a model (all models when `model_id` is empty).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -623,6 +669,21 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.ImportKv,
                     request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ImportKvRequest.FromString,
                     response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ImportKvResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1490,6 +1551,87 @@ class ModelExecutor:
             '/ferrum.executor.v1.ModelExecutor/ImportKv',
             ferrum_dot_executor_dot_v1_dot_executor__pb2.ImportKvRequest.SerializeToString,
             ferrum_dot_executor_dot_v1_dot_executor__pb2.ImportKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/LoadAdapter',
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterRequest.SerializeToString,
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/UnloadAdapter',
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterRequest.SerializeToString,
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/ListAdapters',
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

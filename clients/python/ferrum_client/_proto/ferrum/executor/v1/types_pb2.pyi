@@ -243,7 +243,7 @@ class MemoryRequirements(_message.Message):
     def __init__(self, parameter_memory_bytes: _Optional[int] = ..., activation_memory_per_token_bytes: _Optional[int] = ..., kv_cache_memory_per_token_bytes: _Optional[int] = ..., overhead_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ExecutorCapabilities(_message.Message):
-    __slots__ = ("max_batch_size", "max_sequence_length", "attention_mechanisms", "supports_dynamic_batching", "supports_continuous_batching", "supports_speculative_decoding", "supports_tensor_parallelism", "supports_pipeline_parallelism", "supported_dtypes", "supported_devices", "memory_requirements", "supports_native_unified_decode", "supports_generation", "supports_embeddings", "supports_forward", "supports_kv_truncation", "supports_native_forward_verify", "kv_block_size", "supports_prefix_caching", "supports_fork", "supports_kv_transfer")
+    __slots__ = ("max_batch_size", "max_sequence_length", "attention_mechanisms", "supports_dynamic_batching", "supports_continuous_batching", "supports_speculative_decoding", "supports_tensor_parallelism", "supports_pipeline_parallelism", "supported_dtypes", "supported_devices", "memory_requirements", "supports_native_unified_decode", "supports_generation", "supports_embeddings", "supports_forward", "supports_kv_truncation", "supports_native_forward_verify", "kv_block_size", "supports_prefix_caching", "supports_fork", "supports_kv_transfer", "supports_lora", "max_adapters")
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MECHANISMS_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,8 @@ class ExecutorCapabilities(_message.Message):
     SUPPORTS_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_FORK_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_LORA_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     max_batch_size: int
     max_sequence_length: int
     attention_mechanisms: _containers.RepeatedScalarFieldContainer[AttentionType]
@@ -286,7 +288,9 @@ class ExecutorCapabilities(_message.Message):
     supports_prefix_caching: bool
     supports_fork: bool
     supports_kv_transfer: bool
-    def __init__(self, max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., attention_mechanisms: _Optional[_Iterable[_Union[AttentionType, str]]] = ..., supports_dynamic_batching: _Optional[bool] = ..., supports_continuous_batching: _Optional[bool] = ..., supports_speculative_decoding: _Optional[bool] = ..., supports_tensor_parallelism: _Optional[bool] = ..., supports_pipeline_parallelism: _Optional[bool] = ..., supported_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., memory_requirements: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., supports_native_unified_decode: _Optional[bool] = ..., supports_generation: _Optional[bool] = ..., supports_embeddings: _Optional[bool] = ..., supports_forward: _Optional[bool] = ..., supports_kv_truncation: _Optional[bool] = ..., supports_native_forward_verify: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., supports_prefix_caching: _Optional[bool] = ..., supports_fork: _Optional[bool] = ..., supports_kv_transfer: _Optional[bool] = ...) -> None: ...
+    supports_lora: bool
+    max_adapters: int
+    def __init__(self, max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., attention_mechanisms: _Optional[_Iterable[_Union[AttentionType, str]]] = ..., supports_dynamic_batching: _Optional[bool] = ..., supports_continuous_batching: _Optional[bool] = ..., supports_speculative_decoding: _Optional[bool] = ..., supports_tensor_parallelism: _Optional[bool] = ..., supports_pipeline_parallelism: _Optional[bool] = ..., supported_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., memory_requirements: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., supports_native_unified_decode: _Optional[bool] = ..., supports_generation: _Optional[bool] = ..., supports_embeddings: _Optional[bool] = ..., supports_forward: _Optional[bool] = ..., supports_kv_truncation: _Optional[bool] = ..., supports_native_forward_verify: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., supports_prefix_caching: _Optional[bool] = ..., supports_fork: _Optional[bool] = ..., supports_kv_transfer: _Optional[bool] = ..., supports_lora: _Optional[bool] = ..., max_adapters: _Optional[int] = ...) -> None: ...
 
 class ExecutorMemoryUsage(_message.Message):
     __slots__ = ("allocated_bytes", "used_bytes", "peak_bytes", "utilization_percent")
@@ -349,7 +353,7 @@ class ExecutorMetrics(_message.Message):
     def __init__(self, total_operations: _Optional[int] = ..., prefill_operations: _Optional[int] = ..., decode_operations: _Optional[int] = ..., avg_prefill_latency_ms: _Optional[float] = ..., avg_decode_latency_ms: _Optional[float] = ..., p95_prefill_latency_ms: _Optional[float] = ..., p95_decode_latency_ms: _Optional[float] = ..., throughput_tps: _Optional[float] = ..., memory_efficiency: _Optional[float] = ..., batch_utilization: _Optional[float] = ...) -> None: ...
 
 class KvCacheHandle(_message.Message):
-    __slots__ = ("cache_id", "model_id", "num_tokens", "block_size", "num_blocks", "block_ids", "memory_bytes", "num_layers", "num_kv_heads", "head_dim")
+    __slots__ = ("cache_id", "model_id", "num_tokens", "block_size", "num_blocks", "block_ids", "memory_bytes", "num_layers", "num_kv_heads", "head_dim", "adapter")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +364,7 @@ class KvCacheHandle(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     model_id: str
     num_tokens: int
@@ -370,7 +375,8 @@ class KvCacheHandle(_message.Message):
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    def __init__(self, cache_id: _Optional[str] = ..., model_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., memory_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, cache_id: _Optional[str] = ..., model_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., memory_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class KvCapacity(_message.Message):
     __slots__ = ("per_request_tokens", "total_tokens", "used_tokens", "free_tokens", "reserved_tokens", "total_bytes", "used_bytes", "bytes_per_token", "block_size", "total_blocks", "free_blocks", "evictable_blocks", "cached_blocks")
