@@ -1,7 +1,8 @@
 """Bearer-token authentication for the gRPC server.
 
 Callers send ``authorization: Bearer <token>``. Health checks and reflection are open (probes and
-``grpcurl list`` need no secret). Admin RPCs (``Warmup``, ``Shutdown``) need an admin token when
+``grpcurl list`` need no secret). Admin RPCs (``Warmup``, ``Shutdown``, ``LoadAdapter``,
+``UnloadAdapter``) need an admin token when
 one is configured: a valid ordinary token gets PERMISSION_DENIED there, no token UNAUTHENTICATED.
 """
 
@@ -12,7 +13,8 @@ import hmac
 import grpc
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-ADMIN_METHODS = ("/ferrum.executor.v1.ModelExecutor/Warmup", "/ferrum.executor.v1.ModelExecutor/Shutdown")
+ADMIN_METHODS = tuple(f"/ferrum.executor.v1.ModelExecutor/{m}"
+                      for m in ("Warmup", "Shutdown", "LoadAdapter", "UnloadAdapter"))
 
 
 def _matches(token: str, allowed: list[str]) -> bool:

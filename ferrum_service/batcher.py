@@ -51,6 +51,7 @@ class _Pending:
         return PrefillInput(token_ids=ids, cache_id=self.created or inp.cache_id, policy=inp.policy,
                             reserve_tokens=inp.reserve_tokens if not self.done and not inp.cache_id else 0,
                             metadata=inp.metadata, request_id=inp.request_id, cache_salt=inp.cache_salt,
+                            adapter=inp.adapter,
                             bypass_prefix_cache=inp.bypass_prefix_cache), last
 
 

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="host executors behind the gRPC contract")
     s.add_argument("--config", default=os.environ.get("FERRUM_CONFIG"), help="YAML config file")
+    s.add_argument("--adapter", action="append", default=None, metavar="[MODEL:]NAME=PATH",
+                   help="preload a LoRA adapter (a PEFT directory) on a model (MODEL may be left out when one "
+                        "causal LM is hosted); repeatable")
     s.add_argument("--model", action="append", default=None, metavar="SPEC",
                    help="executor to host, EXECUTOR[,key=value...] (repeatable); default: smollm2 (llama.cpp on CPU-only machines, transformers on CUDA) + minilm")
     for name, (typ, _default, help_) in SERVE_FLAGS.items():
@@ -130,6 +133,28 @@ def resolve_serve_settings(args: argparse.Namespace) -> dict:
     else:
         specs = [parse_spec(m) for m in DEFAULT_MODELS]
     out["specs"] = specs
+    out["adapters"] = _adapter_flags(getattr(args, "adapter", None) or [], specs)
+    return out
+
+
+def _adapter_flags(flags: list[str], specs) -> dict[str, dict[str, str]]:
+    """``--adapter [MODEL:]NAME=PATH`` flags and the specs' own adapters, per model id."""
+    from .model_specs import spec_adapters
+
+    out = {s.model_id: spec_adapters(s) for s in specs}
+    for f in flags:
+        head, sep, path = f.partition("=")
+        if not sep or not head or not path:
+            raise SystemExit(f"--adapter {f!r}: expected [MODEL:]NAME=PATH")
+        model, _, name = head.rpartition(":")
+        if not model:
+            causal = [s.model_id for s in specs if s.executor not in ("bert", "minilm", "stub", "configurable")]
+            if len(causal) != 1:
+                raise SystemExit(f"--adapter {f!r}: name the model (MODEL:NAME=PATH); hosted: {', '.join(causal)}")
+            model = causal[0]
+        if model not in out:
+            raise SystemExit(f"--adapter {f!r}: no model {model!r} is hosted")
+        out[model][name] = path
     return out
 
 
@@ -167,6 +192,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                kv_budget_tokens=st["kv_budget_tokens"] or None,
                                trust_remote_code=st["trust_remote_code"], allow_pickle=st["allow_pickle"],
                                prefix_cache=st["prefix_cache"]).result()
+            for name, path in st["adapters"].get(spec.model_id, {}).items():
+                worker.submit(ex.load_adapter, name, path).result()
         except (ValueError, FileNotFoundError, ImportError, OSError, FerrumError) as e:
             log.error("could not load model", executor=spec.executor, model_id=spec.model_id, error=str(e))
             worker.shutdown(wait=False)

@@ -224,7 +224,16 @@ def handle_pb(h: CacheHandle) -> tpb.KvCacheHandle:
         num_layers=h.num_layers,
         num_kv_heads=h.num_kv_heads,
         head_dim=h.head_dim,
+        adapter=h.adapter,
     )
+
+
+def adapter_pb(host, a) -> pb.AdapterInfo:
+    """A registered LoRA adapter (``lora.Adapter``) of ``host``'s model."""
+    return pb.AdapterInfo(model_id=host.model_id, name=a.name, path=a.path, rank=a.rank, alpha=a.alpha,
+                          target_modules=a.target_modules, resident=a.resident, weight_bytes=a.weight_bytes,
+                          live_caches=host.executor.adapter_caches(a.name), steps=a.steps,
+                          loaded_unix_ms=a.loaded_unix_ms)
 
 
 def row_pb(r: RowResult) -> tpb.LogitsOutput:
@@ -299,6 +308,8 @@ def capabilities_pb(c: ExecutorCapabilities) -> tpb.ExecutorCapabilities:
         supports_prefix_caching=c.supports_prefix_caching,
         supports_fork=c.supports_fork,
         supports_kv_transfer=c.supports_kv_transfer,
+        supports_lora=c.supports_lora,
+        max_adapters=c.max_adapters,
     )
 
 
@@ -422,7 +433,8 @@ def block_event_pb(ev) -> pb.KvBlockEvent:
     d = ev.block or {}
     if ev.block_kind == "stored":
         m.stored.CopyFrom(pb.KvBlockStored(block_hashes=d["block_hashes"], parent_block_hash=d["parent_block_hash"],
-                                           token_ids=d["token_ids"], block_size=d["block_size"]))
+                                           token_ids=d["token_ids"], block_size=d["block_size"],
+                                           adapter=d.get("adapter", "")))
     elif ev.block_kind == "removed":
         m.removed.CopyFrom(pb.KvBlockRemoved(block_hashes=d["block_hashes"]))
     else:

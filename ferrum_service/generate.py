@@ -145,6 +145,8 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
     prompt = await _prompt_tokens(host, checks, req)
     reg = host.executor.registry
     prior = 0
+    adapter = checks.adapter(host, req.adapter, "adapter",
+                             checks.live_entry(host, req.cache_id, "cache_id") if req.cache_id else None)
     if req.cache_id:
         prior = checks.live_entry(host, req.cache_id, "cache_id").num_tokens
         if not prompt and not req.HasField("last_token_id"):
@@ -170,7 +172,8 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
             if prompt:
                 inp = PrefillInput(token_ids=prompt, cache_id=cache_id, policy=policy,
                                    reserve_tokens=total if not cache_id else 0, request_id=req.request_id,
-                                   cache_salt=salt, bypass_prefix_cache=req.bypass_prefix_cache)
+                                   cache_salt=salt, bypass_prefix_cache=req.bypass_prefix_cache,
+                                   adapter=adapter)
                 if cache_id:
                     admit(host, "stop.max_tokens", grow=[(reg.get(cache_id), total)])
                 out, row = await host.batcher.prefill(inp)
@@ -190,7 +193,7 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
             samples = [_Sample(0, cache_id, row, policy, detokenizer())]
             if n > 1:
                 samples += await _fork_samples(host, checks, samples[0], prompt, n, total, owner, req, created,
-                                               detokenizer, salt)
+                                               detokenizer, salt, adapter)
             yield pb.GenerateResponse(started=pb.GenerateStarted(
                 cache=handle_pb(handle), prompt_tokens=len(prompt), request_id=req.request_id, cached_tokens=cached))
             ttft = time.perf_counter_ns() - t_start
@@ -227,7 +230,7 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
 
 
 async def _fork_samples(host, checks, first: _Sample, prompt: list[int], n: int, total: int, owner: str, req,
-                        created: list[str], detokenizer, salt: str) -> list[_Sample]:
+                        created: list[str], detokenizer, salt: str, adapter: str) -> list[_Sample]:
     """Samples 1..n-1: caches forked from the prompt's (all but its last token, shared blocks),
     then the last prompt token decoded into each with the sample's own seed, in one batched step."""
     reg = host.executor.registry
@@ -254,7 +257,8 @@ async def _fork_samples(host, checks, first: _Sample, prompt: list[int], n: int,
             steps.append(host.batcher.decode(DecodeInput(cache_id=fork, token_id=prompt[-1], policy=policy)))
         else:
             steps.append(host.batcher.prefill(PrefillInput(token_ids=list(prompt), policy=policy, reserve_tokens=total,
-                                                           cache_salt=salt, bypass_prefix_cache=True)))
+                                                           cache_salt=salt, bypass_prefix_cache=True,
+                                                           adapter=adapter)))
     results = await asyncio.gather(*steps, return_exceptions=True)
     for s, r in zip(samples, results):
         if not s.cache_id and not isinstance(r, BaseException):

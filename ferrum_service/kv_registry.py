@@ -46,6 +46,7 @@ class CacheEntry:
     payload: Any = None  # executor-specific state (e.g. K/V tensors)
     owner: str = ""  # a Session / Generate stream that frees it when it ends ("" = the caller)
     tenant: str = ""  # the authenticated caller it belongs to ("" = calls are not authenticated)
+    adapter: str = ""  # the LoRA adapter the cache was computed with and is bound to ("" = the base model)
     guide: Any = None  # structured-output state (guided.GuideState) once a constrained row was sampled
     origin: str = ""  # where the unary call that made it came from ("caller@host", callers.py)
     last_access: float = field(default_factory=time.monotonic)
@@ -162,6 +163,7 @@ class CacheRegistry:
             block_size=self.block_size,
             num_blocks=blocks,
             memory_bytes=memory_bytes if memory_bytes is not None else n * self.bytes_per_token,
+            adapter=entry.adapter,
         )
 
     # ---- admission ---------------------------------------------------------------------------

@@ -159,9 +159,10 @@ class KvTransfer:
             if entry.num_tokens < end:
                 raise errors.out_of_range(f"the cache holds {entry.num_tokens} tokens now", field="to_token")
             tokens = list(entry.tokens[start:end])
-            yield pb.ExportKvResponse(header=self.header_of(
-                layout, tokens, start, end, len(ranges) * layout.num_layers,
-                (end - start) * (k_tok + v_tok) * layout.num_layers))
+            header = self.header_of(layout, tokens, start, end, len(ranges) * layout.num_layers,
+                                    (end - start) * (k_tok + v_tok) * layout.num_layers)
+            header.adapter = entry.adapter
+            yield pb.ExportKvResponse(header=header)
             # The next layer is read while this one is sent.
             nxt = asyncio.ensure_future(read(0))
             try:
@@ -287,7 +288,7 @@ class KvTransfer:
         v_tok = layout.num_kv_heads * layout.v_head_dim * layout.element_size
         n = len(tokens)
         loop = asyncio.get_running_loop()
-        staged = (await host.call(ex.import_begin, tokens, reserve, salt)).value  # admission
+        staged = (await host.call(ex.import_begin, tokens, reserve, salt, h.adapter)).value  # admission
         if layout.state_format:
             return await self._import_state(host, h, chunks, staged, n, t0)
         writes: collections.deque[asyncio.Future] = collections.deque()

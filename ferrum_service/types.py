@@ -83,6 +83,7 @@ class CacheHandle:
     num_layers: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
+    adapter: str = ""  # the LoRA adapter the cache is bound to
 
 
 @dataclass
@@ -98,6 +99,7 @@ class PrefillInput:
     request_id: str = ""
     cache_salt: str = ""  # prefix caching: only caches with the same salt share blocks
     bypass_prefix_cache: bool = False
+    adapter: str = ""  # LoRA adapter: a new cache's, or (continuing) "" or the cache's own
 
 
 @dataclass
@@ -138,6 +140,7 @@ class UnifiedItem:
     metadata: dict[str, Any] = field(default_factory=dict)
     cache_salt: str = ""
     bypass_prefix_cache: bool = False
+    adapter: str = ""
 
 
 @dataclass
@@ -213,6 +216,8 @@ class ExecutorCapabilities:
     supports_prefix_caching: bool = False
     supports_fork: bool = False
     supports_kv_transfer: bool = False
+    supports_lora: bool = False
+    max_adapters: int = 0
 
 
 @dataclass

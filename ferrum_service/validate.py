@@ -243,11 +243,28 @@ class RequestChecks:
                                  limit=MAX_CACHE_SALT_BYTES)
         return salt
 
+    @staticmethod
+    def adapter(host: "ModelHost", name: str, field: str, entry: CacheEntry | None = None) -> str:
+        """A LoRA adapter name: UNIMPLEMENTED when the model serves none, NOT_FOUND when it is not
+        loaded, FAILED_PRECONDITION when ``entry`` (a cache the step continues) is bound to another."""
+        if not name:
+            return ""
+        ads = host.executor.adapters
+        if ads is None:
+            raise errors.unsupported(f"{field}: model {host.model_id!r} serves no LoRA adapters", field=field)
+        ads.get(name, field)
+        if entry is not None and entry.adapter != name and (entry.num_tokens or entry.adapter):
+            bound = f"adapter {entry.adapter!r}" if entry.adapter else "the base model"
+            raise errors.failed_precondition(f"{field}: cache {entry.cache_id!r} is bound to {bound}, not {name!r}",
+                                             field=field, cache_adapter=entry.adapter)
+        return name
+
     def prefill_input(self, host: "ModelHost", msg: pb.PrefillInput, field: str) -> PrefillInput:
         """A checked prompt: ids, its cache (if it extends one), the length it may reach."""
         ids = self.tokens(host, msg.token_ids, f"{field}.token_ids")
         policy = self.policy(host, msg.logits, f"{field}.logits")
-        prior = self.live_entry(host, msg.cache_id, f"{field}.cache_id").num_tokens if msg.cache_id else 0
+        entry = self.live_entry(host, msg.cache_id, f"{field}.cache_id") if msg.cache_id else None
+        prior = entry.num_tokens if entry else 0
         total = max(prior + len(ids), msg.reserve_tokens)
         self.check_length(host, total, f"{field}.reserve_tokens" if msg.reserve_tokens > prior + len(ids)
                           else f"{field}.token_ids")
@@ -261,6 +278,7 @@ class RequestChecks:
             request_id=msg.request_id,
             cache_salt=self.salt(msg.cache_salt, f"{field}.cache_salt"),
             bypass_prefix_cache=msg.bypass_prefix_cache,
+            adapter=self.adapter(host, msg.adapter, f"{field}.adapter", entry),
         )
 
     def decode_input(self, host: "ModelHost", msg: pb.DecodeInput, field: str) -> DecodeInput:
@@ -281,7 +299,8 @@ class RequestChecks:
     def unified_item(self, host: "ModelHost", m: pb.UnifiedBatchItem, field: str) -> UnifiedItem:
         """A checked unified-batch item (a prompt chunk or a decode step of one sequence)."""
         q = self.tokens(host, m.q_tokens, f"{field}.q_tokens")
-        n = self.live_entry(host, m.cache_id, f"{field}.cache_id").num_tokens if m.cache_id else 0
+        entry = self.live_entry(host, m.cache_id, f"{field}.cache_id") if m.cache_id else None
+        n = entry.num_tokens if entry else 0
         if m.pos_offset != n:
             raise errors.failed_precondition(
                 f"{field}.pos_offset = {m.pos_offset} but the cache holds {n} tokens", field=f"{field}.pos_offset",
@@ -292,7 +311,7 @@ class RequestChecks:
             seq_id=m.seq_id, q_tokens=q, cache_id=m.cache_id, pos_offset=int(m.pos_offset),
             is_final_chunk=m.is_final_chunk, policy=self.policy(host, m.logits, f"{field}.logits"),
             metadata=struct_to_dict(m.metadata), cache_salt=self.salt(m.cache_salt, f"{field}.cache_salt"),
-            bypass_prefix_cache=m.bypass_prefix_cache,
+            bypass_prefix_cache=m.bypass_prefix_cache, adapter=self.adapter(host, m.adapter, f"{field}.adapter", entry),
         )
 
 
@@ -318,7 +337,7 @@ def admit_prefills(host: "ModelHost", inputs: list[PrefillInput], field: str = "
         else:
             want = "all" if i.all_positions else "last"
             new.append(StepItem(None, list(i.token_ids), want, reserve=int(i.reserve_tokens or 0),
-                                salt=i.cache_salt, bypass=i.bypass_prefix_cache))
+                                salt=i.cache_salt, bypass=i.bypass_prefix_cache, adapter=i.adapter))
     admit(host, field, grow=grow, new=new)
 
 
@@ -333,7 +352,8 @@ def admit_unified(host: "ModelHost", items: list[UnifiedItem], field: str = "ite
     reg = host.executor.registry
     admit(host, field,
           grow=[(reg.get(i.cache_id), i.pos_offset + len(i.q_tokens)) for i in items if i.cache_id],
-          new=[StepItem(None, list(i.q_tokens), "last", salt=i.cache_salt, bypass=i.bypass_prefix_cache)
+          new=[StepItem(None, list(i.q_tokens), "last", salt=i.cache_salt, bypass=i.bypass_prefix_cache,
+                        adapter=i.adapter)
                for i in items if not i.cache_id])
 
 

@@ -217,7 +217,7 @@ def test_block_event_keys_follow_the_advertised_recipe(ex):
     assert data["token_ids"] == p[:48] and data["block_size"] == BS
     recipe = ex.info().prefix_cache
     assert recipe == {"enabled": True, "algorithm": "sha256-chain-v1", "block_size": BS,
-                      "seed": "ferrum-prefix-v1", "extra_keys": ["model_id", "cache_salt"]}
+                      "seed": "ferrum-prefix-v1", "extra_keys": ["model_id", "cache_salt", "adapter"]}
 
 
 def test_disabled_prefix_cache_shares_nothing_but_still_forks(tiny_llama_dir):

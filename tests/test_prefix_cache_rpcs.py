@@ -52,7 +52,7 @@ def test_info_capabilities_and_cached_tokens(srv):
         info = c.stub.Info(pb.InfoRequest(model_id="tiny")).models[0]
         r = info.prefix_cache
         assert (r.enabled, r.algorithm, r.block_size, r.seed, list(r.extra_keys)) == (
-            True, "sha256-chain-v1", BS, "ferrum-prefix-v1", ["model_id", "cache_salt"])
+            True, "sha256-chain-v1", BS, "ferrum-prefix-v1", ["model_id", "cache_salt", "adapter"])
         caps = c.stub.Capabilities(pb.CapabilitiesRequest(model_id="tiny")).capabilities
         assert caps.supports_prefix_caching and caps.supports_fork
         p = _prompt(50)

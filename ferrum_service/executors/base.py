@@ -143,6 +143,8 @@ class ModelExecutor(abc.ABC):
     inline: bool = False
 
     registry: CacheRegistry
+    #: The LoRA adapters registered on this model (``lora.AdapterSet``); None = it serves none.
+    adapters: Any = None
 
     def __init__(self) -> None:
         self.stats = OperationStats()
@@ -290,7 +292,7 @@ class ModelExecutor(abc.ABC):
         """K and V bytes of tokens [start, end) of one layer (``[n, kv_heads, head_dim]``, row-major)."""
         raise errors.unsupported(f"ExportKv is not supported by the {self.kind} executor")
 
-    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str) -> Any:
+    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str, adapter: str = "") -> Any:
         """Admit and stage a new cache of ``tokens`` (RESOURCE_EXHAUSTED when it cannot fit); the
         staged state is written by :meth:`import_write` and becomes a cache at :meth:`import_commit`
         or is dropped by :meth:`import_abort`."""
@@ -347,6 +349,20 @@ class ModelExecutor(abc.ABC):
     def lora_metrics(self) -> dict[str, Any] | None:
         """``lora_metrics_snapshot()``; None by default."""
         return None
+
+    # ---- LoRA adapters (LoadAdapter / UnloadAdapter / ListAdapters) -----------------------------
+    def load_adapter(self, name: str, path: str) -> tuple[Any, bool]:
+        """Register adapter ``name`` from a PEFT directory: (its ``lora.Adapter``, whether it was
+        read now). Default unsupported."""
+        raise errors.unsupported(f"model {self.registry.model_id!r} ({self.kind}) serves no LoRA adapters")
+
+    def unload_adapter(self, name: str) -> tuple[bool, int]:
+        """Forget adapter ``name``: (whether it was loaded, prefix blocks dropped with it)."""
+        raise errors.unsupported(f"model {self.registry.model_id!r} ({self.kind}) serves no LoRA adapters")
+
+    def adapter_caches(self, name: str) -> int:
+        """Live caches bound to adapter ``name``."""
+        return sum(1 for e in self.registry.entries() if e.adapter == name)
 
     def warmup(self) -> None:
         """``warmup()``; nothing by default."""

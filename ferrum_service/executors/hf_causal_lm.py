@@ -110,6 +110,8 @@ from ..types import (
 from .base import KvLayout
 from .item_steps import ItemStepExecutor, StepItem
 from .checkpoint_files import require_safe_weights
+from .lora import AdapterSet, AdapterWeights, lora_step
+from .lora import build_step as build_lora_step
 from .packed_attention import base_implementation, build_step, install, packed_step
 from .paged_kv import BlockPool, PagedWriteCache
 from .prefix_cache import PrefixCache, SeqBlocks
@@ -144,6 +146,7 @@ class _StagedImport:
     reserve: int
     salt: str
     blocks: list[int] | None
+    adapter: str = ""
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:
@@ -158,6 +161,7 @@ class _Row:
     past: int
     tokens: list[int]
     want: str
+    lora: AdapterWeights | None = None
 
 
 class HfCausalLmExecutor(ItemStepExecutor):
@@ -180,6 +184,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         weight_format: str = "",
         num_parameters: int | None = None,
         prefix_cache: bool = True,
+        max_adapters: int = 8,
     ) -> None:
         """Wrap a loaded model (use :meth:`from_path` to load one).
 
@@ -189,7 +194,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         new tokens) and are what :meth:`admission_limits` reports. ``weight_format`` /
         ``num_parameters`` describe weights transformed after loading (``int8``: see
         ``int8_weights.py``). ``prefix_cache=False`` turns automatic prefix caching off (forks
-        still share blocks).
+        still share blocks). ``max_adapters``: LoRA adapters resident at once (0 = no LoRA).
         """
         super().__init__()
         self.model = model.eval()
@@ -233,6 +238,8 @@ class HfCausalLmExecutor(ItemStepExecutor):
             device=self.device,
         )
         self.prefix = PrefixCache(self.pool, model_id=model_id, enabled=prefix_cache)
+        self.adapters = (AdapterSet(model, device=self.device, dtype=self.dtype, max_resident=max_adapters)
+                         if max_adapters > 0 else None)
         total_tokens = num_blocks * block_size
         self.registry = CacheRegistry(
             model_id,
@@ -275,6 +282,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         allow_pickle: bool = False,
         attn_implementation: str = "sdpa",
         prefix_cache: bool = True,
+        max_adapters: int = 8,
     ) -> "HfCausalLmExecutor":
         """Load a local checkpoint directory, or a GGUF file (``gguf_file=`` inside ``path``, or
         ``path`` itself ending in ``.gguf``).
@@ -344,6 +352,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
             weight_format="int8" if int8 else "",
             num_parameters=n_params,
             prefix_cache=prefix_cache,
+            max_adapters=max_adapters,
         )
         i = ex._info
         log.info(
@@ -508,6 +517,8 @@ class HfCausalLmExecutor(ItemStepExecutor):
             supports_prefix_caching=self.prefix.enabled,
             supports_fork=True,
             supports_kv_transfer=True,
+            supports_lora=self.adapters is not None,
+            max_adapters=self.adapters.max_resident if self.adapters is not None else 0,
         )
 
     def status(self) -> ExecutorStatus:
@@ -549,6 +560,51 @@ class HfCausalLmExecutor(ItemStepExecutor):
             "lookups": st.lookups, "hits": st.hits, "evicted_blocks": st.evicted_blocks,
             "cow_copies": st.cow_copies, "forks": st.forks,
         }}
+
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str):
+        if self.adapters is None:
+            return super().load_adapter(name, path)
+        adapter, loaded = self.adapters.load(name, path)
+        if loaded:
+            log.info("adapter loaded", model_id=self.model_id, adapter=name, path=adapter.path, rank=adapter.rank,
+                     modules=len(adapter.weights.modules), weight_bytes=adapter.weight_bytes)
+        return adapter, loaded
+
+    def unload_adapter(self, name: str) -> tuple[bool, int]:
+        """FAILED_PRECONDITION while a live cache is bound to ``name``; its cached blocks go with it."""
+        if self.adapters is None:
+            return super().unload_adapter(name)
+        if name not in self.adapters.adapters:
+            return False, 0
+        live = self.adapter_caches(name)
+        if live:
+            raise errors.failed_precondition(
+                f"adapter {name!r} is used by {live} live cache(s); release them first", field="name",
+                live_caches=live)
+        self.adapters.unload(name)
+        dropped = self.prefix.drop_adapter(name)
+        log.info("adapter unloaded", model_id=self.model_id, adapter=name, dropped_blocks=dropped)
+        return True, dropped
+
+    def lora_metrics(self) -> dict[str, Any] | None:
+        """ferrum's ``lora_metrics_snapshot`` fields, plus residency and per-adapter counters."""
+        a = self.adapters
+        if a is None:
+            return None
+        bindings = sum(1 for e in self.registry.entries() if e.adapter)
+        return {
+            "enabled": bool(a.adapters), "adapter_count": len(a.adapters), "active_cache_bindings": bindings,
+            "projection_applications": a.projection_applications, "position": "real-inference",
+            "source": "hf-causal-lm-grouped-lora", "max_resident": a.max_resident, "resident": len(a.resident),
+            "loads": a.loads, "evictions": a.evictions,
+            "adapters": {n: {"rank": x.rank, "resident": x.resident, "steps": x.steps,
+                             "live_caches": self.adapter_caches(n)} for n, x in a.adapters.items()},
+        }
+
+    def _count_lora(self, step) -> None:
+        if step is not None:
+            self.adapters.projection_applications += step.applications
 
     def admission_limits(self) -> AdmissionLimits:
         return AdmissionLimits(
@@ -616,7 +672,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         """Tokens a prefill of ``inp`` (a new prompt) would take from the prefix cache now."""
         if inp.cache_id or inp.bypass_prefix_cache or inp.all_positions or not self.prefix.enabled:
             return 0
-        blocks, _ = self.prefix.match(inp.token_ids, self.prefix.root(inp.cache_salt))
+        blocks, _ = self.prefix.match(inp.token_ids, self.prefix.root(inp.cache_salt, inp.adapter))
         return min(len(blocks) * self.block_size, len(inp.token_ids) - 1)
 
     def admit_kv(self, grow: list[tuple[CacheEntry, int]], new: list[StepItem], field: str) -> None:
@@ -699,6 +755,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         extra = self.pool.blocks_for(max(keep, reserve)) - len(shared)
         self._admit(extra, "cache_id", new_caches=1)
         entry = self.registry.create(src.tokens[:keep], reserve_tokens=reserve, field="cache_id", event="forked")
+        entry.adapter = src.adapter
         self.prefix.take(shared)
         seq = SeqBlocks(list(shared), src.payload.keys[: keep // self.block_size], src.payload.root)
         seq.blocks.extend(self.prefix.allocate(extra, shared[-1] if shared else None))
@@ -752,17 +809,22 @@ class HfCausalLmExecutor(ItemStepExecutor):
             out.append(_raw_bytes(pool.view(-1, self.num_kv_heads, d).index_select(0, slots)))
         return out[0], out[1]
 
-    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str) -> "_StagedImport":
+    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str, adapter: str = "") -> "_StagedImport":
         """Admit ``len(tokens)`` (or ``reserve_tokens``) of KV and take its blocks now (private,
-        zeroed, in no registry and no index): RESOURCE_EXHAUSTED before any byte is kept."""
+        zeroed, in no registry and no index): RESOURCE_EXHAUSTED before any byte is kept. K/V
+        computed with a LoRA ``adapter`` need that adapter loaded here (FAILED_PRECONDITION)."""
         if self.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down")
+        if adapter and (self.adapters is None or adapter not in self.adapters.adapters):
+            raise errors.failed_precondition(
+                f"the K/V were computed with LoRA adapter {adapter!r}, which is not loaded on model "
+                f"{self.model_id!r} here", field="header.adapter")
         total = max(len(tokens), int(reserve_tokens or 0))
         self.registry.check_sequence_length(total, "reserve_tokens", self.max_sequence_length)
         need = self.pool.blocks_for(total)
         self._admit(need, "header", new_caches=1)
         blocks = self.prefix.allocate(need)
-        return _StagedImport(list(tokens), int(reserve_tokens or 0), cache_salt, blocks)
+        return _StagedImport(list(tokens), int(reserve_tokens or 0), cache_salt, blocks, adapter)
 
     @torch.inference_mode()
     def import_write(self, staged: "_StagedImport", layer: int, start: int, end: int, key: bytes, value: bytes) -> None:
@@ -784,7 +846,8 @@ class HfCausalLmExecutor(ItemStepExecutor):
             raise errors.FerrumError(errors.ErrorKind.INTERNAL, "the import was aborted")
         entry = self.registry.create(staged.tokens, reserve_tokens=staged.reserve, field="header")
         before = self.prefix.cached_blocks
-        entry.payload = SeqBlocks(staged.blocks, [], self.prefix.root(staged.salt))
+        entry.adapter = staged.adapter
+        entry.payload = SeqBlocks(staged.blocks, [], self.prefix.root(staged.salt, staged.adapter))
         staged.blocks = None
         self.prefix.commit(entry.payload, entry.tokens)
         return entry, self.prefix.cached_blocks - before
@@ -837,7 +900,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         hits: list[tuple[list[int], list[bytes], bytes]] = []
         for it in items:
             if it.entry is None:
-                root = pc.root(it.salt)
+                root = pc.root(it.salt, it.adapter)
                 hb: list[int] = []
                 hk: list[bytes] = []
                 if not it.bypass and it.want != "all":
@@ -874,6 +937,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
                 limit=self.max_batch_tokens,
             )
 
+        lora = self._adapters_of(items, field)
         # Admission, before anything is allocated or computed.
         pc, pool, bs = self.prefix, self.pool, self.block_size
         need, revived, hits = self._plan(items)
@@ -888,6 +952,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
             for it, (hb, hk, root) in zip(items, hits):
                 if it.entry is None:
                     e = self.registry.create(it.tokens, reserve_tokens=it.reserve, field=field)
+                    e.adapter = it.adapter
                     created.append(e)
                     pc.take(hb)
                     e.payload = SeqBlocks(list(hb), list(hk), root)
@@ -915,7 +980,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
                 for i in range(past // bs, pool.blocks_for(past + len(new))):
                     pc.own(seq, i)
                 entries.append(e)
-                rows.append(_Row(seq.blocks, past, new, it.want))
+                rows.append(_Row(seq.blocks, past, new, it.want, lora[e.adapter] if e.adapter else None))
             logits = self._forward_rows(rows)
         except BaseException:
             for e in created:
@@ -932,6 +997,33 @@ class HfCausalLmExecutor(ItemStepExecutor):
                 self.registry.extend(e, it.tokens)
             pc.commit(e.payload, e.tokens)
         return list(zip(entries, logits))
+
+    def _adapters_of(self, items: list[StepItem], field: str) -> dict[str, AdapterWeights]:
+        """The LoRA weights a step's rows use (resident now). A new cache takes its item's adapter;
+        a live cache keeps its own (another one named is FAILED_PRECONDITION), except an empty cache
+        (reserved by ``ReserveKvSlots``) that its first step binds."""
+        names = set()
+        for k, it in enumerate(items):
+            e = it.entry
+            if e is not None:
+                if it.adapter and it.adapter != e.adapter:
+                    if e.num_tokens or e.adapter:
+                        raise errors.failed_precondition(
+                            f"{field}: cache {e.cache_id!r} is bound to "
+                            f"{('adapter ' + repr(e.adapter)) if e.adapter else 'the base model'}, not adapter "
+                            f"{it.adapter!r}", field=f"{field}.adapter", cache_adapter=e.adapter)
+                    e.adapter = it.adapter
+                    e.payload.root = self.prefix.root("", it.adapter)
+                name = e.adapter
+            else:
+                name = it.adapter
+            if name:
+                names.add(name)
+        if not names:
+            return {}
+        if self.adapters is None:
+            raise errors.unsupported(f"model {self.model_id!r} serves no LoRA adapters", field=f"{field}.adapter")
+        return self.adapters.resolve(names, f"{field}.adapter")
 
     def _forward_rows(self, rows: list[_Row]) -> list[torch.Tensor | None]:
         """One model call over ``rows`` (each: its blocks, past length, new tokens, wanted logits)."""
@@ -959,7 +1051,11 @@ class HfCausalLmExecutor(ItemStepExecutor):
         else:
             keep = 1
         pos = torch.arange(q, device=dev).expand(b, q)
-        logits = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=keep).logits
+        lora = build_lora_step([(r.lora, i * q, q) for i, r in enumerate(rows)], dev)
+        with lora_step(lora):
+            logits = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
+                                logits_to_keep=keep).logits
+        self._count_lora(lora)
         out: list[torch.Tensor | None] = []
         for i, r in enumerate(rows):
             if r.want == "none":
@@ -979,9 +1075,11 @@ class HfCausalLmExecutor(ItemStepExecutor):
         slots: list[int] = []
         keep: list[int] = []
         spans: list[tuple[int, int]] = []  # per row: where its logits start in the kept rows, how many
+        lora_rows = []
         start = 0
         for r in rows:
             n = len(r.tokens)
+            lora_rows.append((r.lora, start, n))
             ids += r.tokens
             pos += range(r.past, r.past + n)
             slots += self._slots(r)
@@ -996,7 +1094,8 @@ class HfCausalLmExecutor(ItemStepExecutor):
             start += n
         step = build_step(self.pool, [(r.blocks, r.past, len(r.tokens)) for r in rows], dev)
         cache = PagedWriteCache(self.pool, slots=torch.tensor(slots, dtype=torch.long, device=dev), kv_length=start)
-        with packed_step(step):
+        lora = build_lora_step(lora_rows, dev)
+        with packed_step(step), lora_step(lora):
             logits = self.model(
                 input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
                 position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
@@ -1004,6 +1103,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
                 use_cache=True,
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
             ).logits[0]
+        self._count_lora(lora)
         out: list[torch.Tensor | None] = []
         for r, (k0, k) in zip(rows, spans):
             if r.want == "none":

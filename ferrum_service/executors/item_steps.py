@@ -39,6 +39,7 @@ class StepItem:
     reserve: int = 0
     salt: str = ""  # a new cache's prefix-cache salt
     bypass: bool = False  # a new cache computes every token (no prefix-cache lookup)
+    adapter: str = ""  # LoRA adapter: a new cache's; for a live cache "" or its own (checked by ``_step``)
     cached: int = 0  # set by ``_step``: leading tokens taken from the prefix cache
 
 
@@ -92,7 +93,7 @@ class ItemStepExecutor(ModelExecutor):
                     field=f"items[{k}].pos_offset")
             work.append(StepItem(entry, list(it.q_tokens),
                                  "last" if it.is_final_chunk and it.policy.needs_logits else "none",
-                                 salt=it.cache_salt, bypass=it.bypass_prefix_cache))
+                                 salt=it.cache_salt, bypass=it.bypass_prefix_cache, adapter=it.adapter))
         results = self._step(work, "items")
         return [UnifiedResult(seq_id=it.seq_id, cache=self.handle(e), logits=l if it.is_final_chunk else None,
                               cached_tokens=w.cached)
@@ -125,7 +126,7 @@ class ItemStepExecutor(ModelExecutor):
             entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id") if inp.cache_id else None
             want = "none" if not inp.policy.needs_logits else "all" if inp.all_positions else "last"
             items.append(StepItem(entry, list(inp.token_ids), want, reserve=int(inp.reserve_tokens or 0),
-                                  salt=inp.cache_salt, bypass=inp.bypass_prefix_cache))
+                                  salt=inp.cache_salt, bypass=inp.bypass_prefix_cache, adapter=inp.adapter))
         return items
 
     def _decode_items(self, inputs: list[DecodeInput], field: str) -> list[StepItem]:

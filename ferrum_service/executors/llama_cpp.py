@@ -419,10 +419,14 @@ class LlamaCppExecutor(ItemStepExecutor):
             raise errors.FerrumError(errors.ErrorKind.BACKEND, f"llama.cpp could not save cache {cache_id!r}")
         return bytes(buf)[:n]
 
-    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str) -> dict:
+    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str, adapter: str = "") -> dict:
         """Admit the tokens (or the reservation) and a sequence id; the state is loaded at commit."""
         if self.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down")
+        if adapter:
+            raise errors.failed_precondition(f"the K/V were computed with LoRA adapter {adapter!r}; model "
+                                             f"{self.model_id!r} ({self.kind}) serves no adapters",
+                                             field="header.adapter")
         total = max(len(tokens), int(reserve_tokens or 0))
         self.registry.check_sequence_length(total, "reserve_tokens", self.max_sequence_length)
         self.registry.admit(total, "header", new_caches=1)

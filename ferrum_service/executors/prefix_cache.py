@@ -4,7 +4,8 @@ Rooms (after vLLM v1's ``block_pool.py`` / ``kv_cache_manager.py``, written for 
 
 - **Keys.** Every *full* block of a sequence gets a key chained from its parent's
   (:mod:`ferrum_client.prefix_keys`, advertised as ``PrefixCacheRecipe``): the key names the
-  block's tokens and everything before them, plus the model and the request's ``cache_salt``.
+  block's tokens and everything before them, plus the model, the request's ``cache_salt`` and the
+  LoRA adapter it was computed with (dropped with the adapter: :meth:`PrefixCache.drop_adapter`).
 - **Refcounts.** A block may sit in several sequences' block tables (a prefix hit, a fork). Its
   refcount is the number of tables holding it. Nothing ever writes into a block whose refcount is
   above one: the writer copies it first (:meth:`PrefixCache.own`, copy-on-write).
@@ -76,7 +77,9 @@ class PrefixCache:
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self.stats = PrefixStats()
         self.on_event: BlockEventSink | None = None
-        self._roots: dict[str, bytes] = {}
+        self._roots: dict[tuple[str, str], bytes] = {}
+        self.root_adapter: dict[bytes, str] = {}  # chain root -> its LoRA adapter (adapter roots only)
+        self.adapter_of: dict[int, str] = {}  # indexed block -> the adapter it was computed with
 
     # ---- sizes -----------------------------------------------------------------------------------
     @property
@@ -98,10 +101,12 @@ class PrefixCache:
         return {"enabled": self.enabled, "algorithm": ALGORITHM, "block_size": self.block_size,
                 "seed": SEED, "extra_keys": list(EXTRA_KEYS)}
 
-    def root(self, cache_salt: str = "") -> bytes:
-        r = self._roots.get(cache_salt)
+    def root(self, cache_salt: str = "", adapter: str = "") -> bytes:
+        r = self._roots.get((cache_salt, adapter))
         if r is None:
-            r = self._roots[cache_salt] = chain_root(self.model_id, cache_salt)
+            r = self._roots[(cache_salt, adapter)] = chain_root(self.model_id, cache_salt, adapter=adapter)
+            if adapter:
+                self.root_adapter[r] = adapter
             if len(self._roots) > 4096:  # many tenants: keep the memo bounded
                 self._roots.pop(next(iter(self._roots)))
         return r
@@ -198,6 +203,7 @@ class PrefixCache:
         bs = self.block_size
         full = len(tokens) // bs
         parent = seq.keys[-1] if seq.keys else seq.root
+        adapter = self.root_adapter.get(seq.root, "")
         run: tuple[int, bytes] | None = None  # (first block, its parent) of the run being stored
         for i in range(len(seq.keys), full):
             before = parent
@@ -207,6 +213,8 @@ class PrefixCache:
             if parent not in self.index and b not in self.key_of:
                 self.index[parent] = b
                 self.key_of[b] = parent
+                if adapter:
+                    self.adapter_of[b] = adapter
                 if run is None:
                     run = (i, before)
             elif run is not None:  # one event per unbroken run, so each event is one chain
@@ -220,6 +228,19 @@ class PrefixCache:
         until somebody writes into them)."""
         del seq.keys[new_len // self.block_size:]
 
+    def drop_adapter(self, adapter: str) -> int:
+        """Drop every evictable cached block computed with ``adapter`` (it is being unloaded; no
+        live sequence holds one then). Returns how many went."""
+        victims = [b for b, a in self.adapter_of.items() if a == adapter and b in self.evictable]
+        for b in victims:
+            del self.evictable[b]
+        self._unindex(victims)
+        self.pool.free(victims)
+        for r in [r for r, a in self.root_adapter.items() if a == adapter]:
+            del self.root_adapter[r]
+        self._roots = {k: r for k, r in self._roots.items() if k[1] != adapter}
+        return len(victims)
+
     def clear(self) -> None:
         """Drop every evictable block and the whole index (the model shuts down)."""
         had = bool(self.index)
@@ -227,6 +248,7 @@ class PrefixCache:
         self.evictable.clear()
         self.index.clear()
         self.key_of.clear()
+        self.adapter_of.clear()
         if had:
             self._emit("cleared", {})
 
@@ -256,6 +278,7 @@ class PrefixCache:
         keys = []
         for b in blocks:
             k = self.key_of.pop(b, None)
+            self.adapter_of.pop(b, None)
             if k is not None:
                 self.index.pop(k, None)
                 keys.append(k)
@@ -265,7 +288,8 @@ class PrefixCache:
     def _stored(self, seq: SeqBlocks, tokens: Sequence[int], first: int, parent: bytes, end: int) -> None:
         bs = self.block_size
         self._emit("stored", {"block_hashes": seq.keys[first:end], "parent_block_hash": parent,
-                              "token_ids": list(tokens[first * bs:end * bs]), "block_size": bs})
+                              "token_ids": list(tokens[first * bs:end * bs]), "block_size": bs,
+                              "adapter": self.root_adapter.get(seq.root, "")})
 
     def _emit(self, kind: str, data: dict) -> None:
         if self.on_event is not None:
