@@ -777,8 +777,13 @@ type PrefillInput struct {
 	// Compute every token of a new cache: take nothing from the prefix cache (its full blocks are
 	// still cached for later requests).
 	BypassPrefixCache bool `protobuf:"varint,9,opt,name=bypass_prefix_cache,json=bypassPrefixCache,proto3" json:"bypass_prefix_cache,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// The LoRA adapter (a name from `LoadAdapter`) a new cache is computed with and bound to; empty =
+	// the base model. Every later step on the cache runs with the same adapter. On a step that
+	// continues a cache, empty means "the cache's own"; another name is FAILED_PRECONDITION.
+	// NOT_FOUND when no adapter of that name is loaded.
+	Adapter       string `protobuf:"bytes,10,opt,name=adapter,proto3" json:"adapter,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PrefillInput) Reset() {
@@ -872,6 +877,13 @@ func (x *PrefillInput) GetBypassPrefixCache() bool {
 		return x.BypassPrefixCache
 	}
 	return false
+}
+
+func (x *PrefillInput) GetAdapter() string {
+	if x != nil {
+		return x.Adapter
+	}
+	return ""
 }
 
 // Mirrors `PrefillOutput`.
@@ -1585,8 +1597,13 @@ type UnifiedBatchItem struct {
 	// Compute every token of a new cache: take nothing from the prefix cache (its full blocks are
 	// still cached for later requests).
 	BypassPrefixCache bool `protobuf:"varint,9,opt,name=bypass_prefix_cache,json=bypassPrefixCache,proto3" json:"bypass_prefix_cache,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// The LoRA adapter (a name from `LoadAdapter`) a new cache is computed with and bound to; empty =
+	// the base model. Every later step on the cache runs with the same adapter. On a step that
+	// continues a cache, empty means "the cache's own"; another name is FAILED_PRECONDITION.
+	// NOT_FOUND when no adapter of that name is loaded.
+	Adapter       string `protobuf:"bytes,10,opt,name=adapter,proto3" json:"adapter,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *UnifiedBatchItem) Reset() {
@@ -1680,6 +1697,13 @@ func (x *UnifiedBatchItem) GetBypassPrefixCache() bool {
 		return x.BypassPrefixCache
 	}
 	return false
+}
+
+func (x *UnifiedBatchItem) GetAdapter() string {
+	if x != nil {
+		return x.Adapter
+	}
+	return ""
 }
 
 // Mirrors `UnifiedBatch` (prefill items first, then decode items, as ferrum's engine sends them;
@@ -3707,7 +3731,12 @@ type GenerateRequest struct {
 	// `sampling.seed + i * 0x9E3779B9` (mod 2^63; no two samples share a draw). Events carry
 	// `sample_index`, one `finished` event per sample; the stream ends after the last one. Needs an
 	// executor that forks; with `cache_id`, `n` must be 1. At most 64.
-	N             uint32 `protobuf:"varint,15,opt,name=n,proto3" json:"n,omitempty"`
+	N uint32 `protobuf:"varint,15,opt,name=n,proto3" json:"n,omitempty"`
+	// The LoRA adapter (a name from `LoadAdapter`) a new cache is computed with and bound to; empty =
+	// the base model. Every later step on the cache runs with the same adapter. On a step that
+	// continues a cache, empty means "the cache's own"; another name is FAILED_PRECONDITION.
+	// NOT_FOUND when no adapter of that name is loaded.
+	Adapter       string `protobuf:"bytes,16,opt,name=adapter,proto3" json:"adapter,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3858,6 +3887,13 @@ func (x *GenerateRequest) GetN() uint32 {
 		return x.N
 	}
 	return 0
+}
+
+func (x *GenerateRequest) GetAdapter() string {
+	if x != nil {
+		return x.Adapter
+	}
+	return ""
 }
 
 type isGenerateRequest_Prompt interface {
@@ -5267,8 +5303,11 @@ type KvBlockStored struct {
 	// first block.
 	ParentBlockHash []byte `protobuf:"bytes,2,opt,name=parent_block_hash,json=parentBlockHash,proto3" json:"parent_block_hash,omitempty"`
 	// The blocks' tokens: `block_size` per block, in order.
-	TokenIds      []int32 `protobuf:"varint,3,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
-	BlockSize     uint32  `protobuf:"varint,4,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"`
+	TokenIds  []int32 `protobuf:"varint,3,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
+	BlockSize uint32  `protobuf:"varint,4,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"`
+	// The LoRA adapter the blocks were computed with (empty = the base model); it is folded into
+	// their keys (`PrefixCacheRecipe`).
+	Adapter       string `protobuf:"bytes,5,opt,name=adapter,proto3" json:"adapter,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -5329,6 +5368,13 @@ func (x *KvBlockStored) GetBlockSize() uint32 {
 		return x.BlockSize
 	}
 	return 0
+}
+
+func (x *KvBlockStored) GetAdapter() string {
+	if x != nil {
+		return x.Adapter
+	}
+	return ""
 }
 
 // Blocks left the prefix cache (evicted, or overwritten after a truncation). vLLM's `BlockRemoved`.
@@ -5962,7 +6008,10 @@ type KvTransferHeader struct {
 	// (llama.cpp's `llama_state_seq_get_data` of the sequence; only whole caches, from token 0).
 	// Its chunks carry consecutive slices of those bytes in `key` (`value` empty, `layer` 0, the
 	// header's token range), in order; `total_bytes` is their sum. Both sides must use the same format.
-	StateFormat   string `protobuf:"bytes,16,opt,name=state_format,json=stateFormat,proto3" json:"state_format,omitempty"`
+	StateFormat string `protobuf:"bytes,16,opt,name=state_format,json=stateFormat,proto3" json:"state_format,omitempty"`
+	// The LoRA adapter the K/V were computed with (empty = the base model). The importing server
+	// binds the new cache to its adapter of that name: FAILED_PRECONDITION when none is loaded there.
+	Adapter       string `protobuf:"bytes,17,opt,name=adapter,proto3" json:"adapter,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -6105,6 +6154,13 @@ func (x *KvTransferHeader) GetChecksumAlgorithm() string {
 func (x *KvTransferHeader) GetStateFormat() string {
 	if x != nil {
 		return x.StateFormat
+	}
+	return ""
+}
+
+func (x *KvTransferHeader) GetAdapter() string {
+	if x != nil {
+		return x.Adapter
 	}
 	return ""
 }
@@ -6615,6 +6671,462 @@ func (x *ImportKvResponse) GetTransferNs() uint64 {
 	return 0
 }
 
+type LoadAdapterRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Empty when exactly one model is hosted.
+	ModelId string `protobuf:"bytes,1,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
+	// The name requests use (1-128 characters: letters, digits, '.', '_', '-').
+	Name string `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	// A PEFT adapter directory on the server's filesystem: `adapter_config.json` and
+	// `adapter_model.safetensors` (pickled `adapter_model.bin` is refused).
+	Path          string `protobuf:"bytes,3,opt,name=path,proto3" json:"path,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LoadAdapterRequest) Reset() {
+	*x = LoadAdapterRequest{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[88]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LoadAdapterRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LoadAdapterRequest) ProtoMessage() {}
+
+func (x *LoadAdapterRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[88]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LoadAdapterRequest.ProtoReflect.Descriptor instead.
+func (*LoadAdapterRequest) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{88}
+}
+
+func (x *LoadAdapterRequest) GetModelId() string {
+	if x != nil {
+		return x.ModelId
+	}
+	return ""
+}
+
+func (x *LoadAdapterRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *LoadAdapterRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+type LoadAdapterResponse struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Adapter *AdapterInfo           `protobuf:"bytes,1,opt,name=adapter,proto3" json:"adapter,omitempty"`
+	// False when the same name and path were loaded already (nothing was read).
+	Loaded bool `protobuf:"varint,2,opt,name=loaded,proto3" json:"loaded,omitempty"`
+	// Time spent reading and checking the weights, nanoseconds.
+	LoadNs        uint64 `protobuf:"varint,3,opt,name=load_ns,json=loadNs,proto3" json:"load_ns,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LoadAdapterResponse) Reset() {
+	*x = LoadAdapterResponse{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[89]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LoadAdapterResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LoadAdapterResponse) ProtoMessage() {}
+
+func (x *LoadAdapterResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[89]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LoadAdapterResponse.ProtoReflect.Descriptor instead.
+func (*LoadAdapterResponse) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{89}
+}
+
+func (x *LoadAdapterResponse) GetAdapter() *AdapterInfo {
+	if x != nil {
+		return x.Adapter
+	}
+	return nil
+}
+
+func (x *LoadAdapterResponse) GetLoaded() bool {
+	if x != nil {
+		return x.Loaded
+	}
+	return false
+}
+
+func (x *LoadAdapterResponse) GetLoadNs() uint64 {
+	if x != nil {
+		return x.LoadNs
+	}
+	return 0
+}
+
+type UnloadAdapterRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	ModelId       string                 `protobuf:"bytes,1,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
+	Name          string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UnloadAdapterRequest) Reset() {
+	*x = UnloadAdapterRequest{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[90]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UnloadAdapterRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UnloadAdapterRequest) ProtoMessage() {}
+
+func (x *UnloadAdapterRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[90]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UnloadAdapterRequest.ProtoReflect.Descriptor instead.
+func (*UnloadAdapterRequest) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{90}
+}
+
+func (x *UnloadAdapterRequest) GetModelId() string {
+	if x != nil {
+		return x.ModelId
+	}
+	return ""
+}
+
+func (x *UnloadAdapterRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type UnloadAdapterResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// False when no adapter of that name was loaded.
+	Unloaded bool `protobuf:"varint,1,opt,name=unloaded,proto3" json:"unloaded,omitempty"`
+	// Prefix-cache blocks computed with the adapter that were dropped with it.
+	DroppedBlocks uint32 `protobuf:"varint,2,opt,name=dropped_blocks,json=droppedBlocks,proto3" json:"dropped_blocks,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UnloadAdapterResponse) Reset() {
+	*x = UnloadAdapterResponse{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[91]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UnloadAdapterResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UnloadAdapterResponse) ProtoMessage() {}
+
+func (x *UnloadAdapterResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[91]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UnloadAdapterResponse.ProtoReflect.Descriptor instead.
+func (*UnloadAdapterResponse) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{91}
+}
+
+func (x *UnloadAdapterResponse) GetUnloaded() bool {
+	if x != nil {
+		return x.Unloaded
+	}
+	return false
+}
+
+func (x *UnloadAdapterResponse) GetDroppedBlocks() uint32 {
+	if x != nil {
+		return x.DroppedBlocks
+	}
+	return 0
+}
+
+type ListAdaptersRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Empty = every hosted model.
+	ModelId       string `protobuf:"bytes,1,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListAdaptersRequest) Reset() {
+	*x = ListAdaptersRequest{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[92]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListAdaptersRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListAdaptersRequest) ProtoMessage() {}
+
+func (x *ListAdaptersRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[92]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListAdaptersRequest.ProtoReflect.Descriptor instead.
+func (*ListAdaptersRequest) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{92}
+}
+
+func (x *ListAdaptersRequest) GetModelId() string {
+	if x != nil {
+		return x.ModelId
+	}
+	return ""
+}
+
+type ListAdaptersResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Adapters      []*AdapterInfo         `protobuf:"bytes,1,rep,name=adapters,proto3" json:"adapters,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListAdaptersResponse) Reset() {
+	*x = ListAdaptersResponse{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[93]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListAdaptersResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListAdaptersResponse) ProtoMessage() {}
+
+func (x *ListAdaptersResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[93]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListAdaptersResponse.ProtoReflect.Descriptor instead.
+func (*ListAdaptersResponse) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{93}
+}
+
+func (x *ListAdaptersResponse) GetAdapters() []*AdapterInfo {
+	if x != nil {
+		return x.Adapters
+	}
+	return nil
+}
+
+// One registered adapter.
+type AdapterInfo struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	ModelId string                 `protobuf:"bytes,1,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
+	Name    string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	Path    string                 `protobuf:"bytes,3,opt,name=path,proto3" json:"path,omitempty"`
+	// LoRA rank (the largest over its modules when they differ).
+	Rank uint32 `protobuf:"varint,4,opt,name=rank,proto3" json:"rank,omitempty"`
+	// `lora_alpha` from its config; each module's output is scaled by alpha / rank (alpha /
+	// sqrt(rank) with rsLoRA).
+	Alpha float32 `protobuf:"fixed32,5,opt,name=alpha,proto3" json:"alpha,omitempty"`
+	// The model's modules the adapter changes (e.g. "q_proj", "v_proj"), deduplicated over layers.
+	TargetModules []string `protobuf:"bytes,6,rep,name=target_modules,json=targetModules,proto3" json:"target_modules,omitempty"`
+	// Its weights are in device memory now. At most `ExecutorCapabilities.max_adapters` adapters are
+	// resident; a step that needs another one reads it back from `path` (least recently used out).
+	Resident bool `protobuf:"varint,7,opt,name=resident,proto3" json:"resident,omitempty"`
+	// Bytes of its weights (in device memory while resident).
+	WeightBytes uint64 `protobuf:"varint,8,opt,name=weight_bytes,json=weightBytes,proto3" json:"weight_bytes,omitempty"`
+	// Live caches bound to it (an adapter with any cannot be unloaded).
+	LiveCaches uint32 `protobuf:"varint,9,opt,name=live_caches,json=liveCaches,proto3" json:"live_caches,omitempty"`
+	// Steps that ran rows with it, since it was loaded.
+	Steps uint64 `protobuf:"varint,10,opt,name=steps,proto3" json:"steps,omitempty"`
+	// When it was loaded (Unix epoch milliseconds).
+	LoadedUnixMs  int64 `protobuf:"varint,11,opt,name=loaded_unix_ms,json=loadedUnixMs,proto3" json:"loaded_unix_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AdapterInfo) Reset() {
+	*x = AdapterInfo{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[94]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AdapterInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AdapterInfo) ProtoMessage() {}
+
+func (x *AdapterInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[94]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AdapterInfo.ProtoReflect.Descriptor instead.
+func (*AdapterInfo) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{94}
+}
+
+func (x *AdapterInfo) GetModelId() string {
+	if x != nil {
+		return x.ModelId
+	}
+	return ""
+}
+
+func (x *AdapterInfo) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *AdapterInfo) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *AdapterInfo) GetRank() uint32 {
+	if x != nil {
+		return x.Rank
+	}
+	return 0
+}
+
+func (x *AdapterInfo) GetAlpha() float32 {
+	if x != nil {
+		return x.Alpha
+	}
+	return 0
+}
+
+func (x *AdapterInfo) GetTargetModules() []string {
+	if x != nil {
+		return x.TargetModules
+	}
+	return nil
+}
+
+func (x *AdapterInfo) GetResident() bool {
+	if x != nil {
+		return x.Resident
+	}
+	return false
+}
+
+func (x *AdapterInfo) GetWeightBytes() uint64 {
+	if x != nil {
+		return x.WeightBytes
+	}
+	return 0
+}
+
+func (x *AdapterInfo) GetLiveCaches() uint32 {
+	if x != nil {
+		return x.LiveCaches
+	}
+	return 0
+}
+
+func (x *AdapterInfo) GetSteps() uint64 {
+	if x != nil {
+		return x.Steps
+	}
+	return 0
+}
+
+func (x *AdapterInfo) GetLoadedUnixMs() int64 {
+	if x != nil {
+		return x.LoadedUnixMs
+	}
+	return 0
+}
+
 var File_ferrum_executor_v1_executor_proto protoreflect.FileDescriptor
 
 const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
@@ -6648,7 +7160,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x17AdmissionLimitsResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12H\n" +
 	"\x06limits\x18\x02 \x01(\v2+.ferrum.executor.v1.ExecutorAdmissionLimitsH\x00R\x06limits\x88\x01\x01B\t\n" +
-	"\a_limits\"\xef\x02\n" +
+	"\a_limits\"\x89\x03\n" +
 	"\fPrefillInput\x12\x1b\n" +
 	"\ttoken_ids\x18\x01 \x03(\x05R\btokenIds\x12\x19\n" +
 	"\bcache_id\x18\x02 \x01(\tR\acacheId\x128\n" +
@@ -6660,7 +7172,9 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"request_id\x18\a \x01(\tR\trequestId\x12\x1d\n" +
 	"\n" +
 	"cache_salt\x18\b \x01(\tR\tcacheSalt\x12.\n" +
-	"\x13bypass_prefix_cache\x18\t \x01(\bR\x11bypassPrefixCache\"\xa1\x02\n" +
+	"\x13bypass_prefix_cache\x18\t \x01(\bR\x11bypassPrefixCache\x12\x18\n" +
+	"\aadapter\x18\n" +
+	" \x01(\tR\aadapter\"\xa1\x02\n" +
 	"\rPrefillOutput\x127\n" +
 	"\x05cache\x18\x01 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x128\n" +
 	"\x06output\x18\x02 \x01(\v2 .ferrum.executor.v1.LogitsOutputR\x06output\x12>\n" +
@@ -6704,7 +7218,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x0eclient_step_id\x18\x0f \x01(\tR\fclientStepId\"\x8c\x01\n" +
 	"\x13BatchDecodeResponse\x12:\n" +
 	"\aoutputs\x18\x01 \x03(\v2 .ferrum.executor.v1.DecodeOutputR\aoutputs\x129\n" +
-	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\xe2\x02\n" +
+	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\xfc\x02\n" +
 	"\x10UnifiedBatchItem\x12\x15\n" +
 	"\x06seq_id\x18\x01 \x01(\tR\x05seqId\x12\x19\n" +
 	"\bq_tokens\x18\x02 \x03(\x05R\aqTokens\x12\x19\n" +
@@ -6716,7 +7230,9 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\bmetadata\x18\a \x01(\v2\x17.google.protobuf.StructR\bmetadata\x12\x1d\n" +
 	"\n" +
 	"cache_salt\x18\b \x01(\tR\tcacheSalt\x12.\n" +
-	"\x13bypass_prefix_cache\x18\t \x01(\bR\x11bypassPrefixCache\"\x93\x01\n" +
+	"\x13bypass_prefix_cache\x18\t \x01(\bR\x11bypassPrefixCache\x12\x18\n" +
+	"\aadapter\x18\n" +
+	" \x01(\tR\aadapter\"\x93\x01\n" +
 	"\x14UnifiedDecodeRequest\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12:\n" +
 	"\x05items\x18\x02 \x03(\v2$.ferrum.executor.v1.UnifiedBatchItemR\x05items\x12$\n" +
@@ -6845,7 +7361,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x0estop_token_ids\x18\x02 \x03(\x05R\fstopTokenIds\x12\x1d\n" +
 	"\n" +
 	"ignore_eos\x18\x03 \x01(\bR\tignoreEos\x12%\n" +
-	"\x0estop_sequences\x18\x04 \x03(\tR\rstopSequences\"\xee\x04\n" +
+	"\x0estop_sequences\x18\x04 \x03(\tR\rstopSequences\"\x88\x05\n" +
 	"\x0fGenerateRequest\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12;\n" +
 	"\ttoken_ids\x18\x02 \x01(\v2\x1c.ferrum.executor.v1.TokenIdsH\x00R\btokenIds\x12\x14\n" +
@@ -6866,7 +7382,8 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\n" +
 	"cache_salt\x18\r \x01(\tR\tcacheSalt\x12.\n" +
 	"\x13bypass_prefix_cache\x18\x0e \x01(\bR\x11bypassPrefixCache\x12\f\n" +
-	"\x01n\x18\x0f \x01(\rR\x01nB\b\n" +
+	"\x01n\x18\x0f \x01(\rR\x01n\x12\x18\n" +
+	"\aadapter\x18\x10 \x01(\tR\aadapterB\b\n" +
 	"\x06promptB\x10\n" +
 	"\x0e_last_token_id\"\xb3\x01\n" +
 	"\x0fGenerateStarted\x127\n" +
@@ -6978,13 +7495,14 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1e\n" +
 	"\bfrom_seq\x18\x02 \x01(\x04H\x00R\afromSeq\x88\x01\x01\x120\n" +
 	"\x14include_block_events\x18\x03 \x01(\bR\x12includeBlockEventsB\v\n" +
-	"\t_from_seq\"\x9a\x01\n" +
+	"\t_from_seq\"\xb4\x01\n" +
 	"\rKvBlockStored\x12!\n" +
 	"\fblock_hashes\x18\x01 \x03(\fR\vblockHashes\x12*\n" +
 	"\x11parent_block_hash\x18\x02 \x01(\fR\x0fparentBlockHash\x12\x1b\n" +
 	"\ttoken_ids\x18\x03 \x03(\x05R\btokenIds\x12\x1d\n" +
 	"\n" +
-	"block_size\x18\x04 \x01(\rR\tblockSize\"3\n" +
+	"block_size\x18\x04 \x01(\rR\tblockSize\x12\x18\n" +
+	"\aadapter\x18\x05 \x01(\tR\aadapter\"3\n" +
 	"\x0eKvBlockRemoved\x12!\n" +
 	"\fblock_hashes\x18\x01 \x03(\fR\vblockHashes\"\x11\n" +
 	"\x0fKvBlocksCleared\"\xa3\x02\n" +
@@ -7022,7 +7540,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\n" +
 	"from_token\x18\x03 \x01(\x04R\tfromToken\x12\x19\n" +
 	"\bto_token\x18\x04 \x01(\x04R\atoToken\x12&\n" +
-	"\x0fmax_chunk_bytes\x18\x05 \x01(\rR\rmaxChunkBytes\"\xa5\x04\n" +
+	"\x0fmax_chunk_bytes\x18\x05 \x01(\rR\rmaxChunkBytes\"\xbf\x04\n" +
 	"\x10KvTransferHeader\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12 \n" +
 	"\vfingerprint\x18\x02 \x01(\tR\vfingerprint\x127\n" +
@@ -7046,7 +7564,8 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"totalBytes\x12\x1a\n" +
 	"\bexecutor\x18\x0e \x01(\tR\bexecutor\x12-\n" +
 	"\x12checksum_algorithm\x18\x0f \x01(\tR\x11checksumAlgorithm\x12!\n" +
-	"\fstate_format\x18\x10 \x01(\tR\vstateFormat\"\xb7\x01\n" +
+	"\fstate_format\x18\x10 \x01(\tR\vstateFormat\x12\x18\n" +
+	"\aadapter\x18\x11 \x01(\tR\aadapter\"\xb7\x01\n" +
 	"\aKvChunk\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\rR\x05index\x12\x14\n" +
 	"\x05layer\x18\x02 \x01(\rR\x05layer\x12\x1f\n" +
@@ -7087,7 +7606,39 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x06chunks\x18\x04 \x01(\rR\x06chunks\x12#\n" +
 	"\rcached_blocks\x18\x05 \x01(\rR\fcachedBlocks\x12\x1f\n" +
 	"\vtransfer_ns\x18\x06 \x01(\x04R\n" +
-	"transferNs*\xce\x01\n" +
+	"transferNs\"W\n" +
+	"\x12LoadAdapterRequest\x12\x19\n" +
+	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12\x12\n" +
+	"\x04path\x18\x03 \x01(\tR\x04path\"\x81\x01\n" +
+	"\x13LoadAdapterResponse\x129\n" +
+	"\aadapter\x18\x01 \x01(\v2\x1f.ferrum.executor.v1.AdapterInfoR\aadapter\x12\x16\n" +
+	"\x06loaded\x18\x02 \x01(\bR\x06loaded\x12\x17\n" +
+	"\aload_ns\x18\x03 \x01(\x04R\x06loadNs\"E\n" +
+	"\x14UnloadAdapterRequest\x12\x19\n" +
+	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\"Z\n" +
+	"\x15UnloadAdapterResponse\x12\x1a\n" +
+	"\bunloaded\x18\x01 \x01(\bR\bunloaded\x12%\n" +
+	"\x0edropped_blocks\x18\x02 \x01(\rR\rdroppedBlocks\"0\n" +
+	"\x13ListAdaptersRequest\x12\x19\n" +
+	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"S\n" +
+	"\x14ListAdaptersResponse\x12;\n" +
+	"\badapters\x18\x01 \x03(\v2\x1f.ferrum.executor.v1.AdapterInfoR\badapters\"\xbd\x02\n" +
+	"\vAdapterInfo\x12\x19\n" +
+	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12\x12\n" +
+	"\x04path\x18\x03 \x01(\tR\x04path\x12\x12\n" +
+	"\x04rank\x18\x04 \x01(\rR\x04rank\x12\x14\n" +
+	"\x05alpha\x18\x05 \x01(\x02R\x05alpha\x12%\n" +
+	"\x0etarget_modules\x18\x06 \x03(\tR\rtargetModules\x12\x1a\n" +
+	"\bresident\x18\a \x01(\bR\bresident\x12!\n" +
+	"\fweight_bytes\x18\b \x01(\x04R\vweightBytes\x12\x1f\n" +
+	"\vlive_caches\x18\t \x01(\rR\n" +
+	"liveCaches\x12\x14\n" +
+	"\x05steps\x18\n" +
+	" \x01(\x04R\x05steps\x12$\n" +
+	"\x0eloaded_unix_ms\x18\v \x01(\x03R\floadedUnixMs*\xce\x01\n" +
 	"\fFinishReason\x12\x1d\n" +
 	"\x19FINISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14FINISH_REASON_LENGTH\x10\x01\x12\x16\n" +
@@ -7110,7 +7661,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x17SERVER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n" +
 	"\x10SERVER_ROLE_BOTH\x10\x01\x12\x17\n" +
 	"\x13SERVER_ROLE_PREFILL\x10\x02\x12\x16\n" +
-	"\x12SERVER_ROLE_DECODE\x10\x032\xac\x17\n" +
+	"\x12SERVER_ROLE_DECODE\x10\x032\xd5\x19\n" +
 	"\rModelExecutor\x12I\n" +
 	"\x04Info\x12\x1f.ferrum.executor.v1.InfoRequest\x1a .ferrum.executor.v1.InfoResponse\x12a\n" +
 	"\fCapabilities\x12'.ferrum.executor.v1.CapabilitiesRequest\x1a(.ferrum.executor.v1.CapabilitiesResponse\x12O\n" +
@@ -7147,7 +7698,10 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x11SubscribeKvEvents\x12,.ferrum.executor.v1.SubscribeKvEventsRequest\x1a-.ferrum.executor.v1.SubscribeKvEventsResponse0\x01\x12L\n" +
 	"\x05Abort\x12 .ferrum.executor.v1.AbortRequest\x1a!.ferrum.executor.v1.AbortResponse\x12W\n" +
 	"\bExportKv\x12#.ferrum.executor.v1.ExportKvRequest\x1a$.ferrum.executor.v1.ExportKvResponse0\x01\x12W\n" +
-	"\bImportKv\x12#.ferrum.executor.v1.ImportKvRequest\x1a$.ferrum.executor.v1.ImportKvResponse(\x01B\xe8\x01\n" +
+	"\bImportKv\x12#.ferrum.executor.v1.ImportKvRequest\x1a$.ferrum.executor.v1.ImportKvResponse(\x01\x12^\n" +
+	"\vLoadAdapter\x12&.ferrum.executor.v1.LoadAdapterRequest\x1a'.ferrum.executor.v1.LoadAdapterResponse\x12d\n" +
+	"\rUnloadAdapter\x12(.ferrum.executor.v1.UnloadAdapterRequest\x1a).ferrum.executor.v1.UnloadAdapterResponse\x12a\n" +
+	"\fListAdapters\x12'.ferrum.executor.v1.ListAdaptersRequest\x1a(.ferrum.executor.v1.ListAdaptersResponseB\xe8\x01\n" +
 	"\x16com.ferrum.executor.v1B\rExecutorProtoP\x01ZUgithub.com/ferrum-service/ferrum-service/clients/go/gen/ferrum/executor/v1;executorv1\xa2\x02\x03FEX\xaa\x02\x12Ferrum.Executor.V1\xca\x02\x12Ferrum\\Executor\\V1\xe2\x02\x1eFerrum\\Executor\\V1\\GPBMetadata\xea\x02\x14Ferrum::Executor::V1b\x06proto3"
 
 var (
@@ -7163,7 +7717,7 @@ func file_ferrum_executor_v1_executor_proto_rawDescGZIP() []byte {
 }
 
 var file_ferrum_executor_v1_executor_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_ferrum_executor_v1_executor_proto_msgTypes = make([]protoimpl.MessageInfo, 88)
+var file_ferrum_executor_v1_executor_proto_msgTypes = make([]protoimpl.MessageInfo, 95)
 var file_ferrum_executor_v1_executor_proto_goTypes = []any{
 	(FinishReason)(0),                 // 0: ferrum.executor.v1.FinishReason
 	(KvEventKind)(0),                  // 1: ferrum.executor.v1.KvEventKind
@@ -7256,88 +7810,95 @@ var file_ferrum_executor_v1_executor_proto_goTypes = []any{
 	(*KvSource)(nil),                  // 88: ferrum.executor.v1.KvSource
 	(*ImportKvRequest)(nil),           // 89: ferrum.executor.v1.ImportKvRequest
 	(*ImportKvResponse)(nil),          // 90: ferrum.executor.v1.ImportKvResponse
-	(*ModelInfo)(nil),                 // 91: ferrum.executor.v1.ModelInfo
-	(*ExecutorCapabilities)(nil),      // 92: ferrum.executor.v1.ExecutorCapabilities
-	(*ExecutorStatus)(nil),            // 93: ferrum.executor.v1.ExecutorStatus
-	(*ExecutorMetrics)(nil),           // 94: ferrum.executor.v1.ExecutorMetrics
-	(*KvCapacity)(nil),                // 95: ferrum.executor.v1.KvCapacity
-	(*ExecutorAdmissionLimits)(nil),   // 96: ferrum.executor.v1.ExecutorAdmissionLimits
-	(*LogitsPolicy)(nil),              // 97: ferrum.executor.v1.LogitsPolicy
-	(*structpb.Struct)(nil),           // 98: google.protobuf.Struct
-	(*KvCacheHandle)(nil),             // 99: ferrum.executor.v1.KvCacheHandle
-	(*LogitsOutput)(nil),              // 100: ferrum.executor.v1.LogitsOutput
-	(*Tensor)(nil),                    // 101: ferrum.executor.v1.Tensor
-	(*StepTimings)(nil),               // 102: ferrum.executor.v1.StepTimings
-	(DataType)(0),                     // 103: ferrum.executor.v1.DataType
-	(*KvSlotRequest)(nil),             // 104: ferrum.executor.v1.KvSlotRequest
-	(*KvSlotReservation)(nil),         // 105: ferrum.executor.v1.KvSlotReservation
-	(*KvSlotCapacitySnapshot)(nil),    // 106: ferrum.executor.v1.KvSlotCapacitySnapshot
-	(*SamplingParams)(nil),            // 107: ferrum.executor.v1.SamplingParams
-	(*TokenLogprob)(nil),              // 108: ferrum.executor.v1.TokenLogprob
-	(*StepError)(nil),                 // 109: ferrum.executor.v1.StepError
+	(*LoadAdapterRequest)(nil),        // 91: ferrum.executor.v1.LoadAdapterRequest
+	(*LoadAdapterResponse)(nil),       // 92: ferrum.executor.v1.LoadAdapterResponse
+	(*UnloadAdapterRequest)(nil),      // 93: ferrum.executor.v1.UnloadAdapterRequest
+	(*UnloadAdapterResponse)(nil),     // 94: ferrum.executor.v1.UnloadAdapterResponse
+	(*ListAdaptersRequest)(nil),       // 95: ferrum.executor.v1.ListAdaptersRequest
+	(*ListAdaptersResponse)(nil),      // 96: ferrum.executor.v1.ListAdaptersResponse
+	(*AdapterInfo)(nil),               // 97: ferrum.executor.v1.AdapterInfo
+	(*ModelInfo)(nil),                 // 98: ferrum.executor.v1.ModelInfo
+	(*ExecutorCapabilities)(nil),      // 99: ferrum.executor.v1.ExecutorCapabilities
+	(*ExecutorStatus)(nil),            // 100: ferrum.executor.v1.ExecutorStatus
+	(*ExecutorMetrics)(nil),           // 101: ferrum.executor.v1.ExecutorMetrics
+	(*KvCapacity)(nil),                // 102: ferrum.executor.v1.KvCapacity
+	(*ExecutorAdmissionLimits)(nil),   // 103: ferrum.executor.v1.ExecutorAdmissionLimits
+	(*LogitsPolicy)(nil),              // 104: ferrum.executor.v1.LogitsPolicy
+	(*structpb.Struct)(nil),           // 105: google.protobuf.Struct
+	(*KvCacheHandle)(nil),             // 106: ferrum.executor.v1.KvCacheHandle
+	(*LogitsOutput)(nil),              // 107: ferrum.executor.v1.LogitsOutput
+	(*Tensor)(nil),                    // 108: ferrum.executor.v1.Tensor
+	(*StepTimings)(nil),               // 109: ferrum.executor.v1.StepTimings
+	(DataType)(0),                     // 110: ferrum.executor.v1.DataType
+	(*KvSlotRequest)(nil),             // 111: ferrum.executor.v1.KvSlotRequest
+	(*KvSlotReservation)(nil),         // 112: ferrum.executor.v1.KvSlotReservation
+	(*KvSlotCapacitySnapshot)(nil),    // 113: ferrum.executor.v1.KvSlotCapacitySnapshot
+	(*SamplingParams)(nil),            // 114: ferrum.executor.v1.SamplingParams
+	(*TokenLogprob)(nil),              // 115: ferrum.executor.v1.TokenLogprob
+	(*StepError)(nil),                 // 116: ferrum.executor.v1.StepError
 }
 var file_ferrum_executor_v1_executor_proto_depIdxs = []int32{
-	91,  // 0: ferrum.executor.v1.InfoResponse.models:type_name -> ferrum.executor.v1.ModelInfo
+	98,  // 0: ferrum.executor.v1.InfoResponse.models:type_name -> ferrum.executor.v1.ModelInfo
 	2,   // 1: ferrum.executor.v1.InfoResponse.role:type_name -> ferrum.executor.v1.ServerRole
-	92,  // 2: ferrum.executor.v1.CapabilitiesResponse.capabilities:type_name -> ferrum.executor.v1.ExecutorCapabilities
-	93,  // 3: ferrum.executor.v1.StatusResponse.status:type_name -> ferrum.executor.v1.ExecutorStatus
-	94,  // 4: ferrum.executor.v1.StatusResponse.metrics:type_name -> ferrum.executor.v1.ExecutorMetrics
-	95,  // 5: ferrum.executor.v1.KvCapacityResponse.capacity:type_name -> ferrum.executor.v1.KvCapacity
-	96,  // 6: ferrum.executor.v1.AdmissionLimitsResponse.limits:type_name -> ferrum.executor.v1.ExecutorAdmissionLimits
-	97,  // 7: ferrum.executor.v1.PrefillInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	98,  // 8: ferrum.executor.v1.PrefillInput.metadata:type_name -> google.protobuf.Struct
-	99,  // 9: ferrum.executor.v1.PrefillOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	100, // 10: ferrum.executor.v1.PrefillOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
-	100, // 11: ferrum.executor.v1.PrefillOutput.positions:type_name -> ferrum.executor.v1.LogitsOutput
-	101, // 12: ferrum.executor.v1.PrefillOutput.embedding:type_name -> ferrum.executor.v1.Tensor
+	99,  // 2: ferrum.executor.v1.CapabilitiesResponse.capabilities:type_name -> ferrum.executor.v1.ExecutorCapabilities
+	100, // 3: ferrum.executor.v1.StatusResponse.status:type_name -> ferrum.executor.v1.ExecutorStatus
+	101, // 4: ferrum.executor.v1.StatusResponse.metrics:type_name -> ferrum.executor.v1.ExecutorMetrics
+	102, // 5: ferrum.executor.v1.KvCapacityResponse.capacity:type_name -> ferrum.executor.v1.KvCapacity
+	103, // 6: ferrum.executor.v1.AdmissionLimitsResponse.limits:type_name -> ferrum.executor.v1.ExecutorAdmissionLimits
+	104, // 7: ferrum.executor.v1.PrefillInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	105, // 8: ferrum.executor.v1.PrefillInput.metadata:type_name -> google.protobuf.Struct
+	106, // 9: ferrum.executor.v1.PrefillOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	107, // 10: ferrum.executor.v1.PrefillOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
+	107, // 11: ferrum.executor.v1.PrefillOutput.positions:type_name -> ferrum.executor.v1.LogitsOutput
+	108, // 12: ferrum.executor.v1.PrefillOutput.embedding:type_name -> ferrum.executor.v1.Tensor
 	13,  // 13: ferrum.executor.v1.PrefillRequest.input:type_name -> ferrum.executor.v1.PrefillInput
 	14,  // 14: ferrum.executor.v1.PrefillResponse.output:type_name -> ferrum.executor.v1.PrefillOutput
-	102, // 15: ferrum.executor.v1.PrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	109, // 15: ferrum.executor.v1.PrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
 	13,  // 16: ferrum.executor.v1.BatchPrefillRequest.inputs:type_name -> ferrum.executor.v1.PrefillInput
 	14,  // 17: ferrum.executor.v1.BatchPrefillResponse.outputs:type_name -> ferrum.executor.v1.PrefillOutput
-	102, // 18: ferrum.executor.v1.BatchPrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	97,  // 19: ferrum.executor.v1.DecodeInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	98,  // 20: ferrum.executor.v1.DecodeInput.metadata:type_name -> google.protobuf.Struct
-	99,  // 21: ferrum.executor.v1.DecodeOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	100, // 22: ferrum.executor.v1.DecodeOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
+	109, // 18: ferrum.executor.v1.BatchPrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	104, // 19: ferrum.executor.v1.DecodeInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	105, // 20: ferrum.executor.v1.DecodeInput.metadata:type_name -> google.protobuf.Struct
+	106, // 21: ferrum.executor.v1.DecodeOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	107, // 22: ferrum.executor.v1.DecodeOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
 	19,  // 23: ferrum.executor.v1.DecodeRequest.input:type_name -> ferrum.executor.v1.DecodeInput
 	20,  // 24: ferrum.executor.v1.DecodeResponse.output:type_name -> ferrum.executor.v1.DecodeOutput
-	102, // 25: ferrum.executor.v1.DecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	109, // 25: ferrum.executor.v1.DecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
 	19,  // 26: ferrum.executor.v1.BatchDecodeRequest.inputs:type_name -> ferrum.executor.v1.DecodeInput
 	20,  // 27: ferrum.executor.v1.BatchDecodeResponse.outputs:type_name -> ferrum.executor.v1.DecodeOutput
-	102, // 28: ferrum.executor.v1.BatchDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	97,  // 29: ferrum.executor.v1.UnifiedBatchItem.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	98,  // 30: ferrum.executor.v1.UnifiedBatchItem.metadata:type_name -> google.protobuf.Struct
+	109, // 28: ferrum.executor.v1.BatchDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	104, // 29: ferrum.executor.v1.UnifiedBatchItem.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	105, // 30: ferrum.executor.v1.UnifiedBatchItem.metadata:type_name -> google.protobuf.Struct
 	25,  // 31: ferrum.executor.v1.UnifiedDecodeRequest.items:type_name -> ferrum.executor.v1.UnifiedBatchItem
-	99,  // 32: ferrum.executor.v1.UnifiedItemResult.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	100, // 33: ferrum.executor.v1.UnifiedItemResult.output:type_name -> ferrum.executor.v1.LogitsOutput
+	106, // 32: ferrum.executor.v1.UnifiedItemResult.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	107, // 33: ferrum.executor.v1.UnifiedItemResult.output:type_name -> ferrum.executor.v1.LogitsOutput
 	27,  // 34: ferrum.executor.v1.UnifiedDecodeResponse.results:type_name -> ferrum.executor.v1.UnifiedItemResult
-	102, // 35: ferrum.executor.v1.UnifiedDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	101, // 36: ferrum.executor.v1.ForwardRequest.input:type_name -> ferrum.executor.v1.Tensor
-	103, // 37: ferrum.executor.v1.ForwardRequest.logits_dtype:type_name -> ferrum.executor.v1.DataType
-	101, // 38: ferrum.executor.v1.ForwardResponse.output:type_name -> ferrum.executor.v1.Tensor
-	102, // 39: ferrum.executor.v1.ForwardResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	97,  // 40: ferrum.executor.v1.ForwardVerifyRequest.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	100, // 41: ferrum.executor.v1.ForwardVerifyResponse.outputs:type_name -> ferrum.executor.v1.LogitsOutput
-	99,  // 42: ferrum.executor.v1.ForwardVerifyResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	102, // 43: ferrum.executor.v1.ForwardVerifyResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	99,  // 44: ferrum.executor.v1.TruncateKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	99,  // 45: ferrum.executor.v1.ForkCacheResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	104, // 46: ferrum.executor.v1.ReserveKvSlotsRequest.requests:type_name -> ferrum.executor.v1.KvSlotRequest
-	105, // 47: ferrum.executor.v1.ReserveKvSlotsResponse.reservation:type_name -> ferrum.executor.v1.KvSlotReservation
-	106, // 48: ferrum.executor.v1.KvSlotCapacityResponse.snapshot:type_name -> ferrum.executor.v1.KvSlotCapacitySnapshot
-	98,  // 49: ferrum.executor.v1.CacheMetricsResponse.metrics:type_name -> google.protobuf.Struct
-	98,  // 50: ferrum.executor.v1.LoraMetricsResponse.metrics:type_name -> google.protobuf.Struct
+	109, // 35: ferrum.executor.v1.UnifiedDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	108, // 36: ferrum.executor.v1.ForwardRequest.input:type_name -> ferrum.executor.v1.Tensor
+	110, // 37: ferrum.executor.v1.ForwardRequest.logits_dtype:type_name -> ferrum.executor.v1.DataType
+	108, // 38: ferrum.executor.v1.ForwardResponse.output:type_name -> ferrum.executor.v1.Tensor
+	109, // 39: ferrum.executor.v1.ForwardResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	104, // 40: ferrum.executor.v1.ForwardVerifyRequest.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	107, // 41: ferrum.executor.v1.ForwardVerifyResponse.outputs:type_name -> ferrum.executor.v1.LogitsOutput
+	106, // 42: ferrum.executor.v1.ForwardVerifyResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	109, // 43: ferrum.executor.v1.ForwardVerifyResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	106, // 44: ferrum.executor.v1.TruncateKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	106, // 45: ferrum.executor.v1.ForkCacheResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	111, // 46: ferrum.executor.v1.ReserveKvSlotsRequest.requests:type_name -> ferrum.executor.v1.KvSlotRequest
+	112, // 47: ferrum.executor.v1.ReserveKvSlotsResponse.reservation:type_name -> ferrum.executor.v1.KvSlotReservation
+	113, // 48: ferrum.executor.v1.KvSlotCapacityResponse.snapshot:type_name -> ferrum.executor.v1.KvSlotCapacitySnapshot
+	105, // 49: ferrum.executor.v1.CacheMetricsResponse.metrics:type_name -> google.protobuf.Struct
+	105, // 50: ferrum.executor.v1.LoraMetricsResponse.metrics:type_name -> google.protobuf.Struct
 	55,  // 51: ferrum.executor.v1.ApplyChatTemplateRequest.messages:type_name -> ferrum.executor.v1.ChatMessage
 	55,  // 52: ferrum.executor.v1.ChatMessages.messages:type_name -> ferrum.executor.v1.ChatMessage
 	58,  // 53: ferrum.executor.v1.GenerateRequest.token_ids:type_name -> ferrum.executor.v1.TokenIds
 	59,  // 54: ferrum.executor.v1.GenerateRequest.chat:type_name -> ferrum.executor.v1.ChatMessages
-	107, // 55: ferrum.executor.v1.GenerateRequest.sampling:type_name -> ferrum.executor.v1.SamplingParams
+	114, // 55: ferrum.executor.v1.GenerateRequest.sampling:type_name -> ferrum.executor.v1.SamplingParams
 	60,  // 56: ferrum.executor.v1.GenerateRequest.stop:type_name -> ferrum.executor.v1.StopConditions
-	99,  // 57: ferrum.executor.v1.GenerateStarted.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	108, // 58: ferrum.executor.v1.TokenEvent.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
+	106, // 57: ferrum.executor.v1.GenerateStarted.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	115, // 58: ferrum.executor.v1.TokenEvent.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
 	0,   // 59: ferrum.executor.v1.GenerateFinished.finish_reason:type_name -> ferrum.executor.v1.FinishReason
-	99,  // 60: ferrum.executor.v1.GenerateFinished.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	106, // 60: ferrum.executor.v1.GenerateFinished.cache:type_name -> ferrum.executor.v1.KvCacheHandle
 	62,  // 61: ferrum.executor.v1.GenerateResponse.started:type_name -> ferrum.executor.v1.GenerateStarted
 	63,  // 62: ferrum.executor.v1.GenerateResponse.token:type_name -> ferrum.executor.v1.TokenEvent
 	64,  // 63: ferrum.executor.v1.GenerateResponse.finished:type_name -> ferrum.executor.v1.GenerateFinished
@@ -7359,11 +7920,11 @@ var file_ferrum_executor_v1_executor_proto_depIdxs = []int32{
 	34,  // 79: ferrum.executor.v1.SessionResponse.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvResponse
 	36,  // 80: ferrum.executor.v1.SessionResponse.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheResponse
 	38,  // 81: ferrum.executor.v1.SessionResponse.fork_cache:type_name -> ferrum.executor.v1.ForkCacheResponse
-	109, // 82: ferrum.executor.v1.SessionResponse.error:type_name -> ferrum.executor.v1.StepError
+	116, // 82: ferrum.executor.v1.SessionResponse.error:type_name -> ferrum.executor.v1.StepError
 	69,  // 83: ferrum.executor.v1.ModelLoad.prefill_latency:type_name -> ferrum.executor.v1.LatencySummary
 	69,  // 84: ferrum.executor.v1.ModelLoad.decode_latency:type_name -> ferrum.executor.v1.LatencySummary
 	70,  // 85: ferrum.executor.v1.LoadsResponse.loads:type_name -> ferrum.executor.v1.ModelLoad
-	99,  // 86: ferrum.executor.v1.ListCachesResponse.caches:type_name -> ferrum.executor.v1.KvCacheHandle
+	106, // 86: ferrum.executor.v1.ListCachesResponse.caches:type_name -> ferrum.executor.v1.KvCacheHandle
 	1,   // 87: ferrum.executor.v1.KvEvent.kind:type_name -> ferrum.executor.v1.KvEventKind
 	76,  // 88: ferrum.executor.v1.KvBlockEvent.stored:type_name -> ferrum.executor.v1.KvBlockStored
 	77,  // 89: ferrum.executor.v1.KvBlockEvent.removed:type_name -> ferrum.executor.v1.KvBlockRemoved
@@ -7371,82 +7932,90 @@ var file_ferrum_executor_v1_executor_proto_depIdxs = []int32{
 	74,  // 91: ferrum.executor.v1.SubscribeKvEventsResponse.event:type_name -> ferrum.executor.v1.KvEvent
 	80,  // 92: ferrum.executor.v1.SubscribeKvEventsResponse.resync_required:type_name -> ferrum.executor.v1.ResyncRequired
 	79,  // 93: ferrum.executor.v1.SubscribeKvEventsResponse.block_event:type_name -> ferrum.executor.v1.KvBlockEvent
-	103, // 94: ferrum.executor.v1.KvTransferHeader.kv_dtype:type_name -> ferrum.executor.v1.DataType
+	110, // 94: ferrum.executor.v1.KvTransferHeader.kv_dtype:type_name -> ferrum.executor.v1.DataType
 	85,  // 95: ferrum.executor.v1.ExportKvResponse.header:type_name -> ferrum.executor.v1.KvTransferHeader
 	86,  // 96: ferrum.executor.v1.ExportKvResponse.chunk:type_name -> ferrum.executor.v1.KvChunk
 	88,  // 97: ferrum.executor.v1.ImportKvRequest.source:type_name -> ferrum.executor.v1.KvSource
 	85,  // 98: ferrum.executor.v1.ImportKvRequest.header:type_name -> ferrum.executor.v1.KvTransferHeader
 	86,  // 99: ferrum.executor.v1.ImportKvRequest.chunk:type_name -> ferrum.executor.v1.KvChunk
-	99,  // 100: ferrum.executor.v1.ImportKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	3,   // 101: ferrum.executor.v1.ModelExecutor.Info:input_type -> ferrum.executor.v1.InfoRequest
-	5,   // 102: ferrum.executor.v1.ModelExecutor.Capabilities:input_type -> ferrum.executor.v1.CapabilitiesRequest
-	7,   // 103: ferrum.executor.v1.ModelExecutor.Status:input_type -> ferrum.executor.v1.StatusRequest
-	9,   // 104: ferrum.executor.v1.ModelExecutor.KvCapacity:input_type -> ferrum.executor.v1.KvCapacityRequest
-	11,  // 105: ferrum.executor.v1.ModelExecutor.AdmissionLimits:input_type -> ferrum.executor.v1.AdmissionLimitsRequest
-	15,  // 106: ferrum.executor.v1.ModelExecutor.Prefill:input_type -> ferrum.executor.v1.PrefillRequest
-	17,  // 107: ferrum.executor.v1.ModelExecutor.BatchPrefill:input_type -> ferrum.executor.v1.BatchPrefillRequest
-	21,  // 108: ferrum.executor.v1.ModelExecutor.Decode:input_type -> ferrum.executor.v1.DecodeRequest
-	23,  // 109: ferrum.executor.v1.ModelExecutor.BatchDecode:input_type -> ferrum.executor.v1.BatchDecodeRequest
-	26,  // 110: ferrum.executor.v1.ModelExecutor.UnifiedDecode:input_type -> ferrum.executor.v1.UnifiedDecodeRequest
-	29,  // 111: ferrum.executor.v1.ModelExecutor.Forward:input_type -> ferrum.executor.v1.ForwardRequest
-	31,  // 112: ferrum.executor.v1.ModelExecutor.ForwardVerify:input_type -> ferrum.executor.v1.ForwardVerifyRequest
-	33,  // 113: ferrum.executor.v1.ModelExecutor.TruncateKv:input_type -> ferrum.executor.v1.TruncateKvRequest
-	35,  // 114: ferrum.executor.v1.ModelExecutor.ReleaseCache:input_type -> ferrum.executor.v1.ReleaseCacheRequest
-	37,  // 115: ferrum.executor.v1.ModelExecutor.ForkCache:input_type -> ferrum.executor.v1.ForkCacheRequest
-	39,  // 116: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:input_type -> ferrum.executor.v1.ReserveKvSlotsRequest
-	41,  // 117: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:input_type -> ferrum.executor.v1.KvSlotCapacityRequest
-	43,  // 118: ferrum.executor.v1.ModelExecutor.CacheMetrics:input_type -> ferrum.executor.v1.CacheMetricsRequest
-	45,  // 119: ferrum.executor.v1.ModelExecutor.LoraMetrics:input_type -> ferrum.executor.v1.LoraMetricsRequest
-	47,  // 120: ferrum.executor.v1.ModelExecutor.Warmup:input_type -> ferrum.executor.v1.WarmupRequest
-	49,  // 121: ferrum.executor.v1.ModelExecutor.Shutdown:input_type -> ferrum.executor.v1.ShutdownRequest
-	51,  // 122: ferrum.executor.v1.ModelExecutor.Tokenize:input_type -> ferrum.executor.v1.TokenizeRequest
-	53,  // 123: ferrum.executor.v1.ModelExecutor.Detokenize:input_type -> ferrum.executor.v1.DetokenizeRequest
-	56,  // 124: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:input_type -> ferrum.executor.v1.ApplyChatTemplateRequest
-	61,  // 125: ferrum.executor.v1.ModelExecutor.Generate:input_type -> ferrum.executor.v1.GenerateRequest
-	66,  // 126: ferrum.executor.v1.ModelExecutor.Session:input_type -> ferrum.executor.v1.SessionRequest
-	68,  // 127: ferrum.executor.v1.ModelExecutor.Loads:input_type -> ferrum.executor.v1.LoadsRequest
-	72,  // 128: ferrum.executor.v1.ModelExecutor.ListCaches:input_type -> ferrum.executor.v1.ListCachesRequest
-	75,  // 129: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:input_type -> ferrum.executor.v1.SubscribeKvEventsRequest
-	82,  // 130: ferrum.executor.v1.ModelExecutor.Abort:input_type -> ferrum.executor.v1.AbortRequest
-	84,  // 131: ferrum.executor.v1.ModelExecutor.ExportKv:input_type -> ferrum.executor.v1.ExportKvRequest
-	89,  // 132: ferrum.executor.v1.ModelExecutor.ImportKv:input_type -> ferrum.executor.v1.ImportKvRequest
-	4,   // 133: ferrum.executor.v1.ModelExecutor.Info:output_type -> ferrum.executor.v1.InfoResponse
-	6,   // 134: ferrum.executor.v1.ModelExecutor.Capabilities:output_type -> ferrum.executor.v1.CapabilitiesResponse
-	8,   // 135: ferrum.executor.v1.ModelExecutor.Status:output_type -> ferrum.executor.v1.StatusResponse
-	10,  // 136: ferrum.executor.v1.ModelExecutor.KvCapacity:output_type -> ferrum.executor.v1.KvCapacityResponse
-	12,  // 137: ferrum.executor.v1.ModelExecutor.AdmissionLimits:output_type -> ferrum.executor.v1.AdmissionLimitsResponse
-	16,  // 138: ferrum.executor.v1.ModelExecutor.Prefill:output_type -> ferrum.executor.v1.PrefillResponse
-	18,  // 139: ferrum.executor.v1.ModelExecutor.BatchPrefill:output_type -> ferrum.executor.v1.BatchPrefillResponse
-	22,  // 140: ferrum.executor.v1.ModelExecutor.Decode:output_type -> ferrum.executor.v1.DecodeResponse
-	24,  // 141: ferrum.executor.v1.ModelExecutor.BatchDecode:output_type -> ferrum.executor.v1.BatchDecodeResponse
-	28,  // 142: ferrum.executor.v1.ModelExecutor.UnifiedDecode:output_type -> ferrum.executor.v1.UnifiedDecodeResponse
-	30,  // 143: ferrum.executor.v1.ModelExecutor.Forward:output_type -> ferrum.executor.v1.ForwardResponse
-	32,  // 144: ferrum.executor.v1.ModelExecutor.ForwardVerify:output_type -> ferrum.executor.v1.ForwardVerifyResponse
-	34,  // 145: ferrum.executor.v1.ModelExecutor.TruncateKv:output_type -> ferrum.executor.v1.TruncateKvResponse
-	36,  // 146: ferrum.executor.v1.ModelExecutor.ReleaseCache:output_type -> ferrum.executor.v1.ReleaseCacheResponse
-	38,  // 147: ferrum.executor.v1.ModelExecutor.ForkCache:output_type -> ferrum.executor.v1.ForkCacheResponse
-	40,  // 148: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:output_type -> ferrum.executor.v1.ReserveKvSlotsResponse
-	42,  // 149: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:output_type -> ferrum.executor.v1.KvSlotCapacityResponse
-	44,  // 150: ferrum.executor.v1.ModelExecutor.CacheMetrics:output_type -> ferrum.executor.v1.CacheMetricsResponse
-	46,  // 151: ferrum.executor.v1.ModelExecutor.LoraMetrics:output_type -> ferrum.executor.v1.LoraMetricsResponse
-	48,  // 152: ferrum.executor.v1.ModelExecutor.Warmup:output_type -> ferrum.executor.v1.WarmupResponse
-	50,  // 153: ferrum.executor.v1.ModelExecutor.Shutdown:output_type -> ferrum.executor.v1.ShutdownResponse
-	52,  // 154: ferrum.executor.v1.ModelExecutor.Tokenize:output_type -> ferrum.executor.v1.TokenizeResponse
-	54,  // 155: ferrum.executor.v1.ModelExecutor.Detokenize:output_type -> ferrum.executor.v1.DetokenizeResponse
-	57,  // 156: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:output_type -> ferrum.executor.v1.ApplyChatTemplateResponse
-	65,  // 157: ferrum.executor.v1.ModelExecutor.Generate:output_type -> ferrum.executor.v1.GenerateResponse
-	67,  // 158: ferrum.executor.v1.ModelExecutor.Session:output_type -> ferrum.executor.v1.SessionResponse
-	71,  // 159: ferrum.executor.v1.ModelExecutor.Loads:output_type -> ferrum.executor.v1.LoadsResponse
-	73,  // 160: ferrum.executor.v1.ModelExecutor.ListCaches:output_type -> ferrum.executor.v1.ListCachesResponse
-	81,  // 161: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:output_type -> ferrum.executor.v1.SubscribeKvEventsResponse
-	83,  // 162: ferrum.executor.v1.ModelExecutor.Abort:output_type -> ferrum.executor.v1.AbortResponse
-	87,  // 163: ferrum.executor.v1.ModelExecutor.ExportKv:output_type -> ferrum.executor.v1.ExportKvResponse
-	90,  // 164: ferrum.executor.v1.ModelExecutor.ImportKv:output_type -> ferrum.executor.v1.ImportKvResponse
-	133, // [133:165] is the sub-list for method output_type
-	101, // [101:133] is the sub-list for method input_type
-	101, // [101:101] is the sub-list for extension type_name
-	101, // [101:101] is the sub-list for extension extendee
-	0,   // [0:101] is the sub-list for field type_name
+	106, // 100: ferrum.executor.v1.ImportKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	97,  // 101: ferrum.executor.v1.LoadAdapterResponse.adapter:type_name -> ferrum.executor.v1.AdapterInfo
+	97,  // 102: ferrum.executor.v1.ListAdaptersResponse.adapters:type_name -> ferrum.executor.v1.AdapterInfo
+	3,   // 103: ferrum.executor.v1.ModelExecutor.Info:input_type -> ferrum.executor.v1.InfoRequest
+	5,   // 104: ferrum.executor.v1.ModelExecutor.Capabilities:input_type -> ferrum.executor.v1.CapabilitiesRequest
+	7,   // 105: ferrum.executor.v1.ModelExecutor.Status:input_type -> ferrum.executor.v1.StatusRequest
+	9,   // 106: ferrum.executor.v1.ModelExecutor.KvCapacity:input_type -> ferrum.executor.v1.KvCapacityRequest
+	11,  // 107: ferrum.executor.v1.ModelExecutor.AdmissionLimits:input_type -> ferrum.executor.v1.AdmissionLimitsRequest
+	15,  // 108: ferrum.executor.v1.ModelExecutor.Prefill:input_type -> ferrum.executor.v1.PrefillRequest
+	17,  // 109: ferrum.executor.v1.ModelExecutor.BatchPrefill:input_type -> ferrum.executor.v1.BatchPrefillRequest
+	21,  // 110: ferrum.executor.v1.ModelExecutor.Decode:input_type -> ferrum.executor.v1.DecodeRequest
+	23,  // 111: ferrum.executor.v1.ModelExecutor.BatchDecode:input_type -> ferrum.executor.v1.BatchDecodeRequest
+	26,  // 112: ferrum.executor.v1.ModelExecutor.UnifiedDecode:input_type -> ferrum.executor.v1.UnifiedDecodeRequest
+	29,  // 113: ferrum.executor.v1.ModelExecutor.Forward:input_type -> ferrum.executor.v1.ForwardRequest
+	31,  // 114: ferrum.executor.v1.ModelExecutor.ForwardVerify:input_type -> ferrum.executor.v1.ForwardVerifyRequest
+	33,  // 115: ferrum.executor.v1.ModelExecutor.TruncateKv:input_type -> ferrum.executor.v1.TruncateKvRequest
+	35,  // 116: ferrum.executor.v1.ModelExecutor.ReleaseCache:input_type -> ferrum.executor.v1.ReleaseCacheRequest
+	37,  // 117: ferrum.executor.v1.ModelExecutor.ForkCache:input_type -> ferrum.executor.v1.ForkCacheRequest
+	39,  // 118: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:input_type -> ferrum.executor.v1.ReserveKvSlotsRequest
+	41,  // 119: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:input_type -> ferrum.executor.v1.KvSlotCapacityRequest
+	43,  // 120: ferrum.executor.v1.ModelExecutor.CacheMetrics:input_type -> ferrum.executor.v1.CacheMetricsRequest
+	45,  // 121: ferrum.executor.v1.ModelExecutor.LoraMetrics:input_type -> ferrum.executor.v1.LoraMetricsRequest
+	47,  // 122: ferrum.executor.v1.ModelExecutor.Warmup:input_type -> ferrum.executor.v1.WarmupRequest
+	49,  // 123: ferrum.executor.v1.ModelExecutor.Shutdown:input_type -> ferrum.executor.v1.ShutdownRequest
+	51,  // 124: ferrum.executor.v1.ModelExecutor.Tokenize:input_type -> ferrum.executor.v1.TokenizeRequest
+	53,  // 125: ferrum.executor.v1.ModelExecutor.Detokenize:input_type -> ferrum.executor.v1.DetokenizeRequest
+	56,  // 126: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:input_type -> ferrum.executor.v1.ApplyChatTemplateRequest
+	61,  // 127: ferrum.executor.v1.ModelExecutor.Generate:input_type -> ferrum.executor.v1.GenerateRequest
+	66,  // 128: ferrum.executor.v1.ModelExecutor.Session:input_type -> ferrum.executor.v1.SessionRequest
+	68,  // 129: ferrum.executor.v1.ModelExecutor.Loads:input_type -> ferrum.executor.v1.LoadsRequest
+	72,  // 130: ferrum.executor.v1.ModelExecutor.ListCaches:input_type -> ferrum.executor.v1.ListCachesRequest
+	75,  // 131: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:input_type -> ferrum.executor.v1.SubscribeKvEventsRequest
+	82,  // 132: ferrum.executor.v1.ModelExecutor.Abort:input_type -> ferrum.executor.v1.AbortRequest
+	84,  // 133: ferrum.executor.v1.ModelExecutor.ExportKv:input_type -> ferrum.executor.v1.ExportKvRequest
+	89,  // 134: ferrum.executor.v1.ModelExecutor.ImportKv:input_type -> ferrum.executor.v1.ImportKvRequest
+	91,  // 135: ferrum.executor.v1.ModelExecutor.LoadAdapter:input_type -> ferrum.executor.v1.LoadAdapterRequest
+	93,  // 136: ferrum.executor.v1.ModelExecutor.UnloadAdapter:input_type -> ferrum.executor.v1.UnloadAdapterRequest
+	95,  // 137: ferrum.executor.v1.ModelExecutor.ListAdapters:input_type -> ferrum.executor.v1.ListAdaptersRequest
+	4,   // 138: ferrum.executor.v1.ModelExecutor.Info:output_type -> ferrum.executor.v1.InfoResponse
+	6,   // 139: ferrum.executor.v1.ModelExecutor.Capabilities:output_type -> ferrum.executor.v1.CapabilitiesResponse
+	8,   // 140: ferrum.executor.v1.ModelExecutor.Status:output_type -> ferrum.executor.v1.StatusResponse
+	10,  // 141: ferrum.executor.v1.ModelExecutor.KvCapacity:output_type -> ferrum.executor.v1.KvCapacityResponse
+	12,  // 142: ferrum.executor.v1.ModelExecutor.AdmissionLimits:output_type -> ferrum.executor.v1.AdmissionLimitsResponse
+	16,  // 143: ferrum.executor.v1.ModelExecutor.Prefill:output_type -> ferrum.executor.v1.PrefillResponse
+	18,  // 144: ferrum.executor.v1.ModelExecutor.BatchPrefill:output_type -> ferrum.executor.v1.BatchPrefillResponse
+	22,  // 145: ferrum.executor.v1.ModelExecutor.Decode:output_type -> ferrum.executor.v1.DecodeResponse
+	24,  // 146: ferrum.executor.v1.ModelExecutor.BatchDecode:output_type -> ferrum.executor.v1.BatchDecodeResponse
+	28,  // 147: ferrum.executor.v1.ModelExecutor.UnifiedDecode:output_type -> ferrum.executor.v1.UnifiedDecodeResponse
+	30,  // 148: ferrum.executor.v1.ModelExecutor.Forward:output_type -> ferrum.executor.v1.ForwardResponse
+	32,  // 149: ferrum.executor.v1.ModelExecutor.ForwardVerify:output_type -> ferrum.executor.v1.ForwardVerifyResponse
+	34,  // 150: ferrum.executor.v1.ModelExecutor.TruncateKv:output_type -> ferrum.executor.v1.TruncateKvResponse
+	36,  // 151: ferrum.executor.v1.ModelExecutor.ReleaseCache:output_type -> ferrum.executor.v1.ReleaseCacheResponse
+	38,  // 152: ferrum.executor.v1.ModelExecutor.ForkCache:output_type -> ferrum.executor.v1.ForkCacheResponse
+	40,  // 153: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:output_type -> ferrum.executor.v1.ReserveKvSlotsResponse
+	42,  // 154: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:output_type -> ferrum.executor.v1.KvSlotCapacityResponse
+	44,  // 155: ferrum.executor.v1.ModelExecutor.CacheMetrics:output_type -> ferrum.executor.v1.CacheMetricsResponse
+	46,  // 156: ferrum.executor.v1.ModelExecutor.LoraMetrics:output_type -> ferrum.executor.v1.LoraMetricsResponse
+	48,  // 157: ferrum.executor.v1.ModelExecutor.Warmup:output_type -> ferrum.executor.v1.WarmupResponse
+	50,  // 158: ferrum.executor.v1.ModelExecutor.Shutdown:output_type -> ferrum.executor.v1.ShutdownResponse
+	52,  // 159: ferrum.executor.v1.ModelExecutor.Tokenize:output_type -> ferrum.executor.v1.TokenizeResponse
+	54,  // 160: ferrum.executor.v1.ModelExecutor.Detokenize:output_type -> ferrum.executor.v1.DetokenizeResponse
+	57,  // 161: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:output_type -> ferrum.executor.v1.ApplyChatTemplateResponse
+	65,  // 162: ferrum.executor.v1.ModelExecutor.Generate:output_type -> ferrum.executor.v1.GenerateResponse
+	67,  // 163: ferrum.executor.v1.ModelExecutor.Session:output_type -> ferrum.executor.v1.SessionResponse
+	71,  // 164: ferrum.executor.v1.ModelExecutor.Loads:output_type -> ferrum.executor.v1.LoadsResponse
+	73,  // 165: ferrum.executor.v1.ModelExecutor.ListCaches:output_type -> ferrum.executor.v1.ListCachesResponse
+	81,  // 166: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:output_type -> ferrum.executor.v1.SubscribeKvEventsResponse
+	83,  // 167: ferrum.executor.v1.ModelExecutor.Abort:output_type -> ferrum.executor.v1.AbortResponse
+	87,  // 168: ferrum.executor.v1.ModelExecutor.ExportKv:output_type -> ferrum.executor.v1.ExportKvResponse
+	90,  // 169: ferrum.executor.v1.ModelExecutor.ImportKv:output_type -> ferrum.executor.v1.ImportKvResponse
+	92,  // 170: ferrum.executor.v1.ModelExecutor.LoadAdapter:output_type -> ferrum.executor.v1.LoadAdapterResponse
+	94,  // 171: ferrum.executor.v1.ModelExecutor.UnloadAdapter:output_type -> ferrum.executor.v1.UnloadAdapterResponse
+	96,  // 172: ferrum.executor.v1.ModelExecutor.ListAdapters:output_type -> ferrum.executor.v1.ListAdaptersResponse
+	138, // [138:173] is the sub-list for method output_type
+	103, // [103:138] is the sub-list for method input_type
+	103, // [103:103] is the sub-list for extension type_name
+	103, // [103:103] is the sub-list for extension extendee
+	0,   // [0:103] is the sub-list for field type_name
 }
 
 func init() { file_ferrum_executor_v1_executor_proto_init() }
@@ -7525,7 +8094,7 @@ func file_ferrum_executor_v1_executor_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ferrum_executor_v1_executor_proto_rawDesc), len(file_ferrum_executor_v1_executor_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   88,
+			NumMessages:   95,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

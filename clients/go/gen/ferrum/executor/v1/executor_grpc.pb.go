@@ -72,6 +72,9 @@ const (
 	ModelExecutor_Abort_FullMethodName             = "/ferrum.executor.v1.ModelExecutor/Abort"
 	ModelExecutor_ExportKv_FullMethodName          = "/ferrum.executor.v1.ModelExecutor/ExportKv"
 	ModelExecutor_ImportKv_FullMethodName          = "/ferrum.executor.v1.ModelExecutor/ImportKv"
+	ModelExecutor_LoadAdapter_FullMethodName       = "/ferrum.executor.v1.ModelExecutor/LoadAdapter"
+	ModelExecutor_UnloadAdapter_FullMethodName     = "/ferrum.executor.v1.ModelExecutor/UnloadAdapter"
+	ModelExecutor_ListAdapters_FullMethodName      = "/ferrum.executor.v1.ModelExecutor/ListAdapters"
 )
 
 // ModelExecutorClient is the client API for ModelExecutor service.
@@ -176,6 +179,20 @@ type ModelExecutorClient interface {
 	// nothing: a stream that fails or breaks off leaves no cache and no block behind. Imported full
 	// blocks enter the prefix cache like computed ones.
 	ImportKv(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[ImportKvRequest, ImportKvResponse], error)
+	// Register a LoRA adapter (a PEFT directory: `adapter_config.json` + `adapter_model.safetensors`)
+	// on a model under a name that requests then pass in their `adapter` field. The weights are read,
+	// checked against the model (module names and shapes) and made resident. An admin RPC.
+	// INVALID_ARGUMENT for a directory that is not a usable adapter (pickled weights, DoRA, modules
+	// outside the decoder layers, shapes that do not fit), ALREADY_EXISTS for a name already loaded
+	// from another path (loading the same path again is a no-op), UNIMPLEMENTED when
+	// `ExecutorCapabilities.supports_lora` is false.
+	LoadAdapter(ctx context.Context, in *LoadAdapterRequest, opts ...grpc.CallOption) (*LoadAdapterResponse, error)
+	// Forget an adapter. FAILED_PRECONDITION while a live cache is bound to it (release those
+	// first); its cached prefix blocks are dropped. Idempotent: an unknown name answers
+	// `unloaded = false`. An admin RPC.
+	UnloadAdapter(ctx context.Context, in *UnloadAdapterRequest, opts ...grpc.CallOption) (*UnloadAdapterResponse, error)
+	// The adapters registered on a model (all models when `model_id` is empty).
+	ListAdapters(ctx context.Context, in *ListAdaptersRequest, opts ...grpc.CallOption) (*ListAdaptersResponse, error)
 }
 
 type modelExecutorClient struct {
@@ -539,6 +556,36 @@ func (c *modelExecutorClient) ImportKv(ctx context.Context, opts ...grpc.CallOpt
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type ModelExecutor_ImportKvClient = grpc.ClientStreamingClient[ImportKvRequest, ImportKvResponse]
 
+func (c *modelExecutorClient) LoadAdapter(ctx context.Context, in *LoadAdapterRequest, opts ...grpc.CallOption) (*LoadAdapterResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(LoadAdapterResponse)
+	err := c.cc.Invoke(ctx, ModelExecutor_LoadAdapter_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *modelExecutorClient) UnloadAdapter(ctx context.Context, in *UnloadAdapterRequest, opts ...grpc.CallOption) (*UnloadAdapterResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(UnloadAdapterResponse)
+	err := c.cc.Invoke(ctx, ModelExecutor_UnloadAdapter_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *modelExecutorClient) ListAdapters(ctx context.Context, in *ListAdaptersRequest, opts ...grpc.CallOption) (*ListAdaptersResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListAdaptersResponse)
+	err := c.cc.Invoke(ctx, ModelExecutor_ListAdapters_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ModelExecutorServer is the server API for ModelExecutor service.
 // All implementations must embed UnimplementedModelExecutorServer
 // for forward compatibility.
@@ -641,6 +688,20 @@ type ModelExecutorServer interface {
 	// nothing: a stream that fails or breaks off leaves no cache and no block behind. Imported full
 	// blocks enter the prefix cache like computed ones.
 	ImportKv(grpc.ClientStreamingServer[ImportKvRequest, ImportKvResponse]) error
+	// Register a LoRA adapter (a PEFT directory: `adapter_config.json` + `adapter_model.safetensors`)
+	// on a model under a name that requests then pass in their `adapter` field. The weights are read,
+	// checked against the model (module names and shapes) and made resident. An admin RPC.
+	// INVALID_ARGUMENT for a directory that is not a usable adapter (pickled weights, DoRA, modules
+	// outside the decoder layers, shapes that do not fit), ALREADY_EXISTS for a name already loaded
+	// from another path (loading the same path again is a no-op), UNIMPLEMENTED when
+	// `ExecutorCapabilities.supports_lora` is false.
+	LoadAdapter(context.Context, *LoadAdapterRequest) (*LoadAdapterResponse, error)
+	// Forget an adapter. FAILED_PRECONDITION while a live cache is bound to it (release those
+	// first); its cached prefix blocks are dropped. Idempotent: an unknown name answers
+	// `unloaded = false`. An admin RPC.
+	UnloadAdapter(context.Context, *UnloadAdapterRequest) (*UnloadAdapterResponse, error)
+	// The adapters registered on a model (all models when `model_id` is empty).
+	ListAdapters(context.Context, *ListAdaptersRequest) (*ListAdaptersResponse, error)
 	mustEmbedUnimplementedModelExecutorServer()
 }
 
@@ -746,6 +807,15 @@ func (UnimplementedModelExecutorServer) ExportKv(*ExportKvRequest, grpc.ServerSt
 }
 func (UnimplementedModelExecutorServer) ImportKv(grpc.ClientStreamingServer[ImportKvRequest, ImportKvResponse]) error {
 	return status.Error(codes.Unimplemented, "method ImportKv not implemented")
+}
+func (UnimplementedModelExecutorServer) LoadAdapter(context.Context, *LoadAdapterRequest) (*LoadAdapterResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method LoadAdapter not implemented")
+}
+func (UnimplementedModelExecutorServer) UnloadAdapter(context.Context, *UnloadAdapterRequest) (*UnloadAdapterResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method UnloadAdapter not implemented")
+}
+func (UnimplementedModelExecutorServer) ListAdapters(context.Context, *ListAdaptersRequest) (*ListAdaptersResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListAdapters not implemented")
 }
 func (UnimplementedModelExecutorServer) mustEmbedUnimplementedModelExecutorServer() {}
 func (UnimplementedModelExecutorServer) testEmbeddedByValue()                       {}
@@ -1301,6 +1371,60 @@ func _ModelExecutor_ImportKv_Handler(srv interface{}, stream grpc.ServerStream) 
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type ModelExecutor_ImportKvServer = grpc.ClientStreamingServer[ImportKvRequest, ImportKvResponse]
 
+func _ModelExecutor_LoadAdapter_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(LoadAdapterRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ModelExecutorServer).LoadAdapter(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ModelExecutor_LoadAdapter_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ModelExecutorServer).LoadAdapter(ctx, req.(*LoadAdapterRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ModelExecutor_UnloadAdapter_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(UnloadAdapterRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ModelExecutorServer).UnloadAdapter(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ModelExecutor_UnloadAdapter_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ModelExecutorServer).UnloadAdapter(ctx, req.(*UnloadAdapterRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ModelExecutor_ListAdapters_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListAdaptersRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ModelExecutorServer).ListAdapters(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ModelExecutor_ListAdapters_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ModelExecutorServer).ListAdapters(ctx, req.(*ListAdaptersRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // ModelExecutor_ServiceDesc is the grpc.ServiceDesc for ModelExecutor service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -1415,6 +1539,18 @@ var ModelExecutor_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Abort",
 			Handler:    _ModelExecutor_Abort_Handler,
+		},
+		{
+			MethodName: "LoadAdapter",
+			Handler:    _ModelExecutor_LoadAdapter_Handler,
+		},
+		{
+			MethodName: "UnloadAdapter",
+			Handler:    _ModelExecutor_UnloadAdapter_Handler,
+		},
+		{
+			MethodName: "ListAdapters",
+			Handler:    _ModelExecutor_ListAdapters_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -825,6 +825,8 @@ func (x *ModelInfo) GetPrefixCache() *PrefixCacheRecipe {
 // Every *full* block of `block_size` tokens of a sequence gets a key chained from its parent's:
 //
 //	root    = SHA-256( seed || 0x00 || model_id || 0x00 || cache_salt )       (UTF-8 strings)
+//	root    = SHA-256( seed || 0x00 || model_id || 0x00 || cache_salt || 0x00 || adapter )
+//	          (instead, for a sequence computed with a LoRA adapter: its name)
 //	key[0]  = SHA-256( root     || token ids of block 0 as little-endian uint32, in order )
 //	key[i]  = SHA-256( key[i-1] || token ids of block i as little-endian uint32, in order )
 //
@@ -841,8 +843,9 @@ type PrefixCacheRecipe struct {
 	BlockSize uint32 `protobuf:"varint,3,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"`
 	// The string the chain root starts with ("ferrum-prefix-v1").
 	Seed string `protobuf:"bytes,4,opt,name=seed,proto3" json:"seed,omitempty"`
-	// The extra keys folded into the root, in order ("model_id", "cache_salt"); a later version may
-	// add more (a LoRA adapter's name), each after a 0x00 byte.
+	// The extra keys folded into the root, in order ("model_id", "cache_salt", "adapter"), each
+	// after a 0x00 byte. A trailing key that is empty for a sequence ("adapter" for the base model)
+	// is left out together with its 0x00, so base-model keys are the same as before adapters.
 	ExtraKeys     []string `protobuf:"bytes,5,rep,name=extra_keys,json=extraKeys,proto3" json:"extra_keys,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1025,8 +1028,13 @@ type ExecutorCapabilities struct {
 	SupportsFork bool `protobuf:"varint,20,opt,name=supports_fork,json=supportsFork,proto3" json:"supports_fork,omitempty"`
 	// `ExportKv` and `ImportKv` work: caches move between servers of the same model and dtype.
 	SupportsKvTransfer bool `protobuf:"varint,21,opt,name=supports_kv_transfer,json=supportsKvTransfer,proto3" json:"supports_kv_transfer,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// LoRA adapters: `LoadAdapter` works and requests may name an `adapter`; rows with different
+	// adapters (and none) run in one batched forward.
+	SupportsLora bool `protobuf:"varint,22,opt,name=supports_lora,json=supportsLora,proto3" json:"supports_lora,omitempty"`
+	// Most adapters resident in device memory at once (more may be registered; see `AdapterInfo`).
+	MaxAdapters   uint32 `protobuf:"varint,23,opt,name=max_adapters,json=maxAdapters,proto3" json:"max_adapters,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ExecutorCapabilities) Reset() {
@@ -1204,6 +1212,20 @@ func (x *ExecutorCapabilities) GetSupportsKvTransfer() bool {
 		return x.SupportsKvTransfer
 	}
 	return false
+}
+
+func (x *ExecutorCapabilities) GetSupportsLora() bool {
+	if x != nil {
+		return x.SupportsLora
+	}
+	return false
+}
+
+func (x *ExecutorCapabilities) GetMaxAdapters() uint32 {
+	if x != nil {
+		return x.MaxAdapters
+	}
+	return 0
 }
 
 // Memory use. Mirrors `ExecutorMemoryUsage`.
@@ -1531,10 +1553,12 @@ type KvCacheHandle struct {
 	// Physical block ids when the executor pages its KV (`BlockTable.physical_blocks`); empty otherwise.
 	BlockIds []uint32 `protobuf:"varint,6,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
 	// Bytes of device memory the cache holds now.
-	MemoryBytes   uint64 `protobuf:"varint,7,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
-	NumLayers     uint32 `protobuf:"varint,8,opt,name=num_layers,json=numLayers,proto3" json:"num_layers,omitempty"`
-	NumKvHeads    uint32 `protobuf:"varint,9,opt,name=num_kv_heads,json=numKvHeads,proto3" json:"num_kv_heads,omitempty"`
-	HeadDim       uint32 `protobuf:"varint,10,opt,name=head_dim,json=headDim,proto3" json:"head_dim,omitempty"`
+	MemoryBytes uint64 `protobuf:"varint,7,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	NumLayers   uint32 `protobuf:"varint,8,opt,name=num_layers,json=numLayers,proto3" json:"num_layers,omitempty"`
+	NumKvHeads  uint32 `protobuf:"varint,9,opt,name=num_kv_heads,json=numKvHeads,proto3" json:"num_kv_heads,omitempty"`
+	HeadDim     uint32 `protobuf:"varint,10,opt,name=head_dim,json=headDim,proto3" json:"head_dim,omitempty"`
+	// The LoRA adapter the cache is bound to (empty = the base model).
+	Adapter       string `protobuf:"bytes,11,opt,name=adapter,proto3" json:"adapter,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1637,6 +1661,13 @@ func (x *KvCacheHandle) GetHeadDim() uint32 {
 		return x.HeadDim
 	}
 	return 0
+}
+
+func (x *KvCacheHandle) GetAdapter() string {
+	if x != nil {
+		return x.Adapter
+	}
+	return ""
 }
 
 // Per-request KV capacity. Mirrors `ModelExecutor::kv_capacity` and adds the budget it comes from.
@@ -2876,7 +2907,8 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\x16parameter_memory_bytes\x18\x01 \x01(\x04R\x14parameterMemoryBytes\x12H\n" +
 	"!activation_memory_per_token_bytes\x18\x02 \x01(\x04R\x1dactivationMemoryPerTokenBytes\x12C\n" +
 	"\x1fkv_cache_memory_per_token_bytes\x18\x03 \x01(\x04R\x1akvCacheMemoryPerTokenBytes\x122\n" +
-	"\x15overhead_memory_bytes\x18\x04 \x01(\x04R\x13overheadMemoryBytes\"\xd7\t\n" +
+	"\x15overhead_memory_bytes\x18\x04 \x01(\x04R\x13overheadMemoryBytes\"\x9f\n" +
+	"\n" +
 	"\x14ExecutorCapabilities\x12$\n" +
 	"\x0emax_batch_size\x18\x01 \x01(\x04R\fmaxBatchSize\x12.\n" +
 	"\x13max_sequence_length\x18\x02 \x01(\x04R\x11maxSequenceLength\x12T\n" +
@@ -2899,7 +2931,9 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\rkv_block_size\x18\x12 \x01(\rR\vkvBlockSize\x126\n" +
 	"\x17supports_prefix_caching\x18\x13 \x01(\bR\x15supportsPrefixCaching\x12#\n" +
 	"\rsupports_fork\x18\x14 \x01(\bR\fsupportsFork\x120\n" +
-	"\x14supports_kv_transfer\x18\x15 \x01(\bR\x12supportsKvTransfer\"\xad\x01\n" +
+	"\x14supports_kv_transfer\x18\x15 \x01(\bR\x12supportsKvTransfer\x12#\n" +
+	"\rsupports_lora\x18\x16 \x01(\bR\fsupportsLora\x12!\n" +
+	"\fmax_adapters\x18\x17 \x01(\rR\vmaxAdapters\"\xad\x01\n" +
 	"\x13ExecutorMemoryUsage\x12'\n" +
 	"\x0fallocated_bytes\x18\x01 \x01(\x04R\x0eallocatedBytes\x12\x1d\n" +
 	"\n" +
@@ -2931,7 +2965,7 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\x0ethroughput_tps\x18\b \x01(\x01R\rthroughputTps\x12+\n" +
 	"\x11memory_efficiency\x18\t \x01(\x02R\x10memoryEfficiency\x12+\n" +
 	"\x11batch_utilization\x18\n" +
-	" \x01(\x02R\x10batchUtilization\"\xbe\x02\n" +
+	" \x01(\x02R\x10batchUtilization\"\xd8\x02\n" +
 	"\rKvCacheHandle\x12\x19\n" +
 	"\bcache_id\x18\x01 \x01(\tR\acacheId\x12\x19\n" +
 	"\bmodel_id\x18\x02 \x01(\tR\amodelId\x12\x1d\n" +
@@ -2948,7 +2982,8 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\fnum_kv_heads\x18\t \x01(\rR\n" +
 	"numKvHeads\x12\x19\n" +
 	"\bhead_dim\x18\n" +
-	" \x01(\rR\aheadDim\"\xff\x03\n" +
+	" \x01(\rR\aheadDim\x12\x18\n" +
+	"\aadapter\x18\v \x01(\tR\aadapter\"\xff\x03\n" +
 	"\n" +
 	"KvCapacity\x121\n" +
 	"\x12per_request_tokens\x18\x01 \x01(\x04H\x00R\x10perRequestTokens\x88\x01\x01\x12!\n" +

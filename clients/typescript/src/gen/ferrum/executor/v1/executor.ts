@@ -366,6 +366,13 @@ export interface PrefillInput {
    * still cached for later requests).
    */
   bypassPrefixCache: boolean;
+  /**
+   * The LoRA adapter (a name from `LoadAdapter`) a new cache is computed with and bound to; empty =
+   * the base model. Every later step on the cache runs with the same adapter. On a step that
+   * continues a cache, empty means "the cache's own"; another name is FAILED_PRECONDITION.
+   * NOT_FOUND when no adapter of that name is loaded.
+   */
+  adapter: string;
 }
 
 /** Mirrors `PrefillOutput`. */
@@ -529,6 +536,13 @@ export interface UnifiedBatchItem {
    * still cached for later requests).
    */
   bypassPrefixCache: boolean;
+  /**
+   * The LoRA adapter (a name from `LoadAdapter`) a new cache is computed with and bound to; empty =
+   * the base model. Every later step on the cache runs with the same adapter. On a step that
+   * continues a cache, empty means "the cache's own"; another name is FAILED_PRECONDITION.
+   * NOT_FOUND when no adapter of that name is loaded.
+   */
+  adapter: string;
 }
 
 /**
@@ -888,6 +902,13 @@ export interface GenerateRequest {
    * executor that forks; with `cache_id`, `n` must be 1. At most 64.
    */
   n: number;
+  /**
+   * The LoRA adapter (a name from `LoadAdapter`) a new cache is computed with and bound to; empty =
+   * the base model. Every later step on the cache runs with the same adapter. On a step that
+   * continues a cache, empty means "the cache's own"; another name is FAILED_PRECONDITION.
+   * NOT_FOUND when no adapter of that name is loaded.
+   */
+  adapter: string;
 }
 
 /** The first event: the prompt was prefilled. */
@@ -1081,6 +1102,11 @@ export interface KvBlockStored {
   /** The blocks' tokens: `block_size` per block, in order. */
   tokenIds: number[];
   blockSize: number;
+  /**
+   * The LoRA adapter the blocks were computed with (empty = the base model); it is folded into
+   * their keys (`PrefixCacheRecipe`).
+   */
+  adapter: string;
 }
 
 /** Blocks left the prefix cache (evicted, or overwritten after a truncation). vLLM's `BlockRemoved`. */
@@ -1197,6 +1223,11 @@ export interface KvTransferHeader {
    * header's token range), in order; `total_bytes` is their sum. Both sides must use the same format.
    */
   stateFormat: string;
+  /**
+   * The LoRA adapter the K/V were computed with (empty = the base model). The importing server
+   * binds the new cache to its adapter of that name: FAILED_PRECONDITION when none is loaded there.
+   */
+  adapter: string;
 }
 
 /** K and V of one layer for one token range. */
@@ -1293,6 +1324,78 @@ export interface ImportKvResponse {
   cachedBlocks: number;
   /** Wall time from the first message to the cache's creation, nanoseconds (a pull included). */
   transferNs: number;
+}
+
+export interface LoadAdapterRequest {
+  /** Empty when exactly one model is hosted. */
+  modelId: string;
+  /** The name requests use (1-128 characters: letters, digits, '.', '_', '-'). */
+  name: string;
+  /**
+   * A PEFT adapter directory on the server's filesystem: `adapter_config.json` and
+   * `adapter_model.safetensors` (pickled `adapter_model.bin` is refused).
+   */
+  path: string;
+}
+
+export interface LoadAdapterResponse {
+  adapter:
+    | AdapterInfo
+    | undefined;
+  /** False when the same name and path were loaded already (nothing was read). */
+  loaded: boolean;
+  /** Time spent reading and checking the weights, nanoseconds. */
+  loadNs: number;
+}
+
+export interface UnloadAdapterRequest {
+  modelId: string;
+  name: string;
+}
+
+export interface UnloadAdapterResponse {
+  /** False when no adapter of that name was loaded. */
+  unloaded: boolean;
+  /** Prefix-cache blocks computed with the adapter that were dropped with it. */
+  droppedBlocks: number;
+}
+
+export interface ListAdaptersRequest {
+  /** Empty = every hosted model. */
+  modelId: string;
+}
+
+export interface ListAdaptersResponse {
+  adapters: AdapterInfo[];
+}
+
+/** One registered adapter. */
+export interface AdapterInfo {
+  modelId: string;
+  name: string;
+  path: string;
+  /** LoRA rank (the largest over its modules when they differ). */
+  rank: number;
+  /**
+   * `lora_alpha` from its config; each module's output is scaled by alpha / rank (alpha /
+   * sqrt(rank) with rsLoRA).
+   */
+  alpha: number;
+  /** The model's modules the adapter changes (e.g. "q_proj", "v_proj"), deduplicated over layers. */
+  targetModules: string[];
+  /**
+   * Its weights are in device memory now. At most `ExecutorCapabilities.max_adapters` adapters are
+   * resident; a step that needs another one reads it back from `path` (least recently used out).
+   */
+  resident: boolean;
+  /** Bytes of its weights (in device memory while resident). */
+  weightBytes: number;
+  /** Live caches bound to it (an adapter with any cannot be unloaded). */
+  liveCaches: number;
+  /** Steps that ran rows with it, since it was loaded. */
+  steps: number;
+  /** When it was loaded (Unix epoch milliseconds). */
+  loadedUnixMs: number;
 }
 
 function createBaseInfoRequest(): InfoRequest {
@@ -2178,6 +2281,7 @@ function createBasePrefillInput(): PrefillInput {
     requestId: "",
     cacheSalt: "",
     bypassPrefixCache: false,
+    adapter: "",
   };
 }
 
@@ -2213,6 +2317,9 @@ export const PrefillInput: MessageFns<PrefillInput> = {
     }
     if (message.bypassPrefixCache !== false) {
       writer.uint32(72).bool(message.bypassPrefixCache);
+    }
+    if (message.adapter !== "") {
+      writer.uint32(82).string(message.adapter);
     }
     return writer;
   },
@@ -2312,6 +2419,14 @@ export const PrefillInput: MessageFns<PrefillInput> = {
             message.bypassPrefixCache = reader.bool();
             continue;
           }
+          case 10: {
+            if (tag !== 82) {
+              break;
+            }
+
+            message.adapter = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2363,6 +2478,7 @@ export const PrefillInput: MessageFns<PrefillInput> = {
         : isSet(object.bypass_prefix_cache)
         ? globalThis.Boolean(object.bypass_prefix_cache)
         : false,
+      adapter: isSet(object.adapter) ? globalThis.String(object.adapter) : "",
     };
   },
 
@@ -2395,6 +2511,9 @@ export const PrefillInput: MessageFns<PrefillInput> = {
     if (message.bypassPrefixCache !== false) {
       obj.bypassPrefixCache = message.bypassPrefixCache;
     }
+    if (message.adapter !== "") {
+      obj.adapter = message.adapter;
+    }
     return obj;
   },
 
@@ -2414,6 +2533,7 @@ export const PrefillInput: MessageFns<PrefillInput> = {
     message.requestId = object.requestId ?? "";
     message.cacheSalt = object.cacheSalt ?? "";
     message.bypassPrefixCache = object.bypassPrefixCache ?? false;
+    message.adapter = object.adapter ?? "";
     return message;
   },
 };
@@ -3602,6 +3722,7 @@ function createBaseUnifiedBatchItem(): UnifiedBatchItem {
     metadata: undefined,
     cacheSalt: "",
     bypassPrefixCache: false,
+    adapter: "",
   };
 }
 
@@ -3637,6 +3758,9 @@ export const UnifiedBatchItem: MessageFns<UnifiedBatchItem> = {
     }
     if (message.bypassPrefixCache !== false) {
       writer.uint32(72).bool(message.bypassPrefixCache);
+    }
+    if (message.adapter !== "") {
+      writer.uint32(82).string(message.adapter);
     }
     return writer;
   },
@@ -3736,6 +3860,14 @@ export const UnifiedBatchItem: MessageFns<UnifiedBatchItem> = {
             message.bypassPrefixCache = reader.bool();
             continue;
           }
+          case 10: {
+            if (tag !== 82) {
+              break;
+            }
+
+            message.adapter = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -3787,6 +3919,7 @@ export const UnifiedBatchItem: MessageFns<UnifiedBatchItem> = {
         : isSet(object.bypass_prefix_cache)
         ? globalThis.Boolean(object.bypass_prefix_cache)
         : false,
+      adapter: isSet(object.adapter) ? globalThis.String(object.adapter) : "",
     };
   },
 
@@ -3819,6 +3952,9 @@ export const UnifiedBatchItem: MessageFns<UnifiedBatchItem> = {
     if (message.bypassPrefixCache !== false) {
       obj.bypassPrefixCache = message.bypassPrefixCache;
     }
+    if (message.adapter !== "") {
+      obj.adapter = message.adapter;
+    }
     return obj;
   },
 
@@ -3838,6 +3974,7 @@ export const UnifiedBatchItem: MessageFns<UnifiedBatchItem> = {
     message.metadata = object.metadata ?? undefined;
     message.cacheSalt = object.cacheSalt ?? "";
     message.bypassPrefixCache = object.bypassPrefixCache ?? false;
+    message.adapter = object.adapter ?? "";
     return message;
   },
 };
@@ -7348,6 +7485,7 @@ function createBaseGenerateRequest(): GenerateRequest {
     cacheSalt: "",
     bypassPrefixCache: false,
     n: 0,
+    adapter: "",
   };
 }
 
@@ -7399,6 +7537,9 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     }
     if (message.n !== 0) {
       writer.uint32(120).uint32(message.n);
+    }
+    if (message.adapter !== "") {
+      writer.uint32(130).string(message.adapter);
     }
     return writer;
   },
@@ -7536,6 +7677,14 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
             message.n = reader.uint32();
             continue;
           }
+          case 16: {
+            if (tag !== 130) {
+              break;
+            }
+
+            message.adapter = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -7607,6 +7756,7 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
         ? globalThis.Boolean(object.bypass_prefix_cache)
         : false,
       n: isSet(object.n) ? globalThis.Number(object.n) : 0,
+      adapter: isSet(object.adapter) ? globalThis.String(object.adapter) : "",
     };
   },
 
@@ -7655,6 +7805,9 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     if (message.n !== 0) {
       obj.n = Math.round(message.n);
     }
+    if (message.adapter !== "") {
+      obj.adapter = message.adapter;
+    }
     return obj;
   },
 
@@ -7699,6 +7852,7 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     message.cacheSalt = object.cacheSalt ?? "";
     message.bypassPrefixCache = object.bypassPrefixCache ?? false;
     message.n = object.n ?? 0;
+    message.adapter = object.adapter ?? "";
     return message;
   },
 };
@@ -10093,7 +10247,7 @@ export const SubscribeKvEventsRequest: MessageFns<SubscribeKvEventsRequest> = {
 };
 
 function createBaseKvBlockStored(): KvBlockStored {
-  return { blockHashes: [], parentBlockHash: Buffer.alloc(0), tokenIds: [], blockSize: 0 };
+  return { blockHashes: [], parentBlockHash: Buffer.alloc(0), tokenIds: [], blockSize: 0, adapter: "" };
 }
 
 export const KvBlockStored: MessageFns<KvBlockStored> = {
@@ -10113,6 +10267,9 @@ export const KvBlockStored: MessageFns<KvBlockStored> = {
     }
     if (message.blockSize !== 0) {
       writer.uint32(32).uint32(message.blockSize);
+    }
+    if (message.adapter !== "") {
+      writer.uint32(42).string(message.adapter);
     }
     return writer;
   },
@@ -10172,6 +10329,14 @@ export const KvBlockStored: MessageFns<KvBlockStored> = {
             message.blockSize = reader.uint32();
             continue;
           }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.adapter = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -10206,6 +10371,7 @@ export const KvBlockStored: MessageFns<KvBlockStored> = {
         : isSet(object.block_size)
         ? globalThis.Number(object.block_size)
         : 0,
+      adapter: isSet(object.adapter) ? globalThis.String(object.adapter) : "",
     };
   },
 
@@ -10223,6 +10389,9 @@ export const KvBlockStored: MessageFns<KvBlockStored> = {
     if (message.blockSize !== 0) {
       obj.blockSize = Math.round(message.blockSize);
     }
+    if (message.adapter !== "") {
+      obj.adapter = message.adapter;
+    }
     return obj;
   },
 
@@ -10235,6 +10404,7 @@ export const KvBlockStored: MessageFns<KvBlockStored> = {
     message.parentBlockHash = object.parentBlockHash ?? Buffer.alloc(0);
     message.tokenIds = object.tokenIds?.map((e) => e) || [];
     message.blockSize = object.blockSize ?? 0;
+    message.adapter = object.adapter ?? "";
     return message;
   },
 };
@@ -11176,6 +11346,7 @@ function createBaseKvTransferHeader(): KvTransferHeader {
     executor: "",
     checksumAlgorithm: "",
     stateFormat: "",
+    adapter: "",
   };
 }
 
@@ -11236,6 +11407,9 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
     }
     if (message.stateFormat !== "") {
       writer.uint32(130).string(message.stateFormat);
+    }
+    if (message.adapter !== "") {
+      writer.uint32(138).string(message.adapter);
     }
     return writer;
   },
@@ -11401,6 +11575,14 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
             message.stateFormat = reader.string();
             continue;
           }
+          case 17: {
+            if (tag !== 138) {
+              break;
+            }
+
+            message.adapter = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -11485,6 +11667,7 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
         : isSet(object.state_format)
         ? globalThis.String(object.state_format)
         : "",
+      adapter: isSet(object.adapter) ? globalThis.String(object.adapter) : "",
     };
   },
 
@@ -11538,6 +11721,9 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
     if (message.stateFormat !== "") {
       obj.stateFormat = message.stateFormat;
     }
+    if (message.adapter !== "") {
+      obj.adapter = message.adapter;
+    }
     return obj;
   },
 
@@ -11562,6 +11748,7 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
     message.executor = object.executor ?? "";
     message.checksumAlgorithm = object.checksumAlgorithm ?? "";
     message.stateFormat = object.stateFormat ?? "";
+    message.adapter = object.adapter ?? "";
     return message;
   },
 };
@@ -12387,6 +12574,801 @@ export const ImportKvResponse: MessageFns<ImportKvResponse> = {
   },
 };
 
+function createBaseLoadAdapterRequest(): LoadAdapterRequest {
+  return { modelId: "", name: "", path: "" };
+}
+
+export const LoadAdapterRequest: MessageFns<LoadAdapterRequest> = {
+  encode(message: LoadAdapterRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.modelId !== "") {
+      writer.uint32(10).string(message.modelId);
+    }
+    if (message.name !== "") {
+      writer.uint32(18).string(message.name);
+    }
+    if (message.path !== "") {
+      writer.uint32(26).string(message.path);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): LoadAdapterRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseLoadAdapterRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.modelId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.path = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): LoadAdapterRequest {
+    return {
+      modelId: isSet(object.modelId)
+        ? globalThis.String(object.modelId)
+        : isSet(object.model_id)
+        ? globalThis.String(object.model_id)
+        : "",
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
+      path: isSet(object.path) ? globalThis.String(object.path) : "",
+    };
+  },
+
+  toJSON(message: LoadAdapterRequest): unknown {
+    const obj: any = {};
+    if (message.modelId !== "") {
+      obj.modelId = message.modelId;
+    }
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
+    if (message.path !== "") {
+      obj.path = message.path;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<LoadAdapterRequest>, I>>(base?: I): LoadAdapterRequest {
+    return LoadAdapterRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<LoadAdapterRequest>, I>>(object: I): LoadAdapterRequest {
+    const message = createBaseLoadAdapterRequest();
+    message.modelId = object.modelId ?? "";
+    message.name = object.name ?? "";
+    message.path = object.path ?? "";
+    return message;
+  },
+};
+
+function createBaseLoadAdapterResponse(): LoadAdapterResponse {
+  return { adapter: undefined, loaded: false, loadNs: 0 };
+}
+
+export const LoadAdapterResponse: MessageFns<LoadAdapterResponse> = {
+  encode(message: LoadAdapterResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.adapter !== undefined) {
+      AdapterInfo.encode(message.adapter, writer.uint32(10).fork()).join();
+    }
+    if (message.loaded !== false) {
+      writer.uint32(16).bool(message.loaded);
+    }
+    if (message.loadNs !== 0) {
+      writer.uint32(24).uint64(message.loadNs);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): LoadAdapterResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseLoadAdapterResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.adapter = AdapterInfo.decode(reader, reader.uint32());
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.loaded = reader.bool();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.loadNs = longToNumber(reader.uint64());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): LoadAdapterResponse {
+    return {
+      adapter: isSet(object.adapter) ? AdapterInfo.fromJSON(object.adapter) : undefined,
+      loaded: isSet(object.loaded) ? globalThis.Boolean(object.loaded) : false,
+      loadNs: isSet(object.loadNs)
+        ? globalThis.Number(object.loadNs)
+        : isSet(object.load_ns)
+        ? globalThis.Number(object.load_ns)
+        : 0,
+    };
+  },
+
+  toJSON(message: LoadAdapterResponse): unknown {
+    const obj: any = {};
+    if (message.adapter !== undefined) {
+      obj.adapter = AdapterInfo.toJSON(message.adapter);
+    }
+    if (message.loaded !== false) {
+      obj.loaded = message.loaded;
+    }
+    if (message.loadNs !== 0) {
+      obj.loadNs = Math.round(message.loadNs);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<LoadAdapterResponse>, I>>(base?: I): LoadAdapterResponse {
+    return LoadAdapterResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<LoadAdapterResponse>, I>>(object: I): LoadAdapterResponse {
+    const message = createBaseLoadAdapterResponse();
+    message.adapter = (object.adapter !== undefined && object.adapter !== null)
+      ? AdapterInfo.fromPartial(object.adapter)
+      : undefined;
+    message.loaded = object.loaded ?? false;
+    message.loadNs = object.loadNs ?? 0;
+    return message;
+  },
+};
+
+function createBaseUnloadAdapterRequest(): UnloadAdapterRequest {
+  return { modelId: "", name: "" };
+}
+
+export const UnloadAdapterRequest: MessageFns<UnloadAdapterRequest> = {
+  encode(message: UnloadAdapterRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.modelId !== "") {
+      writer.uint32(10).string(message.modelId);
+    }
+    if (message.name !== "") {
+      writer.uint32(18).string(message.name);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): UnloadAdapterRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseUnloadAdapterRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.modelId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): UnloadAdapterRequest {
+    return {
+      modelId: isSet(object.modelId)
+        ? globalThis.String(object.modelId)
+        : isSet(object.model_id)
+        ? globalThis.String(object.model_id)
+        : "",
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
+    };
+  },
+
+  toJSON(message: UnloadAdapterRequest): unknown {
+    const obj: any = {};
+    if (message.modelId !== "") {
+      obj.modelId = message.modelId;
+    }
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<UnloadAdapterRequest>, I>>(base?: I): UnloadAdapterRequest {
+    return UnloadAdapterRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<UnloadAdapterRequest>, I>>(object: I): UnloadAdapterRequest {
+    const message = createBaseUnloadAdapterRequest();
+    message.modelId = object.modelId ?? "";
+    message.name = object.name ?? "";
+    return message;
+  },
+};
+
+function createBaseUnloadAdapterResponse(): UnloadAdapterResponse {
+  return { unloaded: false, droppedBlocks: 0 };
+}
+
+export const UnloadAdapterResponse: MessageFns<UnloadAdapterResponse> = {
+  encode(message: UnloadAdapterResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.unloaded !== false) {
+      writer.uint32(8).bool(message.unloaded);
+    }
+    if (message.droppedBlocks !== 0) {
+      writer.uint32(16).uint32(message.droppedBlocks);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): UnloadAdapterResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseUnloadAdapterResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.unloaded = reader.bool();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.droppedBlocks = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): UnloadAdapterResponse {
+    return {
+      unloaded: isSet(object.unloaded) ? globalThis.Boolean(object.unloaded) : false,
+      droppedBlocks: isSet(object.droppedBlocks)
+        ? globalThis.Number(object.droppedBlocks)
+        : isSet(object.dropped_blocks)
+        ? globalThis.Number(object.dropped_blocks)
+        : 0,
+    };
+  },
+
+  toJSON(message: UnloadAdapterResponse): unknown {
+    const obj: any = {};
+    if (message.unloaded !== false) {
+      obj.unloaded = message.unloaded;
+    }
+    if (message.droppedBlocks !== 0) {
+      obj.droppedBlocks = Math.round(message.droppedBlocks);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<UnloadAdapterResponse>, I>>(base?: I): UnloadAdapterResponse {
+    return UnloadAdapterResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<UnloadAdapterResponse>, I>>(object: I): UnloadAdapterResponse {
+    const message = createBaseUnloadAdapterResponse();
+    message.unloaded = object.unloaded ?? false;
+    message.droppedBlocks = object.droppedBlocks ?? 0;
+    return message;
+  },
+};
+
+function createBaseListAdaptersRequest(): ListAdaptersRequest {
+  return { modelId: "" };
+}
+
+export const ListAdaptersRequest: MessageFns<ListAdaptersRequest> = {
+  encode(message: ListAdaptersRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.modelId !== "") {
+      writer.uint32(10).string(message.modelId);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ListAdaptersRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseListAdaptersRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.modelId = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ListAdaptersRequest {
+    return {
+      modelId: isSet(object.modelId)
+        ? globalThis.String(object.modelId)
+        : isSet(object.model_id)
+        ? globalThis.String(object.model_id)
+        : "",
+    };
+  },
+
+  toJSON(message: ListAdaptersRequest): unknown {
+    const obj: any = {};
+    if (message.modelId !== "") {
+      obj.modelId = message.modelId;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ListAdaptersRequest>, I>>(base?: I): ListAdaptersRequest {
+    return ListAdaptersRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ListAdaptersRequest>, I>>(object: I): ListAdaptersRequest {
+    const message = createBaseListAdaptersRequest();
+    message.modelId = object.modelId ?? "";
+    return message;
+  },
+};
+
+function createBaseListAdaptersResponse(): ListAdaptersResponse {
+  return { adapters: [] };
+}
+
+export const ListAdaptersResponse: MessageFns<ListAdaptersResponse> = {
+  encode(message: ListAdaptersResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    for (const v of message.adapters) {
+      AdapterInfo.encode(v!, writer.uint32(10).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ListAdaptersResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseListAdaptersResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.adapters.push(AdapterInfo.decode(reader, reader.uint32()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ListAdaptersResponse {
+    return {
+      adapters: globalThis.Array.isArray(object?.adapters)
+        ? object.adapters.map((e: any) => AdapterInfo.fromJSON(e))
+        : [],
+    };
+  },
+
+  toJSON(message: ListAdaptersResponse): unknown {
+    const obj: any = {};
+    if (message.adapters?.length) {
+      obj.adapters = message.adapters.map((e) => AdapterInfo.toJSON(e));
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ListAdaptersResponse>, I>>(base?: I): ListAdaptersResponse {
+    return ListAdaptersResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ListAdaptersResponse>, I>>(object: I): ListAdaptersResponse {
+    const message = createBaseListAdaptersResponse();
+    message.adapters = object.adapters?.map((e) => AdapterInfo.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseAdapterInfo(): AdapterInfo {
+  return {
+    modelId: "",
+    name: "",
+    path: "",
+    rank: 0,
+    alpha: 0,
+    targetModules: [],
+    resident: false,
+    weightBytes: 0,
+    liveCaches: 0,
+    steps: 0,
+    loadedUnixMs: 0,
+  };
+}
+
+export const AdapterInfo: MessageFns<AdapterInfo> = {
+  encode(message: AdapterInfo, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.modelId !== "") {
+      writer.uint32(10).string(message.modelId);
+    }
+    if (message.name !== "") {
+      writer.uint32(18).string(message.name);
+    }
+    if (message.path !== "") {
+      writer.uint32(26).string(message.path);
+    }
+    if (message.rank !== 0) {
+      writer.uint32(32).uint32(message.rank);
+    }
+    if (message.alpha !== 0) {
+      writer.uint32(45).float(message.alpha);
+    }
+    for (const v of message.targetModules) {
+      writer.uint32(50).string(v!);
+    }
+    if (message.resident !== false) {
+      writer.uint32(56).bool(message.resident);
+    }
+    if (message.weightBytes !== 0) {
+      writer.uint32(64).uint64(message.weightBytes);
+    }
+    if (message.liveCaches !== 0) {
+      writer.uint32(72).uint32(message.liveCaches);
+    }
+    if (message.steps !== 0) {
+      writer.uint32(80).uint64(message.steps);
+    }
+    if (message.loadedUnixMs !== 0) {
+      writer.uint32(88).int64(message.loadedUnixMs);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): AdapterInfo {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseAdapterInfo();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.modelId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.path = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.rank = reader.uint32();
+            continue;
+          }
+          case 5: {
+            if (tag !== 45) {
+              break;
+            }
+
+            message.alpha = reader.float();
+            continue;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.targetModules.push(reader.string());
+            continue;
+          }
+          case 7: {
+            if (tag !== 56) {
+              break;
+            }
+
+            message.resident = reader.bool();
+            continue;
+          }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.weightBytes = longToNumber(reader.uint64());
+            continue;
+          }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.liveCaches = reader.uint32();
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.steps = longToNumber(reader.uint64());
+            continue;
+          }
+          case 11: {
+            if (tag !== 88) {
+              break;
+            }
+
+            message.loadedUnixMs = longToNumber(reader.int64());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): AdapterInfo {
+    return {
+      modelId: isSet(object.modelId)
+        ? globalThis.String(object.modelId)
+        : isSet(object.model_id)
+        ? globalThis.String(object.model_id)
+        : "",
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
+      path: isSet(object.path) ? globalThis.String(object.path) : "",
+      rank: isSet(object.rank) ? globalThis.Number(object.rank) : 0,
+      alpha: isSet(object.alpha) ? globalThis.Number(object.alpha) : 0,
+      targetModules: globalThis.Array.isArray(object?.targetModules)
+        ? object.targetModules.map((e: any) => globalThis.String(e))
+        : globalThis.Array.isArray(object?.target_modules)
+        ? object.target_modules.map((e: any) => globalThis.String(e))
+        : [],
+      resident: isSet(object.resident) ? globalThis.Boolean(object.resident) : false,
+      weightBytes: isSet(object.weightBytes)
+        ? globalThis.Number(object.weightBytes)
+        : isSet(object.weight_bytes)
+        ? globalThis.Number(object.weight_bytes)
+        : 0,
+      liveCaches: isSet(object.liveCaches)
+        ? globalThis.Number(object.liveCaches)
+        : isSet(object.live_caches)
+        ? globalThis.Number(object.live_caches)
+        : 0,
+      steps: isSet(object.steps) ? globalThis.Number(object.steps) : 0,
+      loadedUnixMs: isSet(object.loadedUnixMs)
+        ? globalThis.Number(object.loadedUnixMs)
+        : isSet(object.loaded_unix_ms)
+        ? globalThis.Number(object.loaded_unix_ms)
+        : 0,
+    };
+  },
+
+  toJSON(message: AdapterInfo): unknown {
+    const obj: any = {};
+    if (message.modelId !== "") {
+      obj.modelId = message.modelId;
+    }
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
+    if (message.path !== "") {
+      obj.path = message.path;
+    }
+    if (message.rank !== 0) {
+      obj.rank = Math.round(message.rank);
+    }
+    if (message.alpha !== 0) {
+      obj.alpha = floatToJson(message.alpha);
+    }
+    if (message.targetModules?.length) {
+      obj.targetModules = message.targetModules;
+    }
+    if (message.resident !== false) {
+      obj.resident = message.resident;
+    }
+    if (message.weightBytes !== 0) {
+      obj.weightBytes = Math.round(message.weightBytes);
+    }
+    if (message.liveCaches !== 0) {
+      obj.liveCaches = Math.round(message.liveCaches);
+    }
+    if (message.steps !== 0) {
+      obj.steps = Math.round(message.steps);
+    }
+    if (message.loadedUnixMs !== 0) {
+      obj.loadedUnixMs = Math.round(message.loadedUnixMs);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<AdapterInfo>, I>>(base?: I): AdapterInfo {
+    return AdapterInfo.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<AdapterInfo>, I>>(object: I): AdapterInfo {
+    const message = createBaseAdapterInfo();
+    message.modelId = object.modelId ?? "";
+    message.name = object.name ?? "";
+    message.path = object.path ?? "";
+    message.rank = object.rank ?? 0;
+    message.alpha = object.alpha ?? 0;
+    message.targetModules = object.targetModules?.map((e) => e) || [];
+    message.resident = object.resident ?? false;
+    message.weightBytes = object.weightBytes ?? 0;
+    message.liveCaches = object.liveCaches ?? 0;
+    message.steps = object.steps ?? 0;
+    message.loadedUnixMs = object.loadedUnixMs ?? 0;
+    return message;
+  },
+};
+
 /** ferrum's `ModelExecutor`, served remotely. */
 export type ModelExecutorService = typeof ModelExecutorService;
 export const ModelExecutorService = {
@@ -12790,6 +13772,50 @@ export const ModelExecutorService = {
     responseSerialize: (value: ImportKvResponse): Buffer => Buffer.from(ImportKvResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): ImportKvResponse => ImportKvResponse.decode(value),
   },
+  /**
+   * Register a LoRA adapter (a PEFT directory: `adapter_config.json` + `adapter_model.safetensors`)
+   * on a model under a name that requests then pass in their `adapter` field. The weights are read,
+   * checked against the model (module names and shapes) and made resident. An admin RPC.
+   * INVALID_ARGUMENT for a directory that is not a usable adapter (pickled weights, DoRA, modules
+   * outside the decoder layers, shapes that do not fit), ALREADY_EXISTS for a name already loaded
+   * from another path (loading the same path again is a no-op), UNIMPLEMENTED when
+   * `ExecutorCapabilities.supports_lora` is false.
+   */
+  loadAdapter: {
+    path: "/ferrum.executor.v1.ModelExecutor/LoadAdapter" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: LoadAdapterRequest): Buffer => Buffer.from(LoadAdapterRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): LoadAdapterRequest => LoadAdapterRequest.decode(value),
+    responseSerialize: (value: LoadAdapterResponse): Buffer => Buffer.from(LoadAdapterResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): LoadAdapterResponse => LoadAdapterResponse.decode(value),
+  },
+  /**
+   * Forget an adapter. FAILED_PRECONDITION while a live cache is bound to it (release those
+   * first); its cached prefix blocks are dropped. Idempotent: an unknown name answers
+   * `unloaded = false`. An admin RPC.
+   */
+  unloadAdapter: {
+    path: "/ferrum.executor.v1.ModelExecutor/UnloadAdapter" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: UnloadAdapterRequest): Buffer => Buffer.from(UnloadAdapterRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): UnloadAdapterRequest => UnloadAdapterRequest.decode(value),
+    responseSerialize: (value: UnloadAdapterResponse): Buffer =>
+      Buffer.from(UnloadAdapterResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): UnloadAdapterResponse => UnloadAdapterResponse.decode(value),
+  },
+  /** The adapters registered on a model (all models when `model_id` is empty). */
+  listAdapters: {
+    path: "/ferrum.executor.v1.ModelExecutor/ListAdapters" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: ListAdaptersRequest): Buffer => Buffer.from(ListAdaptersRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ListAdaptersRequest => ListAdaptersRequest.decode(value),
+    responseSerialize: (value: ListAdaptersResponse): Buffer =>
+      Buffer.from(ListAdaptersResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): ListAdaptersResponse => ListAdaptersResponse.decode(value),
+  },
 } as const;
 
 export interface ModelExecutorServer extends UntypedServiceImplementation {
@@ -12921,6 +13947,24 @@ export interface ModelExecutorServer extends UntypedServiceImplementation {
    * blocks enter the prefix cache like computed ones.
    */
   importKv: handleClientStreamingCall<ImportKvRequest, ImportKvResponse>;
+  /**
+   * Register a LoRA adapter (a PEFT directory: `adapter_config.json` + `adapter_model.safetensors`)
+   * on a model under a name that requests then pass in their `adapter` field. The weights are read,
+   * checked against the model (module names and shapes) and made resident. An admin RPC.
+   * INVALID_ARGUMENT for a directory that is not a usable adapter (pickled weights, DoRA, modules
+   * outside the decoder layers, shapes that do not fit), ALREADY_EXISTS for a name already loaded
+   * from another path (loading the same path again is a no-op), UNIMPLEMENTED when
+   * `ExecutorCapabilities.supports_lora` is false.
+   */
+  loadAdapter: handleUnaryCall<LoadAdapterRequest, LoadAdapterResponse>;
+  /**
+   * Forget an adapter. FAILED_PRECONDITION while a live cache is bound to it (release those
+   * first); its cached prefix blocks are dropped. Idempotent: an unknown name answers
+   * `unloaded = false`. An admin RPC.
+   */
+  unloadAdapter: handleUnaryCall<UnloadAdapterRequest, UnloadAdapterResponse>;
+  /** The adapters registered on a model (all models when `model_id` is empty). */
+  listAdapters: handleUnaryCall<ListAdaptersRequest, ListAdaptersResponse>;
 }
 
 export interface ModelExecutorClient extends Client {
@@ -13462,6 +14506,66 @@ export interface ModelExecutorClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: ImportKvResponse) => void,
   ): ClientWritableStream<ImportKvRequest>;
+  /**
+   * Register a LoRA adapter (a PEFT directory: `adapter_config.json` + `adapter_model.safetensors`)
+   * on a model under a name that requests then pass in their `adapter` field. The weights are read,
+   * checked against the model (module names and shapes) and made resident. An admin RPC.
+   * INVALID_ARGUMENT for a directory that is not a usable adapter (pickled weights, DoRA, modules
+   * outside the decoder layers, shapes that do not fit), ALREADY_EXISTS for a name already loaded
+   * from another path (loading the same path again is a no-op), UNIMPLEMENTED when
+   * `ExecutorCapabilities.supports_lora` is false.
+   */
+  loadAdapter(
+    request: LoadAdapterRequest,
+    callback: (error: ServiceError | null, response: LoadAdapterResponse) => void,
+  ): ClientUnaryCall;
+  loadAdapter(
+    request: LoadAdapterRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: LoadAdapterResponse) => void,
+  ): ClientUnaryCall;
+  loadAdapter(
+    request: LoadAdapterRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: LoadAdapterResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * Forget an adapter. FAILED_PRECONDITION while a live cache is bound to it (release those
+   * first); its cached prefix blocks are dropped. Idempotent: an unknown name answers
+   * `unloaded = false`. An admin RPC.
+   */
+  unloadAdapter(
+    request: UnloadAdapterRequest,
+    callback: (error: ServiceError | null, response: UnloadAdapterResponse) => void,
+  ): ClientUnaryCall;
+  unloadAdapter(
+    request: UnloadAdapterRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: UnloadAdapterResponse) => void,
+  ): ClientUnaryCall;
+  unloadAdapter(
+    request: UnloadAdapterRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: UnloadAdapterResponse) => void,
+  ): ClientUnaryCall;
+  /** The adapters registered on a model (all models when `model_id` is empty). */
+  listAdapters(
+    request: ListAdaptersRequest,
+    callback: (error: ServiceError | null, response: ListAdaptersResponse) => void,
+  ): ClientUnaryCall;
+  listAdapters(
+    request: ListAdaptersRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: ListAdaptersResponse) => void,
+  ): ClientUnaryCall;
+  listAdapters(
+    request: ListAdaptersRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: ListAdaptersResponse) => void,
+  ): ClientUnaryCall;
 }
 
 export const ModelExecutorClient = makeGenericClientConstructor(

@@ -683,6 +683,8 @@ export interface ModelInfo {
  * Every *full* block of `block_size` tokens of a sequence gets a key chained from its parent's:
  *
  *     root    = SHA-256( seed || 0x00 || model_id || 0x00 || cache_salt )       (UTF-8 strings)
+ *     root    = SHA-256( seed || 0x00 || model_id || 0x00 || cache_salt || 0x00 || adapter )
+ *               (instead, for a sequence computed with a LoRA adapter: its name)
  *     key[0]  = SHA-256( root     || token ids of block 0 as little-endian uint32, in order )
  *     key[i]  = SHA-256( key[i-1] || token ids of block i as little-endian uint32, in order )
  *
@@ -702,8 +704,9 @@ export interface PrefixCacheRecipe {
   /** The string the chain root starts with ("ferrum-prefix-v1"). */
   seed: string;
   /**
-   * The extra keys folded into the root, in order ("model_id", "cache_salt"); a later version may
-   * add more (a LoRA adapter's name), each after a 0x00 byte.
+   * The extra keys folded into the root, in order ("model_id", "cache_salt", "adapter"), each
+   * after a 0x00 byte. A trailing key that is empty for a sequence ("adapter" for the base model)
+   * is left out together with its 0x00, so base-model keys are the same as before adapters.
    */
   extraKeys: string[];
 }
@@ -770,6 +773,13 @@ export interface ExecutorCapabilities {
   supportsFork: boolean;
   /** `ExportKv` and `ImportKv` work: caches move between servers of the same model and dtype. */
   supportsKvTransfer: boolean;
+  /**
+   * LoRA adapters: `LoadAdapter` works and requests may name an `adapter`; rows with different
+   * adapters (and none) run in one batched forward.
+   */
+  supportsLora: boolean;
+  /** Most adapters resident in device memory at once (more may be registered; see `AdapterInfo`). */
+  maxAdapters: number;
 }
 
 /** Memory use. Mirrors `ExecutorMemoryUsage`. */
@@ -841,6 +851,8 @@ export interface KvCacheHandle {
   numLayers: number;
   numKvHeads: number;
   headDim: number;
+  /** The LoRA adapter the cache is bound to (empty = the base model). */
+  adapter: string;
 }
 
 /** Per-request KV capacity. Mirrors `ModelExecutor::kv_capacity` and adds the budget it comes from. */
@@ -2006,6 +2018,8 @@ function createBaseExecutorCapabilities(): ExecutorCapabilities {
     supportsPrefixCaching: false,
     supportsFork: false,
     supportsKvTransfer: false,
+    supportsLora: false,
+    maxAdapters: 0,
   };
 }
 
@@ -2081,6 +2095,12 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
     }
     if (message.supportsKvTransfer !== false) {
       writer.uint32(168).bool(message.supportsKvTransfer);
+    }
+    if (message.supportsLora !== false) {
+      writer.uint32(176).bool(message.supportsLora);
+    }
+    if (message.maxAdapters !== 0) {
+      writer.uint32(184).uint32(message.maxAdapters);
     }
     return writer;
   },
@@ -2286,6 +2306,22 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
             message.supportsKvTransfer = reader.bool();
             continue;
           }
+          case 22: {
+            if (tag !== 176) {
+              break;
+            }
+
+            message.supportsLora = reader.bool();
+            continue;
+          }
+          case 23: {
+            if (tag !== 184) {
+              break;
+            }
+
+            message.maxAdapters = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2405,6 +2441,16 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
         : isSet(object.supports_kv_transfer)
         ? globalThis.Boolean(object.supports_kv_transfer)
         : false,
+      supportsLora: isSet(object.supportsLora)
+        ? globalThis.Boolean(object.supportsLora)
+        : isSet(object.supports_lora)
+        ? globalThis.Boolean(object.supports_lora)
+        : false,
+      maxAdapters: isSet(object.maxAdapters)
+        ? globalThis.Number(object.maxAdapters)
+        : isSet(object.max_adapters)
+        ? globalThis.Number(object.max_adapters)
+        : 0,
     };
   },
 
@@ -2473,6 +2519,12 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
     if (message.supportsKvTransfer !== false) {
       obj.supportsKvTransfer = message.supportsKvTransfer;
     }
+    if (message.supportsLora !== false) {
+      obj.supportsLora = message.supportsLora;
+    }
+    if (message.maxAdapters !== 0) {
+      obj.maxAdapters = Math.round(message.maxAdapters);
+    }
     return obj;
   },
 
@@ -2504,6 +2556,8 @@ export const ExecutorCapabilities: MessageFns<ExecutorCapabilities> = {
     message.supportsPrefixCaching = object.supportsPrefixCaching ?? false;
     message.supportsFork = object.supportsFork ?? false;
     message.supportsKvTransfer = object.supportsKvTransfer ?? false;
+    message.supportsLora = object.supportsLora ?? false;
+    message.maxAdapters = object.maxAdapters ?? 0;
     return message;
   },
 };
@@ -3179,6 +3233,7 @@ function createBaseKvCacheHandle(): KvCacheHandle {
     numLayers: 0,
     numKvHeads: 0,
     headDim: 0,
+    adapter: "",
   };
 }
 
@@ -3217,6 +3272,9 @@ export const KvCacheHandle: MessageFns<KvCacheHandle> = {
     }
     if (message.headDim !== 0) {
       writer.uint32(80).uint32(message.headDim);
+    }
+    if (message.adapter !== "") {
+      writer.uint32(90).string(message.adapter);
     }
     return writer;
   },
@@ -3324,6 +3382,14 @@ export const KvCacheHandle: MessageFns<KvCacheHandle> = {
             message.headDim = reader.uint32();
             continue;
           }
+          case 11: {
+            if (tag !== 90) {
+              break;
+            }
+
+            message.adapter = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -3388,6 +3454,7 @@ export const KvCacheHandle: MessageFns<KvCacheHandle> = {
         : isSet(object.head_dim)
         ? globalThis.Number(object.head_dim)
         : 0,
+      adapter: isSet(object.adapter) ? globalThis.String(object.adapter) : "",
     };
   },
 
@@ -3423,6 +3490,9 @@ export const KvCacheHandle: MessageFns<KvCacheHandle> = {
     if (message.headDim !== 0) {
       obj.headDim = Math.round(message.headDim);
     }
+    if (message.adapter !== "") {
+      obj.adapter = message.adapter;
+    }
     return obj;
   },
 
@@ -3441,6 +3511,7 @@ export const KvCacheHandle: MessageFns<KvCacheHandle> = {
     message.numLayers = object.numLayers ?? 0;
     message.numKvHeads = object.numKvHeads ?? 0;
     message.headDim = object.headDim ?? 0;
+    message.adapter = object.adapter ?? "";
     return message;
   },
 };
