@@ -147,6 +147,11 @@ async def scenario(d) -> list:
     assert not (await d.call("kv_slot_capacity", "mock")).HasField("snapshot")
     assert not (await d.call("cache_metrics", "mock")).HasField("metrics")
     assert not (await d.call("lora_metrics", "mock")).HasField("metrics")
+    # LoRA adapters: the scripted executors serve none (listing is empty, loading is UNIMPLEMENTED)
+    assert not (await d.call("list_adapters", "mock")).adapters
+    rec.append([await _error(d, "load_adapter", "a1", "/no/such/adapter", "mock"),
+                await _error(d, "unload_adapter", "a1", model_id="mock")])
+    assert [x[1] for x in rec[-1]] == [C.UNIMPLEMENTED, C.UNIMPLEMENTED], rec[-1]
     assert (await d.call("abort", "mock", cache_id=bp[0].cache.cache_id)).released_cache
     assert not (await d.call("abort", "mock", cache_id=bp[0].cache.cache_id)).released_cache
     # ForkCache of an unknown cache: refused (NOT_FOUND, or UNIMPLEMENTED where the executor cannot fork)

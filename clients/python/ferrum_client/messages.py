@@ -101,12 +101,14 @@ def ids_tensor(ids: np.ndarray) -> tpb.Tensor:
 
 def prefill_input(token_ids: Iterable[int], cache_id: str = "", policy: tpb.LogitsPolicy | None = None,
                   reserve_tokens: int = 0, all_positions: bool = False, request_id: str = "", *,
-                  cache_salt: str = "", bypass_prefix_cache: bool = False) -> pb.PrefillInput:
+                  cache_salt: str = "", bypass_prefix_cache: bool = False, adapter: str = "") -> pb.PrefillInput:
     """``PrefillInput``. Prefix caching (a new cache only): ``cache_salt`` keeps tenants with
-    different salts from sharing KV blocks; ``bypass_prefix_cache`` computes every token."""
+    different salts from sharing KV blocks; ``bypass_prefix_cache`` computes every token.
+    ``adapter``: the LoRA adapter (a name registered with ``load_adapter``) a new cache is computed
+    with and bound to; "" = the base model, or, continuing ``cache_id``, the cache's own adapter."""
     return pb.PrefillInput(token_ids=list(token_ids), cache_id=cache_id, logits=policy, reserve_tokens=reserve_tokens,
                            all_positions=all_positions, request_id=request_id, cache_salt=cache_salt,
-                           bypass_prefix_cache=bypass_prefix_cache)
+                           bypass_prefix_cache=bypass_prefix_cache, adapter=adapter)
 
 
 def decode_input(cache_id: str, token_id: int, policy: tpb.LogitsPolicy | None = None,
@@ -119,11 +121,12 @@ def decode_input(cache_id: str, token_id: int, policy: tpb.LogitsPolicy | None =
 
 def unified_item(q_tokens: Iterable[int], *, cache_id: str = "", pos_offset: int = 0, is_final_chunk: bool = True,
                  seq_id: str = "", policy: tpb.LogitsPolicy | None = None, cache_salt: str = "",
-                 bypass_prefix_cache: bool = False) -> pb.UnifiedBatchItem:
-    """``UnifiedBatchItem``; ``cache_salt`` / ``bypass_prefix_cache`` as in :func:`prefill_input`."""
+                 bypass_prefix_cache: bool = False, adapter: str = "") -> pb.UnifiedBatchItem:
+    """``UnifiedBatchItem``; ``cache_salt`` / ``bypass_prefix_cache`` / ``adapter`` as in
+    :func:`prefill_input`."""
     return pb.UnifiedBatchItem(seq_id=seq_id, q_tokens=list(q_tokens), cache_id=cache_id, pos_offset=pos_offset,
                                is_final_chunk=is_final_chunk, logits=policy, cache_salt=cache_salt,
-                               bypass_prefix_cache=bypass_prefix_cache)
+                               bypass_prefix_cache=bypass_prefix_cache, adapter=adapter)
 
 
 def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, text: str | None = None,
@@ -134,12 +137,15 @@ def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, t
                      stop_token_ids: Sequence[int] = (), stop_sequences: Sequence[str] = (), ignore_eos: bool = False,
                      top_logprobs: int = 0, keep_cache: bool = False, stream_text: bool = False,
                      request_id: str = "", cache_salt: str = "", bypass_prefix_cache: bool = False,
-                     n: int = 1, constraint: tpb.OutputConstraint | None = None) -> pb.GenerateRequest:
+                     n: int = 1, constraint: tpb.OutputConstraint | None = None,
+                     adapter: str = "") -> pb.GenerateRequest:
     """``GenerateRequest``: the prompt as ``token_ids``, ``text`` or ``chat`` (or continue
     ``cache_id`` from ``last_token_id``). ``n`` samples of one prompt share its prefilled KV
     (events carry ``sample_index``; sample ``i`` uses seed ``seed + i * 0x9E3779B9``); ``cache_salt`` /
     ``bypass_prefix_cache`` control prefix caching as in :func:`prefill_input`; ``constraint``
-    (:func:`constraint`) makes the output follow a JSON schema, regex, grammar or choice list."""
+    (:func:`constraint`) makes the output follow a JSON schema, regex, grammar or choice list;
+    ``adapter`` names the LoRA adapter to generate with (as in :func:`prefill_input`; continuing
+    ``cache_id``, "" = the cache's own)."""
     req = pb.GenerateRequest(
         model_id=model_id, cache_id=cache_id,
         sampling=sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -147,7 +153,7 @@ def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, t
         stop=pb.StopConditions(max_tokens=max_tokens, stop_token_ids=list(stop_token_ids),
                                stop_sequences=list(stop_sequences), ignore_eos=ignore_eos),
         top_logprobs=top_logprobs, keep_cache=keep_cache, stream_text=stream_text, request_id=request_id,
-        cache_salt=cache_salt, bypass_prefix_cache=bypass_prefix_cache, n=n,
+        cache_salt=cache_salt, bypass_prefix_cache=bypass_prefix_cache, n=n, adapter=adapter,
     )
     if token_ids is not None:
         req.token_ids.token_ids.extend(token_ids)

@@ -33,11 +33,21 @@ from ._proto.ferrum.executor.v1 import types_pb2 as tpb
 __all__ = ["PrefixMirror", "BlockEventFollower", "recipe_usable"]
 
 
-def recipe_usable(recipe: tpb.PrefixCacheRecipe | None) -> bool:
-    """True when a model's advertised recipe is one this client computes (and caching is on)."""
-    return (recipe is not None and recipe.enabled and recipe.block_size > 0
-            and recipe.algorithm == prefix_keys.ALGORITHM
-            and tuple(recipe.extra_keys) in ((), prefix_keys.EXTRA_KEYS))
+# Recipes this client computes: the current one (model_id, cache_salt, adapter), and the one a
+# server from before LoRA adapters advertises (model_id, cache_salt), whose keys are the same for
+# base-model sequences (an empty adapter adds nothing to the root).
+_PRE_ADAPTER_KEYS = ("model_id", "cache_salt")
+_KNOWN_EXTRA_KEYS = ((), _PRE_ADAPTER_KEYS, prefix_keys.EXTRA_KEYS)
+
+
+def recipe_usable(recipe: tpb.PrefixCacheRecipe | None, adapter: str = "") -> bool:
+    """True when a model's advertised recipe is one this client computes (and caching is on) for
+    a sequence computed with LoRA ``adapter`` ("" = the base model): a recipe without the
+    ``adapter`` key keys base-model sequences only."""
+    if not (recipe is not None and recipe.enabled and recipe.block_size > 0
+            and recipe.algorithm == prefix_keys.ALGORITHM and tuple(recipe.extra_keys) in _KNOWN_EXTRA_KEYS):
+        return False
+    return not adapter or "adapter" in recipe.extra_keys
 
 
 class PrefixMirror:
@@ -123,18 +133,20 @@ class PrefixMirror:
         with self._lock:
             return prefix_keys.longest_cached_prefix(keys, self._blocks.get(model_id, ()))
 
-    def prompt_keys(self, model_id: str, tokens: Sequence[int], cache_salt: str = "") -> list[bytes]:
-        """The block keys of ``tokens`` under this replica's recipe for ``model_id`` ([] when
-        the replica advertises no usable recipe for it)."""
+    def prompt_keys(self, model_id: str, tokens: Sequence[int], cache_salt: str = "",
+                    adapter: str = "") -> list[bytes]:
+        """The block keys of ``tokens`` (computed with LoRA ``adapter``, "" = the base model)
+        under this replica's recipe for ``model_id`` ([] when the replica advertises no usable
+        recipe for it)."""
         recipe = self.recipes.get(model_id)
-        if not recipe_usable(recipe):
+        if not recipe_usable(recipe, adapter):
             return []
         return prefix_keys.block_keys(tokens, recipe.block_size, model_id=model_id, cache_salt=cache_salt,
-                                      seed=recipe.seed or prefix_keys.SEED)
+                                      seed=recipe.seed or prefix_keys.SEED, adapter=adapter)
 
-    def cached_tokens(self, model_id: str, tokens: Sequence[int], cache_salt: str = "") -> int:
+    def cached_tokens(self, model_id: str, tokens: Sequence[int], cache_salt: str = "", adapter: str = "") -> int:
         """Leading tokens of ``tokens`` whose blocks this replica holds (a multiple of its block size)."""
-        keys = self.prompt_keys(model_id, tokens, cache_salt)
+        keys = self.prompt_keys(model_id, tokens, cache_salt, adapter)
         if not keys:
             return 0
         return self.cached_blocks(model_id, keys) * self.recipes[model_id].block_size

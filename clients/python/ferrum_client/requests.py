@@ -87,12 +87,13 @@ def apply_chat_template(model_id: str, messages: Sequence[tuple[str, str]],
 
 def prefill(model_id: str, token_ids: Sequence[int], cache_id: str = "", policy: tpb.LogitsPolicy | None = None,
             reserve_tokens: int = 0, all_positions: bool = False, *, cache_salt: str = "",
-            bypass_prefix_cache: bool = False) -> pb.PrefillRequest:
+            bypass_prefix_cache: bool = False, adapter: str = "") -> pb.PrefillRequest:
     """``PrefillRequest`` (see :func:`ferrum_client.messages.prefill_input`); ``cache_salt`` and
-    ``bypass_prefix_cache`` steer prefix caching of a new cache."""
+    ``bypass_prefix_cache`` steer prefix caching of a new cache; ``adapter`` is the LoRA adapter
+    a new cache is bound to ("" = the base model, or the cache's own when continuing one)."""
     return pb.PrefillRequest(model_id=model_id, input=m.prefill_input(
         token_ids, cache_id, policy, reserve_tokens, all_positions, cache_salt=cache_salt,
-        bypass_prefix_cache=bypass_prefix_cache))
+        bypass_prefix_cache=bypass_prefix_cache, adapter=adapter))
 
 
 def batch_prefill(model_id: str, prompts: Sequence[Sequence[int] | pb.PrefillInput]) -> pb.BatchPrefillRequest:
@@ -173,6 +174,17 @@ def import_stream(model_id: str, exported, *, reserve_tokens: int = 0, cache_sal
     """``ExportKvResponse`` messages (from ``export_kv``) as an ``ImportKv`` request stream."""
     for i, msg in enumerate(exported):
         yield import_request(model_id, msg, i == 0, reserve_tokens=reserve_tokens, cache_salt=cache_salt)
+
+
+def load_adapter(name: str, path: str, model_id: str = "") -> pb.LoadAdapterRequest:
+    """``LoadAdapterRequest``: register the PEFT adapter directory ``path`` (on the server's
+    filesystem) under ``name`` on ``model_id`` ("" = the only hosted model)."""
+    return pb.LoadAdapterRequest(model_id=model_id, name=name, path=path)
+
+
+def unload_adapter(name: str, model_id: str = "") -> pb.UnloadAdapterRequest:
+    """``UnloadAdapterRequest`` for the adapter ``name`` of ``model_id``."""
+    return pb.UnloadAdapterRequest(model_id=model_id, name=name)
 
 
 def abort(model_id: str = "", *, request_id: str | None = None, cache_id: str | None = None) -> pb.AbortRequest:
@@ -271,6 +283,17 @@ UNARY: dict[str, Unary] = {
     "pull_kv": Unary("ImportKv", pull_kv, "KV handoff by server pull: this server imports ``cache_id`` from the "
                      "server at ``target`` (it calls ExportKv there with this call's credentials); the new cache "
                      "is this caller's.", pb.ImportKvResponse),
+    # LoRA adapters
+    "load_adapter": Unary("LoadAdapter", load_adapter, "Register a LoRA adapter (a PEFT directory on the server) under "
+                          "``name``; requests name it in ``adapter=``. Loading the same name and path again is a "
+                          "no-op (``loaded`` false); another path under a loaded name is ALREADY_EXISTS. An admin "
+                          "RPC.", pb.LoadAdapterResponse),
+    "unload_adapter": Unary("UnloadAdapter", unload_adapter, "Forget a LoRA adapter and drop its cached prefix "
+                            "blocks; FAILED_PRECONDITION while a live cache is bound to it; an unknown name answers "
+                            "``unloaded`` false. An admin RPC.", pb.UnloadAdapterResponse),
+    "list_adapters": Unary("ListAdapters", _model_only(pb.ListAdaptersRequest), "The LoRA adapters registered on "
+                           "the model (every model's when ``model_id`` is empty): ``.adapters``, ``AdapterInfo`` "
+                           "messages.", pb.ListAdaptersResponse),
     "abort": Unary("Abort", abort, "Abort a ``Generate`` stream by ``request_id`` or release a cache by "
                    "``cache_id`` (idempotent).", pb.AbortResponse),
 }

@@ -8,8 +8,8 @@ Decode, ForwardVerify, TruncateKv or ReleaseCache (they answer NOT_FOUND). So:
    Tokenize, ...) may go anywhere; :meth:`StickyRouter.any_client` picks the same way.
    **Prefix-aware** (``StickyRouter(..., prefix_aware=True)``): the router follows every replica's
    prefix-cache block events (:mod:`ferrum_client.prefix_mirror`, one background thread per
-   replica) and ``new_session(prompt_tokens=..., model_id=..., cache_salt=...)`` goes to the
-   replica holding the longest cached prefix of the prompt, in blocks keyed by
+   replica) and ``new_session(prompt_tokens=..., model_id=..., cache_salt=..., adapter=...)``
+   goes to the replica holding the longest cached prefix of the prompt, in blocks keyed by
    :mod:`ferrum_client.prefix_keys` with that replica's advertised recipe; ties (a cold prompt
    included) fall back to the fewest sessions, then round-robin.
 2. **Every step of a session -> that replica**, never another one.
@@ -216,7 +216,7 @@ class StickyRouter:
                 self._mark_down(r, why)
 
     def _prefix_scores(self, replicas: Iterable[Replica], prompt_tokens, model_id: str,
-                       cache_salt: str) -> dict[str, int]:
+                       cache_salt: str, adapter: str = "") -> dict[str, int]:
         """Cached leading tokens of the prompt per replica, from the mirrors (keys computed once
         per distinct recipe)."""
         keyed: dict[tuple, list[bytes]] = {}
@@ -228,44 +228,45 @@ class StickyRouter:
             recipe = r.mirror.recipes.get(model_id)
             k = (recipe.block_size, recipe.seed, tuple(recipe.extra_keys)) if recipe is not None else None
             if k not in keyed:
-                keyed[k] = r.mirror.prompt_keys(model_id, prompt_tokens, cache_salt)
+                keyed[k] = r.mirror.prompt_keys(model_id, prompt_tokens, cache_salt, adapter)
             keys = keyed[k]
             out[r.target] = r.mirror.cached_blocks(model_id, keys) * recipe.block_size if keys else 0
         return out
 
-    def _pick(self, prompt_tokens=None, model_id: str = "", cache_salt: str = "") -> tuple[Replica, int]:
+    def _pick(self, prompt_tokens=None, model_id: str = "", cache_salt: str = "",
+              adapter: str = "") -> tuple[Replica, int]:
         live = [r for r in self._replicas.values() if r.up and not r.draining]
         if not live:
             raise NoReplicaAvailable()
         cached = 0
         if self.prefix_aware and prompt_tokens:
-            scores = self._prefix_scores(live, prompt_tokens, model_id, cache_salt)
+            scores = self._prefix_scores(live, prompt_tokens, model_id, cache_salt, adapter)
             cached = max(scores.values())
             live = [r for r in live if scores[r.target] == cached]
         least = min(len(r.sessions) for r in live)
         tied = sorted((r for r in live if len(r.sessions) == least), key=lambda r: r.target)
         return tied[next(self._rr) % len(tied)], cached
 
-    def prefix_matches(self, prompt_tokens, model_id: str, cache_salt: str = "") -> dict[str, int]:
-        """Prefix-aware mode: per live replica, the leading tokens of ``prompt_tokens`` its
-        mirrored prefix cache holds (what routing compares)."""
+    def prefix_matches(self, prompt_tokens, model_id: str, cache_salt: str = "", adapter: str = "") -> dict[str, int]:
+        """Prefix-aware mode: per live replica, the leading tokens of ``prompt_tokens`` (computed
+        with LoRA ``adapter``) its mirrored prefix cache holds (what routing compares)."""
         with self._lock:
             live = [r for r in self._replicas.values() if r.up]
-        return self._prefix_scores(live, list(prompt_tokens), model_id, cache_salt)
+        return self._prefix_scores(live, list(prompt_tokens), model_id, cache_salt, adapter)
 
     # ---- sessions ------------------------------------------------------------------------------
     def new_session(self, session_id: str | None = None, *, prompt_tokens=None, model_id: str = "",
-                    cache_salt: str = "") -> "RoutedSession":
+                    cache_salt: str = "", adapter: str = "") -> "RoutedSession":
         """Bind a new session to a replica: least sessions, round-robin on ties; in prefix-aware
-        mode with ``prompt_tokens`` (and the ``model_id`` and ``cache_salt`` its Prefill will
-        use), first the replicas holding the longest cached prefix of the prompt. The session's
-        ``expected_cached_tokens`` is that prefix's length per the mirror (a hint)."""
+        mode with ``prompt_tokens`` (and the ``model_id``, ``cache_salt`` and LoRA ``adapter`` its
+        Prefill will use), first the replicas holding the longest cached prefix of the prompt. The
+        session's ``expected_cached_tokens`` is that prefix's length per the mirror (a hint)."""
         sid = session_id or uuid.uuid4().hex
         tokens = list(prompt_tokens) if prompt_tokens is not None else None
         with self._lock:
             if sid in self._sessions:
                 raise ValueError(f"session {sid} already exists")
-            r, cached = self._pick(tokens, model_id, cache_salt)
+            r, cached = self._pick(tokens, model_id, cache_salt, adapter)
             r.sessions.add(sid)
             self._sessions[sid] = r
         s = RoutedSession(self, sid)
@@ -305,12 +306,13 @@ class StickyRouter:
                 raise ReplicaLost(r.target, session_id, e.message) from e
             raise
 
-    def any_client(self, *, prompt_tokens=None, model_id: str = "", cache_salt: str = "") -> Client:
+    def any_client(self, *, prompt_tokens=None, model_id: str = "", cache_salt: str = "",
+                   adapter: str = "") -> Client:
         """A client for a stateless call (Info, Generate, Tokenize ...), chosen like a new session
         (in prefix-aware mode, pass a ``Generate``'s prompt to send it where its prefix is cached)."""
         tokens = list(prompt_tokens) if prompt_tokens is not None else None
         with self._lock:
-            return self._pick(tokens, model_id, cache_salt)[0].client
+            return self._pick(tokens, model_id, cache_salt, adapter)[0].client
 
     def close(self) -> None:
         with self._lock:
@@ -446,13 +448,14 @@ class DisaggregatedSession:
         return self.decode_session.target
 
     def prefill(self, model_id: str, token_ids: Iterable[int], *, reserve_tokens: int = 0,
-                policy: tpb.LogitsPolicy | None = None, cache_salt: str = "") -> Handoff:
+                policy: tpb.LogitsPolicy | None = None, cache_salt: str = "", adapter: str = "") -> Handoff:
         """Prefill on a prefill replica, pull the cache into the decode replica, release it on the
-        prefill replica. The new cache (on the decode replica) is this session's."""
+        prefill replica. The new cache (on the decode replica) is this session's; with LoRA
+        ``adapter``, both replicas need that adapter loaded (the import binds the new cache to it)."""
         ids = list(token_ids)
         with self.router.prefill.new_session() as ps:
             t0 = time.perf_counter()
-            inp = pb.PrefillInput(token_ids=ids, logits=policy or m.greedy(), cache_salt=cache_salt)
+            inp = pb.PrefillInput(token_ids=ids, logits=policy or m.greedy(), cache_salt=cache_salt, adapter=adapter)
             out = _prefill(ps, model_id, inp)
             prefill_target = ps.target
             t1 = time.perf_counter()
