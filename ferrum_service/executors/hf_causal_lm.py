@@ -111,7 +111,6 @@ from .base import KvLayout
 from .item_steps import ItemStepExecutor, StepItem
 from .checkpoint_files import require_safe_weights
 from .lora import AdapterSet, AdapterWeights, lora_step
-from .lora import build_step as build_lora_step
 from .packed_attention import base_implementation, build_step, install, packed_step
 from .paged_kv import BlockPool, PagedWriteCache
 from .prefix_cache import PrefixCache, SeqBlocks
@@ -596,11 +595,14 @@ class HfCausalLmExecutor(ItemStepExecutor):
         return {
             "enabled": bool(a.adapters), "adapter_count": len(a.adapters), "active_cache_bindings": bindings,
             "projection_applications": a.projection_applications, "position": "real-inference",
-            "source": "hf-causal-lm-grouped-lora", "max_resident": a.max_resident, "resident": len(a.resident),
+            "source": "hf-causal-lm-stacked-lora", "max_resident": a.max_resident, "resident": len(a.resident),
             "loads": a.loads, "evictions": a.evictions,
             "adapters": {n: {"rank": x.rank, "resident": x.resident, "steps": x.steps,
                              "live_caches": self.adapter_caches(n)} for n, x in a.adapters.items()},
         }
+
+    def _lora_step(self, rows):
+        return self.adapters.step(rows) if self.adapters is not None else None
 
     def _count_lora(self, step) -> None:
         if step is not None:
@@ -1051,7 +1053,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         else:
             keep = 1
         pos = torch.arange(q, device=dev).expand(b, q)
-        lora = build_lora_step([(r.lora, i * q, q) for i, r in enumerate(rows)], dev)
+        lora = self._lora_step([(r.lora, i * q, q) for i, r in enumerate(rows)])
         with lora_step(lora):
             logits = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
                                 logits_to_keep=keep).logits
@@ -1094,7 +1096,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
             start += n
         step = build_step(self.pool, [(r.blocks, r.past, len(r.tokens)) for r in rows], dev)
         cache = PagedWriteCache(self.pool, slots=torch.tensor(slots, dtype=torch.long, device=dev), kv_length=start)
-        lora = build_lora_step(lora_rows, dev)
+        lora = self._lora_step(lora_rows)
         with packed_step(step), lora_step(lora):
             logits = self.model(
                 input_ids=torch.tensor([ids], dtype=torch.long, device=dev),

@@ -10,12 +10,16 @@ Rooms:
   INVALID_ARGUMENT, before anything changes.
 - **Applying.** A forward hook on each targeted ``nn.Linear`` adds ``x @ A.T @ (scale * B).T`` to
   the rows of the tokens whose sequence uses that adapter. Which tokens those are is set per step
-  by :func:`lora_step` (a context variable, like the packed-attention step): per adapter present,
-  an index tensor over the step's flattened tokens (``None`` = every token). A step mixing four
-  adapters and the base model thus costs the base forward plus, per hooked module, four small
-  gathered matmuls: a grouped per-row LoRA matmul (PEFT's mixed-adapter batches do the same
-  grouping in Python per module; this one skips PEFT's wrappers and keeps module names intact,
-  so the weights fingerprint does not change when adapters are loaded).
+  by :func:`lora_step` (a context variable, like the packed-attention step). The adapters a step
+  uses are *stacked* per module: ``A_cat = [A_1.T | A_2.T | ...]`` ``[in, R]`` and
+  ``B_cat = [s_1 B_1.T ; s_2 B_2.T ; ...]`` ``[R, out]`` (R = the sum of their ranks), so every
+  hooked module costs three ops whatever the mix: ``h = x @ A_cat``, ``h *= mask`` (token t keeps
+  only its own adapter's rank columns; base-model tokens keep none), ``y += h @ B_cat``. That
+  measured faster here than a grouped per-adapter matmul (gather, two matmuls and a scatter per
+  adapter per module: ~4x the ops, and small ops dominate a decode step on CPU) and than PEFT's
+  mixed-adapter batches (the same grouping, in PEFT's wrappers). The stacks of the last few
+  adapter mixes are kept (:class:`AdapterSet`). Hooks keep module names intact, so the weights
+  fingerprint does not change when adapters are loaded.
 - **Residency.** :class:`AdapterSet` registers adapters by name; at most ``max_resident`` have
   their weights in device memory. A step that needs a registered one that is not resident reads it
   back from its directory (checked against the file digest taken at load: a changed file is
@@ -24,8 +28,10 @@ Rooms:
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -47,11 +53,15 @@ _CONFIG = "adapter_config.json"
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
 
 
+_serials = itertools.count(1)
+
+
 @dataclass
 class AdapterWeights:
     """An adapter's tensors on the device: per module name, ``A.T [in, r]`` and ``(scale*B).T [r, out]``."""
 
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    serial: int = field(default_factory=lambda: next(_serials))  # names this copy of the weights (stack keys)
 
     @property
     def nbytes(self) -> int:
@@ -173,47 +183,64 @@ def read_adapter(path: str | Path, model: nn.Module, *, device: torch.device, dt
 
 # ---- one step's rows -------------------------------------------------------------------------------
 @dataclass
-class LoraStep:
-    """Which of a step's flattened tokens use which adapter: ``(weights, index or None = all)``."""
+class _Stack:
+    """One module's adapters stacked for one adapter mix: ``A_cat``, ``B_cat``, and which group
+    (position in the mix) owns each of the R rank columns."""
 
-    groups: list[tuple[AdapterWeights, torch.Tensor | None]]
-    applications: int = 0  # hooked-module applications in this step (LoraMetrics)
+    a_cat: torch.Tensor  # [in, R]
+    b_cat: torch.Tensor  # [R, out]
+    cols: torch.Tensor  # [R] group index per column
+    groups: tuple[int, ...]  # the groups present in this module, in column order
+
+
+class LoraStep:
+    """One forward's adapters: ``slots[t]`` = the group (index into the mix) of flattened token t,
+    -1 for the base model; ``stacks`` = per module name, its stack for this mix."""
+
+    def __init__(self, slots: torch.Tensor | None, stacks: dict[str, _Stack | None]) -> None:
+        self.slots = slots  # None: every token uses group 0
+        self.stacks = stacks
+        self._masks: dict[tuple[int, ...], torch.Tensor | None] = {}
+        self.applications = 0  # hooked-module applications in this step (LoraMetrics)
+
+    def _mask(self, st: _Stack, dtype: torch.dtype) -> torch.Tensor | None:
+        if self.slots is None:
+            return None
+        m = self._masks.get(st.groups)
+        if m is None:
+            m = self._masks[st.groups] = (self.slots[:, None] == st.cols[None, :]).to(dtype)
+        return m
 
     def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        st = self.stacks.get(name)
+        if st is None:
+            return y
         xf = x.reshape(-1, x.shape[-1])
         if not y.is_contiguous():
             y = y.contiguous()
         yf = y.view(-1, y.shape[-1])
-        for weights, idx in self.groups:
-            ab = weights.modules.get(name)
-            if ab is None:
-                continue
-            a_t, b_t = ab
-            if idx is None:
-                yf.add_((xf @ a_t) @ b_t)
-            else:
-                yf.index_add_(0, idx, (xf.index_select(0, idx) @ a_t) @ b_t)
-            self.applications += 1
+        h = xf @ st.a_cat
+        mask = self._mask(st, h.dtype)
+        if mask is not None:
+            h.mul_(mask)
+        yf.addmm_(h, st.b_cat)
+        self.applications += len(st.groups)
         return y
 
 
 _STEP: contextvars.ContextVar[LoraStep | None] = contextvars.ContextVar("ferrum_lora_step", default=None)
 
 
-def build_step(rows: Sequence[tuple[AdapterWeights | None, int, int]], device: torch.device) -> LoraStep | None:
-    """A step's groups from its rows ``(adapter weights or None, first flattened token, tokens)``;
-    None when no row uses an adapter (the hooks then do nothing)."""
-    by: dict[int, tuple[AdapterWeights, list[int]]] = {}
-    for w, start, n in rows:
-        if w is not None:
-            by.setdefault(id(w), (w, []))[1].extend(range(start, start + n))
-    if not by:
-        return None
-    total = sum(n for _, _, n in rows)
-    groups = []
-    for w, idx in by.values():
-        groups.append((w, None if len(idx) == total else torch.tensor(idx, dtype=torch.long, device=device)))
-    return LoraStep(groups)
+def _stack(mix: Sequence[AdapterWeights], device: torch.device) -> dict[str, _Stack]:
+    names = sorted({n for w in mix for n in w.modules})
+    out = {}
+    for name in names:
+        parts = [(g, w.modules[name]) for g, w in enumerate(mix) if name in w.modules]
+        cols = torch.cat([torch.full((a.shape[1],), g, dtype=torch.long, device=device) for g, (a, _b) in parts])
+        out[name] = _Stack(torch.cat([a for _g, (a, _b) in parts], dim=1).contiguous(),
+                           torch.cat([b for _g, (_a, b) in parts], dim=0).contiguous(),
+                           cols, tuple(g for g, _ in parts))
+    return out
 
 
 @contextmanager
@@ -243,6 +270,9 @@ def _hook_for(name: str):
 class AdapterSet:
     """The adapters registered on one model, at most ``max_resident`` of them in device memory."""
 
+    #: Adapter mixes whose stacks are kept (each holds a copy of its adapters' weights).
+    MAX_STACKS = 4
+
     def __init__(self, model: nn.Module, *, device: torch.device, dtype: torch.dtype, max_resident: int) -> None:
         self.model = model
         self.device = device
@@ -250,6 +280,7 @@ class AdapterSet:
         self.max_resident = max(1, int(max_resident))
         self.adapters: dict[str, Adapter] = {}
         self._hooked: set[str] = set()
+        self._stacks: collections.OrderedDict[tuple[int, ...], dict[str, _Stack]] = collections.OrderedDict()
         self.loads = 0  # weights read from disk (LoadAdapter and residency reloads)
         self.evictions = 0  # residency evictions
         self.projection_applications = 0
@@ -291,7 +322,10 @@ class AdapterSet:
 
     def unload(self, name: str) -> Adapter | None:
         """Forget ``name`` (the caller checked that no live cache uses it)."""
-        return self.adapters.pop(name, None)
+        a = self.adapters.pop(name, None)
+        if a is not None:
+            self._drop_stacks(a.weights)
+        return a
 
     def resolve(self, names: set[str], fld: str = "adapter") -> dict[str, AdapterWeights]:
         """Weights for every adapter a step uses, reading back any that is not resident (and
@@ -318,12 +352,45 @@ class AdapterSet:
             out[n] = a.weights
         return out
 
+    def step(self, rows: Sequence[tuple[AdapterWeights | None, int, int]]) -> LoraStep | None:
+        """A forward's :class:`LoraStep` from its rows ``(adapter weights or None, first flattened
+        token, tokens)``; None when no row uses an adapter (the hooks then do nothing)."""
+        mix: list[AdapterWeights] = []
+        for w, _s, _n in rows:
+            if w is not None and all(w is not m for m in mix):
+                mix.append(w)
+        if not mix:
+            return None
+        mix.sort(key=lambda w: w.serial)
+        key = tuple(w.serial for w in mix)
+        stacks = self._stacks.get(key)
+        if stacks is None:
+            stacks = self._stacks[key] = _stack(mix, self.device)
+            while len(self._stacks) > self.MAX_STACKS:
+                self._stacks.popitem(last=False)
+        else:
+            self._stacks.move_to_end(key)
+        slot_of = {w.serial: g for g, w in enumerate(mix)}
+        if len(mix) == 1 and all(w is not None for w, _s, _n in rows):
+            return LoraStep(None, stacks)
+        slots = []
+        for w, _s, n in rows:
+            slots += [slot_of[w.serial] if w is not None else -1] * n
+        return LoraStep(torch.tensor(slots, dtype=torch.long, device=self.device), stacks)
+
     def _make_room(self, keep: set[str] | Sequence[str]) -> None:
         """Drop resident weights (least recently used first, never those in ``keep``) until one more fits."""
         res = sorted((a for a in self.resident if a.name not in keep), key=lambda a: a.last_used)
         while len(self.resident) >= self.max_resident and res:
-            res.pop(0).weights = None
+            gone = res.pop(0)
+            self._drop_stacks(gone.weights)
+            gone.weights = None
             self.evictions += 1
+
+    def _drop_stacks(self, weights: AdapterWeights | None) -> None:
+        if weights is not None:
+            for key in [k for k in self._stacks if weights.serial in k]:
+                del self._stacks[key]
 
     def _hook(self, weights: AdapterWeights) -> None:
         named = dict(self.model.named_modules())
@@ -333,5 +400,4 @@ class AdapterSet:
                 self._hooked.add(name)
 
 
-__all__ = ["Adapter", "AdapterSet", "AdapterWeights", "LoraStep", "NAME_RE", "build_step", "lora_step",
-           "read_adapter"]
+__all__ = ["Adapter", "AdapterSet", "AdapterWeights", "LoraStep", "NAME_RE", "lora_step", "read_adapter"]

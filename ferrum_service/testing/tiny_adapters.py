@@ -18,12 +18,13 @@ LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 
 
 def _peft_model(base_dir: str | Path, adapter_dir: str | Path | None, *, seed: int, rank: int, alpha: float,
-                targets: Sequence[str], use_rslora: bool, scale: float):
+                targets: Sequence[str], use_rslora: bool, scale: float, gguf_file: str | None = None):
     import torch
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, **kw)
     if adapter_dir is not None:
         return PeftModel.from_pretrained(base, str(adapter_dir))
     torch.manual_seed(seed)
@@ -39,10 +40,11 @@ def _peft_model(base_dir: str | Path, adapter_dir: str | Path | None, *, seed: i
 
 def build_lora_adapter(base_dir: str | Path, out_dir: str | Path, *, seed: int = 0, rank: int = 4,
                        alpha: float = 8.0, targets: Sequence[str] = LLAMA_TARGETS, use_rslora: bool = False,
-                       scale: float = 1.0) -> Path:
-    """A random LoRA adapter for the checkpoint in ``base_dir``, saved by PEFT into ``out_dir``."""
+                       scale: float = 1.0, gguf_file: str | None = None) -> Path:
+    """A random LoRA adapter for the checkpoint in ``base_dir`` (a GGUF file in it with
+    ``gguf_file``), saved by PEFT into ``out_dir``."""
     model = _peft_model(base_dir, None, seed=seed, rank=rank, alpha=alpha, targets=targets,
-                        use_rslora=use_rslora, scale=scale)
+                        use_rslora=use_rslora, scale=scale, gguf_file=gguf_file)
     out = Path(out_dir)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
