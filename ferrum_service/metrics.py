@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from .models import ModelSet
@@ -42,6 +42,7 @@ class Metrics:
             self._model_gauges(models)
             r.register(_ReclaimedCollector(models))
             r.register(_PrefixCollector(models))
+            r.register(_LoraCollector(models))
 
     def _model_gauges(self, models: "ModelSet") -> None:
         r = self.registry
@@ -155,4 +156,38 @@ class _PrefixCollector:
             for host in self.models:
                 c.add_metric([host.model_id], getattr(host.executor.prefix.stats, attr))
             yield c
+
+
+class _LoraCollector:
+    """LoRA adapters per model: ``ferrum_lora_adapters`` (registered), ``ferrum_lora_resident_adapters``
+    (weights in device memory), ``ferrum_lora_loads_total`` (weights read from disk),
+    ``ferrum_lora_evictions_total`` (dropped from device memory for another), and
+    ``ferrum_lora_adapter_steps_total{model,adapter}``."""
+
+    def __init__(self, models: "ModelSet") -> None:
+        self.models = [h for h in models if getattr(h.executor, "adapters", None) is not None]
+
+    def describe(self):
+        return list(self.collect()) if self.models else []
+
+    def collect(self):
+        if not self.models:
+            return
+        reg = GaugeMetricFamily("ferrum_lora_adapters", "LoRA adapters registered", labels=["model"])
+        res = GaugeMetricFamily("ferrum_lora_resident_adapters", "LoRA adapters in device memory", labels=["model"])
+        loads = CounterMetricFamily("ferrum_lora_loads", "LoRA adapter weights read from disk", labels=["model"])
+        ev = CounterMetricFamily("ferrum_lora_evictions", "LoRA adapters dropped from device memory for another",
+                                 labels=["model"])
+        steps = CounterMetricFamily("ferrum_lora_adapter_steps", "Steps that ran rows with the adapter",
+                                    labels=["model", "adapter"])
+        for host in self.models:
+            a = host.executor.adapters
+            adapters = list(a.adapters.values())
+            reg.add_metric([host.model_id], len(adapters))
+            res.add_metric([host.model_id], sum(1 for x in adapters if x.resident))
+            loads.add_metric([host.model_id], a.loads)
+            ev.add_metric([host.model_id], a.evictions)
+            for x in adapters:
+                steps.add_metric([host.model_id, x.name], x.steps)
+        yield from (reg, res, loads, ev, steps)
 

@@ -123,6 +123,11 @@ def test_mixed_adapters_in_one_batched_generate(srv, adapters):
         m = c.stub.LoraMetrics(pb.LoraMetricsRequest(model_id="tiny")).metrics
         assert m["adapters"]["a1"]["steps"] >= 12 and m["adapters"]["a3"]["steps"] >= 12
         assert host.batcher.mixed_steps >= steps_before  # (diagnostic counter; the equality above is the test)
+        pm = srv.server.metrics
+        assert pm.value("ferrum_lora_adapter_steps_total", {"model": "tiny", "adapter": "a1"}) == \
+            m["adapters"]["a1"]["steps"]
+        assert pm.value("ferrum_lora_resident_adapters", {"model": "tiny"}) == 2
+        assert pm.value("ferrum_lora_loads_total", {"model": "tiny"}) >= 2
         for a in ("a1", "a3"):
             c.stub.UnloadAdapter(pb.UnloadAdapterRequest(model_id="tiny", name=a))
 
