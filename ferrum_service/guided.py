@@ -17,11 +17,18 @@ Rooms:
   same start, which replays the fork's tokens the same way.
 - :func:`mask_rows`: the masks of every constrained row of a step, filled into one bitmask and
   applied in place, before the logits policies run.
+- :func:`prepare_masks`: the same masks computed *while the forward runs*, for the rows whose
+  next mask is known before it (a decode step on a cache whose constraint is under way: its
+  matcher only needs the token the step feeds). On a thread of its own (xgrammar releases the GIL
+  while it fills a mask); :func:`mask_rows` then only applies them. Measured in
+  ``benchmarks/structured_rows.py`` (overlapped vs not).
 """
 
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -110,10 +117,10 @@ def _tokenizer_info(executor: Any, vocab_size: int):
     return xgr.TokenizerInfo(pieces, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stops or None)
 
 
-def sync(state: GuideState, entry: CacheEntry) -> None:
-    """Bring the matcher to the cache's tokens: roll back what the cache dropped, accept what it
-    gained. A token the constraint refuses marks the state broken."""
-    hist = entry.tokens[state.start:]
+def sync(state: GuideState, tokens: Sequence[int]) -> None:
+    """Bring the matcher to a cache's tokens (all of them): roll back what the cache dropped,
+    accept what it gained. A token the constraint refuses marks the state broken."""
+    hist = tokens[state.start:]
     acc = state.accepted
     c = 0
     for a, b in zip(acc, hist):
@@ -141,38 +148,99 @@ def sync(state: GuideState, entry: CacheEntry) -> None:
         acc.append(int(t))
 
 
+def _fill(st: GuideState, tokens: Sequence[int], bitmask: torch.Tensor, j: int) -> str:
+    """Sync ``st`` to ``tokens`` and fill ``bitmask[j]`` with its next mask; "" or why the tokens
+    left the constraint (then only end tokens are allowed)."""
+    sync(st, tokens)
+    if st.broken or st.matcher.is_terminated():  # off the constraint, or done: end tokens only
+        bitmask[j].zero_()
+        for t in st.matcher.stop_token_ids:
+            bit = 1 << (t % 32)
+            bitmask[j, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
+        return st.broken
+    st.matcher.fill_next_token_bitmask(bitmask, j)
+    return ""
+
+
+#: Compute masks during the forward (``prepare_masks``); FERRUM_GUIDED_OVERLAP=0 turns it off.
+OVERLAP = os.environ.get("FERRUM_GUIDED_OVERLAP", "1") != "0"
+_pool: ThreadPoolExecutor | None = None
+
+
+@dataclass
+class PreparedMasks:
+    """Masks being computed during a forward: ``rows`` (decode-row index -> bitmask row)."""
+
+    rows: dict[int, int]
+    bitmask: torch.Tensor
+    done: Future
+
+    def result(self) -> list[str]:
+        return self.done.result()
+
+
+def prepare_masks(executor: Any, entries: Sequence[CacheEntry], fed: Sequence[int],
+                  policies: Sequence[LogitsPolicy]) -> PreparedMasks | None:
+    """Start computing, on the mask thread, the masks of the decode rows whose constraint is under
+    way (``entries[i]`` holds a matching state; ``fed[i]``: the token the step appends). Call before
+    the forward; :func:`mask_rows` with ``prepared`` applies them after it."""
+    if not OVERLAP:
+        return None
+    jobs = []
+    for i, (e, p) in enumerate(zip(entries, policies)):
+        sp = p.sampling
+        st = e.guide
+        if sp.constraint is not None and st is not None and st.spec == sp.constraint and e.num_tokens >= st.start:
+            jobs.append((i, st, list(e.tokens) + [int(fed[i])]))
+    if not jobs:
+        return None
+    import xgrammar as xgr
+
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(1, thread_name_prefix="ferrum-masks")
+    bitmask = xgr.allocate_token_bitmask(len(jobs), guides_of(executor).vocab_size)
+    done = _pool.submit(lambda: [_fill(st, toks, bitmask, j) for j, (_i, st, toks) in enumerate(jobs)])
+    return PreparedMasks({i: j for j, (i, _st, _t) in enumerate(jobs)}, bitmask, done)
+
+
 def mask_rows(executor: Any, entries: Sequence[CacheEntry | None], rows: Sequence[torch.Tensor | None],
-              policies: Sequence[LogitsPolicy]) -> list[str]:
+              policies: Sequence[LogitsPolicy], prepared: PreparedMasks | None = None,
+              prepared_offset: int = 0) -> list[str]:
     """Apply each constrained row's mask in place (rows are the logits each entry's next token is
     drawn from). Returns per row "" or why its cache left its constraint (that row is then
-    restricted to the model's end tokens)."""
+    restricted to the model's end tokens). ``prepared`` (from :func:`prepare_masks`, its rows
+    numbered from ``prepared_offset`` here) supplies the masks already computed."""
     idx = [i for i, p in enumerate(policies)
            if p.sampling.constraint is not None and rows[i] is not None and entries[i] is not None]
     problems = [""] * len(policies)
-    if not idx:
+    if not idx and prepared is None:
         return problems
     import xgrammar as xgr
 
     guides = guides_of(executor)
-    bitmask = xgr.allocate_token_bitmask(len(idx), guides.vocab_size)
-    for j, i in enumerate(idx):
+    ready = {}
+    if prepared is not None:
+        for i, why in zip(prepared.rows, prepared.result()):
+            problems[i + prepared_offset] = why
+        ready = {i + prepared_offset: j for i, j in prepared.rows.items()}
+    todo = [i for i in idx if i not in ready]
+    bitmask = xgr.allocate_token_bitmask(max(1, len(todo)), guides.vocab_size)
+    where = {}
+    for j, i in enumerate(todo):
         entry, sp = entries[i], policies[i].sampling
         st = entry.guide
         if st is None or st.spec != sp.constraint or entry.num_tokens < st.start:
             st = entry.guide = GuideState(sp.constraint, entry.num_tokens, _matcher(sp.compiled))
-        sync(st, entry)
-        if st.broken or st.matcher.is_terminated():  # off the constraint, or done: end tokens only
-            problems[i] = st.broken
-            bitmask[j].zero_()
-            for t in st.matcher.stop_token_ids:
-                bit = 1 << (t % 32)
-                bitmask[j, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
-        else:
-            st.matcher.fill_next_token_bitmask(bitmask, j)
-    for j, i in enumerate(idx):
+        problems[i] = _fill(st, entry.tokens, bitmask, j)
+        where[i] = (bitmask, j)
+    for i, j in ready.items():
+        where[i] = (prepared.bitmask, j)
+    for i in idx:
+        mask, j = where[i]
         row = rows[i]
         view = row.view(1, -1) if row.dim() == 1 else row[-1:]
-        xgr.apply_token_bitmask_inplace(view, bitmask[j:j + 1].to(row.device), vocab_size=guides.vocab_size)
+        xgr.apply_token_bitmask_inplace(view, mask[j:j + 1].to(row.device), vocab_size=guides.vocab_size)
     return problems
 
 
@@ -183,4 +251,4 @@ def refuse_broken(problems: Sequence[str], field: str) -> None:
         raise errors.failed_precondition(f"{field}: {first} (the cache holds it: truncate it to go on)", field=field)
 
 
-__all__ = ["GuideState", "Guides", "guides_of", "mask_rows", "refuse_broken", "sync"]
+__all__ = ["GuideState", "Guides", "PreparedMasks", "guides_of", "mask_rows", "prepare_masks", "refuse_broken", "sync"]

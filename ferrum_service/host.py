@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 from . import errors
 from .batcher import ContinuousBatcher
 from .executors.base import ModelExecutor
-from .guided import mask_rows, refuse_broken
+from .guided import mask_rows, prepare_masks, refuse_broken
 from .sampling import RowResult, process_rows
 from .types import DecodeInput, PrefillInput
 
@@ -232,23 +232,32 @@ class ModelHost:
 
     def _step_and_sample(self, prefills: list[PrefillInput], decodes: list[DecodeInput]):
         ex = self.executor
+        reg = ex.registry
+        prepared = None
+        if decodes and any(i.policy.sampling.constraint is not None for i in decodes):
+            prepared = prepare_masks(ex, [reg.get(i.cache_id) for i in decodes], [i.token_id for i in decodes],
+                                     [i.policy for i in decodes])
         t0 = time.perf_counter()
-        if prefills and decodes:
-            pre, dec = ex.mixed_step(prefills, decodes)
-        elif prefills:
-            pre, dec = (ex.batch_prefill(prefills) if len(prefills) > 1 else [ex.prefill(prefills[0])]), []
-        else:
-            pre, dec = [], (ex.batch_decode(decodes) if len(decodes) > 1 else [ex.decode(decodes[0])])
+        try:
+            if prefills and decodes:
+                pre, dec = ex.mixed_step(prefills, decodes)
+            elif prefills:
+                pre, dec = (ex.batch_prefill(prefills) if len(prefills) > 1 else [ex.prefill(prefills[0])]), []
+            else:
+                pre, dec = [], (ex.batch_decode(decodes) if len(decodes) > 1 else [ex.decode(decodes[0])])
+        except BaseException:
+            if prepared is not None:  # let the mask thread finish with the matchers before anyone else uses them
+                prepared.done.exception()
+            raise
         dt = time.perf_counter() - t0
         if prefills:
             ex.stats.record("prefill", dt, len(prefills))
         if decodes:
             ex.stats.record("decode", dt, len(decodes))
-        reg = ex.registry
         caches = [o.cache for o in pre] + [o.cache for o in dec]
         logits = [o.logits for o in pre] + [o.logits for o in dec]
         policies = [i.policy for i in prefills + decodes]
         entries = [reg.get(c.cache_id) for c in caches]
-        problems = mask_rows(ex, entries, logits, policies)
+        problems = mask_rows(ex, entries, logits, policies, prepared, len(pre))
         rows = process_rows(logits, policies, [e.tokens for e in entries], [c.num_tokens for c in caches])
         return pre, dec, rows, problems
