@@ -181,6 +181,7 @@ type stepConfig struct {
 	allPositions bool
 	stepID       string
 	requestID    string
+	adapter      string
 }
 
 // Continue (Prefill) appends the tokens to an existing cache instead of creating one (chunked prefill).
@@ -214,6 +215,10 @@ func StepID(id string) StepOption { return func(s *stepConfig) { s.stepID = id }
 // RequestID (Prefill) is the caller's id for the request, echoed in logs and KV events.
 func RequestID(id string) StepOption { return func(s *stepConfig) { s.requestID = id } }
 
+// Adapter (Prefill) computes a new cache with the LoRA adapter name (registered with LoadAdapter)
+// and binds the cache to it; continuing a cache, the cache's own adapter applies when this is unset.
+func Adapter(name string) StepOption { return func(s *stepConfig) { s.adapter = name } }
+
 func steps(opts []StepOption) stepConfig {
 	var s stepConfig
 	for _, o := range opts {
@@ -227,7 +232,7 @@ func PrefillRequest(modelID string, tokens []int32, opts ...StepOption) *pb.Pref
 	s := steps(opts)
 	return &pb.PrefillRequest{ModelId: modelID, ClientStepId: s.stepID, Input: &pb.PrefillInput{
 		TokenIds: tokens, CacheId: s.cacheID, Logits: s.policy, ReserveTokens: s.reserve,
-		AllPositions: s.allPositions, RequestId: s.requestID,
+		AllPositions: s.allPositions, RequestId: s.requestID, Adapter: s.adapter,
 	}}
 }
 
@@ -285,6 +290,25 @@ func (c *Client) TruncateKv(ctx context.Context, modelID, cacheID string, newLen
 // ReleaseCache frees a cache (idempotent: Released is false when it was already gone).
 func (c *Client) ReleaseCache(ctx context.Context, modelID, cacheID string) (*pb.ReleaseCacheResponse, error) {
 	return unary(c, ctx, c.rpc.ReleaseCache, &pb.ReleaseCacheRequest{ModelId: modelID, CacheId: cacheID})
+}
+
+// LoadAdapter registers the LoRA adapter in the PEFT directory path (on the server's filesystem)
+// under name on a model; requests then name it (Adapter, GenerateRequest.Adapter). Loading the same
+// name and path again is a no-op (Loaded false). An admin RPC.
+func (c *Client) LoadAdapter(ctx context.Context, modelID, name, path string) (*pb.LoadAdapterResponse, error) {
+	return unary(c, ctx, c.rpc.LoadAdapter, &pb.LoadAdapterRequest{ModelId: modelID, Name: name, Path: path})
+}
+
+// UnloadAdapter forgets a LoRA adapter (FAILED_PRECONDITION while a live cache is bound to it;
+// Unloaded is false when it was not loaded). An admin RPC.
+func (c *Client) UnloadAdapter(ctx context.Context, modelID, name string) (*pb.UnloadAdapterResponse, error) {
+	return unary(c, ctx, c.rpc.UnloadAdapter, &pb.UnloadAdapterRequest{ModelId: modelID, Name: name})
+}
+
+// ListAdapters is the LoRA adapters registered on a model (every model's when modelID is "").
+func (c *Client) ListAdapters(ctx context.Context, modelID string) ([]*pb.AdapterInfo, error) {
+	r, err := unary(c, ctx, c.rpc.ListAdapters, &pb.ListAdaptersRequest{ModelId: modelID})
+	return r.GetAdapters(), err
 }
 
 // Token is the sampled token of an output (-1 when the output has none, e.g. full-logits mode).

@@ -254,6 +254,25 @@ impl Client {
         let m = proto::ListCachesRequest { model_id: self.model_id.clone() };
         Ok(self.stub.clone().list_caches(self.req(m)).await?.into_inner())
     }
+    /// `LoadAdapter`: register the LoRA adapter in the PEFT directory `path` (on the server's
+    /// filesystem) under `name` on the client's model; requests then name it in their `adapter`
+    /// field. The same name and path again is a no-op (`loaded` false). An admin RPC.
+    pub async fn load_adapter(&self, name: &str, path: &str) -> Result<proto::LoadAdapterResponse, Status> {
+        let m = proto::LoadAdapterRequest { model_id: self.model_id.clone(), name: name.to_string(), path: path.to_string() };
+        Ok(self.stub.clone().load_adapter(self.req(m)).await?.into_inner())
+    }
+    /// `UnloadAdapter`: forget a LoRA adapter (FAILED_PRECONDITION while a live cache is bound to
+    /// it; `unloaded` false when it was not loaded). An admin RPC.
+    pub async fn unload_adapter(&self, name: &str) -> Result<proto::UnloadAdapterResponse, Status> {
+        let m = proto::UnloadAdapterRequest { model_id: self.model_id.clone(), name: name.to_string() };
+        Ok(self.stub.clone().unload_adapter(self.req(m)).await?.into_inner())
+    }
+    /// `ListAdapters`: the LoRA adapters registered on the client's model (every model's when it
+    /// has none).
+    pub async fn list_adapters(&self) -> Result<Vec<proto::AdapterInfo>, Status> {
+        let m = proto::ListAdaptersRequest { model_id: self.model_id.clone() };
+        Ok(self.stub.clone().list_adapters(self.req(m)).await?.into_inner().adapters)
+    }
     pub async fn warmup(&self) -> Result<proto::WarmupResponse, Status> {
         let m = proto::WarmupRequest { model_id: self.model_id.clone() };
         Ok(self.stub.clone().warmup(self.req(m)).await?.into_inner())

@@ -7,7 +7,7 @@ use ferrum_interfaces::model_executor::{
     AttentionType, ExecutorCapabilities, ExecutorMemoryUsage, ExecutorState, ExecutorStatus,
     KvSlotAllocation, KvSlotCapacitySnapshot, KvSlotRequest, KvSlotReservation, MemoryRequirements,
 };
-use ferrum_types::{DataType, Device, ModelId, ModelInfo, ModelType};
+use ferrum_types::{DataType, Device, FerrumError, ModelId, ModelInfo, ModelType};
 use prost_types::value::Kind;
 
 use crate::proto;
@@ -62,6 +62,26 @@ pub fn struct_to_json(s: &prost_types::Struct) -> serde_json::Value {
 
 pub fn struct_to_json_map(s: Option<&prost_types::Struct>) -> HashMap<String, serde_json::Value> {
     s.map(|s| s.fields.iter().map(|(k, v)| (k.clone(), value_to_json(v))).collect()).unwrap_or_default()
+}
+
+// ---- request metadata ------------------------------------------------------------------------
+
+/// The LoRA adapter ferrum's engine names in request metadata: `ferrum_lora_adapter`, with
+/// `ferrum_lora_path` (the adapter's directory on the engine's machine), as ferrum's `LlmExecutor`
+/// reads them. The contract's `adapter` field names an adapter registered on the server
+/// (`LoadAdapter`, or `serve --adapter`), so only the name goes there; the path travels on in the
+/// forwarded metadata and is not used to load anything. A path without a name is refused, as
+/// ferrum refuses it; no name = "" (the base model, or a continued cache's own adapter).
+pub fn lora_adapter_from_metadata(m: &HashMap<String, serde_json::Value>) -> Result<String, FerrumError> {
+    let name = m.get("ferrum_lora_adapter").and_then(|v| v.as_str());
+    let path = m.get("ferrum_lora_path").and_then(|v| v.as_str());
+    match (name, path) {
+        (Some(name), _) => Ok(name.to_string()),
+        (None, None) => Ok(String::new()),
+        (None, Some(_)) => Err(FerrumError::model(
+            "incomplete LoRA metadata: ferrum_lora_path without ferrum_lora_adapter",
+        )),
+    }
 }
 
 // ---- enums ---------------------------------------------------------------------------------
@@ -269,6 +289,20 @@ mod tests {
         let m: HashMap<String, serde_json::Value> = serde_json::from_value(v.clone()).unwrap();
         let s = json_map_to_struct(&m).unwrap();
         assert_eq!(struct_to_json(&s), v);
+    }
+
+    #[test]
+    fn lora_adapter_metadata() {
+        let md = |pairs: &[(&str, serde_json::Value)]| -> HashMap<String, serde_json::Value> {
+            pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+        };
+        let both = md(&[("ferrum_lora_adapter", "sql".into()), ("ferrum_lora_path", "/adapters/sql".into())]);
+        assert_eq!(lora_adapter_from_metadata(&both).unwrap(), "sql");
+        // a name alone: an adapter registered on the server under that name
+        assert_eq!(lora_adapter_from_metadata(&md(&[("ferrum_lora_adapter", "sql".into())])).unwrap(), "sql");
+        assert_eq!(lora_adapter_from_metadata(&HashMap::new()).unwrap(), "");
+        let path_only = md(&[("ferrum_lora_path", "/adapters/sql".into())]);
+        assert!(matches!(lora_adapter_from_metadata(&path_only), Err(FerrumError::Model { .. })));
     }
 
     #[test]

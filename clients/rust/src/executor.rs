@@ -519,6 +519,7 @@ impl RemoteModelExecutor {
             all_positions: false,
             metadata: convert::json_map_to_struct(&input.metadata),
             request_id: input.request_id.as_ref().map(|r| r.0.to_string()).unwrap_or_default(),
+            adapter: convert::lora_adapter_from_metadata(&input.metadata)?,
             ..Default::default()
         })
     }
@@ -859,6 +860,7 @@ impl ModelExecutor for RemoteModelExecutor {
                 is_final_chunk: it.is_final_chunk,
                 logits: Some(if it.is_final_chunk { pol } else { policy::none() }),
                 metadata: convert::json_map_to_struct(&it.metadata),
+                adapter: convert::lora_adapter_from_metadata(&it.metadata)?,
                 ..Default::default()
             });
         }

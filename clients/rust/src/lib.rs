@@ -78,11 +78,11 @@
 //! | `supports_native_unified_decode()` | `Capabilities.supports_native_unified_decode` | |
 //! | `reserve_kv_slots()` | `ReserveKvSlots` | sync in the trait: a blocking call (`block_in_place`) on a multi-thread runtime; `Ok(None)` on a current-thread runtime |
 //! | `kv_slot_capacity_snapshot()` | `KvSlotCapacity` | snapshot from connect / the last refresh |
-//! | `prefill()` | `Prefill` (FULL_LOGITS) | `[1, len]` f32 ids in; logits `[1, 1, vocab]` out (last position, as ferrum's LLM executor); a handle this crate minted is continued (chunked prefill), any other handle means a new cache; `maximum_sequence_tokens` / `ferrum_kv_capacity_hint` → `reserve_tokens` |
+//! | `prefill()` | `Prefill` (FULL_LOGITS) | `[1, len]` f32 ids in; logits `[1, 1, vocab]` out (last position, as ferrum's LLM executor); a handle this crate minted is continued (chunked prefill), any other handle means a new cache; `maximum_sequence_tokens` / `ferrum_kv_capacity_hint` → `reserve_tokens`; metadata `ferrum_lora_adapter` → `adapter` (an adapter registered on the server; `ferrum_lora_path` alone is refused, as ferrum refuses it) |
 //! | `batch_prefill()` | `BatchPrefill` | one call, all or nothing |
 //! | `decode()` | `Decode` | `FullLogits` → FULL_LOGITS, `[1, vocab]`; `GreedyArgmax{token_mask, repetition_penalty}` → SAMPLED_TOKEN with temperature 0, the mask and the penalty, returned as ferrum's 1-element greedy sentinel `[1, 1]`; metadata `ferrum_require_full_logits` forces full rows |
 //! | `batch_decode()` | `BatchDecode` | one output per input, in order, same cache ids |
-//! | `unified_decode()` | `UnifiedDecode` | `Unsupported` answered locally when `Capabilities.supports_native_unified_decode` (read at connect) is false, so ferrum's engine's per-step try costs no RPC; UNIMPLEMENTED → `Unsupported` (the engine falls back); new sequences' server ids are remembered under the item's `seq_id` |
+//! | `unified_decode()` | `UnifiedDecode` | `Unsupported` answered locally when `Capabilities.supports_native_unified_decode` (read at connect) is false, so ferrum's engine's per-step try costs no RPC; UNIMPLEMENTED → `Unsupported` (the engine falls back); new sequences' server ids are remembered under the item's `seq_id`; metadata `ferrum_lora_adapter` → the item's `adapter` |
 //! | `forward()` | `Forward` | f32 ids → INT32 on the wire |
 //! | `forward_verify()` | `ForwardVerify` (no server-side acceptance) | all inputs on one cache: one call, N+1 rows, handle i at `base_len + i + 1`; mixed caches: serial decodes (the trait default) |
 //! | `truncate_kv()` | `TruncateKv` | a real rollback (ferrum's default is a no-op) |

@@ -59,6 +59,9 @@ export interface StepOpts extends CallOpts {
   clientStepId?: string;
   /** Prefill: the caller's request id (logs, KV events). */
   requestId?: string;
+  /** Prefill: the LoRA adapter (registered with loadAdapter) a new cache is computed with and bound
+   * to; unset = the base model, or, continuing `cacheId`, the cache's own adapter. */
+  adapter?: string;
 }
 
 /** One decode input of a batch. */
@@ -97,7 +100,7 @@ export function prefillRequest(modelId: string, tokenIds: number[], o: StepOpts 
     modelId, clientStepId: o.clientStepId ?? "",
     input: {
       tokenIds, cacheId: o.cacheId ?? "", logits: policyOf(o), reserveTokens: o.reserveTokens ?? 0,
-      allPositions: o.allPositions ?? false, requestId: o.requestId ?? "",
+      allPositions: o.allPositions ?? false, requestId: o.requestId ?? "", adapter: o.adapter ?? "",
     },
   });
 }
@@ -270,6 +273,23 @@ export class FerrumClient {
   /** Free a cache (idempotent: `released` is false when it was already gone). */
   releaseCache(modelId: string, cacheId: string, o?: CallOpts): Promise<pb.ReleaseCacheResponse> {
     return this.unary(this.raw.releaseCache, pb.ReleaseCacheRequest.fromPartial({ modelId, cacheId }), o);
+  }
+
+  /** Register the LoRA adapter in the PEFT directory `path` (on the server's filesystem) under `name`;
+   * requests then name it (`adapter`). The same name and path again is a no-op (`loaded` false). Admin RPC. */
+  loadAdapter(modelId: string, name: string, path: string, o?: CallOpts): Promise<pb.LoadAdapterResponse> {
+    return this.unary(this.raw.loadAdapter, pb.LoadAdapterRequest.fromPartial({ modelId, name, path }), o);
+  }
+
+  /** Forget a LoRA adapter (FAILED_PRECONDITION while a live cache is bound to it; `unloaded` is false
+   * when it was not loaded). Admin RPC. */
+  unloadAdapter(modelId: string, name: string, o?: CallOpts): Promise<pb.UnloadAdapterResponse> {
+    return this.unary(this.raw.unloadAdapter, pb.UnloadAdapterRequest.fromPartial({ modelId, name }), o);
+  }
+
+  /** The LoRA adapters registered on a model (every model's when `modelId` is ""). */
+  async listAdapters(modelId = "", o?: CallOpts): Promise<pb.AdapterInfo[]> {
+    return (await this.unary(this.raw.listAdapters, pb.ListAdaptersRequest.fromPartial({ modelId }), o)).adapters;
   }
 
   /**
