@@ -207,3 +207,27 @@ def test_past_the_end_only_end_tokens_and_rollback_still_works(server):
     done = tok.decode([toks[0]]) in ("yes", "no")
     assert _allowed(out) and (_allowed(out) <= eos) == done
     c.stub.ReleaseCache(pb.ReleaseCacheRequest(model_id="smollm2", cache_id=cid))
+
+
+def test_masks_during_the_forward_equal_masks_after_it(server, monkeypatch):
+    """The masks computed on the mask thread while the forward runs (the default) give the same
+    seeded samples as masks computed after the forward; the overlap path really runs."""
+    from ferrum_service import guided
+
+    _, c = server
+    cons = tpb.OutputConstraint(json_schema=json.dumps(SCHEMA))
+    prepared = []
+    real = guided.prepare_masks
+
+    def counting(*a, **kw):
+        p = real(*a, **kw)
+        prepared.append(p is not None)
+        return p
+
+    monkeypatch.setattr(guided, "OVERLAP", True)
+    monkeypatch.setattr("ferrum_service.host.prepare_masks", counting)
+    on = [_generate(c, cons, seed=s, max_tokens=40) for s in range(3)]  # one at a time: same batches
+    monkeypatch.setattr(guided, "OVERLAP", False)
+    off = [_generate(c, cons, seed=s, max_tokens=40) for s in range(3)]
+    assert on == off
+    assert sum(prepared) > 10  # most decode steps had their masks prepared during the forward
