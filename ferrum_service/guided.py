@@ -19,9 +19,11 @@ Rooms:
   applied in place, before the logits policies run.
 - :func:`prepare_masks`: the same masks computed *while the forward runs*, for the rows whose
   next mask is known before it (a decode step on a cache whose constraint is under way: its
-  matcher only needs the token the step feeds). On a thread of its own (xgrammar releases the GIL
-  while it fills a mask); :func:`mask_rows` then only applies them. Measured in
-  ``benchmarks/structured_rows.py`` (overlapped vs not).
+  matcher only needs the token the step feeds). On a thread of its own; :func:`mask_rows` then
+  only applies them. Where it pays: measured in ``benchmarks/structured_rows.py`` on this project's
+  2-core CPU machine it does not (SmolLM2 on llama.cpp, 1 stream: 0.83x the tok/s of masks after
+  the forward: the mask thread takes a core from a forward that uses both), so it is on by default
+  only for models on CUDA, whose forward leaves the CPU free; ``FERRUM_GUIDED_OVERLAP=1|0`` forces it.
 """
 
 from __future__ import annotations
@@ -162,8 +164,8 @@ def _fill(st: GuideState, tokens: Sequence[int], bitmask: torch.Tensor, j: int) 
     return ""
 
 
-#: Compute masks during the forward (``prepare_masks``); FERRUM_GUIDED_OVERLAP=0 turns it off.
-OVERLAP = os.environ.get("FERRUM_GUIDED_OVERLAP", "1") != "0"
+#: Compute masks during the forward (``prepare_masks``): "auto" (models on CUDA), or forced "1" / "0".
+OVERLAP = os.environ.get("FERRUM_GUIDED_OVERLAP", "auto")
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -184,7 +186,7 @@ def prepare_masks(executor: Any, entries: Sequence[CacheEntry], fed: Sequence[in
     """Start computing, on the mask thread, the masks of the decode rows whose constraint is under
     way (``entries[i]`` holds a matching state; ``fed[i]``: the token the step appends). Call before
     the forward; :func:`mask_rows` with ``prepared`` applies them after it."""
-    if not OVERLAP:
+    if OVERLAP == "0" or (OVERLAP != "1" and not str(executor.info().device).startswith("cuda")):
         return None
     jobs = []
     for i, (e, p) in enumerate(zip(entries, policies)):

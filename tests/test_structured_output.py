@@ -224,10 +224,10 @@ def test_masks_during_the_forward_equal_masks_after_it(server, monkeypatch):
         prepared.append(p is not None)
         return p
 
-    monkeypatch.setattr(guided, "OVERLAP", True)
+    monkeypatch.setattr(guided, "OVERLAP", "1")
     monkeypatch.setattr("ferrum_service.host.prepare_masks", counting)
     on = [_generate(c, cons, seed=s, max_tokens=40) for s in range(3)]  # one at a time: same batches
-    monkeypatch.setattr(guided, "OVERLAP", False)
+    monkeypatch.setattr(guided, "OVERLAP", "0")
     off = [_generate(c, cons, seed=s, max_tokens=40) for s in range(3)]
     assert on == off
     assert sum(prepared) > 10  # most decode steps had their masks prepared during the forward
