@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import time
 from pathlib import Path
 
 from ferrum_service.testing.server_process import ServerProcess, free_port  # noqa: F401 - re-exported
@@ -90,4 +91,25 @@ def write_rows(name: str, rows: list, raw: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "raw": raw}, indent=1, default=str))
     print(f"load average before {raw.get('load_before')}, after {raw['load_after']}")
+
+
+def sampled_batch(target: str, model: str, prompt: str, streams: int, max_tokens: int, seed0: int,
+                  extra=lambda i: {}) -> tuple[int, float]:
+    """``streams`` concurrent ``Generate`` calls of the chat ``prompt``, each sampling (temperature
+    0.8, seed ``seed0 + i``) exactly ``max_tokens`` tokens (``ignore_eos``, prefix cache bypassed),
+    with ``extra(i)`` as further keywords: (tokens generated, wall seconds of the whole batch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ferrum_client import Client
+
+    def one(i: int) -> int:
+        with Client(target) as c:
+            evs = list(c.generate(model, chat=[("user", prompt)], max_tokens=max_tokens, temperature=0.8,
+                                  seed=seed0 + i, bypass_prefix_cache=True, ignore_eos=True, **extra(i)))
+            return evs[-1].finished.generated_tokens
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        tokens = sum(pool.map(one, range(streams)))
+    return tokens, time.perf_counter() - t0
 

@@ -20,10 +20,9 @@ import argparse
 import os
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .common import Server, median, write_rows
+from .common import Server, median, sampled_batch, write_rows
 from .llama_cpp_rows import DRIFT_LIMIT, timed_row
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -31,19 +30,8 @@ ADAPTERS = 4
 
 
 def _run(target: str, streams: int, max_tokens: int, mixed: bool, seed0: int) -> tuple[int, float]:
-    from ferrum_client import Client
-
-    def one(i: int) -> int:
-        with Client(target) as c:
-            kw = {"adapter": f"a{i % ADAPTERS}"} if mixed else {}
-            evs = list(c.generate("smollm2", chat=[("user", PROMPT)], max_tokens=max_tokens, temperature=0.8,
-                                  seed=seed0 + i, bypass_prefix_cache=True, ignore_eos=True, **kw))
-            return evs[-1].finished.generated_tokens
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(streams) as pool:
-        tokens = sum(pool.map(one, range(streams)))
-    return tokens, time.perf_counter() - t0
+    return sampled_batch(target, "smollm2", PROMPT, streams, max_tokens, seed0,
+                         lambda i: {"adapter": f"a{i % ADAPTERS}"} if mixed else {})
 
 
 def row(target: str, streams: int, max_tokens: int, rounds: int) -> dict:

@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 
-from .common import REPO, Server, median
+from .common import REPO, Server, median, sampled_batch
 from .llama_cpp_rows import DRIFT_LIMIT, timed_row
 
 SCHEMA = {"type": "object", "properties": {
@@ -36,21 +34,10 @@ PROMPT = "List many fruits and vegetables as JSON with a title and an items arra
 
 
 def _run(target: str, streams: int, max_tokens: int, constrained: bool, seed0: int) -> tuple[int, float]:
-    from ferrum_client import Client
     from ferrum_client import messages as m
 
     cons = m.constraint(json_schema=SCHEMA) if constrained else None
-
-    def one(i: int) -> int:
-        with Client(target) as c:
-            evs = list(c.generate("smollm2", chat=[("user", PROMPT)], max_tokens=max_tokens, temperature=0.8,
-                                  seed=seed0 + i, constraint=cons, bypass_prefix_cache=True, ignore_eos=True))
-            return evs[-1].finished.generated_tokens
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(streams) as pool:
-        tokens = sum(pool.map(one, range(streams)))
-    return tokens, time.perf_counter() - t0
+    return sampled_batch(target, "smollm2", PROMPT, streams, max_tokens, seed0, lambda i: {"constraint": cons})
 
 
 def row(target: str, streams: int, max_tokens: int, rounds: int) -> dict:
