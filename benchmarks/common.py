@@ -71,15 +71,14 @@ class Server(ServerProcess):
     """``ferrum-service serve --model SPEC...`` as a subprocess on a free loopback port (log in
     ``benchmarks/results/NAME.log``); see :mod:`ferrum_service.testing.server_process`."""
 
-    def __init__(self, *models: str, threads: int | None = None, extra: tuple[str, ...] = (), name: str = "server",
-                 env: dict[str, str] | None = None):
+    def __init__(self, *models: str, threads: int | None = None, extra: tuple[str, ...] = (), name: str = "server"):
         self.models = models
         self.threads = threads or os.cpu_count() or 1
         self.extra = extra
         args = ["--log-level", "warning", *extra]
         for m in models:
             args += ["--model", m]
-        super().__init__(args, env={"FERRUM_TORCH_THREADS": str(self.threads), **(env or {})}, cwd=REPO,
+        super().__init__(args, env={"FERRUM_TORCH_THREADS": str(self.threads)}, cwd=REPO,
                          log_path=REPO / "benchmarks" / "results" / f"{name}.log", ready_timeout=180, stop_timeout=20)
 
 

@@ -12,9 +12,8 @@ the whole batch of streams; the two sides alternate, three rounds, median. Each 
 between two runs of ``reference_workload()`` (drift > 15 % = ``busy``). Writes
 ``results/structured_rows.json`` and prints a Markdown table and the load average.
 
-A second table compares the masks computed during the forward (a second server with
-``FERRUM_GUIDED_OVERLAP=1``) with the masks computed after it (the first, default on CPU),
-constrained on both sides, alternating, at 1 and 8 streams.
+Masks computed during the forward vs after it: ``benchmarks/structured_overlap.py`` (in one process;
+a two-server A/B of that setting moved with which server ran second).
 """
 
 from __future__ import annotations
@@ -54,18 +53,6 @@ def row(target: str, streams: int, max_tokens: int, rounds: int) -> dict:
             "tokens_per_stream": {"constrained": median(toks[True]), "plain": median(toks[False])}}
 
 
-def overlap_row(on: str, off: str, streams: int, max_tokens: int, rounds: int) -> dict:
-    for t in (on, off):
-        _run(t, streams, 8, True, 0)
-    rates = {True: [], False: []}
-    for r in range(rounds):
-        for overlap in ((True, False) if r % 2 else (False, True)):
-            n, dt = _run(on if overlap else off, streams, max_tokens, True, 100 * r)
-            rates[overlap].append(n / dt)
-    return {"streams": streams, "overlap_tok_s": median(rates[True]), "serial_tok_s": median(rates[False]),
-            "ratio": median(rates[True]) / median(rates[False])}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -73,34 +60,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     a = ap.parse_args()
     max_tokens, rounds = (48, 1) if a.quick else (96, 3)
-    results, overlap = [], []
+    results = []
     with Server(a.spec, threads=a.threads, name="structured_rows") as srv:
         for streams in (1, 8):
             out, drift = timed_row(lambda: row(srv.target, streams, max_tokens, rounds))
             out["drift"] = drift
             out["busy"] = drift > DRIFT_LIMIT
             results.append(out)
-        with Server(a.spec, threads=a.threads, name="structured_rows_overlap",
-                    env={"FERRUM_GUIDED_OVERLAP": "1"}) as ovl:
-            for streams in (1, 8):
-                out, drift = timed_row(lambda: overlap_row(ovl.target, srv.target, streams, max_tokens, rounds))
-                out["drift"] = drift
-                out["busy"] = drift > DRIFT_LIMIT
-                overlap.append(out)
     load = os.getloadavg()
     path = REPO / "benchmarks" / "results" / "structured_rows.json"
     path.write_text(json.dumps({"spec": a.spec, "max_tokens": max_tokens, "rounds": rounds, "loadavg": load,
-                                "rows": results, "overlap_rows": overlap}, indent=2))
+                                "rows": results}, indent=2))
     print("| streams | JSON schema tok/s | plain tok/s | ratio | target | drift |")
     print("|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['streams']} | {r['constrained_tok_s']:.1f} | {r['plain_tok_s']:.1f} | {r['ratio']:.2f} | ≥ 0.85 | "
-              f"{100 * r['drift']:.0f} %{' (busy)' if r['busy'] else ''} |")
-    print()
-    print("| streams | masks during the forward tok/s | masks after it tok/s | ratio | drift |")
-    print("|---|---|---|---|---|")
-    for r in overlap:
-        print(f"| {r['streams']} | {r['overlap_tok_s']:.1f} | {r['serial_tok_s']:.1f} | {r['ratio']:.2f} | "
               f"{100 * r['drift']:.0f} %{' (busy)' if r['busy'] else ''} |")
     print(f"load average: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 

@@ -20,10 +20,11 @@ Rooms:
 - :func:`prepare_masks`: the same masks computed *while the forward runs*, for the rows whose
   next mask is known before it (a decode step on a cache whose constraint is under way: its
   matcher only needs the token the step feeds). On a thread of its own; :func:`mask_rows` then
-  only applies them. Where it pays: measured in ``benchmarks/structured_rows.py`` on this project's
-  2-core CPU machine it does not (SmolLM2 on llama.cpp, 1 stream: 0.83x the tok/s of masks after
-  the forward: the mask thread takes a core from a forward that uses both), so it is on by default
-  only for models on CUDA, whose forward leaves the CPU free; ``FERRUM_GUIDED_OVERLAP=1|0`` forces it.
+  only applies them. Where it pays: on this project's 2-core CPU machine it does not
+  (``benchmarks/structured_overlap.py``, SmolLM2, in one process: a step with the masks after the
+  forward takes 0.93-0.97x the time of one with them during it, on both executors, 1 and 8
+  streams: the mask thread takes a core from a forward that uses both), so it is on by default only
+  for models on CUDA, whose forward leaves the CPU free; ``FERRUM_GUIDED_OVERLAP=1|0`` forces it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,101 @@
+"""Structured output: masks computed during the forward (``guided.prepare_masks`` on the mask
+thread) vs after it, in one process, on the same model and caches.
+
+    .venv/bin/python -m benchmarks.structured_overlap [--spec llama|hf] [--steps 48] [--rounds 4]
+
+A two-server A/B of this setting moved ±15 % with which server ran second (llama.cpp's worker
+threads spin a while after a step and take cores from the next process), so this measures the two
+ways inside one server: ``ModelHost.decode_and_sample`` steps (the path Generate, Decode and
+BatchDecode take) of 1 and 8 JSON-schema-constrained sequences of SmolLM2, sampling seeded, with
+``guided.OVERLAP`` flipped between "1" and "0" every round. ms per step, medians; drift-probed.
+Prints a Markdown table and writes ``results/structured_overlap.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+from .common import write_rows
+from .llama_cpp_rows import DRIFT_LIMIT, reference_workload
+from .structured_rows import PROMPT, SCHEMA
+
+
+def _load(spec: str):
+    from ferrum_service.packaged_models import smollm2_gguf
+
+    d, f = smollm2_gguf()
+    if spec == "hf":
+        from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+
+        return HfCausalLmExecutor.from_path(str(d / f), model_id="smollm2", device="cpu")
+    from ferrum_service.executors.llama_cpp import LlamaCppExecutor
+
+    return LlamaCppExecutor(str(d / f), model_id="smollm2", threads=os.cpu_count() or 1, n_ctx=8192, n_seq=16)
+
+
+def run(host, rows: int, steps: int, overlap: str, seed: int) -> float:
+    """ms per constrained decode step of ``rows`` sequences (the prompt prefilled first)."""
+    from ferrum_service import guided
+    from ferrum_service.types import ConstraintSpec, DecodeInput, LogitsPolicy, PrefillInput, SamplingParams
+
+    ex = host.executor
+    spec = ConstraintSpec("json_schema", json.dumps(SCHEMA))
+    compiled = guided.guides_of(ex).compile(spec, "constraint")
+    text = ex.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                            tokenize=False)
+    prompt = list(ex.tokenizer.encode(text, add_special_tokens=False))
+    policies = [LogitsPolicy(sampling=SamplingParams(temperature=0.8, seed=seed + i, constraint=spec,
+                                                     compiled=compiled)) for i in range(rows)]
+    pre, _, out = host.step_and_sample([PrefillInput(token_ids=prompt, policy=p, bypass_prefix_cache=True)
+                                        for p in policies], [])
+    caches = [o.cache.cache_id for o in pre]
+    toks = [r.token_id for r in out]
+    guided.OVERLAP = overlap
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            _, res = host.decode_and_sample([DecodeInput(cache_id=c, token_id=t, policy=p)
+                                             for c, t, p in zip(caches, toks, policies)])
+            toks = [r.token_id for r in res]
+        return 1000 * (time.perf_counter() - t0) / steps
+    finally:
+        for c in caches:
+            ex.release_cache(c)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", choices=("llama", "hf"), default="llama")
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=4)
+    a = ap.parse_args()
+    from ferrum_service.host import ModelHost
+
+    host = ModelHost("smollm2", _load(a.spec))
+    load_before = os.getloadavg()
+    rows_out = []
+    print("| executor | streams | masks during the forward ms/step | masks after it ms/step | after ÷ during | drift |")
+    print("|---|---|---|---|---|---|")
+    for rows in (1, 8):
+        run(host, rows, 4, "1", 0)  # warm: compile, first masks
+        ms = {"1": [], "0": []}
+        before = reference_workload()
+        for r in range(a.rounds):
+            for ov in (("1", "0") if r % 2 else ("0", "1")):
+                ms[ov].append(run(host, rows, a.steps, ov, 100 * r))
+        drift = abs(reference_workload() - before) / before
+        on, off = statistics.median(ms["1"]), statistics.median(ms["0"])
+        rows_out.append({"executor": a.spec, "streams": rows, "overlap_ms": on, "serial_ms": off, "ratio": off / on,
+                         "drift": drift, "busy": drift > DRIFT_LIMIT, "ms": ms})
+        print(f"| {a.spec} | {rows} | {on:.1f} | {off:.1f} | {off / on:.2f} | {100 * drift:.0f} %"
+              f"{' (busy)' if drift > DRIFT_LIMIT else ''} |", flush=True)
+    write_rows(f"structured_overlap-{a.spec}", rows_out, {"steps": a.steps, "rounds": a.rounds,
+                                                         "load_before": load_before})
+
+
+if __name__ == "__main__":
+    main()
