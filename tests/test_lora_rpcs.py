@@ -208,3 +208,25 @@ def test_preload_from_the_command_line(tiny_llama_dir, adapters):
         req = pb.GenerateRequest(model_id="tiny", token_ids=pb.TokenIds(token_ids=P), adapter="a3",
                                  stop=pb.StopConditions(max_tokens=4, ignore_eos=True))
         assert sum(1 for e in c.stub.Generate(req) if e.WhichOneof("event") == "token") == 4
+
+
+def test_preload_settings_from_flags_spec_and_yaml(tmp_path):
+    """Where preloaded adapters come from: ``--adapter [MODEL:]NAME=PATH``, ``adapter.NAME=PATH`` in
+    a spec, ``adapters: {NAME: PATH}`` under a model in the YAML config; bad flags are refused."""
+    from ferrum_service.cli import build_parser, resolve_serve_settings
+
+    cfg = tmp_path / "ferrum.yaml"
+    cfg.write_text("models:\n"
+                   "  - {executor: hf-causal-lm, id: tiny, path: /m/tiny, max_adapters: 2,\n"
+                   "     adapters: {sql: /ad/sql, chat: /ad/chat}}\n"
+                   "  - {executor: minilm}\n")
+    st = resolve_serve_settings(build_parser().parse_args(
+        ["serve", "--config", str(cfg), "--adapter", "code=/ad/code", "--adapter", "tiny:sql=/ad/sql2"]))
+    assert st["adapters"] == {"tiny": {"sql": "/ad/sql2", "chat": "/ad/chat", "code": "/ad/code"}, "minilm": {}}
+    st = resolve_serve_settings(build_parser().parse_args(
+        ["serve", "--model", "hf-causal-lm,id=a,path=/m,adapter.x=/ad/x", "--model", "hf-causal-lm,id=b,path=/m"]))
+    assert st["adapters"] == {"a": {"x": "/ad/x"}, "b": {}}
+    for bad in (["--adapter", "x=/p"], ["--adapter", "nope:x=/p"], ["--adapter", "x"]):
+        with pytest.raises(SystemExit):
+            resolve_serve_settings(build_parser().parse_args(
+                ["serve", "--model", "hf-causal-lm,id=a,path=/m", "--model", "hf-causal-lm,id=b,path=/m", *bad]))
