@@ -598,7 +598,8 @@ class HfCausalLmExecutor(ItemStepExecutor):
             "source": "hf-causal-lm-stacked-lora", "max_resident": a.max_resident, "resident": len(a.resident),
             "loads": a.loads, "evictions": a.evictions,
             "adapters": {n: {"rank": x.rank, "resident": x.resident, "steps": x.steps,
-                             "live_caches": self.adapter_caches(n)} for n, x in a.adapters.items()},
+                             "live_caches": self.adapter_caches(n)}
+                         for n, x in list(a.adapters.items())},  # a snapshot: LoadAdapter may run meanwhile
         }
 
     def _lora_step(self, rows):
