@@ -46,9 +46,9 @@ def _code(fn) -> tuple[grpc.StatusCode, str]:
     return e.value.code(), e.value.details()
 
 
-def _generate(c, model, n=8, **kw):
+def _generate(c, model, max_tokens=8, **kw):
     req = pb.GenerateRequest(model_id=model, token_ids=pb.TokenIds(token_ids=P),
-                             stop=pb.StopConditions(max_tokens=n, ignore_eos=True), **kw)
+                             stop=pb.StopConditions(max_tokens=max_tokens, ignore_eos=True), **kw)
     events = list(c.stub.Generate(req))
     return [e.token.token_id for e in events if e.WhichOneof("event") == "token"], events
 
@@ -77,6 +77,13 @@ def test_load_list_generate_unload(srv, adapters):
             assert events[0].started.cache.adapter == name
         base, _ = _generate(c, "tiny")
         assert base != _generate(c, "tiny", adapter="a1")[0]
+        # n samples fork the prompt's cache: every sample runs with the adapter
+        _, events = _generate(c, "tiny", adapter="a1", n=2)
+        per_sample = {0: [], 1: []}
+        for e in events:
+            if e.WhichOneof("event") == "token":
+                per_sample[e.token.sample_index].append(e.token.token_id)
+        assert per_sample[0] == per_sample[1] == _generate(c, "a1-merged")[0]
 
         # a cache bound to a1: unload refused while it lives, steps with another adapter refused
         out = c.stub.Prefill(pb.PrefillRequest(model_id="tiny", input=pb.PrefillInput(token_ids=P, adapter="a1"))).output
