@@ -602,8 +602,9 @@ class HfCausalLmExecutor(ItemStepExecutor):
                          for n, x in list(a.adapters.items())},  # a snapshot: LoadAdapter may run meanwhile
         }
 
-    def _lora_step(self, rows):
-        return self.adapters.step(rows) if self.adapters is not None else None
+    def _lora_step(self, rows: list[_Row]):
+        """The adapters of a forward over ``rows`` (None without LoRA or when no row uses one)."""
+        return self.adapters.step([(r.lora, len(r.tokens)) for r in rows]) if self.adapters is not None else None
 
     def _count_lora(self, step) -> None:
         if step is not None:
@@ -1054,7 +1055,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         else:
             keep = 1
         pos = torch.arange(q, device=dev).expand(b, q)
-        lora = self._lora_step([(r.lora, i * q, q) for i, r in enumerate(rows)])
+        lora = self._lora_step(rows)
         with lora_step(lora):
             logits = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
                                 logits_to_keep=keep).logits
@@ -1078,11 +1079,9 @@ class HfCausalLmExecutor(ItemStepExecutor):
         slots: list[int] = []
         keep: list[int] = []
         spans: list[tuple[int, int]] = []  # per row: where its logits start in the kept rows, how many
-        lora_rows = []
         start = 0
         for r in rows:
             n = len(r.tokens)
-            lora_rows.append((r.lora, start, n))
             ids += r.tokens
             pos += range(r.past, r.past + n)
             slots += self._slots(r)
@@ -1097,7 +1096,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
             start += n
         step = build_step(self.pool, [(r.blocks, r.past, len(r.tokens)) for r in rows], dev)
         cache = PagedWriteCache(self.pool, slots=torch.tensor(slots, dtype=torch.long, device=dev), kv_length=start)
-        lora = self._lora_step(lora_rows)
+        lora = self._lora_step(rows)
         with packed_step(step), lora_step(lora):
             logits = self.model(
                 input_ids=torch.tensor([ids], dtype=torch.long, device=dev),

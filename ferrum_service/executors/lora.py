@@ -285,9 +285,6 @@ class AdapterSet:
         self.evictions = 0  # residency evictions
         self.projection_applications = 0
 
-    def __len__(self) -> int:
-        return len(self.adapters)
-
     @property
     def resident(self) -> list[Adapter]:
         return [a for a in self.adapters.values() if a.resident]
@@ -352,11 +349,11 @@ class AdapterSet:
             out[n] = a.weights
         return out
 
-    def step(self, rows: Sequence[tuple[AdapterWeights | None, int, int]]) -> LoraStep | None:
-        """A forward's :class:`LoraStep` from its rows ``(adapter weights or None, first flattened
-        token, tokens)``; None when no row uses an adapter (the hooks then do nothing)."""
+    def step(self, rows: Sequence[tuple[AdapterWeights | None, int]]) -> LoraStep | None:
+        """A forward's :class:`LoraStep` from its rows ``(adapter weights or None, tokens)``, in the
+        order their tokens are flattened; None when no row uses an adapter (the hooks then do nothing)."""
         mix: list[AdapterWeights] = []
-        for w, _s, _n in rows:
+        for w, _n in rows:
             if w is not None and all(w is not m for m in mix):
                 mix.append(w)
         if not mix:
@@ -371,10 +368,10 @@ class AdapterSet:
         else:
             self._stacks.move_to_end(key)
         slot_of = {w.serial: g for g, w in enumerate(mix)}
-        if len(mix) == 1 and all(w is not None for w, _s, _n in rows):
+        if len(mix) == 1 and all(w is not None for w, _n in rows):
             return LoraStep(None, stacks)
         slots = []
-        for w, _s, n in rows:
+        for w, n in rows:
             slots += [slot_of[w.serial] if w is not None else -1] * n
         return LoraStep(torch.tensor(slots, dtype=torch.long, device=self.device), stacks)
 
