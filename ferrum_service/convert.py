@@ -228,11 +228,12 @@ def handle_pb(h: CacheHandle) -> tpb.KvCacheHandle:
     )
 
 
-def adapter_pb(host, a) -> pb.AdapterInfo:
-    """A registered LoRA adapter (``lora.Adapter``) of ``host``'s model."""
+def adapter_pb(host, a, bound: dict[str, int]) -> pb.AdapterInfo:
+    """A registered LoRA adapter (``lora.Adapter``) of ``host``'s model; ``bound``: live caches
+    per adapter (``executor.adapter_bindings()``)."""
     return pb.AdapterInfo(model_id=host.model_id, name=a.name, path=a.path, rank=a.rank, alpha=a.alpha,
                           target_modules=a.target_modules, resident=a.resident, weight_bytes=a.weight_bytes,
-                          live_caches=host.executor.adapter_caches(a.name), steps=a.steps,
+                          live_caches=bound.get(a.name, 0), steps=a.steps,
                           loaded_unix_ms=a.loaded_unix_ms)
 
 

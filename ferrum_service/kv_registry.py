@@ -55,6 +55,15 @@ class CacheEntry:
     def num_tokens(self) -> int:
         return len(self.tokens)
 
+    def check_adapter(self, name: str, field: str) -> None:
+        """FAILED_PRECONDITION when a step names LoRA adapter ``name`` and this cache is bound to
+        another (the base model included). An empty cache not yet bound (``ReserveKvSlots``) takes
+        the first one named; "" always means the cache's own."""
+        if name and name != self.adapter and (self.tokens or self.adapter):
+            bound = f"adapter {self.adapter!r}" if self.adapter else "the base model"
+            raise errors.failed_precondition(f"{field}: cache {self.cache_id!r} is bound to {bound}, not adapter "
+                                             f"{name!r}", field=field, cache_adapter=self.adapter)
+
     @property
     def footprint(self) -> int:
         """Tokens of budget this cache holds (its tokens, or its reservation if larger)."""

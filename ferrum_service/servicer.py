@@ -258,7 +258,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                 raise errors.invalid("path is empty: name a PEFT adapter directory", field="path")
             t = await h.call(h.executor.load_adapter, request.name, request.path)
             adapter, loaded = t.value
-            return pb.LoadAdapterResponse(adapter=adapter_pb(h, adapter), loaded=loaded, load_ns=t.forward_ns)
+            return pb.LoadAdapterResponse(adapter=adapter_pb(h, adapter, h.executor.adapter_bindings()),
+                                          loaded=loaded, load_ns=t.forward_ns)
         return await self._unary("LoadAdapter", context, run)
 
     async def UnloadAdapter(self, request, context):
@@ -274,7 +275,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             out = []
             for h in self.models.select(request.model_id):
                 if h.executor.adapters is not None:
-                    out += [adapter_pb(h, a) for a in list(h.executor.adapters.adapters.values())]
+                    bound = h.executor.adapter_bindings()
+                    out += [adapter_pb(h, a, bound) for a in list(h.executor.adapters.adapters.values())]
             return pb.ListAdaptersResponse(adapters=out)
         return await self._unary("ListAdapters", context, run)
 

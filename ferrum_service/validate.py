@@ -253,10 +253,8 @@ class RequestChecks:
         if ads is None:
             raise errors.unsupported(f"{field}: model {host.model_id!r} serves no LoRA adapters", field=field)
         ads.get(name, field)
-        if entry is not None and entry.adapter != name and (entry.num_tokens or entry.adapter):
-            bound = f"adapter {entry.adapter!r}" if entry.adapter else "the base model"
-            raise errors.failed_precondition(f"{field}: cache {entry.cache_id!r} is bound to {bound}, not {name!r}",
-                                             field=field, cache_adapter=entry.adapter)
+        if entry is not None:
+            entry.check_adapter(name, field)
         return name
 
     def prefill_input(self, host: "ModelHost", msg: pb.PrefillInput, field: str) -> PrefillInput:

@@ -14,6 +14,7 @@ needs no locking of its own model state.
 from __future__ import annotations
 
 import abc
+import collections
 import threading
 import time
 from dataclasses import dataclass
@@ -360,9 +361,9 @@ class ModelExecutor(abc.ABC):
         """Forget adapter ``name``: (whether it was loaded, prefix blocks dropped with it)."""
         raise errors.unsupported(f"model {self.registry.model_id!r} ({self.kind}) serves no LoRA adapters")
 
-    def adapter_caches(self, name: str) -> int:
-        """Live caches bound to adapter ``name``."""
-        return sum(1 for e in self.registry.entries() if e.adapter == name)
+    def adapter_bindings(self) -> "collections.Counter[str]":
+        """Live caches per adapter they are bound to ("" = the base model), in one pass."""
+        return collections.Counter(e.adapter for e in self.registry.entries())
 
     def warmup(self) -> None:
         """``warmup()``; nothing by default."""

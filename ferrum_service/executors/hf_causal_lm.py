@@ -576,7 +576,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
             return super().unload_adapter(name)
         if name not in self.adapters.adapters:
             return False, 0
-        live = self.adapter_caches(name)
+        live = self.adapter_bindings()[name]
         if live:
             raise errors.failed_precondition(
                 f"adapter {name!r} is used by {live} live cache(s); release them first", field="name",
@@ -591,14 +591,15 @@ class HfCausalLmExecutor(ItemStepExecutor):
         a = self.adapters
         if a is None:
             return None
-        bindings = sum(1 for e in self.registry.entries() if e.adapter)
+        bound = self.adapter_bindings()
         return {
-            "enabled": bool(a.adapters), "adapter_count": len(a.adapters), "active_cache_bindings": bindings,
+            "enabled": bool(a.adapters), "adapter_count": len(a.adapters),
+            "active_cache_bindings": sum(n for name, n in bound.items() if name),
             "projection_applications": a.projection_applications, "position": "real-inference",
             "source": "hf-causal-lm-stacked-lora", "max_resident": a.max_resident, "resident": len(a.resident),
             "loads": a.loads, "evictions": a.evictions,
             "adapters": {n: {"rank": x.rank, "resident": x.resident, "steps": x.steps,
-                             "live_caches": self.adapter_caches(n)}
+                             "live_caches": bound[n]}
                          for n, x in list(a.adapters.items())},  # a snapshot: LoadAdapter may run meanwhile
         }
 
@@ -1007,15 +1008,11 @@ class HfCausalLmExecutor(ItemStepExecutor):
         a live cache keeps its own (another one named is FAILED_PRECONDITION), except an empty cache
         (reserved by ``ReserveKvSlots``) that its first step binds."""
         names = set()
-        for k, it in enumerate(items):
+        for it in items:
             e = it.entry
             if e is not None:
                 if it.adapter and it.adapter != e.adapter:
-                    if e.num_tokens or e.adapter:
-                        raise errors.failed_precondition(
-                            f"{field}: cache {e.cache_id!r} is bound to "
-                            f"{('adapter ' + repr(e.adapter)) if e.adapter else 'the base model'}, not adapter "
-                            f"{it.adapter!r}", field=f"{field}.adapter", cache_adapter=e.adapter)
+                    e.check_adapter(it.adapter, f"{field}.adapter")
                     e.adapter = it.adapter
                     e.payload.root = self.prefix.root("", it.adapter)
                 name = e.adapter
