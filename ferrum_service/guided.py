@@ -170,6 +170,11 @@ OVERLAP = os.environ.get("FERRUM_GUIDED_OVERLAP", "auto")
 _pool: ThreadPoolExecutor | None = None
 
 
+def overlapping(executor: Any) -> bool:
+    """Whether this model's masks are computed during the forward (see ``OVERLAP``)."""
+    return OVERLAP == "1" or (OVERLAP != "0" and str(executor.info().device).startswith("cuda"))
+
+
 @dataclass
 class PreparedMasks:
     """Masks being computed during a forward: ``rows`` (decode-row index -> bitmask row)."""
@@ -186,9 +191,8 @@ def prepare_masks(executor: Any, entries: Sequence[CacheEntry], fed: Sequence[in
                   policies: Sequence[LogitsPolicy]) -> PreparedMasks | None:
     """Start computing, on the mask thread, the masks of the decode rows whose constraint is under
     way (``entries[i]`` holds a matching state; ``fed[i]``: the token the step appends). Call before
-    the forward; :func:`mask_rows` with ``prepared`` applies them after it."""
-    if OVERLAP == "0" or (OVERLAP != "1" and not str(executor.info().device).startswith("cuda")):
-        return None
+    the forward, where :func:`overlapping` says so; :func:`mask_rows` with ``prepared`` applies
+    them after it."""
     jobs = []
     for i, (e, p) in enumerate(zip(entries, policies)):
         sp = p.sampling
@@ -254,4 +258,5 @@ def refuse_broken(problems: Sequence[str], field: str) -> None:
         raise errors.failed_precondition(f"{field}: {first} (the cache holds it: truncate it to go on)", field=field)
 
 
-__all__ = ["GuideState", "Guides", "PreparedMasks", "guides_of", "mask_rows", "prepare_masks", "refuse_broken", "sync"]
+__all__ = ["GuideState", "Guides", "PreparedMasks", "guides_of", "mask_rows", "overlapping", "prepare_masks",
+           "refuse_broken", "sync"]

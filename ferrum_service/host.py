@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 from . import errors
 from .batcher import ContinuousBatcher
 from .executors.base import ModelExecutor
-from .guided import mask_rows, prepare_masks, refuse_broken
+from .guided import mask_rows, overlapping, prepare_masks, refuse_broken
 from .sampling import RowResult, process_rows
 from .types import DecodeInput, PrefillInput
 
@@ -234,7 +234,7 @@ class ModelHost:
         ex = self.executor
         reg = ex.registry
         prepared = None
-        if decodes and any(i.policy.sampling.constraint is not None for i in decodes):
+        if decodes and any(i.policy.sampling.constraint is not None for i in decodes) and overlapping(ex):
             prepared = prepare_masks(ex, [reg.get(i.cache_id) for i in decodes], [i.token_id for i in decodes],
                                      [i.policy for i in decodes])
         t0 = time.perf_counter()
