@@ -120,8 +120,6 @@ def test_mixed_adapters_in_one_batched_generate(srv, adapters):
         _load(c, "a3", adapters["a3"][0])
         want = {"a1": _generate(c, "a1-merged", 12)[0], "a3": _generate(c, "a3-merged", 12)[0],
                 "": _generate(c, "tiny", 12)[0]}
-        host = next(h for h in srv.models if h.model_id == "tiny")
-        steps_before = host.batcher.mixed_steps
         jobs = ["a1", "a3", "", "a1", "a3", ""]
         with ThreadPoolExecutor(len(jobs)) as pool:
             got = list(pool.map(lambda a: _generate(c, "tiny", 12, adapter=a)[0], jobs))
@@ -129,7 +127,6 @@ def test_mixed_adapters_in_one_batched_generate(srv, adapters):
             assert toks == want[a], a
         m = c.stub.LoraMetrics(pb.LoraMetricsRequest(model_id="tiny")).metrics
         assert m["adapters"]["a1"]["steps"] >= 12 and m["adapters"]["a3"]["steps"] >= 12
-        assert host.batcher.mixed_steps >= steps_before  # (diagnostic counter; the equality above is the test)
         pm = srv.server.metrics
         assert pm.value("ferrum_lora_adapter_steps_total", {"model": "tiny", "adapter": "a1"}) == \
             m["adapters"]["a1"]["steps"]
