@@ -67,12 +67,18 @@ if [ -f "$ca" ]; then
 fi
 log "building $image from deploy/docker/Dockerfile.cpu (base $base)"
 t0=$SECONDS
+# The llama-cpp-python wheel scripts/bootstrap.sh built (its keyed wheel folder, without AMX) is
+# handed to the image's pip, so the image does not compile llama.cpp again.
+wheel_args=()
+if [ -f "$root/.venv/.llama-wheels" ] && [ -d "$(cat "$root/.venv/.llama-wheels")" ]; then
+  wheel_args=(-v "$(cat "$root/.venv/.llama-wheels"):/llama-wheels:ro" --build-arg LLAMA_WHEELS=/llama-wheels)
+fi
 build() {
   podman build --network host --layers --format docker \
     -f deploy/docker/Dockerfile.cpu \
     --build-arg PYTHON_IMAGE="$base" \
     --build-arg PIP_CACHE_DIR=/pip-cache \
-    -v "$HOME/.cache/pip:/pip-cache" "${ca_args[@]}" "$@" . >&2
+    -v "$HOME/.cache/pip:/pip-cache" "${ca_args[@]}" "${wheel_args[@]}" "$@" . >&2
 }
 # The dependency stage gets a tag of its own, so the prune below keeps it (it is this build's cache)
 # and drops what earlier builds left: each venv layer is gigabytes, and the disk is finite.

@@ -29,6 +29,8 @@ SERVE_FLAGS = {
     "dtype": (str, "auto", "auto | fp32 | fp16 | bf16 | int8 (int8: weight-only, bf16 activations; causal LMs) "
                            "(default for models that do not set one)"),
     "kv_budget_tokens": (int, 0, "KV budget per model in tokens (0 = the executor's default)"),
+    "kv_budget_bytes": (int, 0, "KV budget per model in bytes of K and V (0 = the executor's default: 1 GiB on "
+                        "transformers; on llama.cpp 10% of the available memory, at most n_seq training contexts)"),
     "max_message_bytes": (int, 64 * 1024 * 1024, "largest gRPC message accepted or sent"),
     "max_batch": (int, 64, "most Generate streams batched into one decode step"),
     "grace_period": (float, 20.0, "seconds in-flight streams get on SIGTERM"),
@@ -190,11 +192,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             ex = worker.submit(build_executor, spec, device=st["device"], dtype=st["dtype"],
                                kv_budget_tokens=st["kv_budget_tokens"] or None,
+                               kv_budget_bytes=st["kv_budget_bytes"] or None,
                                trust_remote_code=st["trust_remote_code"], allow_pickle=st["allow_pickle"],
                                prefix_cache=st["prefix_cache"]).result()
             for name, path in st["adapters"].get(spec.model_id, {}).items():
                 worker.submit(ex.load_adapter, name, path).result()
-        except (ValueError, FileNotFoundError, ImportError, OSError, FerrumError) as e:
+        except (ValueError, FileNotFoundError, ImportError, OSError, RuntimeError, FerrumError) as e:
             log.error("could not load model", executor=spec.executor, model_id=spec.model_id, error=str(e))
             worker.shutdown(wait=False)
             return 2

