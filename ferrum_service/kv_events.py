@@ -99,6 +99,7 @@ class Subscription:
         self.key = key  # what the per-caller subscriber cap counts it under
         self.limit = limit
         self.owner_known = asyncio.Event()  # set by the hub when a pending owner is recorded
+        self.waiting_owner = False  # its next event's owner is pending (the hub wakes only those)
         self.queue: collections.deque[KvEventRecord] = collections.deque()
         self.wakeup = asyncio.Event()
         self.dropped_at: int | None = None
@@ -155,16 +156,20 @@ class Subscription:
         if not self.hub.per_caller or ev.owner is None:
             return True
         deadline = self.loop.time() + PENDING_OWNER_S
-        while ev.owner.tenant is None:
-            self.owner_known.clear()
-            left = deadline - self.loop.time()
-            if left <= 0:
-                self.hub.settle(ev.owner)
-                break
-            try:
-                await asyncio.wait_for(self.owner_known.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+        try:
+            while ev.owner.tenant is None:
+                self.owner_known.clear()
+                self.waiting_owner = True
+                left = deadline - self.loop.time()
+                if left <= 0:
+                    self.hub.settle(ev.owner)
+                    break
+                try:
+                    await asyncio.wait_for(self.owner_known.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.waiting_owner = False
         return ev.owner.tenant == self.caller
 
     def wants(self, ev: KvEventRecord) -> bool:
@@ -258,7 +263,7 @@ class KvEventHub:
             if owner is None or owner.tenant is not None:
                 return
             owner.tenant = tenant
-            subs = list(self._subs)
+            subs = [s for s in self._subs if s.waiting_owner]
         for sub in subs:
             try:
                 sub.loop.call_soon_threadsafe(sub.owner_known.set)
