@@ -315,3 +315,80 @@ def test_lora_metrics_while_adapters_come_and_go(tiny_llama_dir, adapters):  # n
         sys.setswitchinterval(old)
     assert not errors, f"lora_metrics failed after {calls} calls: {errors[0]!r}"
     assert calls > 10
+
+
+def test_cli_flags_reach_the_server(tmp_path):
+    """``--max-kv-event-subscribers-per-caller`` and ``--kv-event-replay-bytes`` on ``serve``."""
+    from .support.servers import ServerProcess
+
+    (tmp_path / "tokens").write_text("alice-secret\nbob-secret\n")
+    with ServerProcess("--model", "configurable,id=mock,vocab_size=1000,token_sequence=10:20:30",
+                       "--auth-token-file", str(tmp_path / "tokens"), "--max-kv-event-subscribers-per-caller", "1",
+                       "--kv-event-replay-bytes", "4096") as srv, \
+            Client(srv.target, token="alice-secret") as alice, Client(srv.target, token="bob-secret") as bob:
+        for _ in range(40):  # ~260 estimated bytes per event: the oldest leave a 4 KiB replay buffer
+            alice.release_cache("mock", alice.prefill("mock", [1, 2]).output.cache.cache_id)
+        first = _opened(alice)
+        try:
+            assert first.messages[0].WhichOneof("message") == "resync_required"
+            with pytest.raises(FerrumRpcError) as e:
+                next(iter(alice.subscribe_kv_events(from_seq=1)))
+            assert e.value.code == C.RESOURCE_EXHAUSTED and "limit per caller is 1" in e.value.message
+            bob.release_cache("mock", bob.prefill("mock", [3]).output.cache.cache_id)
+            second = _opened(bob)  # another caller is not held back by alice's
+            second.stop()
+        finally:
+            first.stop()
+
+
+def test_hub_owners_of_block_events_and_pending_caches(monkeypatch):
+    """The hub on its own (a real asyncio loop, the llama.cpp executor's block index): stored blocks
+    belong to the caller of the cache that stored them once it is adopted; a removed event is split
+    per owner; cleared goes to everyone; a cache nobody adopts is shown to nobody."""
+    import asyncio
+
+    from ferrum_client.prefix_keys import chain_root
+    from ferrum_service import kv_events
+    from ferrum_service.executors.llama_prefix import SequencePrefixIndex
+
+    monkeypatch.setattr(kv_events, "PENDING_OWNER_S", 0.2)
+
+    async def drain(sub, n_max=20):
+        out = []
+        try:
+            while len(out) < n_max:
+                out.append(await asyncio.wait_for(sub.next(), 1.0))
+        except asyncio.TimeoutError:
+            pass
+        return out
+
+    async def scenario():
+        hub = kv_events.KvEventHub(per_caller=True)
+        idx = SequencePrefixIndex("m", enabled=True, wipe=lambda seq: None)
+        idx.on_event = lambda kind, data: hub.publish_block(kind, "m", data)
+        alice, _, _ = hub.subscribe("", None, blocks=True, caller="token:a")
+        bob, _, _ = hub.subscribe("", None, blocks=True, caller="token:b")
+        for cid, seq, base in (("c1", 1, 0), ("c2", 2, 100), ("c3", 3, 200)):
+            hub.publish("created", "m", cid, 32)  # on the worker: nobody adopted it yet
+            idx.start(seq, chain_root("m", ""), [])
+            idx.commit(seq, list(range(base, base + 32)), cache_id=cid)
+        hub.adopt("m", "c1", "token:a")
+        hub.adopt("m", "c2", "token:b")  # c3: never (its step's caller went away)
+        keys = {cid: list(idx.keys[seq]) for cid, seq in (("c1", 1), ("c2", 2), ("c3", 3))}
+        hub.publish_block("removed", "m", {"block_hashes": keys["c1"] + keys["c2"] + keys["c3"]})
+        hub.publish_block("cleared", "m", {})
+        return await drain(alice), await drain(bob), keys, hub
+
+    a_events, b_events, keys, hub = asyncio.run(scenario())
+
+    def summary(events):
+        return [(e.cache_id, e.kind) if not e.block_kind else (e.block_kind, tuple(e.block.get("block_hashes", ())))
+                for e in events]
+
+    assert summary(a_events) == [("c1", 1), ("stored", tuple(keys["c1"])), ("removed", tuple(keys["c1"])),
+                                 ("cleared", ())]
+    assert summary(b_events) == [("c2", 1), ("stored", tuple(keys["c2"])), ("removed", tuple(keys["c2"])),
+                                 ("cleared", ())]
+    assert all(not (e.block or {}).get("token_ids") for e in a_events + b_events)
+    assert not hub._key_owner  # every indexed key's owner was forgotten with its key
+
