@@ -112,6 +112,9 @@ class Subscription:
     def _offer(self, ev: KvEventRecord) -> None:  # on the subscriber's loop
         if self.dropped_at is not None or not self.wants(ev):
             return
+        owner = ev.owner.tenant if self.hub.per_caller and ev.owner is not None else None
+        if owner is not None and owner != self.caller:  # known to be another caller's: not even queued
+            return
         if len(self.queue) >= self.limit:
             self.dropped_at = self.queue[0].seq if self.queue else ev.seq
         else:
