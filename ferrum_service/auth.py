@@ -41,6 +41,24 @@ def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler) -
     return grpc.unary_unary_rpc_method_handler(abort_unary, handler.request_deserializer, handler.response_serializer)
 
 
+def bearer_token(metadata) -> str:
+    """The bearer token of a call's metadata ("" when there is none)."""
+    for k, v in metadata or ():
+        if k == "authorization" and isinstance(v, str) and v.lower().startswith("bearer "):
+            return v[7:].strip()
+    return ""
+
+
+def is_admin_call(metadata, admin_tokens: list[str], open_admin_rpcs: bool) -> bool:
+    """Whether a call may use the admin RPCs: it carries an admin token when admin tokens are
+    configured, else the operator opened them (``--open-admin-rpcs``)."""
+    admin = [t for t in admin_tokens if t]
+    if admin:
+        token = bearer_token(metadata)
+        return bool(token) and _matches(token, admin)
+    return open_admin_rpcs
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Checks bearer tokens; ``admin_tokens`` gate the admin RPCs (and also pass ordinary ones)."""
 
@@ -53,10 +71,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or method.startswith(OPEN_PREFIXES):
             return handler
-        token = ""
-        for k, v in details.invocation_metadata or ():
-            if k == "authorization" and isinstance(v, str) and v.lower().startswith("bearer "):
-                token = v[7:].strip()
+        token = bearer_token(details.invocation_metadata)
         is_admin = bool(token) and _matches(token, self.admin_tokens)
         is_user = bool(token) and (is_admin or _matches(token, self.tokens))
         if method in ADMIN_METHODS and self.admin_tokens:

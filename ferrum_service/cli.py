@@ -47,6 +47,12 @@ SERVE_FLAGS = {
                       "standard OTEL_* variables name one)"),
     "role": (str, "both", "both | prefill | decode: what this server is deployed for, advertised in Info "
              "(prefill: refuses decode steps; decode: refuses new prompts, decodes imported caches)"),
+    "kv_event_replay_bytes": (int, 64 * 1024 * 1024, "bytes (estimated) of KV events kept for SubscribeKvEvents "
+                              "replay, besides the 65,536-event bound (0 = events only)"),
+    "max_kv_event_subscribers": (int, 128, "open SubscribeKvEvents streams past which new ones get "
+                                 "RESOURCE_EXHAUSTED (0 = no cap)"),
+    "max_kv_event_subscribers_per_caller": (int, 16, "open SubscribeKvEvents streams per caller identity (per "
+                                            "client host without auth) (0 = no cap)"),
     "log_format": (str, "auto", "json | console | auto"),
     "log_level": (str, "info", "debug | info | warning | error"),
     "tls_cert": (str, None, "PEM certificate chain (enables TLS)"),
@@ -219,6 +225,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=st["max_queue"],
         open_admin_rpcs=st["open_admin_rpcs"], max_step_bytes=st["max_step_bytes"],
         max_text_bytes=st["max_text_bytes"], otlp_endpoint=st["otlp_endpoint"], role=st["role"],
+        kv_event_replay_bytes=st["kv_event_replay_bytes"], max_kv_event_subscribers=st["max_kv_event_subscribers"],
+        max_kv_event_subscribers_per_caller=st["max_kv_event_subscribers_per_caller"],
     )
     asyncio.run(serve(executors, cfg, workers))
     return 0

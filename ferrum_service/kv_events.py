@@ -10,18 +10,52 @@ asked for them (``include_block_events``) receive them.
 
 Subscribers get a bounded queue each: compute never waits for them. A subscriber whose queue
 overflows is dropped and told where to resume; one that asks for a sequence number older than
-the replay buffer is told to resync from a snapshot.
+the replay buffer is told to resync from a snapshot. The replay buffer is bounded by events and by
+bytes (``replay_bytes``, an estimate); the number of subscribers is capped, in all and per caller
+(RESOURCE_EXHAUSTED past either).
+
+**Who sees what.** When callers are told apart (``per_caller``: bearer tokens or mutual TLS), every
+event has an :class:`Owner`: the caller whose cache it concerns. A cache event belongs to the
+cache's tenant; a ``stored`` block event to the tenant of the cache whose step put the blocks in the
+index, and its ``removed`` event to the same tenant (the hub remembers the owner of every indexed
+key); ``cleared`` concerns everybody. A subscriber gets only its own events (the rule of
+``ListCaches``), and block events carry no token ids. A new cache's first events are published on
+the model's worker before the request path records its tenant (``RequestChecks.adopt`` →
+:meth:`KvEventHub.adopt`): their owner is pending until then, and a subscriber holds such an event
+until it is known (at most :data:`PENDING_OWNER_S`; a cache nobody adopts is nobody's). Without
+per-caller auth every subscriber sees every event, token ids included (kept as 4-byte ints in the
+replay copy, not the cache's own int objects).
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import threading
 import time
 from dataclasses import dataclass
 
+from . import errors
+
 KINDS = {"created": 1, "extended": 2, "truncated": 3, "released": 4, "reclaimed": 5, "evicted": 6, "forked": 7}
+
+
+#: Cache events that end a cache.
+TERMINAL = frozenset({"released", "reclaimed", "evicted"})
+
+#: Longest a subscriber holds an event whose owner is not known yet (seconds).
+PENDING_OWNER_S = 2.0
+
+
+class Owner:
+    """The caller an event belongs to: ``tenant`` (a caller identity, ``callers.py``); None while
+    the cache's tenant is not recorded yet; "" for nobody (a cache no request adopted)."""
+
+    __slots__ = ("tenant",)
+
+    def __init__(self, tenant: str | None) -> None:
+        self.tenant = tenant
 
 
 @dataclass(frozen=True)
@@ -34,6 +68,14 @@ class KvEventRecord:
     time_unix_ns: int
     block_kind: str = ""  # "stored" | "removed" | "cleared" for a block event ("" = a cache event)
     block: dict | None = None  # the block event's fields (KvBlockStored / KvBlockRemoved)
+    owner: Owner | None = None  # whose event it is (None: everybody's)
+
+    def nbytes(self) -> int:
+        """About how many bytes this event keeps alive in the replay buffer."""
+        n = 240 + len(self.cache_id) + len(self.model_id)
+        if self.block:
+            n += 4 * len(self.block.get("token_ids") or ()) + 80 * len(self.block.get("block_hashes") or ())
+        return n
 
 
 class SubscriberDropped(Exception):
@@ -48,11 +90,16 @@ class SubscriberDropped(Exception):
 class Subscription:
     """One subscriber's bounded queue of events."""
 
-    def __init__(self, hub: "KvEventHub", model_id: str, limit: int, blocks: bool = False) -> None:
+    def __init__(self, hub: "KvEventHub", model_id: str, limit: int, blocks: bool = False, caller: str = "",
+                 key: str = "") -> None:
         self.hub = hub
         self.model_id = model_id
         self.blocks = blocks
+        self.caller = caller  # whose events it gets (when the hub tells callers apart)
+        self.key = key  # what the per-caller subscriber cap counts it under
         self.limit = limit
+        self.owner_known = asyncio.Event()  # set by the hub when a pending owner is recorded
+        self.waiting_owner = False  # its next event's owner is pending (the hub wakes only those)
         self.queue: collections.deque[KvEventRecord] = collections.deque()
         self.wakeup = asyncio.Event()
         self.dropped_at: int | None = None
@@ -64,6 +111,9 @@ class Subscription:
 
     def _offer(self, ev: KvEventRecord) -> None:  # on the subscriber's loop
         if self.dropped_at is not None or not self.wants(ev):
+            return
+        owner = ev.owner.tenant if self.hub.per_caller and ev.owner is not None else None
+        if owner is not None and owner != self.caller:  # known to be another caller's: not even queued
             return
         if len(self.queue) >= self.limit:
             self.dropped_at = self.queue[0].seq if self.queue else ev.seq
@@ -85,7 +135,13 @@ class Subscription:
         return ev
 
     async def next(self) -> KvEventRecord:
-        """The next event (replayed first, then live); raises SubscriberDropped."""
+        """The next event this subscriber may see (replayed first, then live); raises SubscriberDropped."""
+        while True:
+            ev = await self._candidate()
+            if await self._visible(ev):
+                return ev
+
+    async def _candidate(self) -> KvEventRecord:
         while True:
             while self.replay_next < self.live_from and self.dropped_at is None:
                 ev = self._replayed()
@@ -98,54 +154,179 @@ class Subscription:
             self.wakeup.clear()
             await self.wakeup.wait()
 
+    async def _visible(self, ev: KvEventRecord) -> bool:
+        """Whether ``ev`` is this subscriber's to see; waits while its owner is pending."""
+        if not self.hub.per_caller or ev.owner is None:
+            return True
+        deadline = self.loop.time() + PENDING_OWNER_S
+        try:
+            while ev.owner.tenant is None:
+                self.owner_known.clear()
+                self.waiting_owner = True
+                left = deadline - self.loop.time()
+                if left <= 0:
+                    self.hub.settle(ev.owner)
+                    break
+                try:
+                    await asyncio.wait_for(self.owner_known.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.waiting_owner = False
+        return ev.owner.tenant == self.caller
+
     def wants(self, ev: KvEventRecord) -> bool:
         return (not self.model_id or ev.model_id == self.model_id) and (self.blocks or not ev.block_kind)
 
     def close(self) -> None:
-        self.hub._subs.discard(self)
+        with self.hub._lock:
+            self.hub._subs.discard(self)
 
 
 class KvEventHub:
     """Sequence numbers, the replay buffer and the live subscribers."""
 
-    def __init__(self, replay: int = 65536, subscriber_buffer: int = 8192) -> None:
+    def __init__(self, replay: int = 65536, subscriber_buffer: int = 8192, *, per_caller: bool = False,
+                 replay_bytes: int = 64 * 1024 * 1024, max_subscribers: int = 128,
+                 max_subscribers_per_caller: int = 16) -> None:
+        """``per_caller``: callers are told apart (bearer tokens or mutual TLS): each subscriber
+        sees only its own events, and block events carry no token ids. ``replay_bytes``: bound on
+        the replay buffer's estimated bytes (0 = events only); ``max_subscribers`` /
+        ``max_subscribers_per_caller``: caps on live subscriptions (0 = none)."""
         self._lock = threading.Lock()
         self._seq = 0
         self.replay: collections.deque[KvEventRecord] = collections.deque(maxlen=replay)
+        self.replay_bytes = replay_bytes
+        self._replay_held = 0  # estimated bytes in the replay buffer
         self.subscriber_buffer = subscriber_buffer
+        self.per_caller = per_caller
+        self.max_subscribers = max_subscribers
+        self.max_subscribers_per_caller = max_subscribers_per_caller
         self._subs: set[Subscription] = set()
+        # per_caller only: the owner of each live cache, and of each key in a prefix index
+        self._owners: dict[tuple[str, str], Owner] = {}
+        self._key_owner: dict[tuple[str, bytes], Owner] = {}
 
     @property
     def seq(self) -> int:
         """The last sequence number assigned."""
         return self._seq
 
-    def publish(self, kind: str, model_id: str, cache_id: str, num_tokens: int) -> None:
-        """A cache event (``kind``: a key of :data:`KINDS`)."""
-        self._publish(lambda seq: KvEventRecord(seq, KINDS[kind], model_id, cache_id, num_tokens, time.time_ns()))
+    def publish(self, kind: str, model_id: str, cache_id: str, num_tokens: int, tenant: str = "") -> None:
+        """A cache event (``kind``: a key of :data:`KINDS`; ``tenant``: the cache's, "" if not
+        recorded yet)."""
+        with self._lock:
+            owner = None
+            if self.per_caller:
+                owner = self._owner(model_id, cache_id, tenant)
+                if kind in TERMINAL:
+                    self._owners.pop((model_id, cache_id), None)
+                    if owner.tenant is None:  # never adopted (an orphaned step's cache): nobody's
+                        owner.tenant = ""
+            self._append(KvEventRecord(self._seq + 1, KINDS[kind], model_id, cache_id, num_tokens, time.time_ns(),
+                                       owner=owner))
 
     def publish_block(self, kind: str, model_id: str, data: dict) -> None:
-        """A prefix-cache block event (``kind``: stored | removed | cleared)."""
-        self._publish(lambda seq: KvEventRecord(seq, 0, model_id, "", 0, time.time_ns(), kind, data))
-
-    def _publish(self, make) -> None:
+        """A prefix-cache block event (``kind``: stored | removed | cleared). ``data["cache_id"]``
+        (stored): the cache whose step stored the blocks (not sent to subscribers)."""
+        data = dict(data)
+        storer = data.pop("cache_id", "")
         with self._lock:
-            self._seq += 1
-            ev = make(self._seq)
-            self.replay.append(ev)
-            for sub in list(self._subs):
-                try:
-                    sub.loop.call_soon_threadsafe(sub._offer, ev)
-                except RuntimeError:  # the subscriber's loop is closed
-                    self._subs.discard(sub)
+            if not self.per_caller:
+                if data.get("token_ids"):
+                    data["token_ids"] = array.array("i", data["token_ids"])
+                self._append(KvEventRecord(self._seq + 1, 0, model_id, "", 0, time.time_ns(), kind, data))
+                return
+            if "token_ids" in data:
+                data["token_ids"] = ()
+            if kind == "stored":
+                owner = self._owners.get((model_id, storer)) or Owner("")
+                for k in data.get("block_hashes") or ():
+                    self._key_owner[(model_id, k)] = owner
+                self._append(KvEventRecord(self._seq + 1, 0, model_id, "", 0, time.time_ns(), kind, data, owner))
+            elif kind == "removed":
+                groups: dict[int, tuple[Owner, list[bytes]]] = {}
+                for k in data.get("block_hashes") or ():
+                    o = self._key_owner.pop((model_id, k), None) or Owner("")
+                    groups.setdefault(id(o), (o, []))[1].append(k)
+                for o, keys in groups.values():  # one event per owner: nobody sees another's keys
+                    self._append(KvEventRecord(self._seq + 1, 0, model_id, "", 0, time.time_ns(), kind,
+                                               {"block_hashes": keys}, o))
+            else:  # cleared: the whole index of the model went
+                for k in [k for k in self._key_owner if k[0] == model_id]:
+                    del self._key_owner[k]
+                self._append(KvEventRecord(self._seq + 1, 0, model_id, "", 0, time.time_ns(), kind, data))
 
-    def subscribe(self, model_id: str, from_seq: int | None, blocks: bool = False
-                  ) -> tuple[Subscription, int | None, int]:
-        """A new subscription (``blocks``: with block events). Returns (subscription, oldest
-        available seq if ``from_seq`` is gone else None, next seq). Replayed events are queued
-        before live ones, in order."""
-        sub = Subscription(self, model_id, self.subscriber_buffer, blocks)
+    def adopt(self, model_id: str, cache_id: str, tenant: str) -> None:
+        """The request path recorded ``cache_id``'s tenant: its pending events get their owner."""
+        if not self.per_caller:
+            return
         with self._lock:
+            owner = self._owners.get((model_id, cache_id))
+            if owner is None or owner.tenant is not None:
+                return
+            owner.tenant = tenant
+            subs = [s for s in self._subs if s.waiting_owner]
+        for sub in subs:
+            try:
+                sub.loop.call_soon_threadsafe(sub.owner_known.set)
+            except RuntimeError:  # the subscriber's loop is closed
+                pass
+
+    def settle(self, owner: Owner) -> None:
+        """An owner still pending after :data:`PENDING_OWNER_S`: nobody's."""
+        with self._lock:
+            if owner.tenant is None:
+                owner.tenant = ""
+
+    def _owner(self, model_id: str, cache_id: str, tenant: str) -> Owner:  # under the lock
+        owner = self._owners.get((model_id, cache_id))
+        if owner is None:
+            owner = self._owners[(model_id, cache_id)] = Owner(tenant or None)
+        elif owner.tenant is None and tenant:
+            owner.tenant = tenant
+        return owner
+
+    def _append(self, ev: KvEventRecord) -> None:  # under the lock
+        self._seq = ev.seq
+        buf = self.replay
+        size = ev.nbytes()
+        while buf and ((buf.maxlen is not None and len(buf) >= buf.maxlen)
+                       or (self.replay_bytes and self._replay_held + size > self.replay_bytes)):
+            self._replay_held = max(0, self._replay_held - buf.popleft().nbytes())
+        buf.append(ev)
+        self._replay_held += size
+        for sub in list(self._subs):
+            try:
+                sub.loop.call_soon_threadsafe(sub._offer, ev)
+            except RuntimeError:  # the subscriber's loop is closed
+                self._subs.discard(sub)
+
+    @property
+    def replay_held_bytes(self) -> int:
+        """The replay buffer's estimated bytes."""
+        return self._replay_held
+
+    def subscribe(self, model_id: str, from_seq: int | None, blocks: bool = False, caller: str = "",
+                  key: str | None = None) -> tuple[Subscription, int | None, int]:
+        """A new subscription (``blocks``: with block events; ``caller``: whose events it gets when
+        the hub tells callers apart; ``key``: what the per-caller cap counts, default ``caller``).
+        Returns (subscription, oldest available seq if ``from_seq`` is gone else None, next seq).
+        Replayed events are queued before live ones, in order. RESOURCE_EXHAUSTED past a
+        subscriber cap."""
+        key = caller if key is None else key
+        sub = Subscription(self, model_id, self.subscriber_buffer, blocks, caller, key)
+        with self._lock:
+            if self.max_subscribers and len(self._subs) >= self.max_subscribers:
+                raise errors.exhausted(
+                    f"{len(self._subs)} KV-event subscriptions are open; this server's limit is "
+                    f"{self.max_subscribers}", retry_after_ms=1000, limit=self.max_subscribers)
+            mine = sum(1 for s in self._subs if s.key == key)
+            if self.max_subscribers_per_caller and mine >= self.max_subscribers_per_caller:
+                raise errors.exhausted(
+                    f"this caller has {mine} KV-event subscriptions open; the limit per caller is "
+                    f"{self.max_subscribers_per_caller}", retry_after_ms=1000,
+                    limit=self.max_subscribers_per_caller)
             gone = None
             sub.live_from = sub.replay_next = self._seq + 1
             if from_seq is not None:

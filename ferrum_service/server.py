@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2, executor_pb2_grpc
 
 from . import tracing
-from .auth import AuthInterceptor
+from .auth import AuthInterceptor, is_admin_call
 from .host import ModelHost
 from .kv_events import KvEventHub
 from .callers import CallerActivity
@@ -67,6 +67,16 @@ class ServerConfig:
     max_text_bytes: int = 1024 * 1024  # text one request may ask to tokenize
     role: str = "both"  # both | prefill | decode (see ServerRole in the contract)
     otlp_endpoint: str | None = None  # OpenTelemetry traces to this OTLP/gRPC endpoint (see tracing.py)
+    # KV events (kv_events.py): replay buffer bytes (estimated), and open subscriptions in all / per caller
+    kv_event_replay_bytes: int = 64 * 1024 * 1024
+    max_kv_event_subscribers: int = 128
+    max_kv_event_subscribers_per_caller: int = 16
+
+    @property
+    def per_caller(self) -> bool:
+        """Callers are told apart (bearer tokens or mutual TLS): caches, events and adapter
+        details are per caller (callers.py)."""
+        return bool(self.auth_tokens or self.tls_client_ca)
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -109,19 +119,22 @@ class Server:
         self.draining = False
         self.health = health.aio.HealthServicer()
         self.streams = StreamRegistry(models)
-        self.events = KvEventHub()
+        # Under per-caller auth each subscriber sees only its own caches' events, and block events
+        # carry keys only (enough to route), not token ids (kv_events.py).
+        self.events = KvEventHub(per_caller=cfg.per_caller, replay_bytes=cfg.kv_event_replay_bytes,
+                                 max_subscribers=cfg.max_kv_event_subscribers,
+                                 max_subscribers_per_caller=cfg.max_kv_event_subscribers_per_caller)
         for host in models:
             host.executor.registry.on_event = (
-                lambda kind, e, hub=self.events: hub.publish(kind, e.model_id, e.cache_id, e.num_tokens))
+                lambda kind, e, hub=self.events: hub.publish(kind, e.model_id, e.cache_id, e.num_tokens, e.tenant))
             prefix = getattr(host.executor, "prefix", None)
             if prefix is not None:
-                # A subscriber must not read other tenants' prompts: with authentication on, block
-                # events carry keys only (enough to route), not token ids.
-                prefix.on_event = (lambda kind, data, hub=self.events, m=host.model_id, ids=not cfg.auth_tokens:
-                                   hub.publish_block(kind, m, data if ids else {**data, "token_ids": []}))
+                prefix.on_event = lambda kind, data, hub=self.events, m=host.model_id: hub.publish_block(kind, m, data)
         if cfg.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, not {cfg.role!r}")
-        self.servicer = ModelExecutorServicer(models, Operations(models, RequestChecks(models, cfg.role)),
+        checks = RequestChecks(models, cfg.role)
+        checks.on_adopt = lambda e, hub=self.events: hub.adopt(e.model_id, e.cache_id, e.tenant)
+        self.servicer = ModelExecutorServicer(models, Operations(models, checks),
                                               self.streams, self.events, self.metrics,
                                               draining=lambda: self.draining,
                                               tokens_checked=bool(cfg.auth_tokens),
@@ -129,6 +142,7 @@ class Server:
                                               activity=self.activity, role=cfg.role,
                                               max_message_bytes=cfg.max_message_bytes)
         self.servicer.on_model_shutdown = self._model_down
+        self.servicer.is_admin = lambda metadata: is_admin_call(metadata, cfg.admin_tokens, cfg.open_admin_rpcs)
         interceptors = []
         if cfg.auth_tokens or cfg.admin_tokens:
             interceptors.append(AuthInterceptor(cfg.auth_tokens, cfg.admin_tokens))

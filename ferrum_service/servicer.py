@@ -270,13 +270,32 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             return pb.UnloadAdapterResponse(unloaded=unloaded, dropped_blocks=dropped)
         return await self._unary("UnloadAdapter", context, run)
 
+    #: Whether a call (its metadata) may use the admin RPCs; the server sets it (auth.is_admin_call).
+    is_admin: Callable[[Any], bool] = staticmethod(lambda metadata: False)
+
     async def ListAdapters(self, request, context):
+        """Open to every caller; an adapter's server path only to admin callers, and its live
+        caches counted among the caller's own (under per-caller auth, also no step counts)."""
         async def run():
+            admin = self.is_admin(context.invocation_metadata())
+            caller = current_caller.get()
             out = []
             for h in self.models.select(request.model_id):
                 if h.executor.adapters is not None:
-                    bound = h.executor.adapter_bindings()
-                    out += [adapter_pb(h, a, bound) for a in list(h.executor.adapters.adapters.values())]
+                    if admin:
+                        bound = h.executor.adapter_bindings()
+                    else:
+                        bound = {}
+                        for e in h.executor.registry.entries():
+                            if e.adapter and e.tenant == caller:
+                                bound[e.adapter] = bound.get(e.adapter, 0) + 1
+                    for a in list(h.executor.adapters.adapters.values()):
+                        info = adapter_pb(h, a, bound)
+                        if not admin:
+                            info.path = ""
+                            if self.events.per_caller:
+                                info.steps = 0
+                        out.append(info)
             return pb.ListAdaptersResponse(adapters=out)
         return await self._unary("ListAdapters", context, run)
 
@@ -494,13 +513,21 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         return await self._unary("ListCaches", context, run)
 
     async def SubscribeKvEvents(self, request, context):
-        if request.model_id:
-            try:
-                self.models.get(request.model_id)
-            except errors.FerrumError as e:
-                await context.abort_with_status(rpc_status.to_status(status_of(e)))
+        """Cache (and block) events; under per-caller auth only the caller's own (kv_events.py)."""
+        origin = enter_call(context, self.activity, tokens_checked=self.tokens_checked)
+        caller = current_caller.get()
         from_seq = request.from_seq if request.HasField("from_seq") else None
-        sub, gone, next_seq = self.events.subscribe(request.model_id, from_seq, request.include_block_events)
+        try:
+            self._check_serving()
+            if request.model_id:
+                self.models.get(request.model_id)
+            # the per-caller cap counts identities; without them, client hosts
+            key = caller if caller else origin.partition("@")[2]
+            sub, gone, next_seq = self.events.subscribe(request.model_id, from_seq, request.include_block_events,
+                                                        caller=caller, key=key)
+        except errors.FerrumError as e:
+            self._log_refusal("SubscribeKvEvents", e)
+            await context.abort_with_status(rpc_status.to_status(status_of(e)))
         with self.streams.running():
             try:
                 if gone is not None:

@@ -17,7 +17,7 @@ Every check raises a :class:`FerrumError` naming the field at fault.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from . import errors
 from .callers import current_caller, current_origin
@@ -98,14 +98,18 @@ class RequestChecks:
         except errors.FerrumError:
             return False
 
-    @staticmethod
-    def adopt(entry: CacheEntry, owner: str = "") -> None:
+    #: Called with each adopted entry (the server tells its KV event hub whose cache it is).
+    on_adopt: "Callable[[CacheEntry], None] | None" = None
+
+    def adopt(self, entry: CacheEntry, owner: str = "") -> None:
         """Record who a new cache belongs to: the current caller, the stream that frees it, and
         where the call came from (for the idle-origin lease, ``leases.py``)."""
         entry.tenant = current_caller.get()
         entry.origin = current_origin.get()
         if owner and not entry.owner:
             entry.owner = owner
+        if self.on_adopt is not None:
+            self.on_adopt(entry)
 
     def _not_another_models(self, host: "ModelHost", cache_id: str, field: str) -> None:
         other = self.models.owner_of(cache_id)

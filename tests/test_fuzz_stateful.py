@@ -86,6 +86,8 @@ class Target:
         # Executors that fork share blocks between caches (and reuse cached prefixes): the machine's
         # budget model, which gives every cache its own blocks, is then an upper bound on the need.
         self.shares = caps.supports_fork
+        self.transfers = caps.supports_kv_transfer
+        self.lora = caps.supports_lora
         self.vocab = self.stub.Info(pb.InfoRequest(model_id=model_id), timeout=DEADLINE).models[0].vocab_size
         reg = self.executor.registry
         self.total_tokens = reg.total_tokens
@@ -436,7 +438,10 @@ class ExecutorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def hostile_requests(self, data):
         kind = data.draw(st.sampled_from(["vocab", "released", "truncate", "too_long", "padded_batch", "forward",
-                                          "long_text", "position", "verify_empty", "unified_offset"]), label="hostile")
+                                          "long_text", "position", "verify_empty", "unified_offset",
+                                          "fork_released", "fork_huge", "export_released", "export_range",
+                                          "import_no_header", "import_cut", "adapter_admin", "adapter_unknown",
+                                          "subscribe_unknown_model"]), label="hostile")
         s, m, I = self.t.stub, self.mid, {C.INVALID_ARGUMENT}
         cid = self.pick(data)[0] if self.caches else None
         if kind == "vocab" and cid:
@@ -502,6 +507,96 @@ class ExecutorMachine(RuleBasedStateMachine):
                 model_id=m, items=[pb.UnifiedBatchItem(seq_id="x", q_tokens=[1], cache_id=cid,
                                                        pos_offset=self.caches[cid] + 1, is_final_chunk=True)]),
                 timeout=DEADLINE), {C.FAILED_PRECONDITION} if self.t.unified else {C.UNIMPLEMENTED})
+
+        else:
+            self.hostile_new_rpcs(kind, cid, data)
+
+    def hostile_new_rpcs(self, kind: str, cid: str | None, data) -> None:
+        """ForkCache, ExportKv, ImportKv, Load/UnloadAdapter and SubscribeKvEvents: unknown ids,
+        huge numbers, cut or headerless streams, no admin rights (UNIMPLEMENTED where the executor
+        has no such feature)."""
+        s, m = self.t.stub, self.mid
+        fork = set() if self.t.shares else {C.UNIMPLEMENTED}
+        xfer = set() if self.t.transfers else {C.UNIMPLEMENTED}
+        if kind == "fork_released":
+            self.hostile("ForkCache of a released cache", lambda: s.ForkCache(pb.ForkCacheRequest(
+                model_id=m, cache_id=self.released_id()), timeout=DEADLINE), {C.NOT_FOUND})
+        elif kind == "fork_huge" and cid:
+            big = data.draw(st.sampled_from([2**31, 2**63, 2**64 - 1]), label="big")
+            keep = data.draw(st.booleans(), label="keep")
+            req = (pb.ForkCacheRequest(model_id=m, cache_id=cid, keep_tokens=big) if keep
+                   else pb.ForkCacheRequest(model_id=m, cache_id=cid, reserve_tokens=big))
+            self.hostile("ForkCache huge " + ("keep_tokens" if keep else "reserve_tokens"),
+                         lambda: s.ForkCache(req, timeout=DEADLINE),
+                         fork | ({C.OUT_OF_RANGE} if keep else {C.INVALID_ARGUMENT}))  # checked before the feature
+        elif kind == "export_released":
+            self.hostile("ExportKv of a released cache", lambda: list(s.ExportKv(pb.ExportKvRequest(
+                model_id=m, cache_id=self.released_id()), timeout=DEADLINE)), xfer or {C.NOT_FOUND})
+        elif kind == "export_range" and cid:
+            n = self.caches[cid]
+            self.hostile("ExportKv past the end", lambda: list(s.ExportKv(pb.ExportKvRequest(
+                model_id=m, cache_id=cid, from_token=n, to_token=2**64 - 1), timeout=DEADLINE)),
+                xfer or {C.OUT_OF_RANGE})
+        elif kind == "import_no_header":
+            self.hostile("ImportKv without a header", lambda: s.ImportKv(iter([pb.ImportKvRequest(
+                model_id=m, chunk=pb.KvChunk(layer=data.draw(st.integers(0, 2**32 - 1), label="layer")))]),
+                timeout=DEADLINE), {C.INVALID_ARGUMENT} | xfer)
+        elif kind == "import_cut" and cid and self.t.transfers and self.caches[cid] > 0:
+            msgs = list(s.ExportKv(pb.ExportKvRequest(model_id=m, cache_id=cid), timeout=DEADLINE))
+            keep = data.draw(st.integers(1, len(msgs) - 1), label="kept") if len(msgs) > 1 else 1
+            reqs = [pb.ImportKvRequest(model_id=m, header=msgs[0].header)]
+            reqs += [pb.ImportKvRequest(chunk=x.chunk) for x in msgs[1:keep]]
+            self.hostile("ImportKv cut short", lambda: s.ImportKv(
+                iter(reqs), timeout=DEADLINE), {C.DATA_LOSS, C.INVALID_ARGUMENT})
+        elif kind == "adapter_admin":
+            if data.draw(st.booleans(), label="load"):
+                self.hostile("LoadAdapter without admin rights", lambda: s.LoadAdapter(pb.LoadAdapterRequest(
+                    model_id=m, name="x", path="/"), timeout=DEADLINE), {C.PERMISSION_DENIED})
+            else:
+                self.hostile("UnloadAdapter without admin rights", lambda: s.UnloadAdapter(
+                    pb.UnloadAdapterRequest(model_id=m, name="x"), timeout=DEADLINE), {C.PERMISSION_DENIED})
+        elif kind == "adapter_unknown":
+            self.hostile("Prefill with an unknown adapter", lambda: s.Prefill(pb.PrefillRequest(
+                model_id=m, input=pb.PrefillInput(token_ids=[1, 2], adapter="no-such-adapter")), timeout=DEADLINE),
+                {C.NOT_FOUND} if self.t.lora else {C.UNIMPLEMENTED})
+        elif kind == "subscribe_unknown_model":
+            self.hostile("SubscribeKvEvents of an unknown model", lambda: next(s.SubscribeKvEvents(
+                pb.SubscribeKvEventsRequest(model_id=m + "-nope", include_block_events=True), timeout=DEADLINE)),
+                {C.NOT_FOUND})
+
+    @rule(data=st.data())
+    def subscribe_replay(self, data):
+        """SubscribeKvEvents with block events, replaying the last few events: every one arrives, in
+        sequence order with no gap (no auth here: every event is visible), cache and block events alike."""
+        seq = self.t.stub.Loads(pb.LoadsRequest(model_id=self.mid), timeout=DEADLINE).kv_event_seq
+        if seq == 0:
+            return
+        back = data.draw(st.integers(0, 7), label="back")
+        start = max(1, seq - back)
+        call = self.t.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(
+            model_id=self.mid, from_seq=start, include_block_events=True), timeout=DEADLINE)
+        got = []
+        try:
+            for msg in call:
+                which = msg.WhichOneof("message")
+                if which == "resync_required":  # only if the replay lost them meanwhile
+                    assert msg.resync_required.requested_seq == start, msg
+                    self.stats["SubscribeKvEvents:resync"] += 1
+                    return
+                got.append(msg.event.seq if which == "event" else msg.block_event.seq)
+                if which == "block_event":
+                    ev = msg.block_event
+                    assert ev.WhichOneof("data") in ("stored", "removed", "cleared"), ev
+                    if ev.HasField("stored"):
+                        st_ = ev.stored
+                        assert len(st_.token_ids) == st_.block_size * len(st_.block_hashes), ev
+                        assert all(len(k) == 32 for k in st_.block_hashes)
+                if len(got) == seq - start + 1:
+                    break
+        finally:
+            call.cancel()
+        assert got == list(range(start, seq + 1)), (got, start, seq)
+        self.stats["SubscribeKvEvents"] += 1
 
     def released_id(self) -> str:
         r = self.t.stub.Prefill(pb.PrefillRequest(model_id=self.mid, input=pb.PrefillInput(token_ids=[1])), timeout=DEADLINE)

@@ -592,15 +592,18 @@ class HfCausalLmExecutor(ItemStepExecutor):
         if a is None:
             return None
         bound = self.adapter_bindings()
+        # One snapshot of the table (a C-level copy, atomic under the GIL): this runs on the event
+        # loop while LoadAdapter / UnloadAdapter may change the table on the worker.
+        items = list(a.adapters.items())
         return {
-            "enabled": bool(a.adapters), "adapter_count": len(a.adapters),
+            "enabled": bool(items), "adapter_count": len(items),
             "active_cache_bindings": sum(n for name, n in bound.items() if name),
             "projection_applications": a.projection_applications, "position": "real-inference",
-            "source": "hf-causal-lm-stacked-lora", "max_resident": a.max_resident, "resident": len(a.resident),
+            "source": "hf-causal-lm-stacked-lora", "max_resident": a.max_resident,
+            "resident": sum(1 for _n, x in items if x.resident),
             "loads": a.loads, "evictions": a.evictions,
             "adapters": {n: {"rank": x.rank, "resident": x.resident, "steps": x.steps,
-                             "live_caches": bound[n]}
-                         for n, x in list(a.adapters.items())},  # a snapshot: LoadAdapter may run meanwhile
+                             "live_caches": bound.get(n, 0)} for n, x in items},
         }
 
     def _lora_step(self, rows: list[_Row]):
@@ -854,7 +857,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         entry.adapter = staged.adapter
         entry.payload = SeqBlocks(staged.blocks, [], self.prefix.root(staged.salt, staged.adapter))
         staged.blocks = None
-        self.prefix.commit(entry.payload, entry.tokens)
+        self.prefix.commit(entry.payload, entry.tokens, entry.cache_id)
         return entry, self.prefix.cached_blocks - before
 
     def import_abort(self, staged: "_StagedImport") -> None:
@@ -1000,7 +1003,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         for it, e in zip(items, entries):
             if it.entry is not None:
                 self.registry.extend(e, it.tokens)
-            pc.commit(e.payload, e.tokens)
+            pc.commit(e.payload, e.tokens, e.cache_id)
         return list(zip(entries, logits))
 
     def _adapters_of(self, items: list[StepItem], field: str) -> dict[str, AdapterWeights]:

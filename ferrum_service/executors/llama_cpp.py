@@ -661,7 +661,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         for it, e in zip(items, entries):
             if it.entry is not None:
                 self.registry.extend(e, it.tokens)
-            pc.commit(e.payload, e.tokens)
+            pc.commit(e.payload, e.tokens, e.cache_id)
         # Status counters are recorded by the server around each step (operations.py, host.py), as for
         # every executor; recording here too counted each llama.cpp step twice.
         return list(zip(entries, logits))

@@ -90,8 +90,9 @@ class SequencePrefixIndex:
         self.roots[seq] = root
         self.keys[seq] = list(keys)
 
-    def commit(self, seq: int, tokens: Sequence[int]) -> None:
-        """Key the blocks ``seq`` filled since its last commit and index new keys."""
+    def commit(self, seq: int, tokens: Sequence[int], cache_id: str = "") -> None:
+        """Key the blocks ``seq`` filled since its last commit and index new keys (``cache_id``:
+        the cache holding ``seq``, named in the ``stored`` event for the server)."""
         if not self.enabled:
             return
         keys = self.keys.setdefault(seq, [])
@@ -106,7 +107,8 @@ class SequencePrefixIndex:
         if stored:
             # One event per commit: keys of other holders in between are re-announced harmlessly.
             self._emit("stored", {"block_hashes": keys[first:], "parent_block_hash": first_parent,
-                                  "token_ids": list(tokens[first * BLOCK:len(keys) * BLOCK]), "block_size": BLOCK})
+                                  "token_ids": list(tokens[first * BLOCK:len(keys) * BLOCK]), "block_size": BLOCK,
+                                  "cache_id": cache_id})
 
     def truncate(self, seq: int, new_len: int) -> None:
         """``seq`` keeps its first ``new_len`` positions: its later keys stop naming it."""

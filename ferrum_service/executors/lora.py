@@ -22,8 +22,8 @@ Rooms:
   fingerprint does not change when adapters are loaded.
 - **Residency.** :class:`AdapterSet` registers adapters by name; at most ``max_resident`` have
   their weights in device memory. A step that needs a registered one that is not resident reads it
-  back from its directory (checked against the file digest taken at load: a changed file is
-  FAILED_PRECONDITION) and drops the least recently used one not in the step.
+  back from its directory (checked against the digest of both files taken at load: a changed
+  config or weights file is FAILED_PRECONDITION) and drops the least recently used one not in the step.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class Adapter:
 
     name: str
     path: str
-    digest: str  # SHA-256 of its safetensors file at load time
+    digest: str  # SHA-256 of its config and weights files at load time, as parsed (``_digest``)
     rank: int
     alpha: float
     target_modules: list[str]
@@ -93,11 +93,12 @@ def _invalid(msg: str, fld: str = "path") -> errors.FerrumError:
     return errors.invalid(msg, field=fld)
 
 
-def _file_digest(p: Path) -> str:
+def _digest(config: bytes, weights: bytes) -> str:
+    """SHA-256 over both files' bytes, each framed by its length (a byte cannot move between them)."""
     h = hashlib.sha256()
-    with p.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for part in (config, weights):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
     return h.hexdigest()
 
 
@@ -112,8 +113,9 @@ def _pattern_value(patterns: dict, module: str, default):
 def read_adapter(path: str | Path, model: nn.Module, *, device: torch.device, dtype: torch.dtype
                  ) -> tuple[dict, AdapterWeights, str]:
     """Read and check a PEFT LoRA directory against ``model``: (summary, weights on ``device``,
-    file digest). INVALID_ARGUMENT (field ``path``) when it is not an adapter this module serves."""
-    from safetensors import safe_open
+    digest of the config and weights bytes that were parsed). INVALID_ARGUMENT (field ``path``)
+    when it is not an adapter this module serves."""
+    import safetensors.torch
 
     d = Path(path)
     if not d.is_dir():
@@ -127,10 +129,18 @@ def read_adapter(path: str | Path, model: nn.Module, *, device: torch.device, dt
         raise _invalid(f"adapter {str(d)!r} has no {_WEIGHTS}")
     if not cfg_file.is_file():
         raise _invalid(f"adapter {str(d)!r} has no {_CONFIG}")
+    # Each file is read once: what is parsed is exactly what the digest covers (no second read).
     try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:
+        cfg_bytes, weight_bytes = cfg_file.read_bytes(), weights_file.read_bytes()
+    except OSError as e:
+        raise _invalid(f"adapter {str(d)!r}: {e}") from e
+    digest = _digest(cfg_bytes, weight_bytes)
+    try:
+        cfg = json.loads(cfg_bytes)
+    except ValueError as e:
         raise _invalid(f"{cfg_file}: not JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise _invalid(f"{cfg_file}: not a JSON object")
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise _invalid(f"adapter {str(d)!r} is {cfg.get('peft_type')!r}, not a LoRA adapter")
     for key, bad, what in (("use_dora", lambda v: bool(v), "DoRA"),
@@ -144,13 +154,16 @@ def read_adapter(path: str | Path, model: nn.Module, *, device: torch.device, dt
     rslora = bool(cfg.get("use_rslora"))
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(str(weights_file), framework="pt", device="cpu") as f:
-        for key in f.keys():
-            m = _KEY_RE.match(key)
-            if m is None:
-                raise _invalid(f"adapter {str(d)!r}: tensor {key!r} is not a LoRA A/B weight of a linear layer "
-                               "(embeddings, magnitudes and extra modules are not served)")
-            pairs.setdefault(m["module"], {})[m["ab"]] = f.get_tensor(key)
+    try:
+        tensors = safetensors.torch.load(weight_bytes)
+    except Exception as e:  # noqa: BLE001 - a malformed file (the library's own error types vary)
+        raise _invalid(f"{weights_file}: not a safetensors file ({e})") from e
+    for key, tensor in tensors.items():
+        m = _KEY_RE.match(key)
+        if m is None:
+            raise _invalid(f"adapter {str(d)!r}: tensor {key!r} is not a LoRA A/B weight of a linear layer "
+                           "(embeddings, magnitudes and extra modules are not served)")
+        pairs.setdefault(m["module"], {})[m["ab"]] = tensor
     if not pairs:
         raise _invalid(f"adapter {str(d)!r} holds no LoRA weights")
 
@@ -178,7 +191,7 @@ def read_adapter(path: str | Path, model: nn.Module, *, device: torch.device, dt
         ranks.append(r)
         targets.add(name.rsplit(".", 1)[-1])
     summary = {"rank": max(ranks), "alpha": alpha_default, "target_modules": sorted(targets)}
-    return summary, AdapterWeights(modules), _file_digest(weights_file)
+    return summary, AdapterWeights(modules), digest
 
 
 # ---- one step's rows -------------------------------------------------------------------------------
@@ -340,8 +353,8 @@ class AdapterSet:
                 summary, weights, digest = read_adapter(a.path, self.model, device=self.device, dtype=self.dtype)
                 if digest != a.digest:
                     raise errors.failed_precondition(
-                        f"adapter {n!r}: {a.path}/{_WEIGHTS} changed since it was loaded; load it again",
-                        field=fld)
+                        f"adapter {n!r}: {a.path} ({_CONFIG} or {_WEIGHTS}) changed since it was loaded; "
+                        "unload and load it again", field=fld)
                 self.loads += 1
                 a.weights = weights
             a.last_used = now

@@ -195,9 +195,10 @@ class PrefixCache:
         self.stats.cow_copies += 1
 
     # ---- the index -------------------------------------------------------------------------------
-    def commit(self, seq: SeqBlocks, tokens: Sequence[int]) -> None:
+    def commit(self, seq: SeqBlocks, tokens: Sequence[int], cache_id: str = "") -> None:
         """Key the blocks ``seq`` filled since its last commit (``tokens``: all of its tokens) and
-        put them in the index, unless an equal block is there already."""
+        put them in the index, unless an equal block is there already. ``cache_id``: the cache
+        ``seq`` belongs to (its ``stored`` events name it, so the server knows whose they are)."""
         if not self.enabled:
             return
         bs = self.block_size
@@ -218,10 +219,10 @@ class PrefixCache:
                 if run is None:
                     run = (i, before)
             elif run is not None:  # one event per unbroken run, so each event is one chain
-                self._stored(seq, tokens, *run, i)
+                self._stored(seq, tokens, *run, i, cache_id)
                 run = None
         if run is not None:
-            self._stored(seq, tokens, *run, full)
+            self._stored(seq, tokens, *run, full, cache_id)
 
     def truncate_keys(self, seq: SeqBlocks, new_len: int) -> None:
         """Forget the keys of blocks no longer full after a truncation (the blocks stay indexed
@@ -285,11 +286,12 @@ class PrefixCache:
         if keys:
             self._emit("removed", {"block_hashes": keys})
 
-    def _stored(self, seq: SeqBlocks, tokens: Sequence[int], first: int, parent: bytes, end: int) -> None:
+    def _stored(self, seq: SeqBlocks, tokens: Sequence[int], first: int, parent: bytes, end: int,
+                cache_id: str) -> None:
         bs = self.block_size
         self._emit("stored", {"block_hashes": seq.keys[first:end], "parent_block_hash": parent,
                               "token_ids": list(tokens[first * bs:end * bs]), "block_size": bs,
-                              "adapter": self.root_adapter.get(seq.root, "")})
+                              "adapter": self.root_adapter.get(seq.root, ""), "cache_id": cache_id})
 
     def _emit(self, kind: str, data: dict) -> None:
         if self.on_event is not None:
