@@ -26,6 +26,7 @@ from . import tracing
 from .auth import AuthInterceptor
 from .host import ModelHost
 from .kv_events import KvEventHub
+from .kv_peers import KvPeers
 from .callers import CallerActivity
 from .leases import LeaseReaper
 from .metrics import Metrics
@@ -66,6 +67,12 @@ class ServerConfig:
     max_step_bytes: int = 2 * 1024**3  # transient memory one forward may need (0 = no limit)
     max_text_bytes: int = 1024 * 1024  # text one request may ask to tokenize
     role: str = "both"  # both | prefill | decode (see ServerRole in the contract)
+    kv_peers: list[str] = field(default_factory=list)  # HOST:PORT servers ImportKv may pull from (kv_peers.py)
+    kv_peer_tokens: list[str] = field(default_factory=list)  # first: sent to peers; all: accepted from peers
+    kv_peer_ca: str | None = None  # PEM CA bundle for the pull channel (TLS)
+    kv_peer_cert: str | None = None  # PEM client certificate for the pull channel (mutual TLS)
+    kv_peer_key: str | None = None
+    kv_import_idle_timeout: float = 30.0  # seconds a staged import may wait for its next chunk (0 = no limit)
     otlp_endpoint: str | None = None  # OpenTelemetry traces to this OTLP/gRPC endpoint (see tracing.py)
 
 
@@ -121,17 +128,22 @@ class Server:
                                    hub.publish_block(kind, m, data if ids else {**data, "token_ids": []}))
         if cfg.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, not {cfg.role!r}")
+        if cfg.kv_import_idle_timeout < 0:
+            raise ValueError("kv_import_idle_timeout must be >= 0 (0 = no limit)")
+        self.kv_peers = KvPeers(cfg.kv_peers, cfg.kv_peer_tokens, ca=cfg.kv_peer_ca, cert=cfg.kv_peer_cert,
+                                key=cfg.kv_peer_key, max_message_bytes=cfg.max_message_bytes)
         self.servicer = ModelExecutorServicer(models, Operations(models, RequestChecks(models, cfg.role)),
                                               self.streams, self.events, self.metrics,
                                               draining=lambda: self.draining,
                                               tokens_checked=bool(cfg.auth_tokens),
                                               admin_open=bool(cfg.admin_tokens) or cfg.open_admin_rpcs,
                                               activity=self.activity, role=cfg.role,
-                                              max_message_bytes=cfg.max_message_bytes)
+                                              max_message_bytes=cfg.max_message_bytes, kv_peers=self.kv_peers,
+                                              import_idle_s=cfg.kv_import_idle_timeout)
         self.servicer.on_model_shutdown = self._model_down
         interceptors = []
         if cfg.auth_tokens or cfg.admin_tokens:
-            interceptors.append(AuthInterceptor(cfg.auth_tokens, cfg.admin_tokens))
+            interceptors.append(AuthInterceptor(cfg.auth_tokens, cfg.admin_tokens, peer_tokens=cfg.kv_peer_tokens))
         self.grpc = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
         executor_pb2_grpc.add_ModelExecutorServicer_to_server(self.servicer, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

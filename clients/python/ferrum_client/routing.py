@@ -401,6 +401,9 @@ class DisaggregatedRouter:
                                    **client_kw)
         self.source_targets = dict(source_targets or {})
         self.handoff_timeout = handoff_timeout
+        # TLS to the replicas (root_certificates given) means TLS between them too: the decode
+        # replica pulls from the prefill replica over TLS (KvSource.tls).
+        self.tls = client_kw.get("root_certificates") is not None
 
     @classmethod
     def from_roles(cls, targets: Iterable[str], **kw: Any) -> "DisaggregatedRouter":
@@ -482,7 +485,8 @@ class DisaggregatedSession:
         if not r.up:
             raise ReplicaLost(r.target, sid, r.last_error)
         try:
-            return r.client.pull_kv(model_id, source, cache_id, timeout=self.router.handoff_timeout, **kw)
+            return r.client.pull_kv(model_id, source, cache_id, timeout=self.router.handoff_timeout,
+                                    tls=self.router.tls, **kw)
         except FerrumRpcError as e:
             if e.code not in _REPLICA_DOWN_CODES:
                 raise
