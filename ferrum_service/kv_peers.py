@@ -3,9 +3,11 @@
 ``ImportKv`` with a ``source`` makes this server call ``ExportKv`` on another server. That is a
 network request the caller aims, so it is bounded by what the operator configured:
 
-- **Peers** (``--kv-peer HOST:PORT``, repeatable): the only targets this server dials. Any other
-  target (another host, a ``unix:`` path, a ``dns:///`` URI) is PERMISSION_DENIED before anything
-  is dialled. No peers configured: every pull is refused.
+- **Peers** (``--kv-peer HOST:PORT``, repeatable): the only targets this server dials. A peer
+  named by a DNS name also admits the addresses that name resolves to now (a Kubernetes headless
+  Service names the prefill pods; a router hands their IPs out). Any other target (another host,
+  a ``unix:`` path, a ``dns:///`` URI) is PERMISSION_DENIED before anything is dialled. No peers
+  configured: every pull is refused.
 - **Credentials**: the server authenticates to a peer with its own peer token
   (``--kv-peer-token-file``: the first token is sent) and, for TLS, the operator's CA
   (``--kv-peer-ca``) and client certificate (``--kv-peer-cert`` / ``--kv-peer-key``). The caller's
@@ -29,7 +31,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import hmac
+import ipaddress
 import re
+import socket
+import time
 import urllib.parse
 
 import grpc
@@ -47,6 +52,8 @@ MAX_CHANNELS = 16
 # other code (the peer is down, refused our credentials, failed) reaches the caller as UNAVAILABLE.
 _PASSED_ON = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
               grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Seconds a peer name's resolved addresses are trusted before they are looked up again.
+_RESOLVE_TTL_S = 5.0
 _TARGET = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}))?:(\d{1,5})$")
 
 
@@ -56,6 +63,14 @@ def normalize_target(target: str) -> str | None:
     if m is None or not m.group(1) or not 0 < int(m.group(2)) < 65536:
         return None
     return f"{m.group(1).lower()}:{int(m.group(2))}"
+
+
+def _ip(host: str) -> str | None:
+    """``host`` as a normalised IP address, or None when it is a name."""
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        return None
 
 
 def _read(path: str | None) -> bytes | None:
@@ -89,17 +104,44 @@ class KvPeers:
         self.max_message_bytes = max_message_bytes
         self._channels: collections.OrderedDict[tuple[str, bool], grpc.aio.Channel] = collections.OrderedDict()
         self._closing: set[asyncio.Task] = set()
+        # Peers named by DNS name: (name, port); their addresses, looked up at most every few seconds.
+        self._named = [tuple(t.rsplit(":", 1)) for t in self.targets if _ip(t.rsplit(":", 1)[0]) is None]
+        self._resolved: dict[tuple[str, str], tuple[float, set[str]]] = {}
 
     # ---- the pulling side -----------------------------------------------------------------------
-    def check(self, target: str) -> str:
-        """The configured peer ``target`` names; PERMISSION_DENIED (nothing dialled) otherwise."""
+    async def check(self, target: str) -> str:
+        """``target`` normalised when it is a configured peer (or an address of a peer's DNS name
+        now); PERMISSION_DENIED, nothing dialled, otherwise."""
         t = normalize_target(target)
-        if t is None or t not in self.targets:
-            raise errors.FerrumError(
-                errors.ErrorKind.PERMISSION_DENIED,
-                "source.target is not a KV peer of this server: it pulls only from the peers its operator "
-                "configured (--kv-peer)", field="source.target")
-        return t
+        if t is not None and (t in self.targets or await self._resolves_to(t)):
+            return t
+        raise errors.FerrumError(
+            errors.ErrorKind.PERMISSION_DENIED,
+            "source.target is not a KV peer of this server: it pulls only from the peers its operator "
+            "configured (--kv-peer)", field="source.target")
+
+    async def _resolves_to(self, target: str) -> bool:
+        host, port = target.rsplit(":", 1)
+        ip = _ip(host)
+        if ip is None:
+            return False
+        for name, p in self._named:
+            if p == port and ip in await self._addresses(name, p):
+                return True
+        return False
+
+    async def _addresses(self, name: str, port: str) -> set[str]:
+        now = time.monotonic()
+        hit = self._resolved.get((name, port))
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(name, int(port), type=socket.SOCK_STREAM)
+            addrs = {str(ipaddress.ip_address(i[4][0].split("%")[0])) for i in infos}
+        except (OSError, ValueError):
+            addrs = set()
+        self._resolved[(name, port)] = (now + _RESOLVE_TTL_S, addrs)
+        return addrs
 
     def metadata(self, caller: str) -> tuple[tuple[str, str], ...]:
         """What a pull sends: this server's peer token and the caller's identity; never the

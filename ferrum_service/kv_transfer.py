@@ -470,7 +470,7 @@ class KvTransfer:
     async def _pull(self, host, src: pb.KvSource) -> tuple[pb.KvTransferHeader, Any, Any]:
         if not src.target or not src.cache_id:
             raise errors.invalid("source needs a target and a cache_id", field="source")
-        target = self.peers.check(src.target)
+        target = await self.peers.check(src.target)
         stub = executor_pb2_grpc.ModelExecutorStub(self.peers.channel(target, src.tls))
         call = stub.ExportKv(pb.ExportKvRequest(
             model_id=src.model_id or host.model_id, cache_id=src.cache_id, from_token=src.from_token,

@@ -148,14 +148,17 @@ def test_pull_reaches_only_configured_peers_with_the_servers_own_token(tiny_llam
     ex = _executor(tiny_llama_dir)
     dead = [f"127.0.0.1:{free_port()}" for _ in range(MAX_CHANNELS + 4)]
     with InProcessServer([ex], auth_tokens=[ALICE, BOB], admin_tokens=[ADMIN], kv_peer_tokens=[PEER],
-                         kv_peers=[probe.target, *dead]) as s, \
+                         kv_peers=[probe.target.replace("127.0.0.1", "localhost"), *dead]) as s, \
             Client(s.target, token=ALICE) as alice, Client(s.target, token=ADMIN) as admin:
         for c in (alice, admin):
-            e = _rpc_error(lambda: _pull(c, probe.target))
+            e = _rpc_error(lambda: _pull(c, probe.target.replace("127.0.0.1", "localhost")))
             assert e.code() == C.NOT_FOUND  # the peer's code class is passed on ...
             assert "probe-secret-detail" not in e.details() and "10.1.2.3" not in e.details()  # ... not its text
-        assert len(probe.calls) == 2
-        for md, who in zip(probe.calls, (ALICE, ADMIN)):
+        # a peer named by DNS name admits the addresses it resolves to (a headless Service's pods)
+        port = probe.target.rsplit(":", 1)[1]
+        assert _rpc_error(lambda: _pull(alice, f"127.0.0.1:{port}")).code() == C.NOT_FOUND
+        assert len(probe.calls) == 3
+        for md, who in zip(probe.calls, (ALICE, ADMIN, ALICE)):
             sent = " ".join(md.values())
             assert ALICE not in sent and ADMIN not in sent and BOB not in sent
             assert md["authorization"] == f"Bearer {PEER}"
@@ -166,7 +169,7 @@ def test_pull_reaches_only_configured_peers_with_the_servers_own_token(tiny_llam
             e = _rpc_error(lambda: _pull(alice, target))
             assert e.code() == C.PERMISSION_DENIED, target
             assert "--kv-peer" in e.details()
-        assert len(probe.calls) == 2
+        assert len(probe.calls) == 3
         # unreachable configured peers: UNAVAILABLE without the connect error; channels stay bounded
         for target in dead:
             e = _rpc_error(lambda: _pull(alice, target))

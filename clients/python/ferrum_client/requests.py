@@ -282,8 +282,9 @@ UNARY: dict[str, Unary] = {
     "list_caches": Unary("ListCaches", _model_only(pb.ListCachesRequest), "A snapshot of the live caches, as of "
                          "a KV event sequence number.", pb.ListCachesResponse),
     "pull_kv": Unary("ImportKv", pull_kv, "KV handoff by server pull: this server imports ``cache_id`` from the "
-                     "server at ``target`` (it calls ExportKv there with this call's credentials); the new cache "
-                     "is this caller's.", pb.ImportKvResponse),
+                     "server at ``target``, one of its configured KV peers (it calls ExportKv there with its own "
+                     "peer credentials, on this caller's behalf); the new cache is this caller's.",
+                     pb.ImportKvResponse),
     # LoRA adapters
     "load_adapter": Unary("LoadAdapter", load_adapter, "Register a LoRA adapter (a PEFT directory on the server) under "
                           "``name``; requests name it in ``adapter=``. Loading the same name and path again is a "
