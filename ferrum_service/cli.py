@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="executor to host, EXECUTOR[,key=value...] (repeatable); default: smollm2 (llama.cpp on CPU-only machines, transformers on CUDA) + minilm")
     for name, (typ, _default, help_) in SERVE_FLAGS.items():
         if typ is list:  # repeatable
-            s.add_argument("--" + name.replace("_", "-"), action="append", default=None, help=f"{help_} [{_env_name(name)}]")
+            s.add_argument("--" + name.replace("_", "-"), action="append", default=None,
+                           help=f"{help_} [{_env_name(name)}]")
             continue
         s.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"{help_} [{_env_name(name)}]")
     s.add_argument("--no-reflection", action="store_true", default=None, help="turn server reflection off")
@@ -186,6 +187,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     st = resolve_serve_settings(args)
     if st["role"] not in ("both", "prefill", "decode"):
         print(f"--role must be both, prefill or decode, not {st['role']!r}", file=sys.stderr)
+        return 2
+    from .kv_peers import normalize_target
+
+    bad = [p for p in st["kv_peer"] or [] if normalize_target(p) is None]
+    if bad or bool(st["kv_peer_cert"]) != bool(st["kv_peer_key"]):
+        print(f"--kv-peer takes HOST:PORT (not {bad[0]!r})" if bad else "--kv-peer-cert and --kv-peer-key go together",
+              file=sys.stderr)
         return 2
     from . import logs
 

@@ -51,6 +51,7 @@ class CacheEntry:
     origin: str = ""  # where the unary call that made it came from ("caller@host", callers.py)
     last_access: float = field(default_factory=time.monotonic)
     chunking: bool = False  # its last UnifiedDecode item was a non-final prompt chunk (role checks)
+    caller_supplied: bool = False  # holds K/V a caller streamed in (ImportKv), not computed here (kv_transfer.py)
 
     @property
     def num_tokens(self) -> int:

@@ -183,6 +183,7 @@ class KvTransfer:
             header = self.header_of(layout, tokens, start, end, len(ranges) * layout.num_layers,
                                     (end - start) * (k_tok + v_tok) * layout.num_layers)
             header.adapter = entry.adapter
+            header.caller_supplied = entry.caller_supplied
             if entry.adapter:
                 header.adapter_digest = ex.adapter_digest(entry.adapter)
             yield pb.ExportKvResponse(header=header)
@@ -218,6 +219,7 @@ class KvTransfer:
             pieces = [blob[i:i + step] for i in range(0, len(blob), step)]
             header = self.header_of(layout, tokens, 0, end, len(pieces), len(blob))
             header.state_format = layout.state_format
+            header.caller_supplied = entry.caller_supplied
             yield pb.ExportKvResponse(header=header)
             for i, piece in enumerate(pieces):
                 yield pb.ExportKvResponse(chunk=pb.KvChunk(index=i, layer=0, token_start=0, token_end=end, key=piece,
@@ -236,8 +238,7 @@ class KvTransfer:
                                  "header or a source", field="header")
         host = self.models.get(first.model_id)
         self._require(host)
-        # Pushed K/V stay in the caller's own key space; pulled ones (a configured peer's) may be shared.
-        salt = self.checks.salt(first.cache_salt, "cache_salt", shared=first.HasField("source"))
+        self.checks.salt(first.cache_salt, "cache_salt")  # refused before anything is dialled
         pull = None
         if first.HasField("source"):
             if first.WhichOneof("data") is not None:
@@ -250,8 +251,12 @@ class KvTransfer:
             header = first.header
             chunks = self._pushed_chunks(requests)
         chunks = self._idle_bounded(chunks)
+        # Pushed K/V (or a peer's that a caller once pushed there) stay in the caller's own key
+        # space; K/V a configured peer computed may go to a shared one.
+        trusted = pull is not None and not header.caller_supplied
+        salt = self.checks.salt(first.cache_salt, "cache_salt", shared=trusted)
         try:
-            return await self._import(host, header, chunks, int(first.reserve_tokens), salt, t0)
+            return await self._import(host, header, chunks, int(first.reserve_tokens), salt, t0, trusted)
         finally:
             if pull is not None:
                 pull[2].cancel()
@@ -321,7 +326,7 @@ class KvTransfer:
         self.checks.check_length(host, n, "header.token_ids")
         return tokens
 
-    async def _import(self, host, h: pb.KvTransferHeader, chunks, reserve: int, salt: str, t0: int):
+    async def _import(self, host, h: pb.KvTransferHeader, chunks, reserve: int, salt: str, t0: int, trusted: bool):
         ex = host.executor
         layout = await self._layout(host)
         tokens = self._check_header(host, layout, h)
@@ -334,7 +339,7 @@ class KvTransfer:
         staged = (await host.call(ex.import_begin, tokens, reserve, salt, h.adapter,
                                   h.adapter_digest)).value  # admission
         if layout.state_format:
-            return await self._import_state(host, h, chunks, staged, n, t0)
+            return await self._import_state(host, h, chunks, staged, n, t0, trusted)
         writes: collections.deque[asyncio.Future] = collections.deque()
         try:
             written = [0] * layout.num_layers
@@ -378,11 +383,11 @@ class KvTransfer:
                 # A refusal answers once the blocks are back; a cancelled call cannot wait for that.
                 await asyncio.shield(aborted)
             raise
-        self._imported(host, entry, t0, tokens=n, chunks=count, bytes=nbytes, cached_blocks=cached)
+        self._imported(host, entry, t0, trusted, tokens=n, chunks=count, bytes=nbytes, cached_blocks=cached)
         return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
                                    cached_blocks=cached, transfer_ns=time.perf_counter_ns() - t0)
 
-    async def _import_state(self, host, h: pb.KvTransferHeader, chunks, staged, n: int, t0: int):
+    async def _import_state(self, host, h: pb.KvTransferHeader, chunks, staged, n: int, t0: int, trusted: bool):
         """An executor's own serialisation (``header.state_format``): checked chunk by chunk,
         loaded at the end on the model's worker; all or nothing as the tensor path."""
         ex = host.executor
@@ -430,13 +435,15 @@ class KvTransfer:
             if not isinstance(exc, asyncio.CancelledError):
                 await asyncio.shield(aborted)
             raise
-        self._imported(host, entry, t0, tokens=n, chunks=count, bytes=nbytes, format=h.state_format)
+        self._imported(host, entry, t0, trusted, tokens=n, chunks=count, bytes=nbytes, format=h.state_format)
         return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
                                    cached_blocks=cached, transfer_ns=time.perf_counter_ns() - t0)
 
-    def _imported(self, host, entry, t0: int, **fields) -> None:
-        """An import landed: the cache belongs to the caller; count its bytes; log it."""
+    def _imported(self, host, entry, t0: int, trusted: bool, **fields) -> None:
+        """An import landed: the cache belongs to the caller (and says whether a server computed
+        its K/V); count its bytes; log it."""
         self.checks.adopt(entry)
+        entry.caller_supplied = not trusted
         if self.metrics is not None:
             self.metrics.kv_transfer_bytes.labels(host.model_id, "import").inc(fields["bytes"])
         log.info("kv imported", model_id=host.model_id, cache_id=entry.cache_id,

@@ -183,6 +183,9 @@ class Server:
             log.warning("serving without authentication on a non-loopback address: any caller that reaches "
                         "this port can use and release every cache; set --auth-token-file or mutual TLS",
                         host=self.cfg.host, port=self.port)
+        if self.cfg.kv_peers and self.cfg.kv_peer_tokens and not self.kv_peers.tls:
+            log.warning("the KV peer token goes to peers in plaintext unless a pull asks for TLS; set --kv-peer-ca",
+                        kv_peers=sorted(self.kv_peers.targets))
         if self.cfg.metrics_port:
             self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
         for host in self.models:
@@ -193,7 +196,7 @@ class Server:
                  auth=bool(self.cfg.auth_tokens), mtls=bool(self.cfg.tls_client_ca),
                  metrics_port=self.cfg.metrics_port or None, cache_ttl_s=self.cfg.cache_ttl or None,
                  origin_idle_ttl_s=self.leases.origin_idle_ttl or None, max_queue=self.cfg.max_queue or None,
-                 role=self.cfg.role)
+                 role=self.cfg.role, kv_peers=sorted(self.kv_peers.targets) or None)
 
     async def drain(self, grace: float | None = None) -> None:
         """Graceful shutdown (see the module doc)."""

@@ -209,7 +209,21 @@ def test_a_peer_exports_only_the_callers_own_cache(tiny_llama_dir):
         hit = _prefill(bob_b, _prompt(40, seed=3), cache_salt="shared:team")
         assert hit.cached_tokens == 32
         bob_b.release_cache(M, hit.cache.cache_id)
-        alice_a.release_cache(M, src.cache.cache_id)
+        # K/V alice pushed into A are still hers only when B pulls them from A (no laundering)
+        q = _prompt(48, seed=30)
+        other = _prefill(alice_a, _prompt(48, seed=31), cache_salt="other")
+        forged = _forged(_export(alice_a, other.cache.cache_id), q)
+        pushed = alice_a.stub.ImportKv(iter(_push_stream(forged)), metadata=alice_a.metadata)
+        fork = alice_a.fork_cache(M, pushed.cache.cache_id).cache  # forks of it are caller-supplied too
+        pulled = alice_b.stub.ImportKv(iter([pb.ImportKvRequest(
+            model_id=M, cache_salt="shared:team", source=pb.KvSource(target=sa.target, cache_id=fork.cache_id))]),
+            metadata=alice_b.metadata)
+        alice_b.release_cache(M, pulled.cache.cache_id)
+        laundered = _prefill(bob_b, q, cache_salt="shared:team")
+        assert laundered.cached_tokens == 0
+        bob_b.release_cache(M, laundered.cache.cache_id)
+        for h in alice_a.list_caches().caches:
+            alice_a.release_cache(M, h.cache_id)
     _assert_empty(a)
     _assert_empty(b)
 
@@ -232,7 +246,8 @@ def test_router_hands_off_between_mutual_tls_servers(tiny_llama_dir, tmp_path):
     pre, dec, one = _executor(tiny_llama_dir), _executor(tiny_llama_dir), _executor(tiny_llama_dir)
     with InProcessServer([pre], role="prefill", **tls) as sp, \
             InProcessServer([dec], role="decode", kv_peers=[sp.target], kv_peer_ca=f["ca.pem"],
-                            kv_peer_cert=f["peer.crt"], kv_peer_key=f["peer.key"], **tls) as sd, InProcessServer([one]) as so, Client(so.target) as co:
+                            kv_peer_cert=f["peer.crt"], kv_peer_key=f["peer.key"], **tls) as sd, \
+            InProcessServer([one]) as so, Client(so.target) as co:
         p = _prompt(30, seed=4)
         ref = [e.token.token_id for e in co.generate(M, token_ids=p, max_tokens=3, ignore_eos=True)
                if e.WhichOneof("event") == "token"]
@@ -512,3 +527,47 @@ def test_root_memo_is_bounded_and_thread_safe(tiny_llama_dir, adapters):
         sys.setswitchinterval(old)
     assert not errors, errors[:1]
     assert len(pc._roots) <= 4096
+
+
+# ---- flags ---------------------------------------------------------------------------------------
+def test_kv_peer_flags(tmp_path, monkeypatch):
+    from ferrum_service.cli import build_parser, main, resolve_serve_settings
+    from ferrum_service.kv_peers import KvPeers
+
+    monkeypatch.delenv("FERRUM_KV_PEER", raising=False)
+    st = resolve_serve_settings(build_parser().parse_args(
+        ["serve", "--kv-peer", "a.svc:50051", "--kv-peer", "10.0.0.2:1", "--kv-import-idle-timeout", "5"]))
+    assert st["kv_peer"] == ["a.svc:50051", "10.0.0.2:1"] and st["kv_import_idle_timeout"] == 5.0
+    monkeypatch.setenv("FERRUM_KV_PEER", "x:1, y:2")
+    assert resolve_serve_settings(build_parser().parse_args(["serve"]))["kv_peer"] == ["x:1", "y:2"]
+    monkeypatch.delenv("FERRUM_KV_PEER")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("kv_peer: [p:1]\n")
+    assert resolve_serve_settings(build_parser().parse_args(["serve", "--config", str(cfg)]))["kv_peer"] == ["p:1"]
+    for bad in ("unix:/tmp/s", "dns:///a:1", "a", "a:0", "a:99999", "http://a:1"):
+        with pytest.raises(ValueError):
+            KvPeers([bad])
+        assert main(["serve", "--kv-peer", bad, "--model", "stub"]) == 2
+    assert main(["serve", "--kv-peer-cert", "c.pem", "--model", "stub"]) == 2
+
+
+def test_client_certificates_are_key_spaces_too(tiny_llama_dir, tmp_path):
+    ca = CA("kv test CA")
+    crt, key = ca.issue("ferrum-server", server=True)
+    for n, d in {"ca.pem": ca.pem, "s.crt": crt, "s.key": key}.items():
+        (tmp_path / n).write_bytes(d)
+    ex = _executor(tiny_llama_dir)
+    (c1, k1), (c2, k2) = ca.issue("tenant-one", server=False), ca.issue("tenant-two", server=False)
+    with InProcessServer([ex], tls_cert=str(tmp_path / "s.crt"), tls_key=str(tmp_path / "s.key"),
+                         tls_client_ca=str(tmp_path / "ca.pem")) as s, \
+            Client(s.target, root_certificates=ca.pem, private_key=k1, certificate_chain=c1) as one, \
+            Client(s.target, root_certificates=ca.pem, private_key=k2, certificate_chain=c2) as two:
+        p = _prompt(48, seed=20)
+        a = one.prefill(M, p).output
+        b = two.prefill(M, p).output
+        assert b.cached_tokens == 0
+        mine = block_keys(p, BS, model_id=M, cache_salt=caller_salt("x509:tenant-one"))
+        assert all(k in ex.prefix.index for k in mine)
+        one.release_cache(M, a.cache.cache_id)
+        two.release_cache(M, b.cache.cache_id)
+    _assert_empty(ex)

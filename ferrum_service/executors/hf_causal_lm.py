@@ -764,6 +764,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         self._admit(extra, "cache_id", new_caches=1)
         entry = self.registry.create(src.tokens[:keep], reserve_tokens=reserve, field="cache_id", event="forked")
         entry.adapter = src.adapter
+        entry.caller_supplied = src.caller_supplied
         self.prefix.take(shared)
         seq = SeqBlocks(list(shared), src.payload.keys[: keep // self.block_size], src.payload.root, src.payload.salt,
                         src.payload.adapter)

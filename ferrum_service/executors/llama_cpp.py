@@ -381,6 +381,7 @@ class LlamaCppExecutor(ItemStepExecutor):
                                             self.max_sequence_length)
         entry = self.registry.create(src.tokens[:keep], reserve_tokens=int(reserve_tokens or 0), field="cache_id",
                                      event="forked")
+        entry.caller_supplied = src.caller_supplied
         seq = self._take_seq(keep={src.payload})
         self._L.llama_memory_seq_cp(self._mem, src.payload, seq, 0, keep)
         self.prefix.start(seq, self.prefix.roots.get(src.payload, b""),

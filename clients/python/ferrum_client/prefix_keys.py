@@ -84,4 +84,5 @@ def longest_cached_prefix(keys: Iterable[bytes], cached: set[bytes] | dict) -> i
     return n
 
 
-__all__ = ["ALGORITHM", "SEED", "EXTRA_KEYS", "SHARED_SALT_PREFIX", "caller_salt", "token_caller", "chain_root", "block_key", "block_keys", "longest_cached_prefix"]
+__all__ = ["ALGORITHM", "SEED", "EXTRA_KEYS", "SHARED_SALT_PREFIX", "caller_salt", "token_caller", "chain_root",
+           "block_key", "block_keys", "longest_cached_prefix"]
