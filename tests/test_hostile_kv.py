@@ -571,3 +571,27 @@ def test_client_certificates_are_key_spaces_too(tiny_llama_dir, tmp_path):
         one.release_cache(M, a.cache.cache_id)
         two.release_cache(M, b.cache.cache_id)
     _assert_empty(ex)
+
+
+def test_prefix_aware_router_computes_its_own_key_space(tiny_llama_dir):
+    """A router acting as one caller finds that caller's cached prefixes on authenticating replicas
+    (its keys fold in the identity of its token), and nobody else's."""
+    from ferrum_client.routing import StickyRouter
+
+    a, b = _executor(tiny_llama_dir), _executor(tiny_llama_dir)
+    with InProcessServer([a], auth_tokens=[ALICE, BOB]) as sa, InProcessServer([b], auth_tokens=[ALICE, BOB]) as sb, \
+            Client(sb.target, token=BOB) as bob_b, \
+            StickyRouter([sa.target, sb.target], prefix_aware=True, token=ALICE, step_timeout=5.0) as router:
+        assert router.key_identity == token_caller(ALICE)
+        p, q = _prompt(48, seed=40), _prompt(48, seed=41)
+        with router.new_session(prompt_tokens=p, model_id=M) as s:
+            out = s.prefill(M, p).output
+            home = s.target
+            s.release_cache(M, out.cache.cache_id)
+        bob_b.release_cache(M, bob_b.prefill(M, q).output.cache.cache_id)  # bob's prompt, on B
+        deadline = time.time() + 10
+        while router.prefix_matches(p, M).get(home, 0) < 48 and time.time() < deadline:
+            time.sleep(0.05)
+        assert router.prefix_matches(p, M) == {home: 48, ({sa.target, sb.target} - {home}).pop(): 0}
+        time.sleep(0.3)
+        assert set(router.prefix_matches(q, M).values()) == {0}  # bob's prefix is not alice's to find
