@@ -4,6 +4,7 @@ Callers send ``authorization: Bearer <token>``. Health checks and reflection are
 ``grpcurl list`` need no secret). Admin RPCs (``Warmup``, ``Shutdown``, ``LoadAdapter``,
 ``UnloadAdapter``) need an admin token when
 one is configured: a valid ordinary token gets PERMISSION_DENIED there, no token UNAUTHENTICATED.
+A KV peer token (``--kv-peer-token-file``, see ``kv_peers.py``) opens ``ExportKv`` only.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import grpc
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 ADMIN_METHODS = tuple(f"/ferrum.executor.v1.ModelExecutor/{m}"
                       for m in ("Warmup", "Shutdown", "LoadAdapter", "UnloadAdapter"))
+PEER_METHODS = ("/ferrum.executor.v1.ModelExecutor/ExportKv",)
 
 
 def _matches(token: str, allowed: list[str]) -> bool:
@@ -62,9 +64,10 @@ def is_admin_call(metadata, admin_tokens: list[str], open_admin_rpcs: bool) -> b
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Checks bearer tokens; ``admin_tokens`` gate the admin RPCs (and also pass ordinary ones)."""
 
-    def __init__(self, tokens: list[str], admin_tokens: list[str]) -> None:
+    def __init__(self, tokens: list[str], admin_tokens: list[str], peer_tokens: list[str] = ()) -> None:
         self.tokens = [t for t in tokens if t]
         self.admin_tokens = [t for t in admin_tokens if t]
+        self.peer_tokens = [t for t in peer_tokens if t]
 
     async def intercept_service(self, continuation, details):
         method = details.method
@@ -81,5 +84,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 return _deny(grpc.StatusCode.PERMISSION_DENIED, f"{method} needs an admin token", handler)
             return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token", handler)
         if not self.tokens or is_user:
+            return handler
+        if method in PEER_METHODS and bool(token) and _matches(token, self.peer_tokens):
             return handler
         return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token", handler)

@@ -18,10 +18,11 @@ the lease reaper can free the caches of an origin that has gone quiet (``leases.
 from __future__ import annotations
 
 import contextvars
-import hashlib
 import time
 
 import grpc
+
+from ferrum_client.prefix_keys import token_caller
 
 current_caller: contextvars.ContextVar[str] = contextvars.ContextVar("ferrum_caller", default="")
 current_origin: contextvars.ContextVar[str] = contextvars.ContextVar("ferrum_origin", default="")
@@ -87,7 +88,7 @@ def caller_identity(context: grpc.aio.ServicerContext, *, tokens_checked: bool) 
     if tokens_checked:
         for k, v in context.invocation_metadata() or ():
             if k == "authorization" and isinstance(v, str) and v.lower().startswith("bearer "):
-                return "token:" + hashlib.sha256(v[7:].strip().encode()).hexdigest()[:32]
+                return token_caller(v[7:])
     auth = context.auth_context() or {}
     for key in ("x509_common_name", "x509_subject_alternative_name"):
         vals = auth.get(key)

@@ -60,6 +60,15 @@ SERVE_FLAGS = {
     "tls_client_ca": (str, None, "PEM CA bundle: require and verify client certificates (mutual TLS)"),
     "auth_token_file": (str, None, "file with bearer tokens (one per line) callers must send"),
     "admin_token_file": (str, None, "file with tokens allowed to call Warmup/Shutdown"),
+    "kv_peer": (list, None, "HOST:PORT of a server ImportKv may pull KV from (repeatable; env and config: a "
+                "comma-separated list); no peer = every pull is refused"),
+    "kv_peer_token_file": (str, None, "file with KV peer tokens: the first is sent when pulling from a peer, "
+                           "every one lets a peer call ExportKv on its caller's behalf (and nothing else)"),
+    "kv_peer_ca": (str, None, "PEM CA bundle that peers' certificates must chain to (TLS for pulls)"),
+    "kv_peer_cert": (str, None, "PEM client certificate this server presents to peers (mutual TLS for pulls)"),
+    "kv_peer_key": (str, None, "PEM private key of --kv-peer-cert"),
+    "kv_import_idle_timeout": (float, 30.0, "seconds a staged ImportKv may wait for its next chunk before it is "
+                               "dropped and its KV given back (0 = no limit)"),
 }
 
 
@@ -80,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", action="append", default=None, metavar="SPEC",
                    help="executor to host, EXECUTOR[,key=value...] (repeatable); default: smollm2 (llama.cpp on CPU-only machines, transformers on CUDA) + minilm")
     for name, (typ, _default, help_) in SERVE_FLAGS.items():
+        if typ is list:  # repeatable
+            s.add_argument("--" + name.replace("_", "-"), action="append", default=None,
+                           help=f"{help_} [{_env_name(name)}]")
+            continue
         s.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"{help_} [{_env_name(name)}]")
     s.add_argument("--no-reflection", action="store_true", default=None, help="turn server reflection off")
     s.add_argument("--trust-remote-code", action="store_true", default=None,
@@ -116,9 +129,11 @@ def resolve_serve_settings(args: argparse.Namespace) -> dict:
     for name, (typ, default, _h) in SERVE_FLAGS.items():
         v = getattr(args, name)
         if v is None and _env_name(name) in os.environ:
-            v = typ(os.environ[_env_name(name)])
+            v = _split(os.environ[_env_name(name)]) if typ is list else typ(os.environ[_env_name(name)])
         if v is None:
             v = cfg.get(name, cfg.get(name.replace("_", "-"), default))
+            if typ is list and isinstance(v, str):
+                v = _split(v)
         out[name] = v
     out["reflection"] = not (args.no_reflection or os.environ.get("FERRUM_NO_REFLECTION") == "1"
                              or cfg.get("reflection") is False)
@@ -166,6 +181,10 @@ def _adapter_flags(flags: list[str], specs) -> dict[str, dict[str, str]]:
     return out
 
 
+def _split(v: str) -> list[str]:
+    return [x.strip() for x in v.split(",") if x.strip()]
+
+
 def _read_tokens(path: str | None) -> list[str]:
     if not path:
         return []
@@ -176,6 +195,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     st = resolve_serve_settings(args)
     if st["role"] not in ("both", "prefill", "decode"):
         print(f"--role must be both, prefill or decode, not {st['role']!r}", file=sys.stderr)
+        return 2
+    from .kv_peers import normalize_target
+
+    bad = [p for p in st["kv_peer"] or [] if normalize_target(p) is None]
+    if bad or bool(st["kv_peer_cert"]) != bool(st["kv_peer_key"]):
+        print(f"--kv-peer takes HOST:PORT (not {bad[0]!r})" if bad else "--kv-peer-cert and --kv-peer-key go together",
+              file=sys.stderr)
         return 2
     from . import logs
 
@@ -227,6 +253,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_text_bytes=st["max_text_bytes"], otlp_endpoint=st["otlp_endpoint"], role=st["role"],
         kv_event_replay_bytes=st["kv_event_replay_bytes"], max_kv_event_subscribers=st["max_kv_event_subscribers"],
         max_kv_event_subscribers_per_caller=st["max_kv_event_subscribers_per_caller"],
+        kv_peers=list(st["kv_peer"] or []), kv_peer_tokens=_read_tokens(st["kv_peer_token_file"]),
+        kv_peer_ca=st["kv_peer_ca"], kv_peer_cert=st["kv_peer_cert"], kv_peer_key=st["kv_peer_key"],
+        kv_import_idle_timeout=st["kv_import_idle_timeout"],
     )
     asyncio.run(serve(executors, cfg, workers))
     return 0

@@ -188,17 +188,26 @@ class ModelHost:
         """Free a cache from a ``finally`` that may run inside a cancelled task.
 
         The release runs as its own task (not the cancelled one), so a second cancellation cannot
-        interrupt it and leak the cache."""
+        interrupt it and leak the cache. It waits while a step or transfer holds the cache (an
+        ``ExportKv`` reading its blocks on another thread): freed blocks could go to another
+        caller's prompt under the reader."""
         self.batcher.forget(cache_id)
         if cache_id not in self.executor.registry:
             return
-        if self.executor.inline:
+        if self.executor.inline and not self.is_busy(cache_id):
             self.executor.release_cache(cache_id, reason)
             return
 
         async def _release() -> None:
+            while self.is_busy(cache_id):
+                await asyncio.sleep(0.005)
             try:
-                await asyncio.get_running_loop().run_in_executor(self._pool, self.executor.release_cache, cache_id, reason)
+                with self.hold([cache_id], "cache_id"):  # nothing starts reading it while it goes
+                    if self.executor.inline:
+                        self.executor.release_cache(cache_id, reason)
+                        return
+                    await asyncio.get_running_loop().run_in_executor(self._pool, self.executor.release_cache,
+                                                                     cache_id, reason)
             except Exception:  # noqa: BLE001 - the pool is gone at shutdown; the executor frees all then
                 pass
 

@@ -50,6 +50,8 @@ class CacheEntry:
     guide: Any = None  # structured-output state (guided.GuideState) once a constrained row was sampled
     origin: str = ""  # where the unary call that made it came from ("caller@host", callers.py)
     last_access: float = field(default_factory=time.monotonic)
+    chunking: bool = False  # its last UnifiedDecode item was a non-final prompt chunk (role checks)
+    caller_supplied: bool = False  # holds K/V a caller streamed in (ImportKv), not computed here (kv_transfer.py)
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +108,9 @@ class CacheRegistry:
         # Running sums over live caches: tokens held and budget held (sum of footprints).
         self._tokens_held = 0
         self._budget_held = 0
+        # Imports whose K/V are arriving (ImportKv): not caches yet, but they hold KV and will be.
+        self.staged_imports = 0
+        self.staged_tokens = 0
 
     # ---- queries -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -130,7 +135,7 @@ class CacheRegistry:
 
     @property
     def free_tokens(self) -> int:
-        return max(0, self.total_tokens - self._budget_held)
+        return max(0, self.total_tokens - self._budget_held - self.staged_tokens)
 
     def recount(self) -> tuple[int, int]:
         """(tokens, budget) summed over the live caches the slow way (a check on the running sums)."""
@@ -197,7 +202,7 @@ class CacheRegistry:
 
     def admit(self, extra_tokens: int, field: str, *, new_caches: int = 0) -> None:
         """RESOURCE_EXHAUSTED unless ``extra_tokens`` more tokens of budget are free now."""
-        if self.max_active and len(self._caches) + new_caches > self.max_active:
+        if self.max_active and len(self._caches) + self.staged_imports + new_caches > self.max_active:
             raise errors.exhausted(
                 f"{field}: {len(self._caches)} caches are active; the limit is {self.max_active}",
                 field=field,
@@ -213,6 +218,19 @@ class CacheRegistry:
                 free=free,
                 total=self.total_tokens,
             )
+
+    def stage(self, tokens: int, field: str) -> None:
+        """Admit an import of ``tokens`` (RESOURCE_EXHAUSTED as a new cache's) and count it as held
+        until :meth:`unstage` (its commit turns it into a cache, or it is aborted)."""
+        with self._lock:
+            self.admit(tokens, field, new_caches=1)
+            self.staged_imports += 1
+            self.staged_tokens += tokens
+
+    def unstage(self, tokens: int) -> None:
+        with self._lock:
+            self.staged_imports -= 1
+            self.staged_tokens -= tokens
 
     def growth(self, entry: CacheEntry, new_len: int) -> int:
         """Budget tokens ``entry`` needs beyond what it holds to reach ``new_len`` tokens."""

@@ -18,10 +18,19 @@ Import, all or nothing:
    A stream that ends early is DATA_LOSS; whatever way it fails (or the caller goes away), the
    staged blocks go back to the pool and no cache exists.
 
-Server pull: with ``source`` set, this server calls ``ExportKv`` on ``source.target`` itself,
-forwarding the caller's ``authorization`` metadata (so the source sees the same caller and its
-ownership check applies), and feeds the stream through the same steps. Channels to sources are
-kept open per target.
+Server pull: with ``source`` set, this server calls ``ExportKv`` on ``source.target`` itself and
+feeds the stream through the same steps. Only peers the operator configured are dialled, with this
+server's own credentials, on the caller's behalf (``kv_peers.py``).
+
+Trust: K/V a caller streams in are its own word (a valid checksum says nothing about who computed
+them), so their blocks are keyed only into the importing caller's own prefix key space, never a
+shared one (``cache_salt`` opting into a shared space is kept private for them). K/V pulled from a
+configured peer are keyed as a prefill's would be.
+
+Bounds: a staged import counts against the registry (active caches, reserved KV in ``Loads``) and
+is dropped (DEADLINE_EXCEEDED) when no chunk arrives for ``import_idle_s``; an executor's own
+state bytes are refused as soon as they exceed the header's ``total_bytes`` or what the header's
+tokens can need.
 """
 
 from __future__ import annotations
@@ -39,8 +48,10 @@ import structlog
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 
 from . import errors
+from .callers import current_caller
 from .convert import handle_pb, pb, tpb
 from .executors.base import KvLayout
+from .kv_peers import KvPeers
 
 log = structlog.get_logger("ferrum_service.kv_transfer")
 
@@ -54,6 +65,11 @@ _PB_NAMES = {v: k for k, v in _DTYPE_PB.items()}
 
 # Export reads a whole layer's range at once; bound that read (bytes of K+V of one layer).
 _MAX_LAYER_READ_BYTES = 256 << 20
+#: Seconds a staged import may wait for its next chunk before it is dropped (default).
+DEFAULT_IMPORT_IDLE_S = 30.0
+# An executor's state bytes beyond its K/V (positions, sequence ids, headers): per token, and once.
+_STATE_BYTES_PER_TOKEN = 64
+_STATE_OVERHEAD_BYTES = 1 << 20
 
 
 def checksum(key: bytes, value: bytes) -> int:
@@ -68,12 +84,14 @@ def _chunk_ranges(start: int, end: int, per_token: int, max_bytes: int) -> list[
 class KvTransfer:
     """The two RPCs' server side (the servicer hands them the request and the call context)."""
 
-    def __init__(self, models, checks, *, max_message_bytes: int, metrics=None) -> None:
+    def __init__(self, models, checks, *, max_message_bytes: int, metrics=None, peers: KvPeers | None = None,
+                 import_idle_s: float = DEFAULT_IMPORT_IDLE_S) -> None:
         self.models = models
         self.metrics = metrics
         self.checks = checks
         self.max_message_bytes = max_message_bytes
-        self._channels: dict[tuple[str, bool], grpc.aio.Channel] = {}
+        self.peers = peers if peers is not None else KvPeers(max_message_bytes=max_message_bytes)
+        self.import_idle_s = import_idle_s
         # Chunk reads (export) and checks + writes (import) run on this one thread, not on the
         # models' workers: a prefill server's worker is busy with prompts, and a handoff must not
         # queue behind them. Safe because they only touch blocks nothing else writes: an exported
@@ -111,7 +129,10 @@ class KvTransfer:
         memo = getattr(host.executor, "_kv_layout", None)
         return memo if memo is not None else (await host.call(host.executor.kv_layout)).value
 
-    async def export(self, req: pb.ExportKvRequest) -> AsyncIterator[pb.ExportKvResponse]:
+    async def export(self, req: pb.ExportKvRequest, metadata=None) -> AsyncIterator[pb.ExportKvResponse]:
+        on_behalf = self.peers.on_behalf(metadata)
+        if on_behalf is not None:  # a configured peer pulls for one of its callers: their ownership applies
+            current_caller.set(on_behalf)
         host = self.models.get(req.model_id)
         self._require(host)
         entry = self.checks.live_entry(host, req.cache_id, "cache_id")
@@ -162,6 +183,9 @@ class KvTransfer:
             header = self.header_of(layout, tokens, start, end, len(ranges) * layout.num_layers,
                                     (end - start) * (k_tok + v_tok) * layout.num_layers)
             header.adapter = entry.adapter
+            header.caller_supplied = entry.caller_supplied
+            if entry.adapter:
+                header.adapter_digest = ex.adapter_digest(entry.adapter)
             yield pb.ExportKvResponse(header=header)
             # The next layer is read while this one is sent.
             nxt = asyncio.ensure_future(read(0))
@@ -195,6 +219,7 @@ class KvTransfer:
             pieces = [blob[i:i + step] for i in range(0, len(blob), step)]
             header = self.header_of(layout, tokens, 0, end, len(pieces), len(blob))
             header.state_format = layout.state_format
+            header.caller_supplied = entry.caller_supplied
             yield pb.ExportKvResponse(header=header)
             for i, piece in enumerate(pieces):
                 yield pb.ExportKvResponse(chunk=pb.KvChunk(index=i, layer=0, token_start=0, token_end=end, key=piece,
@@ -213,23 +238,46 @@ class KvTransfer:
                                  "header or a source", field="header")
         host = self.models.get(first.model_id)
         self._require(host)
-        salt = self.checks.salt(first.cache_salt, "cache_salt")
+        self.checks.salt(first.cache_salt, "cache_salt")  # refused before anything is dialled
         pull = None
         if first.HasField("source"):
             if first.WhichOneof("data") is not None:
                 raise errors.invalid("give either source or header (and chunks), not both", field="source")
-            pull = await self._pull(host, first.source, metadata)
+            pull = await self._pull(host, first.source)
             header, chunks, _ = pull
         else:
             if first.WhichOneof("data") != "header":
                 raise errors.invalid("the first message must carry the header (or a source)", field="header")
             header = first.header
             chunks = self._pushed_chunks(requests)
+        chunks = self._idle_bounded(chunks)
+        # Pushed K/V (or a peer's that a caller once pushed there) stay in the caller's own key
+        # space; K/V a configured peer computed may go to a shared one.
+        trusted = pull is not None and not header.caller_supplied
+        salt = self.checks.salt(first.cache_salt, "cache_salt", shared=trusted)
         try:
-            return await self._import(host, header, chunks, int(first.reserve_tokens), salt, t0)
+            return await self._import(host, header, chunks, int(first.reserve_tokens), salt, t0, trusted)
         finally:
             if pull is not None:
                 pull[2].cancel()
+
+    async def _idle_bounded(self, chunks) -> AsyncIterator[pb.KvChunk]:
+        """``chunks``, dropped (DEADLINE_EXCEEDED) when the next one takes over ``import_idle_s``:
+        a staged import holds its KV, so a stalled sender must not hold it for ever."""
+        it = chunks.__aiter__()
+        while True:
+            try:
+                if self.import_idle_s:
+                    c = await asyncio.wait_for(it.__anext__(), self.import_idle_s)
+                else:
+                    c = await it.__anext__()
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise errors.FerrumError(
+                    errors.ErrorKind.NETWORK, f"no chunk arrived for {self.import_idle_s:g} s; the import was "
+                    "dropped and its KV given back", code=grpc.StatusCode.DEADLINE_EXCEEDED, field="chunk") from None
+            yield c
 
     @staticmethod
     async def _pushed_chunks(requests) -> AsyncIterator[pb.KvChunk]:
@@ -278,7 +326,7 @@ class KvTransfer:
         self.checks.check_length(host, n, "header.token_ids")
         return tokens
 
-    async def _import(self, host, h: pb.KvTransferHeader, chunks, reserve: int, salt: str, t0: int):
+    async def _import(self, host, h: pb.KvTransferHeader, chunks, reserve: int, salt: str, t0: int, trusted: bool):
         ex = host.executor
         layout = await self._layout(host)
         tokens = self._check_header(host, layout, h)
@@ -288,9 +336,10 @@ class KvTransfer:
         v_tok = layout.num_kv_heads * layout.v_head_dim * layout.element_size
         n = len(tokens)
         loop = asyncio.get_running_loop()
-        staged = (await host.call(ex.import_begin, tokens, reserve, salt, h.adapter)).value  # admission
+        staged = (await host.call(ex.import_begin, tokens, reserve, salt, h.adapter,
+                                  h.adapter_digest)).value  # admission
         if layout.state_format:
-            return await self._import_state(host, h, chunks, staged, n, t0)
+            return await self._import_state(host, h, chunks, staged, n, t0, trusted)
         writes: collections.deque[asyncio.Future] = collections.deque()
         try:
             written = [0] * layout.num_layers
@@ -334,20 +383,33 @@ class KvTransfer:
                 # A refusal answers once the blocks are back; a cancelled call cannot wait for that.
                 await asyncio.shield(aborted)
             raise
-        self._imported(host, entry, t0, tokens=n, chunks=count, bytes=nbytes, cached_blocks=cached)
+        self._imported(host, entry, t0, trusted, tokens=n, chunks=count, bytes=nbytes, cached_blocks=cached)
         return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
                                    cached_blocks=cached, transfer_ns=time.perf_counter_ns() - t0)
 
-    async def _import_state(self, host, h: pb.KvTransferHeader, chunks, staged, n: int, t0: int):
+    async def _import_state(self, host, h: pb.KvTransferHeader, chunks, staged, n: int, t0: int, trusted: bool):
         """An executor's own serialisation (``header.state_format``): checked chunk by chunk,
         loaded at the end on the model's worker; all or nothing as the tensor path."""
         ex = host.executor
         parts: list[bytes] = []
         count = nbytes = 0
         try:
+            layout = await self._layout(host)
+            # llama.cpp's state of n tokens is their K/V plus a little per cell and a header.
+            k_tok = layout.num_kv_heads * layout.head_dim * layout.element_size
+            v_tok = layout.num_kv_heads * layout.v_head_dim * layout.element_size
+            bound = n * ((k_tok + v_tok) * layout.num_layers + _STATE_BYTES_PER_TOKEN) + _STATE_OVERHEAD_BYTES
+            if h.total_bytes > bound:
+                raise errors.invalid(f"header.total_bytes = {h.total_bytes}: the state of {n} tokens is at most "
+                                     f"{bound} bytes", field="header.total_bytes", limit=bound)
+            limit = int(h.total_bytes) or bound
             async for c in chunks:
                 if c.index != count:
                     raise errors.invalid(f"chunk {count}: index {c.index}, expected {count}", field="chunk.index")
+                if nbytes + len(c.key) + len(c.value) > limit:
+                    what = "the header's total_bytes" if h.total_bytes else "the state of its tokens can hold"
+                    raise errors.invalid(f"chunk {count}: the stream carries more than {what} ({limit} bytes); "
+                                         "nothing was imported", field="chunk.key", limit=limit)
                 if checksum(c.key, c.value) != c.checksum:
                     raise errors.FerrumError(errors.ErrorKind.SERIALIZATION, f"chunk {count}: checksum mismatch; the "
                                              "state was corrupted in transit", code=grpc.StatusCode.DATA_LOSS,
@@ -373,13 +435,15 @@ class KvTransfer:
             if not isinstance(exc, asyncio.CancelledError):
                 await asyncio.shield(aborted)
             raise
-        self._imported(host, entry, t0, tokens=n, chunks=count, bytes=nbytes, format=h.state_format)
+        self._imported(host, entry, t0, trusted, tokens=n, chunks=count, bytes=nbytes, format=h.state_format)
         return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
                                    cached_blocks=cached, transfer_ns=time.perf_counter_ns() - t0)
 
-    def _imported(self, host, entry, t0: int, **fields) -> None:
-        """An import landed: the cache belongs to the caller; count its bytes; log it."""
+    def _imported(self, host, entry, t0: int, trusted: bool, **fields) -> None:
+        """An import landed: the cache belongs to the caller (and says whether a server computed
+        its K/V); count its bytes; log it."""
         self.checks.adopt(entry)
+        entry.caller_supplied = not trusted
         if self.metrics is not None:
             self.metrics.kv_transfer_bytes.labels(host.model_id, "import").inc(fields["bytes"])
         log.info("kv imported", model_id=host.model_id, cache_id=entry.cache_id,
@@ -410,31 +474,22 @@ class KvTransfer:
         return task
 
     # ---- server pull ----------------------------------------------------------------------------
-    def _channel(self, target: str, tls: bool) -> grpc.aio.Channel:
-        ch = self._channels.get((target, tls))
-        if ch is None:
-            opts = [("grpc.max_receive_message_length", self.max_message_bytes),
-                    ("grpc.max_send_message_length", self.max_message_bytes)]
-            ch = (grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(), options=opts) if tls
-                  else grpc.aio.insecure_channel(target, options=opts))
-            self._channels[(target, tls)] = ch
-        return ch
-
-    async def _pull(self, host, src: pb.KvSource, metadata) -> tuple[pb.KvTransferHeader, Any, Any]:
+    async def _pull(self, host, src: pb.KvSource) -> tuple[pb.KvTransferHeader, Any, Any]:
         if not src.target or not src.cache_id:
             raise errors.invalid("source needs a target and a cache_id", field="source")
-        md = tuple((k, v) for k, v in (metadata or ()) if k == "authorization")
-        stub = executor_pb2_grpc.ModelExecutorStub(self._channel(src.target, src.tls))
+        target = await self.peers.check(src.target)
+        stub = executor_pb2_grpc.ModelExecutorStub(self.peers.channel(target, src.tls))
         call = stub.ExportKv(pb.ExportKvRequest(
             model_id=src.model_id or host.model_id, cache_id=src.cache_id, from_token=src.from_token,
-            to_token=src.to_token, max_chunk_bytes=src.max_chunk_bytes), metadata=md)
+            to_token=src.to_token, max_chunk_bytes=src.max_chunk_bytes),
+            metadata=self.peers.metadata(current_caller.get()))
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as e:
-            raise _source_error(src, e) from None
+            raise self.peers.refused(target, src.cache_id, e) from None
         if first is grpc.aio.EOF or first.WhichOneof("message") != "header":
             call.cancel()
-            raise errors.FerrumError(errors.ErrorKind.NETWORK, f"source {src.target}: ExportKv sent no header",
+            raise errors.FerrumError(errors.ErrorKind.NETWORK, f"source {target}: ExportKv sent no header",
                                      code=grpc.StatusCode.DATA_LOSS, field="source")
 
         async def chunks():
@@ -445,14 +500,12 @@ class KvTransfer:
                         return
                     yield m.chunk
             except grpc.aio.AioRpcError as e:
-                raise _source_error(src, e) from None
+                raise self.peers.refused(target, src.cache_id, e) from None
 
         return first.header, chunks(), call
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        await self.peers.close()
         self._io.shutdown(wait=False)
 
 
@@ -464,12 +517,6 @@ def _verify_and_write(ex, staged, c: pb.KvChunk, where: str) -> None:
             "checksum mismatch; the K/V were corrupted in transit", code=grpc.StatusCode.DATA_LOSS,
             field="chunk.checksum")
     ex.import_write(staged, c.layer, int(c.token_start), int(c.token_end), c.key, c.value)
-
-
-def _source_error(src: pb.KvSource, e: grpc.aio.AioRpcError) -> errors.FerrumError:
-    """The source server's refusal, passed on with its code (UNAVAILABLE when unreachable)."""
-    return errors.FerrumError(errors.ErrorKind.NETWORK, f"source {src.target}: ExportKv of {src.cache_id!r} failed: "
-                              f"{e.code().name}: {e.details()}", code=e.code(), field="source")
 
 
 __all__ = ["KvTransfer", "checksum", "DEFAULT_CHUNK_BYTES"]

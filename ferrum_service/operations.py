@@ -193,6 +193,12 @@ class Operations:
         ids = [i.cache_id for i in items]
         if not all(ids):
             self.checks.check_new_prompt("UnifiedDecode")
+        reg = host.executor.registry
+        # A decode item: one final token continuing a cache that is not in the middle of a chunked
+        # prompt (a prompt's last chunk, and longer extensions, are prompt work).
+        if any(i.cache_id and i.is_final_chunk and len(i.q_tokens) == 1 and not reg.get(i.cache_id).chunking
+               for i in items):
+            self.checks.check_decode_role("UnifiedDecode (a decode item)")
         self.checks.unique(ids, "items.cache_id")
         self.checks.check_step(host, [(len(i.q_tokens), i.pos_offset) for i in items], len(items), "items",
                                sum(self.checks.row_bytes(host, i.policy) for i in items))
@@ -200,6 +206,9 @@ class Operations:
         with host.hold(ids, "items.cache_id"):
             timed = await host.call(self._run_unified, host, items, on_orphan=self._orphaned(host, items))
         results, by_k, s_ns = timed.value
+        for r, it in zip(results, items):
+            if r.cache.cache_id in reg:
+                reg.get(r.cache.cache_id).chunking = not it.is_final_chunk
         self._adopt(host, [r for r, it in zip(results, items) if not it.cache_id], owner)
         resp = pb.UnifiedDecodeResponse()
         for k, (it, r) in enumerate(zip(items, results)):
@@ -342,6 +351,9 @@ class Operations:
         for i, r in enumerate(req.requests):
             field = f"requests[{i}].cache_id"
             if r.new_sequence:
+                # A decode server's sequences come from ImportKv (with reserve_tokens): an empty
+                # cache it could then fill with a whole prompt is a new prompt.
+                self.checks.check_new_prompt("ReserveKvSlots(new_sequence)")
                 if not r.cache_id:
                     raise errors.invalid(f"{field} is empty: a new sequence needs the caller's name for it",
                                          field=field)
@@ -350,7 +362,7 @@ class Operations:
                 self.checks.live_entry(host, r.cache_id, field)
             reqs.append(KvSlotRequest(r.cache_id, int(r.target_len),
                                       int(r.admission_target_len) if r.HasField("admission_target_len") else None,
-                                      new_sequence=r.new_sequence))
+                                      new_sequence=r.new_sequence, salt=self.checks.salt("", field)))
         self.checks.unique([r.cache_id for r in reqs], "requests.cache_id")
         known = [r.cache_id for r in reqs if not r.new_sequence]
 

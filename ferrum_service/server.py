@@ -26,6 +26,7 @@ from . import tracing
 from .auth import AuthInterceptor, is_admin_call
 from .host import ModelHost
 from .kv_events import KvEventHub
+from .kv_peers import KvPeers
 from .callers import CallerActivity
 from .leases import LeaseReaper
 from .metrics import Metrics
@@ -66,6 +67,12 @@ class ServerConfig:
     max_step_bytes: int = 2 * 1024**3  # transient memory one forward may need (0 = no limit)
     max_text_bytes: int = 1024 * 1024  # text one request may ask to tokenize
     role: str = "both"  # both | prefill | decode (see ServerRole in the contract)
+    kv_peers: list[str] = field(default_factory=list)  # HOST:PORT servers ImportKv may pull from (kv_peers.py)
+    kv_peer_tokens: list[str] = field(default_factory=list)  # first: sent to peers; all: accepted from peers
+    kv_peer_ca: str | None = None  # PEM CA bundle for the pull channel (TLS)
+    kv_peer_cert: str | None = None  # PEM client certificate for the pull channel (mutual TLS)
+    kv_peer_key: str | None = None
+    kv_import_idle_timeout: float = 30.0  # seconds a staged import may wait for its next chunk (0 = no limit)
     otlp_endpoint: str | None = None  # OpenTelemetry traces to this OTLP/gRPC endpoint (see tracing.py)
     # KV events (kv_events.py): replay buffer bytes (estimated), and open subscriptions in all / per caller
     kv_event_replay_bytes: int = 64 * 1024 * 1024
@@ -132,6 +139,10 @@ class Server:
                 prefix.on_event = lambda kind, data, hub=self.events, m=host.model_id: hub.publish_block(kind, m, data)
         if cfg.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, not {cfg.role!r}")
+        if cfg.kv_import_idle_timeout < 0:
+            raise ValueError("kv_import_idle_timeout must be >= 0 (0 = no limit)")
+        self.kv_peers = KvPeers(cfg.kv_peers, cfg.kv_peer_tokens, ca=cfg.kv_peer_ca, cert=cfg.kv_peer_cert,
+                                key=cfg.kv_peer_key, max_message_bytes=cfg.max_message_bytes)
         checks = RequestChecks(models, cfg.role)
         checks.on_adopt = lambda e, hub=self.events: hub.adopt(e.model_id, e.cache_id, e.tenant)
         self.servicer = ModelExecutorServicer(models, Operations(models, checks),
@@ -140,12 +151,13 @@ class Server:
                                               tokens_checked=bool(cfg.auth_tokens),
                                               admin_open=bool(cfg.admin_tokens) or cfg.open_admin_rpcs,
                                               activity=self.activity, role=cfg.role,
-                                              max_message_bytes=cfg.max_message_bytes)
+                                              max_message_bytes=cfg.max_message_bytes, kv_peers=self.kv_peers,
+                                              import_idle_s=cfg.kv_import_idle_timeout)
         self.servicer.on_model_shutdown = self._model_down
         self.servicer.is_admin = lambda metadata: is_admin_call(metadata, cfg.admin_tokens, cfg.open_admin_rpcs)
         interceptors = []
         if cfg.auth_tokens or cfg.admin_tokens:
-            interceptors.append(AuthInterceptor(cfg.auth_tokens, cfg.admin_tokens))
+            interceptors.append(AuthInterceptor(cfg.auth_tokens, cfg.admin_tokens, peer_tokens=cfg.kv_peer_tokens))
         self.grpc = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
         executor_pb2_grpc.add_ModelExecutorServicer_to_server(self.servicer, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -185,6 +197,9 @@ class Server:
             log.warning("serving without authentication on a non-loopback address: any caller that reaches "
                         "this port can use and release every cache; set --auth-token-file or mutual TLS",
                         host=self.cfg.host, port=self.port)
+        if self.cfg.kv_peers and self.cfg.kv_peer_tokens and not self.kv_peers.tls:
+            log.warning("the KV peer token goes to peers in plaintext unless a pull asks for TLS; set --kv-peer-ca",
+                        kv_peers=sorted(self.kv_peers.targets))
         if self.cfg.metrics_port:
             self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
         for host in self.models:
@@ -195,7 +210,7 @@ class Server:
                  auth=bool(self.cfg.auth_tokens), mtls=bool(self.cfg.tls_client_ca),
                  metrics_port=self.cfg.metrics_port or None, cache_ttl_s=self.cfg.cache_ttl or None,
                  origin_idle_ttl_s=self.leases.origin_idle_ttl or None, max_queue=self.cfg.max_queue or None,
-                 role=self.cfg.role)
+                 role=self.cfg.role, kv_peers=sorted(self.kv_peers.targets) or None)
 
     async def drain(self, grace: float | None = None) -> None:
         """Graceful shutdown (see the module doc)."""

@@ -78,7 +78,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
     def __init__(self, models: ModelSet, ops: Operations, streams: StreamRegistry, events: KvEventHub,
                  metrics: Metrics, *, draining: Callable[[], bool] = lambda: False, tokens_checked: bool = False,
                  admin_open: bool = False, activity: CallerActivity | None = None,
-                 role: str = "both", max_message_bytes: int = 64 * 1024 * 1024) -> None:
+                 role: str = "both", max_message_bytes: int = 64 * 1024 * 1024, kv_peers=None,
+                 import_idle_s: float | None = None) -> None:
         """``tokens_checked``: bearer tokens are verified (they then name the caller that owns a
         cache); ``admin_open``: Warmup / Shutdown may be called (admin tokens guard them, or the
         operator opened them); ``activity``: where each call's origin is recorded (for the lease
@@ -93,7 +94,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         self.metrics = metrics
         self.draining = draining
         self.role = role
-        self.kv = KvTransfer(models, ops.checks, max_message_bytes=max_message_bytes, metrics=metrics)
+        self.kv = KvTransfer(models, ops.checks, max_message_bytes=max_message_bytes, metrics=metrics, peers=kv_peers,
+                             **({} if import_idle_s is None else {"import_idle_s": import_idle_s}))
 
     # ---- plumbing -------------------------------------------------------------------------------
     def _check_serving(self) -> None:
@@ -471,7 +473,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                 reg = h.executor.registry
                 entries = reg.entries()
                 used = sum(e.num_tokens for e in entries)
-                held = sum(e.footprint for e in entries)
+                held = sum(e.footprint for e in entries) + reg.staged_tokens  # staged imports hold KV too
                 cap = h.executor.kv_capacity()
                 if cap.total_blocks:  # a paged pool: blocks as the pool holds them (shared ones once)
                     bs, total_blocks = cap.block_size, cap.total_blocks
@@ -554,7 +556,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
     async def ExportKv(self, request, context):
         with self.streams.running():
             async with self._answer("ExportKv", context, request):
-                async for msg in self.kv.export(request):
+                async for msg in self.kv.export(request, context.invocation_metadata()):
                     yield msg
 
     async def ImportKv(self, request_iterator, context):

@@ -274,6 +274,8 @@ class KvSlotRequest:
     # True: ``cache_id`` is the caller's name for a sequence with no cache yet; the executor
     # creates an empty cache holding the reservation (``KvSlotAllocation.created_cache_id``).
     new_sequence: bool = False
+    # The prefix-cache salt a new sequence's blocks are keyed under (the caller's key space).
+    salt: str = ""
 
 
 @dataclass

@@ -17,7 +17,10 @@ Every check raises a :class:`FerrumError` naming the field at fault.
 
 from __future__ import annotations
 
+import unicodedata
 from typing import TYPE_CHECKING, Callable, Iterable
+
+from ferrum_client.prefix_keys import caller_salt
 
 from . import errors
 from .callers import current_caller, current_origin
@@ -239,13 +242,22 @@ class RequestChecks:
             from .guided import guides_of
 
             sp.compiled = guides_of(host.executor).compile(sp.constraint, field)
+
     @staticmethod
-    def salt(salt: str, field: str) -> str:
-        """A prefix-cache salt: at most :data:`MAX_CACHE_SALT_BYTES` bytes (INVALID_ARGUMENT)."""
+    def salt(salt: str, field: str, *, shared: bool = True) -> str:
+        """The salt a request's prefix-cache keys use: at most :data:`MAX_CACHE_SALT_BYTES` bytes and
+        no control characters (INVALID_ARGUMENT: a NUL would make the key recipe's root ambiguous),
+        with the caller's identity folded in under per-caller auth (``caller_salt``: each caller
+        has its own key space unless the salt opts into a shared one, and ``shared=False`` refuses
+        that opt-in silently: the space stays the caller's own)."""
         if len(salt) > MAX_CACHE_SALT_BYTES or len(salt.encode()) > MAX_CACHE_SALT_BYTES:
             raise errors.invalid(f"{field} is longer than {MAX_CACHE_SALT_BYTES} bytes", field=field,
                                  limit=MAX_CACHE_SALT_BYTES)
-        return salt
+        bad = next((i for i, ch in enumerate(salt) if unicodedata.category(ch) == "Cc"), None)
+        if bad is not None:
+            raise errors.invalid(f"{field} holds a control character (U+{ord(salt[bad]):04X} at {bad}); "
+                                 "a salt is printable text", field=field)
+        return caller_salt(current_caller.get(), salt, shared_allowed=shared)
 
     @staticmethod
     def adapter(host: "ModelHost", name: str, field: str, entry: CacheEntry | None = None) -> str:

@@ -52,7 +52,7 @@ def pair(tiny_llama_dir, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(tiny_llama_dir, copy)
     a, b = _executor(tiny_llama_dir), _executor(copy)
-    with InProcessServer([a]) as sa, InProcessServer([b]) as sb:
+    with InProcessServer([a]) as sa, InProcessServer([b], kv_peers=[sa.target]) as sb:
         yield sa, sb, a, b
     for ex in (a, b):
         _release_all(ex)
@@ -152,7 +152,8 @@ def test_export_ranges_and_refusals(pair):
 
 def test_import_into_a_full_server_is_refused_with_nothing_kept(tiny_llama_dir):
     a, b = _executor(tiny_llama_dir), _executor(tiny_llama_dir, budget_blocks=16)
-    with InProcessServer([a]) as sa, InProcessServer([b]) as sb, Client(sa.target) as ca, Client(sb.target) as cb:
+    with InProcessServer([a]) as sa, InProcessServer([b], kv_peers=[sa.target]) as sb, Client(sa.target) as ca, \
+            Client(sb.target) as cb:
         filler = _prefill(cb, _prompt(190, seed=9), bypass_prefix_cache=True)  # 12 of 16 blocks
         free = b.pool.free_blocks
         src = _prefill(ca, _prompt(100))
@@ -217,7 +218,8 @@ def test_mismatches_are_refused(pair, tmp_path):
     sa, sb, a, b = pair
     other = HfCausalLmExecutor.from_path(build_tiny_llama(tmp_path / "other", seed=1), model_id=M, device="cpu",
                                          kv_budget_tokens=64 * BS)
-    with InProcessServer([other]) as so, Client(sa.target) as ca, Client(sb.target) as cb, Client(so.target) as co:
+    with InProcessServer([other], kv_peers=[sa.target]) as so, Client(sa.target) as ca, Client(sb.target) as cb, \
+            Client(so.target) as co:
         src = _prefill(ca, _prompt(30))
         msgs = _push(_export(ca, src.cache.cache_id))
 
@@ -266,7 +268,8 @@ def test_corrupted_chunk_is_data_loss(pair):
 
 def test_roles(tiny_llama_dir):
     pre, dec = _executor(tiny_llama_dir), _executor(tiny_llama_dir)
-    with InProcessServer([pre], role="prefill") as sp, InProcessServer([dec], role="decode") as sd, \
+    with InProcessServer([pre], role="prefill") as sp, \
+            InProcessServer([dec], role="decode", kv_peers=[sp.target]) as sd, \
             Client(sp.target) as cp, Client(sd.target) as cd:
         assert cp.stub.Info(pb.InfoRequest()).role == pb.SERVER_ROLE_PREFILL
         assert cd.stub.Info(pb.InfoRequest()).role == pb.SERVER_ROLE_DECODE
@@ -296,7 +299,8 @@ def test_disaggregated_router_matches_one_server(tiny_llama_dir):
     from ferrum_client.routing import DisaggregatedRouter
 
     pre, dec, one = _executor(tiny_llama_dir), _executor(tiny_llama_dir), _executor(tiny_llama_dir)
-    with InProcessServer([pre], role="prefill") as sp, InProcessServer([dec], role="decode") as sd, \
+    with InProcessServer([pre], role="prefill") as sp, \
+            InProcessServer([dec], role="decode", kv_peers=[sp.target]) as sd, \
             InProcessServer([one]) as so, Client(so.target) as co:
         with DisaggregatedRouter.from_roles([sp.target, sd.target]) as router:
             assert [r.target for r in router.prefill.replicas()] == [sp.target]
@@ -325,8 +329,9 @@ def test_router_source_down_marks_the_prefill_replica(tiny_llama_dir):
     from ferrum_client.routing import DisaggregatedRouter, ReplicaLost
 
     pre, dec = _executor(tiny_llama_dir), _executor(tiny_llama_dir)
-    with InProcessServer([pre], role="prefill") as sp, InProcessServer([dec], role="decode") as sd:
-        # the decode replica is told to reach the prefill replica at a dead address
+    with InProcessServer([pre], role="prefill") as sp, \
+            InProcessServer([dec], role="decode", kv_peers=["127.0.0.1:1"]) as sd:
+        # the decode replica is told to reach the prefill replica at a dead address (a configured peer)
         with DisaggregatedRouter([sp.target], [sd.target], source_targets={sp.target: "127.0.0.1:1"},
                                  handoff_timeout=10) as router, router.new_session() as s:
             with pytest.raises(ReplicaLost) as e:
@@ -348,14 +353,17 @@ def test_client_push_import(pair):
     _assert_empty(b)
 
 
-def test_server_pull_forwards_the_callers_token(tiny_llama_dir):
+def test_server_pull_acts_for_its_caller(tiny_llama_dir):
     a, b = _executor(tiny_llama_dir), _executor(tiny_llama_dir)
     tokens = ["tok-alice", "tok-bob"]
-    with InProcessServer([a], auth_tokens=tokens) as sa, InProcessServer([b], auth_tokens=tokens) as sb, \
+    peer = {"kv_peer_tokens": ["tok-peer"]}
+    with InProcessServer([a], auth_tokens=tokens, **peer) as sa, \
+            InProcessServer([b], auth_tokens=tokens, kv_peers=[sa.target], **peer) as sb, \
             Client(sa.target, token="tok-alice") as alice_a, Client(sb.target, token="tok-alice") as alice_b, \
             Client(sb.target, token="tok-bob") as bob_b:
         src = alice_a.prefill(M, _prompt(20)).output
-        # bob's pull reaches A with bob's token: alice's cache is NOT_FOUND to him, and B keeps nothing
+        # bob's pull reaches A (with B's peer token) on bob's behalf: alice's cache is NOT_FOUND to
+        # him, and B keeps nothing
         with pytest.raises(Exception) as e:
             bob_b.pull_kv(M, sa.target, src.cache.cache_id)
         assert "NOT_FOUND" in str(e.value)
@@ -408,7 +416,8 @@ def test_unsupported_executor_is_unimplemented():
 def test_two_processes_16_sessions_handed_off(tiny_llama_dir):
     spec = f"hf-causal-lm,id={M},path={tiny_llama_dir},device=cpu"
     common = ("--model", spec, "--kv-budget-tokens", "8192")
-    with ServerProcess(*common, "--role", "prefill") as pa, ServerProcess(*common, "--role", "decode") as pd:
+    with ServerProcess(*common, "--role", "prefill") as pa, \
+            ServerProcess(*common, "--role", "decode", "--kv-peer", pa.target) as pd:
         errors: list[BaseException] = []
         results: dict[int, list[int]] = {}
 

@@ -33,7 +33,8 @@ def test_llama_cpp_handoff_pull_and_push():
     a, b = _llc(), _llc()
     rng = random.Random(0)
     p = [rng.randrange(100, 20000) for _ in range(40)]
-    with InProcessServer([a]) as sa, InProcessServer([b]) as sb, Client(sa.target) as ca, Client(sb.target) as cb:
+    with InProcessServer([a]) as sa, InProcessServer([b], kv_peers=[sa.target]) as sb, Client(sa.target) as ca, \
+            Client(sb.target) as cb:
         assert cb.capabilities(M).supports_kv_transfer
         ref = ca.prefill(M, p, policy=m.greedy()).output
         ref_toks, tok = [], ref.output.token_id
@@ -85,7 +86,8 @@ def test_llama_cpp_handoff_pull_and_push():
 def test_llama_cpp_import_refused_when_full():
     a, b = _llc(), _llc(n_ctx=256, n_seq=2)
     p = list(range(100, 400))
-    with InProcessServer([a]) as sa, InProcessServer([b]) as sb, Client(sa.target) as ca, Client(sb.target) as cb:
+    with InProcessServer([a]) as sa, InProcessServer([b], kv_peers=[sa.target]) as sb, Client(sa.target) as ca, \
+            Client(sb.target) as cb:
         filler = cb.prefill(M, p[:200], policy=m.greedy()).output  # 200 of B's 256 cells
         src = ca.prefill(M, p[:100], policy=m.greedy()).output
         with pytest.raises(Exception) as e:

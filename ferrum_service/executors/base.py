@@ -293,10 +293,12 @@ class ModelExecutor(abc.ABC):
         """K and V bytes of tokens [start, end) of one layer (``[n, kv_heads, head_dim]``, row-major)."""
         raise errors.unsupported(f"ExportKv is not supported by the {self.kind} executor")
 
-    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str, adapter: str = "") -> Any:
+    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str, adapter: str = "",
+                     adapter_digest: str = "") -> Any:
         """Admit and stage a new cache of ``tokens`` (RESOURCE_EXHAUSTED when it cannot fit); the
         staged state is written by :meth:`import_write` and becomes a cache at :meth:`import_commit`
-        or is dropped by :meth:`import_abort`."""
+        or is dropped by :meth:`import_abort`. ``adapter_digest`` (when given) must be the digest
+        of this server's ``adapter`` (FAILED_PRECONDITION)."""
         raise errors.unsupported(f"ImportKv is not supported by the {self.kind} executor")
 
     def import_write(self, staged: Any, layer: int, start: int, end: int, key: bytes, value: bytes) -> None:
@@ -360,6 +362,10 @@ class ModelExecutor(abc.ABC):
     def unload_adapter(self, name: str) -> tuple[bool, int]:
         """Forget adapter ``name``: (whether it was loaded, prefix blocks dropped with it)."""
         raise errors.unsupported(f"model {self.registry.model_id!r} ({self.kind}) serves no LoRA adapters")
+
+    def adapter_digest(self, name: str) -> str:
+        """The digest of loaded LoRA adapter ``name`` ("" when there is none)."""
+        return ""
 
     def adapter_bindings(self) -> "collections.Counter[str]":
         """Live caches per adapter they are bound to ("" = the base model), in one pass."""

@@ -77,6 +77,7 @@ context is capped at the window; models with linear-attention (recurrent) layers
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import math
@@ -146,6 +147,7 @@ class _StagedImport:
     salt: str
     blocks: list[int] | None
     adapter: str = ""
+    staged: int = 0  # tokens counted in the registry's staged imports until commit or abort
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:
@@ -239,6 +241,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         self.prefix = PrefixCache(self.pool, model_id=model_id, enabled=prefix_cache)
         self.adapters = (AdapterSet(model, device=self.device, dtype=self.dtype, max_resident=max_adapters)
                          if max_adapters > 0 else None)
+        self._staged_adapters: collections.Counter[str] = collections.Counter()  # staged imports per adapter
         total_tokens = num_blocks * block_size
         self.registry = CacheRegistry(
             model_id,
@@ -702,7 +705,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         create a sequence's KV at its first reservation). RESOURCE_EXHAUSTED (nothing allocated,
         nothing created) when the pool or the active-cache limit cannot cover it."""
         pool, reg = self.pool, self.registry
-        plan: list[tuple[CacheEntry | None, int, int, str]] = []
+        plan: list[tuple[CacheEntry | None, int, int, str, str]] = []
         need_blocks = new_caches = 0
         for k, r in enumerate(requests):
             target = max(int(r.target_len), int(r.admission_target_len or 0))
@@ -714,16 +717,16 @@ class HfCausalLmExecutor(ItemStepExecutor):
                 entry = reg.get(r.cache_id, field=f"requests[{k}].cache_id")
                 have = len(entry.payload.blocks)
             new = max(0, pool.blocks_for(target) - have)
-            plan.append((entry, target, new, r.cache_id))
+            plan.append((entry, target, new, r.cache_id, r.salt))
             need_blocks += new
         free_before = self.prefix.available_blocks
         self._admit(need_blocks, "requests", new_caches=new_caches)
         allocations = []
-        for entry, target, new, name in plan:
+        for entry, target, new, name, salt in plan:
             created = ""
             if entry is None:
                 entry = reg.create([], reserve_tokens=target, field="requests")
-                entry.payload = SeqBlocks([], [], self.prefix.root())
+                entry.payload = SeqBlocks([], [], self.prefix.root(salt), salt)
                 created = entry.cache_id
             blocks = entry.payload.blocks
             before = len(blocks)
@@ -764,8 +767,10 @@ class HfCausalLmExecutor(ItemStepExecutor):
         self._admit(extra, "cache_id", new_caches=1)
         entry = self.registry.create(src.tokens[:keep], reserve_tokens=reserve, field="cache_id", event="forked")
         entry.adapter = src.adapter
+        entry.caller_supplied = src.caller_supplied
         self.prefix.take(shared)
-        seq = SeqBlocks(list(shared), src.payload.keys[: keep // self.block_size], src.payload.root)
+        seq = SeqBlocks(list(shared), src.payload.keys[: keep // self.block_size], src.payload.root, src.payload.salt,
+                        src.payload.adapter)
         seq.blocks.extend(self.prefix.allocate(extra, shared[-1] if shared else None))
         entry.payload = seq
         self.prefix.stats.forks += 1
@@ -817,22 +822,32 @@ class HfCausalLmExecutor(ItemStepExecutor):
             out.append(_raw_bytes(pool.view(-1, self.num_kv_heads, d).index_select(0, slots)))
         return out[0], out[1]
 
-    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str, adapter: str = "") -> "_StagedImport":
+    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str, adapter: str = "",
+                     adapter_digest: str = "") -> "_StagedImport":
         """Admit ``len(tokens)`` (or ``reserve_tokens``) of KV and take its blocks now (private,
         zeroed, in no registry and no index): RESOURCE_EXHAUSTED before any byte is kept. K/V
-        computed with a LoRA ``adapter`` need that adapter loaded here (FAILED_PRECONDITION)."""
+        computed with a LoRA ``adapter`` need that adapter loaded here, with the same digest when
+        the sender gives one (FAILED_PRECONDITION); the staged import binds the adapter (it cannot
+        be unloaded until the import ends)."""
         if self.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down")
         if adapter and (self.adapters is None or adapter not in self.adapters.adapters):
             raise errors.failed_precondition(
                 f"the K/V were computed with LoRA adapter {adapter!r}, which is not loaded on model "
                 f"{self.model_id!r} here", field="header.adapter")
+        if adapter and adapter_digest and adapter_digest != self.adapter_digest(adapter):
+            raise errors.failed_precondition(
+                f"the K/V were computed with another adapter {adapter!r} than this server's (their digests "
+                "differ)", field="header.adapter_digest")
         total = max(len(tokens), int(reserve_tokens or 0))
         self.registry.check_sequence_length(total, "reserve_tokens", self.max_sequence_length)
         need = self.pool.blocks_for(total)
         self._admit(need, "header", new_caches=1)
+        self.registry.stage(total, "header")
         blocks = self.prefix.allocate(need)
-        return _StagedImport(list(tokens), int(reserve_tokens or 0), cache_salt, blocks, adapter)
+        if adapter:
+            self._staged_adapters[adapter] += 1
+        return _StagedImport(list(tokens), int(reserve_tokens or 0), cache_salt, blocks, adapter, total)
 
     @torch.inference_mode()
     def import_write(self, staged: "_StagedImport", layer: int, start: int, end: int, key: bytes, value: bytes) -> None:
@@ -852,19 +867,37 @@ class HfCausalLmExecutor(ItemStepExecutor):
         blocks into the prefix cache (block events, as for a computed prompt)."""
         if staged.blocks is None:
             raise errors.FerrumError(errors.ErrorKind.INTERNAL, "the import was aborted")
+        self._unstage(staged)
         entry = self.registry.create(staged.tokens, reserve_tokens=staged.reserve, field="header")
         before = self.prefix.cached_blocks
         entry.adapter = staged.adapter
-        entry.payload = SeqBlocks(staged.blocks, [], self.prefix.root(staged.salt, staged.adapter))
+        entry.payload = SeqBlocks(staged.blocks, [], self.prefix.root(staged.salt, staged.adapter), staged.salt,
+                                  staged.adapter)
         staged.blocks = None
         self.prefix.commit(entry.payload, entry.tokens, entry.cache_id)
         return entry, self.prefix.cached_blocks - before
 
     def import_abort(self, staged: "_StagedImport") -> None:
         """Give the staged blocks back (idempotent)."""
+        self._unstage(staged)
         if staged.blocks:
             self.prefix.release(staged.blocks)
         staged.blocks = None
+
+    def _unstage(self, staged: "_StagedImport") -> None:
+        if staged.staged:
+            self.registry.unstage(staged.staged)
+            staged.staged = 0
+            if staged.adapter:
+                self._staged_adapters[staged.adapter] -= 1
+
+    def adapter_bindings(self) -> "collections.Counter[str]":
+        """Live caches per adapter, plus the staged imports bound to one."""
+        return super().adapter_bindings() + self._staged_adapters
+
+    def adapter_digest(self, name: str) -> str:
+        a = self.adapters.adapters.get(name) if self.adapters is not None else None
+        return a.digest if a is not None else ""
 
     def free_payload(self, entry: CacheEntry) -> int:
         """Let go of the cache's blocks (cached ones stay evictable); the bytes they held."""
@@ -963,7 +996,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
                     e.adapter = it.adapter
                     created.append(e)
                     pc.take(hb)
-                    e.payload = SeqBlocks(list(hb), list(hk), root)
+                    e.payload = SeqBlocks(list(hb), list(hk), root, it.salt, it.adapter)
                     if it.want != "all" and not it.bypass:
                         pc.stats.lookups += 1
                         pc.stats.queried_tokens += len(it.tokens)
@@ -1017,7 +1050,8 @@ class HfCausalLmExecutor(ItemStepExecutor):
                 if it.adapter and it.adapter != e.adapter:
                     e.check_adapter(it.adapter, f"{field}.adapter")
                     e.adapter = it.adapter
-                    e.payload.root = self.prefix.root("", it.adapter)
+                    e.payload.root = self.prefix.root(e.payload.salt, it.adapter)
+                    e.payload.adapter = it.adapter
                 name = e.adapter
             else:
                 name = it.adapter

@@ -382,7 +382,7 @@ class LlamaCppExecutor(ItemStepExecutor):
             else:
                 entry = reg.get(r.cache_id, field=f"requests[{k}].cache_id")
                 need += reg.growth(entry, target)
-            plan.append((entry, target, r.cache_id))
+            plan.append((entry, target, r.cache_id, r.salt))
         free_before = reg.free_tokens
         reg.admit(need, "requests", new_caches=new_caches)
         if new_caches > len(self._free_seq) + len(self.prefix.evictable):
@@ -390,12 +390,12 @@ class LlamaCppExecutor(ItemStepExecutor):
                                    f"{self.n_seq} sequence ids are free", field="requests")
         self._make_room(need)
         allocations = []
-        for entry, target, name in plan:
+        for entry, target, name, salt in plan:
             created = ""
             if entry is None:
                 entry = reg.create([], field="requests")
                 entry.payload = self._take_seq()
-                self.prefix.start(entry.payload, self.prefix.match([], "")[3], [])
+                self.prefix.start(entry.payload, self.prefix.match([], salt)[3], [])
                 created = entry.cache_id
             before = entry.footprint
             reg.set_reserved(entry, max(entry.reserved_total, target))
@@ -430,6 +430,7 @@ class LlamaCppExecutor(ItemStepExecutor):
                                             self.max_sequence_length)
         entry = self.registry.create(src.tokens[:keep], reserve_tokens=int(reserve_tokens or 0), field="cache_id",
                                      event="forked")
+        entry.caller_supplied = src.caller_supplied
         seq = self._take_seq(keep={src.payload})
         self._L.llama_memory_seq_cp(self._mem, src.payload, seq, 0, keep)
         self.prefix.start(seq, self.prefix.roots.get(src.payload, b""),
@@ -468,7 +469,8 @@ class LlamaCppExecutor(ItemStepExecutor):
             raise errors.FerrumError(errors.ErrorKind.BACKEND, f"llama.cpp could not save cache {cache_id!r}")
         return bytes(buf)[:n]
 
-    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str, adapter: str = "") -> dict:
+    def import_begin(self, tokens: list[int], reserve_tokens: int, cache_salt: str, adapter: str = "",
+                     adapter_digest: str = "") -> dict:
         """Admit the tokens (or the reservation) and a sequence id; the state is loaded at commit."""
         if self.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down")
@@ -481,8 +483,9 @@ class LlamaCppExecutor(ItemStepExecutor):
         self.registry.admit(total, "header", new_caches=1)
         if not self._free_seq:
             raise errors.exhausted(f"header: all {self.n_seq} sequence ids are in use", field="header")
+        self.registry.stage(total, "header")
         return {"tokens": list(tokens), "reserve": int(reserve_tokens or 0), "seq": self._free_seq.pop(),
-                "data": bytearray()}
+                "data": bytearray(), "salt": cache_salt, "staged": total}
 
     def import_write_state(self, staged: dict, data: bytes) -> None:
         if staged.get("seq") is None:
@@ -498,12 +501,21 @@ class LlamaCppExecutor(ItemStepExecutor):
         buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
         if int(self._L.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) == 0:
             raise errors.exhausted("header: llama.cpp found no room for the sequence's KV cells", field="header")
+        self._unstage(staged)
         entry = self.registry.create(staged["tokens"], reserve_tokens=staged["reserve"], field="header")
         entry.payload = seq
         staged["seq"] = None
+        # Its blocks are keyed (at its next step) under the import's salt, as a prefill's would be.
+        self.prefix.start(seq, self.prefix.match([], staged["salt"])[3], [])
         return entry, 0
 
+    def _unstage(self, staged: dict) -> None:
+        if staged.get("staged"):
+            self.registry.unstage(staged["staged"])
+            staged["staged"] = 0
+
     def import_abort(self, staged: dict) -> None:
+        self._unstage(staged)
         seq = staged.get("seq")
         staged["seq"] = None
         if seq is not None:

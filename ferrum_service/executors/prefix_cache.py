@@ -27,6 +27,7 @@ storage.
 from __future__ import annotations
 
 import collections
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -61,6 +62,8 @@ class SeqBlocks:
     blocks: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)  # keys[i] names blocks[i] (full blocks only)
     root: bytes = b""  # the chain root (model id + cache salt)
+    salt: str = ""  # the salt of ``root`` (an empty reserved cache keeps it when its first step binds an adapter)
+    adapter: str = ""  # the LoRA adapter of ``root`` ("" = the base model): its blocks go when it is unloaded
 
 
 class PrefixCache:
@@ -77,8 +80,10 @@ class PrefixCache:
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self.stats = PrefixStats()
         self.on_event: BlockEventSink | None = None
+        # (salt, adapter) -> chain root, a bounded memo read by the event loop (admission) and the
+        # worker (steps) at once: guarded by a lock.
         self._roots: dict[tuple[str, str], bytes] = {}
-        self.root_adapter: dict[bytes, str] = {}  # chain root -> its LoRA adapter (adapter roots only)
+        self._roots_lock = threading.Lock()
         self.adapter_of: dict[int, str] = {}  # indexed block -> the adapter it was computed with
 
     # ---- sizes -----------------------------------------------------------------------------------
@@ -102,13 +107,14 @@ class PrefixCache:
                 "seed": SEED, "extra_keys": list(EXTRA_KEYS)}
 
     def root(self, cache_salt: str = "", adapter: str = "") -> bytes:
-        r = self._roots.get((cache_salt, adapter))
-        if r is None:
-            r = self._roots[(cache_salt, adapter)] = chain_root(self.model_id, cache_salt, adapter=adapter)
-            if adapter:
-                self.root_adapter[r] = adapter
-            if len(self._roots) > 4096:  # many tenants: keep the memo bounded
-                self._roots.pop(next(iter(self._roots)))
+        """The chain root of (``cache_salt``, ``adapter``) on this model (safe from any thread)."""
+        k = (cache_salt, adapter)
+        with self._roots_lock:
+            r = self._roots.get(k)
+            if r is None:
+                r = self._roots[k] = chain_root(self.model_id, cache_salt, adapter=adapter)
+                if len(self._roots) > 4096:  # many tenants: keep the memo bounded
+                    self._roots.pop(next(iter(self._roots)))
         return r
 
     # ---- lookup ----------------------------------------------------------------------------------
@@ -204,7 +210,7 @@ class PrefixCache:
         bs = self.block_size
         full = len(tokens) // bs
         parent = seq.keys[-1] if seq.keys else seq.root
-        adapter = self.root_adapter.get(seq.root, "")
+        adapter = seq.adapter
         run: tuple[int, bytes] | None = None  # (first block, its parent) of the run being stored
         for i in range(len(seq.keys), full):
             before = parent
@@ -237,9 +243,8 @@ class PrefixCache:
             del self.evictable[b]
         self._unindex(victims)
         self.pool.free(victims)
-        for r in [r for r, a in self.root_adapter.items() if a == adapter]:
-            del self.root_adapter[r]
-        self._roots = {k: r for k, r in self._roots.items() if k[1] != adapter}
+        with self._roots_lock:
+            self._roots = {k: r for k, r in self._roots.items() if k[1] != adapter}
         return len(victims)
 
     def clear(self) -> None:
@@ -291,7 +296,7 @@ class PrefixCache:
         bs = self.block_size
         self._emit("stored", {"block_hashes": seq.keys[first:end], "parent_block_hash": parent,
                               "token_ids": list(tokens[first * bs:end * bs]), "block_size": bs,
-                              "adapter": self.root_adapter.get(seq.root, ""), "cache_id": cache_id})
+                              "adapter": seq.adapter, "cache_id": cache_id})
 
     def _emit(self, kind: str, data: dict) -> None:
         if self.on_event is not None:

@@ -147,7 +147,8 @@ def pull_kv(model_id: str, target: str, cache_id: str, *, source_model_id: str =
             to_token: int = 0, reserve_tokens: int = 0, cache_salt: str = "", tls: bool = False,
             max_chunk_bytes: int = 0, request_id: str = "") -> Iterator[pb.ImportKvRequest]:
     """The one-message ``ImportKv`` stream of a server pull: this server fetches ``cache_id`` from
-    the server at ``target`` itself (``ExportKv``, with this call's credentials)."""
+    the server at ``target`` itself (``ExportKv``). ``target`` must be one of the server's
+    configured KV peers; it authenticates with its own peer credentials on this caller's behalf."""
     return iter([pb.ImportKvRequest(
         model_id=model_id, reserve_tokens=reserve_tokens, cache_salt=cache_salt, request_id=request_id,
         source=pb.KvSource(target=target, cache_id=cache_id, model_id=source_model_id, from_token=from_token,
@@ -281,8 +282,9 @@ UNARY: dict[str, Unary] = {
     "list_caches": Unary("ListCaches", _model_only(pb.ListCachesRequest), "A snapshot of the live caches, as of "
                          "a KV event sequence number.", pb.ListCachesResponse),
     "pull_kv": Unary("ImportKv", pull_kv, "KV handoff by server pull: this server imports ``cache_id`` from the "
-                     "server at ``target`` (it calls ExportKv there with this call's credentials); the new cache "
-                     "is this caller's.", pb.ImportKvResponse),
+                     "server at ``target``, one of its configured KV peers (it calls ExportKv there with its own "
+                     "peer credentials, on this caller's behalf); the new cache is this caller's.",
+                     pb.ImportKvResponse),
     # LoRA adapters
     "load_adapter": Unary("LoadAdapter", load_adapter, "Register a LoRA adapter (a PEFT directory on the server) under "
                           "``name``; requests name it in ``adapter=``. Loading the same name and path again is a "

@@ -24,8 +24,9 @@ On Kubernetes the replica set is the headless Service's A records (one per ready
 **Disaggregated mode** (:class:`DisaggregatedRouter`): prompts are computed on prefill replicas
 (``--role prefill``), each cache is handed to a decode replica (``--role decode``) by server pull
 (``ImportKv`` with a ``source``: the decode replica fetches the K/V from the prefill replica itself,
-with this client's credentials; the client never relays the bytes), the prefill replica's cache is
-released, and every later step of the session goes to the decode replica. Long prompts then never
+one of its configured KV peers, on this client's behalf; the client never relays the bytes), the
+prefill replica's cache is released, and every later step of the session goes to the decode
+replica. Long prompts then never
 stall the decode replicas' token streams.
 
     router = StickyRouter(["10.0.0.5:50051", "10.0.0.6:50051"])
@@ -46,7 +47,7 @@ from typing import Any, Callable, Iterable
 
 import grpc
 
-from . import messages as m
+from . import messages as m, prefix_keys
 from ._proto.ferrum.executor.v1 import executor_pb2 as pb
 from ._proto.ferrum.executor.v1 import types_pb2 as tpb
 from .client import Client
@@ -113,13 +114,20 @@ class StickyRouter:
     arguments go to each :class:`Client` (``token``, ``root_certificates``, ...).
     ``prefix_aware``: follow each replica's prefix-cache block events and route a new session
     with ``prompt_tokens`` to the replica holding the longest cached prefix (module docstring).
-    Thread-safe.
+    ``key_identity``: the identity the replicas give this client, folded into the prefix keys it
+    computes (replicas that authenticate callers key each caller's prompts in its own space,
+    :func:`ferrum_client.prefix_keys.caller_salt`); default: from ``token`` when one is given
+    (``token_caller``), else none. Under mutual TLS pass ``"x509:" + the certificate's name``; pass
+    ``""`` for replicas that check no tokens. Thread-safe.
     """
 
     def __init__(self, targets: Iterable[str] = (), *, resolver: Callable[[], Iterable[str]] | None = None,
                  step_timeout: float = 10.0, client_factory: Callable[..., Client] = Client,
-                 prefix_aware: bool = False, **client_kw: Any) -> None:
+                 prefix_aware: bool = False, key_identity: str | None = None, **client_kw: Any) -> None:
         self.prefix_aware = prefix_aware
+        token = client_kw.get("token")
+        self.key_identity = key_identity if key_identity is not None else (
+            prefix_keys.token_caller(token) if token else "")
         self._lock = threading.RLock()
         self._replicas: dict[str, Replica] = {}
         self._sessions: dict[str, Replica] = {}
@@ -228,7 +236,8 @@ class StickyRouter:
             recipe = r.mirror.recipes.get(model_id)
             k = (recipe.block_size, recipe.seed, tuple(recipe.extra_keys)) if recipe is not None else None
             if k not in keyed:
-                keyed[k] = r.mirror.prompt_keys(model_id, prompt_tokens, cache_salt, adapter)
+                salt = prefix_keys.caller_salt(self.key_identity, cache_salt)
+                keyed[k] = r.mirror.prompt_keys(model_id, prompt_tokens, salt, adapter)
             keys = keyed[k]
             out[r.target] = r.mirror.cached_blocks(model_id, keys) * recipe.block_size if keys else 0
         return out
@@ -401,13 +410,16 @@ class DisaggregatedRouter:
                                    **client_kw)
         self.source_targets = dict(source_targets or {})
         self.handoff_timeout = handoff_timeout
+        # TLS to the replicas (root_certificates given) means TLS between them too: the decode
+        # replica pulls from the prefill replica over TLS (KvSource.tls).
+        self.tls = client_kw.get("root_certificates") is not None
 
     @classmethod
     def from_roles(cls, targets: Iterable[str], **kw: Any) -> "DisaggregatedRouter":
         """Sort replicas by the role their ``Info`` advertises (``both`` / unspecified: in both sets)."""
         factory = kw.get("client_factory", Client)
         client_kw = {k: v for k, v in kw.items() if k not in ("source_targets", "step_timeout", "handoff_timeout",
-                                                               "client_factory")}
+                                                               "client_factory", "key_identity", "prefix_aware")}
         pre, dec = [], []
         for t in targets:
             with factory(t, **client_kw) as c:
@@ -482,7 +494,8 @@ class DisaggregatedSession:
         if not r.up:
             raise ReplicaLost(r.target, sid, r.last_error)
         try:
-            return r.client.pull_kv(model_id, source, cache_id, timeout=self.router.handoff_timeout, **kw)
+            return r.client.pull_kv(model_id, source, cache_id, timeout=self.router.handoff_timeout,
+                                    tls=self.router.tls, **kw)
         except FerrumRpcError as e:
             if e.code not in _REPLICA_DOWN_CODES:
                 raise

@@ -929,7 +929,7 @@ class ExportKvRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., cache_id: _Optional[str] = ..., from_token: _Optional[int] = ..., to_token: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class KvTransferHeader(_message.Message):
-    __slots__ = ("model_id", "fingerprint", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "v_head_dim", "token_ids", "positions", "from_token", "to_token", "num_chunks", "total_bytes", "executor", "checksum_algorithm", "state_format", "adapter")
+    __slots__ = ("model_id", "fingerprint", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "v_head_dim", "token_ids", "positions", "from_token", "to_token", "num_chunks", "total_bytes", "executor", "checksum_algorithm", "state_format", "adapter", "adapter_digest", "caller_supplied")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -947,6 +947,8 @@ class KvTransferHeader(_message.Message):
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     STATE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CALLER_SUPPLIED_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     fingerprint: str
     kv_dtype: _types_pb2.DataType
@@ -964,7 +966,9 @@ class KvTransferHeader(_message.Message):
     checksum_algorithm: str
     state_format: str
     adapter: str
-    def __init__(self, model_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_dtype: _Optional[_Union[_types_pb2.DataType, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., from_token: _Optional[int] = ..., to_token: _Optional[int] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., executor: _Optional[str] = ..., checksum_algorithm: _Optional[str] = ..., state_format: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
+    adapter_digest: str
+    caller_supplied: bool
+    def __init__(self, model_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_dtype: _Optional[_Union[_types_pb2.DataType, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., from_token: _Optional[int] = ..., to_token: _Optional[int] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., executor: _Optional[str] = ..., checksum_algorithm: _Optional[str] = ..., state_format: _Optional[str] = ..., adapter: _Optional[str] = ..., adapter_digest: _Optional[str] = ..., caller_supplied: _Optional[bool] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("index", "layer", "token_start", "token_end", "key", "value", "checksum")
