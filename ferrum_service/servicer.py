@@ -501,6 +501,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                 await context.abort_with_status(rpc_status.to_status(status_of(e)))
         from_seq = request.from_seq if request.HasField("from_seq") else None
         sub, gone, next_seq = self.events.subscribe(request.model_id, from_seq, request.include_block_events)
+        enter_call(context, self.activity, tokens_checked=self.tokens_checked)  # the origin is active while it runs
         with self.streams.running():
             try:
                 if gone is not None:
@@ -525,12 +526,14 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
 
     # ---- KV handoff ---------------------------------------------------------------------------------
     async def ExportKv(self, request, context):
+        enter_call(context, self.activity, tokens_checked=self.tokens_checked)  # the origin is active while it runs
         with self.streams.running():
             async with self._answer("ExportKv", context, request):
                 async for msg in self.kv.export(request):
                     yield msg
 
     async def ImportKv(self, request_iterator, context):
+        enter_call(context, self.activity, tokens_checked=self.tokens_checked)  # the origin is active while it runs
         with self.streams.running():
             async with self._answer("ImportKv", context):
                 return await self.kv.import_(request_iterator, context.invocation_metadata())
