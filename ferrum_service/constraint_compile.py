@@ -17,9 +17,9 @@ the server or other callers:
   RESOURCE_EXHAUSTED and a RetryInfo computed from the recent compile times. A thread stuck on a
   long compile holds only its own slot; the event loop and cached constraints never wait for it.
 * **A time limit**: the request's deadline, and at most the server's ``--max-compile-seconds``.
-  Past it the request is refused (DEADLINE_EXCEEDED when its own deadline ran out first, else
-  INVALID_ARGUMENT: the constraint is too costly for this server); the thread finishes in the
-  background and its result is dropped.
+  Past it the request is refused (DEADLINE_EXCEEDED when its own deadline ran out first: the
+  result is still cached when the thread finishes; else INVALID_ARGUMENT: the constraint is too
+  costly for this server, and its late result is dropped, so the refusal stays the same).
 * **A bounded cache** of compiled constraints per model (``guided.Guides``: an LRU by entries and
   bytes, xgrammar's own unbounded cache is off); a cached constraint needs no pool slot.
 """
@@ -196,7 +196,9 @@ class CompilePool:
             except RuntimeError:  # the loop is closed (shutdown)
                 pass
 
-        fut = self._pool.submit(guides.compile, spec, field)
+        abandoned = []  # set when the server's limit passes: the late result is not cached
+
+        fut = self._pool.submit(guides.compile, spec, field, lambda: not abandoned)
         fut.add_done_callback(finished)
         waiting = asyncio.wrap_future(fut)
         waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody may await it now
@@ -204,9 +206,10 @@ class CompilePool:
             return await asyncio.wait_for(asyncio.shield(waiting), limit)
         except asyncio.TimeoutError:
             self.timed_out += 1
-            if by_deadline:
+            if by_deadline:  # the caller's deadline: its result is still worth caching
                 raise errors.FerrumError(errors.ErrorKind.TIMEOUT, f"{field}: the request's deadline passed while "
                                          "its constraint compiled", field=field) from None
+            abandoned.append(True)
             raise errors.invalid(f"{field}.{spec.kind} did not compile within {self.max_seconds:g} s (this "
                                  "server's limit): simplify it", field=f"{field}.{spec.kind}",
                                  limit_seconds=self.max_seconds) from None

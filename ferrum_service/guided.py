@@ -35,7 +35,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -124,9 +124,10 @@ class Guides:
                 _, (_, b) = self._cache.popitem(last=False)
                 self._cached_bytes -= b
 
-    def compile(self, spec: ConstraintSpec, field: str) -> Any:
+    def compile(self, spec: ConstraintSpec, field: str, keep: Callable[[], bool] | None = None) -> Any:
         """The compiled constraint (from the cache, or compiled now: blocks for as long as that
-        takes, so the server calls it on its compile pool); INVALID_ARGUMENT when it does not compile."""
+        takes, so the server calls it on its compile pool); INVALID_ARGUMENT when it does not compile.
+        ``keep``: asked once compiled whether to cache the result (a compile past its time limit is not)."""
         self.check_tokenizer(field)
         hit = self.cached(spec)
         if hit is not None:
@@ -147,7 +148,8 @@ class Guides:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             msg = msg.split(" is false: ", 1)[-1]  # drop xgrammar's "[time] file.cc:N: Check failed: (..)" prefix
             raise errors.invalid(f"{field}.{spec.kind} does not compile: {msg[:300]}", field=f"{field}.{spec.kind}") from None
-        self._keep(spec, out)
+        if keep is None or keep():
+            self._keep(spec, out)
         return out
 
 

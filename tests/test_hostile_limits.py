@@ -152,11 +152,22 @@ def test_time_limit_deadline_full_pool_and_per_request_count(tiny_llama_dir):  #
         deadline_srv.max_seconds = 30.0
         while deadline_srv.in_flight:  # let the background compiles end (they cannot be stopped)
             time.sleep(0.2)
+        from ferrum_service.guided import guides_of
+        from ferrum_service.types import ConstraintSpec
+
+        guides = guides_of(srv.models.get("tiny").executor)
+        assert guides.cached(ConstraintSpec("json_schema", _slow_schema("lim"))) is None  # dropped: refused again
         t0 = time.perf_counter()
+        dl = tpb.OutputConstraint(json_schema=_slow_schema("dl"))
         with pytest.raises(grpc.RpcError) as ei:
-            list(c.stub.Generate(_gen(tpb.OutputConstraint(json_schema=_slow_schema("dl"))), timeout=0.4))
+            list(c.stub.Generate(_gen(dl), timeout=0.4))
         assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert time.perf_counter() - t0 < 1.5
+        while deadline_srv.in_flight:
+            time.sleep(0.2)
+        t0 = time.perf_counter()  # past a caller's deadline the result was kept: a retry needs no compile
+        list(c.stub.Generate(_gen(dl, max_tokens=1), timeout=5))
+        assert time.perf_counter() - t0 < 1.0
         # a batch counts its distinct constraints before compiling any
         inputs = [pb.PrefillInput(token_ids=[5, 6], logits=_policy(tpb.OutputConstraint(regex=f"x{k}[0-9]+")))
                   for k in range(9)]
