@@ -137,6 +137,9 @@ def test_time_limit_deadline_full_pool_and_per_request_count(tiny_llama_dir):  #
         e = _err(lambda: list(c.stub.Generate(_gen(tpb.OutputConstraint(json_schema=_slow_schema("lim"))))))
         assert e.code == INV and "did not compile within" in e.message and e.field == "sampling.constraint.json_schema"
         assert time.perf_counter() - t0 < 1.5
+        cached = _policy(tpb.OutputConstraint(regex="[0-9]+"))
+        first = c.stub.Prefill(pb.PrefillRequest(model_id="tiny", input=pb.PrefillInput(token_ids=[5, 6],
+                                                                                        logits=cached))).output
         # the pool: 2 threads + 2 waiting; the timed-out compiles still hold their slots, so a
         # burst of distinct slow schemas is refused at once with a retry hint
         with ThreadPoolExecutor(6) as pool:
@@ -146,6 +149,16 @@ def test_time_limit_deadline_full_pool_and_per_request_count(tiny_llama_dir):  #
         assert X in codes, codes
         full = next(x for x in errs if x.code == X)
         assert full.retry_after_s and full.retry_after_s > 0 and "compiling" in full.message
+        # while the stuck compiles hold every slot, a cached constraint and Loads do not wait
+        assert srv.server.servicer.ops.checks.compiler.in_flight >= 2  # compiles that cannot be stopped
+        t0 = time.perf_counter()
+        again = c.stub.Prefill(pb.PrefillRequest(model_id="tiny", input=pb.PrefillInput(
+            token_ids=[5, 6], logits=cached))).output
+        c.stub.Loads(pb.LoadsRequest(model_id="tiny"))
+        assert time.perf_counter() - t0 < 1.0
+        assert again.output.token_id == first.output.token_id
+        for o in (first, again):
+            c.stub.ReleaseCache(pb.ReleaseCacheRequest(model_id="tiny", cache_id=o.cache.cache_id))
         time.sleep(0.5)
         # the request's own deadline: DEADLINE_EXCEEDED, not a wait for the compile
         deadline_srv = srv.server.servicer.ops.checks.compiler
