@@ -14,7 +14,8 @@ the server or other callers:
 * **Off the event loop, in a bounded pool** (:class:`CompilePool`): a few threads (xgrammar
   releases the GIL while compiling: measured, the loop kept ticking every ~12 ms during a 9 s
   compile) and a short queue; when both are taken, new compiles are refused at once with
-  RESOURCE_EXHAUSTED and a RetryInfo computed from the recent compile times. A thread stuck on a
+  RESOURCE_EXHAUSTED and a RetryInfo computed from the recent compile times. Requests asking for a
+  constraint already being compiled wait for that compile (no second slot). A thread stuck on a
   long compile holds only its own slot; the event loop and cached constraints never wait for it.
 * **A time limit**: the request's deadline, and at most the server's ``--max-compile-seconds``.
   Past it the request is refused (DEADLINE_EXCEEDED when its own deadline ran out first: the
@@ -151,6 +152,7 @@ class CompilePool:
         self.refused = 0
         self.timed_out = 0
         self._recent = collections.deque(maxlen=32)  # seconds the last compiles took
+        self._running: dict = {}  # (model's Guides, constraint) -> the compile under way, shared
         self._pool: ThreadPoolExecutor | None = None
 
     def retry_after_ms(self) -> int:
@@ -168,7 +170,6 @@ class CompilePool:
         hit = guides.cached(spec)
         if hit is not None:
             return hit
-        loop = asyncio.get_running_loop()
         limit = self.max_seconds if self.max_seconds > 0 else None
         deadline = current_deadline.get()
         by_deadline = False
@@ -176,34 +177,13 @@ class CompilePool:
             left = deadline - time.monotonic()
             if limit is None or left < limit:
                 limit, by_deadline = max(0.0, left), True
-        if self.in_flight >= self.slots:
-            self.refused += 1
-            raise errors.exhausted(
-                f"{field}: {self.in_flight} constraints are compiling or waiting to; the server compiles "
-                f"{self.threads} at a time (a cached constraint does not wait)", field=field,
-                retry_after_ms=self.retry_after_ms(), compiling=self.in_flight, limit=self.slots)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ferrum-grammar")
-        self.in_flight += 1
-        t0 = time.monotonic()
-
-        def finished(_f) -> None:  # on the compiling thread: count it on the loop
-            def free() -> None:
-                self.in_flight -= 1
-                self._recent.append(time.monotonic() - t0)
-            try:
-                loop.call_soon_threadsafe(free)
-            except RuntimeError:  # the loop is closed (shutdown)
-                pass
-
-        abandoned = []  # set when the server's limit passes: the late result is not cached
-
-        fut = self._pool.submit(guides.compile, spec, field, lambda: not abandoned)
-        fut.add_done_callback(finished)
-        waiting = asyncio.wrap_future(fut)
-        waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody may await it now
+        key = (id(guides), spec)
+        running = self._running.get(key)
+        if running is None:  # a compile of the same constraint already under way is shared
+            running = self._start(guides, spec, field)
+        shared, first_field, abandoned = running
         try:
-            return await asyncio.wait_for(asyncio.shield(waiting), limit)
+            return await asyncio.wait_for(asyncio.shield(shared), limit)
         except asyncio.TimeoutError:
             self.timed_out += 1
             if by_deadline:  # the caller's deadline: its result is still worth caching
@@ -213,6 +193,46 @@ class CompilePool:
             raise errors.invalid(f"{field}.{spec.kind} did not compile within {self.max_seconds:g} s (this "
                                  "server's limit): simplify it", field=f"{field}.{spec.kind}",
                                  limit_seconds=self.max_seconds) from None
+        except errors.FerrumError as e:
+            if first_field == field:
+                raise
+            # another request started this compile: its error names that request's field
+            raise errors.FerrumError(e.kind, e.message.replace(first_field, field, 1), code=e.code,
+                                     field=e.field.replace(first_field, field, 1), metadata=e.metadata) from None
+
+    def _start(self, guides, spec: ConstraintSpec, field: str):
+        """Submit a compile to the pool (RESOURCE_EXHAUSTED when every slot is taken); returns
+        (its future, the field it was started for, its abandoned flag)."""
+        if self.in_flight >= self.slots:
+            self.refused += 1
+            raise errors.exhausted(
+                f"{field}: {self.in_flight} constraints are compiling or waiting to; the server compiles "
+                f"{self.threads} at a time (a cached constraint does not wait)", field=field,
+                retry_after_ms=self.retry_after_ms(), compiling=self.in_flight, limit=self.slots)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ferrum-grammar")
+        loop = asyncio.get_running_loop()
+        self.in_flight += 1
+        t0 = time.monotonic()
+        key = (id(guides), spec)
+
+        def finished(_f) -> None:  # on the compiling thread: count it on the loop
+            def free() -> None:
+                self.in_flight -= 1
+                self._recent.append(time.monotonic() - t0)
+                self._running.pop(key, None)
+            try:
+                loop.call_soon_threadsafe(free)
+            except RuntimeError:  # the loop is closed (shutdown)
+                pass
+
+        abandoned: list[bool] = []  # set when the server's limit passes: the late result is not cached
+        fut = self._pool.submit(guides.compile, spec, field, lambda: not abandoned)
+        fut.add_done_callback(finished)
+        shared = asyncio.wrap_future(fut)
+        shared.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody may await it now
+        self._running[key] = (shared, field, abandoned)
+        return self._running[key]
 
     async def compile_all(self, host: "ModelHost", items: Sequence[tuple[SamplingParams, str]]) -> None:
         """Compile every constrained ``(sampling, field)`` of one request into ``sampling.compiled``:

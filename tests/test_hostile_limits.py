@@ -130,6 +130,18 @@ def test_loads_is_answered_within_a_second_while_a_slow_constraint_compiles(serv
     assert worst < 1.0, f"Loads waited {worst:.2f}s while a constraint compiled"
 
 
+def test_concurrent_requests_for_one_new_constraint_share_its_compile(server):
+    """Eight streams sending the same not-yet-compiled schema at once wait for one compile (they
+    would otherwise take every pool slot and be refused)."""
+    srv, c = server
+    cons = tpb.OutputConstraint(json_schema=_slow_schema("shared", 300))
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda _: list(c.stub.Generate(_gen(cons, max_tokens=2)))[-1].finished, range(8)))
+    assert all(o.generated_tokens >= 1 for o in outs)
+    assert srv.server.servicer.ops.checks.compiler.refused == 0
+    assert srv.live_caches() == {"tiny": 0}
+
+
 def test_time_limit_deadline_full_pool_and_per_request_count(tiny_llama_dir):  # noqa: F811
     with InProcessServer([_tiny(tiny_llama_dir)], max_compile_seconds=0.3) as srv, Client(srv.target) as c:
         # past the server's limit: INVALID_ARGUMENT naming the field, within about the limit
