@@ -13,8 +13,8 @@ Every executor call a model's worker completes (a step, a release, a fork) is re
 * **Stall health** (:class:`StallWatch`, started by the server): a model is *stalled* when work has
   been queued on it (``ModelHost.running > 0``) and no call completed for ``stall_timeout``
   seconds (``--stall-timeout``); its gRPC health (service name = the model id) is then
-  NOT_SERVING, and the server's overall ("" and the ModelExecutor service) too, so a readiness
-  probe takes the replica out of rotation while it cannot make progress. Both return to SERVING
+  NOT_SERVING, and the server's overall "" too (the ModelExecutor service follows shutdown only),
+  so a readiness probe takes the replica out of rotation while it cannot make progress. Both return to SERVING
   when a call completes. A model that was shut down, or a draining server, is left as it is.
 """
 
@@ -125,7 +125,9 @@ class StallWatch:
         now = time.monotonic() if now is None else now
         for host in self.models:
             if host.executor.state == "shutdown":
-                self.stalled.discard(host.model_id)
+                if host.model_id in self.stalled:  # shut down while stalled: "" no longer waits for it
+                    self.stalled.discard(host.model_id)
+                    await self.set_health(host.model_id, False)
                 continue
             stuck = host.progress.stalled_for(host.running, now)
             if stuck > self.stall_timeout and host.model_id not in self.stalled:

@@ -176,14 +176,12 @@ class Server:
 
     async def _set_progress_health(self, model_id: str, serving: bool) -> None:
         """The stall watch's verdict (``progress.py``): the model's health, and the server's overall
-        ("" and the ModelExecutor service) NOT_SERVING while any model is stalled."""
+        "" (the probes' service) NOT_SERVING while any model is stalled."""
         if self.draining:
             return
         st = health_pb2.HealthCheckResponse
         await self.health.set(model_id, st.SERVING if serving else st.NOT_SERVING)
-        overall = st.NOT_SERVING if self.stalls.stalled else st.SERVING
-        await self.health.set("", overall)
-        await self.health.set(SERVICE_NAME, overall)
+        await self.health.set("", st.NOT_SERVING if self.stalls.stalled else st.SERVING)
 
     def _model_down(self, model_id: str) -> None:
         asyncio.ensure_future(self.health.set(model_id, health_pb2.HealthCheckResponse.NOT_SERVING))

@@ -67,6 +67,7 @@ def test_a_stalled_model_is_not_serving_until_a_step_completes(tiny_llama_dir, m
             assert took >= 0.3, f"NOT_SERVING after {took:.2f}s, before the stall timeout"
             assert _health(c, "") == NOT_SERVING  # the readiness probe's service
             assert _health(c, "mock") == SERVING  # the other model moves
+            assert _health(c, "ferrum.executor.v1.ModelExecutor") == SERVING  # follows shutdown only
             assert c.prefill("mock", [1]).output.cache.num_tokens == 1
             release.set()
             out = fut.result(20)
