@@ -266,6 +266,22 @@ def test_per_caller_and_per_model_caps_through_every_creating_rpc(tiny_llama_dir
         _new_seq(cc, "c4")
 
 
+def test_an_executors_own_lower_cache_limit_is_kept():
+    """--max-caches never raises an executor's own limit (llama.cpp's n_seq), only lowers it."""
+    from ferrum_service.executors import ConfigurableModelExecutor
+
+    low = ConfigurableModelExecutor.with_token_sequence(1000, [7], model_id="low")
+    low.registry.max_active = 3
+    free = ConfigurableModelExecutor.with_token_sequence(1000, [7], model_id="free")
+    with InProcessServer([low, free], max_caches=5, max_caches_per_caller=0) as srv, Client(srv.target) as c:
+        assert low.registry.max_active == 3 and free.registry.max_active == 5
+        for model, cap in (("low", 3), ("free", 5)):
+            for _ in range(cap):
+                c.stub.Prefill(pb.PrefillRequest(model_id=model, input=pb.PrefillInput(token_ids=[1, 2])))
+            e = _err(c.stub.Prefill, pb.PrefillRequest(model_id=model, input=pb.PrefillInput(token_ids=[1, 2])))
+            assert e.code == X and f"the limit is {cap}" in e.message and e.retry_after_s, e
+
+
 # ---- F6: constraint x chunked prefill -------------------------------------------------------------
 def test_constrained_prompt_in_chunks_equals_the_prompt_whole(server, monkeypatch):
     from ferrum_service import batcher as batcher_mod
