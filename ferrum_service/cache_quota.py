@@ -3,7 +3,8 @@
 A cache costs the server memory even when it holds no KV blocks: a fork shares its source's blocks
 and an empty ``ReserveKvSlots(new_sequence)`` cache holds none, yet each keeps an entry and a copy
 of its tokens. So the number of live caches is capped twice, both refused with RESOURCE_EXHAUSTED
-and a RetryInfo from the measured service rate (``progress.py``) before any work:
+and a RetryInfo from the measured service rate (``progress.py``; at least 1 s for a caller at its
+own cap) before any work:
 
 * **per model**: the registry's ``max_active`` (the server sets it to ``--max-caches``, or keeps
   the executor's own lower limit: llama.cpp's ``n_seq``); it counts every live cache, staged
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 #: Default ``--max-caches`` (live caches per model) and ``--max-caches-per-caller``.
 DEFAULT_MAX_CACHES = 2048
 DEFAULT_MAX_CACHES_PER_CALLER = 512
+#: Least retry delay for a caller at its own cap: only its own releases make room, so retrying
+#: at the service rate (tens of ms on an idle model) would only spin.
+QUOTA_RETRY_MS = 1000
 #: Most requests one ``ReserveKvSlots`` call may carry.
 MAX_SLOT_REQUESTS = 1024
 
@@ -64,7 +68,7 @@ class CacheQuota:
                 f"{field}: this caller holds {live} caches on model {host.model_id!r}"
                 + (f" and is creating {pending}" if pending else "")
                 + f"; the limit per caller is {self.per_caller}: release caches it no longer needs",
-                retry_after_ms=host.retry_after_ms(), field=field, model_id=host.model_id, live=live,
+                retry_after_ms=max(QUOTA_RETRY_MS, host.retry_after_ms()), field=field, model_id=host.model_id, live=live,
                 limit=self.per_caller)
         self._pending[key] = pending + new
         try:
