@@ -15,6 +15,7 @@ one by one so that one bad stream does not fail the others.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,7 +49,14 @@ class _Pending:
         last = self.done + len(ids) >= len(inp.token_ids)
         if not self.done and last:
             return inp, True
-        return PrefillInput(token_ids=ids, cache_id=self.created or inp.cache_id, policy=inp.policy,
+        policy = inp.policy
+        if not last and policy.sampling.constraint is not None:
+            # A structured-output constraint starts where the whole prompt ends: a chunk in the
+            # middle of the prompt carries none (its row is not sampled), or the constraint would
+            # start there and take the rest of the prompt for output.
+            policy = dataclasses.replace(policy, sampling=dataclasses.replace(policy.sampling, constraint=None,
+                                                                              compiled=None))
+        return PrefillInput(token_ids=ids, cache_id=self.created or inp.cache_id, policy=policy,
                             reserve_tokens=inp.reserve_tokens if not self.done and not inp.cache_id else 0,
                             metadata=inp.metadata, request_id=inp.request_id, cache_salt=inp.cache_salt,
                             adapter=inp.adapter,

@@ -17,8 +17,10 @@ the lease reaper can free the caches of an origin that has gone quiet (``leases.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import time
+from typing import Iterator
 
 import grpc
 
@@ -26,6 +28,8 @@ from ferrum_client.prefix_keys import token_caller
 
 current_caller: contextvars.ContextVar[str] = contextvars.ContextVar("ferrum_caller", default="")
 current_origin: contextvars.ContextVar[str] = contextvars.ContextVar("ferrum_origin", default="")
+#: When the call's deadline passes (``time.monotonic()``; None = the caller set none).
+current_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("ferrum_deadline", default=None)
 
 
 def peer_host(peer: str | None) -> str:
@@ -41,18 +45,42 @@ def peer_host(peer: str | None) -> str:
 
 
 class CallerActivity:
-    """When each origin (caller identity @ host) last made a call. Written on the event loop by
-    every RPC and Session step, read by the lease reaper; a plain dict is enough."""
+    """When each origin (caller identity @ host) last made a call, and which origins have a stream
+    open now (Generate, Session, SubscribeKvEvents, ExportKv, ImportKv: an origin is active for as
+    long as one of its streams is, however long it runs). Written on the event loop by every RPC,
+    Session step and stream, read by the lease reaper; plain dicts are enough."""
 
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
+        self._open: dict[str, int] = {}  # origin -> streams open now
+
+    @contextlib.contextmanager
+    def streaming(self, origin: str) -> Iterator[None]:
+        """Count ``origin`` as active while the block (a stream) runs; its idle time starts at
+        the end of its last stream."""
+        if not origin:
+            yield
+            return
+        self._open[origin] = self._open.get(origin, 0) + 1
+        try:
+            yield
+        finally:
+            n = self._open.get(origin, 1) - 1
+            if n > 0:
+                self._open[origin] = n
+            else:
+                self._open.pop(origin, None)
+            self.seen(origin)
 
     def seen(self, origin: str, now: float | None = None) -> None:
         if origin:
             self._last[origin] = time.monotonic() if now is None else now
 
     def idle_for(self, origin: str, now: float | None = None) -> float:
-        """Seconds since ``origin`` last called (infinite if never seen)."""
+        """Seconds since ``origin`` last called or had a stream open (0 while one is open;
+        infinite if never seen)."""
+        if origin in self._open:
+            return 0.0
         last = self._last.get(origin)
         if last is None:
             return float("inf")
@@ -61,7 +89,7 @@ class CallerActivity:
     def forget_idle(self, older_than: float, now: float | None = None) -> None:
         """Drop origins quiet for longer than ``older_than`` seconds (keeps the table small)."""
         now = time.monotonic() if now is None else now
-        for k in [k for k, t in self._last.items() if now - t > older_than]:
+        for k in [k for k, t in self._last.items() if now - t > older_than and k not in self._open]:
             del self._last[k]
 
 
@@ -76,6 +104,11 @@ def enter_call(context: grpc.aio.ServicerContext, activity: CallerActivity | Non
         host = ""
     origin = f"{caller}@{host}" if host else ""
     current_origin.set(origin)
+    try:
+        left = context.time_remaining()
+    except Exception:  # noqa: BLE001 - a test double without a deadline
+        left = None
+    current_deadline.set(time.monotonic() + left if left is not None else None)
     if activity is not None:
         activity.seen(origin)
     return origin

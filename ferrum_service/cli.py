@@ -43,6 +43,14 @@ SERVE_FLAGS = {
     "max_step_bytes": (int, 2 * 1024**3, "transient memory one forward may need (masks, activations, logits); "
                        "a request over it is INVALID_ARGUMENT (0 = no limit)"),
     "max_text_bytes": (int, 1024 * 1024, "UTF-8 bytes of text one request may ask to tokenize"),
+    "max_caches": (int, 2048, "live caches per model (forks and empty reservations included); more are "
+                   "RESOURCE_EXHAUSTED (0 = only the executor's own limit, e.g. llama.cpp's n_seq)"),
+    "max_caches_per_caller": (int, 512, "live caches one caller (token / client certificate; unauthenticated "
+                              "callers are one) may hold per model; more are RESOURCE_EXHAUSTED (0 = no cap)"),
+    "max_compile_seconds": (float, 10.0, "longest a structured-output constraint may take to compile (also "
+                            "bounded by the request's deadline); slower ones are INVALID_ARGUMENT (0 = deadline only)"),
+    "stall_timeout": (float, 120.0, "seconds a model may have work queued with no step completing before its "
+                      "gRPC health (and the server's \"\") turns NOT_SERVING (0 = never)"),
     "otlp_endpoint": (str, None, "OTLP/gRPC endpoint for OpenTelemetry traces (off when unset, unless the "
                       "standard OTEL_* variables name one)"),
     "role": (str, "both", "both | prefill | decode: what this server is deployed for, advertised in Info "
@@ -256,6 +264,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_peers=list(st["kv_peer"] or []), kv_peer_tokens=_read_tokens(st["kv_peer_token_file"]),
         kv_peer_ca=st["kv_peer_ca"], kv_peer_cert=st["kv_peer_cert"], kv_peer_key=st["kv_peer_key"],
         kv_import_idle_timeout=st["kv_import_idle_timeout"],
+        max_caches=st["max_caches"], max_caches_per_caller=st["max_caches_per_caller"],
+        max_compile_seconds=st["max_compile_seconds"], stall_timeout=st["stall_timeout"],
     )
     asyncio.run(serve(executors, cfg, workers))
     return 0

@@ -157,6 +157,7 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
     checks.check_length(host, total, "stop.max_tokens")
     if prompt:
         checks.check_step(host, [(len(prompt), prior)], 1, "token_ids" if req.token_ids.token_ids else "prompt")
+    await checks.compile(host, [(sp, "sampling.constraint")])
 
     def detokenizer():
         return IncrementalDetokenizer(tok) if tok is not None and (req.stream_text or req.stop.stop_sequences) else None
@@ -167,33 +168,35 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
     finished = [0]  # GenerateFinished events yielded (all n of them: the stream ended normally)
     try:
         with host.hold([cache_id], "cache_id"):
-            # --- prefill (or feed the caller's last token into its cache) ---
-            cached = 0
-            if prompt:
-                inp = PrefillInput(token_ids=prompt, cache_id=cache_id, policy=policy,
-                                   reserve_tokens=total if not cache_id else 0, request_id=req.request_id,
-                                   cache_salt=salt, bypass_prefix_cache=req.bypass_prefix_cache,
-                                   adapter=adapter)
-                if cache_id:
+            # the caches this stream creates count against the caller's cap while they are made
+            with checks.quota.claim(host, 0 if cache_id else n, "prompt"):
+                # --- prefill (or feed the caller's last token into its cache) ---
+                cached = 0
+                if prompt:
+                    inp = PrefillInput(token_ids=prompt, cache_id=cache_id, policy=policy,
+                                       reserve_tokens=total if not cache_id else 0, request_id=req.request_id,
+                                       cache_salt=salt, bypass_prefix_cache=req.bypass_prefix_cache,
+                                       adapter=adapter)
+                    if cache_id:
+                        admit(host, "stop.max_tokens", grow=[(reg.get(cache_id), total)])
+                    out, row = await host.batcher.prefill(inp)
+                    cached = out.cached_tokens
+                    if not cache_id:
+                        cache_id = out.cache.cache_id
+                        created.append(cache_id)
+                        state.cache_id = cache_id
+                        checks.adopt(reg.get(cache_id), "" if req.keep_cache else owner)
+                    handle = out.cache
+                else:
                     admit(host, "stop.max_tokens", grow=[(reg.get(cache_id), total)])
-                out, row = await host.batcher.prefill(inp)
-                cached = out.cached_tokens
-                if not cache_id:
-                    cache_id = out.cache.cache_id
-                    created.append(cache_id)
-                    state.cache_id = cache_id
-                    checks.adopt(reg.get(cache_id), "" if req.keep_cache else owner)
-                handle = out.cache
-            else:
-                admit(host, "stop.max_tokens", grow=[(reg.get(cache_id), total)])
-                row = await host.batcher.decode(
-                    DecodeInput(cache_id=cache_id, token_id=req.last_token_id, policy=policy)
-                )
-                handle = host.executor.handle(reg.get(cache_id))
-            samples = [_Sample(0, cache_id, row, policy, detokenizer())]
-            if n > 1:
-                samples += await _fork_samples(host, checks, samples[0], prompt, n, total, owner, req, created,
-                                               detokenizer, salt, adapter)
+                    row = await host.batcher.decode(
+                        DecodeInput(cache_id=cache_id, token_id=req.last_token_id, policy=policy)
+                    )
+                    handle = host.executor.handle(reg.get(cache_id))
+                samples = [_Sample(0, cache_id, row, policy, detokenizer())]
+                if n > 1:
+                    samples += await _fork_samples(host, checks, samples[0], prompt, n, total, owner, req, created,
+                                                   detokenizer, salt, adapter)
             yield pb.GenerateResponse(started=pb.GenerateStarted(
                 cache=handle_pb(handle), prompt_tokens=len(prompt), request_id=req.request_id, cached_tokens=cached))
             ttft = time.perf_counter_ns() - t_start
@@ -238,7 +241,9 @@ async def _fork_samples(host, checks, first: _Sample, prompt: list[int], n: int,
     forks: list[str] = []
     for _ in range(1, n):
         if len(prompt) > 1:
-            entry, _shared = (await host.call(host.executor.fork_cache, first.cache_id, len(prompt) - 1, total)).value
+            # A fork that finishes after the stream was cancelled has nobody to free it: on_orphan does.
+            entry, _shared = (await host.call(host.executor.fork_cache, first.cache_id, len(prompt) - 1, total,
+                                              on_orphan=lambda v: host.release_soon(v[0].cache_id, "reclaimed"))).value
         else:  # nothing to share: the one-token prompt is prefilled per sample below
             entry = None
         if entry is not None:

@@ -29,11 +29,13 @@ Rooms:
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -50,12 +52,15 @@ class GuideState:
     matcher: Any
     accepted: list[int] = field(default_factory=list)
     broken: str = ""  # why the cache's tokens left the constraint ("" = they did not)
+    refused: int = -1  # the token that broke it (at ``start + len(accepted)``), while ``broken``
     after_end: int = 0  # end tokens taken after the matcher terminated (ignore_eos): not in the matcher
+    compiled: Any = field(default=None, repr=False, compare=False)  # what the matcher runs (forks reuse it)
 
-    def spawn(self, compiled: Any) -> "GuideState":
+    def spawn(self, compiled: Any = None) -> "GuideState":
         """The state for a fork of this cache: same constraint and start, a fresh matcher (it
         replays the fork's tokens at its next row)."""
-        return GuideState(self.spec, self.start, _matcher(compiled))
+        compiled = compiled if compiled is not None else self.compiled
+        return GuideState(self.spec, self.start, _matcher(compiled), compiled=compiled)
 
 
 def _matcher(compiled: Any) -> Any:
@@ -65,40 +70,87 @@ def _matcher(compiled: Any) -> Any:
 
 
 class Guides:
-    """One model's vocabulary for xgrammar, its compiler and compiled-constraint cache."""
+    """One model's vocabulary for xgrammar, its compiler and a bounded cache of compiled
+    constraints (LRU, at most :attr:`cache_entries` and :attr:`cache_bytes`; xgrammar's own cache,
+    unbounded, is off). Thread-safe: compiles run on the server's compile pool
+    (``constraint_compile.py``), lookups on the event loop."""
+
+    #: Compiled constraints kept per model, and their bytes (xgrammar's ``memory_size_bytes``).
+    cache_entries = 256
+    cache_bytes = 256 * 1024 * 1024
 
     def __init__(self, executor: Any) -> None:
         self.executor = executor
         self.vocab_size = int(executor.info().vocab_size)
         self._compiler = None
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[ConstraintSpec, tuple[Any, int]] = collections.OrderedDict()
+        self._cached_bytes = 0
 
     def _compiler_for(self):
-        if self._compiler is None:
-            import xgrammar as xgr
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
 
-            self._compiler = xgr.GrammarCompiler(_tokenizer_info(self.executor, self.vocab_size), max_threads=2)
-        return self._compiler
+                self._compiler = xgr.GrammarCompiler(_tokenizer_info(self.executor, self.vocab_size), max_threads=2,
+                                                     cache_enabled=False)
+            return self._compiler
 
-    def compile(self, spec: ConstraintSpec, field: str) -> Any:
-        """The compiled constraint (cached by xgrammar); INVALID_ARGUMENT when it does not compile."""
+    def check_tokenizer(self, field: str) -> None:
+        """FAILED_PRECONDITION when the model has no tokenizer (nothing to constrain)."""
         if self.executor.tokenizer is None:
             raise errors.failed_precondition(f"{field}: model {self.executor.info().model_id!r} has no tokenizer, so it "
                                              "cannot constrain text", field=field)
+
+    def cached(self, spec: ConstraintSpec) -> Any:
+        """The compiled constraint if it is in the cache (it becomes the most recent), else None."""
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is None:
+                return None
+            self._cache.move_to_end(spec)
+            return hit[0]
+
+    def _keep(self, spec: ConstraintSpec, compiled: Any) -> None:
+        size = int(getattr(compiled, "memory_size_bytes", 0) or 0)
+        with self._lock:
+            old = self._cache.pop(spec, None)
+            if old is not None:
+                self._cached_bytes -= old[1]
+            self._cache[spec] = (compiled, size)
+            self._cached_bytes += size
+            while len(self._cache) > 1 and (len(self._cache) > self.cache_entries
+                                            or self._cached_bytes > self.cache_bytes):
+                _, (_, b) = self._cache.popitem(last=False)
+                self._cached_bytes -= b
+
+    def compile(self, spec: ConstraintSpec, field: str, keep: Callable[[], bool] | None = None) -> Any:
+        """The compiled constraint (from the cache, or compiled now: blocks for as long as that
+        takes, so the server calls it on its compile pool); INVALID_ARGUMENT when it does not compile.
+        ``keep``: asked once compiled whether to cache the result (a compile past its time limit is not)."""
+        self.check_tokenizer(field)
+        hit = self.cached(spec)
+        if hit is not None:
+            return hit
         comp = self._compiler_for()
         try:
             if spec.kind == "json_schema":
-                return comp.compile_json_schema(spec.text, any_whitespace=False)
-            if spec.kind == "regex":
-                return comp.compile_regex(spec.text)
-            if spec.kind == "ebnf_grammar":
-                return comp.compile_grammar(spec.text)
-            if spec.kind == "lark_grammar":
-                return comp.compile_lark(spec.text)
-            return comp.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choices))
+                out = comp.compile_json_schema(spec.text, any_whitespace=False)
+            elif spec.kind == "regex":
+                out = comp.compile_regex(spec.text)
+            elif spec.kind == "ebnf_grammar":
+                out = comp.compile_grammar(spec.text)
+            elif spec.kind == "lark_grammar":
+                out = comp.compile_lark(spec.text)
+            else:
+                out = comp.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choices))
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with the parser's message
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             msg = msg.split(" is false: ", 1)[-1]  # drop xgrammar's "[time] file.cc:N: Check failed: (..)" prefix
             raise errors.invalid(f"{field}.{spec.kind} does not compile: {msg[:300]}", field=f"{field}.{spec.kind}") from None
+        if keep is None or keep():
+            self._keep(spec, out)
+        return out
 
 
 def guides_of(executor: Any) -> Guides:
@@ -139,7 +191,9 @@ def sync(state: GuideState, tokens: Sequence[int]) -> None:
         del acc[c:]
         state.broken = ""
     if state.broken:
-        return
+        if len(hist) > len(acc) and int(hist[len(acc)]) == state.refused:
+            return
+        state.broken = ""  # the refused token is gone (truncated away, or replaced): go on from here
     for t in hist[c:]:
         if state.matcher.is_terminated() and int(t) in state.matcher.stop_token_ids:
             state.after_end += 1  # generation goes on past the end (ignore_eos): more end tokens
@@ -147,6 +201,7 @@ def sync(state: GuideState, tokens: Sequence[int]) -> None:
             continue
         if not state.matcher.accept_token(int(t)):
             state.broken = f"token {t} at position {state.start + len(acc)} is not allowed by the constraint"
+            state.refused = int(t)
             return
         acc.append(int(t))
 
@@ -238,7 +293,7 @@ def mask_rows(executor: Any, entries: Sequence[CacheEntry | None], rows: Sequenc
         entry, sp = entries[i], policies[i].sampling
         st = entry.guide
         if st is None or st.spec != sp.constraint or entry.num_tokens < st.start:
-            st = entry.guide = GuideState(sp.constraint, entry.num_tokens, _matcher(sp.compiled))
+            st = entry.guide = GuideState(sp.constraint, entry.num_tokens, _matcher(sp.compiled), compiled=sp.compiled)
         problems[i] = _fill(st, entry.tokens, bitmask, j)
         where[i] = (bitmask, j)
     for i, j in ready.items():

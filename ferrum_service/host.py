@@ -21,10 +21,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+import grpc
+
 from . import errors
 from .batcher import ContinuousBatcher
 from .executors.base import ModelExecutor
 from .guided import mask_rows, overlapping, prepare_masks, refuse_broken
+from .progress import Progress
 from .sampling import RowResult, process_rows
 from .types import DecodeInput, PrefillInput
 
@@ -84,6 +87,7 @@ class ModelHost:
         self.running = 0  # steps executing or queued on the worker
         self._pending_releases: set[asyncio.Task] = set()
         self.batcher = ContinuousBatcher(self)
+        self.progress = Progress()  # completed calls: the service rate (retry hints) and stall health
 
     # ---- running executor methods -------------------------------------------------------------
     def on_worker(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
@@ -98,6 +102,11 @@ class ModelHost:
         """Steps queued behind the one the worker is running (new Generate prompts included)."""
         return max(0, self.running - 1) + self.batcher.queued_prompts
 
+    def retry_after_ms(self) -> int:
+        """RetryInfo for a request refused for queue or capacity reasons: the work queued now at
+        the measured service rate (``progress.py``)."""
+        return self.progress.retry_after_ms(self.waiting)
+
     def check_accepting(self, fn: Callable[..., Any] | None = None) -> None:
         """UNAVAILABLE once the model is shut down; RESOURCE_EXHAUSTED (with RetryInfo) when
         ``max_queue`` steps already wait for the worker — except for ``fn`` = release or shutdown:
@@ -111,7 +120,7 @@ class ModelHost:
             raise errors.exhausted(
                 f"model {self.model_id!r}: {self.waiting} steps are waiting for its worker; the queue limit "
                 f"is {self.max_queue}",
-                retry_after_ms=50,
+                retry_after_ms=self.retry_after_ms(),
                 model_id=self.model_id,
                 queued=self.waiting,
                 limit=self.max_queue,
@@ -131,17 +140,24 @@ class ModelHost:
         finished): whatever the step created (caches) has nobody to hand it to, so it is freed."""
         self.check_accepting(fn) if admit else self.check_up()
         submitted = time.perf_counter_ns()
+        self.progress.started(self.running)
         self.running += 1
         try:
             if self.executor.inline:
-                value = fn(*args)
+                try:
+                    value = fn(*args)
+                finally:
+                    self.progress.completed()
                 done = time.perf_counter_ns()
                 return Timed(value, 0, done - submitted, submitted)
             started: list[int] = []
 
             def run() -> Any:
                 started.append(time.perf_counter_ns())
-                return fn(*args)
+                try:
+                    return fn(*args)
+                finally:
+                    self.progress.completed()
 
             fut = asyncio.get_running_loop().run_in_executor(self._pool, run)
             try:
@@ -156,8 +172,17 @@ class ModelHost:
                 raise
             done = time.perf_counter_ns()
             return Timed(value, started[0] - submitted, done - started[0], submitted)
+        except errors.FerrumError as e:
+            self.hint_retry(e)
+            raise
         finally:
             self.running -= 1
+
+    def hint_retry(self, e: errors.FerrumError) -> None:
+        """Give a RESOURCE_EXHAUSTED that carries a retry hint (queue, KV or cache capacity) the
+        hint computed from the measured service rate (:meth:`retry_after_ms`)."""
+        if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.retry_after_ms:
+            e.retry_after_ms = self.retry_after_ms()
 
     @contextlib.contextmanager
     def hold(self, cache_ids: Iterable[str], field: str):

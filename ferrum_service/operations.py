@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from . import errors, tracing
 from .convert import handle_pb, logits_policy, pb, row_pb, tpb
+from .cache_quota import MAX_SLOT_REQUESTS
 from .retries import StepDeduper
 from .guided import guides_of, mask_rows, refuse_broken
 from .sampling import encode_row, process_rows
@@ -109,10 +110,12 @@ class Operations:
         if not inp.cache_id:
             self.checks.check_new_prompt("Prefill")
         self.checks.check_prefill_step(host, [inp], "input")
-        with host.hold([inp.cache_id], "input.cache_id"):
-            timed = await host.call(self._run_prefill, host, [inp], on_orphan=self._orphaned(host, [inp]))
-        outs, msgs, s_ns = timed.value
-        self._adopt(host, [] if inp.cache_id else outs, owner)
+        await self.checks.compile(host, [(inp.policy.sampling, "input.logits.sampling.constraint")])
+        with self.checks.quota.claim(host, 0 if inp.cache_id else 1, "input"):
+            with host.hold([inp.cache_id], "input.cache_id"):
+                timed = await host.call(self._run_prefill, host, [inp], on_orphan=self._orphaned(host, [inp]))
+            outs, msgs, s_ns = timed.value
+            self._adopt(host, [] if inp.cache_id else outs, owner)
         return pb.PrefillResponse(output=msgs[0], timings=_timings(t, timed, s_ns))
 
     def _run_prefill(self, host, inputs: list[PrefillInput]):
@@ -135,11 +138,14 @@ class Operations:
             self.checks.check_new_prompt("BatchPrefill")
         self.checks.unique(ids, "inputs.cache_id")
         self.checks.check_prefill_step(host, inputs, "inputs")
+        await self.checks.compile(host, [(x.policy.sampling, f"inputs[{k}].logits.sampling.constraint")
+                                         for k, x in enumerate(inputs)])
         admit_prefills(host, inputs)
-        with host.hold(ids, "inputs.cache_id"):
-            timed = await host.call(self._run_prefill, host, inputs, on_orphan=self._orphaned(host, inputs))
-        outs, msgs, s_ns = timed.value
-        self._adopt(host, [o for inp, o in zip(inputs, outs) if not inp.cache_id], owner)
+        with self.checks.quota.claim(host, sum(1 for c in ids if not c), "inputs"):
+            with host.hold(ids, "inputs.cache_id"):
+                timed = await host.call(self._run_prefill, host, inputs, on_orphan=self._orphaned(host, inputs))
+            outs, msgs, s_ns = timed.value
+            self._adopt(host, [o for inp, o in zip(inputs, outs) if not inp.cache_id], owner)
         return pb.BatchPrefillResponse(outputs=msgs, timings=_timings(t, timed, s_ns))
 
     async def decode(self, req: pb.DecodeRequest, owner: str = "") -> pb.DecodeResponse:
@@ -150,6 +156,7 @@ class Operations:
         inp = self.checks.decode_input(host, req.input, "input")
         admit_decodes(host, [inp], "input.cache_id")
         self.checks.check_decode_step(host, [inp], "input")
+        await self.checks.compile(host, [(inp.policy.sampling, "input.logits.sampling.constraint")])
         with host.hold([inp.cache_id], "input.cache_id"):
             timed = await host.call(self._run_decode, host, [inp])
         outs, rows = timed.value
@@ -173,6 +180,8 @@ class Operations:
         ids = [i.cache_id for i in inputs]
         self.checks.unique(ids, "inputs.cache_id")
         self.checks.check_decode_step(host, inputs, "inputs")
+        await self.checks.compile(host, [(x.policy.sampling, f"inputs[{k}].logits.sampling.constraint")
+                                         for k, x in enumerate(inputs)])
         admit_decodes(host, inputs)
         with host.hold(ids, "inputs.cache_id"):
             timed = await host.call(self._run_decode, host, inputs)
@@ -202,14 +211,17 @@ class Operations:
         self.checks.unique(ids, "items.cache_id")
         self.checks.check_step(host, [(len(i.q_tokens), i.pos_offset) for i in items], len(items), "items",
                                sum(self.checks.row_bytes(host, i.policy) for i in items))
+        await self.checks.compile(host, [(x.policy.sampling, f"items[{k}].logits.sampling.constraint")
+                                         for k, x in enumerate(items)])
         admit_unified(host, items)
-        with host.hold(ids, "items.cache_id"):
-            timed = await host.call(self._run_unified, host, items, on_orphan=self._orphaned(host, items))
-        results, by_k, s_ns = timed.value
-        for r, it in zip(results, items):
-            if r.cache.cache_id in reg:
-                reg.get(r.cache.cache_id).chunking = not it.is_final_chunk
-        self._adopt(host, [r for r, it in zip(results, items) if not it.cache_id], owner)
+        with self.checks.quota.claim(host, sum(1 for c in ids if not c), "items"):
+            with host.hold(ids, "items.cache_id"):
+                timed = await host.call(self._run_unified, host, items, on_orphan=self._orphaned(host, items))
+            results, by_k, s_ns = timed.value
+            for r, it in zip(results, items):
+                if r.cache.cache_id in reg:
+                    reg.get(r.cache.cache_id).chunking = not it.is_final_chunk
+            self._adopt(host, [r for r, it in zip(results, items) if not it.cache_id], owner)
         resp = pb.UnifiedDecodeResponse()
         for k, (it, r) in enumerate(zip(items, results)):
             m = resp.results.add(seq_id=it.seq_id, cache=handle_pb(r.cache), cached_tokens=r.cached_tokens)
@@ -324,11 +336,12 @@ class Operations:
                 f"keep_tokens = {keep} must be in [1, {src.num_tokens}] (cache {req.cache_id!r} holds "
                 f"{src.num_tokens} tokens)", field="keep_tokens", num_tokens=src.num_tokens)
         self.checks.check_length(host, max(keep, int(req.reserve_tokens)), "reserve_tokens")
-        with host.hold([req.cache_id], "cache_id"):
-            timed = await host.call(self._run_fork, host, req.cache_id, keep, int(req.reserve_tokens),
-                                    on_orphan=lambda v: host.release_soon(v[0].cache_id, "reclaimed"))
-        handle, shared = timed.value
-        self.checks.adopt(host.executor.registry.get(handle.cache_id), owner)
+        with self.checks.quota.claim(host, 1, "cache_id"):
+            with host.hold([req.cache_id], "cache_id"):
+                timed = await host.call(self._run_fork, host, req.cache_id, keep, int(req.reserve_tokens),
+                                        on_orphan=lambda v: host.release_soon(v[0].cache_id, "reclaimed"))
+            handle, shared = timed.value
+            self.checks.adopt(host.executor.registry.get(handle.cache_id), owner)
         return pb.ForkCacheResponse(cache=handle_pb(handle), shared_blocks=shared)
 
     @staticmethod
@@ -337,7 +350,8 @@ class Operations:
         entry, shared = ex.fork_cache(cache_id, keep, reserve)
         guide = ex.registry.get(cache_id).guide
         if guide is not None and keep >= guide.start:  # the fork continues the constrained output
-            entry.guide = guide.spawn(guides_of(ex).compile(guide.spec, "cache_id"))
+            entry.guide = guide.spawn(guide.compiled if guide.compiled is not None
+                                      else guides_of(ex).compile(guide.spec, "cache_id"))
         return ex.handle(entry), shared
 
     async def reserve_kv_slots(self, req: pb.ReserveKvSlotsRequest, owner: str = "") -> pb.ReserveKvSlotsResponse:
@@ -347,6 +361,9 @@ class Operations:
         the reservation and its id comes back as ``created_cache_id``; it belongs to the caller
         like a cache made by a unary ``Prefill`` (the idle lease applies)."""
         host = self.models.get(req.model_id)
+        if len(req.requests) > MAX_SLOT_REQUESTS:
+            raise errors.invalid(f"requests: {len(req.requests)} requests; one call may carry at most "
+                                 f"{MAX_SLOT_REQUESTS}", field="requests", limit=MAX_SLOT_REQUESTS)
         reqs = []
         for i, r in enumerate(req.requests):
             field = f"requests[{i}].cache_id"
@@ -371,14 +388,16 @@ class Operations:
                 if a.created_cache_id:
                     host.release_soon(a.created_cache_id, "reclaimed")
 
-        with host.hold(known, "requests.cache_id"):
-            res = (await host.call(host.executor.reserve_kv_slots, reqs, on_orphan=orphaned)).value
+        with self.checks.quota.claim(host, sum(1 for r in reqs if r.new_sequence), "requests"):
+            with host.hold(known, "requests.cache_id"):
+                res = (await host.call(host.executor.reserve_kv_slots, reqs, on_orphan=orphaned)).value
+            if res is not None:
+                reg = host.executor.registry
+                for a in res.allocations:
+                    if a.created_cache_id and a.created_cache_id in reg:
+                        self.checks.adopt(reg.get(a.created_cache_id), owner)
         resp = pb.ReserveKvSlotsResponse()
         if res is not None:
-            reg = host.executor.registry
-            for a in res.allocations:
-                if a.created_cache_id and a.created_cache_id in reg:
-                    self.checks.adopt(reg.get(a.created_cache_id), owner)
             resp.reservation.CopyFrom(tpb.KvSlotReservation(
                 block_size=res.block_size, total_blocks=res.total_blocks,
                 free_blocks_before=res.free_blocks_before, free_blocks_after=res.free_blocks_after,

@@ -28,7 +28,10 @@ from .host import ModelHost
 from .kv_events import KvEventHub
 from .kv_peers import KvPeers
 from .callers import CallerActivity
+from .cache_quota import DEFAULT_MAX_CACHES, DEFAULT_MAX_CACHES_PER_CALLER, CacheQuota, cap_model
+from .constraint_compile import DEFAULT_MAX_COMPILE_SECONDS, CompilePool
 from .leases import LeaseReaper
+from .progress import DEFAULT_STALL_TIMEOUT_S, StallWatch
 from .metrics import Metrics
 from .models import ModelSet
 from .operations import Operations
@@ -84,6 +87,11 @@ class ServerConfig:
         """Callers are told apart (bearer tokens or mutual TLS): caches, events and adapter
         details are per caller (callers.py)."""
         return bool(self.auth_tokens or self.tls_client_ca)
+    # bounded work (docs/operating.md, "Multi-tenant deployment: bounded work")
+    max_caches: int = DEFAULT_MAX_CACHES  # live caches per model (0 = the executor's own limit only)
+    max_caches_per_caller: int = DEFAULT_MAX_CACHES_PER_CALLER  # live caches per caller and model (0 = no cap)
+    max_compile_seconds: float = DEFAULT_MAX_COMPILE_SECONDS  # longest constraint compile (0 = the deadline only)
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # work queued, no step done this long: NOT_SERVING (0 = off)
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -114,7 +122,10 @@ class Server:
             raise ValueError("origin_idle_ttl must be >= 0 (0 = off)")
         if cfg.max_queue < 0:
             raise ValueError("max_queue must be >= 0 (0 = unbounded)")
+        if min(cfg.max_caches, cfg.max_caches_per_caller, cfg.max_compile_seconds, cfg.stall_timeout) < 0:
+            raise ValueError("max_caches, max_caches_per_caller, max_compile_seconds and stall_timeout must be >= 0")
         for host in models:
+            cap_model(host, cfg.max_caches)
             host.max_queue = cfg.max_queue
             host.limits.max_step_bytes = cfg.max_step_bytes
             host.limits.max_response_bytes = cfg.max_message_bytes
@@ -125,7 +136,7 @@ class Server:
                                   activity=self.activity)
         self.draining = False
         self.health = health.aio.HealthServicer()
-        self.streams = StreamRegistry(models)
+        self.streams = StreamRegistry(models, self.activity)
         # Under per-caller auth each subscriber sees only its own caches' events, and block events
         # carry keys only (enough to route), not token ids (kv_events.py).
         self.events = KvEventHub(per_caller=cfg.per_caller, replay_bytes=cfg.kv_event_replay_bytes,
@@ -145,6 +156,9 @@ class Server:
                                 key=cfg.kv_peer_key, max_message_bytes=cfg.max_message_bytes)
         checks = RequestChecks(models, cfg.role)
         checks.on_adopt = lambda e, hub=self.events: hub.adopt(e.model_id, e.cache_id, e.tenant)
+        checks.compiler = CompilePool(max_seconds=cfg.max_compile_seconds)
+        checks.quota = CacheQuota(cfg.max_caches_per_caller)
+        self.stalls = StallWatch(models, cfg.stall_timeout, self._set_progress_health)
         self.servicer = ModelExecutorServicer(models, Operations(models, checks),
                                               self.streams, self.events, self.metrics,
                                               draining=lambda: self.draining,
@@ -185,12 +199,22 @@ class Server:
             raise OSError(f"could not bind {addr}")
         return port
 
+    async def _set_progress_health(self, model_id: str, serving: bool) -> None:
+        """The stall watch's verdict (``progress.py``): the model's health, and the server's overall
+        "" (the probes' service) NOT_SERVING while any model is stalled."""
+        if self.draining:
+            return
+        st = health_pb2.HealthCheckResponse
+        await self.health.set(model_id, st.SERVING if serving else st.NOT_SERVING)
+        await self.health.set("", st.NOT_SERVING if self.stalls.stalled else st.SERVING)
+
     def _model_down(self, model_id: str) -> None:
         asyncio.ensure_future(self.health.set(model_id, health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def start(self) -> None:
         await self.grpc.start()
         self.leases.start()
+        self.stalls.start()
         if tracing.configure(self.cfg.otlp_endpoint):
             log.info("tracing on", otlp_endpoint=self.cfg.otlp_endpoint or "(from OTEL_* environment)")
         if not (self.cfg.auth_tokens or self.cfg.tls_client_ca) and not _is_loopback(self.cfg.host):
@@ -225,6 +249,8 @@ class Server:
         if self.streams.active:
             log.warning("grace period over; cancelling streams", active_streams=len(self.streams.active))
         await self.leases.stop()
+        await self.stalls.stop()
+        self.servicer.ops.checks.compiler.close()
         await self.servicer.kv.close()
         # grpc.stop cancels the calls still running; their handlers' finally blocks free their caches.
         await self.grpc.stop(max(0.0, deadline - loop.time()))

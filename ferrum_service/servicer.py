@@ -554,12 +554,14 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
 
     # ---- KV handoff ---------------------------------------------------------------------------------
     async def ExportKv(self, request, context):
+        enter_call(context, self.activity, tokens_checked=self.tokens_checked)  # the origin is active while it runs
         with self.streams.running():
             async with self._answer("ExportKv", context, request):
                 async for msg in self.kv.export(request, context.invocation_metadata()):
                     yield msg
 
     async def ImportKv(self, request_iterator, context):
+        enter_call(context, self.activity, tokens_checked=self.tokens_checked)  # the origin is active while it runs
         with self.streams.running():
             async with self._answer("ImportKv", context):
                 return await self.kv.import_(request_iterator, context.invocation_metadata())

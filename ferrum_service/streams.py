@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Iterator
 import structlog
 
 from . import errors
-from .callers import current_caller
+from .callers import current_caller, current_origin
 
 if TYPE_CHECKING:
+    from .callers import CallerActivity
     from .host import ModelHost
     from .models import ModelSet
 
@@ -46,8 +47,9 @@ class StreamState:
 class StreamRegistry:
     """The server's running streams."""
 
-    def __init__(self, models: "ModelSet") -> None:
+    def __init__(self, models: "ModelSet", activity: "CallerActivity | None" = None) -> None:
         self.models = models
+        self.activity = activity  # origins count as active while their streams run (leases.py)
         self.active: set[asyncio.Task] = set()  # every running stream's task (the drain waits on them)
         self.generations: dict[str, StreamState] = {}
         self._ids = itertools.count(1)
@@ -58,11 +60,14 @@ class StreamRegistry:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """Count the current task as an active stream while the block runs."""
+        """Count the current task as an active stream while the block runs (and its origin,
+        ``current_origin``, as active: set it first, ``callers.enter_call``)."""
         task = asyncio.current_task()
         self.active.add(task)
+        origin = current_origin.get()
         try:
-            yield
+            with self.activity.streaming(origin) if self.activity is not None else contextlib.nullcontext():
+                yield
         finally:
             self.active.discard(task)
 

@@ -24,6 +24,8 @@ from ferrum_client.prefix_keys import caller_salt
 
 from . import errors
 from .callers import current_caller, current_origin
+from .cache_quota import CacheQuota
+from .constraint_compile import CompilePool, check_shape
 from .convert import check_token, check_tokens, logits_policy, pb, struct_to_dict
 from .executors.item_steps import StepItem
 from .kv_registry import CacheEntry
@@ -45,6 +47,8 @@ class RequestChecks:
     def __init__(self, models: "ModelSet", role: str = "both") -> None:
         self.models = models
         self.role = role  # both | prefill | decode (the server's --role)
+        self.compiler = CompilePool()  # structured-output constraints (the server sets its limits)
+        self.quota = CacheQuota()  # live caches per caller (the server sets the cap)
 
     # ---- roles ------------------------------------------------------------------------------------
     def check_new_prompt(self, rpc: str) -> None:
@@ -229,20 +233,23 @@ class RequestChecks:
     # ---- step inputs ------------------------------------------------------------------------------
     @staticmethod
     def policy(host: "ModelHost", msg: pb.LogitsPolicy, field: str) -> LogitsPolicy:
-        """A checked logits policy; a structured-output constraint is compiled for the model here
-        (INVALID_ARGUMENT when it does not compile), before any work."""
+        """A checked logits policy; a structured-output constraint's shape is checked here (it is
+        compiled later, off the event loop: :meth:`compile`)."""
         p = logits_policy(msg, host.vocab_size, field)
         RequestChecks.guide(host, p.sampling, f"{field}.sampling.constraint")
         return p
 
     @staticmethod
     def guide(host: "ModelHost", sp, field: str) -> None:
-        """Compile ``sp.constraint`` (if any) for the model into ``sp.compiled``."""
+        """INVALID_ARGUMENT when ``sp.constraint`` (if any) is over a shape limit (size, nesting)."""
         if sp.constraint is not None:
-            from .guided import guides_of
+            check_shape(sp.constraint, field)
 
-            sp.compiled = guides_of(host.executor).compile(sp.constraint, field)
-
+    async def compile(self, host: "ModelHost", items) -> None:
+        """Compile the constraints of one request's ``(sampling, field)`` pairs into
+        ``sampling.compiled``, on the bounded compile pool (``constraint_compile.py``); call it
+        after the request's other checks (a batch's inputs are all checked and counted first)."""
+        await self.compiler.compile_all(host, items)
     @staticmethod
     def salt(salt: str, field: str, *, shared: bool = True) -> str:
         """The salt a request's prefix-cache keys use: at most :data:`MAX_CACHE_SALT_BYTES` bytes and
@@ -336,7 +343,11 @@ def admit(host: "ModelHost", field: str, *, grow: Iterable[tuple[CacheEntry, int
     the length each will reach, ``new`` the caches the step creates (their tokens, reservation and
     prefix-cache options). RESOURCE_EXHAUSTED (with RetryInfo) when the executor's KV budget, or
     the active-cache limit, does not allow all of it now."""
-    host.executor.admit_kv(list(grow), list(new), field)
+    try:
+        host.executor.admit_kv(list(grow), list(new), field)
+    except errors.FerrumError as e:
+        host.hint_retry(e)
+        raise
 
 
 def admit_prefills(host: "ModelHost", inputs: list[PrefillInput], field: str = "inputs") -> None:

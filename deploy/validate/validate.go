@@ -176,6 +176,7 @@ var ServerConfigKeys = map[string]bool{
 	"kv_budget_tokens": true, "max_message_bytes": true, "max_batch": true, "grace_period": true,
 	"log_format": true, "log_level": true, "tls_cert": true, "tls_key": true, "tls_client_ca": true,
 	"auth_token_file": true, "admin_token_file": true, "reflection": true, "trust_remote_code": true, "role": true,
+	"stall_timeout": true, "max_caches": true, "max_caches_per_caller": true, "max_compile_seconds": true,
 }
 
 type serverConfig struct {

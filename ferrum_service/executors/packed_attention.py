@@ -209,14 +209,33 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
 
             fn = importlib.import_module(type(module).__module__).eager_attention_forward
         return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("packed paged attention does not implement logit soft-capping")
-    return _packed_attention(step, module.layer_idx, query, key, value, scaling), None
+    return _packed_attention(step, module.layer_idx, query, key, value, scaling, kwargs.get("softcap")), None
 
 
-def _packed_attention(step: PackedStep, layer: int, q, k, v, scaling):
+def _sdpa(q, k, v, *, attn_mask=None, is_causal: bool = False, scale=None, enable_gqa: bool = False,
+          softcap: float | None = None):
+    """``F.scaled_dot_product_attention``, or, with ``softcap`` (Gemma 2's attention-logit
+    soft-capping: ``scores = softcap * tanh(scores / softcap)`` before the mask and softmax, as in
+    transformers' eager attention), the same computed step by step in fp32."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    s = torch.tanh(s / softcap) * softcap
+    if is_causal:
+        n, m = s.shape[-2], s.shape[-1]
+        s = s.masked_fill(~torch.ones(n, m, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+
+
+def _packed_attention(step: PackedStep, layer: int, q, k, v, scaling, softcap: float | None = None):
     """q ``[1, Hq, T, D]``, k/v ``[1, Hkv, T, D]`` (the new tokens, already in the pool) ->
-    ``[1, T, Hq, Dv]``, each row attending to its own context only."""
+    ``[1, T, Hq, Dv]``, each row attending to its own context only (``softcap``: see :func:`_sdpa`)."""
     _, hq, t, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
     g = hq // hkv
@@ -229,16 +248,16 @@ def _packed_attention(step: PackedStep, layer: int, q, k, v, scaling):
         kg = pk.index_select(0, step.group_index).view(m, -1, hkv, d).transpose(1, 2)
         vg = pv.index_select(0, step.group_index).view(m, -1, hkv, dv).transpose(1, 2)
         qg = q[0].index_select(1, step.group_pos).transpose(0, 1).reshape(m, hkv, g, d)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=step.group_mask, scale=scaling)
+        og = _sdpa(qg, kg, vg, attn_mask=step.group_mask, scale=scaling, softcap=softcap)
         out.index_copy_(0, step.group_pos, og.reshape(m, hq, dv))
     for r in step.rows:
         if r.grouped:
             continue
         s, n = r.start, r.n
         if r.past == 0:
-            o = F.scaled_dot_product_attention(
+            o = _sdpa(
                 q[:, :, s : s + n], k[:, :, s : s + n], v[:, :, s : s + n], is_causal=n > 1, scale=scaling,
-                enable_gqa=g > 1,
+                enable_gqa=g > 1, softcap=softcap,
             )
             out[s : s + n] = o[0].transpose(0, 1)
             continue
@@ -252,11 +271,9 @@ def _packed_attention(step: PackedStep, layer: int, q, k, v, scaling):
         vr = src_v[b0 : b0 + r.num_blocks].view(-1, hkv, dv)[:L].permute(1, 0, 2).unsqueeze(0)
         if n == 1:
             # The G query heads of one K/V head become G queries of that head (no K/V expansion).
-            o = F.scaled_dot_product_attention(q[:, :, s].view(1, hkv, g, d), kr, vr, scale=scaling)
+            o = _sdpa(q[:, :, s].view(1, hkv, g, d), kr, vr, scale=scaling, softcap=softcap)
             out[s] = o.view(hq, dv)
         else:
-            o = F.scaled_dot_product_attention(
-                q[:, :, s : s + n], kr, vr, attn_mask=r.mask, scale=scaling, enable_gqa=g > 1
-            )
+            o = _sdpa(q[:, :, s : s + n], kr, vr, attn_mask=r.mask, scale=scaling, enable_gqa=g > 1, softcap=softcap)
             out[s : s + n] = o[0].transpose(0, 1)
     return out.unsqueeze(0)

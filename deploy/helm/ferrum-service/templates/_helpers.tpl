@@ -57,6 +57,7 @@ app.kubernetes.io/part-of: ferrum
   "max_message_bytes" (int .Values.maxMessageBytes)
   "max_batch" (int .Values.maxBatch)
   "grace_period" .Values.gracePeriodSeconds
+  "stall_timeout" .Values.stallTimeoutSeconds
   "log_format" .Values.logFormat
   "log_level" .Values.logLevel
   "reflection" .Values.reflection
