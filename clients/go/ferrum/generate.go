@@ -25,7 +25,9 @@ func GenStopSequences(seqs ...string) GenOption {
 func GenIgnoreEOS() GenOption { return func(r *pb.GenerateRequest) { r.Stop.IgnoreEos = true } }
 
 // GenSampling samples with p (default: greedy). See Sampling.
-func GenSampling(p *pb.SamplingParams) GenOption { return func(r *pb.GenerateRequest) { r.Sampling = p } }
+func GenSampling(p *pb.SamplingParams) GenOption {
+	return func(r *pb.GenerateRequest) { r.Sampling = p }
+}
 
 // GenN generates n samples of the one prompt: it is prefilled once and samples 1..n-1 fork its
 // cache. Events carry SampleIndex; sample i draws with seed + i*0x9E3779B9 (see SampleSeed).
@@ -35,7 +37,9 @@ func GenN(n uint32) GenOption { return func(r *pb.GenerateRequest) { r.N = n } }
 func GenCacheSalt(salt string) GenOption { return func(r *pb.GenerateRequest) { r.CacheSalt = salt } }
 
 // GenBypassPrefixCache computes every prompt token (nothing taken from the prefix cache).
-func GenBypassPrefixCache() GenOption { return func(r *pb.GenerateRequest) { r.BypassPrefixCache = true } }
+func GenBypassPrefixCache() GenOption {
+	return func(r *pb.GenerateRequest) { r.BypassPrefixCache = true }
+}
 
 // GenAdapter generates with the LoRA adapter name (registered with LoadAdapter).
 func GenAdapter(name string) GenOption { return func(r *pb.GenerateRequest) { r.Adapter = name } }
@@ -129,7 +133,9 @@ func TokenMask(mask []byte) SamplingOption { return func(p *pb.SamplingParams) {
 
 // Constrain makes the sampled tokens spell text the constraint accepts (structured output; see
 // JSONSchema, Regex, EBNFGrammar, LarkGrammar, Choice). Needs a model with a tokenizer.
-func Constrain(c *pb.OutputConstraint) SamplingOption { return func(p *pb.SamplingParams) { p.Constraint = c } }
+func Constrain(c *pb.OutputConstraint) SamplingOption {
+	return func(p *pb.SamplingParams) { p.Constraint = c }
+}
 
 // JSONSchema constrains the output to one JSON value valid under schema (JSON text), compact.
 func JSONSchema(schema string) *pb.OutputConstraint {

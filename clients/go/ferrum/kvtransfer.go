@@ -19,7 +19,9 @@ func ExportRange(from, to uint64) ExportOption {
 }
 
 // ExportChunkBytes caps the K+V bytes per chunk (0 = the server's default, 1 MiB).
-func ExportChunkBytes(n uint32) ExportOption { return func(r *pb.ExportKvRequest) { r.MaxChunkBytes = n } }
+func ExportChunkBytes(n uint32) ExportOption {
+	return func(r *pb.ExportKvRequest) { r.MaxChunkBytes = n }
+}
 
 // ExportKv streams a cache's K/V out: one KvTransferHeader (model, weights fingerprint, KV dtype
 // and shape, the tokens and positions, the state format), then checksummed KvChunks. The cache is
@@ -99,7 +101,9 @@ type ImportOption func(*pb.ImportKvRequest)
 func ImportReserve(n uint64) ImportOption { return func(r *pb.ImportKvRequest) { r.ReserveTokens = n } }
 
 // ImportCacheSalt keys the imported blocks under salt (as CacheSalt for Prefill).
-func ImportCacheSalt(salt string) ImportOption { return func(r *pb.ImportKvRequest) { r.CacheSalt = salt } }
+func ImportCacheSalt(salt string) ImportOption {
+	return func(r *pb.ImportKvRequest) { r.CacheSalt = salt }
+}
 
 // ImportRequestID is the caller's id for the import, echoed in logs and KV events.
 func ImportRequestID(id string) ImportOption { return func(r *pb.ImportKvRequest) { r.RequestId = id } }
@@ -165,7 +169,9 @@ func (c *Client) ImportKv(ctx context.Context, modelID string, exported iter.Seq
 
 // KvSourceOf names a cache on another server for PullKv: target is HOST:PORT as the importing
 // server reaches it. Set TLS, ModelId (when it differs), the token range or MaxChunkBytes on it.
-func KvSourceOf(target, cacheID string) *pb.KvSource { return &pb.KvSource{Target: target, CacheId: cacheID} }
+func KvSourceOf(target, cacheID string) *pb.KvSource {
+	return &pb.KvSource{Target: target, CacheId: cacheID}
+}
 
 // PullKv makes a new cache on this server from a cache on another: this server calls ExportKv on
 // source.Target itself (with this call's bearer token), so the bytes never pass through the client.

@@ -26,7 +26,9 @@ func (c *Client) ApplyChatTemplate(ctx context.Context, modelID string, messages
 }
 
 // ChatMessage is one message of a chat prompt ("system", "user", "assistant", "tool").
-func ChatMessage(role, content string) *pb.ChatMessage { return &pb.ChatMessage{Role: role, Content: content} }
+func ChatMessage(role, content string) *pb.ChatMessage {
+	return &pb.ChatMessage{Role: role, Content: content}
+}
 
 // UnifiedItem builds one item of a UnifiedDecode batch: a prefill chunk (several tokens, cacheID ""
 // for a new sequence; final marks its last chunk) or a decode step (one token). Step options give
