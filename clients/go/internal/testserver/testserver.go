@@ -329,3 +329,14 @@ func StartScenario(ctx context.Context, profile string) (main, peer *Server, err
 	}
 	return main, peer, nil
 }
+
+// Kill ends the server at once (SIGKILL), as a crash would.
+func (s *Server) Kill() {
+	select {
+	case <-s.done:
+		return
+	default:
+	}
+	_ = syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
+	<-s.done
+}
