@@ -181,6 +181,12 @@ func freePort() (int, error) {
 // Start runs `ferrum-service serve` with models on a free loopback port and waits (up to 2 minutes,
 // or ctx) until its health check says SERVING.
 func Start(ctx context.Context, models []string, extraArgs ...string) (*Server, error) {
+	return StartDialing(ctx, models, nil, extraArgs...)
+}
+
+// StartDialing is Start for a server that needs dial options to be reached (TLS, a token): its
+// readiness check dials with opts.
+func StartDialing(ctx context.Context, models []string, opts []ferrum.Option, extraArgs ...string) (*Server, error) {
 	base, err := ServerCommand()
 	if err != nil {
 		return nil, err
@@ -213,7 +219,7 @@ func Start(ctx context.Context, models []string, extraArgs ...string) (*Server, 
 	s := &Server{Target: fmt.Sprintf("127.0.0.1:%d", port), LogPath: logf.Name(), cmd: cmd, done: make(chan struct{})}
 	go func() { _ = cmd.Wait(); logf.Close(); close(s.done) }()
 
-	c, err := ferrum.Dial(s.Target)
+	c, err := ferrum.Dial(s.Target, opts...)
 	if err != nil {
 		s.Stop()
 		return nil, err
