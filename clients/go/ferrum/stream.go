@@ -144,6 +144,8 @@ func SessionStep(stepID uint64, step proto.Message) (*pb.SessionRequest, error) 
 		r.Step = &pb.SessionRequest_TruncateKv{TruncateKv: s}
 	case *pb.ReleaseCacheRequest:
 		r.Step = &pb.SessionRequest_ReleaseCache{ReleaseCache: s}
+	case *pb.ForkCacheRequest:
+		r.Step = &pb.SessionRequest_ForkCache{ForkCache: s}
 	default:
 		return nil, fmt.Errorf("ferrum: %T is not a Session step", step)
 	}
@@ -189,6 +191,8 @@ func (s *Session) Recv() (uint64, proto.Message, error) {
 		return resp.GetStepId(), r.TruncateKv, nil
 	case *pb.SessionResponse_ReleaseCache:
 		return resp.GetStepId(), r.ReleaseCache, nil
+	case *pb.SessionResponse_ForkCache:
+		return resp.GetStepId(), r.ForkCache, nil
 	}
 	return resp.GetStepId(), nil, fmt.Errorf("ferrum: session step %d: empty result", resp.GetStepId())
 }
