@@ -179,6 +179,49 @@ func TestExportKvAllThenImport(t *testing.T) {
 	if _, err := c.ImportKv(ctx, "tiny", short.Messages()); ferrum.Code(err) != codes.DataLoss {
 		t.Fatalf("import with a chunk missing: %v", err)
 	}
+	// a source that breaks off after its first chunk: that error comes back, no cache is left
+	broken := errors.New("source went away")
+	breaking := func(yield func(*pb.ExportKvResponse, error) bool) {
+		n := 0
+		for m, err := range exp.Messages() {
+			if n == 2 {
+				yield(nil, broken)
+				return
+			}
+			n++
+			if !yield(m, err) {
+				return
+			}
+		}
+	}
+	before := len(must(c.ListCaches(ctx, "tiny")).GetCaches())
+	if _, err := c.ImportKv(ctx, "tiny", breaking); !errors.Is(err, broken) {
+		t.Fatalf("import from a broken source: %v", err)
+	}
+	time.Sleep(200 * time.Millisecond) // the server sees the cancelled stream
+	if after := len(must(c.ListCaches(ctx, "tiny")).GetCaches()); after != before {
+		t.Fatalf("a broken import left a cache (%d -> %d)", before, after)
+	}
+	// an empty export and one without a header are refused before any call
+	if _, err := c.ImportKv(ctx, "tiny", func(func(*pb.ExportKvResponse, error) bool) {}); err == nil {
+		t.Fatal("an empty export was imported")
+	}
+	chunkFirst := &ferrum.KvExport{Header: exp.Header, Chunks: exp.Chunks}
+	msgs := chunkFirst.Messages()
+	if _, err := c.ImportKv(ctx, "tiny", func(yield func(*pb.ExportKvResponse, error) bool) {
+		first := true
+		for m, err := range msgs {
+			if first { // drop the header
+				first = false
+				continue
+			}
+			if !yield(m, err) {
+				return
+			}
+		}
+	}); err == nil {
+		t.Fatal("an export without its header was imported")
+	}
 }
 
 // Generate n: one Started, a Finished per sample, sample 0 equals a single generation with the
