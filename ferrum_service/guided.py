@@ -135,7 +135,8 @@ class Guides:
         comp = self._compiler_for()
         try:
             if spec.kind == "json_schema":
-                out = comp.compile_json_schema(spec.text, any_whitespace=False)
+                # xgrammar's own default is ", " / ": "; the contract promises no insignificant whitespace
+                out = comp.compile_json_schema(spec.text, any_whitespace=False, separators=(",", ":"))
             elif spec.kind == "regex":
                 out = comp.compile_regex(spec.text)
             elif spec.kind == "ebnf_grammar":

@@ -3,7 +3,8 @@
 ``ImportKv`` with a ``source`` makes this server call ``ExportKv`` on another server. That is a
 network request the caller aims, so it is bounded by what the operator configured:
 
-- **Peers** (``--kv-peer HOST:PORT``, repeatable): the only targets this server dials. A peer
+- **Peers** (``--kv-peer HOST:PORT``, repeatable; ``HOST:*`` admits every port of one host, e.g.
+  ``127.0.0.1:*`` for servers on one machine): the only targets this server dials. A peer
   named by a DNS name also admits the addresses that name resolves to now (a Kubernetes headless
   Service names the prefill pods; a router hands their IPs out). Any other target (another host,
   a ``unix:`` path, a ``dns:///`` URI) is PERMISSION_DENIED before anything is dialled. No peers
@@ -89,11 +90,16 @@ class KvPeers:
         (the first is sent to peers, all are accepted from them); ``ca`` / ``cert`` / ``key``: PEM
         files for TLS to peers (any of them turns TLS on for every pull)."""
         self.targets: set[str] = set()
+        self.any_port: set[str] = set()  # HOST:* peers: every port of that host (servers on one machine)
         for p in peers:
-            t = normalize_target(p)
+            host, sep, port = p.strip().rpartition(":")
+            t = normalize_target(f"{host}:1") if sep and port == "*" else normalize_target(p)
             if t is None:
-                raise ValueError(f"--kv-peer {p!r}: expected HOST:PORT (unix sockets and URIs are not peers)")
-            self.targets.add(t)
+                raise ValueError(f"--kv-peer {p!r}: expected HOST:PORT or HOST:* (unix sockets and URIs are not peers)")
+            if port == "*":
+                self.any_port.add(t.rsplit(":", 1)[0])
+            else:
+                self.targets.add(t)
         tokens = [t.strip() for t in tokens if t and t.strip()]
         self._send = tokens[0] if tokens else ""
         self._accept = tokens
@@ -113,7 +119,7 @@ class KvPeers:
         """``target`` normalised when it is a configured peer (or an address of a peer's DNS name
         now); PERMISSION_DENIED, nothing dialled, otherwise."""
         t = normalize_target(target)
-        if t is not None and (t in self.targets or await self._resolves_to(t)):
+        if t is not None and (t in self.targets or t.rsplit(":", 1)[0] in self.any_port or await self._resolves_to(t)):
             return t
         raise errors.FerrumError(
             errors.ErrorKind.PERMISSION_DENIED,

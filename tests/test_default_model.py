@@ -144,9 +144,9 @@ def test_f16_copy_is_made_once_by_two_servers_starting_at_once(tmp_path):
     procs = [_convert_in_subprocess(tmp_path, src) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    paths = {o[0].strip() for o in outs}
-    assert len(paths) == 1
-    made = [o[1] for o in outs if "converting weights once" in o[1]]
+    paths = {o[0].strip().splitlines()[-1] for o in outs}  # the path is the last line (logs come first)
+    assert len(paths) == 1, outs
+    made = [o for o in outs if "converting weights once" in o[0] + o[1]]
     assert len(made) == 1, "the copy was made twice: the lock did not hold the second process"
     from ferrum_service.weight_cache import file_sha256
 

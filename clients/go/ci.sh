@@ -36,10 +36,15 @@ if [ -z "${FERRUM_SERVER_CMD:-}" ] && [ ! -x "$here/../../.venv/bin/ferrum-servi
   echo "[go] WARNING: no server (FERRUM_SERVER_CMD unset, no .venv): live tests will SKIP" >&2
 fi
 echo "[go] go test"
-go test -count=1 -v -timeout 10m ./... 2>&1 | tee "$tmp/test.log"
+rc=0
+go test -count=1 -v -timeout 10m ./... 2>&1 | tee "$tmp/test.log" || rc=$?
 echo "[go] summary: $(grep -c '^--- PASS' "$tmp/test.log" || true) tests passed," \
   "$(grep -c '^--- FAIL' "$tmp/test.log" || true) failed, $(grep -c '^--- SKIP' "$tmp/test.log" || true) skipped;" \
   "conformance (default, llama-cpp): $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$tmp/test.log" | paste -sd '|' | sed 's/|/; /g')"
+if [ "$rc" -ne 0 ]; then
+  echo "[go] FAIL: go test exited $rc; failed: $(grep '^--- FAIL' "$tmp/test.log" | paste -sd ' ')" >&2
+  exit "$rc"
+fi
 
 if [ -n "${FERRUM_SERVER_CMD:-}" ] || [ -x "$here/../../.venv/bin/ferrum-service" ]; then
   echo "[go] example scheduler"

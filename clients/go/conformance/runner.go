@@ -20,6 +20,7 @@ import (
 	"github.com/ferrum-service/ferrum-service/clients/go/ferrum"
 	pb "github.com/ferrum-service/ferrum-service/clients/go/gen/ferrum/executor/v1"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/encoding/protojson"
 )
 
 // Scenario is the parsed scenario file. Steps stay generic JSON (numbers as json.Number).
@@ -82,21 +83,48 @@ func Load(path string) (*Scenario, error) {
 type StepResult struct {
 	ID     string
 	Op     string
-	Status string // PASS, FAIL or XFAIL
+	Status string // PASS, FAIL, XFAIL or SKIP
 	Error  string
 	Took   time.Duration
 }
 
 // Summary is the outcome of a run.
 type Summary struct {
-	Passed, Failed, XFailed int
-	Steps                   []StepResult
+	Passed, Failed, XFailed, Skipped int
+	Steps                            []StepResult
 }
 
-// Run executes every step in order on c and writes one line per step and a final
+// Servers are the run's servers: Main (every step's default) and Peer (the second server of the
+// KV handoff steps; nil when the run has none), with their HOST:PORT targets.
+type Servers struct {
+	Main, Peer             *ferrum.Client
+	MainTarget, PeerTarget string
+}
+
+func (s *Servers) get(name string) (*ferrum.Client, string, error) {
+	switch name {
+	case "", "main":
+		return s.Main, s.MainTarget, nil
+	case "peer":
+		if s.Peer == nil {
+			return nil, "", fmt.Errorf("no peer server in this run")
+		}
+		return s.Peer, s.PeerTarget, nil
+	}
+	return nil, "", fmt.Errorf("unknown server %q", name)
+}
+
+// Run executes every step in order on c (no peer) and writes one line per step and a final
 // "N passed, N failed" line to out.
 func Run(ctx context.Context, c *ferrum.Client, sc *Scenario, out io.Writer) Summary {
-	env := map[string]any{}
+	return RunWith(ctx, &Servers{Main: c}, sc, out)
+}
+
+// RunWith executes every step in order on srv (seeding $main_target and $peer_target) and writes
+// one line per step and a final "N passed, N failed" line to out. A step whose "requires"
+// variable is not true is skipped (SKIP).
+func RunWith(ctx context.Context, srv *Servers, sc *Scenario, out io.Writer) Summary {
+	env := map[string]any{"main_target": srv.MainTarget, "peer_target": srv.PeerTarget}
 	for k, v := range sc.Vars {
 		env[k] = v
 	}
@@ -104,11 +132,19 @@ func Run(ctx context.Context, c *ferrum.Client, sc *Scenario, out io.Writer) Sum
 	for _, raw := range sc.Steps {
 		id, _ := raw["id"].(string)
 		op, _ := raw["op"].(string)
+		if req, _ := raw["requires"].(string); req != "" {
+			if ok, _ := env[req].(bool); !ok {
+				sum.Skipped++
+				fmt.Fprintf(out, "SKIP %s (%s): requires %s\n", id, op, req)
+				sum.Steps = append(sum.Steps, StepResult{ID: id, Op: op, Status: "SKIP"})
+				continue
+			}
+		}
 		start := time.Now()
 		deadline := start.Add(time.Duration(num(raw["eventually_ms"])) * time.Millisecond)
 		var err error
 		for {
-			err = runStep(ctx, c, raw, env)
+			err = runStep(ctx, srv, raw, env)
 			if err == nil || !time.Now().Before(deadline) {
 				break
 			}
@@ -138,6 +174,9 @@ func Run(ctx context.Context, c *ferrum.Client, sc *Scenario, out io.Writer) Sum
 	}
 	if sum.XFailed > 0 {
 		fmt.Fprintf(out, "%d known issue(s) (XFAIL)\n", sum.XFailed)
+	}
+	if sum.Skipped > 0 {
+		fmt.Fprintf(out, "%d skipped (SKIP: not supported by this profile)\n", sum.Skipped)
 	}
 	fmt.Fprintf(out, "%d passed, %d failed\n", sum.Passed, sum.Failed)
 	return sum
@@ -352,6 +391,12 @@ func sampling(v any) *pb.SamplingParams {
 		case "seed":
 			s := uint64(num(val))
 			sp.Seed = &s
+		case "constraint":
+			raw, _ := json.Marshal(val)
+			c := &pb.OutputConstraint{}
+			if err := protojson.Unmarshal(raw, c); err == nil {
+				sp.Constraint = c
+			}
 		}
 	}
 	return sp
@@ -380,8 +425,12 @@ func handle(h *pb.KvCacheHandle) map[string]any {
 }
 
 // execute runs one resolved step and returns its result object.
-func execute(ctx context.Context, c *ferrum.Client, s map[string]any) (map[string]any, error) {
+func execute(ctx context.Context, srv *Servers, s map[string]any) (map[string]any, error) {
 	model := str(s, "model")
+	c, _, err := srv.get(str(s, "server"))
+	if err != nil {
+		return nil, err
+	}
 	switch op := str(s, "op"); op {
 	case "info":
 		r, err := c.Info(ctx, model)
@@ -414,12 +463,22 @@ func execute(ctx context.Context, c *ferrum.Client, s map[string]any) (map[strin
 		if cid := str(s, "cache"); cid != "" {
 			opts = append(opts, ferrum.Continue(cid))
 		}
+		if v := str(s, "cache_salt"); v != "" {
+			opts = append(opts, ferrum.CacheSalt(v))
+		}
+		if boolean(s, "bypass_prefix_cache") {
+			opts = append(opts, ferrum.BypassPrefixCache())
+		}
+		if v := str(s, "adapter"); v != "" {
+			opts = append(opts, ferrum.Adapter(v))
+		}
 		out, err := c.Prefill(ctx, model, ids, opts...)
 		if err != nil {
 			return nil, err
 		}
 		r := handle(out.GetCache())
 		r["token"] = tokenOrNil(out.GetOutput())
+		r["cached_tokens"] = out.GetCachedTokens()
 		return r, nil
 	case "decode":
 		out, err := c.Decode(ctx, model, str(s, "cache"), int32(num(s["token"])), stepOpts(s)...)
@@ -477,68 +536,131 @@ func execute(ctx context.Context, c *ferrum.Client, s map[string]any) (map[strin
 	case "generate":
 		return generate(ctx, c, model, s)
 	default:
-		return nil, fmt.Errorf("unknown op %q", op)
+		return executeMore(ctx, srv, c, model, s)
 	}
 }
 
 func generate(ctx context.Context, c *ferrum.Client, model string, s map[string]any) (map[string]any, error) {
-	req := &pb.GenerateRequest{ModelId: model, Sampling: sampling(s["sampling"]), Stop: &pb.StopConditions{
-		MaxTokens: 16, IgnoreEos: boolean(s, "ignore_eos")}}
+	var opts []ferrum.GenOption
 	if v, ok := s["max_tokens"]; ok {
-		req.Stop.MaxTokens = uint32(num(v))
+		opts = append(opts, ferrum.GenMaxTokens(uint32(num(v))))
+	}
+	if boolean(s, "ignore_eos") {
+		opts = append(opts, ferrum.GenIgnoreEOS())
 	}
 	if v, ok := s["stop_token_ids"]; ok {
 		ids, err := ints(v)
 		if err != nil {
 			return nil, err
 		}
-		req.Stop.StopTokenIds = ids
+		opts = append(opts, ferrum.GenStopTokens(ids...))
 	}
+	if sp := sampling(s["sampling"]); sp != nil {
+		opts = append(opts, ferrum.GenSampling(sp))
+	}
+	if v, ok := s["n"]; ok {
+		opts = append(opts, ferrum.GenN(uint32(num(v))))
+	}
+	if v := str(s, "cache_salt"); v != "" {
+		opts = append(opts, ferrum.GenCacheSalt(v))
+	}
+	if boolean(s, "bypass_prefix_cache") {
+		opts = append(opts, ferrum.GenBypassPrefixCache())
+	}
+	if v := str(s, "adapter"); v != "" {
+		opts = append(opts, ferrum.GenAdapter(v))
+	}
+	requestID := str(s, "request_id")
+	if requestID != "" {
+		opts = append(opts, ferrum.GenRequestID(requestID))
+	}
+	var req *pb.GenerateRequest
 	if v, ok := s["tokens"]; ok {
 		ids, err := ints(v)
 		if err != nil {
 			return nil, err
 		}
-		req.Prompt = ferrum.TokenPrompt(ids...)
-	} else if t, ok := s["text"].(string); ok {
-		req.Prompt = ferrum.TextPrompt(t)
+		req = ferrum.GenerateTokens(model, ids, opts...)
+	} else {
+		req = ferrum.GenerateText(model, str(s, "text"), opts...)
 	}
-	cancelAfter := int(-1)
+	cancelAfter, abortAfter := -1, -1
 	if v, ok := s["cancel_after"]; ok && v != nil {
 		cancelAfter = int(num(v))
+	}
+	if v, ok := s["abort_after"]; ok && v != nil {
+		abortAfter = int(num(v))
 	}
 	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
 	res := map[string]any{"cancelled": false, "finish_reason": nil}
-	toks := []int32{}
+	var samples [][]int32
+	var reasons []any
+	grow := func(i uint32) {
+		for uint32(len(samples)) <= i {
+			samples = append(samples, []int32{})
+			reasons = append(reasons, nil)
+		}
+	}
+	grow(max(uint32(num(s["n"])), 1) - 1)
+	count := 0
+	endCode := "OK"
 	for ev, err := range c.Generate(ctx, req) {
 		if err != nil {
-			return nil, err
+			if abortAfter < 0 {
+				return nil, err
+			}
+			endCode = codeName(ferrum.Code(err))
+			break
 		}
 		switch e := ev.GetEvent().(type) {
 		case *pb.GenerateResponse_Started:
 			res["cache"] = e.Started.GetCache().GetCacheId()
 			res["prompt_tokens"] = e.Started.GetPromptTokens()
+			res["cached_tokens"] = e.Started.GetCachedTokens()
 		case *pb.GenerateResponse_Token:
-			toks = append(toks, e.Token.GetTokenId())
+			i := e.Token.GetSampleIndex()
+			grow(i)
+			samples[i] = append(samples[i], e.Token.GetTokenId())
+			count++
 		case *pb.GenerateResponse_Finished:
 			f := e.Finished
-			res["finish_reason"] = strings.TrimPrefix(f.GetFinishReason().String(), "FINISH_REASON_")
-			res["prompt_tokens"] = f.GetPromptTokens()
-			res["generated_tokens"] = f.GetGeneratedTokens()
+			i := f.GetSampleIndex()
+			grow(i)
+			reasons[i] = strings.TrimPrefix(f.GetFinishReason().String(), "FINISH_REASON_")
+			if i == 0 {
+				res["finish_reason"] = reasons[0]
+				res["prompt_tokens"] = f.GetPromptTokens()
+				res["generated_tokens"] = f.GetGeneratedTokens()
+				res["text"] = f.GetText()
+			}
 		}
-		if cancelAfter >= 0 && len(toks) >= cancelAfter {
+		if cancelAfter >= 0 && count >= cancelAfter {
 			res["cancelled"] = true
 			break // leaving the loop cancels the call
 		}
+		if abortAfter >= 0 && count == abortAfter {
+			if _, ok := res["aborted_streams"]; !ok {
+				r, err := c.AbortRequest(ctx, model, requestID)
+				if err != nil {
+					return nil, err
+				}
+				res["aborted_streams"] = r.GetAbortedStreams()
+			}
+		}
 	}
-	res["tokens"] = toks
+	if abortAfter >= 0 {
+		res["end_code"] = endCode
+	}
+	res["tokens"] = samples[0]
+	res["samples"] = samples
+	res["finish_reasons"] = reasons
 	return res, nil
 }
 
 var noCopyKeys = map[string]bool{"expect": true, "save": true, "id": true, "note": true, "known_issue": true}
 
-func runStep(ctx context.Context, c *ferrum.Client, raw map[string]any, env map[string]any) error {
+func runStep(ctx context.Context, c *Servers, raw map[string]any, env map[string]any) error {
 	step := map[string]any{}
 	for k, v := range raw {
 		if noCopyKeys[k] {

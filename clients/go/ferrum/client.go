@@ -182,6 +182,8 @@ type stepConfig struct {
 	stepID       string
 	requestID    string
 	adapter      string
+	cacheSalt    string
+	bypassPrefix bool
 }
 
 // Continue (Prefill) appends the tokens to an existing cache instead of creating one (chunked prefill).
@@ -219,6 +221,14 @@ func RequestID(id string) StepOption { return func(s *stepConfig) { s.requestID 
 // and binds the cache to it; continuing a cache, the cache's own adapter applies when this is unset.
 func Adapter(name string) StepOption { return func(s *stepConfig) { s.adapter = name } }
 
+// CacheSalt (Prefill of a new cache) keys its prefix-cache blocks under salt: tenants with
+// different salts never share KV blocks ("" = the shared space).
+func CacheSalt(salt string) StepOption { return func(s *stepConfig) { s.cacheSalt = salt } }
+
+// BypassPrefixCache (Prefill of a new cache) computes every token: nothing is taken from the
+// prefix cache (its full blocks are still cached for later requests).
+func BypassPrefixCache() StepOption { return func(s *stepConfig) { s.bypassPrefix = true } }
+
 func steps(opts []StepOption) stepConfig {
 	var s stepConfig
 	for _, o := range opts {
@@ -232,7 +242,8 @@ func PrefillRequest(modelID string, tokens []int32, opts ...StepOption) *pb.Pref
 	s := steps(opts)
 	return &pb.PrefillRequest{ModelId: modelID, ClientStepId: s.stepID, Input: &pb.PrefillInput{
 		TokenIds: tokens, CacheId: s.cacheID, Logits: s.policy, ReserveTokens: s.reserve,
-		AllPositions: s.allPositions, RequestId: s.requestID, Adapter: s.adapter,
+		AllPositions: s.allPositions, RequestId: s.requestID, Adapter: s.adapter, CacheSalt: s.cacheSalt,
+		BypassPrefixCache: s.bypassPrefix,
 	}}
 }
 
@@ -247,8 +258,13 @@ func DecodeRequest(modelID, cacheID string, token int32, opts ...StepOption) *pb
 	return &pb.DecodeRequest{ModelId: modelID, Input: DecodeInput(cacheID, token, opts...), ClientStepId: steps(opts).stepID}
 }
 
+// PrefillInput builds one prompt of BatchPrefill (the options of PrefillRequest).
+func PrefillInput(tokens []int32, opts ...StepOption) *pb.PrefillInput {
+	return PrefillRequest("", tokens, opts...).GetInput()
+}
+
 // Prefill runs a prompt (or a chunk of one, with Continue) and returns the cache and the last
-// position's output.
+// position's output; CachedTokens says how many leading tokens came from the prefix cache.
 func (c *Client) Prefill(ctx context.Context, modelID string, tokens []int32, opts ...StepOption) (*pb.PrefillOutput, error) {
 	r, err := unary(c, ctx, c.rpc.Prefill, PrefillRequest(modelID, tokens, opts...))
 	return r.GetOutput(), err
@@ -283,13 +299,15 @@ func (c *Client) ForwardVerify(ctx context.Context, modelID, cacheID string, tok
 }
 
 // TruncateKv rolls a cache back to newLen tokens.
-func (c *Client) TruncateKv(ctx context.Context, modelID, cacheID string, newLen int64) (*pb.TruncateKvResponse, error) {
-	return unary(c, ctx, c.rpc.TruncateKv, &pb.TruncateKvRequest{ModelId: modelID, CacheId: cacheID, NewLen: newLen})
+func (c *Client) TruncateKv(ctx context.Context, modelID, cacheID string, newLen int64, opts ...StepOption) (*pb.TruncateKvResponse, error) {
+	return unary(c, ctx, c.rpc.TruncateKv, &pb.TruncateKvRequest{ModelId: modelID, CacheId: cacheID, NewLen: newLen,
+		ClientStepId: steps(opts).stepID})
 }
 
 // ReleaseCache frees a cache (idempotent: Released is false when it was already gone).
-func (c *Client) ReleaseCache(ctx context.Context, modelID, cacheID string) (*pb.ReleaseCacheResponse, error) {
-	return unary(c, ctx, c.rpc.ReleaseCache, &pb.ReleaseCacheRequest{ModelId: modelID, CacheId: cacheID})
+func (c *Client) ReleaseCache(ctx context.Context, modelID, cacheID string, opts ...StepOption) (*pb.ReleaseCacheResponse, error) {
+	return unary(c, ctx, c.rpc.ReleaseCache, &pb.ReleaseCacheRequest{ModelId: modelID, CacheId: cacheID,
+		ClientStepId: steps(opts).stepID})
 }
 
 // LoadAdapter registers the LoRA adapter in the PEFT directory path (on the server's filesystem)

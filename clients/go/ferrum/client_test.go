@@ -303,9 +303,20 @@ func TestSession(t *testing.T) {
 	if err != nil || g2 != id2 || ferrum.Token(m2.(*pb.DecodeResponse).GetOutput().GetOutput()) != want[1] {
 		t.Fatalf("pipelined 2: %d %v %v", g2, m2, err)
 	}
-	// Closing the session frees the caches it created.
+	// A fork on the session: it shares the prompt and decodes what the source decoded.
+	fr := must(s.Do(ferrum.ForkCacheRequest("tiny", cid, ferrum.KeepTokens(4)))).(*pb.ForkCacheResponse)
+	fid := fr.GetCache().GetCacheId()
+	if fr.GetCache().GetNumTokens() != 4 || fid == cid {
+		t.Fatalf("session fork: %v", fr)
+	}
+	fd := must(s.Do(ferrum.DecodeRequest("tiny", fid, got[0]))).(*pb.DecodeResponse)
+	if ferrum.Token(fd.GetOutput().GetOutput()) != want[1] {
+		t.Fatalf("the fork decoded %d, the source %d", ferrum.Token(fd.GetOutput().GetOutput()), want[1])
+	}
+	// Closing the session frees the caches it created (the fork too).
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
 	eventuallyGone(t, ctx, c, "tiny", cid)
+	eventuallyGone(t, ctx, c, "tiny", fid)
 }

@@ -52,11 +52,21 @@ func (c *Client) Generate(ctx context.Context, req *pb.GenerateRequest) iter.Seq
 	}
 }
 
-// GenerateResult is a whole generation, collected by GenerateAll.
+// GenerateResult is a whole generation, collected by GenerateAll. Tokens and Finished are sample
+// 0's; Samples and FinishedBy hold every sample's (GenN), by sample index.
 type GenerateResult struct {
-	Started  *pb.GenerateStarted
-	Tokens   []int32
-	Finished *pb.GenerateFinished
+	Started    *pb.GenerateStarted
+	Tokens     []int32
+	Finished   *pb.GenerateFinished
+	Samples    [][]int32
+	FinishedBy []*pb.GenerateFinished
+}
+
+func (r *GenerateResult) sample(i uint32) {
+	for uint32(len(r.Samples)) <= i {
+		r.Samples = append(r.Samples, nil)
+		r.FinishedBy = append(r.FinishedBy, nil)
+	}
 }
 
 // GenerateAll runs Generate to the end and collects its events.
@@ -70,9 +80,19 @@ func (c *Client) GenerateAll(ctx context.Context, req *pb.GenerateRequest) (*Gen
 		case *pb.GenerateResponse_Started:
 			res.Started = e.Started
 		case *pb.GenerateResponse_Token:
-			res.Tokens = append(res.Tokens, e.Token.GetTokenId())
+			i := e.Token.GetSampleIndex()
+			res.sample(i)
+			res.Samples[i] = append(res.Samples[i], e.Token.GetTokenId())
+			if i == 0 {
+				res.Tokens = append(res.Tokens, e.Token.GetTokenId())
+			}
 		case *pb.GenerateResponse_Finished:
-			res.Finished = e.Finished
+			i := e.Finished.GetSampleIndex()
+			res.sample(i)
+			res.FinishedBy[i] = e.Finished
+			if i == 0 {
+				res.Finished = e.Finished
+			}
 		}
 	}
 	return res, nil
@@ -124,6 +144,8 @@ func SessionStep(stepID uint64, step proto.Message) (*pb.SessionRequest, error) 
 		r.Step = &pb.SessionRequest_TruncateKv{TruncateKv: s}
 	case *pb.ReleaseCacheRequest:
 		r.Step = &pb.SessionRequest_ReleaseCache{ReleaseCache: s}
+	case *pb.ForkCacheRequest:
+		r.Step = &pb.SessionRequest_ForkCache{ForkCache: s}
 	default:
 		return nil, fmt.Errorf("ferrum: %T is not a Session step", step)
 	}
@@ -169,6 +191,8 @@ func (s *Session) Recv() (uint64, proto.Message, error) {
 		return resp.GetStepId(), r.TruncateKv, nil
 	case *pb.SessionResponse_ReleaseCache:
 		return resp.GetStepId(), r.ReleaseCache, nil
+	case *pb.SessionResponse_ForkCache:
+		return resp.GetStepId(), r.ForkCache, nil
 	}
 	return resp.GetStepId(), nil, fmt.Errorf("ferrum: session step %d: empty result", resp.GetStepId())
 }

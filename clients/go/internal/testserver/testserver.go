@@ -181,6 +181,12 @@ func freePort() (int, error) {
 // Start runs `ferrum-service serve` with models on a free loopback port and waits (up to 2 minutes,
 // or ctx) until its health check says SERVING.
 func Start(ctx context.Context, models []string, extraArgs ...string) (*Server, error) {
+	return StartDialing(ctx, models, nil, extraArgs...)
+}
+
+// StartDialing is Start for a server that needs dial options to be reached (TLS, a token): its
+// readiness check dials with opts.
+func StartDialing(ctx context.Context, models []string, opts []ferrum.Option, extraArgs ...string) (*Server, error) {
 	base, err := ServerCommand()
 	if err != nil {
 		return nil, err
@@ -213,7 +219,7 @@ func Start(ctx context.Context, models []string, extraArgs ...string) (*Server, 
 	s := &Server{Target: fmt.Sprintf("127.0.0.1:%d", port), LogPath: logf.Name(), cmd: cmd, done: make(chan struct{})}
 	go func() { _ = cmd.Wait(); logf.Close(); close(s.done) }()
 
-	c, err := ferrum.Dial(s.Target)
+	c, err := ferrum.Dial(s.Target, opts...)
 	if err != nil {
 		s.Stop()
 		return nil, err
@@ -259,4 +265,84 @@ func (s *Server) Stop() {
 		_ = syscall.Kill(pgid, syscall.SIGKILL)
 		<-s.done
 	}
+}
+
+// harness runs tests/conformance/harness.py with args and returns its output.
+func harness(ctx context.Context, args ...string) (string, error) {
+	root, err := RepoRoot()
+	if err != nil {
+		return "", err
+	}
+	cmd := exec.CommandContext(ctx, Python(), append([]string{filepath.Join(root, "tests", "conformance", "harness.py")}, args...)...)
+	cmd.Dir = root
+	cmd.Stderr = os.Stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return "", fmt.Errorf("testserver: harness.py %s (with %s): %w", strings.Join(args, " "), Python(), err)
+	}
+	return string(out), nil
+}
+
+// ProfileVars are the variables a runner seeds for a profile of the scenario ("" = the top-level
+// ones), placeholders (${TINY_LORA_DIR}, ...) filled in by the harness. Numbers are json.Number.
+func ProfileVars(ctx context.Context, profile string) (map[string]any, error) {
+	out, err := harness(ctx, "vars", "--profile", profile)
+	if err != nil {
+		return nil, err
+	}
+	dec := json.NewDecoder(strings.NewReader(out))
+	dec.UseNumber()
+	vars := map[string]any{}
+	if err := dec.Decode(&vars); err != nil {
+		return nil, fmt.Errorf("testserver: harness vars: %w", err)
+	}
+	return vars, nil
+}
+
+// ServerArgs are the extra arguments of every scenario server of a profile (server_args).
+func ServerArgs(ctx context.Context, profile string) ([]string, error) {
+	out, err := harness(ctx, "server-args", "--profile", profile)
+	return strings.Fields(out), err
+}
+
+// PeerArgs are the extra arguments of a profile's peer (server_args, then peer.extra_args).
+func PeerArgs(ctx context.Context, profile string) ([]string, error) {
+	out, err := harness(ctx, "peer-args", "--profile", profile)
+	return strings.Fields(out), err
+}
+
+// StartScenario starts a profile's two fresh servers: the main one and the peer of the KV
+// handoff steps. Stop both when done.
+func StartScenario(ctx context.Context, profile string) (main, peer *Server, err error) {
+	models, err := ProfileModels(ctx, profile)
+	if err != nil {
+		return nil, nil, err
+	}
+	margs, err := ServerArgs(ctx, profile)
+	if err != nil {
+		return nil, nil, err
+	}
+	pargs, err := PeerArgs(ctx, profile)
+	if err != nil {
+		return nil, nil, err
+	}
+	if main, err = Start(ctx, models, margs...); err != nil {
+		return nil, nil, err
+	}
+	if peer, err = Start(ctx, models, pargs...); err != nil {
+		main.Stop()
+		return nil, nil, err
+	}
+	return main, peer, nil
+}
+
+// Kill ends the server at once (SIGKILL), as a crash would.
+func (s *Server) Kill() {
+	select {
+	case <-s.done:
+		return
+	default:
+	}
+	_ = syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
+	<-s.done
 }
