@@ -595,3 +595,24 @@ def test_prefix_aware_router_computes_its_own_key_space(tiny_llama_dir):
         assert router.prefix_matches(p, M) == {home: 48, ({sa.target, sb.target} - {home}).pop(): 0}
         time.sleep(0.3)
         assert set(router.prefix_matches(q, M).values()) == {0}  # bob's prefix is not alice's to find
+
+
+def test_a_host_wildcard_peer_admits_that_hosts_ports_only():
+    """``--kv-peer 127.0.0.1:*``: every port of that host (servers on one machine), nothing else."""
+    import asyncio
+
+    from ferrum_service import errors
+    from ferrum_service.kv_peers import KvPeers
+
+    peers = KvPeers(["127.0.0.1:*"])
+
+    async def check(t):
+        return await peers.check(t)
+
+    assert asyncio.run(check("127.0.0.1:50051")) == "127.0.0.1:50051"
+    for bad in ("127.0.0.2:50051", "localhost:50051", "unix:/tmp/x.sock", "127.0.0.1"):
+        with pytest.raises(errors.FerrumError) as e:
+            asyncio.run(check(bad))
+        assert e.value.kind == errors.ErrorKind.PERMISSION_DENIED
+    with pytest.raises(ValueError):
+        KvPeers(["*:*"])
