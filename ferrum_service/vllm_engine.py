@@ -298,7 +298,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(self, request, context) -> AsyncIterator[cpb.KvEventBatch]:
         # Not an active stream: the drain does not wait for subscribers (grpc.stop ends them).
         async with self.s._answer("VllmEngine.SubscribeKvEvents", context):
-            async for batch in self.relay.batches(int(request.start_sequence_number)):
+            nxt = self.relay.cursor(int(request.start_sequence_number))
+            # Headers now: SMG takes a subscription whose headers do not come within 2 s for a dead
+            # worker, and an idle worker may send no batch for a long time.
+            await context.send_initial_metadata(())
+            async for batch in self.relay.batches(nxt):
                 yield batch
 
     async def FlushCache(self, request, context):

@@ -127,10 +127,9 @@ class BlockEventRelay:
         self._wake.set()
         self._wake = asyncio.Event()
 
-    async def batches(self, start: int) -> AsyncIterator[cpb.KvEventBatch]:
-        """Batches after ``start`` (0: every retained one), then live ones, until cancelled.
-        OUT_OF_RANGE for a cursor the relay cannot continue; DATA_LOSS when the subscriber
-        fell behind the log."""
+    def cursor(self, start: int) -> int:
+        """The first number to send a subscriber whose last applied batch is ``start`` (0: none,
+        every retained batch); OUT_OF_RANGE for a cursor the relay cannot continue."""
         oldest = self.log[0][0] if self.log else self.seq + 1
         if start > self.seq:
             raise errors.out_of_range(f"start_sequence_number {start} is past this worker's last KV event "
@@ -140,6 +139,11 @@ class BlockEventRelay:
         if nxt < oldest:
             raise errors.out_of_range(f"KV events after {start} are no longer retained (oldest is {oldest}); "
                                       "subscribe from 0", field="start_sequence_number")
+        return nxt
+
+    async def batches(self, nxt: int) -> AsyncIterator[cpb.KvEventBatch]:
+        """Batches from number ``nxt`` on (see :meth:`cursor`), then live ones, until cancelled;
+        DATA_LOSS when the subscriber fell behind the log."""
         epoch = self.epoch
         while True:
             while nxt <= self.seq:
