@@ -13,6 +13,7 @@ chat template is set on it when the conversion did not carry one.
 from __future__ import annotations
 
 import io
+import json
 import tempfile
 import zipfile
 from pathlib import Path
@@ -64,8 +65,20 @@ def tokenizer_zip(executor: Any) -> bytes:
                 # a fixed timestamp: the same tokenizer gives the same bytes (and sha256)
                 info = zipfile.ZipInfo(n, date_time=(1980, 1, 1, 0, 0, 0))
                 info.compress_type = zipfile.ZIP_DEFLATED
-                zf.writestr(info, (root / n).read_bytes())
+                data = (root / n).read_bytes()
+                zf.writestr(info, _unpadded(data) if n == "tokenizer.json" else data)
     return buf.getvalue()
+
+
+def _unpadded(tokenizer_json: bytes) -> bytes:
+    """``tokenizer.json`` without its padding rule. Sentence-transformers checkpoints pad every
+    encoding to a fixed length there (MiniLM: 128); the model's own tokenizer pads only when asked,
+    and a gateway that encodes one prompt with the file as it is would send the pads as tokens."""
+    doc = json.loads(tokenizer_json)
+    if doc.get("padding") is None:
+        return tokenizer_json
+    doc["padding"] = None
+    return json.dumps(doc, ensure_ascii=False).encode()
 
 
 __all__ = ["BUNDLE_FILES", "tokenizer_zip", "transformers_tokenizer"]

@@ -43,8 +43,9 @@ class Gateway:
                     "--prometheus-port", str(self.metrics_port), "--policy", policy, "--log-level", "info", *extra]
         self.proc: subprocess.Popen | None = None
 
-    def start(self, model: str, timeout: float = 180.0) -> "Gateway":
-        """Start it and wait until a one-token chat completion for ``model`` succeeds."""
+    def start(self, model: str, timeout: float = 180.0, embeddings: bool = False) -> "Gateway":
+        """Start it and wait until a one-token chat completion (``embeddings``: an embedding) for
+        ``model`` succeeds."""
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + timeout
@@ -53,8 +54,11 @@ class Gateway:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"smg exited with {self.proc.returncode}; log: {self.log_tail()}")
             try:
-                st, body = self.post("/v1/chat/completions", {"model": model, "max_tokens": 1,
-                                                              "messages": [{"role": "user", "content": "hi"}]})
+                if embeddings:
+                    st, body = self.post("/v1/embeddings", {"model": model, "input": "hi"})
+                else:
+                    st, body = self.post("/v1/chat/completions", {"model": model, "max_tokens": 1,
+                                                                  "messages": [{"role": "user", "content": "hi"}]})
                 if st == 200:
                     return self
                 last = f"{st} {body}"

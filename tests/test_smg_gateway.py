@@ -244,22 +244,8 @@ def test_minilm_embeddings(venv):
     gw = None
     try:
         w.start()
-        gw = Gateway(venv, [w.target])
-        gw.proc = None
-        import subprocess
-
-        log = open(gw.log_path, "wb")
-        gw.proc = subprocess.Popen(gw.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + MODEL_TIMEOUT
-        st, body = 0, ""
-        while time.time() < deadline:
-            try:
-                st, body = gw.post("/v1/embeddings", {"model": "minilm", "input": "The cat sat on the mat."})
-                if st == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(1.0)
+        gw = Gateway(venv, [w.target]).start("minilm", timeout=MODEL_TIMEOUT, embeddings=True)
+        st, body = gw.post("/v1/embeddings", {"model": "minilm", "input": "The cat sat on the mat."})
         assert st == 200, f"{st} {body}\n{gw.log_tail()}"
         vec = np.array(body["data"][0]["embedding"], dtype=np.float32)
         with Client(w.target) as c:

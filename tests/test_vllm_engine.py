@@ -329,6 +329,16 @@ def test_get_tokenizer_bundle(engine, server):
     assert again == data
 
 
+def test_bundle_drops_fixed_padding():
+    from ferrum_service.tokenizer_bundle import _unpadded
+
+    doc = {"version": "1.0", "padding": {"strategy": {"Fixed": 128}, "pad_id": 0}, "model": {"type": "WordPiece"}}
+    out = json.loads(_unpadded(json.dumps(doc).encode()))
+    assert out["padding"] is None and out["model"] == doc["model"]
+    same = json.dumps({"padding": None}).encode()
+    assert _unpadded(same) == same
+
+
 def _collect(stream, n: int, timeout: float = 10.0) -> list[cpb.KvEventBatch]:
     out: list = []
 
