@@ -111,6 +111,7 @@ class Server:
         self.draining = False
         self.health = health.aio.HealthServicer()
         self.streams = StreamRegistry(models)
+        self.metrics.model_server_protocol(models, self.streams)
         self.events = KvEventHub()
         for host in models:
             host.executor.registry.on_event = (

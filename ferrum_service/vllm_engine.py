@@ -34,6 +34,7 @@ from . import __version__, errors
 from .callers import enter_call
 from .convert import check_tokens, pb, tpb
 from .generate import generate
+from .metrics import kv_usage, requests_of
 from .tokenizer_bundle import tokenizer_zip
 from .vllm_kv_events import BlockEventRelay
 
@@ -268,17 +269,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetLoads(self, request, context):
         async def run():
             h = self.host
-            gens = self._generations()
-            waiting = min(gens, h.batcher.queued_prompts)
+            running, waiting = requests_of(h, self.s.streams)
+            gens = running + waiting
             reg = h.executor.registry
             used = sum(e.num_tokens for e in reg.entries())
-            total = reg.total_tokens or 0
             pm = (h.executor.cache_metrics() or {}).get("prefix_cache", {})
             q = pm.get("queried_tokens", 0)
             load = vpb.SchedulerLoad(
-                dp_rank=0, num_running_reqs=gens - waiting, num_waiting_reqs=waiting, num_total_reqs=gens,
-                num_used_tokens=used, max_total_num_tokens=total,
-                token_usage=min(1.0, used / total) if total else 0.0,
+                dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting, num_total_reqs=gens,
+                num_used_tokens=used, max_total_num_tokens=reg.total_tokens or 0, token_usage=kv_usage(h),
                 cache_hit_rate=pm.get("hit_tokens", 0) / q if q else 0.0, max_running_requests=h.max_batch,
                 utilization=min(1.0, gens / h.max_batch) if h.max_batch else 0.0)
             return vpb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(),
