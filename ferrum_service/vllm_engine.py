@@ -61,15 +61,23 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.s = executor_servicer
         self.models = executor_servicer.models
         hosts = list(self.models)
-        self.host: "ModelHost" = next((h for h in hosts if h.supports_generation), hosts[0])
-        self.relay = BlockEventRelay(executor_servicer.events, self.host.model_id)
+        self._host = next((h for h in hosts if h.supports_generation), hosts[0] if hosts else None)
+        self.relay = BlockEventRelay(executor_servicer.events, self._host.model_id if self._host else "")
         self.started = time.time()
         self.last_request = 0.0
         self._tokenizer_zip: asyncio.Task | None = None
 
+    @property
+    def host(self) -> "ModelHost":
+        """The model served on this protocol (UNAVAILABLE on a server that hosts none)."""
+        if self._host is None:
+            raise errors.unavailable("this server hosts no model")
+        return self._host
+
     def start(self) -> None:
         """Start relaying KV block events (call on the server's loop)."""
-        self.relay.start()
+        if self._host is not None:
+            self.relay.start()
 
     async def close(self) -> None:
         await self.relay.close()
@@ -225,6 +233,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     # ---- management -------------------------------------------------------------------------------
     async def HealthCheck(self, request, context):
+        if self._host is None:
+            return vpb.HealthCheckResponse(healthy=False, message="this server hosts no model")
         if self.s.draining():
             return vpb.HealthCheckResponse(healthy=False, message="the server is shutting down")
         if self.host.executor.state == "shutdown":
