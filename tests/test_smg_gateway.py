@@ -19,7 +19,7 @@ import pytest
 
 from ferrum_client import Client, pb
 
-from .gateway import Gateway, gateway_venv
+from ferrum_service.testing.smg_gateway import Gateway, gateway_venv
 from .support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from typing import Iterator
 
 from ferrum_service.testing.server_process import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def gateway_venv() -> Path:
