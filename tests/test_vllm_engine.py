@@ -420,3 +420,86 @@ def test_embed_matches_prefill_embedding(tiny_bert_dir):  # noqa: F811
             eng.Embed(vpb.EmbedRequest(request_id="e", tokenized=vpb.TokenizedInput(input_ids=[5, 10 ** 6])))
         assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT
         assert srv.live_caches() == {"bert": 0}
+
+
+# ---- hostile callers ------------------------------------------------------------------------------
+def _auth(token: str):
+    return (("authorization", f"Bearer {token}"),)
+
+
+def test_tokens_gate_the_vllm_service_and_callers_cannot_abort_each_other():
+    from ferrum_service.executors import ConfigurableModelExecutor
+
+    ex = ConfigurableModelExecutor.with_token_sequence(1000, [7], model_id="mock")
+    with InProcessServer([ex], auth_tokens=["alice", "bob"]) as srv, grpc.insecure_channel(srv.target) as ch:
+        eng = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+        req = vpb.GenerateRequest(request_id="same-id", tokenized=vpb.TokenizedInput(input_ids=[1, 2]), stream=True,
+                                  sampling_params=vpb.SamplingParams(max_tokens=900, ignore_eos=True))
+        for call in (lambda: list(eng.Generate(req, timeout=10)),
+                     lambda: eng.GetModelInfo(vpb.GetModelInfoRequest()),
+                     lambda: eng.Abort(vpb.AbortRequest(request_ids=["same-id"]))):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert _code(e) == grpc.StatusCode.UNAUTHENTICATED
+        it = eng.Generate(req, metadata=_auth("alice"), timeout=60)
+        next(it)
+        eng.Abort(vpb.AbortRequest(request_ids=["same-id"]), metadata=_auth("bob"))  # not bob's stream
+        got = [next(it) for _ in range(20)]
+        assert all(g.WhichOneof("response") == "chunk" for g in got)
+        eng.Abort(vpb.AbortRequest(request_ids=["same-id"]), metadata=_auth("alice"))
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in it:
+                pass
+        assert _code(e) == grpc.StatusCode.CANCELLED
+        assert srv.live_caches() == {"mock": 0}
+
+
+def test_a_model_without_tokenizer():
+    from ferrum_service.executors import ConfigurableModelExecutor
+
+    ex = ConfigurableModelExecutor.with_token_sequence(1000, [7, 8], model_id="mock")
+    with InProcessServer([ex]) as srv, grpc.insecure_channel(srv.target) as ch:
+        eng = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+        out = _gen(eng, ids=[1, 2, 3], max_tokens=4, ignore_eos=True, temperature=0.0)
+        ids = list(out[0].complete.output_ids)  # the scripted model's shared step counter decides the order
+        assert len(ids) == 4 and set(ids) == {7, 8}
+        with pytest.raises(grpc.RpcError) as e:
+            list(eng.GetTokenizer(cpb.GetTokenizerRequest()))
+        assert _code(e) == grpc.StatusCode.FAILED_PRECONDITION
+        for bad in (dict(stop=["x"]), ):
+            with pytest.raises(grpc.RpcError) as e:
+                _gen(eng, ids=[1, 2, 3], max_tokens=4, **bad)
+            assert _code(e) == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as e:
+            list(eng.Generate(vpb.GenerateRequest(request_id="t", text="hi",
+                                                  sampling_params=vpb.SamplingParams(max_tokens=2))))
+        assert _code(e) == grpc.StatusCode.FAILED_PRECONDITION
+        assert srv.live_caches() == {"mock": 0}
+
+
+def test_flood_of_streams_and_aborts_leaves_nothing(engine, server):
+    """32 concurrent streams (n = 2 each), half of them aborted or dropped mid-way: every cache
+    comes back and the server still answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> str:
+        req = vpb.GenerateRequest(request_id=f"flood-{i}", tokenized=vpb.TokenizedInput(input_ids=PROMPT[: 8 + i]),
+                                  stream=True, sampling_params=vpb.SamplingParams(max_tokens=60, n=2, seed=i,
+                                                                                  ignore_eos=True))
+        it = engine.Generate(req, timeout=120)
+        try:
+            for k, _ in enumerate(it):
+                if i % 4 == 1 and k == 3:
+                    engine.Abort(vpb.AbortRequest(request_ids=[f"flood-{i}"]))
+                if i % 4 == 2 and k == 3:
+                    it.cancel()
+                    return "dropped"
+            return "done"
+        except grpc.RpcError as e:
+            return e.code().name
+
+    with ThreadPoolExecutor(32) as pool:
+        outcomes = list(pool.map(one, range(32)))
+    assert outcomes.count("done") >= 16 and set(outcomes) <= {"done", "dropped", "CANCELLED"}, outcomes
+    assert _wait_live(server, 0, timeout=30) == {"tiny": 0}
+    assert _gen(engine, max_tokens=2, temperature=0.0)[0].complete.completion_tokens == 2
