@@ -82,6 +82,12 @@ render tls-auth-monitor --set tls.enabled=true,tls.secretName=ferrum-tls,tls.mut
 render no-metrics --set metrics.enabled=false
 render roles --set roles.enabled=true,roles.prefill.replicaCount=2 \
   --set-json 'roles.decode.resources={"requests":{"cpu":"2","memory":"4Gi"},"limits":{"memory":"8Gi"}}'
+render gateway --set gateway.enabled=true,replicaCount=3
+# Negative: the chart refuses the gateway in front of two roles (SMG's PD mode has no KV handoff here).
+if "$helm" template ferrum-service "$chart" --kube-version "$KUBE_VERSION" --set gateway.enabled=true,roles.enabled=true >/dev/null 2>&1; then
+  echo "FAIL: helm template accepted gateway.enabled with roles.enabled" >&2
+  exit 1
+fi
 # Negative: a misspelt field must render (helm does not know the schema) and then fail decoding.
 render broken --set-json 'extraEnv=[{"name":"FERRUM_LOG_LEVEL","valeu":"debug"}]'
 # Negative: the chart itself refuses TLS without a Secret.

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
+    from .host import ModelHost
     from .models import ModelSet
+    from .streams import StreamRegistry
 
 _BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 
@@ -81,6 +84,11 @@ class Metrics:
             for host in llama:
                 seqs.labels(host.model_id).set_function(lambda ex=host.executor: ex.live_sequences())
                 cells.labels(host.model_id).set_function(lambda host=host: _on_worker(host, host.executor.kv_cells_used))
+
+    def model_server_protocol(self, models: "ModelSet", streams: "StreamRegistry") -> None:
+        """Also export the metrics llm-d's endpoint picker scrapes from a model server, under
+        vLLM's names (see :class:`_ModelServerCollector`)."""
+        self.registry.register(_ModelServerCollector(models, streams))
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """A sample's current value (0 when absent): for tests and the Status RPC."""
@@ -191,3 +199,66 @@ class _LoraCollector:
                 steps.add_metric([host.model_id, x.name], x.steps)
         yield from (reg, res, loads, ev, steps)
 
+
+
+def requests_of(host: "ModelHost", streams: "StreamRegistry") -> tuple[int, int]:
+    """(running, waiting) ``Generate`` streams of a model (the contract's and the vLLM protocol's):
+    waiting = those whose prompt is queued for the model's worker, running = the others."""
+    gens = sum(1 for st in list(streams.generations.values()) if st.model_id == host.model_id)
+    waiting = min(gens, host.batcher.queued_prompts)
+    return gens - waiting, waiting
+
+
+def kv_usage(host: "ModelHost") -> float:
+    """KV-cache utilisation in [0, 1]: blocks held by live caches over the pool (a paged pool;
+    cached blocks no cache holds count as free, as vLLM counts them), else tokens held over the
+    KV budget."""
+    cap = host.executor.kv_capacity()
+    if cap.total_blocks:
+        return max(0.0, min(1.0, 1.0 - (cap.free_blocks + cap.evictable_blocks) / cap.total_blocks))
+    return max(0.0, min(1.0, cap.used_tokens / cap.total_tokens)) if cap.total_tokens else 0.0
+
+
+class _ModelServerCollector:
+    """The model-server metrics llm-d's endpoint picker (the Gateway API Inference Extension's
+    model server protocol) reads, under the vLLM names it knows, labelled ``model_name``:
+    ``vllm:num_requests_waiting`` (queued requests), ``vllm:num_requests_running`` (running
+    requests), ``vllm:kv_cache_usage_perc`` and its older name ``vllm:gpu_cache_usage_perc``
+    (KV-cache utilisation, 0..1), and for a model with LoRA adapters ``vllm:lora_requests_info``
+    (value: the scrape time; labels ``max_lora`` = adapters resident at once,
+    ``running_lora_adapters`` = adapters bound to live caches, ``waiting_lora_adapters`` = adapters
+    of requests waiting for the worker, always empty: a queued prompt's adapter is not tracked)."""
+
+    def __init__(self, models: "ModelSet", streams: "StreamRegistry") -> None:
+        self.models = models
+        self.streams = streams
+
+    def describe(self):
+        return []  # collected at scrape time only
+
+    def collect(self):
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting for the model (llm-d: "
+                                    "TotalQueuedRequests)", labels=["model_name"])
+        running = GaugeMetricFamily("vllm:num_requests_running", "Requests running on the model (llm-d: "
+                                    "TotalRunningRequests)", labels=["model_name"])
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache utilisation, 1 = full (llm-d: "
+                                  "KVCacheUtilization)", labels=["model_name"])
+        usage_old = GaugeMetricFamily("vllm:gpu_cache_usage_perc", "KV-cache utilisation, 1 = full (the older "
+                                      "vLLM name)", labels=["model_name"])
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters: resident limit and adapters in use",
+                                 labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        now = time.time()
+        for host in self.models:
+            run, wait = requests_of(host, self.streams)
+            u = kv_usage(host)
+            waiting.add_metric([host.model_id], wait)
+            running.add_metric([host.model_id], run)
+            usage.add_metric([host.model_id], u)
+            usage_old.add_metric([host.model_id], u)
+            adapters = getattr(host.executor, "adapters", None)
+            if adapters is not None:
+                bound = sorted(a for a, n in host.executor.adapter_bindings().items() if a and n)
+                lora.add_metric([host.model_id, str(adapters.max_resident), ",".join(bound), ""], now)
+        yield from (waiting, running, usage, usage_old)
+        if lora.samples:
+            yield lora

@@ -21,6 +21,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2, executor_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from . import tracing
 from .auth import AuthInterceptor, is_admin_call
@@ -39,6 +40,7 @@ from .reflection import enable_reflection
 from .servicer import ModelExecutorServicer
 from .streams import StreamRegistry
 from .validate import RequestChecks
+from .vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME, VllmEngineServicer
 
 log = structlog.get_logger("ferrum_service.server")
 
@@ -137,6 +139,7 @@ class Server:
         self.draining = False
         self.health = health.aio.HealthServicer()
         self.streams = StreamRegistry(models, self.activity)
+        self.metrics.model_server_protocol(models, self.streams)
         # Under per-caller auth each subscriber sees only its own caches' events, and block events
         # carry keys only (enough to route), not token ids (kv_events.py).
         self.events = KvEventHub(per_caller=cfg.per_caller, replay_bytes=cfg.kv_event_replay_bytes,
@@ -174,9 +177,13 @@ class Server:
             interceptors.append(AuthInterceptor(cfg.auth_tokens, cfg.admin_tokens, peer_tokens=cfg.kv_peer_tokens))
         self.grpc = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
         executor_pb2_grpc.add_ModelExecutorServicer_to_server(self.servicer, self.grpc)
+        # vLLM's engine protocol on the same port, for gateways that drive vLLM workers (vllm_engine.py)
+        self.vllm = VllmEngineServicer(self.servicer)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         if cfg.reflection:
-            enable_reflection(self.grpc, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
+            enable_reflection(self.grpc, (SERVICE_NAME, VLLM_SERVICE_NAME,
+                                          health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
         self.port = self._bind()
 
     def _bind(self) -> int:
@@ -215,6 +222,7 @@ class Server:
         await self.grpc.start()
         self.leases.start()
         self.stalls.start()
+        self.vllm.start()
         if tracing.configure(self.cfg.otlp_endpoint):
             log.info("tracing on", otlp_endpoint=self.cfg.otlp_endpoint or "(from OTEL_* environment)")
         if not (self.cfg.auth_tokens or self.cfg.tls_client_ca) and not _is_loopback(self.cfg.host):
@@ -230,6 +238,7 @@ class Server:
             await self.health.set(host.model_id, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(VLLM_SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", port=self.port, models=[h.model_id for h in self.models], tls=bool(self.cfg.tls_cert),
                  auth=bool(self.cfg.auth_tokens), mtls=bool(self.cfg.tls_client_ca),
                  metrics_port=self.cfg.metrics_port or None, cache_ttl_s=self.cfg.cache_ttl or None,
@@ -252,6 +261,7 @@ class Server:
         await self.stalls.stop()
         self.servicer.ops.checks.compiler.close()
         await self.servicer.kv.close()
+        await self.vllm.close()
         # grpc.stop cancels the calls still running; their handlers' finally blocks free their caches.
         await self.grpc.stop(max(0.0, deadline - loop.time()))
         freed = 0

@@ -22,6 +22,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	kjson "sigs.k8s.io/json"
@@ -48,7 +49,9 @@ type Object struct {
 	Obj        any // pointer to the typed struct
 }
 
-func (o Object) String() string { return fmt.Sprintf("%s %s/%s (%s)", o.APIVersion, o.Kind, o.Name, o.Source) }
+func (o Object) String() string {
+	return fmt.Sprintf("%s %s/%s (%s)", o.APIVersion, o.Kind, o.Name, o.Source)
+}
 
 var docSep = regexp.MustCompile(`(?m)^---[ \t]*(#.*)?$`)
 
@@ -86,6 +89,10 @@ func newTyped(apiVersion, kind string) any {
 		return &appsv1.Deployment{}
 	case "policy/v1/PodDisruptionBudget":
 		return &policyv1.PodDisruptionBudget{}
+	case "rbac.authorization.k8s.io/v1/Role":
+		return &rbacv1.Role{}
+	case "rbac.authorization.k8s.io/v1/RoleBinding":
+		return &rbacv1.RoleBinding{}
 	case "monitoring.coreos.com/v1/ServiceMonitor":
 		return &monitoringv1.ServiceMonitor{}
 	case "kustomize.config.k8s.io/v1beta1/Kustomization", "kustomize.config.k8s.io/v1alpha1/Component":
@@ -167,6 +174,7 @@ type Expect struct {
 	Metrics        bool // a metrics port with prometheus.io annotations or a ServiceMonitor
 	ServiceMonitor bool // a ServiceMonitor is expected
 	Roles          bool // disaggregated: one prefill and one decode Deployment (--role), each checked in full
+	Gateway        bool // the SMG gateway Deployment in front of the workers (see gateway.go)
 }
 
 // ServerConfigKeys are the keys the server's config file understands (the long names of the
@@ -255,9 +263,14 @@ func Check(objs []Object, want Expect) []error {
 	var pdbs []*policyv1.PodDisruptionBudget
 	var sms []*monitoringv1.ServiceMonitor
 	cms := map[string]*corev1.ConfigMap{}
+	var gateways []*appsv1.Deployment
 	for _, o := range objs {
 		switch x := o.Obj.(type) {
 		case *appsv1.Deployment:
+			if x.Spec.Template.Labels["app.kubernetes.io/component"] == "gateway" {
+				gateways = append(gateways, x)
+				continue
+			}
 			deps = append(deps, x)
 		case *corev1.Service:
 			svcs = append(svcs, x)
@@ -269,6 +282,28 @@ func Check(objs []Object, want Expect) []error {
 			cms[x.Name] = x
 		}
 	}
+	switch {
+	case want.Gateway && len(gateways) != 1:
+		fail("want exactly one gateway Deployment, got %d", len(gateways))
+	case want.Gateway:
+		errs = append(errs, checkGateway(gateways[0], deps, objs)...)
+	case len(gateways) > 0:
+		fail("a gateway Deployment (%s) where none was asked for", gateways[0].Name)
+	}
+	// The workers' checks see the Services around the workers, not the gateway's own.
+	workerSvcs := svcs[:0:0]
+	for _, s := range svcs {
+		mine := false
+		for _, g := range gateways {
+			if len(s.Spec.Selector) > 0 && labels.SelectorFromSet(s.Spec.Selector).Matches(labels.Set(g.Spec.Template.Labels)) {
+				mine = true
+			}
+		}
+		if !mine {
+			workerSvcs = append(workerSvcs, s)
+		}
+	}
+	svcs = workerSvcs
 	if !want.Roles {
 		if len(deps) != 1 {
 			fail("want exactly one Deployment, got %d", len(deps))

@@ -108,6 +108,7 @@ func TestHelmRendered(t *testing.T) {
 		{"tls-auth-monitor.yaml", Expect{TLS: true, Metrics: true, ServiceMonitor: true}},
 		{"no-metrics.yaml", Expect{}},
 		{"roles.yaml", Expect{Metrics: true, Roles: true}},
+		{"gateway.yaml", Expect{Metrics: true, Gateway: true}},
 	}
 	for _, c := range cases {
 		t.Run(strings.TrimSuffix(c.file, ".yaml"), func(t *testing.T) {
@@ -204,6 +205,44 @@ func TestBrokenDocumentsFail(t *testing.T) {
 				}
 			}
 			t.Fatalf("no error mentioning %q; got %v", c.errHas, got)
+		})
+	}
+}
+
+// The gateway rendering with one thing wrong each: the semantic checks must reject it.
+func TestGatewayBrokenFails(t *testing.T) {
+	dir := os.Getenv("FERRUM_RENDERED")
+	if dir == "" {
+		t.Skip("FERRUM_RENDERED is not set: run deploy/ci.sh, which renders the chart with helm template")
+	}
+	good, err := os.ReadFile(filepath.Join(dir, "gateway.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct{ name, from, to, want string }{
+		{"selector misses the workers", `"app.kubernetes.io/component=model-executor"`, `"app.kubernetes.io/component=nothing"`, "does not match the pods"},
+		{"no watch on pods", `verbs: ["get", "list", "watch"]`, `verbs: ["get", "list"]`, "get, list and watch pods"},
+		{"wrong discovery port", "- --service-discovery-port\n            - \"50051\"", "- --service-discovery-port\n            - \"80\"", "gRPC port"},
+		{"wrong backend", "- --backend\n            - vllm", "- --backend\n            - sglang", "--backend must be vllm"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			bad := strings.Replace(string(good), c.from, c.to, 1)
+			if bad == string(good) {
+				t.Fatalf("the rendering has no %q to break", c.from)
+			}
+			objs := decodeOK(t, "helm:gateway-broken.yaml", []byte(bad))
+			errs := Check(objs, Expect{Metrics: true, Gateway: true})
+			found := false
+			for _, e := range errs {
+				if strings.Contains(e.Error(), c.want) {
+					found = true
+				}
+			}
+			if !found {
+				t.Fatalf("no error mentions %q: %v", c.want, errs)
+			}
+			t.Logf("rejected as expected: %v", errs[0])
 		})
 	}
 }

@@ -374,6 +374,12 @@ class ModelExecutor(abc.ABC):
     def warmup(self) -> None:
         """``warmup()``; nothing by default."""
 
+    def clear_prefix_cache(self) -> bool:
+        """Drop every cached prefix block that no live cache holds and forget the index (the vLLM
+        protocol's ``FlushCache``; call it with no live cache). False: this executor keeps no
+        prefix cache."""
+        return False
+
     def shutdown(self) -> int:
         """``shutdown()``: free every cache, refuse further work. Returns caches freed."""
         n = 0

@@ -912,8 +912,12 @@ class HfCausalLmExecutor(ItemStepExecutor):
 
     def shutdown(self) -> int:
         n = super().shutdown()
-        self.prefix.clear()
+        self.clear_prefix_cache()
         return n
+
+    def clear_prefix_cache(self) -> bool:
+        self.prefix.clear()
+        return True
 
     @torch.inference_mode()
     def warmup(self) -> None:

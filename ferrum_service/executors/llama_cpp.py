@@ -536,8 +536,12 @@ class LlamaCppExecutor(ItemStepExecutor):
 
     def shutdown(self) -> int:
         n = super().shutdown()
-        self._free_seq.extend(self.prefix.clear())
+        self.clear_prefix_cache()
         return n
+
+    def clear_prefix_cache(self) -> bool:
+        self._free_seq.extend(self.prefix.clear())
+        return True
 
     def cached_prefix(self, inp: PrefillInput) -> int:
         """Tokens a prefill of ``inp`` (a new prompt) would take from the prefix cache now."""

@@ -94,3 +94,23 @@ periodSeconds: {{ $p.periodSeconds }}
 timeoutSeconds: {{ $p.timeoutSeconds }}
 failureThreshold: {{ $p.failureThreshold }}
 {{- end -}}
+
+{{/* The gateway's own labels: a different app name, so the workers' selectors never match its pods. */}}
+{{- define "ferrum.gatewaySelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-gateway" (include "ferrum.name" .) | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "ferrum.gatewayLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "ferrum.gatewaySelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: ferrum
+{{- end -}}
+
+{{/* The labels of the worker pods the gateway discovers (plain, both-role workers). */}}
+{{- define "ferrum.workerSelector" -}}
+{{ include "ferrum.selectorLabels" . }}
+app.kubernetes.io/component: model-executor
+{{- end -}}

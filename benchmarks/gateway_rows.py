@@ -1,0 +1,128 @@
+"""The SMG gateway's cost (issue 28): OpenAI streaming completions through SMG (``smg launch
+--backend vllm``, its own venv from ``scripts/gateway_venv.sh``) in front of one worker, against
+the same worker's own ``Generate`` called directly, side by side in one run.
+
+    .venv/bin/python -m benchmarks.gateway_rows [--quick] [--threads N] [--executor llama-cpp|hf]
+
+Rows, at 1 and 8 concurrent requests of the same prompt (the 37-token chat prompt of
+``engine_rows``: its ids to ``Generate``, its text, special tokens included, to SMG's
+``/v1/completions``, which takes no token ids; the gateway's prompt token count is recorded), greedy, every request ``max_tokens``
+long (EOS ignored on both sides): end-to-end aggregate tok/s through SMG ÷ the same number of
+concurrent ``Generate`` streams (target ≥ 0.9), and the time-to-first-token p50 of each side. The
+two sides alternate (gateway, Generate, gateway, ...; medians), and the fixed reference workload of
+``llama_cpp_rows`` is timed before and after each row: a row whose drift exceeds 15 % is flagged
+``busy`` (numbers measured while the machine is busy are not published).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from ferrum_client import Client
+
+from .common import Server, median, pct, write_rows
+from .engine_rows import PROMPT
+from .llama_cpp_rows import DRIFT_LIMIT, timed_row
+from .remote import generate_streams
+
+
+def gateway_streams(port: int, model: str, prompt: str, b: int, max_tokens: int) -> dict:
+    """``b`` concurrent streamed ``/v1/completions`` through the gateway: aggregate tok/s (the
+    usage's completion tokens over the wall time of the whole batch) and TTFT (first text chunk)."""
+
+    prompt_tokens = []
+
+    def one(_i: int) -> tuple[int, float]:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        sent = time.perf_counter()
+        c.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"gateway: HTTP {r.status}: {r.read()[:300]!r}")
+        first, tokens = None, 0
+        while True:
+            line = r.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if first is None and ev.get("choices") and ev["choices"][0].get("text"):
+                first = time.perf_counter() - sent
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+                prompt_tokens.append(ev["usage"]["prompt_tokens"])
+        c.close()
+        return tokens, first if first is not None else float("nan")
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(b) as pool:
+        recs = list(pool.map(one, range(b)))
+    wall = time.perf_counter() - t0
+    total = sum(t for t, _ in recs)
+    return {"b": b, "total_tokens": total, "prompt_tokens": sorted(set(prompt_tokens)), "all_complete": all(t == max_tokens for t, _ in recs),
+            "e2e_tok_s": total / wall, "ttft_p50_ms": 1e3 * pct([f for _, f in recs], 50)}
+
+
+def paired(port: int, target: str, model: str, text: str, b: int, n: int, runs: int) -> dict:
+    gw, gen = [], []
+    for _ in range(runs):
+        gw.append(gateway_streams(port, model, text, b, n))
+        gen.append(generate_streams(target, model, PROMPT, b, n))
+    return {"gateway_tok_s": median([r["e2e_tok_s"] for r in gw]),
+            "generate_tok_s": median([r["e2e_tok_s"] for r in gen]),
+            "gateway_ttft_p50_ms": median([r["ttft_p50_ms"] for r in gw]),
+            "generate_ttft_p50_ms": median([r["ttft_p50_ms"] for r in gen]),
+            "gateway_runs": gw, "generate_runs": [{k: v for k, v in r.items() if k != "tokens0"} for r in gen]}
+
+
+def main(argv=None) -> int:
+    from ferrum_service.testing.smg_gateway import Gateway, gateway_venv
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--executor", choices=("llama-cpp", "hf"), default="llama-cpp")
+    a = ap.parse_args(argv)
+    n = 16 if a.quick else 32
+    runs = 1 if a.quick else 3
+    spec = (f"smollm2-llama,id=smollm2,threads={a.threads}" if a.executor == "llama-cpp"
+            else "smollm2-hf,id=smollm2")
+    rows, raw = [], {"threads": a.threads, "executor": a.executor, "max_tokens": n, "runs": runs,
+                     "load_before": os.getloadavg()}
+    print("| row | through SMG tok/s | Generate tok/s | ratio | target | TTFT p50 SMG / Generate (ms) | drift | flag |\n"
+          "|---|---|---|---|---|---|---|---|", flush=True)
+    venv = gateway_venv()
+    with Server(spec, threads=a.threads, name="server-gateway-rows") as srv:
+        gw = Gateway(venv, [srv.target], policy="round_robin").start("smollm2", timeout=300)
+        try:
+            with Client(srv.target) as c:
+                text = c.detokenize("smollm2", PROMPT, skip_special_tokens=False)
+            raw["gateway_prompt"] = text
+            generate_streams(srv.target, "smollm2", PROMPT, 1, 4)  # warm-up, both paths
+            gateway_streams(gw.port, "smollm2", text, 1, 4)
+            for b in (1, 8):
+                r, drift = timed_row(lambda: paired(gw.port, srv.target, "smollm2", text, b, n, runs))
+                raw[f"b{b}"] = r
+                ratio = r["gateway_tok_s"] / r["generate_tok_s"]
+                rows.append((f"SMG gateway, {b} concurrent ÷ {b} Generate streams ({a.executor})",
+                             f"{r['gateway_tok_s']:.1f}", f"{r['generate_tok_s']:.1f}", f"{ratio:.2f}", "≥ 0.9",
+                             f"{r['gateway_ttft_p50_ms']:.0f} / {r['generate_ttft_p50_ms']:.0f}",
+                             f"{100 * drift:.0f} %", "busy" if drift > DRIFT_LIMIT else ""))
+                print(f"| {' | '.join(rows[-1])} |", flush=True)
+        finally:
+            gw.stop()
+    write_rows("gateway_rows", rows, raw)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,233 @@
+package validate
+
+import (
+	"fmt"
+	"strconv"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+)
+
+// checkGateway: the SMG gateway Deployment (gateway.enabled) against the worker Deployments and
+// the objects around it. It must find the workers by itself: --service-discovery with a selector
+// that matches the worker pods (and only labels they carry), the workers' gRPC port, this
+// namespace, --backend vllm; a ServiceAccount bound to a Role that can get, list and watch pods; a
+// Service for its HTTP port. Its own pods must not be selected by the workers' Deployments,
+// Services or PodDisruptionBudgets (they would count it as a worker).
+func checkGateway(g *appsv1.Deployment, workers []*appsv1.Deployment, objs []Object) []error {
+	var errs []error
+	fail := func(format string, a ...any) {
+		errs = append(errs, fmt.Errorf("gateway %s: "+format, append([]any{g.Name}, a...)...))
+	}
+	pod := g.Spec.Template
+	podLabels := labels.Set(pod.Labels)
+	sel, err := metav1.LabelSelectorAsSelector(g.Spec.Selector)
+	if err != nil || g.Spec.Selector == nil || sel.Empty() || !sel.Matches(podLabels) {
+		fail("spec.selector does not match the pod template's labels")
+	}
+	if len(pod.Spec.Containers) != 1 {
+		fail("want one container, got %d", len(pod.Spec.Containers))
+		return errs
+	}
+	c := pod.Spec.Containers[0]
+	flag := func(name string) (string, bool) {
+		for i, a := range c.Args {
+			if a == name {
+				if i+1 < len(c.Args) {
+					return c.Args[i+1], true
+				}
+				return "", true
+			}
+		}
+		return "", false
+	}
+	if v, _ := flag("--backend"); v != "vllm" {
+		fail("--backend must be vllm (the workers speak vLLM's engine protocol), got %q", v)
+	}
+	if _, ok := flag("--service-discovery"); !ok {
+		fail("--service-discovery is missing")
+	}
+	// The selector: the values after --selector up to the next flag.
+	selector := map[string]string{}
+	for i, a := range c.Args {
+		if a != "--selector" {
+			continue
+		}
+		for _, kv := range c.Args[i+1:] {
+			if len(kv) > 1 && kv[:2] == "--" {
+				break
+			}
+			k, v, ok := cut(kv, "=")
+			if !ok {
+				fail("--selector entry %q is not key=value", kv)
+				continue
+			}
+			selector[k] = v
+		}
+	}
+	if len(selector) == 0 {
+		fail("--selector names no labels")
+	}
+	ws := labels.SelectorFromSet(selector)
+	if len(workers) == 0 {
+		fail("no worker Deployment to route to")
+	}
+	for _, w := range workers {
+		if !ws.Matches(labels.Set(w.Spec.Template.Labels)) {
+			fail("--selector %v does not match the pods of worker Deployment %s", selector, w.Name)
+		}
+		wsel, _ := metav1.LabelSelectorAsSelector(w.Spec.Selector)
+		if wsel != nil && !wsel.Empty() && wsel.Matches(podLabels) {
+			fail("worker Deployment %s's selector matches the gateway's pods", w.Name)
+		}
+		if len(w.Spec.Template.Spec.Containers) == 1 {
+			for _, p := range w.Spec.Template.Spec.Containers[0].Ports {
+				if p.Name == "grpc" {
+					if v, _ := flag("--service-discovery-port"); v != strconv.Itoa(int(p.ContainerPort)) {
+						fail("--service-discovery-port %q is not the workers' gRPC port %d", v, p.ContainerPort)
+					}
+				}
+			}
+		}
+	}
+	if ws.Matches(podLabels) {
+		fail("--selector matches the gateway's own pods")
+	}
+	if v, _ := flag("--service-discovery-namespace"); v == "" || v != g.Namespace && g.Namespace != "" {
+		fail("--service-discovery-namespace must be the release namespace, got %q", v)
+	}
+	// Security: non-root, read-only root filesystem, a writable /tmp, memory limit.
+	if psc := pod.Spec.SecurityContext; psc == nil || psc.RunAsNonRoot == nil || !*psc.RunAsNonRoot {
+		fail("pod securityContext.runAsNonRoot must be true")
+	}
+	if sc := c.SecurityContext; sc == nil || sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem ||
+		sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
+		fail("container needs readOnlyRootFilesystem and no privilege escalation")
+	}
+	tmp := false
+	for _, m := range c.VolumeMounts {
+		for _, v := range pod.Spec.Volumes {
+			if v.Name == m.Name && m.MountPath == "/tmp" && v.EmptyDir != nil {
+				tmp = true
+			}
+		}
+	}
+	if !tmp {
+		fail("/tmp must be a writable emptyDir mount")
+	}
+	if c.Resources.Limits.Memory().IsZero() {
+		fail("container needs a memory limit")
+	}
+	httpPort := int32(0)
+	for _, p := range c.Ports {
+		if p.Name == "http" {
+			httpPort = p.ContainerPort
+		}
+	}
+	if v, _ := flag("--port"); httpPort == 0 || v != strconv.Itoa(int(httpPort)) {
+		fail("container port http (%d) must be the --port it serves (%q)", httpPort, v)
+	}
+	if c.ReadinessProbe == nil || c.ReadinessProbe.HTTPGet == nil {
+		fail("needs an HTTP readiness probe")
+	}
+	// RBAC: the pod's ServiceAccount can get, list and watch pods.
+	sa := pod.Spec.ServiceAccountName
+	var haveSA bool
+	roles := map[string]*rbacv1.Role{}
+	var bindings []*rbacv1.RoleBinding
+	var svcs []*corev1.Service
+	var pdbs []*policyv1.PodDisruptionBudget
+	for _, o := range objs {
+		switch x := o.Obj.(type) {
+		case *corev1.ServiceAccount:
+			if x.Name == sa {
+				haveSA = true
+				if x.AutomountServiceAccountToken != nil && !*x.AutomountServiceAccountToken &&
+					(pod.Spec.AutomountServiceAccountToken == nil || !*pod.Spec.AutomountServiceAccountToken) {
+					fail("ServiceAccount %s mounts no token: the gateway cannot call the API", sa)
+				}
+			}
+		case *rbacv1.Role:
+			roles[x.Name] = x
+		case *rbacv1.RoleBinding:
+			bindings = append(bindings, x)
+		case *corev1.Service:
+			svcs = append(svcs, x)
+		case *policyv1.PodDisruptionBudget:
+			pdbs = append(pdbs, x)
+		}
+	}
+	if sa == "" || !haveSA {
+		fail("pod ServiceAccount %q is not among the objects", sa)
+	}
+	granted := false
+	for _, b := range bindings {
+		bound := false
+		for _, s := range b.Subjects {
+			if s.Kind == "ServiceAccount" && s.Name == sa {
+				bound = true
+			}
+		}
+		r, ok := roles[b.RoleRef.Name]
+		if !bound || b.RoleRef.Kind != "Role" || !ok {
+			continue
+		}
+		for _, rule := range r.Rules {
+			if has(rule.APIGroups, "") && has(rule.Resources, "pods") && has(rule.Verbs, "list") &&
+				has(rule.Verbs, "watch") && has(rule.Verbs, "get") {
+				granted = true
+			}
+		}
+	}
+	if !granted {
+		fail("no RoleBinding gives ServiceAccount %q a Role that can get, list and watch pods", sa)
+	}
+	// Services and PDBs: one Service exposes the gateway's http port; no worker Service or PDB selects it.
+	exposed := false
+	for _, s := range svcs {
+		if len(s.Spec.Selector) == 0 || !labels.SelectorFromSet(s.Spec.Selector).Matches(podLabels) {
+			continue
+		}
+		for _, p := range s.Spec.Ports {
+			if p.TargetPort.StrVal == "http" || p.TargetPort.IntVal == httpPort {
+				exposed = true
+			}
+		}
+		for _, p := range s.Spec.Ports {
+			if p.Name == "grpc" {
+				fail("worker Service %s selects the gateway's pods", s.Name)
+			}
+		}
+	}
+	if !exposed {
+		fail("no Service exposes the gateway's http port")
+	}
+	for _, p := range pdbs {
+		if s, err := metav1.LabelSelectorAsSelector(p.Spec.Selector); err == nil && s.Matches(podLabels) {
+			fail("PodDisruptionBudget %s selects the gateway's pods", p.Name)
+		}
+	}
+	return errs
+}
+
+func has(list []string, want string) bool {
+	for _, x := range list {
+		if x == want || x == "*" {
+			return true
+		}
+	}
+	return false
+}
+
+func cut(s, sep string) (string, string, bool) {
+	for i := 0; i+len(sep) <= len(s); i++ {
+		if s[i:i+len(sep)] == sep {
+			return s[:i], s[i+len(sep):], true
+		}
+	}
+	return s, "", false
+}

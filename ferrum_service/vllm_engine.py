@@ -1,0 +1,402 @@
+"""``vllm.grpc.engine.VllmEngine``: vLLM's engine gRPC protocol, served beside the contract, so a
+gateway that drives vLLM workers (the Shepherd Model Gateway, SMG; llm-d's endpoint picker) drives
+ferrum-service workers: it tokenizes, renders chat, parses tool calls and serves the OpenAI API
+itself, and sends token ids here.
+
+The protocol's messages come from the published ``smg-grpc-proto`` package (pinned in
+pyproject.toml), never from a copy. Every RPC runs on the existing operations: ``Generate`` is the
+server-side decode loop of :mod:`.generate` (the contract's ``Generate``), ``Embed`` a ``Prefill``
+of the BERT executor, ``Abort`` the stream registry's abort, ``GetTokenizer``
+:mod:`.tokenizer_bundle`, ``SubscribeKvEvents`` :mod:`.vllm_kv_events`. One server serves one
+model on this protocol (it has no model field): the first hosted model that generates, else the
+first one. Errors leave with the status the vLLM servicer answers: what a request asks that our
+executors cannot do (frequency / presence penalties, logit_bias, min_tokens, prompt logprobs,
+structural tags, multimodal inputs, vLLM's KV-connector parameters, a DP rank) is
+INVALID_ARGUMENT naming the field, as vLLM refuses a parameter its engine rejects; profiling is
+UNIMPLEMENTED. docs/operating.md ("The vLLM engine protocol") has the full mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, AsyncIterator
+
+import numpy as np
+import structlog
+from smg_grpc_proto.generated import common_pb2 as cpb
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+
+from . import __version__, errors
+from .callers import enter_call
+from .convert import check_tokens, pb, tpb
+from .generate import generate
+from .metrics import kv_usage, requests_of
+from .tokenizer_bundle import tokenizer_zip
+from .vllm_kv_events import BlockEventRelay
+
+if TYPE_CHECKING:
+    from .host import ModelHost
+    from .servicer import ModelExecutorServicer
+
+log = structlog.get_logger("ferrum_service.vllm_engine")
+
+SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+#: ``max_tokens`` when the request leaves it unset (vLLM: the rest of the context). Capped, because
+#: ``Generate`` reserves KV for prompt + max_tokens up front: a whole context per request would
+#: leave room for one request at a time on a worker whose KV budget is one context.
+DEFAULT_MAX_TOKENS = 1024
+CHUNK_BYTES = 64 * 1024  # GetTokenizer chunk (the size SMG's client expects)
+_FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop",
+           pb.FINISH_REASON_CANCELLED: "abort", pb.FINISH_REASON_ERROR: "error"}
+
+
+class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    """The vLLM engine protocol over one hosted model (see the module doc)."""
+
+    def __init__(self, executor_servicer: "ModelExecutorServicer") -> None:
+        self.s = executor_servicer
+        self.models = executor_servicer.models
+        hosts = list(self.models)
+        self._host = next((h for h in hosts if h.supports_generation), hosts[0] if hosts else None)
+        self.relay = BlockEventRelay(executor_servicer.events, self._host.model_id if self._host else "")
+        self.started = time.time()
+        self.last_request = 0.0
+        self._tokenizer_zip: asyncio.Task | None = None
+
+    @property
+    def host(self) -> "ModelHost":
+        """The model served on this protocol (UNAVAILABLE on a server that hosts none)."""
+        if self._host is None:
+            raise errors.unavailable("this server hosts no model")
+        return self._host
+
+    def start(self) -> None:
+        """Start relaying KV block events (call on the server's loop)."""
+        if self._host is not None:
+            self.relay.start()
+
+    async def close(self) -> None:
+        await self.relay.close()
+
+    # ---- Generate ---------------------------------------------------------------------------------
+    async def Generate(self, request, context) -> AsyncIterator[vpb.GenerateResponse]:
+        streams = self.s.streams
+        owner = streams.new_owner("vllm")
+        enter_call(context, self.s.activity, tokens_checked=self.s.tokens_checked)
+        self.last_request = time.time()
+        tokens = 0
+        with streams.running(), streams.generation(owner) as state:
+            try:
+                async with self.s._answer("VllmEngine.Generate", context, request):
+                    req, stop_ids = await self._request(request)
+                    async for out in self._responses(request, req, stop_ids, owner, state):
+                        if out.WhichOneof("response") == "chunk":
+                            tokens += len(out.chunk.token_ids)
+                        yield out
+            except (asyncio.CancelledError, GeneratorExit):  # the client went away, or cancelled
+                self.s.metrics.cancelled_streams.inc()
+                log.info("stream cancelled", rpc="VllmEngine.Generate", request_id=request.request_id)
+                raise
+            finally:
+                self.s.metrics.tokens_generated.inc(tokens)
+
+    async def _request(self, v: vpb.GenerateRequest) -> tuple[pb.GenerateRequest, set[int]]:
+        """The contract's GenerateRequest for a vLLM one (refusing what we cannot do)."""
+        host = self.host
+        sp = v.sampling_params
+        _refuse_unsupported(v)
+        which = v.WhichOneof("input")
+        if which == "tokenized":
+            ids = check_tokens(v.tokenized.input_ids, host.vocab_size, "tokenized.input_ids")
+        elif which == "text":
+            tok = host.executor.tokenizer
+            if tok is None:
+                raise errors.failed_precondition(f"model {host.model_id!r} has no tokenizer; send tokenized input",
+                                                 field="text")
+            self.s.ops.checks.check_text(host, [v.text], "text")
+            ids = list(await asyncio.to_thread(tok.encode, v.text, add_special_tokens=True))
+        else:
+            raise errors.invalid("input is not set: send tokenized or text", field="input")
+        ctx = host.info.max_sequence_length
+        if sp.HasField("truncate_prompt_tokens"):
+            k = sp.truncate_prompt_tokens
+            if k < -1 or k == 0:
+                raise errors.invalid(f"truncate_prompt_tokens = {k}: give -1 (the model's context) or >= 1",
+                                     field="sampling_params.truncate_prompt_tokens")
+            ids = ids[-(ctx if k == -1 else k):]
+        if not ids:
+            raise errors.invalid("the prompt has no tokens", field="tokenized.input_ids")
+        if sp.HasField("max_tokens"):
+            if sp.max_tokens < 1:
+                raise errors.invalid("max_tokens must be >= 1", field="sampling_params.max_tokens")
+            max_tokens = sp.max_tokens
+        else:
+            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, ctx - len(ids)))
+        req = pb.GenerateRequest(model_id=host.model_id, request_id=v.request_id, sampling=_sampling(sp),
+                                 n=max(1, sp.n))
+        req.token_ids.token_ids.extend(ids)
+        stop_ids = check_tokens(sp.stop_token_ids, host.vocab_size, "sampling_params.stop_token_ids", allow_empty=True)
+        req.stop.max_tokens = max_tokens
+        req.stop.stop_token_ids.extend(stop_ids)
+        req.stop.ignore_eos = sp.ignore_eos
+        req.stop.stop_sequences.extend(sp.stop)
+        if sp.HasField("logprobs"):
+            if not 0 <= sp.logprobs <= 64:
+                raise errors.invalid(f"logprobs = {sp.logprobs}: at most 64 top log-probabilities per token "
+                                     "(-1, the whole vocabulary, is not served)", field="sampling_params.logprobs")
+            req.top_logprobs = sp.logprobs
+        return req, set(stop_ids)
+
+    async def _responses(self, v: vpb.GenerateRequest, req: pb.GenerateRequest, stop_ids: set[int], owner: str,
+                         state) -> AsyncIterator[vpb.GenerateResponse]:
+        """vLLM's answer: with ``stream`` a chunk per token and a Complete per sample when it ends
+        (carrying the last chunk's token, as vLLM's delta outputs do); without, one Complete per
+        sample, all at the end, in sample order."""
+        want_lp = v.sampling_params.HasField("logprobs")
+        top = req.top_logprobs
+        prompt_tokens = cached = 0
+        out_ids: dict[int, list[int]] = {}
+        lps: dict[int, vpb.OutputLogProbs] = {}
+        last: dict[int, pb.TokenEvent] = {}
+        done: list[vpb.GenerateResponse] = []
+        async for ev in generate(self.models, self.s.ops.checks, req, owner, state):
+            kind = ev.WhichOneof("event")
+            if kind == "started":
+                prompt_tokens, cached = ev.started.prompt_tokens, ev.started.cached_tokens
+            elif kind == "token":
+                t = ev.token
+                i = t.sample_index
+                out_ids.setdefault(i, []).append(t.token_id)
+                last[i] = t
+                if want_lp:
+                    _add_logprob(lps.setdefault(i, vpb.OutputLogProbs()), t, top)
+                if v.stream:
+                    chunk = vpb.GenerateStreamChunk(token_ids=[t.token_id], prompt_tokens=prompt_tokens,
+                                                    completion_tokens=1, cached_tokens=cached, index=i)
+                    if want_lp:
+                        _add_logprob(chunk.output_logprobs, t, top)
+                    yield vpb.GenerateResponse(chunk=chunk)
+            elif kind == "finished":
+                f = ev.finished
+                i = f.sample_index
+                ids = out_ids.get(i, [])
+                c = vpb.GenerateComplete(finish_reason=_FINISH.get(f.finish_reason, "stop"),
+                                         prompt_tokens=prompt_tokens, cached_tokens=cached, index=i)
+                if f.finish_reason == pb.FINISH_REASON_STOP:
+                    if ids and ids[-1] in stop_ids:
+                        c.matched_token_id = ids[-1]
+                    else:
+                        hit = next((s for s in req.stop.stop_sequences if s and s in f.text), None)
+                        if hit is not None:
+                            c.matched_stop_str = hit
+                if v.stream:  # the last delta, as vLLM's final delta output carries it
+                    tail = [last[i]] if i in last else []
+                    c.output_ids.extend(t.token_id for t in tail)
+                    c.completion_tokens = len(tail)
+                    if want_lp:
+                        for t in tail:
+                            _add_logprob(c.output_logprobs, t, top)
+                    yield vpb.GenerateResponse(complete=c)
+                else:
+                    c.output_ids.extend(ids)
+                    c.completion_tokens = len(ids)
+                    if want_lp and i in lps:
+                        c.output_logprobs.CopyFrom(lps[i])
+                    done.append(vpb.GenerateResponse(complete=c))
+        for c in sorted(done, key=lambda r: r.complete.index):
+            yield c
+
+    # ---- Embed ------------------------------------------------------------------------------------
+    async def Embed(self, request, context):
+        async def run():
+            host = self.host
+            if not host.capabilities.supports_embeddings:
+                raise errors.invalid(f"model {host.model_id!r} does not embed (it is a generation model)",
+                                     field="tokenized")
+            if not request.HasField("tokenized"):
+                raise errors.invalid("EmbedRequest requires tokenized input", field="tokenized")
+            ids = check_tokens(request.tokenized.input_ids, host.vocab_size, "tokenized.input_ids")
+            step = pb.PrefillRequest(model_id=host.model_id, input=pb.PrefillInput(token_ids=ids))
+            owner = self.s.streams.new_owner("vllm-embed")
+            resp = await self.s.ops.run_step("prefill", step, owner)
+            host.release_soon(resp.output.cache.cache_id)
+            emb = resp.output.embedding
+            if emb.dtype != tpb.DATA_TYPE_FP32:
+                raise errors.FerrumError(errors.ErrorKind.INTERNAL, f"embedding dtype {emb.dtype} is not FP32")
+            vec = np.frombuffer(emb.data, dtype="<f4")
+            return vpb.EmbedResponse(embedding=vec.tolist(), prompt_tokens=len(ids), embedding_dim=int(vec.size))
+        return await self.s._unary("VllmEngine.Embed", context, run, request)
+
+    # ---- management -------------------------------------------------------------------------------
+    async def HealthCheck(self, request, context):
+        if self._host is None:
+            return vpb.HealthCheckResponse(healthy=False, message="this server hosts no model")
+        if self.s.draining():
+            return vpb.HealthCheckResponse(healthy=False, message="the server is shutting down")
+        if self.host.executor.state == "shutdown":
+            return vpb.HealthCheckResponse(healthy=False, message=f"model {self.host.model_id!r} is shut down")
+        return vpb.HealthCheckResponse(healthy=True, message="Health")
+
+    async def Abort(self, request, context):
+        async def run():
+            n = 0
+            for rid in request.request_ids:
+                if rid:
+                    n += (await self.s.streams.abort(None, request_id=rid))[0]
+            log.info("abort", rpc="VllmEngine.Abort", request_ids=list(request.request_ids)[:16], aborted_streams=n)
+            return vpb.AbortResponse()
+        return await self.s._unary("VllmEngine.Abort", context, run)
+
+    async def GetModelInfo(self, request, context):
+        async def run():
+            h = self.host
+            info = h.info
+            tok = h.executor.tokenizer
+            return vpb.GetModelInfoResponse(
+                model_path=h.model_id, served_model_name=h.model_id, is_generation=h.supports_generation,
+                max_context_length=info.max_sequence_length, max_req_input_len=info.max_sequence_length,
+                vocab_size=info.vocab_size, supports_vision=False,
+                model_type=info.model_type_detail or info.model_type, architectures=[info.executor or h.executor.kind],
+                eos_token_ids=list(info.eos_token_ids),
+                bos_token_id=max(0, int(getattr(tok, "bos_token_id", None) or 0)),
+                pad_token_id=max(0, int(getattr(tok, "pad_token_id", None) or 0)))
+        return await self.s._unary("VllmEngine.GetModelInfo", context, run)
+
+    async def GetServerInfo(self, request, context):
+        async def run():
+            h = self.host
+            return vpb.GetServerInfoResponse(
+                active_requests=self._generations(), is_paused=self.s.draining(),
+                last_receive_timestamp=self.last_request, uptime_seconds=time.time() - self.started,
+                server_type="ferrum-service", data_parallel_size=1, block_size=self._block_size(),
+                model_dtype=h.info.dtype, kv_cache_dtype=h.info.dtype, max_num_seqs=h.max_batch)
+        return await self.s._unary("VllmEngine.GetServerInfo", context, run)
+
+    async def GetLoads(self, request, context):
+        async def run():
+            h = self.host
+            running, waiting = requests_of(h, self.s.streams)
+            gens = running + waiting
+            reg = h.executor.registry
+            used = sum(e.num_tokens for e in reg.entries())
+            pm = (h.executor.cache_metrics() or {}).get("prefix_cache", {})
+            q = pm.get("queried_tokens", 0)
+            load = vpb.SchedulerLoad(
+                dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting, num_total_reqs=gens,
+                num_used_tokens=used, max_total_num_tokens=reg.total_tokens or 0, token_usage=kv_usage(h),
+                cache_hit_rate=pm.get("hit_tokens", 0) / q if q else 0.0, max_running_requests=h.max_batch,
+                utilization=min(1.0, gens / h.max_batch) if h.max_batch else 0.0)
+            return vpb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(),
+                                        version=f"ferrum-service {__version__}", dp_rank_count=1, loads=[load])
+        return await self.s._unary("VllmEngine.GetLoads", context, run)
+
+    async def GetTokenizer(self, request, context) -> AsyncIterator[cpb.GetTokenizerChunk]:
+        async with self.s._answer("VllmEngine.GetTokenizer", context):
+            if self._tokenizer_zip is None or (self._tokenizer_zip.done() and self._tokenizer_zip.exception()):
+                self._tokenizer_zip = asyncio.ensure_future(asyncio.to_thread(tokenizer_zip, self.host.executor))
+            data = await asyncio.shield(self._tokenizer_zip)
+            digest = hashlib.sha256(data).hexdigest()
+            for off in range(0, len(data), CHUNK_BYTES):
+                end = min(off + CHUNK_BYTES, len(data))
+                yield cpb.GetTokenizerChunk(data=data[off:end], sha256=digest if end == len(data) else "")
+
+    async def SubscribeKvEvents(self, request, context) -> AsyncIterator[cpb.KvEventBatch]:
+        # Not an active stream: the drain does not wait for subscribers (grpc.stop ends them).
+        async with self.s._answer("VllmEngine.SubscribeKvEvents", context):
+            nxt = self.relay.cursor(int(request.start_sequence_number))
+            # Headers now: SMG takes a subscription whose headers do not come within 2 s for a dead
+            # worker, and an idle worker may send no batch for a long time.
+            await context.send_initial_metadata(())
+            async for batch in self.relay.batches(nxt):
+                yield batch
+
+    async def FlushCache(self, request, context):
+        async def run():
+            h = self.host
+            if request.timeout_s < 0:
+                raise errors.invalid("timeout_s must be >= 0", field="timeout_s")
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + request.timeout_s
+            while len(h.executor.registry) and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            live = len(h.executor.registry)
+            if live:
+                return cpb.FlushCacheResponse(success=False, message=f"{live} caches are live (requests in flight); "
+                                              "the prefix cache is flushed only when none is")
+            ok = (await h.call(h.executor.clear_prefix_cache)).value
+            return cpb.FlushCacheResponse(success=True, message="prefix cache flushed" if ok
+                                          else f"model {h.model_id!r} keeps no prefix cache")
+        return await self.s._unary("VllmEngine.FlushCache", context, run)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _generations(self) -> int:
+        return sum(1 for st in self.s.streams.generations.values() if st.model_id == self.host.model_id)
+
+    def _block_size(self) -> int:
+        recipe = self.host.info.prefix_cache or {}
+        return int(recipe.get("block_size") or self.host.executor.kv_capacity().block_size or 0)
+
+
+def _refuse_unsupported(v: vpb.GenerateRequest) -> None:
+    """INVALID_ARGUMENT (vLLM's status for a request its engine rejects) for what no executor of
+    ours does, naming the field."""
+    sp = v.sampling_params
+    refused = [
+        (sp.frequency_penalty != 0, "sampling_params.frequency_penalty", "frequency penalty"),
+        (sp.presence_penalty != 0, "sampling_params.presence_penalty", "presence penalty"),
+        (bool(sp.logit_bias), "sampling_params.logit_bias", "logit_bias"),
+        (sp.min_tokens > 0, "sampling_params.min_tokens", "min_tokens"),
+        (sp.HasField("prompt_logprobs"), "sampling_params.prompt_logprobs", "prompt logprobs"),
+        (sp.WhichOneof("constraint") == "structural_tag", "sampling_params.structural_tag", "structural tags"),
+        (v.HasField("mm_inputs") or len(v.extra_mm_inputs) > 0 or v.HasField("media_refs"), "mm_inputs",
+         "multimodal inputs"),
+        (v.HasField("kv_transfer_params") or v.HasField("kv_transfer_params_json"), "kv_transfer_params",
+         "vLLM KV-connector transfer (ferrum-service hands KV over with ExportKv/ImportKv)"),
+        (v.HasField("data_parallel_rank") and v.data_parallel_rank != 0, "data_parallel_rank",
+         "data-parallel ranks (one rank per worker)"),
+    ]
+    for bad, field, what in refused:
+        if bad:
+            raise errors.invalid(f"{field}: {what} is not supported by ferrum-service", field=field)
+
+
+def _sampling(sp: vpb.SamplingParams) -> tpb.SamplingParams:
+    """vLLM's sampling parameters as the contract's (defaults as vLLM reads the proto: temperature
+    unset = 1.0, top_p 0 = off, repetition_penalty 0 = off)."""
+    out = tpb.SamplingParams(temperature=sp.temperature if sp.HasField("temperature") else 1.0, top_k=sp.top_k,
+                             min_p=sp.min_p)
+    if sp.top_p:
+        out.top_p = sp.top_p
+    if sp.repetition_penalty and sp.repetition_penalty != 1.0:
+        out.repetition_penalty = sp.repetition_penalty
+    if sp.HasField("seed"):
+        out.seed = sp.seed % (1 << 64)
+    which = sp.WhichOneof("constraint")
+    c = out.constraint
+    if which == "json_schema":
+        c.json_schema = sp.json_schema
+    elif which == "json_object":
+        c.json_schema = '{"type": "object"}'
+    elif which == "regex":
+        c.regex = sp.regex
+    elif which == "grammar":
+        c.ebnf_grammar = sp.grammar
+    elif which == "choice":
+        c.choice.choices.extend(sp.choice.choices)
+    else:
+        out.ClearField("constraint")
+    return out
+
+
+def _add_logprob(dst: vpb.OutputLogProbs, t: pb.TokenEvent, top: int) -> None:
+    dst.token_logprobs.append(t.logprob)
+    dst.token_ids.append(t.token_id)
+    if top:
+        dst.top_logprobs.add(values=[x.logprob for x in t.top_logprobs], token_ids=[x.token_id for x in t.top_logprobs])
+
+
+__all__ = ["SERVICE_NAME", "VllmEngineServicer"]

@@ -1,0 +1,162 @@
+"""Prefix-cache block events in the vLLM engine protocol's common format (``KvEventBatch``), for
+the ``SubscribeKvEvents`` of :mod:`.vllm_engine`.
+
+**Numbering.** A gateway (SMG) takes a batch numbered more than one past the last it applied for
+a gap and reconnects with ``start_sequence_number`` = the last one it applied. The server's event
+hub numbers every cache event (one per decode step) and every block event of every model in one
+sequence, so :class:`BlockEventRelay` re-numbers the block events of the served model 1, 2, ...
+(one event per batch) and keeps the last ``replay`` of them to replay from. A cursor older than
+that, or newer than the relay's last (the worker restarted) is OUT_OF_RANGE; a subscriber that
+fell behind the log is DATA_LOSS. SMG answers both by forgetting the worker's blocks and
+subscribing again from 0, which replays every retained event.
+
+**Block hashes.** The worker's ``block_hash`` is an identity only: SMG keys its index on its own
+content hash of each block's ``token_ids`` (XXH3-64, seed 1337, chained per position, see
+``kv_index`` in SMG) and uses the worker's hash to find blocks again on ``removed`` and to
+chain a stored batch to its ``parent_block_hash``. Ours is the first 8 bytes (little-endian, as a
+signed int64) of the block's key from the contract's prefix-cache recipe (``PrefixCacheRecipe``:
+a chained hash over the block's tokens, the previous key, the model and the cache salt), so it
+names the block and its whole prefix like vLLM's. The first block of a chain names the chain
+root (model + salt) as its parent: not a block SMG knows, so SMG starts a new chain there, as
+vLLM's first blocks do. Blocks are ``block_size`` tokens: 16 on llama.cpp, the paged pool's block
+on transformers; SMG learns it from the first stored block. With bearer-token authentication on,
+the server strips token ids from block events (a subscriber must not read other tenants' prompts):
+such stored events carry no blocks here (an empty batch keeps the numbering), as a block without
+its tokens would look to SMG like every other one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import AsyncIterator
+
+import grpc
+import structlog
+from smg_grpc_proto.generated import common_pb2 as cpb
+
+from . import errors
+from .kv_events import KvEventHub, KvEventRecord, SubscriberDropped
+
+log = structlog.get_logger("ferrum_service.vllm_kv_events")
+
+_DATA_LOSS = grpc.StatusCode.DATA_LOSS
+
+
+def block_hash(key: bytes) -> int:
+    """A block key as the protocol's int64 ``block_hash``."""
+    return int.from_bytes(bytes(key[:8]).ljust(8, b"\0"), "little", signed=True)
+
+
+def batch_pb(seq: int, ev: KvEventRecord) -> cpb.KvEventBatch:
+    """One block event as a ``KvEventBatch`` numbered ``seq``."""
+    batch = cpb.KvEventBatch(sequence_number=seq, timestamp=ev.time_unix_ns / 1e9)
+    d = ev.block or {}
+    if ev.block_kind == "stored":
+        bs = int(d.get("block_size") or 0)
+        keys = list(d.get("block_hashes") or [])
+        tokens = list(d.get("token_ids") or [])
+        if bs and keys and len(tokens) >= bs * len(keys):
+            stored = cpb.KvBlocksStored(
+                blocks=[cpb.KvBlock(block_hash=block_hash(k), token_ids=tokens[i * bs:(i + 1) * bs], block_size=bs)
+                        for i, k in enumerate(keys)],
+                tier=cpb.KV_CACHE_TIER_DEVICE, locality=cpb.KV_CACHE_LOCALITY_LOCAL)
+            if d.get("parent_block_hash"):
+                stored.parent_block_hash = block_hash(d["parent_block_hash"])
+            if d.get("adapter"):
+                stored.lora_name = d["adapter"]
+            batch.events.add(event_id=seq, stored=stored)
+    elif ev.block_kind == "removed":
+        batch.events.add(event_id=seq, removed=cpb.KvBlocksRemoved(
+            block_hashes=[block_hash(k) for k in d.get("block_hashes") or []], tier=cpb.KV_CACHE_TIER_DEVICE,
+            locality=cpb.KV_CACHE_LOCALITY_LOCAL))
+    else:
+        batch.events.add(event_id=seq, cleared=cpb.KvCacheCleared())
+    return batch
+
+
+class BlockEventRelay:
+    """The block events of one model, renumbered from 1, with a bounded replay log."""
+
+    def __init__(self, hub: KvEventHub, model_id: str, replay: int = 65536) -> None:
+        self.hub = hub
+        self.model_id = model_id
+        self.log: collections.deque[tuple[int, KvEventRecord]] = collections.deque(maxlen=replay)
+        self.seq = 0  # the last number given
+        self.epoch = 0  # bumped when the relay itself lost events (its subscribers must resync)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start relaying (from the oldest event the hub still holds)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._pump())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _pump(self) -> None:
+        from_seq = 1
+        while True:
+            sub, gone, _ = self.hub.subscribe(self.model_id, from_seq, blocks=True)
+            try:
+                if gone is not None:  # the hub no longer holds what we have not relayed yet
+                    if self.seq:
+                        log.warning("kv block events lost before relaying; subscribers must resync",
+                                    model_id=self.model_id, from_seq=from_seq, oldest=gone)
+                        self.epoch += 1
+                        self._notify()
+                    from_seq = gone
+                    continue
+                while True:
+                    ev = await sub.next()
+                    from_seq = ev.seq + 1
+                    if ev.block_kind:
+                        self.seq += 1
+                        self.log.append((self.seq, ev))
+                        self._notify()
+            except SubscriberDropped as d:
+                from_seq = d.resume_from_seq
+            finally:
+                sub.close()
+
+    def _notify(self) -> None:
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    def cursor(self, start: int) -> int:
+        """The first number to send a subscriber whose last applied batch is ``start`` (0: none,
+        every retained batch); OUT_OF_RANGE for a cursor the relay cannot continue."""
+        oldest = self.log[0][0] if self.log else self.seq + 1
+        if start > self.seq:
+            raise errors.out_of_range(f"start_sequence_number {start} is past this worker's last KV event "
+                                      f"{self.seq} (the worker restarted?); subscribe from 0",
+                                      field="start_sequence_number")
+        nxt = oldest if start == 0 else start + 1
+        if nxt < oldest:
+            raise errors.out_of_range(f"KV events after {start} are no longer retained (oldest is {oldest}); "
+                                      "subscribe from 0", field="start_sequence_number")
+        return nxt
+
+    async def batches(self, nxt: int) -> AsyncIterator[cpb.KvEventBatch]:
+        """Batches from number ``nxt`` on (see :meth:`cursor`), then live ones, until cancelled;
+        DATA_LOSS when the subscriber fell behind the log."""
+        epoch = self.epoch
+        while True:
+            while nxt <= self.seq:
+                if self.epoch != epoch or nxt < self.log[0][0]:
+                    raise errors.FerrumError(errors.ErrorKind.INTERNAL, "KV event subscriber fell behind the "
+                                             "replay log; subscribe from 0", code=_DATA_LOSS)
+                seq, ev = self.log[nxt - self.log[0][0]]
+                yield batch_pb(seq, ev)
+                nxt += 1
+            if self.epoch != epoch:
+                raise errors.FerrumError(errors.ErrorKind.INTERNAL, "KV events were lost; subscribe from 0",
+                                         code=_DATA_LOSS)
+            await self._wake.wait()
+
+
+__all__ = ["BlockEventRelay", "batch_pb", "block_hash"]
