@@ -87,7 +87,8 @@ class Guides:
         comp = self._compiler_for()
         try:
             if spec.kind == "json_schema":
-                return comp.compile_json_schema(spec.text, any_whitespace=False)
+                # xgrammar's own default is ", " / ": "; the contract promises no insignificant whitespace
+                return comp.compile_json_schema(spec.text, any_whitespace=False, separators=(",", ":"))
             if spec.kind == "regex":
                 return comp.compile_regex(spec.text)
             if spec.kind == "ebnf_grammar":

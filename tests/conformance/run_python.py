@@ -26,9 +26,14 @@ for p in (str(REPO / "clients" / "python"), str(REPO)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from google.protobuf import json_format  # noqa: E402
+
 from ferrum_client import Client  # noqa: E402
+from ferrum_client import requests as rq  # noqa: E402
+from ferrum_client._proto.ferrum.executor.v1 import executor_pb2 as pb  # noqa: E402
 from ferrum_client._proto.ferrum.executor.v1 import types_pb2 as tpb  # noqa: E402
 from ferrum_client.errors import FerrumRpcError  # noqa: E402
+from ferrum_client.prefix_mirror import PrefixMirror  # noqa: E402
 
 SCENARIO = HERE / "scenario.json"
 _REF = re.compile(r"^\$([A-Za-z_][A-Za-z0-9_]*)(?:\[(-?\d+)\])?$")
@@ -87,16 +92,22 @@ def mismatches(expected: Any, actual: Any, path: str = "") -> list[str]:
     return [] if expected == actual else [f"{path}: expected {expected!r}, got {actual!r}"]
 
 
-def _policy(sampling: dict | None) -> tpb.LogitsPolicy | None:
-    if not sampling:
-        return None
+def _sampling(sampling: dict) -> tpb.SamplingParams:
     sp = tpb.SamplingParams()
     for k, v in sampling.items():
         if k in ("temperature", "top_p", "min_p", "repetition_penalty"):
             setattr(sp, k, float(v))  # "NaN" / "Infinity" strings become floats
+        elif k == "constraint":
+            json_format.ParseDict(v, sp.constraint)
         else:
             setattr(sp, k, int(v))
-    return tpb.LogitsPolicy(sampling=sp)
+    return sp
+
+
+def _policy(sampling: dict | None) -> tpb.LogitsPolicy | None:
+    if not sampling:
+        return None
+    return tpb.LogitsPolicy(sampling=_sampling(sampling))
 
 
 def _handle(h) -> dict:
@@ -107,8 +118,123 @@ def _token(out) -> int | None:
     return out.token_id if out.HasField("token_id") else None
 
 
-def execute(c: Client, step: dict) -> dict:
+class Servers:
+    """The clients of the run: ``main`` (every step's default) and ``peer`` (the second server of
+    the KV handoff steps; None when the run has none), with their targets."""
+
+    def __init__(self, main: Client, main_target: str, peer: Client | None = None, peer_target: str = "") -> None:
+        self.clients = {"main": main, "peer": peer}
+        self.targets = {"main": main_target, "peer": peer_target}
+
+    def get(self, name: str) -> Client:
+        c = self.clients.get(name or "main")
+        if c is None:
+            raise StepFailure(f"no server {name!r} in this run (a peer needs --peer / a second server)")
+        return c
+
+
+def _kind_name(enum, value: int) -> str:
+    return enum.Name(value).split("_KIND_")[-1]
+
+
+def _collect_events(c: Client, after_seq: int, timeout: float = 15.0) -> tuple[list, bool]:
+    """Every event message (block events included, all models) with seq > ``after_seq`` up to the
+    server's current sequence number (read first, from ``ListCaches``), and whether the server
+    answered ``resync_required``."""
+    last = c.list_caches("").as_of_seq
+    if last <= after_seq:
+        return [], False
+    msgs, resync = [], False
+    stream = c.subscribe_kv_events("", from_seq=after_seq + 1, include_block_events=True, timeout=timeout)
+    try:
+        for msg in stream:
+            which = msg.WhichOneof("message")
+            if which == "resync_required":
+                resync = True
+                break
+            msgs.append(msg)
+            seq = msg.event.seq if which == "event" else msg.block_event.seq
+            if seq >= last:
+                break
+    finally:
+        stream.cancel()
+    return msgs, resync
+
+
+def _generate(servers: Servers, c: Client, model: str, step: dict) -> dict:
+    kw: dict[str, Any] = {"max_tokens": step.get("max_tokens", 16), "ignore_eos": step.get("ignore_eos", False),
+                          "stop_token_ids": step.get("stop_token_ids", ()), "n": step.get("n", 1),
+                          "cache_salt": step.get("cache_salt", ""),
+                          "bypass_prefix_cache": step.get("bypass_prefix_cache", False),
+                          "adapter": step.get("adapter", ""), "request_id": step.get("request_id", "")}
+    if "tokens" in step:
+        kw["token_ids"] = step["tokens"]
+    if "text" in step:
+        kw["text"] = step["text"]
+    sampling = dict(step.get("sampling") or {})
+    if "constraint" in sampling:
+        kw["constraint"] = _sampling({"constraint": sampling.pop("constraint")}).constraint
+    for k, v in sampling.items():
+        kw[k] = float(v) if k in ("temperature", "top_p", "min_p", "repetition_penalty") else int(v)
+    stream = c.generate(model, timeout=60, **kw)
+    n = max(1, kw["n"])
+    samples: list[list[int]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    res: dict[str, Any] = {"cancelled": False, "finish_reason": None}
+    cancel_after, abort_after = step.get("cancel_after"), step.get("abort_after")
+    try:
+        for ev in stream:
+            which = ev.WhichOneof("event")
+            if which == "started":
+                res["cache"] = ev.started.cache.cache_id
+                res["prompt_tokens"] = ev.started.prompt_tokens
+                res["cached_tokens"] = ev.started.cached_tokens
+            elif which == "token":
+                samples[ev.token.sample_index].append(ev.token.token_id)
+                count = sum(len(t) for t in samples)
+                if cancel_after is not None and count >= cancel_after:
+                    stream.cancel()
+                    res["cancelled"] = True
+                    break
+                if abort_after is not None and count == abort_after:
+                    r = c.abort(model, request_id=step["request_id"])
+                    res["aborted_streams"] = r.aborted_streams
+            elif which == "finished":
+                f = ev.finished
+                reasons[f.sample_index] = _finish_reason_name(f.finish_reason)
+                if f.sample_index == 0:
+                    res["finish_reason"] = reasons[0]
+                    res["prompt_tokens"] = f.prompt_tokens
+                    res["generated_tokens"] = f.generated_tokens
+                    res["text"] = f.text
+        res["end_code"] = "OK"
+    except FerrumRpcError as e:
+        if abort_after is None:
+            raise
+        res["end_code"] = e.code.name
+    res["tokens"], res["samples"], res["finish_reasons"] = samples[0], samples, reasons
+    return res
+
+
+def _handoff(servers: Servers, step: dict) -> dict:
+    """KV handoff of ``cache`` from the step's server to ``to``: ``push`` (this client relays
+    ExportKv into ImportKv) or ``pull`` (the destination fetches it from the source itself)."""
+    model, src_name = step.get("model", ""), step.get("server") or "main"
+    src, dst = servers.get(src_name), servers.get(step["to"])
+    reserve = step.get("reserve_tokens", 0)
+    if step.get("mode", "push") == "push":
+        r = dst.import_kv(model, src.export_kv(model, step["cache"], timeout=60), reserve_tokens=reserve, timeout=60)
+    else:
+        r = dst.pull_kv(model, servers.targets[src_name], step["cache"], reserve_tokens=reserve, timeout=60)
+    return {**_handle(r.cache), "imported_tokens": r.imported_tokens, "chunks": r.chunks, "bytes": r.bytes,
+            "cached_blocks": r.cached_blocks}
+
+
+def execute(servers: Servers | Client, step: dict) -> dict:
     """Run one (resolved) step; the result object its ``expect`` and ``save`` refer to."""
+    if isinstance(servers, Client):
+        servers = Servers(servers, "")
+    c = servers.get(step.get("server", "main"))
     op, model = step["op"], step.get("model", "")
     if op == "info":
         r = c.info(model)
@@ -122,8 +248,10 @@ def execute(c: Client, step: dict) -> dict:
     if op == "detokenize":
         return {"text": c.detokenize(model, step["tokens"], step.get("skip_special_tokens", False))}
     if op == "prefill":
-        out = c.prefill(model, step["tokens"], step.get("cache", ""), _policy(step.get("sampling"))).output
-        return {**_handle(out.cache), "token": _token(out.output)}
+        out = c.prefill(model, step["tokens"], step.get("cache", ""), _policy(step.get("sampling")),
+                        cache_salt=step.get("cache_salt", ""), bypass_prefix_cache=step.get("bypass_prefix_cache", False),
+                        adapter=step.get("adapter", "")).output
+        return {**_handle(out.cache), "token": _token(out.output), "cached_tokens": out.cached_tokens}
     if op == "decode":
         out = c.decode(model, step["cache"], step["token"], _policy(step.get("sampling")), step.get("position")).output
         return {**_handle(out.cache), "token": _token(out.output)}
@@ -144,34 +272,50 @@ def execute(c: Client, step: dict) -> dict:
         r = c.release_cache(model, step["cache"])
         return {"released": r.released, "freed_tokens": r.freed_tokens}
     if op == "generate":
-        kw: dict[str, Any] = {"max_tokens": step.get("max_tokens", 16), "ignore_eos": step.get("ignore_eos", False),
-                              "stop_token_ids": step.get("stop_token_ids", ())}
-        if "tokens" in step:
-            kw["token_ids"] = step["tokens"]
-        if "text" in step:
-            kw["text"] = step["text"]
-        for k, v in (step.get("sampling") or {}).items():
-            kw[k] = float(v) if k in ("temperature", "top_p", "min_p", "repetition_penalty") else int(v)
-        stream = c.generate(model, timeout=60, **kw)
-        res: dict[str, Any] = {"tokens": [], "cancelled": False, "finish_reason": None}
-        cancel_after = step.get("cancel_after")
-        for ev in stream:
-            which = ev.WhichOneof("event")
-            if which == "started":
-                res["cache"] = ev.started.cache.cache_id
-                res["prompt_tokens"] = ev.started.prompt_tokens
-            elif which == "token":
-                res["tokens"].append(ev.token.token_id)
-                if cancel_after is not None and len(res["tokens"]) >= cancel_after:
-                    stream.cancel()
-                    res["cancelled"] = True
-                    break
-            elif which == "finished":
-                f = ev.finished
-                res["finish_reason"] = _finish_reason_name(f.finish_reason)
-                res["prompt_tokens"] = f.prompt_tokens
-                res["generated_tokens"] = f.generated_tokens
-        return res
+        return _generate(servers, c, model, step)
+    if op == "fork":
+        r = c.fork_cache(model, step["cache"], step.get("keep_tokens"), step.get("reserve_tokens", 0))
+        return {**_handle(r.cache), "shared_blocks": r.shared_blocks}
+    if op == "loads":
+        r = c.loads(model)
+        ml = next((x for x in r.loads if x.model_id == model), None)
+        if ml is None:
+            raise StepFailure(f"Loads has no entry for model {model!r}")
+        return {"kv_event_seq": r.kv_event_seq, "active_caches": ml.active_caches, "cached_blocks": ml.cached_blocks,
+                "block_size": ml.block_size, "prefix_hit_tokens": ml.prefix_hit_tokens,
+                "prefix_queried_tokens": ml.prefix_queried_tokens, "resident_tokens": ml.resident_tokens}
+    if op == "list_caches":
+        r = c.list_caches(model)
+        return {"caches": sorted(h.cache_id for h in r.caches), "as_of_seq": r.as_of_seq}
+    if op == "kv_events":
+        msgs, resync = _collect_events(c, int(step.get("after_seq", 0)))
+        evs = [m.event for m in msgs if m.WhichOneof("message") == "event" and m.event.model_id == model]
+        stored = sum(len(m.block_event.stored.block_hashes) for m in msgs
+                     if m.WhichOneof("message") == "block_event" and m.block_event.model_id == model
+                     and m.block_event.WhichOneof("data") == "stored")
+        return {"kinds": [_kind_name(pb.KvEventKind, e.kind) for e in evs], "caches": [e.cache_id for e in evs],
+                "num_tokens": [e.num_tokens for e in evs], "blocks_stored": stored, "resync_required": resync}
+    if op == "mirror":
+        mirror = PrefixMirror()
+        mirror.set_recipes(c.info(""))
+        msgs, resync = _collect_events(c, 0)
+        if resync:
+            raise StepFailure("the server's replay buffer no longer starts at seq 1 (resync_required)")
+        mirror.apply_all(msgs)
+        return {"blocks": len(mirror.keys(model)),
+                "cached_tokens": mirror.cached_tokens(model, step.get("tokens", []), step.get("cache_salt", ""),
+                                                      step.get("adapter", ""))}
+    if op == "abort":
+        r = c.abort(model, request_id=step.get("request_id"), cache_id=step.get("cache"))
+        return {"aborted_streams": r.aborted_streams, "released_cache": r.released_cache}
+    if op == "handoff":
+        return _handoff(servers, step)
+    if op == "load_adapter":
+        r = c.load_adapter(step["name"], step["path"], model)
+        return {"name": r.adapter.name, "loaded": r.loaded, "rank": r.adapter.rank}
+    if op == "unload_adapter":
+        r = c.unload_adapter(step["name"], model)
+        return {"unloaded": r.unloaded, "dropped_blocks": r.dropped_blocks}
     raise StepFailure(f"unknown op {op!r}")
 
 
@@ -181,7 +325,7 @@ def _finish_reason_name(value: int) -> str:
     return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_")
 
 
-def run_step(c: Client, raw: dict, env: dict[str, Any]) -> None:
+def run_step(c: Servers | Client, raw: dict, env: dict[str, Any]) -> None:
     """Run a step and check it; raises StepFailure. Saves variables into ``env``."""
     step = {k: (resolve(v, env) if k not in ("expect", "save", "id", "note", "known_issue") else v)
             for k, v in raw.items()}
@@ -217,22 +361,33 @@ def scenario_vars(scenario: Path | str = SCENARIO, profile: str = "") -> dict[st
 
 
 def run_scenario(target: str, scenario: Path | str = SCENARIO, out: Callable[[str], None] = print,
-                 client: Client | None = None, profile: str = "") -> tuple[int, int, list[dict]]:
-    """Run every step (with the variables of ``profile`` seeded); returns (passed, failed,
-    per-step records). XFAIL steps count as neither."""
+                 client: Client | None = None, profile: str = "", peer_target: str = "",
+                 env_vars: dict[str, Any] | None = None) -> tuple[int, int, list[dict]]:
+    """Run every step (with the variables of ``profile`` seeded, or ``env_vars`` when given:
+    ``harness.scenario_vars`` fills their placeholders); ``peer_target`` is the second server of
+    the handoff steps. Returns (passed, failed, per-step records). XFAIL and SKIP steps count as
+    neither."""
     steps = json.loads(Path(scenario).read_text())["steps"]
-    env: dict[str, Any] = scenario_vars(scenario, profile)
-    passed = failed = xfailed = 0
+    env: dict[str, Any] = dict(env_vars) if env_vars is not None else scenario_vars(scenario, profile)
+    env.update(main_target=target, peer_target=peer_target)
+    passed = failed = xfailed = skipped = 0
     records = []
     own = client is None
     c = client or Client(target, timeout=60)
+    peer = Client(peer_target, timeout=60) if peer_target else None
+    servers = Servers(c, target, peer, peer_target)
     try:
         for raw in steps:
+            if raw.get("requires") and not env.get(raw["requires"]):
+                skipped += 1
+                out(f"SKIP {raw['id']} ({raw['op']}): requires {raw['requires']}")
+                records.append({"id": raw["id"], "status": "SKIP", "error": None})
+                continue
             t0 = time.monotonic()
             deadline = t0 + raw.get("eventually_ms", 0) / 1000
             while True:
                 try:
-                    run_step(c, raw, env)
+                    run_step(servers, raw, env)
                     err = None
                 except StepFailure as e:
                     err = str(e)
@@ -259,8 +414,12 @@ def run_scenario(target: str, scenario: Path | str = SCENARIO, out: Callable[[st
     finally:
         if own:
             c.close()
+        if peer is not None:
+            peer.close()
     if xfailed:
         out(f"{xfailed} known issue(s) (XFAIL)")
+    if skipped:
+        out(f"{skipped} skipped (SKIP: not supported by this profile)")
     out(f"{passed} passed, {failed} failed")
     return passed, failed, records
 
@@ -271,15 +430,19 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--target", help="host:port of a FRESH server hosting the scenario's models")
     g.add_argument("--start", action="store_true", help="start a fresh server (tests/conformance/harness.py)")
     ap.add_argument("--scenario", default=str(SCENARIO))
+    ap.add_argument("--peer", help="with --target: host:port of the second fresh server (harness.py serve --peer)")
     ap.add_argument("--profile", default="", help="a profile of the scenario (its server models and variables)")
     args = ap.parse_args(argv)
     if args.start:
-        from tests.conformance.harness import scenario_models, start_server
+        from tests.conformance.harness import peer_args, scenario_models, scenario_vars as vars_, server_args, start_server
 
-        with start_server(scenario_models(Path(args.scenario), args.profile)) as srv:
-            _, failed, _ = run_scenario(srv.target, args.scenario, profile=args.profile)
+        models = scenario_models(Path(args.scenario), args.profile)
+        with start_server(models, extra_args=server_args(Path(args.scenario), args.profile)) as srv, \
+                start_server(models, extra_args=peer_args(Path(args.scenario), args.profile)) as peer:
+            _, failed, _ = run_scenario(srv.target, args.scenario, profile=args.profile, peer_target=peer.target,
+                                        env_vars=vars_(Path(args.scenario), args.profile))
     else:
-        _, failed, _ = run_scenario(args.target, args.scenario, profile=args.profile)
+        _, failed, _ = run_scenario(args.target, args.scenario, profile=args.profile, peer_target=args.peer or "")
     return 1 if failed else 0
 
 

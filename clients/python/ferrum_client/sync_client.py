@@ -3,6 +3,7 @@ step-by-step :class:`Session` helper. Requests are built by :mod:`ferrum_client.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -93,9 +94,13 @@ class Client(Connection):
                   timeout: float | None = None) -> pb.ImportKvResponse:
         """A new cache from ``ExportKvResponse`` messages (e.g. another server's ``export_kv``):
         the client relays the bytes. Prefer :meth:`pull_kv` (server to server)."""
+        # The source's refusal (ExportKv's status: NOT_FOUND, UNIMPLEMENTED, ...) is raised here, as
+        # itself; raised inside gRPC's request iterator it would end the import as UNKNOWN.
+        exported = iter(exported)
+        head = [m for m in [next(exported, None)] if m is not None]
         try:
-            return self.stub.ImportKv(rq.import_stream(model_id, exported, reserve_tokens=reserve_tokens,
-                                                       cache_salt=cache_salt),
+            return self.stub.ImportKv(rq.import_stream(model_id, itertools.chain(head, exported),
+                                                       reserve_tokens=reserve_tokens, cache_salt=cache_salt),
                                       timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as e:
             raise FerrumRpcError.from_rpc_error(e) from None
