@@ -414,48 +414,59 @@ impl RemoteModelExecutor {
     /// given (the server's prefix cache serves their full blocks). The clone's id becomes an alias.
     async fn materialize_clones(&self, handles: Vec<Arc<dyn KvCacheHandle>>) -> Result<()> {
         for h in &handles {
-            if self.known_cache(h).is_some() {
-                continue;
+            if self.known_cache(h).is_none() {
+                self.materialize_clone(h.cache_id(), h.num_tokens()).await?;
             }
-            let id = h.cache_id();
-            let Some(base) = crate::prefix_state::clone_source(&id) else { continue };
-            let src = self.shared.aliases.lock().unwrap().get(base).cloned().unwrap_or_else(|| base.to_string());
-            let keep = h.num_tokens();
-            let live = self.shared.minted.lock().unwrap().contains(&src);
-            let mut made = None;
-            if live && keep > 0 {
-                self.wait_released(std::slice::from_ref(&src)).await;
-                match self.client.fork_cache(&src, Some(keep as u64), 0).await {
-                    Ok(r) => {
-                        self.shared.prefix.clone_forks.fetch_add(1, Ordering::Relaxed);
-                        made = r.cache.map(|c| c.cache_id);
-                    }
-                    Err(e) if e.code() == tonic::Code::NotFound => {}
-                    Err(e) => return Err(st(e)),
+        }
+        Ok(())
+    }
+
+    /// [`Self::materialize_clones`] for one name: `id` (`<source>-clone-<n>`) gets a server cache
+    /// holding the source's first `keep` tokens. Names that are no clone of a cache created here
+    /// are left alone.
+    async fn materialize_clone(&self, id: String, keep: usize) -> Result<()> {
+        let Some(base) = crate::prefix_state::clone_source(&id) else { return Ok(()) };
+        if self.shared.aliases.lock().unwrap().contains_key(&id) {
+            return Ok(());
+        }
+        let alias = self.shared.aliases.lock().unwrap().get(base).cloned();
+        let src = alias.or_else(|| self.shared.prefix.server_id_of(base)).unwrap_or_else(|| base.to_string());
+        let live = self.shared.minted.lock().unwrap().contains(&src);
+        let mut made = None;
+        if live && keep > 0 {
+            self.wait_released(std::slice::from_ref(&src)).await;
+            match self.client.fork_cache(&src, Some(keep as u64), 0).await {
+                Ok(r) => {
+                    self.shared.prefix.clone_forks.fetch_add(1, Ordering::Relaxed);
+                    made = r.cache.map(|c| c.cache_id);
                 }
+                Err(e) if e.code() == tonic::Code::NotFound => {}
+                Err(e) => return Err(st(e)),
             }
-            if made.is_none() {
-                let Some(tokens) = self.shared.prefix.prompt_prefix(&src, keep) else {
-                    continue; // not a clone of ours: the step names it as is (NOT_FOUND)
-                };
-                let out = self
-                    .client
-                    .prefill_input(proto::PrefillInput { token_ids: tokens.clone(), logits: Some(policy::none()), ..Default::default() })
-                    .await
-                    .map_err(st)?;
-                self.shared.prefix.clone_prefills.fetch_add(1, Ordering::Relaxed);
-                if let Some(c) = &out.cache {
-                    self.shared.prefix.note_new_cache(tokens.len(), out.cached_tokens);
-                    self.shared.prefix.note_tokens(&c.cache_id, &tokens, true);
-                }
-                made = out.cache.map(|c| c.cache_id);
-            } else if let (Some(m), Some(t)) = (&made, self.shared.prefix.prompt_prefix(&src, keep)) {
-                self.shared.prefix.note_tokens(m, &t, true);
+        }
+        let tokens = self.shared.prefix.prompt_prefix(&src, keep);
+        if made.is_none() {
+            let Some(tokens) = tokens.clone().filter(|t| !t.is_empty()) else {
+                return Ok(()); // not a clone of ours: the step names it as is (NOT_FOUND)
+            };
+            let out = self
+                .client
+                .prefill_input(proto::PrefillInput { token_ids: tokens.clone(), logits: Some(policy::none()), ..Default::default() })
+                .await
+                .map_err(st)?;
+            self.shared.prefix.clone_prefills.fetch_add(1, Ordering::Relaxed);
+            if out.cache.is_some() {
+                self.shared.prefix.note_new_cache(tokens.len(), out.cached_tokens);
             }
-            if let Some(m) = made {
-                self.note_minted(&m);
-                self.shared.aliases.lock().unwrap().insert(id, m);
+            made = out.cache.map(|c| c.cache_id);
+        }
+        if let Some(m) = made {
+            if let Some(t) = tokens {
+                self.shared.prefix.note_tokens(&m, &t, true);
             }
+            self.shared.prefix.note_name(&id, &m);
+            self.note_minted(&m);
+            self.shared.aliases.lock().unwrap().insert(id, m);
         }
         Ok(())
     }
@@ -488,7 +499,7 @@ impl RemoteModelExecutor {
     /// `unified_decode`.
     fn known_cache(&self, h: &Arc<dyn KvCacheHandle>) -> Option<String> {
         if let Some(r) = as_remote(h) {
-            return Some(r.cache_id());
+            return Some(r.server_cache_id().to_string());
         }
         self.shared.aliases.lock().unwrap().get(&h.cache_id()).cloned()
     }
@@ -638,11 +649,15 @@ impl RemoteModelExecutor {
         })
     }
 
-    fn decode_from_proto(&self, o: &proto::DecodeOutput, full: bool) -> Result<DecodeOutput> {
+    /// The output keeps the input handle's name (ferrum's engine checks that a decode does not
+    /// change a sequence's cache identity): an engine-made or aliased handle stays named as it was.
+    fn decode_from_proto(&self, o: &proto::DecodeOutput, full: bool, input: &Arc<dyn KvCacheHandle>) -> Result<DecodeOutput> {
         let cache = o.cache.as_ref().ok_or_else(|| FerrumError::internal("decode returned no cache"))?;
         let row = output_row(o.output.as_ref(), full)?;
         let n = row.len();
-        Ok(DecodeOutput::new(tensor(row, vec![1, n])?, self.handle(cache)))
+        self.note_minted(&cache.cache_id);
+        let h = RemoteKvCacheHandle::from_proto(cache, self.device.clone()).named(input.cache_id());
+        Ok(DecodeOutput::new(tensor(row, vec![1, n])?, Arc::new(h)))
     }
 }
 
@@ -762,6 +777,23 @@ impl ModelExecutor for RemoteModelExecutor {
             self.shared.local_reservations.fetch_add(1, Ordering::Relaxed);
             return Ok(None);
         }
+        // An engine clone (`<id>-clone-<n>`, ferrum's prefix-cache hit) reserved before its first
+        // step: make its server cache now (a fork of the source), or the reservation would create
+        // an empty one. The engine reserves a decode-ready sequence's next token: `target_len - 1`
+        // tokens are the clone's.
+        let clones: Vec<(String, usize)> = {
+            let aliases = self.shared.aliases.lock().unwrap();
+            requests
+                .iter()
+                .filter(|r| !aliases.contains_key(&r.cache_id) && crate::prefix_state::clone_source(&r.cache_id).is_some())
+                .map(|r| (r.cache_id.clone(), r.target_len.saturating_sub(1)))
+                .collect()
+        };
+        for (id, keep) in clones {
+            if let Some(r) = self.block_on(self.materialize_clone(id, keep)) {
+                r?;
+            }
+        }
         let mut reqs: Vec<proto::KvSlotRequest> = Vec::with_capacity(requests.len());
         let mut names: Vec<String> = Vec::with_capacity(requests.len());
         {
@@ -819,6 +851,9 @@ impl ModelExecutor for RemoteModelExecutor {
                     let mut aliases = self.shared.aliases.lock().unwrap();
                     let mut minted = self.shared.minted.lock().unwrap();
                     for (name, id) in created {
+                        // an empty cache: its first chunk is its prompt's start (engine clones)
+                        self.shared.prefix.note_tokens(&id, &[], true);
+                        self.shared.prefix.note_name(&name, &id);
                         minted.insert(id.clone());
                         aliases.insert(name, id);
                     }
@@ -886,7 +921,7 @@ impl ModelExecutor for RemoteModelExecutor {
         let full = p.logits.as_ref().is_some_and(is_full);
         bump(&self.shared.rpc.decode);
         let out = self.client.decode_input(p).await.map_err(st)?;
-        self.decode_from_proto(&out, full)
+        self.decode_from_proto(&out, full, &input.kv_cache)
     }
 
     /// One `BatchDecode`: one output per input, in order, same caches (all or nothing).
@@ -908,7 +943,7 @@ impl ModelExecutor for RemoteModelExecutor {
                 inputs.len()
             )));
         }
-        outs.iter().zip(fulls).map(|(o, f)| self.decode_from_proto(o, f)).collect()
+        outs.iter().zip(fulls).zip(inputs).map(|((o, f), i)| self.decode_from_proto(o, f, &i.kv_cache)).collect()
     }
 
     /// `UnifiedDecode`. UNIMPLEMENTED (executors without a native unified forward, e.g. the
@@ -974,8 +1009,10 @@ impl ModelExecutor for RemoteModelExecutor {
                     self.note_minted(&c.cache_id);
                     let mut a = self.shared.aliases.lock().unwrap();
                     a.insert(it.seq_id.clone(), c.cache_id.clone());
+                    self.shared.prefix.note_name(&it.seq_id, &c.cache_id);
                     if it.kv_cache.cache_id() != it.seq_id {
                         a.insert(it.kv_cache.cache_id(), c.cache_id.clone());
+                        self.shared.prefix.note_name(&it.kv_cache.cache_id(), &c.cache_id);
                     }
                 }
             }
@@ -1043,7 +1080,7 @@ impl ModelExecutor for RemoteModelExecutor {
                 inputs.len()
             )));
         }
-        let last = RemoteKvCacheHandle::from_proto(cache, self.device.clone());
+        let last = RemoteKvCacheHandle::from_proto(cache, self.device.clone()).named(inputs[0].kv_cache.cache_id());
         let n = resp.outputs.len();
         resp.outputs
             .iter()

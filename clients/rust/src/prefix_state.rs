@@ -35,6 +35,9 @@ pub(crate) struct PrefixState {
     pub(crate) clone_forks: AtomicU64,
     pub(crate) clone_prefills: AtomicU64,
     prompts: Mutex<(HashMap<String, Vec<i32>>, VecDeque<String>)>,
+    /// Engine names of caches (an alias: the engine's `seq_id` / handle id) → server id, kept
+    /// after the release that drops the alias: the engine clones a stored handle by that name.
+    names: Mutex<(HashMap<String, String>, VecDeque<String>)>,
 }
 
 impl PrefixState {
@@ -68,6 +71,25 @@ impl PrefixState {
         } else if let Some(v) = map.get_mut(id) {
             v.extend_from_slice(tokens);
         }
+    }
+
+    /// `name` (an engine's name for a cache) is server cache `id`.
+    pub(crate) fn note_name(&self, name: &str, id: &str) {
+        let mut g = self.names.lock().unwrap();
+        let (map, order) = &mut *g;
+        if map.len() >= MAX_PROMPTS {
+            if let Some(old) = order.pop_front() {
+                map.remove(&old);
+            }
+        }
+        if map.insert(name.to_string(), id.to_string()).is_none() {
+            order.push_back(name.to_string());
+        }
+    }
+
+    /// The server id an engine name stood for.
+    pub(crate) fn server_id_of(&self, name: &str) -> Option<String> {
+        self.names.lock().unwrap().0.get(name).cloned()
     }
 
     /// The first `n` tokens written into `id`, when remembered.
