@@ -130,3 +130,14 @@ def test_generate_reuses_a_repeated_prompt_over_the_wire(llc):
         assert m.value("ferrum_prefix_cached_blocks", {"model": "smollm2"}) >= 2
         assert m.value("ferrum_prefix_hit_tokens_total", {"model": "smollm2"}) == load.prefix_hit_tokens
         assert m.value("ferrum_kv_used_bytes", {"model": "smollm2"}) == 0
+
+
+def test_loads_counts_the_cached_blocks(llc):
+    """``Loads.cached_blocks`` (``KvCapacity.cached_blocks``) is the prefix cache's keyed blocks on
+    llama.cpp too: it read 0 while the block events said 2 (the conformance step
+    prefix.mirror.matches_server found it)."""
+    assert llc.kv_capacity().cached_blocks == 0
+    out = llc.prefill(PrefillInput(_prompt(40, 7)))
+    assert llc.kv_capacity().cached_blocks == llc.prefix.cached_blocks == 2  # what Loads reports
+    llc.release_cache(out.cache.cache_id)
+    assert llc.kv_capacity().cached_blocks == 2  # retired, still keyed

@@ -38,6 +38,7 @@ from ..types import (
     AdmissionLimits,
     CacheHandle,
     ExecutorCapabilities,
+    KvCapacity,
     KvSlotAllocation,
     KvSlotCapacitySnapshot,
     KvSlotRequest,
@@ -482,6 +483,12 @@ class LlamaCppExecutor(ItemStepExecutor):
         if inp.cache_id or inp.bypass_prefix_cache or inp.all_positions:
             return 0
         return self.prefix.match(inp.token_ids, inp.cache_salt)[1]
+
+    def kv_capacity(self) -> KvCapacity:
+        """The budget, with the prefix cache's keyed blocks (``Loads.cached_blocks``; it read 0 here)."""
+        cap = super().kv_capacity()
+        cap.cached_blocks = self.prefix.cached_blocks
+        return cap
 
     def cache_metrics(self) -> dict[str, Any]:
         """Prefix-cache counters (ferrum's ``cache_metrics_snapshot``)."""
