@@ -772,7 +772,10 @@ type PrefillInput struct {
 	// The caller's id for the request, echoed in logs and KV events.
 	RequestId string `protobuf:"bytes,7,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	// Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
-	// every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+	// every block key, see `PrefixCacheRecipe`). Only for a new cache. Printable text (control
+	// characters are INVALID_ARGUMENT). When the server authenticates callers, the salt is the
+	// caller's own (its identity is folded in) unless it starts with "shared:"; without
+	// authentication, empty = the one shared space.
 	CacheSalt string `protobuf:"bytes,8,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
 	// Compute every token of a new cache: take nothing from the prefix cache (its full blocks are
 	// still cached for later requests).
@@ -1592,7 +1595,10 @@ type UnifiedBatchItem struct {
 	Logits       *LogitsPolicy    `protobuf:"bytes,6,opt,name=logits,proto3" json:"logits,omitempty"`
 	Metadata     *structpb.Struct `protobuf:"bytes,7,opt,name=metadata,proto3" json:"metadata,omitempty"`
 	// Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
-	// every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+	// every block key, see `PrefixCacheRecipe`). Only for a new cache. Printable text (control
+	// characters are INVALID_ARGUMENT). When the server authenticates callers, the salt is the
+	// caller's own (its identity is folded in) unless it starts with "shared:"; without
+	// authentication, empty = the one shared space.
 	CacheSalt string `protobuf:"bytes,8,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
 	// Compute every token of a new cache: take nothing from the prefix cache (its full blocks are
 	// still cached for later requests).
@@ -3720,7 +3726,10 @@ type GenerateRequest struct {
 	// Send each token's text piece (`TokenEvent.text`); needs a tokenizer.
 	StreamText bool `protobuf:"varint,12,opt,name=stream_text,json=streamText,proto3" json:"stream_text,omitempty"`
 	// Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
-	// every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+	// every block key, see `PrefixCacheRecipe`). Only for a new cache. Printable text (control
+	// characters are INVALID_ARGUMENT). When the server authenticates callers, the salt is the
+	// caller's own (its identity is folded in) unless it starts with "shared:"; without
+	// authentication, empty = the one shared space.
 	CacheSalt string `protobuf:"bytes,13,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
 	// Compute every token of a new cache: take nothing from the prefix cache (its full blocks are
 	// still cached for later requests).
@@ -6011,9 +6020,19 @@ type KvTransferHeader struct {
 	StateFormat string `protobuf:"bytes,16,opt,name=state_format,json=stateFormat,proto3" json:"state_format,omitempty"`
 	// The LoRA adapter the K/V were computed with (empty = the base model). The importing server
 	// binds the new cache to its adapter of that name: FAILED_PRECONDITION when none is loaded there.
-	Adapter       string `protobuf:"bytes,17,opt,name=adapter,proto3" json:"adapter,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Adapter string `protobuf:"bytes,17,opt,name=adapter,proto3" json:"adapter,omitempty"`
+	// With `adapter`: the exporting server's digest of that adapter (hex SHA-256, as its LoRA loader
+	// computes it). When set, the importing server refuses (FAILED_PRECONDITION) unless its adapter
+	// of that name has the same digest: two servers' adapters of one name may differ. Empty = checked
+	// by name only (older exporters).
+	AdapterDigest string `protobuf:"bytes,18,opt,name=adapter_digest,json=adapterDigest,proto3" json:"adapter_digest,omitempty"`
+	// True when the exporting server did not compute these K/V itself: the cache (or the cache it
+	// continues) was streamed in by a caller (`ImportKv` with a header), whose bytes no server vouches
+	// for. An importing server then keys their blocks only into the importing caller's own key space,
+	// as for K/V the caller streams itself.
+	CallerSupplied bool `protobuf:"varint,19,opt,name=caller_supplied,json=callerSupplied,proto3" json:"caller_supplied,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *KvTransferHeader) Reset() {
@@ -6163,6 +6182,20 @@ func (x *KvTransferHeader) GetAdapter() string {
 		return x.Adapter
 	}
 	return ""
+}
+
+func (x *KvTransferHeader) GetAdapterDigest() string {
+	if x != nil {
+		return x.AdapterDigest
+	}
+	return ""
+}
+
+func (x *KvTransferHeader) GetCallerSupplied() bool {
+	if x != nil {
+		return x.CallerSupplied
+	}
+	return false
 }
 
 // K and V of one layer for one token range.
@@ -6352,7 +6385,9 @@ func (*ExportKvResponse_Chunk) isExportKvResponse_Message() {}
 // with the caller's `authorization` metadata, so a scheduler never relays the bytes.
 type KvSource struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The exporting server, HOST:PORT as this server can reach it.
+	// The exporting server, HOST:PORT as this server can reach it: one of this server's configured
+	// KV peers (`--kv-peer`), else PERMISSION_DENIED. This server authenticates there with its own
+	// peer credentials, on the caller's behalf (the caller's own token is not sent).
 	Target string `protobuf:"bytes,1,opt,name=target,proto3" json:"target,omitempty"`
 	// The cache on that server.
 	CacheId string `protobuf:"bytes,2,opt,name=cache_id,json=cacheId,proto3" json:"cache_id,omitempty"`
@@ -6361,7 +6396,8 @@ type KvSource struct {
 	// The token range, as in `ExportKvRequest` (from_token must be 0: a new cache starts at 0).
 	FromToken uint64 `protobuf:"varint,4,opt,name=from_token,json=fromToken,proto3" json:"from_token,omitempty"`
 	ToToken   uint64 `protobuf:"varint,5,opt,name=to_token,json=toToken,proto3" json:"to_token,omitempty"`
-	// Connect with TLS (the system's root certificates); plaintext otherwise.
+	// Connect with TLS (the operator's pull CA, else the system's root certificates); plaintext
+	// otherwise, unless the server's operator configured TLS for pulls.
 	Tls bool `protobuf:"varint,6,opt,name=tls,proto3" json:"tls,omitempty"`
 	// Passed on as `ExportKvRequest.max_chunk_bytes`.
 	MaxChunkBytes uint32 `protobuf:"varint,7,opt,name=max_chunk_bytes,json=maxChunkBytes,proto3" json:"max_chunk_bytes,omitempty"`
@@ -6459,6 +6495,8 @@ type ImportKvRequest struct {
 	// front as a prefill's `reserve_tokens` (first message). 0 = only the imported tokens.
 	ReserveTokens uint64 `protobuf:"varint,2,opt,name=reserve_tokens,json=reserveTokens,proto3" json:"reserve_tokens,omitempty"`
 	// Prefix-cache salt for the keys of the imported blocks, as a prefill's `cache_salt` (first message).
+	// K/V the caller streams (a header) are keyed only in the caller's own key space (a "shared:"
+	// salt stays private to it); pulled K/V (a source) are keyed as a prefill's.
 	CacheSalt string `protobuf:"bytes,3,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
 	// Pull from another server instead of streaming the K/V (first message).
 	Source *KvSource `protobuf:"bytes,4,opt,name=source,proto3" json:"source,omitempty"`
@@ -7540,7 +7578,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\n" +
 	"from_token\x18\x03 \x01(\x04R\tfromToken\x12\x19\n" +
 	"\bto_token\x18\x04 \x01(\x04R\atoToken\x12&\n" +
-	"\x0fmax_chunk_bytes\x18\x05 \x01(\rR\rmaxChunkBytes\"\xbf\x04\n" +
+	"\x0fmax_chunk_bytes\x18\x05 \x01(\rR\rmaxChunkBytes\"\x8f\x05\n" +
 	"\x10KvTransferHeader\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12 \n" +
 	"\vfingerprint\x18\x02 \x01(\tR\vfingerprint\x127\n" +
@@ -7565,7 +7603,9 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\bexecutor\x18\x0e \x01(\tR\bexecutor\x12-\n" +
 	"\x12checksum_algorithm\x18\x0f \x01(\tR\x11checksumAlgorithm\x12!\n" +
 	"\fstate_format\x18\x10 \x01(\tR\vstateFormat\x12\x18\n" +
-	"\aadapter\x18\x11 \x01(\tR\aadapter\"\xb7\x01\n" +
+	"\aadapter\x18\x11 \x01(\tR\aadapter\x12%\n" +
+	"\x0eadapter_digest\x18\x12 \x01(\tR\radapterDigest\x12'\n" +
+	"\x0fcaller_supplied\x18\x13 \x01(\bR\x0ecallerSupplied\"\xb7\x01\n" +
 	"\aKvChunk\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\rR\x05index\x12\x14\n" +
 	"\x05layer\x18\x02 \x01(\rR\x05layer\x12\x1f\n" +

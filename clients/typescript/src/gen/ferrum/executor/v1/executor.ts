@@ -358,7 +358,10 @@ export interface PrefillInput {
   requestId: string;
   /**
    * Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
-   * every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+   * every block key, see `PrefixCacheRecipe`). Only for a new cache. Printable text (control
+   * characters are INVALID_ARGUMENT). When the server authenticates callers, the salt is the
+   * caller's own (its identity is folded in) unless it starts with "shared:"; without
+   * authentication, empty = the one shared space.
    */
   cacheSalt: string;
   /**
@@ -528,7 +531,10 @@ export interface UnifiedBatchItem {
     | undefined;
   /**
    * Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
-   * every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+   * every block key, see `PrefixCacheRecipe`). Only for a new cache. Printable text (control
+   * characters are INVALID_ARGUMENT). When the server authenticates callers, the salt is the
+   * caller's own (its identity is folded in) unless it starts with "shared:"; without
+   * authentication, empty = the one shared space.
    */
   cacheSalt: string;
   /**
@@ -885,7 +891,10 @@ export interface GenerateRequest {
   streamText: boolean;
   /**
    * Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
-   * every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+   * every block key, see `PrefixCacheRecipe`). Only for a new cache. Printable text (control
+   * characters are INVALID_ARGUMENT). When the server authenticates callers, the salt is the
+   * caller's own (its identity is folded in) unless it starts with "shared:"; without
+   * authentication, empty = the one shared space.
    */
   cacheSalt: string;
   /**
@@ -1228,6 +1237,20 @@ export interface KvTransferHeader {
    * binds the new cache to its adapter of that name: FAILED_PRECONDITION when none is loaded there.
    */
   adapter: string;
+  /**
+   * With `adapter`: the exporting server's digest of that adapter (hex SHA-256, as its LoRA loader
+   * computes it). When set, the importing server refuses (FAILED_PRECONDITION) unless its adapter
+   * of that name has the same digest: two servers' adapters of one name may differ. Empty = checked
+   * by name only (older exporters).
+   */
+  adapterDigest: string;
+  /**
+   * True when the exporting server did not compute these K/V itself: the cache (or the cache it
+   * continues) was streamed in by a caller (`ImportKv` with a header), whose bytes no server vouches
+   * for. An importing server then keys their blocks only into the importing caller's own key space,
+   * as for K/V the caller streams itself.
+   */
+  callerSupplied: boolean;
 }
 
 /** K and V of one layer for one token range. */
@@ -1263,7 +1286,11 @@ export interface ExportKvResponse {
  * with the caller's `authorization` metadata, so a scheduler never relays the bytes.
  */
 export interface KvSource {
-  /** The exporting server, HOST:PORT as this server can reach it. */
+  /**
+   * The exporting server, HOST:PORT as this server can reach it: one of this server's configured
+   * KV peers (`--kv-peer`), else PERMISSION_DENIED. This server authenticates there with its own
+   * peer credentials, on the caller's behalf (the caller's own token is not sent).
+   */
   target: string;
   /** The cache on that server. */
   cacheId: string;
@@ -1272,7 +1299,10 @@ export interface KvSource {
   /** The token range, as in `ExportKvRequest` (from_token must be 0: a new cache starts at 0). */
   fromToken: number;
   toToken: number;
-  /** Connect with TLS (the system's root certificates); plaintext otherwise. */
+  /**
+   * Connect with TLS (the operator's pull CA, else the system's root certificates); plaintext
+   * otherwise, unless the server's operator configured TLS for pulls.
+   */
   tls: boolean;
   /** Passed on as `ExportKvRequest.max_chunk_bytes`. */
   maxChunkBytes: number;
@@ -1291,7 +1321,11 @@ export interface ImportKvRequest {
    * front as a prefill's `reserve_tokens` (first message). 0 = only the imported tokens.
    */
   reserveTokens: number;
-  /** Prefix-cache salt for the keys of the imported blocks, as a prefill's `cache_salt` (first message). */
+  /**
+   * Prefix-cache salt for the keys of the imported blocks, as a prefill's `cache_salt` (first message).
+   * K/V the caller streams (a header) are keyed only in the caller's own key space (a "shared:"
+   * salt stays private to it); pulled K/V (a source) are keyed as a prefill's.
+   */
   cacheSalt: string;
   /** Pull from another server instead of streaming the K/V (first message). */
   source:
@@ -11347,6 +11381,8 @@ function createBaseKvTransferHeader(): KvTransferHeader {
     checksumAlgorithm: "",
     stateFormat: "",
     adapter: "",
+    adapterDigest: "",
+    callerSupplied: false,
   };
 }
 
@@ -11410,6 +11446,12 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
     }
     if (message.adapter !== "") {
       writer.uint32(138).string(message.adapter);
+    }
+    if (message.adapterDigest !== "") {
+      writer.uint32(146).string(message.adapterDigest);
+    }
+    if (message.callerSupplied !== false) {
+      writer.uint32(152).bool(message.callerSupplied);
     }
     return writer;
   },
@@ -11583,6 +11625,22 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
             message.adapter = reader.string();
             continue;
           }
+          case 18: {
+            if (tag !== 146) {
+              break;
+            }
+
+            message.adapterDigest = reader.string();
+            continue;
+          }
+          case 19: {
+            if (tag !== 152) {
+              break;
+            }
+
+            message.callerSupplied = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -11668,6 +11726,16 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
         ? globalThis.String(object.state_format)
         : "",
       adapter: isSet(object.adapter) ? globalThis.String(object.adapter) : "",
+      adapterDigest: isSet(object.adapterDigest)
+        ? globalThis.String(object.adapterDigest)
+        : isSet(object.adapter_digest)
+        ? globalThis.String(object.adapter_digest)
+        : "",
+      callerSupplied: isSet(object.callerSupplied)
+        ? globalThis.Boolean(object.callerSupplied)
+        : isSet(object.caller_supplied)
+        ? globalThis.Boolean(object.caller_supplied)
+        : false,
     };
   },
 
@@ -11724,6 +11792,12 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
     if (message.adapter !== "") {
       obj.adapter = message.adapter;
     }
+    if (message.adapterDigest !== "") {
+      obj.adapterDigest = message.adapterDigest;
+    }
+    if (message.callerSupplied !== false) {
+      obj.callerSupplied = message.callerSupplied;
+    }
     return obj;
   },
 
@@ -11749,6 +11823,8 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
     message.checksumAlgorithm = object.checksumAlgorithm ?? "";
     message.stateFormat = object.stateFormat ?? "";
     message.adapter = object.adapter ?? "";
+    message.adapterDigest = object.adapterDigest ?? "";
+    message.callerSupplied = object.callerSupplied ?? false;
     return message;
   },
 };
