@@ -204,11 +204,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if st["role"] not in ("both", "prefill", "decode"):
         print(f"--role must be both, prefill or decode, not {st['role']!r}", file=sys.stderr)
         return 2
-    from .kv_peers import normalize_target
+    from .kv_peers import normalize_peer
 
-    bad = [p for p in st["kv_peer"] or [] if normalize_target(p) is None]
+    bad = [p for p in st["kv_peer"] or [] if normalize_peer(p) is None]
     if bad or bool(st["kv_peer_cert"]) != bool(st["kv_peer_key"]):
-        print(f"--kv-peer takes HOST:PORT (not {bad[0]!r})" if bad else "--kv-peer-cert and --kv-peer-key go together",
+        print(f"--kv-peer takes HOST:PORT or HOST:* (not {bad[0]!r})" if bad else "--kv-peer-cert and --kv-peer-key go together",
               file=sys.stderr)
         return 2
     from . import logs
