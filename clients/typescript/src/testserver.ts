@@ -57,10 +57,10 @@ export interface TestServer {
  * Start a fresh server hosting `models` (--model specs; "${TINY_MODEL_DIR}" is the tiny random
  * llama). No models = the conformance scenario's. Resolves once health says SERVING.
  */
-export function startServer(models: string[] = [], readyTimeoutMs = 180_000): Promise<TestServer> {
+export function startServer(models: string[] = [], readyTimeoutMs = 180_000, extraArgs: string[] = []): Promise<TestServer> {
   const args: string[] = [];
   for (const m of models) args.push("--model", m);
-  return serve(args, readyTimeoutMs);
+  return serve([...args, ...extraArgs], readyTimeoutMs);
 }
 
 /** A fresh scenario server of `profile` ("" = the top-level models) with the scenario's server
