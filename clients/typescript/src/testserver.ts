@@ -60,7 +60,8 @@ export interface TestServer {
 export function startServer(models: string[] = [], readyTimeoutMs = 180_000, extraArgs: string[] = []): Promise<TestServer> {
   const args: string[] = [];
   for (const m of models) args.push("--model", m);
-  return serve([...args, ...extraArgs], readyTimeoutMs);
+  // harness.py serve hands --server-arg values to the server as they are
+  return serve([...args, ...extraArgs.map((a) => `--server-arg=${a}`)], readyTimeoutMs);
 }
 
 /** A fresh scenario server of `profile` ("" = the top-level models) with the scenario's server
