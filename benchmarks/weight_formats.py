@@ -132,27 +132,35 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--runs", type=int, default=None)
     ap.add_argument("--streams", default="1,8,32")
+    ap.add_argument("--only", choices=("quality", "speed"), default=None,
+                    help="one half (quality needs no quiet machine: it times nothing)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     raw: dict = {"load_before": os.getloadavg()}
-    q = raw["quality"] = quality(a.threads, 16 if a.quick else 32)
     streams = tuple(int(x) for x in a.streams.split(","))
-    s = raw["speed"] = speed(a.threads, streams, a.runs or (1 if a.quick else 2), 16 if a.quick else 32)
+    q = raw["quality"] = quality(a.threads, 16 if a.quick else 32) if a.only != "speed" else None
+    s = (speed(a.threads, streams, a.runs or (1 if a.quick else 2), 16 if a.quick else 32)
+         if a.only != "quality" else None)
+    raw["speed"] = s
     rows = []
     head = " | ".join(f"tok/s B={b}" for b in streams)
     print(f"\n| format | greedy agreement with fp32 | top-1 agreement | {head} | drift | flag |")
     print("|---|---|---|" + "---|" * len(streams) + "---|---|")
-    worst = max(s["drift"].values())
+    worst = max(s["drift"].values()) if s else None
     for name in FORMATS:
-        row = {"format": name, "greedy_agreement": round(q[name]["greedy_agreement"], 3),
-               "top1_agreement": round(q[name]["top1_agreement"], 3),
-               **{f"tok_s_b{b}": round(s["tok_s"][name][b], 1) for b in streams},
-               "drift": round(worst, 3), "busy": worst > DRIFT_LIMIT}
+        row = {"format": name}
+        if q:
+            row.update(greedy_agreement=round(q[name]["greedy_agreement"], 3),
+                       top1_agreement=round(q[name]["top1_agreement"], 3))
+        if s:
+            row.update({f"tok_s_b{b}": round(s["tok_s"][name][b], 1) for b in streams},
+                       drift=round(worst, 3), busy=worst > DRIFT_LIMIT)
         rows.append(row)
-        speeds = " | ".join(f"{row[f'tok_s_b{b}']}" for b in streams)
-        print(f"| {name} | {row['greedy_agreement']:.2f} | {row['top1_agreement']:.2f} | {speeds} | "
-              f"{100 * worst:.0f} % | {'busy' if row['busy'] else ''} |")
-    write_rows("weight_formats", rows, raw)
+        cells = [f"{row[k]:.2f}" if k in row else "—" for k in ("greedy_agreement", "top1_agreement")]
+        cells += [f"{row[f'tok_s_b{b}']}" if s else "—" for b in streams]
+        cells += [f"{100 * worst:.0f} %" if s else "—", "busy" if s and row["busy"] else ""]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    write_rows("weight_formats" + (f"-{a.only}" if a.only else ""), rows, raw)
     return 0
 
 
