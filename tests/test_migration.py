@@ -1,0 +1,272 @@
+"""Live migration of Generate streams (migration.py): MigrateStreams, AcceptMigration, resume tokens.
+
+Two real servers on loopback ports, the tiny random-weight llama. A stream moved mid-decode gives
+exactly the tokens of an unmoved run (greedy and seeded sampling with a repetition penalty); B
+computes no prompt token; every refusal leaves the stream on A and nothing on B; resume tokens are
+single use, bound to their caller, and expire. A's decode steps are slowed (a real sleep before each
+real step) so the move lands mid-stream instead of after the tiny model has finished."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import threading
+import time
+
+import pytest
+
+from ferrum_client import AsyncClient, Client, FerrumRpcError, pb
+from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+from ferrum_service.testing.tiny_models import build_tiny_llama
+
+from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
+from .support.servers import InProcessServer
+
+BS = 16
+M = "tiny"
+PEER = {"kv_peers": ["127.0.0.1:*"], "kv_peer_tokens": ["tok-peer"], "open_admin_rpcs": True}
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(n)]
+
+
+def _executor(path, budget_blocks: int = 64) -> HfCausalLmExecutor:
+    return HfCausalLmExecutor.from_path(path, model_id=M, device="cpu", kv_budget_tokens=budget_blocks * BS)
+
+
+def _slow(srv: InProcessServer, seconds: float = 0.03) -> None:
+    """Each decode step of ``srv`` waits ``seconds`` first (then runs for real)."""
+    host = srv.models.get(M)
+    real = host.batcher.decode
+
+    async def decode(inp):
+        await asyncio.sleep(seconds)
+        return await real(inp)
+
+    host.batcher.decode = decode
+
+
+@pytest.fixture
+def pair(tiny_llama_dir, tmp_path):
+    copy = tmp_path / "copy"  # B loads its own copy: the fingerprint names the weights, not the path
+    shutil.copytree(tiny_llama_dir, copy)
+    with InProcessServer([_executor(tiny_llama_dir)], **PEER) as a, InProcessServer([_executor(copy)], **PEER) as b:
+        yield a, b
+
+
+def _run(client: Client, prompt, *, move=None, at: int = 16, **kw):
+    """Tokens, text pieces and the final event of one stream; ``move(client)`` runs on a thread
+    once ``at`` tokens arrived (its result is returned too)."""
+    stream = client.generate(M, token_ids=prompt, max_tokens=64, ignore_eos=True, stream_text=False,
+                             request_id="mv", **kw)
+    toks, idx, fin, moved, th = [], [], None, [], None
+    for ev in stream:
+        kind = ev.WhichOneof("event")
+        if kind == "token":
+            toks.append(ev.token.token_id)
+            idx.append(ev.token.index)
+            if move is not None and len(toks) == at:
+                th = threading.Thread(target=lambda: moved.append(move()))
+                th.start()
+        elif kind == "finished":
+            fin = ev.finished
+        else:
+            assert kind == "started"
+    if th is not None:
+        th.join(60)
+    return toks, idx, fin, (moved[0] if moved else None), stream
+
+
+SAMPLINGS = {"greedy": {}, "seeded": {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234,
+                                      "repetition_penalty": 1.3}}
+
+
+@pytest.mark.parametrize("mode", list(SAMPLINGS))
+def test_moved_stream_equals_unmoved(pair, mode):
+    a, b = pair
+    prompt = _prompt(24)
+    with Client(a.target) as ca, Client(b.target) as cb:
+        ref, _, ref_fin, _, _ = _run(ca, prompt, **SAMPLINGS[mode])
+        _slow(a)
+        toks, idx, fin, res, stream = _run(ca, prompt, move=lambda: ca.migrate_streams(b.target, request_id="mv"),
+                                           **SAMPLINGS[mode])
+        assert res.migrated == 1 and res.refused == 0, res
+        assert stream.migrations == [b.target]
+        assert toks == ref and len(toks) == 64
+        assert idx == list(range(64))  # no duplicate, no gap
+        assert fin.generated_tokens == 64 and fin.prompt_tokens == 24
+        assert fin.finish_reason == ref_fin.finish_reason == pb.FINISH_REASON_LENGTH
+        st = cb.status(M).metrics
+        assert st.prefill_operations == 0 and st.decode_operations > 0  # B computed no prompt token
+        moved_at = 64 - st.decode_operations  # B decoded the rest: the move was mid-stream
+        assert 16 <= moved_at < 64
+    assert a.live_caches() == {M: 0} and b.live_caches() == {M: 0}
+
+
+def test_async_client_follows(pair):
+    a, b = pair
+    prompt = _prompt(20, seed=3)
+    with Client(a.target) as ca:
+        ref = ca.generate(M, token_ids=prompt, max_tokens=48, ignore_eos=True).tokens()
+    _slow(a)
+
+    async def go():
+        async with AsyncClient(a.target) as c:
+            toks, mover = [], None
+            async for ev in c.generate(M, token_ids=prompt, max_tokens=48, ignore_eos=True, request_id="x"):
+                if ev.WhichOneof("event") == "token":
+                    toks.append(ev.token.token_id)
+                    if len(toks) == 10:
+                        mover = asyncio.ensure_future(c.migrate_streams(b.target, request_id="x"))
+            return toks, await mover
+
+    toks, res = asyncio.run(go())
+    assert res.migrated == 1
+    assert toks == ref
+    assert a.live_caches() == {M: 0} and b.live_caches() == {M: 0}
+
+
+def _refused(a, b_target, code: str) -> None:
+    """A move to ``b_target`` is refused with ``code`` and the stream finishes on A, whole."""
+    prompt = _prompt(16, seed=5)
+    with Client(a.target) as ca:
+        ref = ca.generate(M, token_ids=prompt, max_tokens=40, ignore_eos=True).tokens()
+        _slow(a, 0.01)
+        stream = ca.generate(M, token_ids=prompt, max_tokens=40, ignore_eos=True, request_id="mv")
+        toks, out = [], []
+        for ev in stream:
+            if ev.WhichOneof("event") == "token":
+                toks.append(ev.token.token_id)
+                if len(toks) == 8:
+                    out.append(ca.migrate_streams(b_target, request_id="mv"))
+        assert toks == ref and not stream.migrations
+        assert out[0].migrated == 0 and out[0].streams[0].error_code == code, out[0]
+
+
+def test_refusals_keep_the_stream_on_a(tiny_llama_dir, tmp_path):
+    other = build_tiny_llama(tmp_path / "other", seed=1)
+    with InProcessServer([_executor(tiny_llama_dir)], **PEER) as a:
+        # B does not count A as a peer: it will not pull from it
+        with InProcessServer([_executor(tiny_llama_dir)], kv_peers=["10.0.0.1:1"], kv_peer_tokens=["tok-peer"]) as b:
+            _refused(a, b.target, "PERMISSION_DENIED")
+            assert b.live_caches() == {M: 0}
+        # B has other weights under the same model id
+        with InProcessServer([HfCausalLmExecutor.from_path(other, model_id=M, device="cpu")], **PEER) as b:
+            _refused(a, b.target, "FAILED_PRECONDITION")
+            assert b.live_caches() == {M: 0}
+        # B has no room for the stream
+        with InProcessServer([_executor(tiny_llama_dir, budget_blocks=2)], **PEER) as b:
+            _refused(a, b.target, "RESOURCE_EXHAUSTED")
+            assert b.live_caches() == {M: 0}
+        # B does not share the peer token
+        with InProcessServer([_executor(tiny_llama_dir)], kv_peers=["127.0.0.1:*"], kv_peer_tokens=["other"]) as b:
+            _refused(a, b.target, "PERMISSION_DENIED")
+            assert b.live_caches() == {M: 0}
+        assert a.live_caches() == {M: 0}
+
+
+def test_resume_token_is_single_use_bound_and_expires(tiny_llama_dir):
+    tokens = ["tok-alice", "tok-bob"]
+    cfg = {**PEER, "auth_tokens": tokens, "migration_resume_s": 1.0}
+    with InProcessServer([_executor(tiny_llama_dir)], **cfg) as a, InProcessServer([_executor(tiny_llama_dir)], **cfg) as b, \
+            Client(a.target, token="tok-alice") as alice_a, Client(b.target, token="tok-alice") as alice_b, \
+            Client(b.target, token="tok-bob") as bob_b:
+        prompt = _prompt(12, seed=7)
+        ref = alice_a.generate(M, token_ids=prompt, max_tokens=30, ignore_eos=True).tokens()
+        _slow(a)
+
+        def moved_stream():
+            stream = alice_a.generate(M, token_ids=prompt, max_tokens=30, ignore_eos=True, request_id="r",
+                                      follow_migrations=False)
+            toks, mig = [], None
+            for ev in stream:
+                k = ev.WhichOneof("event")
+                if k == "token":
+                    toks.append(ev.token.token_id)
+                    if len(toks) == 5:
+                        threading.Thread(target=lambda: alice_a.migrate_streams(b.target, request_id="r")).start()
+                elif k == "migrated":
+                    mig = ev.migrated
+            assert mig is not None and mig.target == b.target and mig.generated_tokens == len(toks)
+            return toks, mig
+
+        toks, mig = moved_stream()
+        # another caller cannot resume it (and does not burn it); a made-up token is NOT_FOUND too
+        for who, tok in ((bob_b, mig.resume_token), (alice_b, "x" * 32), (alice_b, mig.resume_token + "x")):
+            with pytest.raises(FerrumRpcError) as e:
+                who.generate(M, resume_token=mig.resume_token if tok is None else tok).tokens()
+            assert e.value.code.name == "NOT_FOUND"
+        rest = alice_b.generate(M, resume_token=mig.resume_token).tokens()
+        assert toks + rest == ref
+        with pytest.raises(FerrumRpcError) as e:  # single use
+            alice_b.generate(M, resume_token=mig.resume_token).tokens()
+        assert e.value.code.name == "NOT_FOUND"
+        # a stream nobody resumes is dropped after the deadline, with its cache
+        toks, mig = moved_stream()
+        assert b.live_caches() == {M: 1}
+        time.sleep(1.5)
+        assert b.live_caches() == {M: 0}
+        with pytest.raises(FerrumRpcError) as e:
+            alice_b.generate(M, resume_token=mig.resume_token).tokens()
+        assert e.value.code.name == "NOT_FOUND"
+    assert a.live_caches() == {M: 0}
+
+
+def test_hostile_calls(pair):
+    a, b = pair
+    with Client(a.target) as ca, Client(b.target) as cb:
+        # AcceptMigration without a peer token: refused before anything is pulled
+        with pytest.raises(FerrumRpcError) as e:
+            cb._call("AcceptMigration", pb.AcceptMigrationRequest(
+                model_id=M, generated_token_ids=[1], source=pb.KvSource(target=a.target, cache_id="c")))
+        assert e.value.code.name == "PERMISSION_DENIED"
+        # a target that is not a peer, an empty one, a unix socket
+        for target, code in ((f"10.1.2.3:{b.server.port}", "PERMISSION_DENIED"), ("", "INVALID_ARGUMENT"),
+                             ("unix:/tmp/x", "PERMISSION_DENIED")):
+            with pytest.raises(FerrumRpcError) as e:
+                ca.migrate_streams(target)
+            assert e.value.code.name == code
+        # nothing runs / an unknown request id: nothing moves
+        assert ca.migrate_streams(b.target, request_id="nope").migrated == 0
+        # a flood of moves for one stream: it moves once, the others are told, the tokens stay whole
+        prompt = _prompt(16, seed=9)
+        ref = ca.generate(M, token_ids=prompt, max_tokens=64, ignore_eos=True).tokens()
+        _slow(a)
+        results = []
+        lock = threading.Lock()
+
+        def flood():
+            def one():
+                try:
+                    r = ca.migrate_streams(b.target, request_id="mv")
+                except FerrumRpcError as e:  # noqa: F841
+                    r = None
+                with lock:
+                    results.append(r)
+            ths = [threading.Thread(target=one) for _ in range(20)]
+            for t in ths:
+                t.start()
+            for t in ths:
+                t.join(60)
+            return results
+
+        toks, idx, fin, _, stream = _run(ca, prompt, move=flood, at=8)
+        assert toks == ref and idx == list(range(64))
+        assert sum(r.migrated for r in results if r is not None) == 1
+        assert stream.migrations == [b.target]
+        # a resume token on the server that moved the stream away: NOT_FOUND
+        with pytest.raises(FerrumRpcError) as e:
+            ca.generate(M, resume_token="abc").tokens()
+        assert e.value.code.name == "NOT_FOUND"
+    assert a.live_caches() == {M: 0} and b.live_caches() == {M: 0}
+
+
+def test_migrate_streams_is_admin_only(tiny_llama_dir):
+    with InProcessServer([_executor(tiny_llama_dir)], kv_peers=["127.0.0.1:*"], kv_peer_tokens=["p"]) as a, \
+            Client(a.target) as c:
+        with pytest.raises(FerrumRpcError) as e:
+            c.migrate_streams(a.target)
+        assert e.value.code.name == "PERMISSION_DENIED"
