@@ -158,9 +158,11 @@ def test_refusals_keep_the_stream_on_a(tiny_llama_dir, tmp_path):
             _refused(a, b.target, "FAILED_PRECONDITION")
             assert b.live_caches() == {M: 0}
         # B has no room for the stream
-        with InProcessServer([_executor(tiny_llama_dir, budget_blocks=2)], **PEER) as b:
+        with InProcessServer([_executor(tiny_llama_dir, budget_blocks=4)], **PEER) as b, Client(b.target) as cb:
+            full = cb.prefill(M, _prompt(60, seed=11)).output.cache.cache_id  # 60 of its 64 tokens taken
             _refused(a, b.target, "RESOURCE_EXHAUSTED")
-            assert b.live_caches() == {M: 0}
+            assert b.live_caches() == {M: 1}
+            cb.release_cache(M, full)
         # B does not share the peer token
         with InProcessServer([_executor(tiny_llama_dir)], kv_peers=["127.0.0.1:*"], kv_peer_tokens=["other"]) as b:
             _refused(a, b.target, "PERMISSION_DENIED")
@@ -212,7 +214,7 @@ def test_resume_token_is_single_use_bound_and_expires(tiny_llama_dir):
         with pytest.raises(FerrumRpcError) as e:
             alice_b.generate(M, resume_token=mig.resume_token).tokens()
         assert e.value.code.name == "NOT_FOUND"
-    assert a.live_caches() == {M: 0}
+        assert a.live_caches() == {M: 0}
 
 
 def test_hostile_calls(pair):
