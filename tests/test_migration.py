@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import shutil
 import threading
 import time
 
 import pytest
 
-from ferrum_client import AsyncClient, Client, FerrumRpcError, pb
+from ferrum_client import AsyncClient, Client, FerrumRpcError, messages as m, pb
 from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
 from ferrum_service.testing.tiny_models import build_tiny_llama
 
@@ -60,14 +61,15 @@ def pair(tiny_llama_dir, tmp_path):
 def _run(client: Client, prompt, *, move=None, at: int = 16, **kw):
     """Tokens, text pieces and the final event of one stream; ``move(client)`` runs on a thread
     once ``at`` tokens arrived (its result is returned too)."""
-    stream = client.generate(M, token_ids=prompt, max_tokens=64, ignore_eos=True, stream_text=False,
-                             request_id="mv", **kw)
+    kw.setdefault("max_tokens", 64)
+    stream = client.generate(M, token_ids=prompt, ignore_eos=True, request_id="mv", **kw)
     toks, idx, fin, moved, th = [], [], None, [], None
     for ev in stream:
         kind = ev.WhichOneof("event")
         if kind == "token":
             toks.append(ev.token.token_id)
             idx.append(ev.token.index)
+            stream.text = getattr(stream, "text", "") + ev.token.text
             if move is not None and len(toks) == at:
                 th = threading.Thread(target=lambda: moved.append(move()))
                 th.start()
@@ -103,6 +105,24 @@ def test_moved_stream_equals_unmoved(pair, mode):
         assert st.prefill_operations == 0 and st.decode_operations > 0  # B computed no prompt token
         moved_at = 64 - st.decode_operations  # B decoded the rest: the move was mid-stream
         assert 16 <= moved_at < 64
+    assert a.live_caches() == {M: 0} and b.live_caches() == {M: 0}
+
+
+def test_moved_constrained_stream_equals_unmoved(pair):
+    """A regex-constrained, seeded, text-streaming stream: B's matcher replays the tokens from the
+    constraint's start, so the masks (and the tokens, and the text pieces) are the same."""
+    a, b = pair
+    prompt = _prompt(10, seed=2)
+    kw = dict(temperature=1.0, seed=77, constraint=m.constraint(regex="([a-z][0-9])+"), stream_text=True,
+              max_tokens=40)
+    with Client(a.target) as ca:
+        ref, _, ref_fin, _, ref_stream = _run(ca, prompt, **kw)
+        _slow(a)
+        toks, idx, fin, res, stream = _run(ca, prompt, move=lambda: ca.migrate_streams(b.target), at=12, **kw)
+        assert res.migrated == 1 and stream.migrations == [b.target]
+        assert toks == ref and idx == list(range(40))
+        assert stream.text == ref_stream.text == fin.text == ref_fin.text
+        assert re.fullmatch("([a-z][0-9])+", fin.text), fin.text
     assert a.live_caches() == {M: 0} and b.live_caches() == {M: 0}
 
 
