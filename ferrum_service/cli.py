@@ -212,8 +212,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     from .kv_peers import normalize_target
 
-    bad = [p for p in (st["kv_peer"] or []) + ([st["drain_to"]] if st["drain_to"] else [])
-           if normalize_target(p) is None]
+    # HOST:* (every port of one host) is a peer pattern; --drain-to names one server
+    bad = [p for p in st["kv_peer"] or [] if normalize_target(p[:-1] + "1" if p.endswith(":*") else p) is None]
+    bad += [p for p in [st["drain_to"]] if p and normalize_target(p) is None]
     if bad or bool(st["kv_peer_cert"]) != bool(st["kv_peer_key"]):
         print(f"--kv-peer takes HOST:PORT (not {bad[0]!r})" if bad else "--kv-peer-cert and --kv-peer-key go together",
               file=sys.stderr)

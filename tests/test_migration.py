@@ -22,7 +22,7 @@ from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
 from ferrum_service.testing.tiny_models import build_tiny_llama
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
-from .support.servers import InProcessServer
+from .support.servers import InProcessServer, ServerProcess
 
 BS = 16
 M = "tiny"
@@ -292,3 +292,74 @@ def test_migrate_streams_is_admin_only(tiny_llama_dir):
         with pytest.raises(FerrumRpcError) as e:
             c.migrate_streams(a.target)
         assert e.value.code.name == "PERMISSION_DENIED"
+
+
+def test_drain_by_migration_rpc(pair):
+    """MigrateStreams(drain) moves the running streams and stops new work: health NOT_SERVING,
+    Loads says draining, a new Generate is UNAVAILABLE (reads and exports still answer)."""
+    a, b = pair
+    prompt = _prompt(16, seed=4)
+    with Client(a.target) as ca:
+        ref = ca.generate(M, token_ids=prompt, max_tokens=64, ignore_eos=True).tokens()
+        assert not ca.loads().loads[0].draining
+        _slow(a)
+        toks, idx, fin, res, stream = _run(ca, prompt, move=lambda: ca.migrate_streams(b.target, drain=True), at=8)
+        assert res.migrated == 1 and toks == ref and stream.migrations == [b.target]
+        assert ca.loads().loads[0].draining
+        assert ca.health() == "NOT_SERVING"
+        with pytest.raises(FerrumRpcError) as e:
+            ca.generate(M, token_ids=prompt, max_tokens=4).tokens()
+        assert e.value.code.name == "UNAVAILABLE"
+    assert a.live_caches() == {M: 0} and b.live_caches() == {M: 0}
+
+
+def test_sigterm_with_drain_to_moves_8_streams(tiny_llama_dir, tmp_path):
+    """Two server processes; A (``--drain-to B``) gets SIGTERM while 8 streams run on it: all 8
+    finish on B with the tokens of unmoved runs, and A exits with no cache left."""
+    tok = tmp_path / "peer-token"
+    tok.write_text("tok-peer\n")
+    spec = f"hf-causal-lm,id={M},path={tiny_llama_dir},device=cpu"
+    common = ("--model", spec, "--kv-budget-tokens", "16384", "--kv-peer", "127.0.0.1:*",
+              "--kv-peer-token-file", str(tok))
+    n, max_tokens = 8, 160
+    prompts = [_prompt(20 + i, seed=100 + i) for i in range(n)]
+    kw = [dict(temperature=0.8, seed=i) if i % 2 else {} for i in range(n)]
+    with ServerProcess(*common) as pb_, ServerProcess(*common, "--drain-to", pb_.target, "--grace-period", "30") as pa:
+        with Client(pb_.target) as cb:
+            refs = [cb.generate(M, token_ids=p, max_tokens=max_tokens, ignore_eos=True, **k).tokens()
+                    for p, k in zip(prompts, kw)]
+        got: dict[int, list[int]] = {}
+        moved: dict[int, list[str]] = {}
+        errs: list[BaseException] = []
+        started = threading.Barrier(n + 1)
+
+        def stream(i: int) -> None:
+            try:
+                with Client(pa.target) as c:
+                    s = c.generate(M, token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True, **kw[i])
+                    toks = []
+                    for ev in s:
+                        if ev.WhichOneof("event") == "token":
+                            toks.append(ev.token.token_id)
+                            if len(toks) == 4:
+                                started.wait(60)
+                    got[i], moved[i] = toks, s.migrations
+            except BaseException as e:  # noqa: BLE001
+                errs.append(e)
+
+        ths = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
+        for t in ths:
+            t.start()
+        started.wait(120)
+        pa.terminate()
+        for t in ths:
+            t.join(300)
+        assert pa.wait(60) == 0
+        assert not errs, errs[:2]
+        assert [got[i] for i in range(n)] == refs
+        assert all(moved[i] == [pb_.target] for i in range(n)), moved
+        log = pa.log(200000)
+        assert '"migrated": 8' in log and '"released_caches": 0' in log, log[-3000:]
+        with Client(pb_.target) as cb:
+            time.sleep(0.2)
+            assert not cb.list_caches().caches
