@@ -154,7 +154,7 @@ class AsyncClient(Connection):
             hops += 1
             if hops > MAX_MIGRATION_HOPS:
                 raise FerrumRpcError(grpc.StatusCode.ABORTED, f"the stream moved more than {MAX_MIGRATION_HOPS} times")
-            client = self.sibling(moved.target)
+            client = self._sibling(moved.target)
             call = client.stub.Generate(pb.GenerateRequest(model_id=model_id, resume_token=moved.resume_token),
                                         timeout=timeout, metadata=client.metadata)
 

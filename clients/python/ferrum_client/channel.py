@@ -55,7 +55,7 @@ class Connection:
         self.timeout = timeout
 
 
-    def sibling(self, target: str):
+    def _sibling(self, target: str):
         """A connection like this one (same credentials and options) to ``target``, kept open
         until this one closes (used to follow a stream that moved to another server)."""
         c = self._siblings.get(target)

@@ -93,7 +93,7 @@ class Client(Connection):
         call = self.stub.Generate(m.generate_request(model_id, **kw), timeout=timeout, metadata=self.metadata)
 
         def follow(moved: pb.GenerateMigrated):
-            peer = self.sibling(moved.target)
+            peer = self._sibling(moved.target)
             return peer.stub.Generate(pb.GenerateRequest(model_id=model_id, resume_token=moved.resume_token),
                                       timeout=timeout, metadata=peer.metadata)
 
@@ -135,11 +135,14 @@ class GenerateStream:
 
     def __iter__(self) -> Iterator[pb.GenerateResponse]:
         try:
+            if self._follow is None:  # another stream (exports, events), or migrations passed on
+                yield from self.call
+                return
             while True:
                 moved = None
                 for ev in self.call:
                     kind = ev.WhichOneof("event")
-                    if kind == "migrated" and self._follow is not None:
+                    if kind == "migrated":
                         moved = ev.migrated
                         break
                     if kind == "started" and self.migrations:
