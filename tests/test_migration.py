@@ -363,3 +363,33 @@ def test_sigterm_with_drain_to_moves_8_streams(tiny_llama_dir, tmp_path):
         with Client(pb_.target) as cb:
             time.sleep(0.2)
             assert not cb.list_caches().caches
+
+
+def test_export_breaking_off_mid_pull_leaves_nothing_on_b(pair):
+    """A's ExportKv dies after the header and one chunk (as when A goes down mid-transfer): B
+    keeps nothing (no cache, no staged block), and the stream, still alive here, goes on at A."""
+    a, b = pair
+    kv = a.server.servicer.kv
+    real = kv.export
+
+    async def breaking(req, metadata=None):
+        n = 0
+        async for msg in real(req, metadata):
+            yield msg
+            n += 1
+            if n == 2:
+                raise RuntimeError("the exporting server went away")
+
+    kv.export = breaking
+    _refused(a, b.target, "UNAVAILABLE")
+    assert b.live_caches() == {M: 0}
+    assert b.models.get(M).executor.registry.staged_tokens == 0
+    assert a.live_caches() == {M: 0}
+
+
+def test_migrate_streams_bad_model(pair):
+    a, b = pair
+    with Client(a.target) as ca:
+        with pytest.raises(FerrumRpcError) as e:
+            ca.migrate_streams(b.target, model_id="no-such-model")
+        assert e.value.code.name == "NOT_FOUND"
