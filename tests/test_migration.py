@@ -38,9 +38,9 @@ def _executor(path, budget_blocks: int = 64) -> HfCausalLmExecutor:
     return HfCausalLmExecutor.from_path(path, model_id=M, device="cpu", kv_budget_tokens=budget_blocks * BS)
 
 
-def _slow(srv: InProcessServer, seconds: float = 0.03) -> None:
+def _slow(srv: InProcessServer, seconds: float = 0.03, model: str = M) -> None:
     """Each decode step of ``srv`` waits ``seconds`` first (then runs for real)."""
-    host = srv.models.get(M)
+    host = srv.models.get(model)
     real = host.batcher.decode
 
     async def decode(inp):
@@ -58,11 +58,11 @@ def pair(tiny_llama_dir, tmp_path):
         yield a, b
 
 
-def _run(client: Client, prompt, *, move=None, at: int = 16, **kw):
+def _run(client: Client, prompt, *, move=None, at: int = 16, model: str = M, **kw):
     """Tokens, text pieces and the final event of one stream; ``move(client)`` runs on a thread
     once ``at`` tokens arrived (its result is returned too)."""
     kw.setdefault("max_tokens", 64)
-    stream = client.generate(M, token_ids=prompt, ignore_eos=True, request_id="mv", **kw)
+    stream = client.generate(model, token_ids=prompt, ignore_eos=True, request_id="mv", **kw)
     toks, idx, fin, moved, th = [], [], None, [], None
     for ev in stream:
         kind = ev.WhichOneof("event")
