@@ -101,6 +101,7 @@ class Migrations:
         self.resume_s = resume_s
         self.parked: dict[str, Parked] = {}
         self.draining = False  # MigrateStreams(drain) or --drain-to: no new work
+        self.max_parked = MAX_PARKED
 
     # ---- the moving side (A) --------------------------------------------------------------------
     async def migrate(self, target: str, *, model_id: str = "", request_id: str = "",
@@ -183,8 +184,8 @@ class Migrations:
         current_caller.set(caller)
         if self.draining:
             raise errors.unavailable("this server drains; it takes no migrated streams")
-        if len(self.parked) >= MAX_PARKED:
-            raise errors.exhausted(f"{MAX_PARKED} migrated streams already wait for their callers")
+        if len(self.parked) >= self.max_parked:
+            raise errors.exhausted(f"{self.max_parked} migrated streams already wait for their callers")
         host = self.models.get(req.model_id)
         orig = req.request
         gen = check_tokens(req.generated_token_ids, host.vocab_size, "generated_token_ids")

@@ -286,6 +286,42 @@ def test_hostile_calls(pair):
     assert a.live_caches() == {M: 0} and b.live_caches() == {M: 0}
 
 
+def test_parked_streams_are_bounded(pair):
+    """B holds at most ``max_parked`` streams for their callers: past that, a hand-off is refused
+    (RESOURCE_EXHAUSTED) and the stream goes on at A."""
+    a, b = pair
+    b.server.servicer.migrations.max_parked = 0
+    _refused(a, b.target, "RESOURCE_EXHAUSTED")
+    assert b.live_caches() == {M: 0}
+
+
+def test_admin_and_peer_gates_under_auth(tiny_llama_dir):
+    cfg = {"kv_peers": ["127.0.0.1:*"], "kv_peer_tokens": ["tok-peer"], "auth_tokens": ["tok-user"],
+           "admin_tokens": ["tok-admin"]}
+    with InProcessServer([_executor(tiny_llama_dir)], **cfg) as a, \
+            Client(a.target, token="tok-user") as user, Client(a.target, token="tok-admin") as admin, \
+            Client(a.target, token="tok-peer") as peer, Client(a.target) as nobody:
+        with pytest.raises(FerrumRpcError) as e:
+            user.migrate_streams(a.target)
+        assert e.value.code.name == "PERMISSION_DENIED"
+        with pytest.raises(FerrumRpcError) as e:
+            nobody.migrate_streams(a.target)
+        assert e.value.code.name == "UNAUTHENTICATED"
+        assert admin.migrate_streams(a.target).migrated == 0  # allowed; nothing runs
+        bad = pb.AcceptMigrationRequest(model_id=M, generated_token_ids=[1],
+                                        source=pb.KvSource(target=a.target, cache_id="nope"))
+        with pytest.raises(FerrumRpcError) as e:  # a caller's token is no peer token
+            user._call("AcceptMigration", bad)
+        assert e.value.code.name == "PERMISSION_DENIED"
+        with pytest.raises(FerrumRpcError) as e:  # a peer token opens AcceptMigration, not MigrateStreams
+            peer.migrate_streams(a.target)
+        assert e.value.code.name == "UNAUTHENTICATED"
+        with pytest.raises(FerrumRpcError) as e:  # with the peer token: the bad cache id is NOT_FOUND at the source
+            peer._call("AcceptMigration", bad)
+        assert e.value.code.name == "NOT_FOUND"
+        assert a.live_caches() == {M: 0}
+
+
 def test_migrate_streams_is_admin_only(tiny_llama_dir):
     with InProcessServer([_executor(tiny_llama_dir)], kv_peers=["127.0.0.1:*"], kv_peer_tokens=["p"]) as a, \
             Client(a.target) as c:
