@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+
+import grpc
 from typing import TYPE_CHECKING, AsyncIterator
 
 from . import errors, tracing
@@ -257,14 +259,18 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
             async def mover(s: _Sample) -> pb.GenerateMigrated | None:
                 """Hand the paused stream to ``state.move_to``; None (and it goes on here) if refused."""
                 t0 = time.perf_counter_ns()
-                entry = reg.get(s.cache_id)
-                start = entry.guide.start if entry.guide is not None and sp.constraint is not None else 0
                 try:
+                    entry = reg.get(s.cache_id)
+                    start = entry.guide.start if entry.guide is not None and sp.constraint is not None else 0
                     moved = await migrations.hand_off(host, req, s.cache_id, list(s.out_ids),
                                                       entry.num_tokens - (len(s.out_ids) - 1), start, state.tenant,
                                                       state.move_to)
                 except errors.FerrumError as e:
                     state.answer_move(e)
+                    return None
+                except Exception as e:  # noqa: BLE001 - whatever failed, the stream goes on here
+                    state.answer_move(errors.FerrumError(errors.ErrorKind.INTERNAL, f"the hand-off failed: {e!r}",
+                                                         code=grpc.StatusCode.INTERNAL))
                     return None
                 state.answer_move((time.perf_counter_ns() - t0) / 1e6)
                 return moved
