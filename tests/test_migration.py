@@ -9,6 +9,7 @@ real step) so the move lands mid-stream instead of after the tiny model has fini
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import re
 import shutil
@@ -38,16 +39,31 @@ def _executor(path, budget_blocks: int = 64) -> HfCausalLmExecutor:
     return HfCausalLmExecutor.from_path(path, model_id=M, device="cpu", kv_budget_tokens=budget_blocks * BS)
 
 
-def _slow(srv: InProcessServer, seconds: float = 0.03, model: str = M) -> None:
-    """Each decode step of ``srv`` waits ``seconds`` first (then runs for real)."""
+def _slow(srv: InProcessServer, seconds: float = 0.03, model: str = M, gate: int | None = None) -> None:
+    """Each decode step of ``srv`` waits ``seconds`` first (then runs for real); with ``gate``, a
+    stream's decode step number ``gate`` also waits until a move of that stream was asked for (at
+    most 10 s), so the move lands at token ``gate`` + 1 however loaded the machine is."""
     host = srv.models.get(model)
-    real = host.batcher.decode
+    real = host.__dict__.setdefault("_test_real_decode", host.batcher.decode)
+    counts: collections.Counter = collections.Counter()
 
     async def decode(inp):
         await asyncio.sleep(seconds)
+        counts[inp.cache_id] += 1
+        if gate is not None and counts[inp.cache_id] == gate:
+            st = next((s for s in srv.server.streams.generations.values() if s.cache_id == inp.cache_id), None)
+            until = time.monotonic() + 10
+            while st is not None and st.move_result is None and not st.aborted and time.monotonic() < until:
+                await asyncio.sleep(0.005)
         return await real(inp)
 
     host.batcher.decode = decode
+
+
+def _fast(srv: InProcessServer, model: str = M) -> None:
+    """Undo :func:`_slow`."""
+    host = srv.models.get(model)
+    host.batcher.decode = host.__dict__.pop("_test_real_decode", host.batcher.decode)
 
 
 @pytest.fixture
@@ -92,9 +108,9 @@ def test_moved_stream_equals_unmoved(pair, mode):
     prompt = _prompt(24)
     with Client(a.target) as ca, Client(b.target) as cb:
         ref, _, ref_fin, _, _ = _run(ca, prompt, **SAMPLINGS[mode])
-        _slow(a)
+        _slow(a, gate=15)  # A's 15th decode step (token 15) waits for the move: A sends tokens 0..15
         toks, idx, fin, res, stream = _run(ca, prompt, move=lambda: ca.migrate_streams(b.target, request_id="mv"),
-                                           **SAMPLINGS[mode])
+                                           at=15, **SAMPLINGS[mode])
         assert res.migrated == 1 and res.refused == 0, res
         assert stream.migrations == [b.target]
         assert toks == ref and len(toks) == 64
@@ -103,8 +119,7 @@ def test_moved_stream_equals_unmoved(pair, mode):
         assert fin.finish_reason == ref_fin.finish_reason == pb.FINISH_REASON_LENGTH
         st = cb.status(M).metrics
         assert st.prefill_operations == 0 and st.decode_operations > 0  # B computed no prompt token
-        moved_at = 64 - st.decode_operations  # B decoded the rest: the move was mid-stream
-        assert 16 <= moved_at < 64
+        assert 64 - st.decode_operations == 16  # B decoded tokens 16..63: the stream moved at token 16
     assert a.live_caches() == {M: 0} and b.live_caches() == {M: 0}
 
 
@@ -117,7 +132,7 @@ def test_moved_constrained_stream_equals_unmoved(pair):
               max_tokens=40)
     with Client(a.target) as ca:
         ref, _, ref_fin, _, ref_stream = _run(ca, prompt, **kw)
-        _slow(a)
+        _slow(a, gate=12)
         toks, idx, fin, res, stream = _run(ca, prompt, move=lambda: ca.migrate_streams(b.target), at=12, **kw)
         assert res.migrated == 1 and stream.migrations == [b.target]
         assert toks == ref and idx == list(range(40))
@@ -131,7 +146,7 @@ def test_async_client_follows(pair):
     prompt = _prompt(20, seed=3)
     with Client(a.target) as ca:
         ref = ca.generate(M, token_ids=prompt, max_tokens=48, ignore_eos=True).tokens()
-    _slow(a)
+    _slow(a, gate=10)
 
     async def go():
         async with AsyncClient(a.target) as c:
@@ -154,7 +169,7 @@ def _refused(a, b_target, code: str) -> None:
     prompt = _prompt(16, seed=5)
     with Client(a.target) as ca:
         ref = ca.generate(M, token_ids=prompt, max_tokens=40, ignore_eos=True).tokens()
-        _slow(a, 0.01)
+        _slow(a, 0.01, gate=8)
         stream = ca.generate(M, token_ids=prompt, max_tokens=40, ignore_eos=True, request_id="mv")
         toks, out = [], []
         for ev in stream:
@@ -162,6 +177,7 @@ def _refused(a, b_target, code: str) -> None:
                 toks.append(ev.token.token_id)
                 if len(toks) == 8:
                     out.append(ca.migrate_streams(b_target, request_id="mv"))
+        _fast(a)
         assert toks == ref and not stream.migrations
         assert out[0].migrated == 0 and out[0].streams[0].error_code == code, out[0]
 
@@ -198,7 +214,7 @@ def test_resume_token_is_single_use_bound_and_expires(tiny_llama_dir):
             Client(b.target, token="tok-bob") as bob_b:
         prompt = _prompt(12, seed=7)
         ref = alice_a.generate(M, token_ids=prompt, max_tokens=30, ignore_eos=True).tokens()
-        _slow(a)
+        _slow(a, gate=5)
 
         def moved_stream():
             stream = alice_a.generate(M, token_ids=prompt, max_tokens=30, ignore_eos=True, request_id="r",
@@ -256,7 +272,7 @@ def test_hostile_calls(pair):
         # a flood of moves for one stream: it moves once, the others are told, the tokens stay whole
         prompt = _prompt(16, seed=9)
         ref = ca.generate(M, token_ids=prompt, max_tokens=64, ignore_eos=True).tokens()
-        _slow(a)
+        _slow(a, gate=8)
         results = []
         lock = threading.Lock()
 
@@ -338,7 +354,7 @@ def test_drain_by_migration_rpc(pair):
     with Client(a.target) as ca:
         ref = ca.generate(M, token_ids=prompt, max_tokens=64, ignore_eos=True).tokens()
         assert not ca.loads().loads[0].draining
-        _slow(a)
+        _slow(a, gate=8)
         toks, idx, fin, res, stream = _run(ca, prompt, move=lambda: ca.migrate_streams(b.target, drain=True), at=8)
         assert res.migrated == 1 and toks == ref and stream.migrations == [b.target]
         assert ca.loads().loads[0].draining
