@@ -141,6 +141,27 @@ def test_moved_constrained_stream_equals_unmoved(pair):
     assert a.live_caches() == {M: 0} and b.live_caches() == {M: 0}
 
 
+def test_moved_stream_stops_on_a_stop_sequence_like_unmoved(pair):
+    """A stop sequence that ends after the move (its text may span the tokens of both servers)
+    stops the moved stream exactly where it stops an unmoved one."""
+    a, b = pair
+    prompt = _prompt(12, seed=21)
+    with Client(a.target) as ca:
+        pieces = [ev.token.text for ev in ca.generate(M, token_ids=prompt, max_tokens=64, ignore_eos=True,
+                                                      stream_text=True) if ev.WhichOneof("event") == "token"]
+        full = "".join(pieces)
+        stop = next(x for x in ("".join(pieces[i:i + 2])[-4:] for i in range(24, 60))
+                    if len(x) == 4 and full.find(x) >= len("".join(pieces[:22])))
+        kw = dict(stream_text=True, stop_sequences=[stop])
+        ref, _, ref_fin, _, _ = _run(ca, prompt, **kw)
+        assert ref_fin.finish_reason == pb.FINISH_REASON_STOP and 22 < len(ref) < 64
+        _slow(a, gate=12)
+        toks, idx, fin, res, stream = _run(ca, prompt, move=lambda: ca.migrate_streams(b.target), at=12, **kw)
+        assert res.migrated == 1 and stream.migrations == [b.target]
+        assert toks == ref and fin.finish_reason == pb.FINISH_REASON_STOP and fin.text == ref_fin.text
+    assert a.live_caches() == {M: 0} and b.live_caches() == {M: 0}
+
+
 def test_async_client_follows(pair):
     a, b = pair
     prompt = _prompt(20, seed=3)
