@@ -186,6 +186,7 @@ class Migrations:
             raise errors.unavailable("this server drains; it takes no migrated streams")
         if len(self.parked) >= self.max_parked:
             raise errors.exhausted(f"{self.max_parked} migrated streams already wait for their callers")
+        self.checks.check_decode_role("AcceptMigration")  # a prefill server decodes no stream
         host = self.models.get(req.model_id)
         orig = req.request
         gen = check_tokens(req.generated_token_ids, host.vocab_size, "generated_token_ids")

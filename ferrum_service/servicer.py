@@ -396,7 +396,9 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         with self.streams.running(), self.streams.generation(owner) as state:
             try:
                 async with self._answer("Generate", context, request):
-                    if not request.resume_token:  # a resumed stream is no new prompt
+                    if request.resume_token:  # a resumed stream is no new prompt
+                        self.ops.checks.check_decode_role("Generate")
+                    else:
                         self.ops.checks.check_role_generate(request)
                     async for ev in generate(self.models, self.ops.checks, request, owner, state, self.migrations):
                         if ev.WhichOneof("event") == "token":

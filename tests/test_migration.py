@@ -220,6 +220,10 @@ def test_refusals_keep_the_stream_on_a(tiny_llama_dir, tmp_path):
             _refused(a, b.target, "RESOURCE_EXHAUSTED")
             assert b.live_caches() == {M: 1}
             cb.release_cache(M, full)
+        # B is a prefill server: it decodes no stream
+        with InProcessServer([_executor(tiny_llama_dir)], role="prefill", **PEER) as b:
+            _refused(a, b.target, "FAILED_PRECONDITION")
+            assert b.live_caches() == {M: 0}
         # B does not share the peer token
         with InProcessServer([_executor(tiny_llama_dir)], kv_peers=["127.0.0.1:*"], kv_peer_tokens=["other"]) as b:
             _refused(a, b.target, "PERMISSION_DENIED")
