@@ -71,9 +71,9 @@ def agreement(a: list[int], ref: list[int]) -> float:
 def quality(threads: int, new_tokens: int) -> dict:
     ref_ex = load(FORMATS["fp32 (transformers)"], threads)
     tok = ref_ex.tokenizer
-    prompts = [tok.encode(ref_ex.apply_chat_template([{"role": "user", "content": p}], True), False)
+    prompts = [tok.encode(ref_ex.apply_chat_template([{"role": "user", "content": p}], True), add_special_tokens=False)
                for p in CHAT_PROMPTS]
-    text_ids = tok.encode(TEXT, False)
+    text_ids = tok.encode(TEXT, add_special_tokens=False)
     ref_greedy = [greedy_tokens(ref_ex, p, new_tokens) for p in prompts]
     ref_top1 = all_logits(ref_ex, text_ids).argmax(-1)
     del ref_ex

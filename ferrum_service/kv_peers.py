@@ -17,7 +17,9 @@ network request the caller aims, so it is bounded by what the operator configure
   ``callers.py`` computes it). The exporting server honours it only from a call authenticated
   with one of its peer tokens (every token in its ``--kv-peer-token-file``), and then applies its
   ownership check to that identity: a caller pulls only its own caches, exactly as before. A peer
-  token opens ``ExportKv`` only (``auth.py``).
+  token opens ``ExportKv`` and ``AcceptMigration`` only (``auth.py``): a peer hands this server a
+  running stream on the same terms (``migration.py``: this server then pulls the stream's KV from
+  that peer, which must be one of its own peers).
 - **Errors**: the caller learns that the peer failed and the gRPC code class (a request problem
   such as NOT_FOUND is passed on; anything else is UNAVAILABLE), never the peer's error text or a
   connect error (logged here instead).

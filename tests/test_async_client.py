@@ -185,6 +185,8 @@ async def scenario(d) -> list:
         await d.take("export_kv", None, "mock", "no-such-cache")
     rec[-1].append(e.value.code)
     assert [x[1] for x in rec[-1][:2]] + rec[-1][2:] == [C.UNIMPLEMENTED, C.INVALID_ARGUMENT, C.UNIMPLEMENTED]
+    rec.append(await _error(d, "migrate_streams", "127.0.0.1:1"))  # no KV peers: nowhere to move to
+    assert rec[-1][1] == C.PERMISSION_DENIED
     assert await d.call("wait_ready", timeout=5) is None
     assert await d.call("health") == "SERVING" and await d.call("health", "stub") == "SERVING"
     sd = await d.call("shutdown", "stub")
