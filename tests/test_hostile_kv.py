@@ -29,6 +29,7 @@ from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .lora_fixtures import adapters  # noqa: F401 - fixture
 from .support.prompts import prompt_ids
 from .support.servers import InProcessServer, free_port
+from .support.waits import wait_until
 from .test_tls import CA
 
 BS = 16
@@ -357,9 +358,7 @@ def test_a_stalled_import_is_dropped_and_counted_meanwhile(tiny_llama_dir):
             gate.wait(30)
 
         fut = cb.stub.ImportKv.future(stalled())
-        deadline = time.time() + 10
-        while b.registry.staged_imports == 0 and time.time() < deadline:
-            time.sleep(0.01)
+        assert wait_until(lambda: b.registry.staged_imports)
         assert b.registry.staged_imports == 1 and len(b.registry) == 0
         load = cb.loads(M).loads[0]
         assert load.reserved_tokens == 64  # the staged import's KV shows where Loads reports KV use
@@ -368,9 +367,7 @@ def test_a_stalled_import_is_dropped_and_counted_meanwhile(tiny_llama_dir):
             fut.result(15)
         assert e.value.code() == C.DEADLINE_EXCEEDED and time.time() - t0 < 5
         gate.set()
-        deadline = time.time() + 10
-        while b.pool.free_blocks != b.pool.num_blocks and time.time() < deadline:
-            time.sleep(0.02)
+        assert wait_until(lambda: b.pool.free_blocks == b.pool.num_blocks)
         _assert_empty(b)
         assert cb.loads(M).loads[0].reserved_tokens == 0
         ca.release_cache(M, src.cache.cache_id)
@@ -398,10 +395,7 @@ def test_release_waits_for_an_export_in_progress(tiny_llama_dir):
         gate.set()
         got += list(it)
         assert [x.SerializeToString() for x in got] == [x.SerializeToString() for x in ref]
-        deadline = time.time() + 10
-        while cid in ex.registry and time.time() < deadline:
-            time.sleep(0.02)
-        assert cid not in ex.registry  # released once the export let go
+        assert wait_until(lambda: cid not in ex.registry)  # released once the export let go
         other.release_cache(M, filler.cache.cache_id)
     _assert_empty(ex)
 
@@ -434,17 +428,13 @@ def test_import_checks_the_adapter_digest_and_binds_it_while_staged(tiny_llama_d
             gate.wait(30)
 
         fut = cb.stub.ImportKv.future(stalled(), metadata=cb.metadata)
-        deadline = time.time() + 10
-        while b.registry.staged_imports == 0 and time.time() < deadline:
-            time.sleep(0.01)
+        assert wait_until(lambda: b.registry.staged_imports)
         with pytest.raises(FerrumRpcError) as e2:
             cb.unload_adapter("sql", M)
         assert e2.value.code == C.FAILED_PRECONDITION
         fut.cancel()
         gate.set()
-        deadline = time.time() + 10
-        while b.registry.staged_imports and time.time() < deadline:
-            time.sleep(0.02)
+        assert wait_until(lambda: not b.registry.staged_imports)
         r = cb.stub.ImportKv(iter(_push_stream(msgs)), metadata=cb.metadata)
         assert r.cache.adapter == "sql"
         cb.release_cache(M, r.cache.cache_id)
@@ -584,9 +574,7 @@ def test_prefix_aware_router_computes_its_own_key_space(tiny_llama_dir):
             home = s.target
             s.release_cache(M, out.cache.cache_id)
         bob_b.release_cache(M, bob_b.prefill(M, q).output.cache.cache_id)  # bob's prompt, on B
-        deadline = time.time() + 10
-        while router.prefix_matches(p, M).get(home, 0) < 48 and time.time() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: router.prefix_matches(p, M).get(home, 0) >= 48, interval=0.05)
         assert router.prefix_matches(p, M) == {home: 48, ({sa.target, sb.target} - {home}).pop(): 0}
         time.sleep(0.3)
         assert set(router.prefix_matches(q, M).values()) == {0}  # bob's prefix is not alice's to find
