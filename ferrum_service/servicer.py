@@ -1,7 +1,11 @@
 """The ``ferrum.executor.v1.ModelExecutor`` gRPC servicer.
 
-Thin by design: each RPC resolves its model, calls an :class:`Operations` method (steps), the
-executor (metadata), ``generate`` or the :class:`StreamRegistry` (streams, Abort), and converts.
+Steps go through an :class:`Operations` method, ``Generate`` through ``generate``, streams and
+Abort through the :class:`StreamRegistry`, KV handoff through ``kv_transfer``. Not thin: some RPCs
+do their work here — the metadata RPCs read the executor directly, ``Loads`` sums the registries
+and KV capacity per model, ``ListCaches`` filters caches by caller, the tokenizer RPCs run the
+tokenizer on a thread, Warmup, Shutdown and the LoRA admin RPCs check admin rights, and ``SubscribeKvEvents`` and
+``Session`` run their stream loops here.
 One guard (:meth:`ModelExecutorServicer._answer`) refuses work while the server drains and turns
 every error into a gRPC status (``convert.status_of``: ErrorInfo always; BadRequest naming the
 field; RetryInfo for RESOURCE_EXHAUSTED / UNAVAILABLE); an unexpected exception is logged with its
