@@ -99,6 +99,9 @@ pub struct GenerateResult {
     pub samples: Vec<Vec<i32>>,
     /// The finished event per `sample_index`.
     pub finished: Vec<Option<proto::GenerateFinished>>,
+    /// The stream moved to another server (live migration): where, and the token to resume it
+    /// with (`Generate` with `resume_token` on `target`). This client does not follow it itself.
+    pub migrated: Option<proto::GenerateMigrated>,
 }
 
 impl GenerateResult {
@@ -478,6 +481,7 @@ impl Client {
                     }
                     out.finished[i] = Some(f);
                 }
+                Some(proto::generate_response::Event::Migrated(m)) => out.migrated = Some(m),
                 None => {}
             }
         }

@@ -580,6 +580,10 @@ impl Runner {
                             o["text"] = json!(f.text);
                         }
                     }
+                    Some(proto::generate_response::Event::Migrated(m)) => {
+                        // the scenario migrates nothing: a moved stream is a failed step here
+                        return Err(Fail::Bad(format!("the stream migrated to {} (this runner does not follow)", m.target)));
+                    }
                     None => {}
                 },
             }
