@@ -9,7 +9,7 @@ import pytest
 from ferrum_client import Client
 
 from .support.servers import InProcessServer
-from .test_llama_cpp import _gguf
+from .support.llama import gguf as _gguf
 from .test_migration import PEER, _run, _slow
 
 pytest.importorskip("llama_cpp")
