@@ -3,7 +3,6 @@ package ferrum
 import (
 	"context"
 	"errors"
-	"io"
 	"iter"
 	"strconv"
 
@@ -32,28 +31,9 @@ func (c *Client) SubscribeKvEvents(ctx context.Context, modelID string, opts ...
 	for _, o := range opts {
 		o(req)
 	}
-	return func(yield func(*pb.SubscribeKvEventsResponse, error) bool) {
-		ctx, cancel := context.WithCancel(c.ctx(ctx))
-		defer cancel()
-		stream, err := c.rpc.SubscribeKvEvents(ctx, req)
-		if err != nil {
-			yield(nil, wrapErr(err))
-			return
-		}
-		for {
-			m, err := stream.Recv()
-			if errors.Is(err, io.EOF) {
-				return
-			}
-			if err != nil {
-				yield(nil, wrapErr(err))
-				return
-			}
-			if !yield(m, nil) {
-				return
-			}
-		}
-	}
+	return serverStream(c.ctx(ctx), func(ctx context.Context) (receiver[*pb.SubscribeKvEventsResponse], error) {
+		return c.rpc.SubscribeKvEvents(ctx, req)
+	})
 }
 
 // EventSeq is the sequence number of an event message (0 for ResyncRequired).

@@ -2,9 +2,7 @@ package ferrum
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"io"
 	"iter"
 
 	pb "github.com/ferrum-service/ferrum-service/clients/go/gen/ferrum/executor/v1"
@@ -31,28 +29,9 @@ func (c *Client) ExportKv(ctx context.Context, modelID, cacheID string, opts ...
 	for _, o := range opts {
 		o(req)
 	}
-	return func(yield func(*pb.ExportKvResponse, error) bool) {
-		ctx, cancel := context.WithCancel(c.ctx(ctx))
-		defer cancel()
-		stream, err := c.rpc.ExportKv(ctx, req)
-		if err != nil {
-			yield(nil, wrapErr(err))
-			return
-		}
-		for {
-			m, err := stream.Recv()
-			if errors.Is(err, io.EOF) {
-				return
-			}
-			if err != nil {
-				yield(nil, wrapErr(err))
-				return
-			}
-			if !yield(m, nil) {
-				return
-			}
-		}
-	}
+	return serverStream(c.ctx(ctx), func(ctx context.Context) (receiver[*pb.ExportKvResponse], error) {
+		return c.rpc.ExportKv(ctx, req)
+	})
 }
 
 // KvExport is a whole export: its header and chunks (ExportKvAll), e.g. to store or relay later.

@@ -28,24 +28,39 @@ func TextPrompt(text string) *pb.GenerateRequest_Text { return &pb.GenerateReque
 //
 //	for ev, err := range c.Generate(ctx, req) { ... }
 func (c *Client) Generate(ctx context.Context, req *pb.GenerateRequest) iter.Seq2[*pb.GenerateResponse, error] {
-	return func(yield func(*pb.GenerateResponse, error) bool) {
-		ctx, cancel := context.WithCancel(c.ctx(ctx))
+	return serverStream(c.ctx(ctx), func(ctx context.Context) (receiver[*pb.GenerateResponse], error) {
+		return c.rpc.Generate(ctx, req)
+	})
+}
+
+// receiver is what a server-streaming call returns: one message per Recv, io.EOF at the end.
+type receiver[T any] interface {
+	Recv() (T, error)
+}
+
+// serverStream turns a server-streaming call into an iterator: each message, until the stream
+// ends (io.EOF: nothing more) or fails (one non-nil *Error). Breaking out of the loop cancels the
+// call (open gets a context cancelled when the iterator returns).
+func serverStream[T any](ctx context.Context, open func(context.Context) (receiver[T], error)) iter.Seq2[T, error] {
+	return func(yield func(T, error) bool) {
+		ctx, cancel := context.WithCancel(ctx)
 		defer cancel()
-		stream, err := c.rpc.Generate(ctx, req)
+		var zero T
+		stream, err := open(ctx)
 		if err != nil {
-			yield(nil, wrapErr(err))
+			yield(zero, wrapErr(err))
 			return
 		}
 		for {
-			ev, err := stream.Recv()
+			m, err := stream.Recv()
 			if errors.Is(err, io.EOF) {
 				return
 			}
 			if err != nil {
-				yield(nil, wrapErr(err))
+				yield(zero, wrapErr(err))
 				return
 			}
-			if !yield(ev, nil) {
+			if !yield(m, nil) {
 				return
 			}
 		}
