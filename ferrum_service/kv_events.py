@@ -95,6 +95,7 @@ class Subscription:
         self.hub = hub
         self.model_id = model_id
         self.blocks = blocks
+        self.capped = True  # counted against the subscriber caps (the server's own relay is not)
         self.caller = caller  # whose events it gets (when the hub tells callers apart)
         self.key = key  # what the per-caller subscriber cap counts it under
         self.limit = limit
@@ -308,20 +309,23 @@ class KvEventHub:
         return self._replay_held
 
     def subscribe(self, model_id: str, from_seq: int | None, blocks: bool = False, caller: str = "",
-                  key: str | None = None) -> tuple[Subscription, int | None, int]:
+                  key: str | None = None, capped: bool = True) -> tuple[Subscription, int | None, int]:
         """A new subscription (``blocks``: with block events; ``caller``: whose events it gets when
-        the hub tells callers apart; ``key``: what the per-caller cap counts, default ``caller``).
+        the hub tells callers apart; ``key``: what the per-caller cap counts, default ``caller``;
+        ``capped=False``: the server's own, e.g. the vLLM-protocol relay, outside the caps).
         Returns (subscription, oldest available seq if ``from_seq`` is gone else None, next seq).
         Replayed events are queued before live ones, in order. RESOURCE_EXHAUSTED past a
         subscriber cap."""
         key = caller if key is None else key
         sub = Subscription(self, model_id, self.subscriber_buffer, blocks, caller, key)
+        sub.capped = capped
         with self._lock:
-            if self.max_subscribers and len(self._subs) >= self.max_subscribers:
+            callers = [s for s in self._subs if s.capped]
+            if capped and self.max_subscribers and len(callers) >= self.max_subscribers:
                 raise errors.exhausted(
-                    f"{len(self._subs)} KV-event subscriptions are open; this server's limit is "
+                    f"{len(callers)} KV-event subscriptions are open; this server's limit is "
                     f"{self.max_subscribers}", retry_after_ms=1000, limit=self.max_subscribers)
-            mine = sum(1 for s in self._subs if s.key == key)
+            mine = sum(1 for s in callers if s.key == key) if capped else 0
             if self.max_subscribers_per_caller and mine >= self.max_subscribers_per_caller:
                 raise errors.exhausted(
                     f"this caller has {mine} KV-event subscriptions open; the limit per caller is "
