@@ -772,7 +772,10 @@ type PrefillInput struct {
 	// The caller's id for the request, echoed in logs and KV events.
 	RequestId string `protobuf:"bytes,7,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	// Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
-	// every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+	// every block key, see `PrefixCacheRecipe`). Only for a new cache. Printable text (control
+	// characters are INVALID_ARGUMENT). When the server authenticates callers, the salt is the
+	// caller's own (its identity is folded in) unless it starts with "shared:"; without
+	// authentication, empty = the one shared space.
 	CacheSalt string `protobuf:"bytes,8,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
 	// Compute every token of a new cache: take nothing from the prefix cache (its full blocks are
 	// still cached for later requests).
@@ -1592,7 +1595,10 @@ type UnifiedBatchItem struct {
 	Logits       *LogitsPolicy    `protobuf:"bytes,6,opt,name=logits,proto3" json:"logits,omitempty"`
 	Metadata     *structpb.Struct `protobuf:"bytes,7,opt,name=metadata,proto3" json:"metadata,omitempty"`
 	// Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
-	// every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+	// every block key, see `PrefixCacheRecipe`). Only for a new cache. Printable text (control
+	// characters are INVALID_ARGUMENT). When the server authenticates callers, the salt is the
+	// caller's own (its identity is folded in) unless it starts with "shared:"; without
+	// authentication, empty = the one shared space.
 	CacheSalt string `protobuf:"bytes,8,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
 	// Compute every token of a new cache: take nothing from the prefix cache (its full blocks are
 	// still cached for later requests).
@@ -3720,7 +3726,10 @@ type GenerateRequest struct {
 	// Send each token's text piece (`TokenEvent.text`); needs a tokenizer.
 	StreamText bool `protobuf:"varint,12,opt,name=stream_text,json=streamText,proto3" json:"stream_text,omitempty"`
 	// Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
-	// every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+	// every block key, see `PrefixCacheRecipe`). Only for a new cache. Printable text (control
+	// characters are INVALID_ARGUMENT). When the server authenticates callers, the salt is the
+	// caller's own (its identity is folded in) unless it starts with "shared:"; without
+	// authentication, empty = the one shared space.
 	CacheSalt string `protobuf:"bytes,13,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
 	// Compute every token of a new cache: take nothing from the prefix cache (its full blocks are
 	// still cached for later requests).
@@ -3736,7 +3745,10 @@ type GenerateRequest struct {
 	// the base model. Every later step on the cache runs with the same adapter. On a step that
 	// continues a cache, empty means "the cache's own"; another name is FAILED_PRECONDITION.
 	// NOT_FOUND when no adapter of that name is loaded.
-	Adapter       string `protobuf:"bytes,16,opt,name=adapter,proto3" json:"adapter,omitempty"`
+	Adapter string `protobuf:"bytes,16,opt,name=adapter,proto3" json:"adapter,omitempty"`
+	// Server-side speculative decoding for this request (see `SpeculationOptions`). Unset = the
+	// server's default (`--speculation-draft-tokens`, off unless set).
+	Speculation   *SpeculationOptions `protobuf:"bytes,17,opt,name=speculation,proto3" json:"speculation,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3896,6 +3908,13 @@ func (x *GenerateRequest) GetAdapter() string {
 	return ""
 }
 
+func (x *GenerateRequest) GetSpeculation() *SpeculationOptions {
+	if x != nil {
+		return x.Speculation
+	}
+	return nil
+}
+
 type isGenerateRequest_Prompt interface {
 	isGenerateRequest_Prompt()
 }
@@ -3920,6 +3939,86 @@ func (*GenerateRequest_Text) isGenerateRequest_Prompt() {}
 
 func (*GenerateRequest_Chat) isGenerateRequest_Prompt() {}
 
+// Server-side speculation: an n-gram (prompt-lookup) drafter proposes the tokens that followed the
+// latest earlier occurrence of the sequence's last n tokens (prompt and output), and each step
+// verifies them in the same batched forward as the other streams' tokens. Output is what plain
+// decoding gives: greedy identical, seeded sampling token-identical (same seed, same tokens),
+// unseeded sampling distributed the same (the speculative acceptance rule). A request with a
+// structured-output constraint, or on an executor without multi-token decode rows, decodes
+// plainly (its `GenerateFinished.draft_tokens` stays 0).
+type SpeculationOptions struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Turn speculation off for this request (also when the server enables it by default).
+	Disabled bool `protobuf:"varint,1,opt,name=disabled,proto3" json:"disabled,omitempty"`
+	// Draft tokens proposed per step; 0 = the server's default (4 when it has none); values above
+	// 16 are capped at 16. Never more than the tokens left to `stop.max_tokens`.
+	MaxDraftTokens uint32 `protobuf:"varint,2,opt,name=max_draft_tokens,json=maxDraftTokens,proto3" json:"max_draft_tokens,omitempty"`
+	// n-gram sizes looked up, longest first: `min_ngram..max_ngram`, each in 1..8 (0 = 1 and
+	// max(min_ngram, 3)); out of range or min > max is INVALID_ARGUMENT naming the field.
+	MinNgram      uint32 `protobuf:"varint,3,opt,name=min_ngram,json=minNgram,proto3" json:"min_ngram,omitempty"`
+	MaxNgram      uint32 `protobuf:"varint,4,opt,name=max_ngram,json=maxNgram,proto3" json:"max_ngram,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SpeculationOptions) Reset() {
+	*x = SpeculationOptions{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[59]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SpeculationOptions) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SpeculationOptions) ProtoMessage() {}
+
+func (x *SpeculationOptions) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[59]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SpeculationOptions.ProtoReflect.Descriptor instead.
+func (*SpeculationOptions) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{59}
+}
+
+func (x *SpeculationOptions) GetDisabled() bool {
+	if x != nil {
+		return x.Disabled
+	}
+	return false
+}
+
+func (x *SpeculationOptions) GetMaxDraftTokens() uint32 {
+	if x != nil {
+		return x.MaxDraftTokens
+	}
+	return 0
+}
+
+func (x *SpeculationOptions) GetMinNgram() uint32 {
+	if x != nil {
+		return x.MinNgram
+	}
+	return 0
+}
+
+func (x *SpeculationOptions) GetMaxNgram() uint32 {
+	if x != nil {
+		return x.MaxNgram
+	}
+	return 0
+}
+
 // The first event: the prompt was prefilled.
 type GenerateStarted struct {
 	state        protoimpl.MessageState `protogen:"open.v1"`
@@ -3934,7 +4033,7 @@ type GenerateStarted struct {
 
 func (x *GenerateStarted) Reset() {
 	*x = GenerateStarted{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[59]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3946,7 +4045,7 @@ func (x *GenerateStarted) String() string {
 func (*GenerateStarted) ProtoMessage() {}
 
 func (x *GenerateStarted) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[59]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3959,7 +4058,7 @@ func (x *GenerateStarted) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateStarted.ProtoReflect.Descriptor instead.
 func (*GenerateStarted) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{59}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *GenerateStarted) GetCache() *KvCacheHandle {
@@ -4008,7 +4107,7 @@ type TokenEvent struct {
 
 func (x *TokenEvent) Reset() {
 	*x = TokenEvent{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[60]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4020,7 +4119,7 @@ func (x *TokenEvent) String() string {
 func (*TokenEvent) ProtoMessage() {}
 
 func (x *TokenEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[60]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4033,7 +4132,7 @@ func (x *TokenEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenEvent.ProtoReflect.Descriptor instead.
 func (*TokenEvent) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{60}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *TokenEvent) GetTokenId() int32 {
@@ -4094,14 +4193,19 @@ type GenerateFinished struct {
 	TotalNs            uint64 `protobuf:"varint,7,opt,name=total_ns,json=totalNs,proto3" json:"total_ns,omitempty"`
 	// Which sample ended (`GenerateRequest.n`; 0 for a single sample). The stream ends after the
 	// last sample's `finished` event.
-	SampleIndex   uint32 `protobuf:"varint,8,opt,name=sample_index,json=sampleIndex,proto3" json:"sample_index,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	SampleIndex uint32 `protobuf:"varint,8,opt,name=sample_index,json=sampleIndex,proto3" json:"sample_index,omitempty"`
+	// Server-side speculation (`GenerateRequest.speculation`): draft tokens this sample's steps
+	// verified, and how many of them were accepted (acceptance rate = accepted / draft; both 0
+	// without speculation).
+	DraftTokens         uint32 `protobuf:"varint,9,opt,name=draft_tokens,json=draftTokens,proto3" json:"draft_tokens,omitempty"`
+	AcceptedDraftTokens uint32 `protobuf:"varint,10,opt,name=accepted_draft_tokens,json=acceptedDraftTokens,proto3" json:"accepted_draft_tokens,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *GenerateFinished) Reset() {
 	*x = GenerateFinished{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[61]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4113,7 +4217,7 @@ func (x *GenerateFinished) String() string {
 func (*GenerateFinished) ProtoMessage() {}
 
 func (x *GenerateFinished) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[61]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4126,7 +4230,7 @@ func (x *GenerateFinished) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateFinished.ProtoReflect.Descriptor instead.
 func (*GenerateFinished) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{61}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *GenerateFinished) GetFinishReason() FinishReason {
@@ -4185,6 +4289,20 @@ func (x *GenerateFinished) GetSampleIndex() uint32 {
 	return 0
 }
 
+func (x *GenerateFinished) GetDraftTokens() uint32 {
+	if x != nil {
+		return x.DraftTokens
+	}
+	return 0
+}
+
+func (x *GenerateFinished) GetAcceptedDraftTokens() uint32 {
+	if x != nil {
+		return x.AcceptedDraftTokens
+	}
+	return 0
+}
+
 type GenerateResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Event:
@@ -4199,7 +4317,7 @@ type GenerateResponse struct {
 
 func (x *GenerateResponse) Reset() {
 	*x = GenerateResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[62]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4211,7 +4329,7 @@ func (x *GenerateResponse) String() string {
 func (*GenerateResponse) ProtoMessage() {}
 
 func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[62]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4224,7 +4342,7 @@ func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateResponse.ProtoReflect.Descriptor instead.
 func (*GenerateResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{62}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *GenerateResponse) GetEvent() isGenerateResponse_Event {
@@ -4305,7 +4423,7 @@ type SessionRequest struct {
 
 func (x *SessionRequest) Reset() {
 	*x = SessionRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[63]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4317,7 +4435,7 @@ func (x *SessionRequest) String() string {
 func (*SessionRequest) ProtoMessage() {}
 
 func (x *SessionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[63]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4330,7 +4448,7 @@ func (x *SessionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionRequest.ProtoReflect.Descriptor instead.
 func (*SessionRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{63}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *SessionRequest) GetStepId() uint64 {
@@ -4508,7 +4626,7 @@ type SessionResponse struct {
 
 func (x *SessionResponse) Reset() {
 	*x = SessionResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4520,7 +4638,7 @@ func (x *SessionResponse) String() string {
 func (*SessionResponse) ProtoMessage() {}
 
 func (x *SessionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4533,7 +4651,7 @@ func (x *SessionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionResponse.ProtoReflect.Descriptor instead.
 func (*SessionResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{64}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *SessionResponse) GetStepId() uint64 {
@@ -4715,7 +4833,7 @@ type LoadsRequest struct {
 
 func (x *LoadsRequest) Reset() {
 	*x = LoadsRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4727,7 +4845,7 @@ func (x *LoadsRequest) String() string {
 func (*LoadsRequest) ProtoMessage() {}
 
 func (x *LoadsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4740,7 +4858,7 @@ func (x *LoadsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadsRequest.ProtoReflect.Descriptor instead.
 func (*LoadsRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{65}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *LoadsRequest) GetModelId() string {
@@ -4762,7 +4880,7 @@ type LatencySummary struct {
 
 func (x *LatencySummary) Reset() {
 	*x = LatencySummary{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4774,7 +4892,7 @@ func (x *LatencySummary) String() string {
 func (*LatencySummary) ProtoMessage() {}
 
 func (x *LatencySummary) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4787,7 +4905,7 @@ func (x *LatencySummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LatencySummary.ProtoReflect.Descriptor instead.
 func (*LatencySummary) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{66}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *LatencySummary) GetP50Ns() uint64 {
@@ -4844,7 +4962,7 @@ type ModelLoad struct {
 
 func (x *ModelLoad) Reset() {
 	*x = ModelLoad{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4856,7 +4974,7 @@ func (x *ModelLoad) String() string {
 func (*ModelLoad) ProtoMessage() {}
 
 func (x *ModelLoad) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4869,7 +4987,7 @@ func (x *ModelLoad) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ModelLoad.ProtoReflect.Descriptor instead.
 func (*ModelLoad) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{67}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *ModelLoad) GetModelId() string {
@@ -5002,7 +5120,7 @@ type LoadsResponse struct {
 
 func (x *LoadsResponse) Reset() {
 	*x = LoadsResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5014,7 +5132,7 @@ func (x *LoadsResponse) String() string {
 func (*LoadsResponse) ProtoMessage() {}
 
 func (x *LoadsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5027,7 +5145,7 @@ func (x *LoadsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadsResponse.ProtoReflect.Descriptor instead.
 func (*LoadsResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{68}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *LoadsResponse) GetLoads() []*ModelLoad {
@@ -5054,7 +5172,7 @@ type ListCachesRequest struct {
 
 func (x *ListCachesRequest) Reset() {
 	*x = ListCachesRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5066,7 +5184,7 @@ func (x *ListCachesRequest) String() string {
 func (*ListCachesRequest) ProtoMessage() {}
 
 func (x *ListCachesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5079,7 +5197,7 @@ func (x *ListCachesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListCachesRequest.ProtoReflect.Descriptor instead.
 func (*ListCachesRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{69}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *ListCachesRequest) GetModelId() string {
@@ -5100,7 +5218,7 @@ type ListCachesResponse struct {
 
 func (x *ListCachesResponse) Reset() {
 	*x = ListCachesResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5112,7 +5230,7 @@ func (x *ListCachesResponse) String() string {
 func (*ListCachesResponse) ProtoMessage() {}
 
 func (x *ListCachesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5125,7 +5243,7 @@ func (x *ListCachesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListCachesResponse.ProtoReflect.Descriptor instead.
 func (*ListCachesResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{70}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *ListCachesResponse) GetCaches() []*KvCacheHandle {
@@ -5159,7 +5277,7 @@ type KvEvent struct {
 
 func (x *KvEvent) Reset() {
 	*x = KvEvent{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5171,7 +5289,7 @@ func (x *KvEvent) String() string {
 func (*KvEvent) ProtoMessage() {}
 
 func (x *KvEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5184,7 +5302,7 @@ func (x *KvEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvEvent.ProtoReflect.Descriptor instead.
 func (*KvEvent) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{71}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *KvEvent) GetSeq() uint64 {
@@ -5244,7 +5362,7 @@ type SubscribeKvEventsRequest struct {
 
 func (x *SubscribeKvEventsRequest) Reset() {
 	*x = SubscribeKvEventsRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5256,7 +5374,7 @@ func (x *SubscribeKvEventsRequest) String() string {
 func (*SubscribeKvEventsRequest) ProtoMessage() {}
 
 func (x *SubscribeKvEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5269,7 +5387,7 @@ func (x *SubscribeKvEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeKvEventsRequest.ProtoReflect.Descriptor instead.
 func (*SubscribeKvEventsRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{72}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *SubscribeKvEventsRequest) GetModelId() string {
@@ -5314,7 +5432,7 @@ type KvBlockStored struct {
 
 func (x *KvBlockStored) Reset() {
 	*x = KvBlockStored{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5326,7 +5444,7 @@ func (x *KvBlockStored) String() string {
 func (*KvBlockStored) ProtoMessage() {}
 
 func (x *KvBlockStored) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5339,7 +5457,7 @@ func (x *KvBlockStored) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvBlockStored.ProtoReflect.Descriptor instead.
 func (*KvBlockStored) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{73}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *KvBlockStored) GetBlockHashes() [][]byte {
@@ -5387,7 +5505,7 @@ type KvBlockRemoved struct {
 
 func (x *KvBlockRemoved) Reset() {
 	*x = KvBlockRemoved{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5399,7 +5517,7 @@ func (x *KvBlockRemoved) String() string {
 func (*KvBlockRemoved) ProtoMessage() {}
 
 func (x *KvBlockRemoved) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5412,7 +5530,7 @@ func (x *KvBlockRemoved) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvBlockRemoved.ProtoReflect.Descriptor instead.
 func (*KvBlockRemoved) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{74}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *KvBlockRemoved) GetBlockHashes() [][]byte {
@@ -5431,7 +5549,7 @@ type KvBlocksCleared struct {
 
 func (x *KvBlocksCleared) Reset() {
 	*x = KvBlocksCleared{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[75]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5443,7 +5561,7 @@ func (x *KvBlocksCleared) String() string {
 func (*KvBlocksCleared) ProtoMessage() {}
 
 func (x *KvBlocksCleared) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[75]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5456,7 +5574,7 @@ func (x *KvBlocksCleared) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvBlocksCleared.ProtoReflect.Descriptor instead.
 func (*KvBlocksCleared) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{75}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{76}
 }
 
 // One prefix-cache block event.
@@ -5478,7 +5596,7 @@ type KvBlockEvent struct {
 
 func (x *KvBlockEvent) Reset() {
 	*x = KvBlockEvent{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[76]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5490,7 +5608,7 @@ func (x *KvBlockEvent) String() string {
 func (*KvBlockEvent) ProtoMessage() {}
 
 func (x *KvBlockEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[76]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5503,7 +5621,7 @@ func (x *KvBlockEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvBlockEvent.ProtoReflect.Descriptor instead.
 func (*KvBlockEvent) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{76}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *KvBlockEvent) GetSeq() uint64 {
@@ -5596,7 +5714,7 @@ type ResyncRequired struct {
 
 func (x *ResyncRequired) Reset() {
 	*x = ResyncRequired{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[77]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5608,7 +5726,7 @@ func (x *ResyncRequired) String() string {
 func (*ResyncRequired) ProtoMessage() {}
 
 func (x *ResyncRequired) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[77]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5621,7 +5739,7 @@ func (x *ResyncRequired) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResyncRequired.ProtoReflect.Descriptor instead.
 func (*ResyncRequired) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{77}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *ResyncRequired) GetRequestedSeq() uint64 {
@@ -5659,7 +5777,7 @@ type SubscribeKvEventsResponse struct {
 
 func (x *SubscribeKvEventsResponse) Reset() {
 	*x = SubscribeKvEventsResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[78]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5671,7 +5789,7 @@ func (x *SubscribeKvEventsResponse) String() string {
 func (*SubscribeKvEventsResponse) ProtoMessage() {}
 
 func (x *SubscribeKvEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[78]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5684,7 +5802,7 @@ func (x *SubscribeKvEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeKvEventsResponse.ProtoReflect.Descriptor instead.
 func (*SubscribeKvEventsResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{78}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *SubscribeKvEventsResponse) GetMessage() isSubscribeKvEventsResponse_Message {
@@ -5758,7 +5876,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[79]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5770,7 +5888,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[79]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5783,7 +5901,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{79}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *AbortRequest) GetModelId() string {
@@ -5848,7 +5966,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[80]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5860,7 +5978,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[80]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5873,7 +5991,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{80}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *AbortResponse) GetAbortedStreams() uint32 {
@@ -5908,7 +6026,7 @@ type ExportKvRequest struct {
 
 func (x *ExportKvRequest) Reset() {
 	*x = ExportKvRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[81]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5920,7 +6038,7 @@ func (x *ExportKvRequest) String() string {
 func (*ExportKvRequest) ProtoMessage() {}
 
 func (x *ExportKvRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[81]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5933,7 +6051,7 @@ func (x *ExportKvRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExportKvRequest.ProtoReflect.Descriptor instead.
 func (*ExportKvRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{81}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{82}
 }
 
 func (x *ExportKvRequest) GetModelId() string {
@@ -6011,14 +6129,24 @@ type KvTransferHeader struct {
 	StateFormat string `protobuf:"bytes,16,opt,name=state_format,json=stateFormat,proto3" json:"state_format,omitempty"`
 	// The LoRA adapter the K/V were computed with (empty = the base model). The importing server
 	// binds the new cache to its adapter of that name: FAILED_PRECONDITION when none is loaded there.
-	Adapter       string `protobuf:"bytes,17,opt,name=adapter,proto3" json:"adapter,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Adapter string `protobuf:"bytes,17,opt,name=adapter,proto3" json:"adapter,omitempty"`
+	// With `adapter`: the exporting server's digest of that adapter (hex SHA-256, as its LoRA loader
+	// computes it). When set, the importing server refuses (FAILED_PRECONDITION) unless its adapter
+	// of that name has the same digest: two servers' adapters of one name may differ. Empty = checked
+	// by name only (older exporters).
+	AdapterDigest string `protobuf:"bytes,18,opt,name=adapter_digest,json=adapterDigest,proto3" json:"adapter_digest,omitempty"`
+	// True when the exporting server did not compute these K/V itself: the cache (or the cache it
+	// continues) was streamed in by a caller (`ImportKv` with a header), whose bytes no server vouches
+	// for. An importing server then keys their blocks only into the importing caller's own key space,
+	// as for K/V the caller streams itself.
+	CallerSupplied bool `protobuf:"varint,19,opt,name=caller_supplied,json=callerSupplied,proto3" json:"caller_supplied,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *KvTransferHeader) Reset() {
 	*x = KvTransferHeader{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[82]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6030,7 +6158,7 @@ func (x *KvTransferHeader) String() string {
 func (*KvTransferHeader) ProtoMessage() {}
 
 func (x *KvTransferHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[82]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6043,7 +6171,7 @@ func (x *KvTransferHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvTransferHeader.ProtoReflect.Descriptor instead.
 func (*KvTransferHeader) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{82}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{83}
 }
 
 func (x *KvTransferHeader) GetModelId() string {
@@ -6165,6 +6293,20 @@ func (x *KvTransferHeader) GetAdapter() string {
 	return ""
 }
 
+func (x *KvTransferHeader) GetAdapterDigest() string {
+	if x != nil {
+		return x.AdapterDigest
+	}
+	return ""
+}
+
+func (x *KvTransferHeader) GetCallerSupplied() bool {
+	if x != nil {
+		return x.CallerSupplied
+	}
+	return false
+}
+
 // K and V of one layer for one token range.
 type KvChunk struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -6187,7 +6329,7 @@ type KvChunk struct {
 
 func (x *KvChunk) Reset() {
 	*x = KvChunk{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[83]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6199,7 +6341,7 @@ func (x *KvChunk) String() string {
 func (*KvChunk) ProtoMessage() {}
 
 func (x *KvChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[83]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6212,7 +6354,7 @@ func (x *KvChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvChunk.ProtoReflect.Descriptor instead.
 func (*KvChunk) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{83}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *KvChunk) GetIndex() uint32 {
@@ -6277,7 +6419,7 @@ type ExportKvResponse struct {
 
 func (x *ExportKvResponse) Reset() {
 	*x = ExportKvResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[84]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[85]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6289,7 +6431,7 @@ func (x *ExportKvResponse) String() string {
 func (*ExportKvResponse) ProtoMessage() {}
 
 func (x *ExportKvResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[84]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[85]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6302,7 +6444,7 @@ func (x *ExportKvResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExportKvResponse.ProtoReflect.Descriptor instead.
 func (*ExportKvResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{84}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{85}
 }
 
 func (x *ExportKvResponse) GetMessage() isExportKvResponse_Message {
@@ -6352,7 +6494,9 @@ func (*ExportKvResponse_Chunk) isExportKvResponse_Message() {}
 // with the caller's `authorization` metadata, so a scheduler never relays the bytes.
 type KvSource struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The exporting server, HOST:PORT as this server can reach it.
+	// The exporting server, HOST:PORT as this server can reach it: one of this server's configured
+	// KV peers (`--kv-peer`), else PERMISSION_DENIED. This server authenticates there with its own
+	// peer credentials, on the caller's behalf (the caller's own token is not sent).
 	Target string `protobuf:"bytes,1,opt,name=target,proto3" json:"target,omitempty"`
 	// The cache on that server.
 	CacheId string `protobuf:"bytes,2,opt,name=cache_id,json=cacheId,proto3" json:"cache_id,omitempty"`
@@ -6361,7 +6505,8 @@ type KvSource struct {
 	// The token range, as in `ExportKvRequest` (from_token must be 0: a new cache starts at 0).
 	FromToken uint64 `protobuf:"varint,4,opt,name=from_token,json=fromToken,proto3" json:"from_token,omitempty"`
 	ToToken   uint64 `protobuf:"varint,5,opt,name=to_token,json=toToken,proto3" json:"to_token,omitempty"`
-	// Connect with TLS (the system's root certificates); plaintext otherwise.
+	// Connect with TLS (the operator's pull CA, else the system's root certificates); plaintext
+	// otherwise, unless the server's operator configured TLS for pulls.
 	Tls bool `protobuf:"varint,6,opt,name=tls,proto3" json:"tls,omitempty"`
 	// Passed on as `ExportKvRequest.max_chunk_bytes`.
 	MaxChunkBytes uint32 `protobuf:"varint,7,opt,name=max_chunk_bytes,json=maxChunkBytes,proto3" json:"max_chunk_bytes,omitempty"`
@@ -6371,7 +6516,7 @@ type KvSource struct {
 
 func (x *KvSource) Reset() {
 	*x = KvSource{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[85]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[86]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6383,7 +6528,7 @@ func (x *KvSource) String() string {
 func (*KvSource) ProtoMessage() {}
 
 func (x *KvSource) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[85]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[86]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6396,7 +6541,7 @@ func (x *KvSource) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvSource.ProtoReflect.Descriptor instead.
 func (*KvSource) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{85}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{86}
 }
 
 func (x *KvSource) GetTarget() string {
@@ -6459,6 +6604,8 @@ type ImportKvRequest struct {
 	// front as a prefill's `reserve_tokens` (first message). 0 = only the imported tokens.
 	ReserveTokens uint64 `protobuf:"varint,2,opt,name=reserve_tokens,json=reserveTokens,proto3" json:"reserve_tokens,omitempty"`
 	// Prefix-cache salt for the keys of the imported blocks, as a prefill's `cache_salt` (first message).
+	// K/V the caller streams (a header) are keyed only in the caller's own key space (a "shared:"
+	// salt stays private to it); pulled K/V (a source) are keyed as a prefill's.
 	CacheSalt string `protobuf:"bytes,3,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
 	// Pull from another server instead of streaming the K/V (first message).
 	Source *KvSource `protobuf:"bytes,4,opt,name=source,proto3" json:"source,omitempty"`
@@ -6475,7 +6622,7 @@ type ImportKvRequest struct {
 
 func (x *ImportKvRequest) Reset() {
 	*x = ImportKvRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[86]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[87]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6487,7 +6634,7 @@ func (x *ImportKvRequest) String() string {
 func (*ImportKvRequest) ProtoMessage() {}
 
 func (x *ImportKvRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[86]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[87]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6500,7 +6647,7 @@ func (x *ImportKvRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportKvRequest.ProtoReflect.Descriptor instead.
 func (*ImportKvRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{86}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{87}
 }
 
 func (x *ImportKvRequest) GetModelId() string {
@@ -6601,7 +6748,7 @@ type ImportKvResponse struct {
 
 func (x *ImportKvResponse) Reset() {
 	*x = ImportKvResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[87]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[88]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6613,7 +6760,7 @@ func (x *ImportKvResponse) String() string {
 func (*ImportKvResponse) ProtoMessage() {}
 
 func (x *ImportKvResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[87]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[88]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6626,7 +6773,7 @@ func (x *ImportKvResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportKvResponse.ProtoReflect.Descriptor instead.
 func (*ImportKvResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{87}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{88}
 }
 
 func (x *ImportKvResponse) GetCache() *KvCacheHandle {
@@ -6686,7 +6833,7 @@ type LoadAdapterRequest struct {
 
 func (x *LoadAdapterRequest) Reset() {
 	*x = LoadAdapterRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[88]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[89]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6698,7 +6845,7 @@ func (x *LoadAdapterRequest) String() string {
 func (*LoadAdapterRequest) ProtoMessage() {}
 
 func (x *LoadAdapterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[88]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[89]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6711,7 +6858,7 @@ func (x *LoadAdapterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadAdapterRequest.ProtoReflect.Descriptor instead.
 func (*LoadAdapterRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{88}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{89}
 }
 
 func (x *LoadAdapterRequest) GetModelId() string {
@@ -6748,7 +6895,7 @@ type LoadAdapterResponse struct {
 
 func (x *LoadAdapterResponse) Reset() {
 	*x = LoadAdapterResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[89]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[90]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6760,7 +6907,7 @@ func (x *LoadAdapterResponse) String() string {
 func (*LoadAdapterResponse) ProtoMessage() {}
 
 func (x *LoadAdapterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[89]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[90]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6773,7 +6920,7 @@ func (x *LoadAdapterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadAdapterResponse.ProtoReflect.Descriptor instead.
 func (*LoadAdapterResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{89}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{90}
 }
 
 func (x *LoadAdapterResponse) GetAdapter() *AdapterInfo {
@@ -6807,7 +6954,7 @@ type UnloadAdapterRequest struct {
 
 func (x *UnloadAdapterRequest) Reset() {
 	*x = UnloadAdapterRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[90]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[91]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6819,7 +6966,7 @@ func (x *UnloadAdapterRequest) String() string {
 func (*UnloadAdapterRequest) ProtoMessage() {}
 
 func (x *UnloadAdapterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[90]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[91]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6832,7 +6979,7 @@ func (x *UnloadAdapterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnloadAdapterRequest.ProtoReflect.Descriptor instead.
 func (*UnloadAdapterRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{90}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{91}
 }
 
 func (x *UnloadAdapterRequest) GetModelId() string {
@@ -6861,7 +7008,7 @@ type UnloadAdapterResponse struct {
 
 func (x *UnloadAdapterResponse) Reset() {
 	*x = UnloadAdapterResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[91]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[92]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6873,7 +7020,7 @@ func (x *UnloadAdapterResponse) String() string {
 func (*UnloadAdapterResponse) ProtoMessage() {}
 
 func (x *UnloadAdapterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[91]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[92]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6886,7 +7033,7 @@ func (x *UnloadAdapterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnloadAdapterResponse.ProtoReflect.Descriptor instead.
 func (*UnloadAdapterResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{91}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{92}
 }
 
 func (x *UnloadAdapterResponse) GetUnloaded() bool {
@@ -6913,7 +7060,7 @@ type ListAdaptersRequest struct {
 
 func (x *ListAdaptersRequest) Reset() {
 	*x = ListAdaptersRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[92]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[93]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6925,7 +7072,7 @@ func (x *ListAdaptersRequest) String() string {
 func (*ListAdaptersRequest) ProtoMessage() {}
 
 func (x *ListAdaptersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[92]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[93]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6938,7 +7085,7 @@ func (x *ListAdaptersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAdaptersRequest.ProtoReflect.Descriptor instead.
 func (*ListAdaptersRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{92}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{93}
 }
 
 func (x *ListAdaptersRequest) GetModelId() string {
@@ -6957,7 +7104,7 @@ type ListAdaptersResponse struct {
 
 func (x *ListAdaptersResponse) Reset() {
 	*x = ListAdaptersResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[93]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[94]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6969,7 +7116,7 @@ func (x *ListAdaptersResponse) String() string {
 func (*ListAdaptersResponse) ProtoMessage() {}
 
 func (x *ListAdaptersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[93]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[94]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6982,7 +7129,7 @@ func (x *ListAdaptersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAdaptersResponse.ProtoReflect.Descriptor instead.
 func (*ListAdaptersResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{93}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{94}
 }
 
 func (x *ListAdaptersResponse) GetAdapters() []*AdapterInfo {
@@ -7022,7 +7169,7 @@ type AdapterInfo struct {
 
 func (x *AdapterInfo) Reset() {
 	*x = AdapterInfo{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[94]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[95]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7034,7 +7181,7 @@ func (x *AdapterInfo) String() string {
 func (*AdapterInfo) ProtoMessage() {}
 
 func (x *AdapterInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[94]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[95]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7047,7 +7194,7 @@ func (x *AdapterInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdapterInfo.ProtoReflect.Descriptor instead.
 func (*AdapterInfo) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{94}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{95}
 }
 
 func (x *AdapterInfo) GetModelId() string {
@@ -7361,7 +7508,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x0estop_token_ids\x18\x02 \x03(\x05R\fstopTokenIds\x12\x1d\n" +
 	"\n" +
 	"ignore_eos\x18\x03 \x01(\bR\tignoreEos\x12%\n" +
-	"\x0estop_sequences\x18\x04 \x03(\tR\rstopSequences\"\x88\x05\n" +
+	"\x0estop_sequences\x18\x04 \x03(\tR\rstopSequences\"\xd2\x05\n" +
 	"\x0fGenerateRequest\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12;\n" +
 	"\ttoken_ids\x18\x02 \x01(\v2\x1c.ferrum.executor.v1.TokenIdsH\x00R\btokenIds\x12\x14\n" +
@@ -7383,9 +7530,15 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"cache_salt\x18\r \x01(\tR\tcacheSalt\x12.\n" +
 	"\x13bypass_prefix_cache\x18\x0e \x01(\bR\x11bypassPrefixCache\x12\f\n" +
 	"\x01n\x18\x0f \x01(\rR\x01n\x12\x18\n" +
-	"\aadapter\x18\x10 \x01(\tR\aadapterB\b\n" +
+	"\aadapter\x18\x10 \x01(\tR\aadapter\x12H\n" +
+	"\vspeculation\x18\x11 \x01(\v2&.ferrum.executor.v1.SpeculationOptionsR\vspeculationB\b\n" +
 	"\x06promptB\x10\n" +
-	"\x0e_last_token_id\"\xb3\x01\n" +
+	"\x0e_last_token_id\"\x94\x01\n" +
+	"\x12SpeculationOptions\x12\x1a\n" +
+	"\bdisabled\x18\x01 \x01(\bR\bdisabled\x12(\n" +
+	"\x10max_draft_tokens\x18\x02 \x01(\rR\x0emaxDraftTokens\x12\x1b\n" +
+	"\tmin_ngram\x18\x03 \x01(\rR\bminNgram\x12\x1b\n" +
+	"\tmax_ngram\x18\x04 \x01(\rR\bmaxNgram\"\xb3\x01\n" +
 	"\x0fGenerateStarted\x127\n" +
 	"\x05cache\x18\x01 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x12#\n" +
 	"\rprompt_tokens\x18\x02 \x01(\rR\fpromptTokens\x12\x1d\n" +
@@ -7399,7 +7552,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\ftop_logprobs\x18\x03 \x03(\v2 .ferrum.executor.v1.TokenLogprobR\vtopLogprobs\x12\x14\n" +
 	"\x05index\x18\x04 \x01(\rR\x05index\x12\x12\n" +
 	"\x04text\x18\x05 \x01(\tR\x04text\x12!\n" +
-	"\fsample_index\x18\x06 \x01(\rR\vsampleIndex\"\xe8\x02\n" +
+	"\fsample_index\x18\x06 \x01(\rR\vsampleIndex\"\xbf\x03\n" +
 	"\x10GenerateFinished\x12E\n" +
 	"\rfinish_reason\x18\x01 \x01(\x0e2 .ferrum.executor.v1.FinishReasonR\ffinishReason\x12#\n" +
 	"\rprompt_tokens\x18\x02 \x01(\rR\fpromptTokens\x12)\n" +
@@ -7408,7 +7561,10 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x04text\x18\x05 \x01(\tR\x04text\x122\n" +
 	"\x16time_to_first_token_ns\x18\x06 \x01(\x04R\x12timeToFirstTokenNs\x12\x19\n" +
 	"\btotal_ns\x18\a \x01(\x04R\atotalNs\x12!\n" +
-	"\fsample_index\x18\b \x01(\rR\vsampleIndex\"\xd8\x01\n" +
+	"\fsample_index\x18\b \x01(\rR\vsampleIndex\x12!\n" +
+	"\fdraft_tokens\x18\t \x01(\rR\vdraftTokens\x122\n" +
+	"\x15accepted_draft_tokens\x18\n" +
+	" \x01(\rR\x13acceptedDraftTokens\"\xd8\x01\n" +
 	"\x10GenerateResponse\x12?\n" +
 	"\astarted\x18\x01 \x01(\v2#.ferrum.executor.v1.GenerateStartedH\x00R\astarted\x126\n" +
 	"\x05token\x18\x02 \x01(\v2\x1e.ferrum.executor.v1.TokenEventH\x00R\x05token\x12B\n" +
@@ -7540,7 +7696,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\n" +
 	"from_token\x18\x03 \x01(\x04R\tfromToken\x12\x19\n" +
 	"\bto_token\x18\x04 \x01(\x04R\atoToken\x12&\n" +
-	"\x0fmax_chunk_bytes\x18\x05 \x01(\rR\rmaxChunkBytes\"\xbf\x04\n" +
+	"\x0fmax_chunk_bytes\x18\x05 \x01(\rR\rmaxChunkBytes\"\x8f\x05\n" +
 	"\x10KvTransferHeader\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12 \n" +
 	"\vfingerprint\x18\x02 \x01(\tR\vfingerprint\x127\n" +
@@ -7565,7 +7721,9 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\bexecutor\x18\x0e \x01(\tR\bexecutor\x12-\n" +
 	"\x12checksum_algorithm\x18\x0f \x01(\tR\x11checksumAlgorithm\x12!\n" +
 	"\fstate_format\x18\x10 \x01(\tR\vstateFormat\x12\x18\n" +
-	"\aadapter\x18\x11 \x01(\tR\aadapter\"\xb7\x01\n" +
+	"\aadapter\x18\x11 \x01(\tR\aadapter\x12%\n" +
+	"\x0eadapter_digest\x18\x12 \x01(\tR\radapterDigest\x12'\n" +
+	"\x0fcaller_supplied\x18\x13 \x01(\bR\x0ecallerSupplied\"\xb7\x01\n" +
 	"\aKvChunk\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\rR\x05index\x12\x14\n" +
 	"\x05layer\x18\x02 \x01(\rR\x05layer\x12\x1f\n" +
@@ -7717,7 +7875,7 @@ func file_ferrum_executor_v1_executor_proto_rawDescGZIP() []byte {
 }
 
 var file_ferrum_executor_v1_executor_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_ferrum_executor_v1_executor_proto_msgTypes = make([]protoimpl.MessageInfo, 95)
+var file_ferrum_executor_v1_executor_proto_msgTypes = make([]protoimpl.MessageInfo, 96)
 var file_ferrum_executor_v1_executor_proto_goTypes = []any{
 	(FinishReason)(0),                 // 0: ferrum.executor.v1.FinishReason
 	(KvEventKind)(0),                  // 1: ferrum.executor.v1.KvEventKind
@@ -7781,241 +7939,243 @@ var file_ferrum_executor_v1_executor_proto_goTypes = []any{
 	(*ChatMessages)(nil),              // 59: ferrum.executor.v1.ChatMessages
 	(*StopConditions)(nil),            // 60: ferrum.executor.v1.StopConditions
 	(*GenerateRequest)(nil),           // 61: ferrum.executor.v1.GenerateRequest
-	(*GenerateStarted)(nil),           // 62: ferrum.executor.v1.GenerateStarted
-	(*TokenEvent)(nil),                // 63: ferrum.executor.v1.TokenEvent
-	(*GenerateFinished)(nil),          // 64: ferrum.executor.v1.GenerateFinished
-	(*GenerateResponse)(nil),          // 65: ferrum.executor.v1.GenerateResponse
-	(*SessionRequest)(nil),            // 66: ferrum.executor.v1.SessionRequest
-	(*SessionResponse)(nil),           // 67: ferrum.executor.v1.SessionResponse
-	(*LoadsRequest)(nil),              // 68: ferrum.executor.v1.LoadsRequest
-	(*LatencySummary)(nil),            // 69: ferrum.executor.v1.LatencySummary
-	(*ModelLoad)(nil),                 // 70: ferrum.executor.v1.ModelLoad
-	(*LoadsResponse)(nil),             // 71: ferrum.executor.v1.LoadsResponse
-	(*ListCachesRequest)(nil),         // 72: ferrum.executor.v1.ListCachesRequest
-	(*ListCachesResponse)(nil),        // 73: ferrum.executor.v1.ListCachesResponse
-	(*KvEvent)(nil),                   // 74: ferrum.executor.v1.KvEvent
-	(*SubscribeKvEventsRequest)(nil),  // 75: ferrum.executor.v1.SubscribeKvEventsRequest
-	(*KvBlockStored)(nil),             // 76: ferrum.executor.v1.KvBlockStored
-	(*KvBlockRemoved)(nil),            // 77: ferrum.executor.v1.KvBlockRemoved
-	(*KvBlocksCleared)(nil),           // 78: ferrum.executor.v1.KvBlocksCleared
-	(*KvBlockEvent)(nil),              // 79: ferrum.executor.v1.KvBlockEvent
-	(*ResyncRequired)(nil),            // 80: ferrum.executor.v1.ResyncRequired
-	(*SubscribeKvEventsResponse)(nil), // 81: ferrum.executor.v1.SubscribeKvEventsResponse
-	(*AbortRequest)(nil),              // 82: ferrum.executor.v1.AbortRequest
-	(*AbortResponse)(nil),             // 83: ferrum.executor.v1.AbortResponse
-	(*ExportKvRequest)(nil),           // 84: ferrum.executor.v1.ExportKvRequest
-	(*KvTransferHeader)(nil),          // 85: ferrum.executor.v1.KvTransferHeader
-	(*KvChunk)(nil),                   // 86: ferrum.executor.v1.KvChunk
-	(*ExportKvResponse)(nil),          // 87: ferrum.executor.v1.ExportKvResponse
-	(*KvSource)(nil),                  // 88: ferrum.executor.v1.KvSource
-	(*ImportKvRequest)(nil),           // 89: ferrum.executor.v1.ImportKvRequest
-	(*ImportKvResponse)(nil),          // 90: ferrum.executor.v1.ImportKvResponse
-	(*LoadAdapterRequest)(nil),        // 91: ferrum.executor.v1.LoadAdapterRequest
-	(*LoadAdapterResponse)(nil),       // 92: ferrum.executor.v1.LoadAdapterResponse
-	(*UnloadAdapterRequest)(nil),      // 93: ferrum.executor.v1.UnloadAdapterRequest
-	(*UnloadAdapterResponse)(nil),     // 94: ferrum.executor.v1.UnloadAdapterResponse
-	(*ListAdaptersRequest)(nil),       // 95: ferrum.executor.v1.ListAdaptersRequest
-	(*ListAdaptersResponse)(nil),      // 96: ferrum.executor.v1.ListAdaptersResponse
-	(*AdapterInfo)(nil),               // 97: ferrum.executor.v1.AdapterInfo
-	(*ModelInfo)(nil),                 // 98: ferrum.executor.v1.ModelInfo
-	(*ExecutorCapabilities)(nil),      // 99: ferrum.executor.v1.ExecutorCapabilities
-	(*ExecutorStatus)(nil),            // 100: ferrum.executor.v1.ExecutorStatus
-	(*ExecutorMetrics)(nil),           // 101: ferrum.executor.v1.ExecutorMetrics
-	(*KvCapacity)(nil),                // 102: ferrum.executor.v1.KvCapacity
-	(*ExecutorAdmissionLimits)(nil),   // 103: ferrum.executor.v1.ExecutorAdmissionLimits
-	(*LogitsPolicy)(nil),              // 104: ferrum.executor.v1.LogitsPolicy
-	(*structpb.Struct)(nil),           // 105: google.protobuf.Struct
-	(*KvCacheHandle)(nil),             // 106: ferrum.executor.v1.KvCacheHandle
-	(*LogitsOutput)(nil),              // 107: ferrum.executor.v1.LogitsOutput
-	(*Tensor)(nil),                    // 108: ferrum.executor.v1.Tensor
-	(*StepTimings)(nil),               // 109: ferrum.executor.v1.StepTimings
-	(DataType)(0),                     // 110: ferrum.executor.v1.DataType
-	(*KvSlotRequest)(nil),             // 111: ferrum.executor.v1.KvSlotRequest
-	(*KvSlotReservation)(nil),         // 112: ferrum.executor.v1.KvSlotReservation
-	(*KvSlotCapacitySnapshot)(nil),    // 113: ferrum.executor.v1.KvSlotCapacitySnapshot
-	(*SamplingParams)(nil),            // 114: ferrum.executor.v1.SamplingParams
-	(*TokenLogprob)(nil),              // 115: ferrum.executor.v1.TokenLogprob
-	(*StepError)(nil),                 // 116: ferrum.executor.v1.StepError
+	(*SpeculationOptions)(nil),        // 62: ferrum.executor.v1.SpeculationOptions
+	(*GenerateStarted)(nil),           // 63: ferrum.executor.v1.GenerateStarted
+	(*TokenEvent)(nil),                // 64: ferrum.executor.v1.TokenEvent
+	(*GenerateFinished)(nil),          // 65: ferrum.executor.v1.GenerateFinished
+	(*GenerateResponse)(nil),          // 66: ferrum.executor.v1.GenerateResponse
+	(*SessionRequest)(nil),            // 67: ferrum.executor.v1.SessionRequest
+	(*SessionResponse)(nil),           // 68: ferrum.executor.v1.SessionResponse
+	(*LoadsRequest)(nil),              // 69: ferrum.executor.v1.LoadsRequest
+	(*LatencySummary)(nil),            // 70: ferrum.executor.v1.LatencySummary
+	(*ModelLoad)(nil),                 // 71: ferrum.executor.v1.ModelLoad
+	(*LoadsResponse)(nil),             // 72: ferrum.executor.v1.LoadsResponse
+	(*ListCachesRequest)(nil),         // 73: ferrum.executor.v1.ListCachesRequest
+	(*ListCachesResponse)(nil),        // 74: ferrum.executor.v1.ListCachesResponse
+	(*KvEvent)(nil),                   // 75: ferrum.executor.v1.KvEvent
+	(*SubscribeKvEventsRequest)(nil),  // 76: ferrum.executor.v1.SubscribeKvEventsRequest
+	(*KvBlockStored)(nil),             // 77: ferrum.executor.v1.KvBlockStored
+	(*KvBlockRemoved)(nil),            // 78: ferrum.executor.v1.KvBlockRemoved
+	(*KvBlocksCleared)(nil),           // 79: ferrum.executor.v1.KvBlocksCleared
+	(*KvBlockEvent)(nil),              // 80: ferrum.executor.v1.KvBlockEvent
+	(*ResyncRequired)(nil),            // 81: ferrum.executor.v1.ResyncRequired
+	(*SubscribeKvEventsResponse)(nil), // 82: ferrum.executor.v1.SubscribeKvEventsResponse
+	(*AbortRequest)(nil),              // 83: ferrum.executor.v1.AbortRequest
+	(*AbortResponse)(nil),             // 84: ferrum.executor.v1.AbortResponse
+	(*ExportKvRequest)(nil),           // 85: ferrum.executor.v1.ExportKvRequest
+	(*KvTransferHeader)(nil),          // 86: ferrum.executor.v1.KvTransferHeader
+	(*KvChunk)(nil),                   // 87: ferrum.executor.v1.KvChunk
+	(*ExportKvResponse)(nil),          // 88: ferrum.executor.v1.ExportKvResponse
+	(*KvSource)(nil),                  // 89: ferrum.executor.v1.KvSource
+	(*ImportKvRequest)(nil),           // 90: ferrum.executor.v1.ImportKvRequest
+	(*ImportKvResponse)(nil),          // 91: ferrum.executor.v1.ImportKvResponse
+	(*LoadAdapterRequest)(nil),        // 92: ferrum.executor.v1.LoadAdapterRequest
+	(*LoadAdapterResponse)(nil),       // 93: ferrum.executor.v1.LoadAdapterResponse
+	(*UnloadAdapterRequest)(nil),      // 94: ferrum.executor.v1.UnloadAdapterRequest
+	(*UnloadAdapterResponse)(nil),     // 95: ferrum.executor.v1.UnloadAdapterResponse
+	(*ListAdaptersRequest)(nil),       // 96: ferrum.executor.v1.ListAdaptersRequest
+	(*ListAdaptersResponse)(nil),      // 97: ferrum.executor.v1.ListAdaptersResponse
+	(*AdapterInfo)(nil),               // 98: ferrum.executor.v1.AdapterInfo
+	(*ModelInfo)(nil),                 // 99: ferrum.executor.v1.ModelInfo
+	(*ExecutorCapabilities)(nil),      // 100: ferrum.executor.v1.ExecutorCapabilities
+	(*ExecutorStatus)(nil),            // 101: ferrum.executor.v1.ExecutorStatus
+	(*ExecutorMetrics)(nil),           // 102: ferrum.executor.v1.ExecutorMetrics
+	(*KvCapacity)(nil),                // 103: ferrum.executor.v1.KvCapacity
+	(*ExecutorAdmissionLimits)(nil),   // 104: ferrum.executor.v1.ExecutorAdmissionLimits
+	(*LogitsPolicy)(nil),              // 105: ferrum.executor.v1.LogitsPolicy
+	(*structpb.Struct)(nil),           // 106: google.protobuf.Struct
+	(*KvCacheHandle)(nil),             // 107: ferrum.executor.v1.KvCacheHandle
+	(*LogitsOutput)(nil),              // 108: ferrum.executor.v1.LogitsOutput
+	(*Tensor)(nil),                    // 109: ferrum.executor.v1.Tensor
+	(*StepTimings)(nil),               // 110: ferrum.executor.v1.StepTimings
+	(DataType)(0),                     // 111: ferrum.executor.v1.DataType
+	(*KvSlotRequest)(nil),             // 112: ferrum.executor.v1.KvSlotRequest
+	(*KvSlotReservation)(nil),         // 113: ferrum.executor.v1.KvSlotReservation
+	(*KvSlotCapacitySnapshot)(nil),    // 114: ferrum.executor.v1.KvSlotCapacitySnapshot
+	(*SamplingParams)(nil),            // 115: ferrum.executor.v1.SamplingParams
+	(*TokenLogprob)(nil),              // 116: ferrum.executor.v1.TokenLogprob
+	(*StepError)(nil),                 // 117: ferrum.executor.v1.StepError
 }
 var file_ferrum_executor_v1_executor_proto_depIdxs = []int32{
-	98,  // 0: ferrum.executor.v1.InfoResponse.models:type_name -> ferrum.executor.v1.ModelInfo
+	99,  // 0: ferrum.executor.v1.InfoResponse.models:type_name -> ferrum.executor.v1.ModelInfo
 	2,   // 1: ferrum.executor.v1.InfoResponse.role:type_name -> ferrum.executor.v1.ServerRole
-	99,  // 2: ferrum.executor.v1.CapabilitiesResponse.capabilities:type_name -> ferrum.executor.v1.ExecutorCapabilities
-	100, // 3: ferrum.executor.v1.StatusResponse.status:type_name -> ferrum.executor.v1.ExecutorStatus
-	101, // 4: ferrum.executor.v1.StatusResponse.metrics:type_name -> ferrum.executor.v1.ExecutorMetrics
-	102, // 5: ferrum.executor.v1.KvCapacityResponse.capacity:type_name -> ferrum.executor.v1.KvCapacity
-	103, // 6: ferrum.executor.v1.AdmissionLimitsResponse.limits:type_name -> ferrum.executor.v1.ExecutorAdmissionLimits
-	104, // 7: ferrum.executor.v1.PrefillInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	105, // 8: ferrum.executor.v1.PrefillInput.metadata:type_name -> google.protobuf.Struct
-	106, // 9: ferrum.executor.v1.PrefillOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	107, // 10: ferrum.executor.v1.PrefillOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
-	107, // 11: ferrum.executor.v1.PrefillOutput.positions:type_name -> ferrum.executor.v1.LogitsOutput
-	108, // 12: ferrum.executor.v1.PrefillOutput.embedding:type_name -> ferrum.executor.v1.Tensor
+	100, // 2: ferrum.executor.v1.CapabilitiesResponse.capabilities:type_name -> ferrum.executor.v1.ExecutorCapabilities
+	101, // 3: ferrum.executor.v1.StatusResponse.status:type_name -> ferrum.executor.v1.ExecutorStatus
+	102, // 4: ferrum.executor.v1.StatusResponse.metrics:type_name -> ferrum.executor.v1.ExecutorMetrics
+	103, // 5: ferrum.executor.v1.KvCapacityResponse.capacity:type_name -> ferrum.executor.v1.KvCapacity
+	104, // 6: ferrum.executor.v1.AdmissionLimitsResponse.limits:type_name -> ferrum.executor.v1.ExecutorAdmissionLimits
+	105, // 7: ferrum.executor.v1.PrefillInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	106, // 8: ferrum.executor.v1.PrefillInput.metadata:type_name -> google.protobuf.Struct
+	107, // 9: ferrum.executor.v1.PrefillOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	108, // 10: ferrum.executor.v1.PrefillOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
+	108, // 11: ferrum.executor.v1.PrefillOutput.positions:type_name -> ferrum.executor.v1.LogitsOutput
+	109, // 12: ferrum.executor.v1.PrefillOutput.embedding:type_name -> ferrum.executor.v1.Tensor
 	13,  // 13: ferrum.executor.v1.PrefillRequest.input:type_name -> ferrum.executor.v1.PrefillInput
 	14,  // 14: ferrum.executor.v1.PrefillResponse.output:type_name -> ferrum.executor.v1.PrefillOutput
-	109, // 15: ferrum.executor.v1.PrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	110, // 15: ferrum.executor.v1.PrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
 	13,  // 16: ferrum.executor.v1.BatchPrefillRequest.inputs:type_name -> ferrum.executor.v1.PrefillInput
 	14,  // 17: ferrum.executor.v1.BatchPrefillResponse.outputs:type_name -> ferrum.executor.v1.PrefillOutput
-	109, // 18: ferrum.executor.v1.BatchPrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	104, // 19: ferrum.executor.v1.DecodeInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	105, // 20: ferrum.executor.v1.DecodeInput.metadata:type_name -> google.protobuf.Struct
-	106, // 21: ferrum.executor.v1.DecodeOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	107, // 22: ferrum.executor.v1.DecodeOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
+	110, // 18: ferrum.executor.v1.BatchPrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	105, // 19: ferrum.executor.v1.DecodeInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	106, // 20: ferrum.executor.v1.DecodeInput.metadata:type_name -> google.protobuf.Struct
+	107, // 21: ferrum.executor.v1.DecodeOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	108, // 22: ferrum.executor.v1.DecodeOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
 	19,  // 23: ferrum.executor.v1.DecodeRequest.input:type_name -> ferrum.executor.v1.DecodeInput
 	20,  // 24: ferrum.executor.v1.DecodeResponse.output:type_name -> ferrum.executor.v1.DecodeOutput
-	109, // 25: ferrum.executor.v1.DecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	110, // 25: ferrum.executor.v1.DecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
 	19,  // 26: ferrum.executor.v1.BatchDecodeRequest.inputs:type_name -> ferrum.executor.v1.DecodeInput
 	20,  // 27: ferrum.executor.v1.BatchDecodeResponse.outputs:type_name -> ferrum.executor.v1.DecodeOutput
-	109, // 28: ferrum.executor.v1.BatchDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	104, // 29: ferrum.executor.v1.UnifiedBatchItem.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	105, // 30: ferrum.executor.v1.UnifiedBatchItem.metadata:type_name -> google.protobuf.Struct
+	110, // 28: ferrum.executor.v1.BatchDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	105, // 29: ferrum.executor.v1.UnifiedBatchItem.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	106, // 30: ferrum.executor.v1.UnifiedBatchItem.metadata:type_name -> google.protobuf.Struct
 	25,  // 31: ferrum.executor.v1.UnifiedDecodeRequest.items:type_name -> ferrum.executor.v1.UnifiedBatchItem
-	106, // 32: ferrum.executor.v1.UnifiedItemResult.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	107, // 33: ferrum.executor.v1.UnifiedItemResult.output:type_name -> ferrum.executor.v1.LogitsOutput
+	107, // 32: ferrum.executor.v1.UnifiedItemResult.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	108, // 33: ferrum.executor.v1.UnifiedItemResult.output:type_name -> ferrum.executor.v1.LogitsOutput
 	27,  // 34: ferrum.executor.v1.UnifiedDecodeResponse.results:type_name -> ferrum.executor.v1.UnifiedItemResult
-	109, // 35: ferrum.executor.v1.UnifiedDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	108, // 36: ferrum.executor.v1.ForwardRequest.input:type_name -> ferrum.executor.v1.Tensor
-	110, // 37: ferrum.executor.v1.ForwardRequest.logits_dtype:type_name -> ferrum.executor.v1.DataType
-	108, // 38: ferrum.executor.v1.ForwardResponse.output:type_name -> ferrum.executor.v1.Tensor
-	109, // 39: ferrum.executor.v1.ForwardResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	104, // 40: ferrum.executor.v1.ForwardVerifyRequest.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	107, // 41: ferrum.executor.v1.ForwardVerifyResponse.outputs:type_name -> ferrum.executor.v1.LogitsOutput
-	106, // 42: ferrum.executor.v1.ForwardVerifyResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	109, // 43: ferrum.executor.v1.ForwardVerifyResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	106, // 44: ferrum.executor.v1.TruncateKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	106, // 45: ferrum.executor.v1.ForkCacheResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	111, // 46: ferrum.executor.v1.ReserveKvSlotsRequest.requests:type_name -> ferrum.executor.v1.KvSlotRequest
-	112, // 47: ferrum.executor.v1.ReserveKvSlotsResponse.reservation:type_name -> ferrum.executor.v1.KvSlotReservation
-	113, // 48: ferrum.executor.v1.KvSlotCapacityResponse.snapshot:type_name -> ferrum.executor.v1.KvSlotCapacitySnapshot
-	105, // 49: ferrum.executor.v1.CacheMetricsResponse.metrics:type_name -> google.protobuf.Struct
-	105, // 50: ferrum.executor.v1.LoraMetricsResponse.metrics:type_name -> google.protobuf.Struct
+	110, // 35: ferrum.executor.v1.UnifiedDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	109, // 36: ferrum.executor.v1.ForwardRequest.input:type_name -> ferrum.executor.v1.Tensor
+	111, // 37: ferrum.executor.v1.ForwardRequest.logits_dtype:type_name -> ferrum.executor.v1.DataType
+	109, // 38: ferrum.executor.v1.ForwardResponse.output:type_name -> ferrum.executor.v1.Tensor
+	110, // 39: ferrum.executor.v1.ForwardResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	105, // 40: ferrum.executor.v1.ForwardVerifyRequest.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	108, // 41: ferrum.executor.v1.ForwardVerifyResponse.outputs:type_name -> ferrum.executor.v1.LogitsOutput
+	107, // 42: ferrum.executor.v1.ForwardVerifyResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	110, // 43: ferrum.executor.v1.ForwardVerifyResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	107, // 44: ferrum.executor.v1.TruncateKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	107, // 45: ferrum.executor.v1.ForkCacheResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	112, // 46: ferrum.executor.v1.ReserveKvSlotsRequest.requests:type_name -> ferrum.executor.v1.KvSlotRequest
+	113, // 47: ferrum.executor.v1.ReserveKvSlotsResponse.reservation:type_name -> ferrum.executor.v1.KvSlotReservation
+	114, // 48: ferrum.executor.v1.KvSlotCapacityResponse.snapshot:type_name -> ferrum.executor.v1.KvSlotCapacitySnapshot
+	106, // 49: ferrum.executor.v1.CacheMetricsResponse.metrics:type_name -> google.protobuf.Struct
+	106, // 50: ferrum.executor.v1.LoraMetricsResponse.metrics:type_name -> google.protobuf.Struct
 	55,  // 51: ferrum.executor.v1.ApplyChatTemplateRequest.messages:type_name -> ferrum.executor.v1.ChatMessage
 	55,  // 52: ferrum.executor.v1.ChatMessages.messages:type_name -> ferrum.executor.v1.ChatMessage
 	58,  // 53: ferrum.executor.v1.GenerateRequest.token_ids:type_name -> ferrum.executor.v1.TokenIds
 	59,  // 54: ferrum.executor.v1.GenerateRequest.chat:type_name -> ferrum.executor.v1.ChatMessages
-	114, // 55: ferrum.executor.v1.GenerateRequest.sampling:type_name -> ferrum.executor.v1.SamplingParams
+	115, // 55: ferrum.executor.v1.GenerateRequest.sampling:type_name -> ferrum.executor.v1.SamplingParams
 	60,  // 56: ferrum.executor.v1.GenerateRequest.stop:type_name -> ferrum.executor.v1.StopConditions
-	106, // 57: ferrum.executor.v1.GenerateStarted.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	115, // 58: ferrum.executor.v1.TokenEvent.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
-	0,   // 59: ferrum.executor.v1.GenerateFinished.finish_reason:type_name -> ferrum.executor.v1.FinishReason
-	106, // 60: ferrum.executor.v1.GenerateFinished.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	62,  // 61: ferrum.executor.v1.GenerateResponse.started:type_name -> ferrum.executor.v1.GenerateStarted
-	63,  // 62: ferrum.executor.v1.GenerateResponse.token:type_name -> ferrum.executor.v1.TokenEvent
-	64,  // 63: ferrum.executor.v1.GenerateResponse.finished:type_name -> ferrum.executor.v1.GenerateFinished
-	15,  // 64: ferrum.executor.v1.SessionRequest.prefill:type_name -> ferrum.executor.v1.PrefillRequest
-	17,  // 65: ferrum.executor.v1.SessionRequest.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillRequest
-	21,  // 66: ferrum.executor.v1.SessionRequest.decode:type_name -> ferrum.executor.v1.DecodeRequest
-	23,  // 67: ferrum.executor.v1.SessionRequest.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeRequest
-	26,  // 68: ferrum.executor.v1.SessionRequest.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeRequest
-	31,  // 69: ferrum.executor.v1.SessionRequest.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyRequest
-	33,  // 70: ferrum.executor.v1.SessionRequest.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvRequest
-	35,  // 71: ferrum.executor.v1.SessionRequest.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheRequest
-	37,  // 72: ferrum.executor.v1.SessionRequest.fork_cache:type_name -> ferrum.executor.v1.ForkCacheRequest
-	16,  // 73: ferrum.executor.v1.SessionResponse.prefill:type_name -> ferrum.executor.v1.PrefillResponse
-	18,  // 74: ferrum.executor.v1.SessionResponse.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillResponse
-	22,  // 75: ferrum.executor.v1.SessionResponse.decode:type_name -> ferrum.executor.v1.DecodeResponse
-	24,  // 76: ferrum.executor.v1.SessionResponse.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeResponse
-	28,  // 77: ferrum.executor.v1.SessionResponse.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeResponse
-	32,  // 78: ferrum.executor.v1.SessionResponse.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyResponse
-	34,  // 79: ferrum.executor.v1.SessionResponse.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvResponse
-	36,  // 80: ferrum.executor.v1.SessionResponse.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheResponse
-	38,  // 81: ferrum.executor.v1.SessionResponse.fork_cache:type_name -> ferrum.executor.v1.ForkCacheResponse
-	116, // 82: ferrum.executor.v1.SessionResponse.error:type_name -> ferrum.executor.v1.StepError
-	69,  // 83: ferrum.executor.v1.ModelLoad.prefill_latency:type_name -> ferrum.executor.v1.LatencySummary
-	69,  // 84: ferrum.executor.v1.ModelLoad.decode_latency:type_name -> ferrum.executor.v1.LatencySummary
-	70,  // 85: ferrum.executor.v1.LoadsResponse.loads:type_name -> ferrum.executor.v1.ModelLoad
-	106, // 86: ferrum.executor.v1.ListCachesResponse.caches:type_name -> ferrum.executor.v1.KvCacheHandle
-	1,   // 87: ferrum.executor.v1.KvEvent.kind:type_name -> ferrum.executor.v1.KvEventKind
-	76,  // 88: ferrum.executor.v1.KvBlockEvent.stored:type_name -> ferrum.executor.v1.KvBlockStored
-	77,  // 89: ferrum.executor.v1.KvBlockEvent.removed:type_name -> ferrum.executor.v1.KvBlockRemoved
-	78,  // 90: ferrum.executor.v1.KvBlockEvent.cleared:type_name -> ferrum.executor.v1.KvBlocksCleared
-	74,  // 91: ferrum.executor.v1.SubscribeKvEventsResponse.event:type_name -> ferrum.executor.v1.KvEvent
-	80,  // 92: ferrum.executor.v1.SubscribeKvEventsResponse.resync_required:type_name -> ferrum.executor.v1.ResyncRequired
-	79,  // 93: ferrum.executor.v1.SubscribeKvEventsResponse.block_event:type_name -> ferrum.executor.v1.KvBlockEvent
-	110, // 94: ferrum.executor.v1.KvTransferHeader.kv_dtype:type_name -> ferrum.executor.v1.DataType
-	85,  // 95: ferrum.executor.v1.ExportKvResponse.header:type_name -> ferrum.executor.v1.KvTransferHeader
-	86,  // 96: ferrum.executor.v1.ExportKvResponse.chunk:type_name -> ferrum.executor.v1.KvChunk
-	88,  // 97: ferrum.executor.v1.ImportKvRequest.source:type_name -> ferrum.executor.v1.KvSource
-	85,  // 98: ferrum.executor.v1.ImportKvRequest.header:type_name -> ferrum.executor.v1.KvTransferHeader
-	86,  // 99: ferrum.executor.v1.ImportKvRequest.chunk:type_name -> ferrum.executor.v1.KvChunk
-	106, // 100: ferrum.executor.v1.ImportKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	97,  // 101: ferrum.executor.v1.LoadAdapterResponse.adapter:type_name -> ferrum.executor.v1.AdapterInfo
-	97,  // 102: ferrum.executor.v1.ListAdaptersResponse.adapters:type_name -> ferrum.executor.v1.AdapterInfo
-	3,   // 103: ferrum.executor.v1.ModelExecutor.Info:input_type -> ferrum.executor.v1.InfoRequest
-	5,   // 104: ferrum.executor.v1.ModelExecutor.Capabilities:input_type -> ferrum.executor.v1.CapabilitiesRequest
-	7,   // 105: ferrum.executor.v1.ModelExecutor.Status:input_type -> ferrum.executor.v1.StatusRequest
-	9,   // 106: ferrum.executor.v1.ModelExecutor.KvCapacity:input_type -> ferrum.executor.v1.KvCapacityRequest
-	11,  // 107: ferrum.executor.v1.ModelExecutor.AdmissionLimits:input_type -> ferrum.executor.v1.AdmissionLimitsRequest
-	15,  // 108: ferrum.executor.v1.ModelExecutor.Prefill:input_type -> ferrum.executor.v1.PrefillRequest
-	17,  // 109: ferrum.executor.v1.ModelExecutor.BatchPrefill:input_type -> ferrum.executor.v1.BatchPrefillRequest
-	21,  // 110: ferrum.executor.v1.ModelExecutor.Decode:input_type -> ferrum.executor.v1.DecodeRequest
-	23,  // 111: ferrum.executor.v1.ModelExecutor.BatchDecode:input_type -> ferrum.executor.v1.BatchDecodeRequest
-	26,  // 112: ferrum.executor.v1.ModelExecutor.UnifiedDecode:input_type -> ferrum.executor.v1.UnifiedDecodeRequest
-	29,  // 113: ferrum.executor.v1.ModelExecutor.Forward:input_type -> ferrum.executor.v1.ForwardRequest
-	31,  // 114: ferrum.executor.v1.ModelExecutor.ForwardVerify:input_type -> ferrum.executor.v1.ForwardVerifyRequest
-	33,  // 115: ferrum.executor.v1.ModelExecutor.TruncateKv:input_type -> ferrum.executor.v1.TruncateKvRequest
-	35,  // 116: ferrum.executor.v1.ModelExecutor.ReleaseCache:input_type -> ferrum.executor.v1.ReleaseCacheRequest
-	37,  // 117: ferrum.executor.v1.ModelExecutor.ForkCache:input_type -> ferrum.executor.v1.ForkCacheRequest
-	39,  // 118: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:input_type -> ferrum.executor.v1.ReserveKvSlotsRequest
-	41,  // 119: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:input_type -> ferrum.executor.v1.KvSlotCapacityRequest
-	43,  // 120: ferrum.executor.v1.ModelExecutor.CacheMetrics:input_type -> ferrum.executor.v1.CacheMetricsRequest
-	45,  // 121: ferrum.executor.v1.ModelExecutor.LoraMetrics:input_type -> ferrum.executor.v1.LoraMetricsRequest
-	47,  // 122: ferrum.executor.v1.ModelExecutor.Warmup:input_type -> ferrum.executor.v1.WarmupRequest
-	49,  // 123: ferrum.executor.v1.ModelExecutor.Shutdown:input_type -> ferrum.executor.v1.ShutdownRequest
-	51,  // 124: ferrum.executor.v1.ModelExecutor.Tokenize:input_type -> ferrum.executor.v1.TokenizeRequest
-	53,  // 125: ferrum.executor.v1.ModelExecutor.Detokenize:input_type -> ferrum.executor.v1.DetokenizeRequest
-	56,  // 126: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:input_type -> ferrum.executor.v1.ApplyChatTemplateRequest
-	61,  // 127: ferrum.executor.v1.ModelExecutor.Generate:input_type -> ferrum.executor.v1.GenerateRequest
-	66,  // 128: ferrum.executor.v1.ModelExecutor.Session:input_type -> ferrum.executor.v1.SessionRequest
-	68,  // 129: ferrum.executor.v1.ModelExecutor.Loads:input_type -> ferrum.executor.v1.LoadsRequest
-	72,  // 130: ferrum.executor.v1.ModelExecutor.ListCaches:input_type -> ferrum.executor.v1.ListCachesRequest
-	75,  // 131: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:input_type -> ferrum.executor.v1.SubscribeKvEventsRequest
-	82,  // 132: ferrum.executor.v1.ModelExecutor.Abort:input_type -> ferrum.executor.v1.AbortRequest
-	84,  // 133: ferrum.executor.v1.ModelExecutor.ExportKv:input_type -> ferrum.executor.v1.ExportKvRequest
-	89,  // 134: ferrum.executor.v1.ModelExecutor.ImportKv:input_type -> ferrum.executor.v1.ImportKvRequest
-	91,  // 135: ferrum.executor.v1.ModelExecutor.LoadAdapter:input_type -> ferrum.executor.v1.LoadAdapterRequest
-	93,  // 136: ferrum.executor.v1.ModelExecutor.UnloadAdapter:input_type -> ferrum.executor.v1.UnloadAdapterRequest
-	95,  // 137: ferrum.executor.v1.ModelExecutor.ListAdapters:input_type -> ferrum.executor.v1.ListAdaptersRequest
-	4,   // 138: ferrum.executor.v1.ModelExecutor.Info:output_type -> ferrum.executor.v1.InfoResponse
-	6,   // 139: ferrum.executor.v1.ModelExecutor.Capabilities:output_type -> ferrum.executor.v1.CapabilitiesResponse
-	8,   // 140: ferrum.executor.v1.ModelExecutor.Status:output_type -> ferrum.executor.v1.StatusResponse
-	10,  // 141: ferrum.executor.v1.ModelExecutor.KvCapacity:output_type -> ferrum.executor.v1.KvCapacityResponse
-	12,  // 142: ferrum.executor.v1.ModelExecutor.AdmissionLimits:output_type -> ferrum.executor.v1.AdmissionLimitsResponse
-	16,  // 143: ferrum.executor.v1.ModelExecutor.Prefill:output_type -> ferrum.executor.v1.PrefillResponse
-	18,  // 144: ferrum.executor.v1.ModelExecutor.BatchPrefill:output_type -> ferrum.executor.v1.BatchPrefillResponse
-	22,  // 145: ferrum.executor.v1.ModelExecutor.Decode:output_type -> ferrum.executor.v1.DecodeResponse
-	24,  // 146: ferrum.executor.v1.ModelExecutor.BatchDecode:output_type -> ferrum.executor.v1.BatchDecodeResponse
-	28,  // 147: ferrum.executor.v1.ModelExecutor.UnifiedDecode:output_type -> ferrum.executor.v1.UnifiedDecodeResponse
-	30,  // 148: ferrum.executor.v1.ModelExecutor.Forward:output_type -> ferrum.executor.v1.ForwardResponse
-	32,  // 149: ferrum.executor.v1.ModelExecutor.ForwardVerify:output_type -> ferrum.executor.v1.ForwardVerifyResponse
-	34,  // 150: ferrum.executor.v1.ModelExecutor.TruncateKv:output_type -> ferrum.executor.v1.TruncateKvResponse
-	36,  // 151: ferrum.executor.v1.ModelExecutor.ReleaseCache:output_type -> ferrum.executor.v1.ReleaseCacheResponse
-	38,  // 152: ferrum.executor.v1.ModelExecutor.ForkCache:output_type -> ferrum.executor.v1.ForkCacheResponse
-	40,  // 153: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:output_type -> ferrum.executor.v1.ReserveKvSlotsResponse
-	42,  // 154: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:output_type -> ferrum.executor.v1.KvSlotCapacityResponse
-	44,  // 155: ferrum.executor.v1.ModelExecutor.CacheMetrics:output_type -> ferrum.executor.v1.CacheMetricsResponse
-	46,  // 156: ferrum.executor.v1.ModelExecutor.LoraMetrics:output_type -> ferrum.executor.v1.LoraMetricsResponse
-	48,  // 157: ferrum.executor.v1.ModelExecutor.Warmup:output_type -> ferrum.executor.v1.WarmupResponse
-	50,  // 158: ferrum.executor.v1.ModelExecutor.Shutdown:output_type -> ferrum.executor.v1.ShutdownResponse
-	52,  // 159: ferrum.executor.v1.ModelExecutor.Tokenize:output_type -> ferrum.executor.v1.TokenizeResponse
-	54,  // 160: ferrum.executor.v1.ModelExecutor.Detokenize:output_type -> ferrum.executor.v1.DetokenizeResponse
-	57,  // 161: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:output_type -> ferrum.executor.v1.ApplyChatTemplateResponse
-	65,  // 162: ferrum.executor.v1.ModelExecutor.Generate:output_type -> ferrum.executor.v1.GenerateResponse
-	67,  // 163: ferrum.executor.v1.ModelExecutor.Session:output_type -> ferrum.executor.v1.SessionResponse
-	71,  // 164: ferrum.executor.v1.ModelExecutor.Loads:output_type -> ferrum.executor.v1.LoadsResponse
-	73,  // 165: ferrum.executor.v1.ModelExecutor.ListCaches:output_type -> ferrum.executor.v1.ListCachesResponse
-	81,  // 166: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:output_type -> ferrum.executor.v1.SubscribeKvEventsResponse
-	83,  // 167: ferrum.executor.v1.ModelExecutor.Abort:output_type -> ferrum.executor.v1.AbortResponse
-	87,  // 168: ferrum.executor.v1.ModelExecutor.ExportKv:output_type -> ferrum.executor.v1.ExportKvResponse
-	90,  // 169: ferrum.executor.v1.ModelExecutor.ImportKv:output_type -> ferrum.executor.v1.ImportKvResponse
-	92,  // 170: ferrum.executor.v1.ModelExecutor.LoadAdapter:output_type -> ferrum.executor.v1.LoadAdapterResponse
-	94,  // 171: ferrum.executor.v1.ModelExecutor.UnloadAdapter:output_type -> ferrum.executor.v1.UnloadAdapterResponse
-	96,  // 172: ferrum.executor.v1.ModelExecutor.ListAdapters:output_type -> ferrum.executor.v1.ListAdaptersResponse
-	138, // [138:173] is the sub-list for method output_type
-	103, // [103:138] is the sub-list for method input_type
-	103, // [103:103] is the sub-list for extension type_name
-	103, // [103:103] is the sub-list for extension extendee
-	0,   // [0:103] is the sub-list for field type_name
+	62,  // 57: ferrum.executor.v1.GenerateRequest.speculation:type_name -> ferrum.executor.v1.SpeculationOptions
+	107, // 58: ferrum.executor.v1.GenerateStarted.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	116, // 59: ferrum.executor.v1.TokenEvent.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
+	0,   // 60: ferrum.executor.v1.GenerateFinished.finish_reason:type_name -> ferrum.executor.v1.FinishReason
+	107, // 61: ferrum.executor.v1.GenerateFinished.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	63,  // 62: ferrum.executor.v1.GenerateResponse.started:type_name -> ferrum.executor.v1.GenerateStarted
+	64,  // 63: ferrum.executor.v1.GenerateResponse.token:type_name -> ferrum.executor.v1.TokenEvent
+	65,  // 64: ferrum.executor.v1.GenerateResponse.finished:type_name -> ferrum.executor.v1.GenerateFinished
+	15,  // 65: ferrum.executor.v1.SessionRequest.prefill:type_name -> ferrum.executor.v1.PrefillRequest
+	17,  // 66: ferrum.executor.v1.SessionRequest.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillRequest
+	21,  // 67: ferrum.executor.v1.SessionRequest.decode:type_name -> ferrum.executor.v1.DecodeRequest
+	23,  // 68: ferrum.executor.v1.SessionRequest.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeRequest
+	26,  // 69: ferrum.executor.v1.SessionRequest.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeRequest
+	31,  // 70: ferrum.executor.v1.SessionRequest.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyRequest
+	33,  // 71: ferrum.executor.v1.SessionRequest.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvRequest
+	35,  // 72: ferrum.executor.v1.SessionRequest.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheRequest
+	37,  // 73: ferrum.executor.v1.SessionRequest.fork_cache:type_name -> ferrum.executor.v1.ForkCacheRequest
+	16,  // 74: ferrum.executor.v1.SessionResponse.prefill:type_name -> ferrum.executor.v1.PrefillResponse
+	18,  // 75: ferrum.executor.v1.SessionResponse.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillResponse
+	22,  // 76: ferrum.executor.v1.SessionResponse.decode:type_name -> ferrum.executor.v1.DecodeResponse
+	24,  // 77: ferrum.executor.v1.SessionResponse.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeResponse
+	28,  // 78: ferrum.executor.v1.SessionResponse.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeResponse
+	32,  // 79: ferrum.executor.v1.SessionResponse.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyResponse
+	34,  // 80: ferrum.executor.v1.SessionResponse.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvResponse
+	36,  // 81: ferrum.executor.v1.SessionResponse.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheResponse
+	38,  // 82: ferrum.executor.v1.SessionResponse.fork_cache:type_name -> ferrum.executor.v1.ForkCacheResponse
+	117, // 83: ferrum.executor.v1.SessionResponse.error:type_name -> ferrum.executor.v1.StepError
+	70,  // 84: ferrum.executor.v1.ModelLoad.prefill_latency:type_name -> ferrum.executor.v1.LatencySummary
+	70,  // 85: ferrum.executor.v1.ModelLoad.decode_latency:type_name -> ferrum.executor.v1.LatencySummary
+	71,  // 86: ferrum.executor.v1.LoadsResponse.loads:type_name -> ferrum.executor.v1.ModelLoad
+	107, // 87: ferrum.executor.v1.ListCachesResponse.caches:type_name -> ferrum.executor.v1.KvCacheHandle
+	1,   // 88: ferrum.executor.v1.KvEvent.kind:type_name -> ferrum.executor.v1.KvEventKind
+	77,  // 89: ferrum.executor.v1.KvBlockEvent.stored:type_name -> ferrum.executor.v1.KvBlockStored
+	78,  // 90: ferrum.executor.v1.KvBlockEvent.removed:type_name -> ferrum.executor.v1.KvBlockRemoved
+	79,  // 91: ferrum.executor.v1.KvBlockEvent.cleared:type_name -> ferrum.executor.v1.KvBlocksCleared
+	75,  // 92: ferrum.executor.v1.SubscribeKvEventsResponse.event:type_name -> ferrum.executor.v1.KvEvent
+	81,  // 93: ferrum.executor.v1.SubscribeKvEventsResponse.resync_required:type_name -> ferrum.executor.v1.ResyncRequired
+	80,  // 94: ferrum.executor.v1.SubscribeKvEventsResponse.block_event:type_name -> ferrum.executor.v1.KvBlockEvent
+	111, // 95: ferrum.executor.v1.KvTransferHeader.kv_dtype:type_name -> ferrum.executor.v1.DataType
+	86,  // 96: ferrum.executor.v1.ExportKvResponse.header:type_name -> ferrum.executor.v1.KvTransferHeader
+	87,  // 97: ferrum.executor.v1.ExportKvResponse.chunk:type_name -> ferrum.executor.v1.KvChunk
+	89,  // 98: ferrum.executor.v1.ImportKvRequest.source:type_name -> ferrum.executor.v1.KvSource
+	86,  // 99: ferrum.executor.v1.ImportKvRequest.header:type_name -> ferrum.executor.v1.KvTransferHeader
+	87,  // 100: ferrum.executor.v1.ImportKvRequest.chunk:type_name -> ferrum.executor.v1.KvChunk
+	107, // 101: ferrum.executor.v1.ImportKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	98,  // 102: ferrum.executor.v1.LoadAdapterResponse.adapter:type_name -> ferrum.executor.v1.AdapterInfo
+	98,  // 103: ferrum.executor.v1.ListAdaptersResponse.adapters:type_name -> ferrum.executor.v1.AdapterInfo
+	3,   // 104: ferrum.executor.v1.ModelExecutor.Info:input_type -> ferrum.executor.v1.InfoRequest
+	5,   // 105: ferrum.executor.v1.ModelExecutor.Capabilities:input_type -> ferrum.executor.v1.CapabilitiesRequest
+	7,   // 106: ferrum.executor.v1.ModelExecutor.Status:input_type -> ferrum.executor.v1.StatusRequest
+	9,   // 107: ferrum.executor.v1.ModelExecutor.KvCapacity:input_type -> ferrum.executor.v1.KvCapacityRequest
+	11,  // 108: ferrum.executor.v1.ModelExecutor.AdmissionLimits:input_type -> ferrum.executor.v1.AdmissionLimitsRequest
+	15,  // 109: ferrum.executor.v1.ModelExecutor.Prefill:input_type -> ferrum.executor.v1.PrefillRequest
+	17,  // 110: ferrum.executor.v1.ModelExecutor.BatchPrefill:input_type -> ferrum.executor.v1.BatchPrefillRequest
+	21,  // 111: ferrum.executor.v1.ModelExecutor.Decode:input_type -> ferrum.executor.v1.DecodeRequest
+	23,  // 112: ferrum.executor.v1.ModelExecutor.BatchDecode:input_type -> ferrum.executor.v1.BatchDecodeRequest
+	26,  // 113: ferrum.executor.v1.ModelExecutor.UnifiedDecode:input_type -> ferrum.executor.v1.UnifiedDecodeRequest
+	29,  // 114: ferrum.executor.v1.ModelExecutor.Forward:input_type -> ferrum.executor.v1.ForwardRequest
+	31,  // 115: ferrum.executor.v1.ModelExecutor.ForwardVerify:input_type -> ferrum.executor.v1.ForwardVerifyRequest
+	33,  // 116: ferrum.executor.v1.ModelExecutor.TruncateKv:input_type -> ferrum.executor.v1.TruncateKvRequest
+	35,  // 117: ferrum.executor.v1.ModelExecutor.ReleaseCache:input_type -> ferrum.executor.v1.ReleaseCacheRequest
+	37,  // 118: ferrum.executor.v1.ModelExecutor.ForkCache:input_type -> ferrum.executor.v1.ForkCacheRequest
+	39,  // 119: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:input_type -> ferrum.executor.v1.ReserveKvSlotsRequest
+	41,  // 120: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:input_type -> ferrum.executor.v1.KvSlotCapacityRequest
+	43,  // 121: ferrum.executor.v1.ModelExecutor.CacheMetrics:input_type -> ferrum.executor.v1.CacheMetricsRequest
+	45,  // 122: ferrum.executor.v1.ModelExecutor.LoraMetrics:input_type -> ferrum.executor.v1.LoraMetricsRequest
+	47,  // 123: ferrum.executor.v1.ModelExecutor.Warmup:input_type -> ferrum.executor.v1.WarmupRequest
+	49,  // 124: ferrum.executor.v1.ModelExecutor.Shutdown:input_type -> ferrum.executor.v1.ShutdownRequest
+	51,  // 125: ferrum.executor.v1.ModelExecutor.Tokenize:input_type -> ferrum.executor.v1.TokenizeRequest
+	53,  // 126: ferrum.executor.v1.ModelExecutor.Detokenize:input_type -> ferrum.executor.v1.DetokenizeRequest
+	56,  // 127: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:input_type -> ferrum.executor.v1.ApplyChatTemplateRequest
+	61,  // 128: ferrum.executor.v1.ModelExecutor.Generate:input_type -> ferrum.executor.v1.GenerateRequest
+	67,  // 129: ferrum.executor.v1.ModelExecutor.Session:input_type -> ferrum.executor.v1.SessionRequest
+	69,  // 130: ferrum.executor.v1.ModelExecutor.Loads:input_type -> ferrum.executor.v1.LoadsRequest
+	73,  // 131: ferrum.executor.v1.ModelExecutor.ListCaches:input_type -> ferrum.executor.v1.ListCachesRequest
+	76,  // 132: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:input_type -> ferrum.executor.v1.SubscribeKvEventsRequest
+	83,  // 133: ferrum.executor.v1.ModelExecutor.Abort:input_type -> ferrum.executor.v1.AbortRequest
+	85,  // 134: ferrum.executor.v1.ModelExecutor.ExportKv:input_type -> ferrum.executor.v1.ExportKvRequest
+	90,  // 135: ferrum.executor.v1.ModelExecutor.ImportKv:input_type -> ferrum.executor.v1.ImportKvRequest
+	92,  // 136: ferrum.executor.v1.ModelExecutor.LoadAdapter:input_type -> ferrum.executor.v1.LoadAdapterRequest
+	94,  // 137: ferrum.executor.v1.ModelExecutor.UnloadAdapter:input_type -> ferrum.executor.v1.UnloadAdapterRequest
+	96,  // 138: ferrum.executor.v1.ModelExecutor.ListAdapters:input_type -> ferrum.executor.v1.ListAdaptersRequest
+	4,   // 139: ferrum.executor.v1.ModelExecutor.Info:output_type -> ferrum.executor.v1.InfoResponse
+	6,   // 140: ferrum.executor.v1.ModelExecutor.Capabilities:output_type -> ferrum.executor.v1.CapabilitiesResponse
+	8,   // 141: ferrum.executor.v1.ModelExecutor.Status:output_type -> ferrum.executor.v1.StatusResponse
+	10,  // 142: ferrum.executor.v1.ModelExecutor.KvCapacity:output_type -> ferrum.executor.v1.KvCapacityResponse
+	12,  // 143: ferrum.executor.v1.ModelExecutor.AdmissionLimits:output_type -> ferrum.executor.v1.AdmissionLimitsResponse
+	16,  // 144: ferrum.executor.v1.ModelExecutor.Prefill:output_type -> ferrum.executor.v1.PrefillResponse
+	18,  // 145: ferrum.executor.v1.ModelExecutor.BatchPrefill:output_type -> ferrum.executor.v1.BatchPrefillResponse
+	22,  // 146: ferrum.executor.v1.ModelExecutor.Decode:output_type -> ferrum.executor.v1.DecodeResponse
+	24,  // 147: ferrum.executor.v1.ModelExecutor.BatchDecode:output_type -> ferrum.executor.v1.BatchDecodeResponse
+	28,  // 148: ferrum.executor.v1.ModelExecutor.UnifiedDecode:output_type -> ferrum.executor.v1.UnifiedDecodeResponse
+	30,  // 149: ferrum.executor.v1.ModelExecutor.Forward:output_type -> ferrum.executor.v1.ForwardResponse
+	32,  // 150: ferrum.executor.v1.ModelExecutor.ForwardVerify:output_type -> ferrum.executor.v1.ForwardVerifyResponse
+	34,  // 151: ferrum.executor.v1.ModelExecutor.TruncateKv:output_type -> ferrum.executor.v1.TruncateKvResponse
+	36,  // 152: ferrum.executor.v1.ModelExecutor.ReleaseCache:output_type -> ferrum.executor.v1.ReleaseCacheResponse
+	38,  // 153: ferrum.executor.v1.ModelExecutor.ForkCache:output_type -> ferrum.executor.v1.ForkCacheResponse
+	40,  // 154: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:output_type -> ferrum.executor.v1.ReserveKvSlotsResponse
+	42,  // 155: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:output_type -> ferrum.executor.v1.KvSlotCapacityResponse
+	44,  // 156: ferrum.executor.v1.ModelExecutor.CacheMetrics:output_type -> ferrum.executor.v1.CacheMetricsResponse
+	46,  // 157: ferrum.executor.v1.ModelExecutor.LoraMetrics:output_type -> ferrum.executor.v1.LoraMetricsResponse
+	48,  // 158: ferrum.executor.v1.ModelExecutor.Warmup:output_type -> ferrum.executor.v1.WarmupResponse
+	50,  // 159: ferrum.executor.v1.ModelExecutor.Shutdown:output_type -> ferrum.executor.v1.ShutdownResponse
+	52,  // 160: ferrum.executor.v1.ModelExecutor.Tokenize:output_type -> ferrum.executor.v1.TokenizeResponse
+	54,  // 161: ferrum.executor.v1.ModelExecutor.Detokenize:output_type -> ferrum.executor.v1.DetokenizeResponse
+	57,  // 162: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:output_type -> ferrum.executor.v1.ApplyChatTemplateResponse
+	66,  // 163: ferrum.executor.v1.ModelExecutor.Generate:output_type -> ferrum.executor.v1.GenerateResponse
+	68,  // 164: ferrum.executor.v1.ModelExecutor.Session:output_type -> ferrum.executor.v1.SessionResponse
+	72,  // 165: ferrum.executor.v1.ModelExecutor.Loads:output_type -> ferrum.executor.v1.LoadsResponse
+	74,  // 166: ferrum.executor.v1.ModelExecutor.ListCaches:output_type -> ferrum.executor.v1.ListCachesResponse
+	82,  // 167: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:output_type -> ferrum.executor.v1.SubscribeKvEventsResponse
+	84,  // 168: ferrum.executor.v1.ModelExecutor.Abort:output_type -> ferrum.executor.v1.AbortResponse
+	88,  // 169: ferrum.executor.v1.ModelExecutor.ExportKv:output_type -> ferrum.executor.v1.ExportKvResponse
+	91,  // 170: ferrum.executor.v1.ModelExecutor.ImportKv:output_type -> ferrum.executor.v1.ImportKvResponse
+	93,  // 171: ferrum.executor.v1.ModelExecutor.LoadAdapter:output_type -> ferrum.executor.v1.LoadAdapterResponse
+	95,  // 172: ferrum.executor.v1.ModelExecutor.UnloadAdapter:output_type -> ferrum.executor.v1.UnloadAdapterResponse
+	97,  // 173: ferrum.executor.v1.ModelExecutor.ListAdapters:output_type -> ferrum.executor.v1.ListAdaptersResponse
+	139, // [139:174] is the sub-list for method output_type
+	104, // [104:139] is the sub-list for method input_type
+	104, // [104:104] is the sub-list for extension type_name
+	104, // [104:104] is the sub-list for extension extendee
+	0,   // [0:104] is the sub-list for field type_name
 }
 
 func init() { file_ferrum_executor_v1_executor_proto_init() }
@@ -8037,12 +8197,12 @@ func file_ferrum_executor_v1_executor_proto_init() {
 		(*GenerateRequest_Text)(nil),
 		(*GenerateRequest_Chat)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[62].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[63].OneofWrappers = []any{
 		(*GenerateResponse_Started)(nil),
 		(*GenerateResponse_Token)(nil),
 		(*GenerateResponse_Finished)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[63].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[64].OneofWrappers = []any{
 		(*SessionRequest_Prefill)(nil),
 		(*SessionRequest_BatchPrefill)(nil),
 		(*SessionRequest_Decode)(nil),
@@ -8053,7 +8213,7 @@ func file_ferrum_executor_v1_executor_proto_init() {
 		(*SessionRequest_ReleaseCache)(nil),
 		(*SessionRequest_ForkCache)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[64].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[65].OneofWrappers = []any{
 		(*SessionResponse_Prefill)(nil),
 		(*SessionResponse_BatchPrefill)(nil),
 		(*SessionResponse_Decode)(nil),
@@ -8065,26 +8225,26 @@ func file_ferrum_executor_v1_executor_proto_init() {
 		(*SessionResponse_ForkCache)(nil),
 		(*SessionResponse_Error)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[72].OneofWrappers = []any{}
-	file_ferrum_executor_v1_executor_proto_msgTypes[76].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[73].OneofWrappers = []any{}
+	file_ferrum_executor_v1_executor_proto_msgTypes[77].OneofWrappers = []any{
 		(*KvBlockEvent_Stored)(nil),
 		(*KvBlockEvent_Removed)(nil),
 		(*KvBlockEvent_Cleared)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[78].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[79].OneofWrappers = []any{
 		(*SubscribeKvEventsResponse_Event)(nil),
 		(*SubscribeKvEventsResponse_ResyncRequired)(nil),
 		(*SubscribeKvEventsResponse_BlockEvent)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[79].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[80].OneofWrappers = []any{
 		(*AbortRequest_RequestId)(nil),
 		(*AbortRequest_CacheId)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[84].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[85].OneofWrappers = []any{
 		(*ExportKvResponse_Header)(nil),
 		(*ExportKvResponse_Chunk)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[86].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[87].OneofWrappers = []any{
 		(*ImportKvRequest_Header)(nil),
 		(*ImportKvRequest_Chunk)(nil),
 	}
@@ -8094,7 +8254,7 @@ func file_ferrum_executor_v1_executor_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ferrum_executor_v1_executor_proto_rawDesc), len(file_ferrum_executor_v1_executor_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   95,
+			NumMessages:   96,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

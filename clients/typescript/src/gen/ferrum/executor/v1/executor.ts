@@ -358,7 +358,10 @@ export interface PrefillInput {
   requestId: string;
   /**
    * Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
-   * every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+   * every block key, see `PrefixCacheRecipe`). Only for a new cache. Printable text (control
+   * characters are INVALID_ARGUMENT). When the server authenticates callers, the salt is the
+   * caller's own (its identity is folded in) unless it starts with "shared:"; without
+   * authentication, empty = the one shared space.
    */
   cacheSalt: string;
   /**
@@ -528,7 +531,10 @@ export interface UnifiedBatchItem {
     | undefined;
   /**
    * Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
-   * every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+   * every block key, see `PrefixCacheRecipe`). Only for a new cache. Printable text (control
+   * characters are INVALID_ARGUMENT). When the server authenticates callers, the salt is the
+   * caller's own (its identity is folded in) unless it starts with "shared:"; without
+   * authentication, empty = the one shared space.
    */
   cacheSalt: string;
   /**
@@ -885,7 +891,10 @@ export interface GenerateRequest {
   streamText: boolean;
   /**
    * Prefix caching: tenants with different salts never share KV blocks (the salt is folded into
-   * every block key, see `PrefixCacheRecipe`). Only for a new cache; empty = the shared space.
+   * every block key, see `PrefixCacheRecipe`). Only for a new cache. Printable text (control
+   * characters are INVALID_ARGUMENT). When the server authenticates callers, the salt is the
+   * caller's own (its identity is folded in) unless it starts with "shared:"; without
+   * authentication, empty = the one shared space.
    */
   cacheSalt: string;
   /**
@@ -909,6 +918,36 @@ export interface GenerateRequest {
    * NOT_FOUND when no adapter of that name is loaded.
    */
   adapter: string;
+  /**
+   * Server-side speculative decoding for this request (see `SpeculationOptions`). Unset = the
+   * server's default (`--speculation-draft-tokens`, off unless set).
+   */
+  speculation: SpeculationOptions | undefined;
+}
+
+/**
+ * Server-side speculation: an n-gram (prompt-lookup) drafter proposes the tokens that followed the
+ * latest earlier occurrence of the sequence's last n tokens (prompt and output), and each step
+ * verifies them in the same batched forward as the other streams' tokens. Output is what plain
+ * decoding gives: greedy identical, seeded sampling token-identical (same seed, same tokens),
+ * unseeded sampling distributed the same (the speculative acceptance rule). A request with a
+ * structured-output constraint, or on an executor without multi-token decode rows, decodes
+ * plainly (its `GenerateFinished.draft_tokens` stays 0).
+ */
+export interface SpeculationOptions {
+  /** Turn speculation off for this request (also when the server enables it by default). */
+  disabled: boolean;
+  /**
+   * Draft tokens proposed per step; 0 = the server's default (4 when it has none); values above
+   * 16 are capped at 16. Never more than the tokens left to `stop.max_tokens`.
+   */
+  maxDraftTokens: number;
+  /**
+   * n-gram sizes looked up, longest first: `min_ngram..max_ngram`, each in 1..8 (0 = 1 and
+   * max(min_ngram, 3)); out of range or min > max is INVALID_ARGUMENT naming the field.
+   */
+  minNgram: number;
+  maxNgram: number;
 }
 
 /** The first event: the prompt was prefilled. */
@@ -955,6 +994,13 @@ export interface GenerateFinished {
    * last sample's `finished` event.
    */
   sampleIndex: number;
+  /**
+   * Server-side speculation (`GenerateRequest.speculation`): draft tokens this sample's steps
+   * verified, and how many of them were accepted (acceptance rate = accepted / draft; both 0
+   * without speculation).
+   */
+  draftTokens: number;
+  acceptedDraftTokens: number;
 }
 
 export interface GenerateResponse {
@@ -1228,6 +1274,20 @@ export interface KvTransferHeader {
    * binds the new cache to its adapter of that name: FAILED_PRECONDITION when none is loaded there.
    */
   adapter: string;
+  /**
+   * With `adapter`: the exporting server's digest of that adapter (hex SHA-256, as its LoRA loader
+   * computes it). When set, the importing server refuses (FAILED_PRECONDITION) unless its adapter
+   * of that name has the same digest: two servers' adapters of one name may differ. Empty = checked
+   * by name only (older exporters).
+   */
+  adapterDigest: string;
+  /**
+   * True when the exporting server did not compute these K/V itself: the cache (or the cache it
+   * continues) was streamed in by a caller (`ImportKv` with a header), whose bytes no server vouches
+   * for. An importing server then keys their blocks only into the importing caller's own key space,
+   * as for K/V the caller streams itself.
+   */
+  callerSupplied: boolean;
 }
 
 /** K and V of one layer for one token range. */
@@ -1263,7 +1323,11 @@ export interface ExportKvResponse {
  * with the caller's `authorization` metadata, so a scheduler never relays the bytes.
  */
 export interface KvSource {
-  /** The exporting server, HOST:PORT as this server can reach it. */
+  /**
+   * The exporting server, HOST:PORT as this server can reach it: one of this server's configured
+   * KV peers (`--kv-peer`), else PERMISSION_DENIED. This server authenticates there with its own
+   * peer credentials, on the caller's behalf (the caller's own token is not sent).
+   */
   target: string;
   /** The cache on that server. */
   cacheId: string;
@@ -1272,7 +1336,10 @@ export interface KvSource {
   /** The token range, as in `ExportKvRequest` (from_token must be 0: a new cache starts at 0). */
   fromToken: number;
   toToken: number;
-  /** Connect with TLS (the system's root certificates); plaintext otherwise. */
+  /**
+   * Connect with TLS (the operator's pull CA, else the system's root certificates); plaintext
+   * otherwise, unless the server's operator configured TLS for pulls.
+   */
   tls: boolean;
   /** Passed on as `ExportKvRequest.max_chunk_bytes`. */
   maxChunkBytes: number;
@@ -1291,7 +1358,11 @@ export interface ImportKvRequest {
    * front as a prefill's `reserve_tokens` (first message). 0 = only the imported tokens.
    */
   reserveTokens: number;
-  /** Prefix-cache salt for the keys of the imported blocks, as a prefill's `cache_salt` (first message). */
+  /**
+   * Prefix-cache salt for the keys of the imported blocks, as a prefill's `cache_salt` (first message).
+   * K/V the caller streams (a header) are keyed only in the caller's own key space (a "shared:"
+   * salt stays private to it); pulled K/V (a source) are keyed as a prefill's.
+   */
   cacheSalt: string;
   /** Pull from another server instead of streaming the K/V (first message). */
   source:
@@ -7486,6 +7557,7 @@ function createBaseGenerateRequest(): GenerateRequest {
     bypassPrefixCache: false,
     n: 0,
     adapter: "",
+    speculation: undefined,
   };
 }
 
@@ -7540,6 +7612,9 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     }
     if (message.adapter !== "") {
       writer.uint32(130).string(message.adapter);
+    }
+    if (message.speculation !== undefined) {
+      SpeculationOptions.encode(message.speculation, writer.uint32(138).fork()).join();
     }
     return writer;
   },
@@ -7685,6 +7760,14 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
             message.adapter = reader.string();
             continue;
           }
+          case 17: {
+            if (tag !== 138) {
+              break;
+            }
+
+            message.speculation = SpeculationOptions.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -7757,6 +7840,7 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
         : false,
       n: isSet(object.n) ? globalThis.Number(object.n) : 0,
       adapter: isSet(object.adapter) ? globalThis.String(object.adapter) : "",
+      speculation: isSet(object.speculation) ? SpeculationOptions.fromJSON(object.speculation) : undefined,
     };
   },
 
@@ -7808,6 +7892,9 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     if (message.adapter !== "") {
       obj.adapter = message.adapter;
     }
+    if (message.speculation !== undefined) {
+      obj.speculation = SpeculationOptions.toJSON(message.speculation);
+    }
     return obj;
   },
 
@@ -7853,6 +7940,138 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     message.bypassPrefixCache = object.bypassPrefixCache ?? false;
     message.n = object.n ?? 0;
     message.adapter = object.adapter ?? "";
+    message.speculation = (object.speculation !== undefined && object.speculation !== null)
+      ? SpeculationOptions.fromPartial(object.speculation)
+      : undefined;
+    return message;
+  },
+};
+
+function createBaseSpeculationOptions(): SpeculationOptions {
+  return { disabled: false, maxDraftTokens: 0, minNgram: 0, maxNgram: 0 };
+}
+
+export const SpeculationOptions: MessageFns<SpeculationOptions> = {
+  encode(message: SpeculationOptions, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.disabled !== false) {
+      writer.uint32(8).bool(message.disabled);
+    }
+    if (message.maxDraftTokens !== 0) {
+      writer.uint32(16).uint32(message.maxDraftTokens);
+    }
+    if (message.minNgram !== 0) {
+      writer.uint32(24).uint32(message.minNgram);
+    }
+    if (message.maxNgram !== 0) {
+      writer.uint32(32).uint32(message.maxNgram);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): SpeculationOptions {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseSpeculationOptions();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.disabled = reader.bool();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.maxDraftTokens = reader.uint32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.minNgram = reader.uint32();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.maxNgram = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): SpeculationOptions {
+    return {
+      disabled: isSet(object.disabled) ? globalThis.Boolean(object.disabled) : false,
+      maxDraftTokens: isSet(object.maxDraftTokens)
+        ? globalThis.Number(object.maxDraftTokens)
+        : isSet(object.max_draft_tokens)
+        ? globalThis.Number(object.max_draft_tokens)
+        : 0,
+      minNgram: isSet(object.minNgram)
+        ? globalThis.Number(object.minNgram)
+        : isSet(object.min_ngram)
+        ? globalThis.Number(object.min_ngram)
+        : 0,
+      maxNgram: isSet(object.maxNgram)
+        ? globalThis.Number(object.maxNgram)
+        : isSet(object.max_ngram)
+        ? globalThis.Number(object.max_ngram)
+        : 0,
+    };
+  },
+
+  toJSON(message: SpeculationOptions): unknown {
+    const obj: any = {};
+    if (message.disabled !== false) {
+      obj.disabled = message.disabled;
+    }
+    if (message.maxDraftTokens !== 0) {
+      obj.maxDraftTokens = Math.round(message.maxDraftTokens);
+    }
+    if (message.minNgram !== 0) {
+      obj.minNgram = Math.round(message.minNgram);
+    }
+    if (message.maxNgram !== 0) {
+      obj.maxNgram = Math.round(message.maxNgram);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<SpeculationOptions>, I>>(base?: I): SpeculationOptions {
+    return SpeculationOptions.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<SpeculationOptions>, I>>(object: I): SpeculationOptions {
+    const message = createBaseSpeculationOptions();
+    message.disabled = object.disabled ?? false;
+    message.maxDraftTokens = object.maxDraftTokens ?? 0;
+    message.minNgram = object.minNgram ?? 0;
+    message.maxNgram = object.maxNgram ?? 0;
     return message;
   },
 };
@@ -8159,6 +8378,8 @@ function createBaseGenerateFinished(): GenerateFinished {
     timeToFirstTokenNs: 0,
     totalNs: 0,
     sampleIndex: 0,
+    draftTokens: 0,
+    acceptedDraftTokens: 0,
   };
 }
 
@@ -8187,6 +8408,12 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
     }
     if (message.sampleIndex !== 0) {
       writer.uint32(64).uint32(message.sampleIndex);
+    }
+    if (message.draftTokens !== 0) {
+      writer.uint32(72).uint32(message.draftTokens);
+    }
+    if (message.acceptedDraftTokens !== 0) {
+      writer.uint32(80).uint32(message.acceptedDraftTokens);
     }
     return writer;
   },
@@ -8268,6 +8495,22 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
             message.sampleIndex = reader.uint32();
             continue;
           }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.draftTokens = reader.uint32();
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.acceptedDraftTokens = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -8314,6 +8557,16 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
         : isSet(object.sample_index)
         ? globalThis.Number(object.sample_index)
         : 0,
+      draftTokens: isSet(object.draftTokens)
+        ? globalThis.Number(object.draftTokens)
+        : isSet(object.draft_tokens)
+        ? globalThis.Number(object.draft_tokens)
+        : 0,
+      acceptedDraftTokens: isSet(object.acceptedDraftTokens)
+        ? globalThis.Number(object.acceptedDraftTokens)
+        : isSet(object.accepted_draft_tokens)
+        ? globalThis.Number(object.accepted_draft_tokens)
+        : 0,
     };
   },
 
@@ -8343,6 +8596,12 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
     if (message.sampleIndex !== 0) {
       obj.sampleIndex = Math.round(message.sampleIndex);
     }
+    if (message.draftTokens !== 0) {
+      obj.draftTokens = Math.round(message.draftTokens);
+    }
+    if (message.acceptedDraftTokens !== 0) {
+      obj.acceptedDraftTokens = Math.round(message.acceptedDraftTokens);
+    }
     return obj;
   },
 
@@ -8361,6 +8620,8 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
     message.timeToFirstTokenNs = object.timeToFirstTokenNs ?? 0;
     message.totalNs = object.totalNs ?? 0;
     message.sampleIndex = object.sampleIndex ?? 0;
+    message.draftTokens = object.draftTokens ?? 0;
+    message.acceptedDraftTokens = object.acceptedDraftTokens ?? 0;
     return message;
   },
 };
@@ -11347,6 +11608,8 @@ function createBaseKvTransferHeader(): KvTransferHeader {
     checksumAlgorithm: "",
     stateFormat: "",
     adapter: "",
+    adapterDigest: "",
+    callerSupplied: false,
   };
 }
 
@@ -11410,6 +11673,12 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
     }
     if (message.adapter !== "") {
       writer.uint32(138).string(message.adapter);
+    }
+    if (message.adapterDigest !== "") {
+      writer.uint32(146).string(message.adapterDigest);
+    }
+    if (message.callerSupplied !== false) {
+      writer.uint32(152).bool(message.callerSupplied);
     }
     return writer;
   },
@@ -11583,6 +11852,22 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
             message.adapter = reader.string();
             continue;
           }
+          case 18: {
+            if (tag !== 146) {
+              break;
+            }
+
+            message.adapterDigest = reader.string();
+            continue;
+          }
+          case 19: {
+            if (tag !== 152) {
+              break;
+            }
+
+            message.callerSupplied = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -11668,6 +11953,16 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
         ? globalThis.String(object.state_format)
         : "",
       adapter: isSet(object.adapter) ? globalThis.String(object.adapter) : "",
+      adapterDigest: isSet(object.adapterDigest)
+        ? globalThis.String(object.adapterDigest)
+        : isSet(object.adapter_digest)
+        ? globalThis.String(object.adapter_digest)
+        : "",
+      callerSupplied: isSet(object.callerSupplied)
+        ? globalThis.Boolean(object.callerSupplied)
+        : isSet(object.caller_supplied)
+        ? globalThis.Boolean(object.caller_supplied)
+        : false,
     };
   },
 
@@ -11724,6 +12019,12 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
     if (message.adapter !== "") {
       obj.adapter = message.adapter;
     }
+    if (message.adapterDigest !== "") {
+      obj.adapterDigest = message.adapterDigest;
+    }
+    if (message.callerSupplied !== false) {
+      obj.callerSupplied = message.callerSupplied;
+    }
     return obj;
   },
 
@@ -11749,6 +12050,8 @@ export const KvTransferHeader: MessageFns<KvTransferHeader> = {
     message.checksumAlgorithm = object.checksumAlgorithm ?? "";
     message.stateFormat = object.stateFormat ?? "";
     message.adapter = object.adapter ?? "";
+    message.adapterDigest = object.adapterDigest ?? "";
+    message.callerSupplied = object.callerSupplied ?? false;
     return message;
   },
 };

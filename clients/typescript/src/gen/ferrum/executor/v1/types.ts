@@ -690,6 +690,11 @@ export interface ModelInfo {
  *
  * A block's key thus names its tokens and every token before it. Two sequences share their
  * leading blocks exactly when their keys match. Keys travel as 32 raw bytes (`KvBlockStored`).
+ * When the server authenticates callers (bearer tokens or client certificates), `cache_salt` in
+ * the root is the request's salt with the caller's identity folded in:
+ *     0x00 || "caller:" || decimal length of identity || ":" || identity || 0x00 || request salt
+ * (identity "token:" + the first 32 hex digits of SHA-256 of the bearer token, or "x509:" + the
+ * certificate's names), unless the request salt starts with "shared:" (then it is used as sent).
  */
 export interface PrefixCacheRecipe {
   /**
