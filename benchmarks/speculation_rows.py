@@ -1,0 +1,116 @@
+"""Server-side speculation (issue 30): ``Generate`` with the n-gram drafter ÷ plain ``Generate``,
+decode tok/s on a repetitive copy task, greedy output asserted identical.
+
+    .venv/bin/python -m benchmarks.speculation_rows [--model smollm2-hf|smollm2] [--threads N] [--runs N]
+                                                    [--streams 1,4] [--max-tokens N] [--draft N]
+
+The prompt is a paragraph written twice and the start of its third copy (a copy task: the model
+continues the paragraph it has seen, and the drafter finds each next run of tokens earlier in the
+prompt). One server (``--model``), the same prompt; per row, plain and speculating streams run
+alternately (``--runs`` each, medians), every pair of runs between two probes of the reference
+workload (``llama_cpp_rows.reference_workload``); a row whose drift exceeds 15 % is flagged ``busy``
+and is not a result. Decode tok/s of a stream = (tokens − 1) ÷ (last token's arrival − first's);
+B streams: their tokens ÷ the window from the first first token to the last last token.
+Results: ``benchmarks/results/speculation_rows[-MODEL].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+
+from .common import Server, median, write_rows
+from .llama_cpp_rows import DRIFT_LIMIT, timed_row
+
+PARAGRAPH = (
+    "The committee met on Tuesday to review the budget for the new library. After a long discussion, "
+    "the members agreed to fund the reading room, the children's section and a small cafe near the "
+    "entrance, and asked the architect to present revised drawings at the next meeting in March."
+)
+
+
+def copy_prompt() -> str:
+    return f"{PARAGRAPH}\n\n{PARAGRAPH}\n\n{PARAGRAPH[:40]}"
+
+
+def _stream(client, model: str, prompt: str, max_tokens: int, draft: int, out: list) -> None:
+    from ferrum_client import pb
+
+    req = pb.GenerateRequest(model_id=model, text=prompt, stop=pb.StopConditions(max_tokens=max_tokens, ignore_eos=True),
+                             bypass_prefix_cache=True)
+    if draft:
+        req.speculation.CopyFrom(pb.SpeculationOptions(max_draft_tokens=draft))
+    toks, stamps, fin = [], [], None
+    for ev in client.stub.Generate(req):
+        if ev.WhichOneof("event") == "token":
+            toks.append(ev.token.token_id)
+            stamps.append(time.perf_counter())
+        elif ev.WhichOneof("event") == "finished":
+            fin = ev.finished
+    out.append({"tokens": toks, "stamps": stamps, "draft": fin.draft_tokens, "accepted": fin.accepted_draft_tokens})
+
+
+def run_streams(client, model: str, prompt: str, b: int, max_tokens: int, draft: int) -> dict:
+    recs: list = []
+    ts = [threading.Thread(target=_stream, args=(client, model, prompt, max_tokens, draft, recs)) for _ in range(b)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    w0 = min(r["stamps"][0] for r in recs)
+    w1 = max(r["stamps"][-1] for r in recs)
+    n = sum(len(r["tokens"]) - 1 for r in recs)
+    drafted = sum(r["draft"] for r in recs)
+    return {"tok_s": n / (w1 - w0) if w1 > w0 else float("nan"), "tokens": [r["tokens"] for r in recs],
+            "draft_tokens": drafted, "accepted": sum(r["accepted"] for r in recs),
+            "acceptance": sum(r["accepted"] for r in recs) / drafted if drafted else 0.0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-hf", help="a model preset (smollm2-hf, smollm2, smollm2-llama)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--runs", type=int, default=2, help="runs per side and row (medians)")
+    ap.add_argument("--streams", default="1,4", help="rows: concurrent streams (comma-separated)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--draft", type=int, default=8, help="max_draft_tokens of the speculating side")
+    a = ap.parse_args(argv)
+    from ferrum_client import Client
+
+    prompt = copy_prompt()
+    rows, raw = [], {"threads": a.threads, "model": a.model, "load_before": os.getloadavg(), "rows": {}}
+    print("| row | speculation tok/s | plain tok/s | ratio | target | acceptance | identical | drift | flag |\n"
+          "|---|---|---|---|---|---|---|---|---|", flush=True)
+    with Server(f"{a.model},id=m", threads=a.threads, name=f"server-speculation-{a.model}") as srv, \
+            Client(srv.target) as c:
+        run_streams(c, "m", prompt, 1, 8, 0)  # warm-up of both paths
+        run_streams(c, "m", prompt, 1, 8, a.draft)
+        for b in (int(x) for x in a.streams.split(",")):
+            plain, spec, drifts = [], [], []
+            for _ in range(a.runs):
+                (p, s), d = timed_row(lambda: (run_streams(c, "m", prompt, b, a.max_tokens, 0),
+                                               run_streams(c, "m", prompt, b, a.max_tokens, a.draft)))
+                plain.append(p)
+                spec.append(s)
+                drifts.append(d)
+            same = all(t == plain[0]["tokens"][0] for r in plain + spec for t in r["tokens"])
+            assert same, "speculation changed greedy output"
+            ps, ss = median([r["tok_s"] for r in plain]), median([r["tok_s"] for r in spec])
+            acc = median([r["acceptance"] for r in spec])
+            drift = max(drifts)
+            flag = "busy" if drift > DRIFT_LIMIT else ""
+            rows.append((f"{a.model}: Generate n-gram speculation ÷ plain, copy task, {b} stream(s), "
+                         f"{a.max_tokens} tokens", f"{ss:.1f}", f"{ps:.1f}", f"{ss / ps:.2f}", "≥ 1.5x", f"{acc:.2f}",
+                         str(same), f"{100 * drift:.0f} %", flag))
+            raw["rows"][f"b{b}"] = {"plain": [{k: v for k, v in r.items() if k != "tokens"} for r in plain],
+                                    "spec": [{k: v for k, v in r.items() if k != "tokens"} for r in spec],
+                                    "drifts": drifts, "tokens0": plain[0]["tokens"][0]}
+            print(f"| {' | '.join(rows[-1])} |", flush=True)
+    write_rows(f"speculation_rows-{a.model}", rows, raw)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
