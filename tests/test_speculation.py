@@ -30,10 +30,10 @@ from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .support.servers import InProcessServer
 
 
-def _counting(path) -> HfCausalLmExecutor:
+def _counting(path, kv_budget_tokens: int = 8192) -> HfCausalLmExecutor:
     """The tiny llama rewired so that its next token is the current one + 1: the layers add
     nothing to the residual stream and the output head scores token v with the embedding of v-1."""
-    ex = HfCausalLmExecutor.from_path(path, model_id="count", device="cpu", kv_budget_tokens=8192)
+    ex = HfCausalLmExecutor.from_path(path, model_id="count", device="cpu", kv_budget_tokens=kv_budget_tokens)
     m = ex.model
     with torch.no_grad():
         for layer in m.model.layers:
@@ -64,8 +64,8 @@ def client(srv):
 def no_leaks(srv):
     yield
     assert srv.live_caches() == {"tiny": 0, "count": 0}
-    for h in srv.models:
-        assert h.executor.prefix.used_blocks == 0 or h.executor.prefix.refs == {}
+    for h in srv.models:  # no block held: every cache, and every rejected draft's block, let go
+        assert not h.executor.prefix.refs
 
 
 def _gen(c, model: str, prompt: list[int], max_tokens: int = 40, spec: pb.SpeculationOptions | None = None,
@@ -320,3 +320,17 @@ def test_server_default_applies_to_requests_without_the_option(tiny_llama_dir):
         off, _, of = _gen(c, "count", COUNT_PROMPT, 40, pb.SpeculationOptions(disabled=True))
         assert plain == off and on[0].draft_tokens > 0 and of[0].draft_tokens == 0
         assert s.live_caches() == {"count": 0}
+
+
+def test_drafts_fit_the_reservation_of_a_full_kv_budget(tiny_llama_dir):
+    """A budget of exactly one stream's reservation: drafts never need KV past it (each draft may
+    become an output token, so none is proposed past max_tokens), and the stream completes."""
+    max_tokens = 96 - len(COUNT_PROMPT)  # prompt + max_tokens = 96 tokens = 6 blocks of 16
+    ex2 = _counting(tiny_llama_dir, kv_budget_tokens=96)
+    with InProcessServer([ex2]) as s, Client(s.target) as c:
+        plain, _, _ = _gen(c, "count", COUNT_PROMPT, max_tokens)
+        spec, _, f = _gen(c, "count", COUNT_PROMPT, max_tokens, pb.SpeculationOptions(max_draft_tokens=16))
+        assert spec == plain and len(spec[0]) == max_tokens
+        assert f[0].accepted_draft_tokens > 0 and f[0].finish_reason == pb.FINISH_REASON_LENGTH
+        assert s.live_caches() == {"count": 0}
+        assert not ex2.prefix.refs
