@@ -9,7 +9,7 @@ continues the paragraph it has seen, and the drafter finds each next run of toke
 prompt). One server (``--model``), the same prompt; per row, plain and speculating streams run
 alternately (``--runs`` each, medians), every pair of runs between two probes of the reference
 workload (``llama_cpp_rows.reference_workload``); a row whose drift exceeds 15 % is flagged ``busy``
-and is not a result. Decode tok/s of a stream = (tokens − 1) ÷ (last token's arrival − first's);
+and measured again (``--retries``), and one still busy is not a result. Decode tok/s of a stream = (tokens − 1) ÷ (last token's arrival − first's);
 B streams: their tokens ÷ the window from the first first token to the last last token.
 Results: ``benchmarks/results/speculation_rows[-MODEL].json``.
 """
@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", default="1,4", help="rows: concurrent streams (comma-separated)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--draft", type=int, default=8, help="max_draft_tokens of the speculating side")
+    ap.add_argument("--retries", type=int, default=2, help="re-measurements of a row flagged busy")
     a = ap.parse_args(argv)
     from ferrum_client import Client
 
@@ -88,13 +89,17 @@ def main(argv=None) -> int:
         run_streams(c, "m", prompt, 1, 8, 0)  # warm-up of both paths
         run_streams(c, "m", prompt, 1, 8, a.draft)
         for b in (int(x) for x in a.streams.split(",")):
-            plain, spec, drifts = [], [], []
-            for _ in range(a.runs):
-                (p, s), d = timed_row(lambda: (run_streams(c, "m", prompt, b, a.max_tokens, 0),
-                                               run_streams(c, "m", prompt, b, a.max_tokens, a.draft)))
-                plain.append(p)
-                spec.append(s)
-                drifts.append(d)
+            for attempt in range(1 + a.retries):  # a busy row is measured again, not published
+                plain, spec, drifts = [], [], []
+                for _ in range(a.runs):
+                    (p, s), d = timed_row(lambda: (run_streams(c, "m", prompt, b, a.max_tokens, 0),
+                                                   run_streams(c, "m", prompt, b, a.max_tokens, a.draft)))
+                    plain.append(p)
+                    spec.append(s)
+                    drifts.append(d)
+                if max(drifts) <= DRIFT_LIMIT:
+                    break
+                print(f"(streams={b}: drift {100 * max(drifts):.0f} %, busy; attempt {attempt + 1})", flush=True)
             same = all(t == plain[0]["tokens"][0] for r in plain + spec for t in r["tokens"])
             assert same, "speculation changed greedy output"
             ps, ss = median([r["tok_s"] for r in plain]), median([r["tok_s"] for r in spec])
@@ -104,7 +109,7 @@ def main(argv=None) -> int:
             rows.append((f"{a.model}: Generate n-gram speculation ÷ plain, copy task, {b} stream(s), "
                          f"{a.max_tokens} tokens", f"{ss:.1f}", f"{ps:.1f}", f"{ss / ps:.2f}", "≥ 1.5x", f"{acc:.2f}",
                          str(same), f"{100 * drift:.0f} %", flag))
-            raw["rows"][f"b{b}"] = {"plain": [{k: v for k, v in r.items() if k != "tokens"} for r in plain],
+            raw["rows"][f"b{b}"] = {"attempts": attempt + 1, "plain": [{k: v for k, v in r.items() if k != "tokens"} for r in plain],
                                     "spec": [{k: v for k, v in r.items() if k != "tokens"} for r in spec],
                                     "drifts": drifts, "tokens0": plain[0]["tokens"][0]}
             print(f"| {' | '.join(rows[-1])} |", flush=True)

@@ -334,3 +334,14 @@ def test_drafts_fit_the_reservation_of_a_full_kv_budget(tiny_llama_dir):
         assert f[0].accepted_draft_tokens > 0 and f[0].finish_reason == pb.FINISH_REASON_LENGTH
         assert s.live_caches() == {"count": 0}
         assert not ex2.prefix.refs
+
+
+def test_python_client_helper_sets_the_option(srv):
+    from ferrum_client import messages
+
+    assert messages.generate_request("m", token_ids=[1], speculation=8).speculation.max_draft_tokens == 8
+    assert not messages.generate_request("m", token_ids=[1]).HasField("speculation")
+    with Client(srv.target) as c:
+        evs = list(c.generate("count", token_ids=COUNT_PROMPT, max_tokens=30, ignore_eos=True, speculation=6))
+    fin = evs[-1].finished
+    assert fin.generated_tokens == 30 and 0 < fin.accepted_draft_tokens <= fin.draft_tokens
