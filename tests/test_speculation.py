@@ -345,3 +345,14 @@ def test_python_client_helper_sets_the_option(srv):
         evs = list(c.generate("count", token_ids=COUNT_PROMPT, max_tokens=30, ignore_eos=True, speculation=6))
     fin = evs[-1].finished
     assert fin.generated_tokens == 30 and 0 < fin.accepted_draft_tokens <= fin.draft_tokens
+
+
+def test_speculation_draft_tokens_flag(tiny_llama_dir):
+    from .support.servers import ServerProcess
+
+    spec = f"hf-causal-lm,id=tiny,path={tiny_llama_dir}"
+    prompt = _prompt(2, 8) * 4
+    with ServerProcess("--model", spec, "--speculation-draft-tokens", "3") as proc, Client(proc.target) as c:
+        toks, _, f = _gen(c, "tiny", prompt, 30)
+        off, _, g = _gen(c, "tiny", prompt, 30, pb.SpeculationOptions(disabled=True))
+    assert toks == off and f[0].draft_tokens > 0 and g[0].draft_tokens == 0
