@@ -356,3 +356,33 @@ def test_speculation_draft_tokens_flag(tiny_llama_dir):
         toks, _, f = _gen(c, "tiny", prompt, 30)
         off, _, g = _gen(c, "tiny", prompt, 30, pb.SpeculationOptions(disabled=True))
     assert toks == off and f[0].draft_tokens > 0 and g[0].draft_tokens == 0
+
+
+def test_a_verify_row_shares_the_step_with_plain_decode_rows(srv):
+    """The batcher puts a speculating stream's row (token + drafts) and another stream's one-token
+    row in one forward; the rejected draft's KV is gone when the step returns."""
+    import asyncio
+
+    from ferrum_service.types import PrefillInput
+
+    host = next(h for h in srv.models if h.model_id == "count")
+    ex = host.executor
+
+    async def go():
+        (pa, _), (pb_, _) = await asyncio.gather(
+            host.batcher.prefill(PrefillInput(token_ids=COUNT_PROMPT, reserve_tokens=80)),
+            host.batcher.prefill(PrefillInput(token_ids=[7, 8, 9], reserve_tokens=20)))
+        ca, cb = pa.cache.cache_id, pb_.cache.cache_id
+        ops = ex.stats.decode_ops
+        ra, rb = await asyncio.gather(host.batcher.decode(DecodeInput(ca, 103, draft=[104, 105, 7])),
+                                      host.batcher.decode(DecodeInput(cb, 10)))
+        out = ra, rb, ex.stats.decode_ops - ops, ex.registry.get(ca).num_tokens, ex.registry.get(cb).num_tokens
+        for c in (ca, cb):
+            await host.call(ex.release_cache, c)
+        return out
+
+    ra, rb, steps, na, nb = srv.run(go())
+    assert steps == 1
+    assert (ra.token_id, [r.token_id for r in ra.extra], ra.drafted) == (104, [105, 106], 3)
+    assert rb.token_id == 11 and not rb.extra and rb.drafted == 0
+    assert na == len(COUNT_PROMPT) + 3 and nb == 4  # 103, 104, 105 kept; the draft 7 dropped
