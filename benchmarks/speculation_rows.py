@@ -1,8 +1,8 @@
 """Server-side speculation (issue 30): ``Generate`` with the n-gram drafter ÷ plain ``Generate``,
 decode tok/s on a repetitive copy task, greedy output asserted identical.
 
-    .venv/bin/python -m benchmarks.speculation_rows [--model smollm2-hf|smollm2] [--threads N] [--runs N]
-                                                    [--streams 1,4] [--max-tokens N] [--draft N]
+    .venv/bin/python -m benchmarks.speculation_rows [--model smollm2-hf|smollm2] [--threads N]
+        [--runs N] [--retries N] [--streams 1,4] [--max-tokens N] [--draft N] [--tasks copy,prose]
 
 The prompt is a paragraph written twice and the start of its third copy (a copy task: the model
 continues the paragraph it has seen, and the drafter finds each next run of tokens earlier in the
@@ -35,11 +35,19 @@ def copy_prompt() -> str:
     return f"{PARAGRAPH}\n\n{PARAGRAPH}\n\n{PARAGRAPH[:40]}"
 
 
+def prose_prompt() -> str:
+    """No repeated text: what speculation costs when its drafts are mostly rejected (reported, no target)."""
+    return "Write a short story about a lighthouse keeper who finds a message in a bottle.\n\nOnce upon a time,"
+
+
+TASKS = {"copy": (copy_prompt, "≥ 1.5x"), "prose": (prose_prompt, "reported")}
+
+
 def _stream(client, model: str, prompt: str, max_tokens: int, draft: int, out: list) -> None:
     from ferrum_client import pb
 
-    req = pb.GenerateRequest(model_id=model, text=prompt, stop=pb.StopConditions(max_tokens=max_tokens, ignore_eos=True),
-                             bypass_prefix_cache=True)
+    req = pb.GenerateRequest(model_id=model, text=prompt, bypass_prefix_cache=True,
+                             stop=pb.StopConditions(max_tokens=max_tokens, ignore_eos=True))
     if draft:
         req.speculation.CopyFrom(pb.SpeculationOptions(max_draft_tokens=draft))
     toks, stamps, fin = [], [], None
@@ -77,18 +85,21 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--draft", type=int, default=8, help="max_draft_tokens of the speculating side")
     ap.add_argument("--retries", type=int, default=2, help="re-measurements of a row flagged busy")
+    ap.add_argument("--tasks", default="copy",
+                    help="copy (the target row) and/or prose (low acceptance), comma-separated")
     a = ap.parse_args(argv)
     from ferrum_client import Client
 
-    prompt = copy_prompt()
     rows, raw = [], {"threads": a.threads, "model": a.model, "load_before": os.getloadavg(), "rows": {}}
     print("| row | speculation tok/s | plain tok/s | ratio | target | acceptance | identical | drift | flag |\n"
           "|---|---|---|---|---|---|---|---|---|", flush=True)
     with Server(f"{a.model},id=m", threads=a.threads, name=f"server-speculation-{a.model}") as srv, \
             Client(srv.target) as c:
-        run_streams(c, "m", prompt, 1, 8, 0)  # warm-up of both paths
-        run_streams(c, "m", prompt, 1, 8, a.draft)
-        for b in (int(x) for x in a.streams.split(",")):
+        run_streams(c, "m", copy_prompt(), 1, 8, 0)  # warm-up of both paths
+        run_streams(c, "m", copy_prompt(), 1, 8, a.draft)
+        cells = [(t, int(b)) for t in a.tasks.split(",") for b in a.streams.split(",")]
+        for task, b in cells:
+            prompt, target = TASKS[task][0](), TASKS[task][1]
             for attempt in range(1 + a.retries):  # a busy row is measured again, not published
                 plain, spec, drifts = [], [], []
                 for _ in range(a.runs):
@@ -99,19 +110,21 @@ def main(argv=None) -> int:
                     drifts.append(d)
                 if max(drifts) <= DRIFT_LIMIT:
                     break
-                print(f"(streams={b}: drift {100 * max(drifts):.0f} %, busy; attempt {attempt + 1})", flush=True)
+                print(f"({task}, streams={b}: drift {100 * max(drifts):.0f} %, busy; attempt {attempt + 1})",
+                      flush=True)
             same = all(t == plain[0]["tokens"][0] for r in plain + spec for t in r["tokens"])
             assert same, "speculation changed greedy output"
             ps, ss = median([r["tok_s"] for r in plain]), median([r["tok_s"] for r in spec])
             acc = median([r["acceptance"] for r in spec])
             drift = max(drifts)
             flag = "busy" if drift > DRIFT_LIMIT else ""
-            rows.append((f"{a.model}: Generate n-gram speculation ÷ plain, copy task, {b} stream(s), "
-                         f"{a.max_tokens} tokens", f"{ss:.1f}", f"{ps:.1f}", f"{ss / ps:.2f}", "≥ 1.5x", f"{acc:.2f}",
+            rows.append((f"{a.model}: Generate n-gram speculation ÷ plain, {task} task, {b} stream(s), "
+                         f"{a.max_tokens} tokens", f"{ss:.1f}", f"{ps:.1f}", f"{ss / ps:.2f}", target, f"{acc:.2f}",
                          str(same), f"{100 * drift:.0f} %", flag))
-            raw["rows"][f"b{b}"] = {"attempts": attempt + 1, "plain": [{k: v for k, v in r.items() if k != "tokens"} for r in plain],
-                                    "spec": [{k: v for k, v in r.items() if k != "tokens"} for r in spec],
-                                    "drifts": drifts, "tokens0": plain[0]["tokens"][0]}
+            raw["rows"][f"{task}_b{b}"] = {
+                "attempts": attempt + 1, "drifts": drifts, "tokens0": plain[0]["tokens"][0],
+                "plain": [{k: v for k, v in r.items() if k != "tokens"} for r in plain],
+                "spec": [{k: v for k, v in r.items() if k != "tokens"} for r in spec]}
             print(f"| {' | '.join(rows[-1])} |", flush=True)
     write_rows(f"speculation_rows-{a.model}", rows, raw)
     return 0

@@ -175,7 +175,8 @@ class _SpeculationCollector:
     ``ferrum_speculation_accepted_tokens_total`` (drafts accepted; acceptance rate = accepted /
     draft) and ``ferrum_speculation_verify_rows_total`` (speculative rows run)."""
 
-    _NAMES = (("ferrum_speculation_draft_tokens", "Draft tokens Generate's n-gram speculation verified", "draft_tokens"),
+    _NAMES = (("ferrum_speculation_draft_tokens", "Draft tokens Generate's n-gram speculation verified",
+               "draft_tokens"),
               ("ferrum_speculation_accepted_tokens", "Draft tokens accepted (equal to the token drawn there)",
                "accepted_tokens"),
               ("ferrum_speculation_verify_rows", "Speculative rows (a token plus its drafts) run", "verify_rows"))
