@@ -323,6 +323,7 @@ async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool
                     s.draft_tokens += row.drafted
                     s.accepted_drafts += len(row.extra)
                     speculation.stats_of(host).record(row.drafted, len(row.extra))
+                    s.drafter.feedback(row.drafted, len(row.extra))
                 s.drafter.extend([ev.token_id for ev in events])
                 if s.finish == pb.FINISH_REASON_UNSPECIFIED:
                     # each draft token may become one more output token: never past max_tokens

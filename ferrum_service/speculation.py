@@ -88,6 +88,9 @@ class NgramDrafter:
 
     def __init__(self, cfg: SpeculationConfig, tokens: Sequence[int] = ()) -> None:
         self.cfg = cfg
+        # Draft length now: shrinks by one after a rejection, grows by two after a full acceptance
+        # (assisted generation's heuristic), so text with few repeats verifies short drafts.
+        self.length = cfg.max_draft
         self.tokens: list[int] = []
         # per n: n-gram -> start of its latest occurrence that some token follows
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(cfg.min_ngram, cfg.max_ngram + 1)}
@@ -103,10 +106,16 @@ class NgramDrafter:
                 if end >= n:
                     idx[tuple(ts[end - n:end])] = end - n
 
+    def feedback(self, drafted: int, accepted: int) -> None:
+        """How the last draft did: adapts the next drafts' length (1..max_draft)."""
+        if drafted:
+            grow = 2 if accepted == drafted else -1
+            self.length = max(1, min(self.cfg.max_draft, self.length + grow))
+
     def propose(self, limit: int) -> list[int]:
-        """Up to ``min(limit, max_draft)`` tokens that followed the latest earlier occurrence of the
+        """Up to ``min(limit, length)`` tokens that followed the latest earlier occurrence of the
         sequence's last n tokens (longest n first); [] when no n-gram recurs."""
-        k = min(limit, self.cfg.max_draft)
+        k = min(limit, self.length)
         ts = self.tokens
         if k <= 0:
             return []

@@ -109,6 +109,10 @@ def test_drafter_proposes_what_followed_the_latest_occurrence_longest_ngram_firs
     assert d.propose(10) == [9, 1, 2, 3]
     assert NgramDrafter(SpeculationConfig(max_draft=4, min_ngram=2, max_ngram=2), [1, 2, 3, 4]).propose(4) == []
     assert d.propose(0) == []
+    d.feedback(4, 1)  # a rejection shortens the next drafts, full acceptances lengthen them again
+    assert d.propose(10) == [9, 1, 2]
+    d.feedback(3, 3)
+    assert d.propose(10) == [9, 1, 2, 3]
 
 
 def test_request_config_caps_huge_drafts_and_names_bad_fields():
