@@ -1,8 +1,8 @@
-"""Shared helpers: statistics, machine info, and a ``ferrum-service serve`` subprocess."""
+"""Shared helpers: statistics, machine info, a ``ferrum-service serve`` subprocess, and (from
+:mod:`benchmarks.schema`) ``write_rows``, the one writer of results files."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 from ferrum_service.testing.server_process import ServerProcess, free_port  # noqa: F401 - re-exported
+
+from .schema import write_rows  # noqa: F401 - the one writer of results files, re-exported
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,16 +82,6 @@ class Server(ServerProcess):
             args += ["--model", m]
         super().__init__(args, env={"FERRUM_TORCH_THREADS": str(self.threads)}, cwd=REPO,
                          log_path=REPO / "benchmarks" / "results" / f"{name}.log", ready_timeout=180, stop_timeout=20)
-
-
-def write_rows(name: str, rows: list, raw: dict) -> None:
-    """Write ``results/NAME.json`` (the table rows and the raw figures, with the load average after
-    the run next to the one before) and print both load averages."""
-    raw["load_after"] = os.getloadavg()
-    out = REPO / "benchmarks" / "results" / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "raw": raw}, indent=1, default=str))
-    print(f"load average before {raw.get('load_before')}, after {raw['load_after']}")
 
 
 def sampled_batch(target: str, model: str, prompt: str, streams: int, max_tokens: int, seed0: int,

@@ -30,8 +30,9 @@ import os
 import subprocess
 from pathlib import Path
 
-from .common import REPO, Server, median, write_rows
-from .llama_cpp_rows import DRIFT_LIMIT, timed_row
+from .common import REPO, Server, median
+from .llama_cpp_rows import timed_row
+from .schema import row, write_rows
 from .remote import generate_streams
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
@@ -101,12 +102,15 @@ def main(argv=None) -> int:
         for b in (1, 8):
             r, drift = timed_row(lambda: paired(exe, srv.target, "smollm2", b, n, runs))
             raw[f"b{b}"] = r
-            ratio = r["engine_tok_s"] / r["generate_tok_s"]
-            rows.append((f"ferrum engine, {b} concurrent ÷ {b} Generate streams ({a.executor})",
-                         f"{r['engine_tok_s']:.1f}", f"{r['generate_tok_s']:.1f}", f"{ratio:.2f}", "≥ 0.8",
-                         f"{r['rpc_per_token']:.2f}", str(r["same_tokens"]), f"{100 * drift:.0f} %",
-                         "busy" if drift > DRIFT_LIMIT else ""))
-            print(f"| {' | '.join(rows[-1])} |", flush=True)
+            x = row(f"ferrum engine, {b} concurrent ÷ {b} Generate streams ({a.executor})", r["engine_tok_s"],
+                    r["generate_tok_s"], r["engine_tok_s"] / r["generate_tok_s"], "≥ 0.8", target_value=0.8,
+                    drift=drift, unit="tok/s", rpc_per_token=r["rpc_per_token"], same_tokens=r["same_tokens"],
+                    note=f"{a.executor} executor, {n} tokens per request, greedy, {runs} runs per side alternated, "
+                         f"medians; {'release' if a.release else 'debug'} build of the engine example")
+            rows.append(x)
+            print(f"| {x['name']} | {x['ours']:.1f} | {x['peer']:.1f} | {x['ratio']:.2f} | {x['target']} | "
+                  f"{r['rpc_per_token']:.2f} | {r['same_tokens']} | {100 * drift:.0f} % | "
+                  f"{'busy' if x['busy'] else ''} |", flush=True)
     write_rows("engine_rows-release" if a.release else "engine_rows", rows, raw)
     return 0
 

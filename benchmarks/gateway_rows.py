@@ -25,9 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ferrum_client import Client
 
-from .common import Server, median, pct, write_rows
+from .common import Server, median, pct
 from .engine_rows import PROMPT
-from .llama_cpp_rows import DRIFT_LIMIT, timed_row
+from .llama_cpp_rows import timed_row
+from .schema import row, write_rows
 from .remote import generate_streams
 
 
@@ -112,12 +113,16 @@ def main(argv=None) -> int:
             for b in (1, 8):
                 r, drift = timed_row(lambda: paired(gw.port, srv.target, "smollm2", text, b, n, runs))
                 raw[f"b{b}"] = r
-                ratio = r["gateway_tok_s"] / r["generate_tok_s"]
-                rows.append((f"SMG gateway, {b} concurrent ÷ {b} Generate streams ({a.executor})",
-                             f"{r['gateway_tok_s']:.1f}", f"{r['generate_tok_s']:.1f}", f"{ratio:.2f}", "≥ 0.9",
-                             f"{r['gateway_ttft_p50_ms']:.0f} / {r['generate_ttft_p50_ms']:.0f}",
-                             f"{100 * drift:.0f} %", "busy" if drift > DRIFT_LIMIT else ""))
-                print(f"| {' | '.join(rows[-1])} |", flush=True)
+                x = row(f"SMG gateway, {b} concurrent ÷ {b} Generate streams ({a.executor})", r["gateway_tok_s"],
+                        r["generate_tok_s"], r["gateway_tok_s"] / r["generate_tok_s"], "≥ 0.9", target_value=0.9,
+                        drift=drift, unit="tok/s", ttft_p50_ms={"gateway": r["gateway_ttft_p50_ms"],
+                                                                "generate": r["generate_ttft_p50_ms"]},
+                        note=f"streamed /v1/completions through SMG ÷ Generate on the same worker, {n} tokens, "
+                             f"greedy, {runs} runs per side alternated, medians")
+                rows.append(x)
+                print(f"| {x['name']} | {x['ours']:.1f} | {x['peer']:.1f} | {x['ratio']:.2f} | {x['target']} | "
+                      f"{r['gateway_ttft_p50_ms']:.0f} / {r['generate_ttft_p50_ms']:.0f} | {100 * drift:.0f} % | "
+                      f"{'busy' if x['busy'] else ''} |", flush=True)
         finally:
             gw.stop()
     write_rows("gateway_rows", rows, raw)

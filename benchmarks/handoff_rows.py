@@ -30,8 +30,9 @@ import time
 
 from ferrum_client import AsyncClient, Client, messages as m, pb
 
-from .common import Server, median, pct, write_rows
-from .llama_cpp_rows import DRIFT_LIMIT, timed_row
+from .common import Server, median, pct
+from .llama_cpp_rows import timed_row
+from .schema import row, write_rows
 
 MODEL = "hf"
 
@@ -108,6 +109,13 @@ def _latencies(recs: list[dict], max_tokens: int) -> dict:
             "wall_s": max(r["stamps"][-1] for r in recs) - min(r["sent"] for r in recs)}
 
 
+def _print(r: dict) -> None:
+    ours, peer = f"{r['ours']:.0f} ms", f"{r['peer']:.0f} ms"
+    flag = "busy" if r["busy"] else ("" if r["met"] is None else "met" if r["met"] else "missed")
+    print(f"| {r['name']} | {ours} | {peer} | {r['ratio']:.3g} | {r['target'] or 'reported'} | "
+          f"{100 * r['drift']:.0f} % | {flag} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repeats, 8 streams of 512 tokens")
@@ -126,11 +134,11 @@ def main(argv=None) -> int:
             Server(spec, threads=th, extra=("--role", "decode", *budget), name="server-handoff-decode") as sd:
         res, drift = timed_row(lambda: handoff_vs_prefill(sp.target, sd.target, 1000, n))
         raw["handoff"] = res
-        rows.append(("handoff ÷ prefill, 1,000 tokens of context (SmolLM2 fp32, "
-                     f"{res['bytes'] / 2**20:.1f} MiB of K/V)", f"{1e3 * res['handoff_med_s']:.0f} ms",
-                     f"{1e3 * res['prefill_med_s']:.0f} ms", f"{res['ratio']:.3f}", "≤ 0.2",
-                     f"{100 * drift:.0f} %", "busy" if drift > DRIFT_LIMIT else ("met" if res["ratio"] <= 0.2 else "missed")))
-        print(f"| {' | '.join(rows[-1])} |", flush=True)
+        rows.append(row("handoff ÷ prefill, 1,000 tokens of context (SmolLM2 fp32, "
+                        f"{res['bytes'] / 2**20:.1f} MiB of K/V)", 1e3 * res["handoff_med_s"], 1e3 * res["prefill_med_s"],
+                        res["ratio"], "≤ 0.2", target_value=0.2, lower_is_better=True, drift=drift, unit="ms",
+                        note=f"median of {n} runs per side"))
+        _print(rows[-1])
         if not a.skip_streams:
             prompts = [_prompt(plen, i) for i in range(streams)]
             dis, d1 = timed_row(lambda: _latencies(asyncio.run(_disaggregated(sp.target, sd.target, prompts,
@@ -142,14 +150,12 @@ def main(argv=None) -> int:
             plain, d2 = timed_row(lambda: _latencies(asyncio.run(_plain([s0.target, s1.target], prompts,
                                                                         max_tokens)), max_tokens))
         raw["disaggregated"], raw["plain"] = dis, plain
-        flag = "busy" if max(d1, d2) > DRIFT_LIMIT else ""
         for key, label in (("ttft", "TTFT"), ("itl", "ITL"), ("decode_itl", "decode ITL")):
             for q in ("p50", "p99"):
                 x, y = dis[f"{key}_{q}_ms"], plain[f"{key}_{q}_ms"]
-                rows.append((f"{label} {q}, {streams} streams × {plen}-token prompts: 1 prefill + 1 decode ÷ 2 plain",
-                             f"{x:.0f} ms", f"{y:.0f} ms", f"{x / y:.2f}", "reported",
-                             f"{100 * max(d1, d2):.0f} %", flag))
-                print(f"| {' | '.join(rows[-1])} |", flush=True)
+                rows.append(row(f"{label} {q}, {streams} streams × {plen}-token prompts: 1 prefill + 1 decode ÷ 2 plain",
+                                x, y, x / y, drift=max(d1, d2), unit="ms", note="reported (no target)"))
+                _print(rows[-1])
     write_rows("handoff_rows", rows, raw)
     return 0
 

@@ -22,11 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import Server, median, sampled_batch, write_rows
-from .llama_cpp_rows import DRIFT_LIMIT, timed_row
+from .common import Server, median, sampled_batch
+from .llama_cpp_rows import timed_row
+from .schema import row as result_row
+from .schema import write_rows
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 ADAPTERS = 4
+TARGET = 0.7
 
 
 def _run(target: str, streams: int, max_tokens: int, mixed: bool, seed0: int) -> tuple[int, float]:
@@ -60,6 +63,17 @@ def build_adapters(out: Path, rank: int) -> list[str]:
     return flags
 
 
+def to_row(rec: dict, date: str | None = None) -> dict:
+    """The results row of one measurement (``streams``, ``mixed_tok_s``, ``plain_tok_s``,
+    ``ratio``, ``rates`` per side, ``drift``)."""
+    rates = {str(k).lower(): v for k, v in rec["rates"].items()}
+    return result_row(f"Generate, {rec['streams']} streams mixing {ADAPTERS} LoRA adapters ÷ the same streams "
+                      "without adapters", rec["mixed_tok_s"], rec["plain_tok_s"], rec["ratio"], f"≥ {TARGET}",
+                      target_value=TARGET, drift=rec["drift"], date=date, unit="tok/s", streams=rec["streams"],
+                      rates={"mixed": rates["true"], "plain": rates["false"]},
+                      note="sampled, ignore_eos, sides alternated, median of the rounds")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -77,12 +91,11 @@ def main() -> None:
             for streams in a.streams:
                 out, drift = timed_row(lambda: row(srv.target, streams, max_tokens, rounds))
                 out["drift"] = drift
-                out["busy"] = drift > DRIFT_LIMIT
-                results.append(out)
+                results.append(to_row(out))
     print(f"| streams | {ADAPTERS} adapters mixed tok/s | no adapters tok/s | ratio | target | drift |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['streams']} | {r['mixed_tok_s']:.1f} | {r['plain_tok_s']:.1f} | {r['ratio']:.2f} | ≥ 0.7 | "
+        print(f"| {r['extra']['streams']} | {r['ours']:.1f} | {r['peer']:.1f} | {r['ratio']:.2f} | {r['target']} | "
               f"{100 * r['drift']:.0f} %{' (busy)' if r['busy'] else ''} |")
     write_rows("lora_rows", results, {"rank": a.rank, "max_tokens": max_tokens, "rounds": rounds,
                                       "threads": a.threads, "load_before": load_before})

@@ -25,13 +25,13 @@ Each row is timed between two runs of ``reference_workload()`` (drift > 15 % = `
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import threading
 import time
 
 from .common import REPO, Server, median
-from .llama_cpp_rows import DRIFT_LIMIT, timed_row
+from .llama_cpp_rows import timed_row
+from .schema import write_rows
 
 MODEL = "smollm2"
 QUESTIONS = [
@@ -215,7 +215,7 @@ def n_samples_row(target: str, runs: int, max_tokens: int) -> dict:
 
 
 def rows_from(R: dict, drift: dict) -> list[dict]:
-    """Rows in the shape of ``benchmarks.run.row`` (name, ours, base, ratio, target, met, note)."""
+    """Results rows (:mod:`benchmarks.schema`), each with the drift of its section."""
     from .run import row
 
     out = []
@@ -224,7 +224,7 @@ def rows_from(R: dict, drift: dict) -> list[dict]:
         warm_hit = median([x["cached_tokens"] for x in t["warm"]])
         out.append(row("TTFT, 1,024-token shared system prompt + 32-token question: warm ÷ cold",
                        f"{1e3 * t['warm_s']:.0f} ms", f"{1e3 * t['cold_s']:.0f} ms", t["cold_s"] / t["warm_s"],
-                       "≥ 10× faster", 10.0,
+                       "≥ 10× faster", 10.0, drift=drift.get("ttft"),
                        note=f"Generate(max_tokens=1) of {t['prompt_tokens']} tokens; cold = bypass_prefix_cache, warm = "
                             f"system prompt cached ({warm_hit:.0f} tokens reused, median), a new question each run; "
                             f"{len(t['warm'])} runs per side alternated; ratio = cold ÷ warm TTFT; "
@@ -233,7 +233,7 @@ def rows_from(R: dict, drift: dict) -> list[dict]:
     if ch:
         out.append(row(f"multi-turn chat ({len(ch['turns'])} turns, conversation resent): prefill tokens computed ÷ sent",
                        f"{ch['computed']:,} computed", f"{ch['sent']:,} sent", ch["ratio"], "≤ 0.2", 0.2,
-                       lower_is_better=True,
+                       lower_is_better=True, drift=drift.get("chat"),
                        note="chat template over all messages each turn, earlier replies as text; computed = "
                             "prompt_tokens − cached_tokens (GenerateStarted); per turn sent/cached: "
                             + ", ".join(f"{x['sent']}/{x['cached']}" for x in ch["turns"])))
@@ -243,13 +243,13 @@ def rows_from(R: dict, drift: dict) -> list[dict]:
         bpb = ns["block_size"] * ns["bytes_per_token"]
         out.append(row(f"Generate n=4 of one {ns['prompt_tokens']}-token prompt: KV bytes ÷ one sequence's",
                        f"{k4 * bpb / 2**20:.1f} MiB ({k4} blocks)", f"{k1 * bpb / 2**20:.1f} MiB ({k1} blocks)",
-                       k4 / k1 if k1 else None, "≤ 1.3", 1.3, lower_is_better=True,
+                       k4 / k1 if k1 else None, "≤ 1.3", 1.3, lower_is_better=True, drift=drift.get("n4"),
                        note=f"peak blocks held by live caches (KvCapacity total − free − evictable, polled every 20 ms) "
                             f"during Generate of {ns['max_tokens']} sampled tokens per sample; block size "
                             f"{ns['block_size']}"))
         out.append(row(f"Generate n=4 of one {ns['prompt_tokens']}-token prompt: tok/s ÷ one stream",
                        f"{ns['four_tok_s']:.1f} tok/s", f"{ns['one_tok_s']:.1f} tok/s",
-                       ns["four_tok_s"] / ns["one_tok_s"], "≥ 3×", 3.0,
+                       ns["four_tok_s"] / ns["one_tok_s"], "≥ 3×", 3.0, drift=drift.get("n4"),
                        note=f"decode tok/s after every sample's first token, {len(ns['four'])} runs per side alternated, "
                             f"prompt computed on both sides (bypass_prefix_cache); end to end incl. prefill "
                             f"{ns['four_e2e']:.1f} ÷ {ns['one_e2e']:.1f} tok/s; drift {100 * drift.get('n4', 0):.0f} %"))
@@ -298,24 +298,18 @@ def main(argv=None) -> int:
     raw: dict = {"threads": a.threads, "load_before": os.getloadavg(), "spec": a.spec}
     with Server(a.spec, threads=a.threads, name="server-prefix") as srv:
         R, drift = measure(srv.target, a.quick, model, sections)
-    raw["load_after"] = os.getloadavg()
     rows = rows_from({k: v for k, v in R.items() if "error" not in v}, drift)
     print("| row | ours | base | ratio | target | met | drift |\n|---|---|---|---|---|---|---|")
-    names = {"TTFT": "ttft", "multi-turn": "chat", "Generate n=4": "n4"}
     for r in rows:
-        d = next((drift[v] for k, v in names.items() if r["name"].startswith(k)), 0.0)
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "—"
-        flag = " busy" if d > DRIFT_LIMIT else ""
-        print(f"| {r['name']} | {r['ours']} | {r['base']} | {ratio} | {r['target']} | "
-              f"{'yes' if r['met'] else 'no'} | {100 * d:.0f} %{flag} |")
+        flag = " busy" if r["busy"] else ""
+        print(f"| {r['name']} | {r['ours']} | {r['peer']} | {ratio} | {r['target']} | "
+              f"{'yes' if r['met'] else 'no'} | {100 * (r['drift'] or 0):.0f} %{flag} |")
     for k, v in R.items():
         if "error" in v:
             print(f"- {k}: {v['error']}")
-    out = REPO / "benchmarks" / "results" / ("prefix_rows.json" if sections == SECTIONS
-                                             else f"prefix_rows-{'-'.join(sections)}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "drift": drift, "raw": R, **raw}, indent=1, default=str))
-    print(f"load average before {raw['load_before']}, after {raw['load_after']}")
+    write_rows("prefix_rows" if sections == SECTIONS else f"prefix_rows-{'-'.join(sections)}", rows,
+               {**raw, "drift": drift, "sections": R})
     return 0
 
 

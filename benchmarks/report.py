@@ -1,4 +1,5 @@
-"""The Markdown table and the PNG plots of a benchmark run."""
+"""The Markdown table and the PNG plots of a ``benchmarks.run`` run (its rows in the schema of
+:mod:`benchmarks.schema`; ``python -m benchmarks.targets`` tables every results file)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def markdown(res: dict) -> str:
     ]
     for i, r in enumerate(res["rows"], 1):
         met = "—" if r.get("met") is None else ("yes" if r["met"] else "**no**")
-        lines.append(f"| {i} | {r['name']} | {r['ours']} | {r['base']} | {_f(r.get('ratio'))} | {r.get('target', '—')} | {met} |")
+        lines.append(f"| {i} | {r['name']} | {_f(r['ours'])} | {_f(r['peer'])} | {_f(r.get('ratio'))} | {r['target'] or '—'} | {met} |")
     notes = [f"{i}. {r['note']}" for i, r in enumerate(res["rows"], 1) if r.get("note")]
     if res.get("latency"):
         lines += ["", "Generate streams (SmolLM2, server subprocess, "
@@ -131,7 +132,8 @@ def plots(res: dict, out: Path) -> list[str]:
         files.append("rss.png")
         plt.close(fig)
     # 4. ratios vs targets
-    rr = [(i + 1, r) for i, r in enumerate(res["rows"]) if isinstance(r.get("ratio"), float) and r.get("target_value")]
+    rr = [(i + 1, {**r, **r.get("extra", {})}) for i, r in enumerate(res["rows"])
+          if isinstance(r.get("ratio"), float) and r.get("extra", {}).get("target_value")]
     if rr:
         fig, ax = plt.subplots(figsize=(7, 4))
         xs = range(len(rr))

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import sys
 import time
 import traceback
 from pathlib import Path
+
+from . import schema
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -28,11 +29,11 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def row(name, ours, base, ratio=None, target=None, target_value=None, lower_is_better=False, note="", met=None):
-    if met is None and ratio is not None and target_value is not None:
-        met = ratio <= target_value if lower_is_better else ratio >= target_value
-    return {"name": name, "ours": ours, "base": base, "ratio": ratio, "target": target or "—",
-            "target_value": target_value, "lower_is_better": lower_is_better, "met": met, "note": note}
+def row(name, ours, base, ratio=None, target=None, target_value=None, lower_is_better=False, note="", met=None,
+        drift=None) -> dict:
+    """A results row (:func:`benchmarks.schema.row`; ``base`` is its ``peer``)."""
+    return schema.row(name, ours, base, ratio, target, met=met, target_value=target_value,
+                      lower_is_better=lower_is_better, note=note, drift=drift)
 
 
 def main(argv=None) -> int:
@@ -85,6 +86,10 @@ def main(argv=None) -> int:
     from .llama_cpp_rows import DRIFT_LIMIT, reference_workload
 
     res["drift"] = {}
+
+    def dr(*sections: str) -> float | None:
+        """A row's drift: the largest of the sections its figures come from."""
+        return max((res["drift"][s] for s in sections if s in res["drift"]), default=None)
 
     def section(name, fn):
         log(name)
@@ -188,7 +193,7 @@ def main(argv=None) -> int:
         same = R["grpc_b8"]["tokens"] == R["inproc_b8"]["tokens"]
         rows.append(row("BatchDecode B=8 (sampled token) via gRPC ÷ executor in-process",
                         f"{g('grpc_b8','tok_s'):.1f} tok/s", f"{g('inproc_b8','tok_s'):.1f} tok/s",
-                        g("grpc_b8", "tok_s") / g("inproc_b8", "tok_s"), "≥ 0.95", 0.95,
+                        g("grpc_b8", "tok_s") / g("inproc_b8", "tok_s"), "≥ 0.95", 0.95, drift=dr("pair_b8"),
                         note=f"row 1: {steps} steps, {repeats} runs of each side alternated, prompts 16..128 tokens; tokens identical "
                              f"gRPC vs in-process: {'yes' if same else 'NO'}"))
     for key, client in (("stub_go", "Go"), ("stub", "Python")):
@@ -196,13 +201,14 @@ def main(argv=None) -> int:
         if not s or "session_p50_ms" not in s:
             if key in R:
                 rows.append(row(f"stub Decode round trip over Session, {client} client", "not measured",
-                                (s or {}).get("error") or res["errors"].get(key, "—"), None, "p50 ≤ 0.5 ms", met=False))
+                                (s or {}).get("error") or res["errors"].get(key, "—"), None, "p50 ≤ 0.5 ms", met=False,
+                                drift=dr(key)))
             continue
         fl = R.get("floor") if client == "Python" else None
         base = (f"do-nothing grpc.aio server: {fl['session_p50_ms']:.3f} / {fl['session_p99_ms']:.3f} ms" if fl else "—")
         rows.append(row(f"stub Decode round trip over Session, {client} client, p50 / p99",
                         f"{s['session_p50_ms']:.3f} / {s['session_p99_ms']:.3f} ms", base, s["session_p50_ms"],
-                        "p50 ≤ 0.5 ms", 0.5, lower_is_better=True,
+                        "p50 ≤ 0.5 ms", 0.5, lower_is_better=True, drift=dr(key, "floor" if fl else key),
                         note=f"row {len(rows)+1}: stub executor (vocab 32000; greedy sampling and logprob on the server), "
                              f"{s['n']} steps after 100 untimed, one stream; unary Decode from the same client: "
                              f"p50 {s['unary_p50_ms']:.3f} / p99 {s['unary_p99_ms']:.3f} ms"))
@@ -211,7 +217,7 @@ def main(argv=None) -> int:
         short, long = sorted(dc["step_ms"], key=int)
         rows.append(row(f"BatchDecode B={dc['b']} step time at {int(long):,} tokens of context ÷ at {short}",
                         f"{dc['step_ms'][long]:.1f} ms", f"{dc['step_ms'][short]:.1f} ms", dc["ratio"], "≤ 1.6", 1.6,
-                        lower_is_better=True,
+                        lower_is_better=True, drift=dr("decode_vs_context"),
                         note=f"row {len(rows)+1}: executor in-process, {dc['b']} caches per context prefilled once, "
                              f"{dc['steps']} greedy batch_decode steps per run, contexts alternated run by run and "
                              f"truncated back after each; p50 step time (issue 21)"))
@@ -219,7 +225,7 @@ def main(argv=None) -> int:
     if pj:
         rows.append(row(f"one {pj['prompt_len']}-token prompt + {pj['decodes']} decodes in one step ÷ (decodes alone + prompt alone)",
                         f"{pj['joint_ms']:.0f} ms", f"{pj['decodes_ms']:.0f} + {pj['prompt_ms']:.0f} ms", pj["ratio"],
-                        "≤ 1.2", 1.2, lower_is_better=True,
+                        "≤ 1.2", 1.2, lower_is_better=True, drift=dr("prompt_joins"),
                         note=f"row {len(rows)+1}: executor in-process; mixed_step([prompt], {pj['decodes']} decodes of "
                              f"{pj['context']}-token caches) vs batch_decode of the decodes + prefill of the prompt, "
                              f"the three timed in turn; p50 (issue 21)"))
@@ -227,6 +233,7 @@ def main(argv=None) -> int:
     if gb[1] and gb[16]:
         rows.append(row("aggregate decode tok/s, 16 Generate streams ÷ 1", f"{gb[16]['steady_tok_s']:.1f} tok/s",
                         f"{gb[1]['steady_tok_s']:.1f} tok/s", gb[16]["steady_tok_s"] / gb[1]["steady_tok_s"], "≥ 6×", 6.0,
+                        drift=dr("gen_b16", "pair_gen_b1"),
                         note=f"row {len(rows)+1}: server steady-state (all streams decoding); executor in-process B=16 ÷ B=1 = "
                              f"{g('inproc_b16','tok_s', 0):.1f} ÷ {g('inproc_b1','tok_s', 1):.1f} = "
                              f"{g('inproc_b16','tok_s', 0) / g('inproc_b1','tok_s', 1):.2f}×"))
@@ -236,6 +243,7 @@ def main(argv=None) -> int:
             agree = gb[b]["tokens0"] == hf["tokens"]
             rows.append(row(f"Generate tok/s ÷ transformers generate(), B={b}", f"{gb[b]['e2e_tok_s']:.1f} tok/s",
                             f"{hf['tok_s']:.1f} tok/s", gb[b]["e2e_tok_s"] / hf["tok_s"], "≥ 1.0×", 1.0,
+                            drift=dr(f"pair_gen_b{b}"),
                             note=f"row {len(rows)+1}: {repeats} runs of each side alternated, end to end incl. prefill, {gen_tokens} new tokens, prompt "
                                  f"{len(prompt)} tokens; greedy tokens identical to generate(): {'yes' if agree else 'NO'}"))
     served = [("fp32", x) for x in gb.values() if x]
@@ -260,6 +268,8 @@ def main(argv=None) -> int:
         rows.append(row("best aggregate tok/s ÷ llama.cpp best batched aggregate (same GGUF)",
                         f"{best:.1f} tok/s ({best_dt}, {best_run['b']} streams)",
                         f"{lcb['tok_s']:.1f} tok/s ({lcb['b']} sequences)", best / lcb["tok_s"], "≥ 2×", 2.0,
+                        drift=dr("pair_gen_b1", "pair_gen_b8", "gen_b16", "gen_b32", "served_bf16", "served_int8",
+                                 "llama_cpp", "llama_cpp_batched"),
                         note=f"row {len(rows)+1}: server steady-state of concurrent Generate streams, best per served "
                              f"weight format: {per} tok/s{quality}. llama-cpp-python {lc['version']}, {lc['threads']} "
                              f"threads, the file's Q4_1 weights, one llama_decode of all sequences per step "
@@ -268,7 +278,7 @@ def main(argv=None) -> int:
     elif not a.skip_llama_cpp:
         why = (lc or {}).get("error") or res["errors"].get("llama_cpp", "not measured")
         rows.append(row("best aggregate tok/s ÷ llama.cpp best batched aggregate (same GGUF)", f"{best or 0:.1f} tok/s",
-                        why, None, "≥ 2×", met=False))
+                        why, None, "≥ 2×", met=False))  # not measured: no drift
     bw = R.get("bandwidth")
     b1_by_dtype = []
     if R.get("inproc_b1"):
@@ -280,6 +290,7 @@ def main(argv=None) -> int:
         limit = bw["read_gb_s"] * 1e9 / wbytes
         rows.append(row(f"B=1 tok/s ÷ memory-bandwidth limit, {wf} weights", f"{tok_s:.1f} tok/s",
                         f"{limit:.1f} tok/s", tok_s / limit, "≥ 0.5", 0.5,
+                        drift=dr("bandwidth", "inproc_b1" if wf == "fp32" else "variants"),
                         note=f"row {len(rows)+1}: limit = read bandwidth {bw['read_gb_s']:.1f} GB/s (x.sum() over 1 GiB, "
                              f"{threads} threads; copy {bw['copy_gb_s']:.1f} GB/s) ÷ {wbytes/1e6:.0f} MB of {wf} weights "
                              f"read per step; executor in-process B=1"))
@@ -292,7 +303,7 @@ def main(argv=None) -> int:
         acc = sp[0]["accepted"] / max(1, sp[0]["drafted"])
         rows.append(row("prompt-lookup speculative (ForwardVerify accept_greedy_prefix) ÷ plain Generate",
                         f"{s_rate:.1f} tok/s", f"{p_rate:.1f} tok/s", s_rate / p_rate if same else None, "≥ 1.5×, identical output",
-                        1.5, met=(s_rate / p_rate >= 1.5) and same,
+                        1.5, met=(s_rate / p_rate >= 1.5) and same, drift=dr("plain", "spec", "plain2", "spec2"),
                         note=f"row {len(rows)+1}: {len(sp[0]['tokens'])} tokens of repetitive text, client-driven over one "
                              f"Session, drafts ≤ 8 tokens; {sp[0]['steps']} steps, {100*acc:.0f} % of drafted tokens "
                              f"accepted; greedy output identical to plain decode: {'yes' if same else 'NO (assertion failed)'}"))
@@ -304,12 +315,13 @@ def main(argv=None) -> int:
             rows.append(row(f"TTFT / ITL p50·p99, {b} streams",
                             f"TTFT {x['ttft_p50_ms']:.0f}/{x['ttft_p99_ms']:.0f} ms, ITL {x['itl_p50_ms']:.0f}/{x['itl_p99_ms']:.0f} ms",
                             f"slowest ÷ median stream {x['slowest_over_median']:.2f}", None, "report; no stream starves",
-                            met=x["all_complete"] and x["slowest_over_median"] > 0.5))
+                            met=x["all_complete"] and x["slowest_over_median"] > 0.5,
+                            drift=dr({1: "pair_gen_b1", 8: "pair_gen_b8"}.get(b, f"gen_b{b}"))))
     if R.get("kv"):
         k = R["kv"]
         theo = 2 * k["num_layers"] * k["num_kv_heads"] * (k["head_dim"] or 64) * 4
         rows.append(row("KV-cache bytes per token ÷ 2·layers·kv_heads·head_dim·4", f"{k['allocated_per_token']:.0f} B",
-                        f"{theo} B", k["allocated_per_token"] / theo, "≤ 1.1", 1.1, lower_is_better=True,
+                        f"{theo} B", k["allocated_per_token"] / theo, "≤ 1.1", 1.1, lower_is_better=True, drift=dr("kv"),
                         note=f"row {len(rows)+1}: pool bytes/token {k['bytes_per_token']} (exact); allocated for a "
                              f"{k['tokens']}-token cache incl. the last block's unused slots "
                              f"({k['num_layers']} layers, {k['num_kv_heads']} kv heads, head_dim {k['head_dim'] or 64}, fp32)"))
@@ -327,7 +339,7 @@ def main(argv=None) -> int:
         r = R["rss"]
         res["rss_curve"] = r["curve"]
         rows.append(row(f"server RSS after {r['n']:,} short sessions ÷ after {r['first']}", f"{r['rss_last']/2**20:.1f} MiB",
-                        f"{r['rss_first']/2**20:.1f} MiB", r["ratio"], "≤ 1.05", 1.05, lower_is_better=True,
+                        f"{r['rss_first']/2**20:.1f} MiB", r["ratio"], "≤ 1.05", 1.05, lower_is_better=True, drift=dr("rss"),
                         note=f"row {len(rows)+1}: stub executor (SmolLM2 would take ~20 min for 10k sessions); each session = "
                              f"Session stream, Prefill 16 + 4 Decode, close; {r['seconds']:.0f} s; live caches after: "
                              f"{r['live_caches_after']}"))
@@ -336,11 +348,11 @@ def main(argv=None) -> int:
         Ls = R.get("loads_smollm2") or {}
         rows.append(row("Loads RPC round trip p50 / p99", f"{L['p50_ms']:.3f} / {L['p99_ms']:.3f} ms",
                         f"SmolLM2 server idle: {Ls.get('p50_ms', float('nan')):.3f} / {Ls.get('p99_ms', float('nan')):.3f} ms",
-                        None, "report (issue 8)"))
+                        None, note="reported (issue 8), no target", drift=dr("loads", "loads_smollm2")))
     if R.get("kv_lag"):
         K = R["kv_lag"]
         rows.append(row("KV-event lag emitted → received p50 / p99", f"{K['p50_ms']:.3f} / {K['p99_ms']:.3f} ms",
-                        f"{K['events']} events", None, "report (issue 8)"))
+                        f"{K['events']} events", None, note="reported (issue 8), no target", drift=dr("kv_lag")))
 
     res["latency"] = [gb[b] for b in (1, 8, 16, 32) if gb[b]]
     res["inproc_batches"] = {str(b): g(f"inproc_b{b}", "tok_s") for b in (1, 8, 16) if R.get(f"inproc_b{b}")}
@@ -359,7 +371,7 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001
         res["errors"]["plots"] = f"{type(e).__name__}: {e}"
     (RESULTS / "latest.md").write_text(md)
-    (RESULTS / "latest.json").write_text(json.dumps(res, indent=1, default=str))
+    schema.write_rows("latest", res["rows"], {k: v for k, v in res.items() if k != "rows"})
     print(md)
     return 0
 

@@ -19,11 +19,12 @@ a two-server A/B of that setting moved with which server ran second).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
-from .common import REPO, Server, median, sampled_batch
-from .llama_cpp_rows import DRIFT_LIMIT, timed_row
+from .common import Server, median, sampled_batch
+from .llama_cpp_rows import timed_row
+from .schema import row as result_row
+from .schema import write_rows
 
 SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 40},
@@ -53,6 +54,19 @@ def row(target: str, streams: int, max_tokens: int, rounds: int) -> dict:
             "tokens_per_stream": {"constrained": median(toks[True]), "plain": median(toks[False])}}
 
 
+TARGET = 0.85
+
+
+def to_row(rec: dict, date: str | None = None) -> dict:
+    """The results row of one measurement (``streams``, ``constrained_tok_s``, ``plain_tok_s``,
+    ``ratio``, ``tokens_per_stream``, ``drift``)."""
+    return result_row(f"Generate with a JSON-schema constraint ÷ without, {rec['streams']} streams",
+                      rec["constrained_tok_s"], rec["plain_tok_s"], rec["ratio"], f"≥ {TARGET}", target_value=TARGET,
+                      drift=rec["drift"], date=date, unit="tok/s", streams=rec["streams"],
+                      tokens_per_stream=rec["tokens_per_stream"],
+                      note="sampled, ignore_eos, sides alternated, median of the rounds")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -61,22 +75,19 @@ def main() -> None:
     a = ap.parse_args()
     max_tokens, rounds = (48, 1) if a.quick else (96, 3)
     results = []
+    load_before = os.getloadavg()
     with Server(a.spec, threads=a.threads, name="structured_rows") as srv:
         for streams in (1, 8):
             out, drift = timed_row(lambda: row(srv.target, streams, max_tokens, rounds))
             out["drift"] = drift
-            out["busy"] = drift > DRIFT_LIMIT
-            results.append(out)
-    load = os.getloadavg()
-    path = REPO / "benchmarks" / "results" / "structured_rows.json"
-    path.write_text(json.dumps({"spec": a.spec, "max_tokens": max_tokens, "rounds": rounds, "loadavg": load,
-                                "rows": results}, indent=2))
+            results.append(to_row(out))
     print("| streams | JSON schema tok/s | plain tok/s | ratio | target | drift |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['streams']} | {r['constrained_tok_s']:.1f} | {r['plain_tok_s']:.1f} | {r['ratio']:.2f} | ≥ 0.85 | "
+        print(f"| {r['extra']['streams']} | {r['ours']:.1f} | {r['peer']:.1f} | {r['ratio']:.2f} | {r['target']} | "
               f"{100 * r['drift']:.0f} %{' (busy)' if r['busy'] else ''} |")
-    print(f"load average: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    write_rows("structured_rows", results, {"spec": a.spec, "max_tokens": max_tokens, "rounds": rounds,
+                                            "load_before": load_before})
 
 
 if __name__ == "__main__":

@@ -17,15 +17,15 @@ pair of runs between two probes of the reference workload (drift, flagged over 1
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import threading
 import time
 
 from ferrum_client import Client
 
-from .common import REPO, Server, median
-from .llama_cpp_rows import DRIFT_LIMIT, timed_row
+from .common import Server, median
+from .llama_cpp_rows import timed_row
+from .schema import DRIFT_LIMIT, row, write_rows
 from .remote import generate_streams
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
@@ -96,17 +96,23 @@ def main(argv=None) -> int:
             s.__exit__(None, None, None)
     raw["runs"] = got
     raw["drift"] = drift
-    raw["load_after"] = os.getloadavg()
     keys = list(got["all cores"][0])
     print(f"| figure | {' | '.join(f'{k} (llama {v[0]}, torch {v[1]})' for k, v in configs.items())} |")
     print("|---|" + "---|" * len(configs))
     for k in keys:
         unit = "prompts/s" if k.startswith("embed") else "tok/s"
         print(f"| {k} ({unit}) | " + " | ".join(f"{median([r[k] for r in got[n]]):.1f}" for n in configs) + " |")
-    print(f"drift {100 * drift:.0f} %{' busy' if drift > DRIFT_LIMIT else ''}; load average before "
-          f"{raw['load_before']}, after {raw['load_after']}")
-    out = REPO / "benchmarks" / "results" / "threads_mixed.json"
-    out.write_text(json.dumps(raw, indent=1, default=str))
+    print(f"drift {100 * drift:.0f} %{' busy' if drift > DRIFT_LIMIT else ''}")
+    (al, at), (sl, st) = configs["all cores"], configs["split"]
+    rows = []
+    for k in keys:
+        ours, peer = median([r[k] for r in got["all cores"]]), median([r[k] for r in got["split"]])
+        rows.append(row(f"{k}: every model on all cores ÷ cores split between llama.cpp and torch", ours, peer,
+                        ours / peer if peer else None, drift=drift,
+                        unit="prompts/s" if k.startswith("embed") else "tok/s", figure=k,
+                        note=f"all cores: llama.cpp {al} threads, torch {at}; split: {sl} and {st}; "
+                             f"{a.runs} runs per configuration alternated, median; reported (no target)"))
+    write_rows("threads_mixed", rows, raw)
     return 0
 
 

@@ -2,9 +2,10 @@
 
 Callers send ``authorization: Bearer <token>``. Health checks and reflection are open (probes and
 ``grpcurl list`` need no secret). Admin RPCs (``Warmup``, ``Shutdown``, ``LoadAdapter``,
-``UnloadAdapter``) need an admin token when
+``UnloadAdapter``, ``MigrateStreams``) need an admin token when
 one is configured: a valid ordinary token gets PERMISSION_DENIED there, no token UNAUTHENTICATED.
-A KV peer token (``--kv-peer-token-file``, see ``kv_peers.py``) opens ``ExportKv`` only.
+A KV peer token (``--kv-peer-token-file``, see ``kv_peers.py``) opens ``ExportKv`` and
+``AcceptMigration`` only.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import grpc
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 ADMIN_METHODS = tuple(f"/ferrum.executor.v1.ModelExecutor/{m}"
-                      for m in ("Warmup", "Shutdown", "LoadAdapter", "UnloadAdapter"))
-PEER_METHODS = ("/ferrum.executor.v1.ModelExecutor/ExportKv",)
+                      for m in ("Warmup", "Shutdown", "LoadAdapter", "UnloadAdapter", "MigrateStreams"))
+PEER_METHODS = ("/ferrum.executor.v1.ModelExecutor/ExportKv", "/ferrum.executor.v1.ModelExecutor/AcceptMigration")
 
 
 def _matches(token: str, allowed: list[str]) -> bool:

@@ -79,6 +79,12 @@ SERVE_FLAGS = {
     "kv_peer_key": (str, None, "PEM private key of --kv-peer-cert"),
     "kv_import_idle_timeout": (float, 30.0, "seconds a staged ImportKv may wait for its next chunk before it is "
                                "dropped and its KV given back (0 = no limit)"),
+    "drain_to": (str, None, "HOST:PORT of a KV peer that a drain (SIGTERM) moves every running Generate stream "
+                 "to, instead of waiting for it (live migration; the peer must count this server as its KV peer)"),
+    "advertise_address": (str, None, "HOST:PORT peers reach this server at (default: --host:--port when "
+                          "--host is a concrete address); needed to move streams to peers"),
+    "migration_resume_s": (float, 30.0, "seconds a stream moved here waits for its caller's resume before it is "
+                           "dropped"),
 }
 
 
@@ -206,11 +212,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if st["role"] not in ("both", "prefill", "decode"):
         print(f"--role must be both, prefill or decode, not {st['role']!r}", file=sys.stderr)
         return 2
-    from .kv_peers import normalize_target
+    from .kv_peers import normalize_peer, normalize_target
 
-    bad = [p for p in st["kv_peer"] or [] if normalize_target(p) is None]
+    # --kv-peer: HOST:PORT or HOST:* (every port of one host); --drain-to names one server
+    bad = [p for p in st["kv_peer"] or [] if normalize_peer(p) is None]
+    bad += [p for p in [st["drain_to"]] if p and normalize_target(p) is None]
     if bad or bool(st["kv_peer_cert"]) != bool(st["kv_peer_key"]):
-        print(f"--kv-peer takes HOST:PORT (not {bad[0]!r})" if bad else "--kv-peer-cert and --kv-peer-key go together",
+        print(f"--kv-peer takes HOST:PORT or HOST:*, --drain-to HOST:PORT (not {bad[0]!r})" if bad else "--kv-peer-cert and --kv-peer-key go together",
               file=sys.stderr)
         return 2
     from . import logs
@@ -266,6 +274,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_peers=list(st["kv_peer"] or []), kv_peer_tokens=_read_tokens(st["kv_peer_token_file"]),
         kv_peer_ca=st["kv_peer_ca"], kv_peer_cert=st["kv_peer_cert"], kv_peer_key=st["kv_peer_key"],
         kv_import_idle_timeout=st["kv_import_idle_timeout"],
+        drain_to=st["drain_to"] or "", advertise_address=st["advertise_address"] or "",
+        migration_resume_s=st["migration_resume_s"],
         max_caches=st["max_caches"], max_caches_per_caller=st["max_caches_per_caller"],
         max_compile_seconds=st["max_compile_seconds"], stall_timeout=st["stall_timeout"],
     )

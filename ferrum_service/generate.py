@@ -13,16 +13,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+
+import grpc
 from typing import TYPE_CHECKING, AsyncIterator
 
 from . import errors, speculation, tracing
 from .convert import check_token, check_tokens, handle_pb, pb, sampling_params
+from .guided import GuideState, _matcher
 from .streams import StreamState
 from .types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 from .validate import RequestChecks, admit
 
 if TYPE_CHECKING:
     from .host import ModelHost
+    from .migration import Migrations, Parked
     from .models import ModelSet
 
 DEFAULT_MAX_TOKENS = 128
@@ -116,13 +120,34 @@ class _Sample:
         self.drafter: speculation.NgramDrafter | None = None  # server-side speculation (speculation.py)
         self.draft_tokens = 0
         self.accepted_drafts = 0
+        self.migrated = False  # the stream moved to a peer (ended with GenerateMigrated)
 
 
 async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRequest, owner: str,
-                   state: StreamState) -> AsyncIterator[pb.GenerateResponse]:
+                   state: StreamState, migrations: "Migrations | None" = None) -> AsyncIterator[pb.GenerateResponse]:
     """Run one generation; yields ``GenerateResponse`` events. ``state.aborted`` (``Abort``) stops
-    it at the next step with CANCELLED."""
+    it at the next step with CANCELLED; ``state.move_to`` moves it to a peer at the next step
+    boundary (``migration.py``). With ``req.resume_token``, a stream a peer moved here goes on."""
+    if not req.resume_token:
+        async for ev in _generate(models, checks, req, owner, state, migrations, None):
+            yield ev
+        return
+    if migrations is None:
+        raise errors.not_found("resume_token: this server takes no migrated streams", field="resume_token")
+    parked = migrations.take(req.resume_token, req.model_id)
+    try:
+        async for ev in _generate(models, checks, parked.resume_request(), owner, state, migrations, parked):
+            yield ev
+    finally:
+        if not parked.adopted:  # refused before the stream took the cache: nobody else frees it
+            models.get(parked.model_id).release_soon(parked.cache_id, "reclaimed")
+
+
+async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRequest, owner: str,
+                    state: StreamState, migrations: "Migrations | None", parked: "Parked | None"
+                    ) -> AsyncIterator[pb.GenerateResponse]:
     t_start = time.perf_counter_ns()
+    state.unmovable = "the stream has not sent its first token yet"
     host = models.get(req.model_id)
     state.model_id, state.request_id, state.cache_id = host.model_id, req.request_id, req.cache_id
     checks.require_generation(host, "Generate")
@@ -159,7 +184,8 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
             raise errors.invalid("cache_id without a prompt needs last_token_id", field="last_token_id")
     if req.HasField("last_token_id"):
         check_token(req.last_token_id, host.vocab_size, "last_token_id")
-    total = prior + len(prompt) + max_tokens
+    resumed = len(parked.generated) if parked is not None else 0
+    total = prior + len(prompt) + max_tokens - resumed + (1 if resumed else 0)
     checks.check_length(host, total, "stop.max_tokens")
     if prompt:
         checks.check_step(host, [(len(prompt), prior)], 1, "token_ids" if req.token_ids.token_ids else "prompt")
@@ -172,8 +198,18 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
     cache_id = req.cache_id
     ttft = 0
     finished = [0]  # GenerateFinished events yielded (all n of them: the stream ended normally)
+    prompt_count = parked.prompt_tokens if parked is not None else prior + len(prompt)
     try:
-        with host.hold([cache_id], "cache_id"):
+        if parked is not None:  # the migrated cache is this stream's now: freed at its end
+            created.append(cache_id)
+            parked.adopted = True
+            entry = reg.get(cache_id)
+            entry.owner = owner
+            if sp.constraint is not None:  # the matcher replays the cache's tokens from the constraint's start
+                entry.guide = GuideState(sp.constraint, parked.constraint_start, _matcher(sp.compiled),
+                                         compiled=sp.compiled)
+        # A migrated stream's cache is not held for the whole stream (it may move on again).
+        with host.hold([cache_id] if parked is None else [], "cache_id"):
             # the caches this stream creates count against the caller's cap while they are made
             with checks.quota.claim(host, 0 if cache_id else n, "prompt"):
                 # --- prefill (or feed the caller's last token into its cache) ---
@@ -200,11 +236,22 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
                     )
                     handle = host.executor.handle(reg.get(cache_id))
                 samples = [_Sample(0, cache_id, row, policy, detokenizer())]
+                if parked is not None:  # the tokens sent before the move (stop sequences, text)
+                    s0 = samples[0]
+                    s0.out_ids, s0.generated = list(parked.generated), resumed
+                    if s0.detok is not None:
+                        for t in parked.generated:
+                            s0.detok.push(t)
                 if n > 1:
                     samples += await _fork_samples(host, checks, samples[0], prompt, n, total, owner, req, created,
                                                    detokenizer, salt, adapter)
             yield pb.GenerateResponse(started=pb.GenerateStarted(
-                cache=handle_pb(handle), prompt_tokens=len(prompt), request_id=req.request_id, cached_tokens=cached))
+                cache=handle_pb(handle), prompt_tokens=prompt_count, request_id=req.request_id, cached_tokens=cached,
+                resumed_tokens=resumed))
+            state.unmovable = ("" if migrations is not None and n == 1 and created and not req.keep_cache
+                               else "only a single-sample stream on a cache it created, without keep_cache, moves")
+            if state.unmovable and state.move_to:
+                state.answer_move(errors.failed_precondition(state.unmovable))
             ttft = time.perf_counter_ns() - t_start
             if tracing.enabled():
                 tracing.annotate(cache_id=cache_id)
@@ -215,15 +262,37 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
             # caller never sees would leave an extra token in it).
             pipeline = bool(created) and not req.keep_cache
 
+            async def mover(s: _Sample) -> pb.GenerateMigrated | None:
+                """Hand the paused stream to ``state.move_to``; None (and it goes on here) if refused."""
+                t0 = time.perf_counter_ns()
+                try:
+                    entry = reg.get(s.cache_id)
+                    start = entry.guide.start if entry.guide is not None and sp.constraint is not None else 0
+                    moved = await migrations.hand_off(host, req, s.cache_id, list(s.out_ids),
+                                                      entry.num_tokens - (len(s.out_ids) - 1), start, state.tenant,
+                                                      state.move_to)
+                except errors.FerrumError as e:
+                    state.answer_move(e)
+                    return None
+                except Exception as e:  # noqa: BLE001 - whatever failed, the stream goes on here
+                    state.answer_move(errors.FerrumError(errors.ErrorKind.INTERNAL, f"the hand-off failed: {e!r}",
+                                                         code=grpc.StatusCode.INTERNAL))
+                    return None
+                state.answer_move((time.perf_counter_ns() - t0) / 1e6)
+                return moved
+
             async def run(s: _Sample) -> AsyncIterator[pb.GenerateResponse]:
                 if spec is not None:
                     s.drafter = speculation.NgramDrafter(spec, reg.get(s.cache_id).tokens)
-                async for ev in _decode_loop(host, req, state, s, pipeline, max_tokens, stop_ids, eos_ids):
+                async for ev in _decode_loop(host, req, state, s, pipeline, max_tokens, stop_ids, eos_ids,
+                                             mover if not state.unmovable else None):
                     yield ev
                 if not pipeline:
                     await _drop_unfed(host, s, prior + (len(prompt) if prompt else 1))
                 finished[0] += 1
-                yield pb.GenerateResponse(finished=_finished(host, req, s, len(prompt), ttft, t_start, tok,
+                if s.migrated:
+                    return
+                yield pb.GenerateResponse(finished=_finished(host, req, s, prompt_count, ttft, t_start, tok,
                                                              keep=bool(req.keep_cache or not created)))
 
             if n == 1:
@@ -289,8 +358,9 @@ async def _fork_samples(host, checks, first: _Sample, prompt: list[int], n: int,
 
 
 async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool, max_tokens: int,
-                       stop_ids: set[int], eos_ids: set[int]) -> AsyncIterator[pb.GenerateResponse]:
-    """One sample's tokens, one ``TokenEvent`` each, until a stop condition (``s.finish``)."""
+                       stop_ids: set[int], eos_ids: set[int], mover=None) -> AsyncIterator[pb.GenerateResponse]:
+    """One sample's tokens, one ``TokenEvent`` each, until a stop condition (``s.finish``) or a
+    move (``mover``, asked for by ``state.move_to``: at a step boundary, with no step queued)."""
     row = s.row
     pending: asyncio.Task | None = None
     try:
@@ -329,13 +399,20 @@ async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool
                     # each draft token may become one more output token: never past max_tokens
                     draft = s.drafter.propose(max_tokens - s.generated - 1)
             nxt = DecodeInput(cache_id=s.cache_id, token_id=token, policy=s.policy, draft=draft)
-            if pipeline and s.finish == pb.FINISH_REASON_UNSPECIFIED:
+            moving = mover is not None and bool(state.move_to)
+            if pipeline and s.finish == pb.FINISH_REASON_UNSPECIFIED and not moving:
                 pending = asyncio.ensure_future(host.batcher.decode(nxt))
             for ev in events:
                 yield pb.GenerateResponse(token=ev)
             if s.finish != pb.FINISH_REASON_UNSPECIFIED:
                 return
             state.check_aborted()
+            if moving and pending is None:
+                moved = await mover(s)
+                if moved is not None:
+                    s.migrated = True
+                    yield pb.GenerateResponse(migrated=moved)
+                    return
             if pending is not None:
                 row, pending = await pending, None
             else:

@@ -7,9 +7,11 @@ executors. ``ModelHost.hold`` marks caches busy for the duration of a step: a se
 busy cache is refused with ABORTED instead of racing it; holding a cache also renews its lease
 (``last_access``, see ``leases.py``). ``max_queue`` bounds the steps waiting for the worker: past
 it new steps are refused at once with RESOURCE_EXHAUSTED (releases and shutdown are never refused,
-and decode steps of running ``Generate`` streams are not new work). ``step_and_sample`` is the one
-"forward + sampling" of a step, used by unary decode steps and by the ``Generate`` streams'
-:class:`~ferrum_service.batcher.ContinuousBatcher` (``host.batcher``).
+and decode steps of running ``Generate`` streams are not new work). ``_step_and_sample`` is the
+"forward + stats + masks + sampling" of decode steps and of the ``Generate`` streams' steps: unary
+``Decode``/``BatchDecode`` reach it through ``decode_and_sample``, the
+:class:`~ferrum_service.batcher.ContinuousBatcher` (``host.batcher``) through ``step_and_sample``.
+Prefill, UnifiedDecode and ForwardVerify finish their own results in ``operations.py``.
 """
 
 from __future__ import annotations

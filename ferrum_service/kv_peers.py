@@ -17,7 +17,9 @@ network request the caller aims, so it is bounded by what the operator configure
   ``callers.py`` computes it). The exporting server honours it only from a call authenticated
   with one of its peer tokens (every token in its ``--kv-peer-token-file``), and then applies its
   ownership check to that identity: a caller pulls only its own caches, exactly as before. A peer
-  token opens ``ExportKv`` only (``auth.py``).
+  token opens ``ExportKv`` and ``AcceptMigration`` only (``auth.py``): a peer hands this server a
+  running stream on the same terms (``migration.py``: this server then pulls the stream's KV from
+  that peer, which must be one of its own peers).
 - **Errors**: the caller learns that the peer failed and the gRPC code class (a request problem
   such as NOT_FOUND is passed on; anything else is UNAVAILABLE), never the peer's error text or a
   connect error (logged here instead).
@@ -66,6 +68,16 @@ def normalize_target(target: str) -> str | None:
     return f"{m.group(1).lower()}:{int(m.group(2))}"
 
 
+def normalize_peer(peer: str) -> str | None:
+    """A ``--kv-peer`` value normalised: ``HOST:PORT`` as :func:`normalize_target`, or ``HOST:*``
+    (every port of one host); None for anything else."""
+    host, sep, port = peer.strip().rpartition(":")
+    if sep and port == "*":
+        t = normalize_target(f"{host}:1")
+        return None if t is None else t.rsplit(":", 1)[0] + ":*"
+    return normalize_target(peer)
+
+
 def _ip(host: str) -> str | None:
     """``host`` as a normalised IP address, or None when it is a name."""
     try:
@@ -92,12 +104,11 @@ class KvPeers:
         self.targets: set[str] = set()
         self.any_port: set[str] = set()  # HOST:* peers: every port of that host (servers on one machine)
         for p in peers:
-            host, sep, port = p.strip().rpartition(":")
-            t = normalize_target(f"{host}:1") if sep and port == "*" else normalize_target(p)
+            t = normalize_peer(p)
             if t is None:
                 raise ValueError(f"--kv-peer {p!r}: expected HOST:PORT or HOST:* (unix sockets and URIs are not peers)")
-            if port == "*":
-                self.any_port.add(t.rsplit(":", 1)[0])
+            if t.endswith(":*"):
+                self.any_port.add(t[:-2])
             else:
                 self.targets.add(t)
         tokens = [t.strip() for t in tokens if t and t.strip()]

@@ -1,9 +1,10 @@
 """The KV cache registry: every live cache of one executor, its tokens, and the KV budget.
 
 Each executor owns one :class:`CacheRegistry`. The registry does the bookkeeping every executor
-needs in the same way — ids, token history, token budget and reservations, owners, the
-one-step-at-a-time rule — and holds an opaque ``payload`` per cache where a real executor keeps
-its tensors. Admission happens here, before any work: a cache that would not fit the budget is
+needs in the same way — ids, token history, token budget and reservations, owners, leases —
+and holds an opaque ``payload`` per cache where a real executor keeps its tensors. (The
+one-step-at-a-time rule per cache is not kept here: ``ModelHost.hold`` refuses a second step on a
+busy cache.) Admission happens here, before any work: a cache that would not fit the budget is
 refused with RESOURCE_EXHAUSTED.
 
 Thread-safe: the server reads it from the asyncio loop thread while an executor's worker thread
@@ -108,6 +109,7 @@ class CacheRegistry:
         # Running sums over live caches: tokens held and budget held (sum of footprints).
         self._tokens_held = 0
         self._budget_held = 0
+        self.peak_tokens = 0  # the most tokens live caches held at once (``ModelStats`` peak)
         # Imports whose K/V are arriving (ImportKv): not caches yet, but they hold KV and will be.
         self.staged_imports = 0
         self.staged_tokens = 0
@@ -249,6 +251,7 @@ class CacheRegistry:
             self.created_total += 1
             self._tokens_held += entry.num_tokens
             self._budget_held += entry.footprint
+            self.peak_tokens = max(self.peak_tokens, self._tokens_held)
         self._emit(event, entry)
         return entry
 
@@ -282,6 +285,7 @@ class CacheRegistry:
         if entry.cache_id in self._caches:
             self._tokens_held += token_delta
             self._budget_held += entry.footprint - footprint_before
+            self.peak_tokens = max(self.peak_tokens, self._tokens_held)
 
     def release(self, cache_id: str, *, reason: str = "released") -> CacheEntry | None:
         """Forget a cache; None when it is not live. ``reason``: released | reclaimed | evicted."""

@@ -12,7 +12,9 @@ Import, all or nothing:
    shape: FAILED_PRECONDITION), then admitted: the executor takes the blocks for the tokens (or the
    reservation) at once, privately — RESOURCE_EXHAUSTED before any chunk is read.
 2. Each chunk is checked (order, layer, token range, byte lengths: INVALID_ARGUMENT; checksum:
-   DATA_LOSS) and written into the staged blocks on the model's worker.
+   DATA_LOSS) and written into the staged blocks on the server's one KV-transfer thread (not the
+   model's worker: the staged blocks are private to the import until it lands, so no step reads
+   or writes them meanwhile).
 3. When every layer's range is covered, the staged blocks become a cache in the registry (a
    ``created`` KV event) and its full blocks are keyed into the prefix cache (block events).
    A stream that ends early is DATA_LOSS; whatever way it fails (or the caller goes away), the
@@ -57,7 +59,7 @@ log = structlog.get_logger("ferrum_service.kv_transfer")
 
 #: K+V bytes per chunk when the request does not say.
 DEFAULT_CHUNK_BYTES = 4 << 20
-#: Chunk writes an import keeps queued on the model's worker while it reads the next chunks.
+#: Chunk writes an import keeps queued on the KV-transfer thread while it reads the next chunks.
 _WRITES_IN_FLIGHT = 4
 CHECKSUM = "crc32"
 _DTYPE_PB = {"fp32": tpb.DATA_TYPE_FP32, "fp16": tpb.DATA_TYPE_FP16, "bf16": tpb.DATA_TYPE_BF16}
@@ -510,7 +512,8 @@ class KvTransfer:
 
 
 def _verify_and_write(ex, staged, c: pb.KvChunk, where: str) -> None:
-    """On the model's worker: the chunk's checksum (DATA_LOSS), then its write."""
+    """On the KV-transfer thread: the chunk's checksum (DATA_LOSS), then its write into the
+    import's staged (private) blocks."""
     if checksum(c.key, c.value) != c.checksum:
         raise errors.FerrumError(
             errors.ErrorKind.SERIALIZATION, f"{where} (layer {c.layer}, tokens [{c.token_start}, {c.token_end})): "

@@ -84,6 +84,12 @@ class ServerConfig:
     kv_event_replay_bytes: int = 64 * 1024 * 1024
     max_kv_event_subscribers: int = 128
     max_kv_event_subscribers_per_caller: int = 16
+    # live migration (migration.py): the peer a drain moves running streams to ("" = none: a drain
+    # waits for them), this server's address as peers reach it ("" = HOST:PORT when HOST is a
+    # concrete address), and how long a stream moved here waits for its caller's resume
+    drain_to: str = ""
+    advertise_address: str = ""
+    migration_resume_s: float = 30.0
 
     @property
     def per_caller(self) -> bool:
@@ -173,7 +179,9 @@ class Server:
                                               admin_open=bool(cfg.admin_tokens) or cfg.open_admin_rpcs,
                                               activity=self.activity, role=cfg.role,
                                               max_message_bytes=cfg.max_message_bytes, kv_peers=self.kv_peers,
-                                              import_idle_s=cfg.kv_import_idle_timeout)
+                                              import_idle_s=cfg.kv_import_idle_timeout,
+                                              resume_s=cfg.migration_resume_s)
+        self.servicer.start_drain_by_migration = self._start_drain_by_migration
         self.servicer.on_model_shutdown = self._model_down
         self.servicer.is_admin = lambda metadata: is_admin_call(metadata, cfg.admin_tokens, cfg.open_admin_rpcs)
         interceptors = []
@@ -189,6 +197,10 @@ class Server:
             enable_reflection(self.grpc, (SERVICE_NAME, VLLM_SERVICE_NAME,
                                           health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
         self.port = self._bind()
+        if cfg.advertise_address:
+            self.servicer.migrations.advertise = cfg.advertise_address
+        elif cfg.host not in ("0.0.0.0", "::", "[::]", ""):
+            self.servicer.migrations.advertise = f"{cfg.host}:{self.port}"
 
     def _bind(self) -> int:
         addr = f"{self.cfg.host}:{self.cfg.port}"
@@ -249,9 +261,25 @@ class Server:
                  origin_idle_ttl_s=self.leases.origin_idle_ttl or None, max_queue=self.cfg.max_queue or None,
                  role=self.cfg.role, kv_peers=sorted(self.kv_peers.targets) or None)
 
+    async def _start_drain_by_migration(self) -> None:
+        """No new work from now on (migration.py): health NOT_SERVING, ``ModelLoad.draining``."""
+        if not self.servicer.migrations.draining:
+            self.servicer.migrations.draining = True
+            await self.health.enter_graceful_shutdown()
+            log.info("draining by migration", active_streams=len(self.streams.generations))
+
     async def drain(self, grace: float | None = None) -> None:
-        """Graceful shutdown (see the module doc)."""
+        """Graceful shutdown (see the module doc). With ``drain_to``, the running Generate streams
+        move to that peer first (the ones it refuses get the grace period, as without it)."""
         grace = self.cfg.grace_period if grace is None else grace
+        if self.cfg.drain_to and self.streams.generations:
+            await self._start_drain_by_migration()
+            try:
+                out = await self.servicer.migrations.migrate(self.cfg.drain_to, wait_s=max(grace, 1.0))
+                log.info("drain: streams moved", target=self.cfg.drain_to, migrated=sum(r.migrated for r in out),
+                         refused=[(r.request_id, r.error_code) for r in out if not r.migrated])
+            except Exception:  # noqa: BLE001 - a failed move leaves the streams to the ordinary drain
+                log.exception("drain: moving the streams failed", target=self.cfg.drain_to)
         self.draining = True
         await self.health.enter_graceful_shutdown()  # every service -> NOT_SERVING
         log.info("draining", grace_period_s=grace, active_streams=len(self.streams.active))
@@ -264,6 +292,7 @@ class Server:
         await self.leases.stop()
         await self.stalls.stop()
         self.servicer.ops.checks.compiler.close()
+        self.servicer.migrations.close()
         await self.servicer.kv.close()
         await self.vllm.close()
         # grpc.stop cancels the calls still running; their handlers' finally blocks free their caches.

@@ -1,7 +1,11 @@
 """The ``ferrum.executor.v1.ModelExecutor`` gRPC servicer.
 
-Thin by design: each RPC resolves its model, calls an :class:`Operations` method (steps), the
-executor (metadata), ``generate`` or the :class:`StreamRegistry` (streams, Abort), and converts.
+Steps go through an :class:`Operations` method, ``Generate`` through ``generate``, streams and
+Abort through the :class:`StreamRegistry`, KV handoff through ``kv_transfer``. Not thin: some RPCs
+do their work here — the metadata RPCs read the executor directly, ``Loads`` sums the registries
+and KV capacity per model, ``ListCaches`` filters caches by caller, the tokenizer RPCs run the
+tokenizer on a thread, Warmup, Shutdown and the LoRA admin RPCs check admin rights, and ``SubscribeKvEvents`` and
+``Session`` run their stream loops here.
 One guard (:meth:`ModelExecutorServicer._answer`) refuses work while the server drains and turns
 every error into a gRPC status (``convert.status_of``: ErrorInfo always; BadRequest naming the
 field; RetryInfo for RESOURCE_EXHAUSTED / UNAVAILABLE); an unexpected exception is logged with its
@@ -44,6 +48,7 @@ from .generate import generate
 from .kv_events import KvEventHub, SubscriberDropped
 from .kv_transfer import KvTransfer
 from .metrics import Metrics
+from .migration import Migrations
 from .models import ModelSet
 from .operations import Operations
 from .streams import StreamRegistry
@@ -51,6 +56,11 @@ from .streams import StreamRegistry
 log = structlog.get_logger("ferrum_service.servicer")
 
 _ROLES = {"both": pb.SERVER_ROLE_BOTH, "prefill": pb.SERVER_ROLE_PREFILL, "decode": pb.SERVER_ROLE_DECODE}
+
+#: What a server that drains by migration still answers (reads, its caches' export to peers, moves).
+_WHILE_MIGRATING = {"Info", "Capabilities", "Status", "KvCapacity", "AdmissionLimits", "KvSlotCapacity",
+                    "CacheMetrics", "LoraMetrics", "Loads", "ListCaches", "ListAdapters", "ExportKv", "Abort",
+                    "ReleaseCache", "MigrateStreams", "Tokenize", "Detokenize", "ApplyChatTemplate", "Shutdown"}
 
 #: Most token ids one Detokenize call may carry.
 MAX_DETOKENIZE_IDS = 1 << 18
@@ -79,7 +89,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                  metrics: Metrics, *, draining: Callable[[], bool] = lambda: False, tokens_checked: bool = False,
                  admin_open: bool = False, activity: CallerActivity | None = None,
                  role: str = "both", max_message_bytes: int = 64 * 1024 * 1024, kv_peers=None,
-                 import_idle_s: float | None = None) -> None:
+                 import_idle_s: float | None = None, advertise: str = "", resume_s: float | None = None) -> None:
         """``tokens_checked``: bearer tokens are verified (they then name the caller that owns a
         cache); ``admin_open``: Warmup / Shutdown may be called (admin tokens guard them, or the
         operator opened them); ``activity``: where each call's origin is recorded (for the lease
@@ -96,6 +106,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         self.role = role
         self.kv = KvTransfer(models, ops.checks, max_message_bytes=max_message_bytes, metrics=metrics, peers=kv_peers,
                              **({} if import_idle_s is None else {"import_idle_s": import_idle_s}))
+        self.migrations = Migrations(models, ops.checks, self.kv, self.kv.peers, streams, advertise,
+                                     **({} if resume_s is None else {"resume_s": resume_s}))
 
     # ---- plumbing -------------------------------------------------------------------------------
     def _check_serving(self) -> None:
@@ -112,6 +124,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         span = tracing.start_rpc(rpc, context.invocation_metadata(), **_ids(request)) if tracing.enabled() else None
         try:
             self._check_serving()
+            if self.migrations.draining and rpc not in _WHILE_MIGRATING:
+                raise errors.unavailable("the server drains (its streams move to a peer); retry on another replica")
             yield outcome
         except asyncio.CancelledError:
             outcome.code = "CANCELLED"
@@ -386,8 +400,11 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         with self.streams.running(), self.streams.generation(owner) as state:
             try:
                 async with self._answer("Generate", context, request):
-                    self.ops.checks.check_role_generate(request)
-                    async for ev in generate(self.models, self.ops.checks, request, owner, state):
+                    if request.resume_token:  # a resumed stream is no new prompt
+                        self.ops.checks.check_decode_role("Generate")
+                    else:
+                        self.ops.checks.check_role_generate(request)
+                    async for ev in generate(self.models, self.ops.checks, request, owner, state, self.migrations):
                         if ev.WhichOneof("event") == "token":
                             tokens += 1
                         yield ev
@@ -495,6 +512,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     decode_latency=pb.LatencySummary(**lat["decode"]),
                     evictable_blocks=cap.evictable_blocks, cached_blocks=cap.cached_blocks,
                     prefix_hit_tokens=pm.get("hit_tokens", 0), prefix_queried_tokens=pm.get("queried_tokens", 0),
+                    draining=self.migrations.draining or self.draining(),
                 )
             return resp
         return await self._unary("Loads", context, run)
@@ -565,6 +583,29 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         with self.streams.running():
             async with self._answer("ImportKv", context):
                 return await self.kv.import_(request_iterator, context.invocation_metadata())
+
+    # ---- live migration (migration.py) ----------------------------------------------------------------
+    async def MigrateStreams(self, request, context):
+        async def run():
+            self._check_admin("MigrateStreams")
+            if not request.target:
+                raise errors.invalid("target is empty: name a KV peer (HOST:PORT)", field="target")
+            target = await self.kv.peers.check(request.target)
+            if request.drain:
+                await self.start_drain_by_migration()
+            out = await self.migrations.migrate(target, model_id=request.model_id, request_id=request.request_id)
+            return pb.MigrateStreamsResponse(streams=out, migrated=sum(r.migrated for r in out),
+                                             refused=sum(not r.migrated for r in out))
+        return await self._unary("MigrateStreams", context, run)
+
+    async def AcceptMigration(self, request, context):
+        async def run():
+            return await self.migrations.accept(request, context.invocation_metadata())
+        return await self._unary("AcceptMigration", context, run)
+
+    async def start_drain_by_migration(self) -> None:
+        """Hook: the server stops taking new work (health NOT_SERVING); ``server.py`` sets it."""
+        self.migrations.draining = True
 
     async def Abort(self, request, context):
         async def run():

@@ -37,6 +37,17 @@ class StreamState:
     cache_id: str = ""
     tenant: str = ""  # the caller that started it: only that caller can Abort it
     aborted: bool = False
+    # Live migration (migration.py): the peer to move to at the next step boundary, the future
+    # that gets the outcome (hand-off ms, or the refusal), and why the stream cannot move ("" = it can).
+    move_to: str = ""
+    move_result: "asyncio.Future | None" = None
+    unmovable: str = ""
+
+    def answer_move(self, result) -> None:
+        """Report a move's outcome to whoever asked for it (``MigrateStreams``)."""
+        self.move_to = ""
+        if self.move_result is not None and not self.move_result.done():
+            self.move_result.set_result(result)
 
     def check_aborted(self) -> None:
         """CANCELLED once ``Abort`` named this stream (checked between steps)."""
@@ -80,6 +91,7 @@ class StreamRegistry:
             yield state
         finally:
             self.generations.pop(owner, None)
+            state.answer_move(errors.failed_precondition("the stream ended before it could move"))
 
     def release_owned(self, owner: str, reason: str = "released") -> int:
         """Free every cache a stream created (it ended); returns how many."""

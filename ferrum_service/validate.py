@@ -6,8 +6,10 @@ touches are live and belong to this model, positions match what a cache holds, s
 model's length limit, the model can generate at all, a batch names each cache once. It also builds
 the executor-interface inputs from those checks, and sums what a step will add to the KV budget so
 that it is admitted (all or nothing) before the step runs, and checks what the step itself will
-cost (positions computed with padding, transient memory, response size) against the model's
-per-step ceilings (``host.limits``): a request over one can never run, so it is INVALID_ARGUMENT.
+cost (positions computed with padding, transient memory, response size) against the per-step
+ceilings in ``host.limits``: a request over one can never run, so it is INVALID_ARGUMENT. Not here:
+the executor's own row and token limits per step (``max_batch_size``, ``max_batch_tokens``), which
+the executor checks when the step runs and answers RESOURCE_EXHAUSTED with a retry hint.
 
 Caches belong to the caller that created them when calls are authenticated (``callers.py``):
 another caller's cache is NOT_FOUND, exactly as an unknown one.

@@ -55,12 +55,9 @@ def tiny_llama(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def smollm2():
     from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
-    from ferrum_service.packaged_models import PackagedModelMissing, smollm2_gguf
+    from .support.packaged import smollm2_gguf
 
-    try:
-        d, f = smollm2_gguf()
-    except PackagedModelMissing as e:
-        pytest.skip(str(e))
+    d, f = smollm2_gguf()
     return HfCausalLmExecutor.from_path(d, gguf_file=f, model_id="smollm2", device="cpu", kv_budget_tokens=8192)
 
 

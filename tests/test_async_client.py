@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import time
 from contextlib import aclosing
 
 import grpc
@@ -18,6 +17,7 @@ from ferrum_client import AsyncClient, AsyncSession, Client, FerrumRpcError, Ses
 from .conftest import SEQ, contract_executors
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .support.servers import InProcessServer
+from .support.waits import wait_no_live_caches
 
 C = grpc.StatusCode
 
@@ -185,6 +185,8 @@ async def scenario(d) -> list:
         await d.take("export_kv", None, "mock", "no-such-cache")
     rec[-1].append(e.value.code)
     assert [x[1] for x in rec[-1][:2]] + rec[-1][2:] == [C.UNIMPLEMENTED, C.INVALID_ARGUMENT, C.UNIMPLEMENTED]
+    rec.append(await _error(d, "migrate_streams", "127.0.0.1:1"))  # no KV peers: nowhere to move to
+    assert rec[-1][1] == C.PERMISSION_DENIED
     assert await d.call("wait_ready", timeout=5) is None
     assert await d.call("health") == "SERVING" and await d.call("health", "stub") == "SERVING"
     sd = await d.call("shutdown", "stub")
@@ -215,10 +217,7 @@ def test_every_async_method_gives_what_the_sync_client_gives():
 
 # ---- streams: abort and early exit -------------------------------------------------------------
 def _wait_no_caches(srv, model: str) -> int:
-    deadline = time.monotonic() + 5
-    while srv.live_caches()[model] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return srv.live_caches()[model]
+    return wait_no_live_caches(srv, timeout=5)[model]
 
 
 def test_async_generate_abort_by_request_id_and_early_exit_cancels(fresh_server):

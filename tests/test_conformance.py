@@ -4,25 +4,18 @@ top-level models (``tiny`` on transformers) and once per profile (``llama-cpp``:
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from tests.conformance.harness import peer_args, profiles, scenario_models, scenario_vars, server_args, start_server
 from tests.conformance.run_python import run_scenario
 
+from .support.packaged import smollm2_gguf
+
 
 def _skip_without_llama_cpp(profile: str) -> None:
     if profile != "llama-cpp":
         return
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama_cpp is not installed")
-    from ferrum_service.packaged_models import PackagedModelMissing, smollm2_gguf
-
-    try:
-        smollm2_gguf()
-    except PackagedModelMissing as e:
-        pytest.skip(str(e))
+    smollm2_gguf(llama_cpp=True)
 
 
 @pytest.mark.parametrize("profile", profiles(), ids=lambda p: p or "default")

@@ -43,6 +43,7 @@ from ferrum_service.executors import ConfigurableModelExecutor, StubModelExecuto
 from .conftest_models import tiny_llama_dir  # noqa: F401
 from .support import llama
 from .support.servers import InProcessServer
+from .support.waits import wait_until
 
 TOTAL = int(os.environ.get("FERRUM_FUZZ_EXAMPLES", "2000"))
 DERANDOMIZE = os.environ.get("FERRUM_FUZZ_RANDOM") != "1"
@@ -350,10 +351,7 @@ class Fuzzer:
         assert self.srv.run(_ok()) == "ok", "the server's loop stopped answering"
 
     def _wait_streams(self) -> bool:
-        deadline = time.monotonic() + 2
-        while self.srv.server.streams.active and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return not self.srv.server.streams.active
+        return wait_until(lambda: not self.srv.server.streams.active, timeout=2, interval=0.01)
 
 
 async def _ok():

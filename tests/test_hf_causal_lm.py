@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import grpc
 import pytest
 import torch
@@ -13,14 +11,10 @@ from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
 from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
 
 from .conftest_models import ForwardCounter, smollm2, tiny_llama, tiny_llama_dir  # noqa: F401
+from .support.prompts import prompt_ids
 
 TOL = 1e-4  # fp32; observed differences are ~1e-5 on logits of magnitude ~10
 NONE = LogitsPolicy(mode=OutputMode.NONE)
-
-
-def _prompt(seed: int, n: int, vocab: int = 512) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, vocab) for _ in range(n)]
 
 
 def _full(ex: HfCausalLmExecutor, tokens: list[int]) -> torch.Tensor:
@@ -66,7 +60,7 @@ def small_budget(tiny_llama):
 
 # ---- equivalence with full forwards ---------------------------------------------------------------
 def test_prefill_then_decode_steps_equal_one_full_forward(ex):
-    toks = _prompt(1, 45)
+    toks = prompt_ids(45, 1, lo=5, hi=512)
     full = _full(ex, toks)
     out = ex.prefill(PrefillInput(token_ids=toks[:30]))
     assert out.cache.num_tokens == 30
@@ -79,7 +73,7 @@ def test_prefill_then_decode_steps_equal_one_full_forward(ex):
 
 
 def test_prefill_all_positions_equals_full_forward(ex):
-    toks = _prompt(2, 20)
+    toks = prompt_ids(20, 2, lo=5, hi=512)
     out = ex.prefill(PrefillInput(token_ids=toks, all_positions=True))
     assert out.all_logits.shape == (20, ex.vocab_size)
     assert _maxdiff(out.all_logits, _full(ex, toks)) < TOL
@@ -87,7 +81,7 @@ def test_prefill_all_positions_equals_full_forward(ex):
 
 
 def test_chunked_prefill_continuing_a_cache_equals_one_prefill(ex):
-    toks = _prompt(3, 50)
+    toks = prompt_ids(50, 3, lo=5, hi=512)
     a = ex.prefill(PrefillInput(token_ids=toks[:17], policy=NONE))
     assert a.logits is None
     b = ex.prefill(PrefillInput(token_ids=toks[17:40], cache_id=a.cache.cache_id))
@@ -100,8 +94,8 @@ def test_chunked_prefill_continuing_a_cache_equals_one_prefill(ex):
 
 def test_batch_decode_of_different_lengths_is_one_forward_and_equals_separate_decodes(ex):
     lengths = [1, 15, 16, 17, 40, 3]  # around block boundaries
-    prompts = [_prompt(10 + i, n) for i, n in enumerate(lengths)]
-    nxt = [_prompt(100 + i, 1)[0] for i in range(len(lengths))]
+    prompts = [prompt_ids(n, 10 + i, lo=5, hi=512) for i, n in enumerate(lengths)]
+    nxt = [prompt_ids(1, 100 + i, lo=5, hi=512)[0] for i in range(len(lengths))]
     # Reference: each sequence alone (its own prefill + decode).
     solo = []
     for p, t in zip(prompts, nxt):
@@ -119,7 +113,7 @@ def test_batch_decode_of_different_lengths_is_one_forward_and_equals_separate_de
 
 
 def test_batch_prefill_is_one_forward_and_rows_equal_single_prefills(ex):
-    prompts = [_prompt(20 + i, n) for i, n in enumerate([5, 33, 1, 16, 20])]
+    prompts = [prompt_ids(n, 20 + i, lo=5, hi=512) for i, n in enumerate([5, 33, 1, 16, 20])]
     singles = [ex.prefill(PrefillInput(token_ids=p)) for p in prompts]
     for s in singles:
         ex.release_cache(s.cache.cache_id)
@@ -137,7 +131,7 @@ def test_batch_prefill_is_one_forward_and_rows_equal_single_prefills(ex):
 
 
 def test_equal_length_fresh_prompts_take_the_causal_fast_path(ex):
-    prompts = [_prompt(60 + i, 24) for i in range(3)]  # no padding, no past: no gather, no mask
+    prompts = [prompt_ids(24, 60 + i, lo=5, hi=512) for i in range(3)]  # no padding, no past: no gather, no mask
     outs = ex.batch_prefill([PrefillInput(token_ids=p) for p in prompts])
     for o, p in zip(outs, prompts):
         assert _maxdiff(o.logits, _full(ex, p)[-1]) < TOL
@@ -146,7 +140,7 @@ def test_equal_length_fresh_prompts_take_the_causal_fast_path(ex):
 
 
 def test_truncate_then_decode_equals_fresh_prefill_of_the_prefix(ex):
-    toks = _prompt(4, 60)
+    toks = prompt_ids(60, 4, lo=5, hi=512)
     out = ex.prefill(PrefillInput(token_ids=toks, policy=NONE))
     before = ex.kv_capacity().used_bytes
     h, removed = ex.truncate_kv(out.cache.cache_id, 20)
@@ -165,7 +159,7 @@ def test_truncate_then_decode_equals_fresh_prefill_of_the_prefix(ex):
 
 
 def test_forward_verify_is_one_forward_and_rows_equal_stepwise_decodes(ex):
-    prompt, draft = _prompt(5, 25), _prompt(6, 6)
+    prompt, draft = prompt_ids(25, 5, lo=5, hi=512), prompt_ids(6, 6, lo=5, hi=512)
     a = ex.prefill(PrefillInput(token_ids=prompt, policy=NONE)).cache.cache_id
     steps = [ex.decode(DecodeInput(cache_id=a, token_id=t)).logits for t in draft]
     b = ex.prefill(PrefillInput(token_ids=prompt, policy=NONE)).cache.cache_id
@@ -184,7 +178,7 @@ def test_forward_verify_is_one_forward_and_rows_equal_stepwise_decodes(ex):
 
 
 def test_greedy_loop_equals_transformers_generate(ex):
-    prompt, n = _prompt(7, 12), 24
+    prompt, n = prompt_ids(12, 7, lo=5, hi=512), 24
     with torch.inference_mode():
         ref = ex.model.generate(
             torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
@@ -193,15 +187,15 @@ def test_greedy_loop_equals_transformers_generate(ex):
 
 
 def test_unified_decode_chunks_with_concurrent_decodes_equal_one_prefill(ex):
-    prompt = _prompt(8, 45)
-    others = [_prompt(30 + i, n) for i, n in enumerate([9, 31])]
+    prompt = prompt_ids(45, 8, lo=5, hi=512)
+    others = [prompt_ids(n, 30 + i, lo=5, hi=512) for i, n in enumerate([9, 31])]
     other_caches = [ex.prefill(PrefillInput(token_ids=p, policy=NONE)).cache.cache_id for p in others]
     chunks = [prompt[:16], prompt[16:37], prompt[37:]]
     cache_id, pos = "", 0
     seqs = [list(p) for p in others]
     for k, chunk in enumerate(chunks):
         final = k == len(chunks) - 1
-        dec_tokens = [_prompt(50 + 10 * k + i, 1)[0] for i in range(len(others))]
+        dec_tokens = [prompt_ids(1, 50 + 10 * k + i, lo=5, hi=512)[0] for i in range(len(others))]
         items = [UnifiedItem(seq_id="p", q_tokens=chunk, cache_id=cache_id, pos_offset=pos, is_final_chunk=final)]
         items += [
             UnifiedItem(seq_id=f"d{i}", q_tokens=[t], cache_id=c, pos_offset=len(s))
@@ -230,7 +224,7 @@ def test_unified_decode_rejects_a_wrong_pos_offset(ex):
 
 
 def test_forward_returns_full_logits(ex):
-    ids = torch.tensor([_prompt(9, 10), _prompt(10, 10)])
+    ids = torch.tensor([prompt_ids(10, 9, lo=5, hi=512), prompt_ids(10, 10, lo=5, hi=512)])
     out = ex.forward(ids)
     assert out.shape == (2, 10, ex.vocab_size) and out.dtype == torch.float32
     assert _maxdiff(out[1], _full(ex, ids[1].tolist())) < TOL
@@ -243,14 +237,14 @@ def test_kv_bytes_per_token_are_the_theoretical_minimum(ex):
     theory = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
     cap = ex.kv_capacity()
     assert cap.bytes_per_token == theory == ex.registry.bytes_per_token
-    out = ex.prefill(PrefillInput(token_ids=_prompt(11, 33), policy=NONE))
+    out = ex.prefill(PrefillInput(token_ids=prompt_ids(33, 11, lo=5, hi=512), policy=NONE))
     assert out.cache.memory_bytes == 3 * 16 * theory  # ceil(33 / 16) blocks
     assert ex.kv_capacity().used_bytes == 3 * 16 * theory
 
 
 def test_release_gives_the_memory_back(ex):
     cap0, st0 = ex.kv_capacity(), ex.status()
-    ids = [ex.prefill(PrefillInput(token_ids=_prompt(12 + i, 40), policy=NONE)).cache.cache_id for i in range(3)]
+    ids = [ex.prefill(PrefillInput(token_ids=prompt_ids(40, 12 + i, lo=5, hi=512), policy=NONE)).cache.cache_id for i in range(3)]
     cap1 = ex.kv_capacity()
     assert cap1.used_bytes == cap0.used_bytes + 3 * 3 * ex.pool.block_bytes
     assert cap1.used_tokens == cap0.used_tokens + 120
@@ -270,7 +264,7 @@ def test_over_budget_prefill_is_refused_before_any_work(small_budget):
     assert ex.kv_capacity().total_tokens == 64
     with ForwardCounter(ex.model) as fc:
         with pytest.raises(FerrumError) as ei:
-            ex.prefill(PrefillInput(token_ids=_prompt(13, 65)))
+            ex.prefill(PrefillInput(token_ids=prompt_ids(65, 13, lo=5, hi=512)))
         assert ei.value.kind == ErrorKind.RESOURCE_EXHAUSTED
         assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         with pytest.raises(FerrumError) as ei:  # the reservation does not fit either
@@ -282,8 +276,8 @@ def test_over_budget_prefill_is_refused_before_any_work(small_budget):
 
 def test_batches_are_all_or_nothing_under_the_budget(small_budget):
     ex = small_budget
-    a = ex.prefill(PrefillInput(token_ids=_prompt(14, 32), policy=NONE)).cache.cache_id  # 2 blocks
-    b = ex.prefill(PrefillInput(token_ids=_prompt(15, 32), policy=NONE)).cache.cache_id  # 2 blocks: pool full
+    a = ex.prefill(PrefillInput(token_ids=prompt_ids(32, 14, lo=5, hi=512), policy=NONE)).cache.cache_id  # 2 blocks
+    b = ex.prefill(PrefillInput(token_ids=prompt_ids(32, 15, lo=5, hi=512), policy=NONE)).cache.cache_id  # 2 blocks: pool full
     with pytest.raises(FerrumError) as ei:
         ex.batch_prefill([PrefillInput(token_ids=[5, 6]), PrefillInput(token_ids=[7])])
     assert ei.value.kind == ErrorKind.RESOURCE_EXHAUSTED
@@ -352,7 +346,7 @@ def test_reserve_kv_slots_for_a_new_sequence_creates_the_cache_its_first_step_fi
     assert (a.blocks_before, a.blocks_after, a.new_blocks) == (0, 2, 2) and res.free_blocks_after == 2
     entry = ex.registry.get(a.created_cache_id)
     assert entry.num_tokens == 0 and entry.reserved_total == 20
-    prompt = _prompt(31, 12)
+    prompt = prompt_ids(12, 31, lo=5, hi=512)
     (r,) = ex.unified_decode([UnifiedItem(seq_id="engine-seq-1", q_tokens=prompt, cache_id=a.created_cache_id)])
     assert r.cache.cache_id == a.created_cache_id and r.cache.num_tokens == 12
     assert ex.pool.used_blocks == 2  # grew inside its reservation
@@ -419,7 +413,7 @@ def test_int8_weight_only_layers_match_their_dequantised_weights(tiny_llama_dir,
     ref = x.float() @ (lin.qweight.float() * lin.scale.float()[:, None]).T
     assert _maxdiff(lin(x), ref) < 2e-2 * ref.abs().max().item()
     # the quantised model stays close to the fp32 one (per-row int8 of random weights)
-    prompt = _prompt(7, 24)
+    prompt = prompt_ids(24, 7, lo=5, hi=512)
     a, b = _full(q, prompt), _full(tiny_llama, prompt)
     assert _maxdiff(a, b) < 0.1 * b.abs().max().item()
     # prefill + decodes through the paged cache == the quantised model's own full forward
@@ -439,7 +433,7 @@ def test_cuda_executor_matches_cpu(tiny_llama_dir, tiny_llama):
     gpu = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny-cuda", device="cuda", dtype="fp32",
                                        kv_budget_tokens=4096)
     assert gpu.info().device.startswith("cuda:") and gpu.pool.k[0].is_cuda
-    prompts = [_prompt(40 + i, n) for i, n in enumerate([7, 19, 33])]
+    prompts = [prompt_ids(n, 40 + i, lo=5, hi=512) for i, n in enumerate([7, 19, 33])]
     for e in (gpu, tiny_llama):
         e._test_out = e.batch_prefill([PrefillInput(token_ids=p) for p in prompts])
         e._test_dec = e.batch_decode([DecodeInput(cache_id=o.cache.cache_id, token_id=9) for o in e._test_out])

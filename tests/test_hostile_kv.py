@@ -8,7 +8,6 @@ through it, holds staged KV for ever, or reads a cache's blocks after they were 
 from __future__ import annotations
 
 import concurrent.futures
-import random
 import shutil
 import sys
 import threading
@@ -28,18 +27,15 @@ from ferrum_service.types import DecodeInput, PrefillInput
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .lora_fixtures import adapters  # noqa: F401 - fixture
+from .support.prompts import prompt_ids
 from .support.servers import InProcessServer, free_port
+from .support.waits import wait_until
 from .test_tls import CA
 
 BS = 16
 M = "tiny"
 C = grpc.StatusCode
 ALICE, BOB, ADMIN, PEER = "tok-alice", "tok-bob", "tok-admin", "tok-peer"
-
-
-def _prompt(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 500) for _ in range(n)]
 
 
 def _executor(path, budget_blocks: int = 64, **kw) -> HfCausalLmExecutor:
@@ -94,10 +90,10 @@ def test_pushed_kv_never_poisons_another_callers_prefix(tiny_llama_dir):
     ex = _executor(tiny_llama_dir)
     with InProcessServer([ex], auth_tokens=[ALICE, BOB]) as s, Client(s.target, token=ALICE) as alice, \
             Client(s.target, token=BOB) as bob:
-        p = _prompt(48, seed=1)
+        p = prompt_ids(48, 1)
         fresh = _prefill(bob, p, cache_salt="reference", bypass_prefix_cache=True)  # keyed apart from below
         bob.release_cache(M, fresh.cache.cache_id)
-        own = _prefill(alice, _prompt(48, seed=2))  # gives alice a valid header (fingerprint, shapes)
+        own = _prefill(alice, prompt_ids(48, 2))  # gives alice a valid header (fingerprint, shapes)
         forged = _forged(_export(alice, own.cache.cache_id), p)
         alice.release_cache(M, own.cache.cache_id)
         for salt in ("", "shared:team"):
@@ -189,7 +185,7 @@ def test_a_peer_exports_only_the_callers_own_cache(tiny_llama_dir):
             Client(sa.target, token=ALICE) as alice_a, Client(sa.target, token=BOB) as bob_a, \
             Client(sb.target, token=ALICE) as alice_b, Client(sb.target, token=BOB) as bob_b, \
             Client(sa.target, token=PEER) as peer_a:
-        src = _prefill(alice_a, _prompt(40, seed=3))
+        src = _prefill(alice_a, prompt_ids(40, 3))
         assert _rpc_error(lambda: _pull(bob_b, sa.target, src.cache.cache_id)).code() == C.NOT_FOUND
         _assert_empty(b)
         # bob naming alice's identity himself: ignored (his own token), NOT_FOUND
@@ -206,12 +202,12 @@ def test_a_peer_exports_only_the_callers_own_cache(tiny_llama_dir):
             target=sa.target, cache_id=src.cache.cache_id))]), metadata=alice_b.metadata)
         assert r.imported_tokens == 40
         alice_b.release_cache(M, r.cache.cache_id)
-        hit = _prefill(bob_b, _prompt(40, seed=3), cache_salt="shared:team")
+        hit = _prefill(bob_b, prompt_ids(40, 3), cache_salt="shared:team")
         assert hit.cached_tokens == 32
         bob_b.release_cache(M, hit.cache.cache_id)
         # K/V alice pushed into A are still hers only when B pulls them from A (no laundering)
-        q = _prompt(48, seed=30)
-        other = _prefill(alice_a, _prompt(48, seed=31), cache_salt="other")
+        q = prompt_ids(48, 30)
+        other = _prefill(alice_a, prompt_ids(48, 31), cache_salt="other")
         forged = _forged(_export(alice_a, other.cache.cache_id), q)
         pushed = alice_a.stub.ImportKv(iter(_push_stream(forged)), metadata=alice_a.metadata)
         fork = alice_a.fork_cache(M, pushed.cache.cache_id).cache  # forks of it are caller-supplied too
@@ -248,7 +244,7 @@ def test_router_hands_off_between_mutual_tls_servers(tiny_llama_dir, tmp_path):
             InProcessServer([dec], role="decode", kv_peers=[sp.target], kv_peer_ca=f["ca.pem"],
                             kv_peer_cert=f["peer.crt"], kv_peer_key=f["peer.key"], **tls) as sd, \
             InProcessServer([one]) as so, Client(so.target) as co:
-        p = _prompt(30, seed=4)
+        p = prompt_ids(30, 4)
         ref = [e.token.token_id for e in co.generate(M, token_ids=p, max_tokens=3, ignore_eos=True)
                if e.WhichOneof("event") == "token"]
         with DisaggregatedRouter([sp.target], [sd.target], root_certificates=ca.pem, private_key=router_key,
@@ -267,7 +263,7 @@ def test_router_hands_off_between_mutual_tls_servers(tiny_llama_dir, tmp_path):
 def test_control_characters_in_cache_salt_are_refused(tiny_llama_dir):
     ex = _executor(tiny_llama_dir)
     with InProcessServer([ex]) as s, Client(s.target) as c:
-        p = _prompt(20)
+        p = prompt_ids(20)
         for salt in ("\x00sql", "a\x00b", "tenant\n", "\x7f", "\x85x"):
             with pytest.raises(FerrumRpcError) as e:
                 c.prefill(M, p, cache_salt=salt)
@@ -294,7 +290,7 @@ def test_default_key_space_is_the_callers_own_under_auth(tiny_llama_dir):
     ex = _executor(tiny_llama_dir)
     with InProcessServer([ex], auth_tokens=[ALICE, BOB]) as s, Client(s.target, token=ALICE) as alice, \
             Client(s.target, token=BOB) as bob:
-        p = _prompt(48, seed=5)
+        p = prompt_ids(48, 5)
         first = alice.prefill(M, p).output
         assert first.cached_tokens == 0
         again = alice.prefill(M, p).output
@@ -306,7 +302,7 @@ def test_default_key_space_is_the_callers_own_under_auth(tiny_llama_dir):
         assert all(k in ex.prefix.index for k in keys)
         assert not any(k in ex.prefix.index for k in block_keys(p, BS, model_id=M, cache_salt=""))
         # a shared salt is one space for everyone who sends it
-        q = _prompt(48, seed=6)
+        q = prompt_ids(48, 6)
         a_sh = alice.prefill(M, q, cache_salt="shared:team").output
         b_sh = bob.prefill(M, q, cache_salt="shared:team").output
         assert b_sh.cached_tokens == 47
@@ -314,7 +310,7 @@ def test_default_key_space_is_the_callers_own_under_auth(tiny_llama_dir):
         # a cache made empty by ReserveKvSlots and filled by Prefill(cache_id=) is keyed in her space too
         r = alice.reserve_kv_slots(M, [tpb.KvSlotRequest(cache_id="mine", target_len=64, new_sequence=True)])
         cid = r.reservation.allocations[0].created_cache_id
-        z = _prompt(48, seed=7)
+        z = prompt_ids(48, 7)
         alice.prefill(M, z, cache_id=cid)
         assert bob.prefill(M, z).output.cached_tokens == 0
         assert alice.prefill(M, z).output.cached_tokens == 47
@@ -326,7 +322,7 @@ def test_default_key_space_is_the_callers_own_under_auth(tiny_llama_dir):
     # without authentication every caller is one tenant: unchanged
     ex2 = _executor(tiny_llama_dir)
     with InProcessServer([ex2]) as s, Client(s.target) as c1, Client(s.target) as c2:
-        p = _prompt(48, seed=8)
+        p = prompt_ids(48, 8)
         a = c1.prefill(M, p).output
         b = c2.prefill(M, p).output
         assert b.cached_tokens == 47
@@ -353,7 +349,7 @@ def test_a_stalled_import_is_dropped_and_counted_meanwhile(tiny_llama_dir):
     a, b = _executor(tiny_llama_dir), _executor(tiny_llama_dir)
     with InProcessServer([a]) as sa, InProcessServer([b], kv_import_idle_timeout=1.0) as sb, \
             Client(sa.target) as ca, Client(sb.target) as cb:
-        src = ca.prefill(M, _prompt(64, seed=9)).output
+        src = ca.prefill(M, prompt_ids(64, 9)).output
         msgs = _push_stream(list(ca.export_kv(M, src.cache.cache_id, max_chunk_bytes=2048)))
         gate = threading.Event()
 
@@ -362,9 +358,7 @@ def test_a_stalled_import_is_dropped_and_counted_meanwhile(tiny_llama_dir):
             gate.wait(30)
 
         fut = cb.stub.ImportKv.future(stalled())
-        deadline = time.time() + 10
-        while b.registry.staged_imports == 0 and time.time() < deadline:
-            time.sleep(0.01)
+        assert wait_until(lambda: b.registry.staged_imports)
         assert b.registry.staged_imports == 1 and len(b.registry) == 0
         load = cb.loads(M).loads[0]
         assert load.reserved_tokens == 64  # the staged import's KV shows where Loads reports KV use
@@ -373,9 +367,7 @@ def test_a_stalled_import_is_dropped_and_counted_meanwhile(tiny_llama_dir):
             fut.result(15)
         assert e.value.code() == C.DEADLINE_EXCEEDED and time.time() - t0 < 5
         gate.set()
-        deadline = time.time() + 10
-        while b.pool.free_blocks != b.pool.num_blocks and time.time() < deadline:
-            time.sleep(0.02)
+        assert wait_until(lambda: b.pool.free_blocks == b.pool.num_blocks)
         _assert_empty(b)
         assert cb.loads(M).loads[0].reserved_tokens == 0
         ca.release_cache(M, src.cache.cache_id)
@@ -387,7 +379,7 @@ def test_release_waits_for_an_export_in_progress(tiny_llama_dir):
     with InProcessServer([ex]) as s, Client(s.target) as c, Client(s.target) as other:
         with c.session() as sess:
             out = sess.step(pb.PrefillRequest(model_id=M, input=pb.PrefillInput(
-                token_ids=_prompt(80, seed=10), logits=m.greedy()))).output
+                token_ids=prompt_ids(80, 10), logits=m.greedy()))).output
             cid = out.cache.cache_id
             ref = _export(c, cid, max_chunk_bytes=1024)
             gate = threading.Event()
@@ -399,14 +391,11 @@ def test_release_waits_for_an_export_in_progress(tiny_llama_dir):
         time.sleep(0.3)
         assert cid in ex.registry
         # another caller's prompt takes every free block meanwhile
-        filler = other.prefill(M, _prompt(7 * BS, seed=11), bypass_prefix_cache=True).output
+        filler = other.prefill(M, prompt_ids(7 * BS, 11), bypass_prefix_cache=True).output
         gate.set()
         got += list(it)
         assert [x.SerializeToString() for x in got] == [x.SerializeToString() for x in ref]
-        deadline = time.time() + 10
-        while cid in ex.registry and time.time() < deadline:
-            time.sleep(0.02)
-        assert cid not in ex.registry  # released once the export let go
+        assert wait_until(lambda: cid not in ex.registry)  # released once the export let go
         other.release_cache(M, filler.cache.cache_id)
     _assert_empty(ex)
 
@@ -421,7 +410,7 @@ def test_import_checks_the_adapter_digest_and_binds_it_while_staged(tiny_llama_d
             Client(sa.target, token=ADMIN) as ca, Client(sb.target, token=ADMIN) as cb:
         ca.load_adapter("sql", str(adapters["a1"][0]), M)
         cb.load_adapter("sql", str(adapters["a2"][0]), M)  # another adapter under the same name
-        src = ca.prefill(M, _prompt(40, seed=12), adapter="sql").output
+        src = ca.prefill(M, prompt_ids(40, 12), adapter="sql").output
         msgs = list(ca.export_kv(M, src.cache.cache_id, max_chunk_bytes=2048))
         assert msgs[0].header.adapter == "sql" and len(msgs[0].header.adapter_digest) == 64
         e = _rpc_error(lambda: cb.stub.ImportKv(iter(_push_stream(msgs)), metadata=cb.metadata))
@@ -439,17 +428,13 @@ def test_import_checks_the_adapter_digest_and_binds_it_while_staged(tiny_llama_d
             gate.wait(30)
 
         fut = cb.stub.ImportKv.future(stalled(), metadata=cb.metadata)
-        deadline = time.time() + 10
-        while b.registry.staged_imports == 0 and time.time() < deadline:
-            time.sleep(0.01)
+        assert wait_until(lambda: b.registry.staged_imports)
         with pytest.raises(FerrumRpcError) as e2:
             cb.unload_adapter("sql", M)
         assert e2.value.code == C.FAILED_PRECONDITION
         fut.cancel()
         gate.set()
-        deadline = time.time() + 10
-        while b.registry.staged_imports and time.time() < deadline:
-            time.sleep(0.02)
+        assert wait_until(lambda: not b.registry.staged_imports)
         r = cb.stub.ImportKv(iter(_push_stream(msgs)), metadata=cb.metadata)
         assert r.cache.adapter == "sql"
         cb.release_cache(M, r.cache.cache_id)
@@ -463,7 +448,7 @@ def test_roles_refuse_decode_items_and_new_sequences(tiny_llama_dir):
     pre, dec = _executor(tiny_llama_dir), _executor(tiny_llama_dir)
     with InProcessServer([pre], role="prefill") as sp, InProcessServer([dec], role="decode") as sd, \
             Client(sp.target) as cp, Client(sd.target) as cd:
-        p = _prompt(40, seed=13)
+        p = prompt_ids(40, 13)
         # a chunked prompt through UnifiedDecode is prefill work
         r1 = cp.unified_decode(M, [m.unified_item(p[:20], is_final_chunk=False)]).results[0]
         r2 = cp.unified_decode(M, [m.unified_item(p[20:], cache_id=r1.cache.cache_id, pos_offset=20)]).results[0]
@@ -472,7 +457,7 @@ def test_roles_refuse_decode_items_and_new_sequences(tiny_llama_dir):
             cp.unified_decode(M, [m.unified_item([r2.output.token_id], cache_id=r1.cache.cache_id, pos_offset=40)])
         assert e.value.code == C.FAILED_PRECONDITION and e.value.field == "role"
         # a one-token last chunk of a chunked prompt is still prefill work
-        q = _prompt(21, seed=14)
+        q = prompt_ids(21, 14)
         c1 = cp.unified_decode(M, [m.unified_item(q[:20], is_final_chunk=False)]).results[0]
         c2 = cp.unified_decode(M, [m.unified_item(q[20:], cache_id=c1.cache.cache_id, pos_offset=20)]).results[0]
         assert c2.cache.num_tokens == 21
@@ -492,7 +477,7 @@ def test_root_memo_is_bounded_and_thread_safe(tiny_llama_dir, adapters):
     ex.load_adapter("a1", str(adapters["a1"][0]))
     pc = ex.prefix
     # an adapter-bound cache whose root falls out of the memo still has its blocks dropped with it
-    out = ex.prefill(PrefillInput(token_ids=_prompt(20, seed=15), adapter="a1", cache_salt="s0"))
+    out = ex.prefill(PrefillInput(token_ids=prompt_ids(20, 15), adapter="a1", cache_salt="s0"))
     for i in range(5000):
         pc.root(f"salt-{i}", "a1")
     assert len(pc._roots) <= 4096
@@ -562,7 +547,7 @@ def test_client_certificates_are_key_spaces_too(tiny_llama_dir, tmp_path):
                          tls_client_ca=str(tmp_path / "ca.pem")) as s, \
             Client(s.target, root_certificates=ca.pem, private_key=k1, certificate_chain=c1) as one, \
             Client(s.target, root_certificates=ca.pem, private_key=k2, certificate_chain=c2) as two:
-        p = _prompt(48, seed=20)
+        p = prompt_ids(48, 20)
         a = one.prefill(M, p).output
         b = two.prefill(M, p).output
         assert b.cached_tokens == 0
@@ -583,15 +568,13 @@ def test_prefix_aware_router_computes_its_own_key_space(tiny_llama_dir):
             Client(sb.target, token=BOB) as bob_b, \
             StickyRouter([sa.target, sb.target], prefix_aware=True, token=ALICE, step_timeout=5.0) as router:
         assert router.key_identity == token_caller(ALICE)
-        p, q = _prompt(48, seed=40), _prompt(48, seed=41)
+        p, q = prompt_ids(48, 40), prompt_ids(48, 41)
         with router.new_session(prompt_tokens=p, model_id=M) as s:
             out = s.prefill(M, p).output
             home = s.target
             s.release_cache(M, out.cache.cache_id)
         bob_b.release_cache(M, bob_b.prefill(M, q).output.cache.cache_id)  # bob's prompt, on B
-        deadline = time.time() + 10
-        while router.prefix_matches(p, M).get(home, 0) < 48 and time.time() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: router.prefix_matches(p, M).get(home, 0) >= 48, interval=0.05)
         assert router.prefix_matches(p, M) == {home: 48, ({sa.target, sb.target} - {home}).pop(): 0}
         time.sleep(0.3)
         assert set(router.prefix_matches(q, M).values()) == {0}  # bob's prefix is not alice's to find

@@ -4,7 +4,6 @@ space. Real servers, the packaged SmolLM2 GGUF."""
 
 from __future__ import annotations
 
-import random
 import zlib
 
 import grpc
@@ -12,8 +11,9 @@ import pytest
 
 from ferrum_client import Client, messages as m, pb
 
+from .support.prompts import prompt_ids
 from .support.servers import InProcessServer
-from .test_llama_cpp import _gguf
+from .support.packaged import smollm2_gguf_path
 
 pytest.importorskip("llama_cpp")
 
@@ -24,12 +24,7 @@ ALICE, BOB = "tok-alice", "tok-bob"
 def _llc(n_ctx: int = 1024, n_seq: int = 4):
     from ferrum_service.executors.llama_cpp import LlamaCppExecutor
 
-    return LlamaCppExecutor(_gguf(), model_id=M, threads=2, n_ctx=n_ctx, n_seq=n_seq)
-
-
-def _prompt(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 20000) for _ in range(n)]
+    return LlamaCppExecutor(smollm2_gguf_path(), model_id=M, threads=2, n_ctx=n_ctx, n_seq=n_seq)
 
 
 def _empty(ex) -> None:
@@ -38,7 +33,7 @@ def _empty(ex) -> None:
 
 def test_state_bytes_beyond_the_header_or_the_tokens_are_refused_at_once():
     a, b = _llc(), _llc()
-    p = _prompt(40)
+    p = prompt_ids(40, lo=100, hi=20000)
     with InProcessServer([a]) as sa, InProcessServer([b]) as sb, Client(sa.target) as ca, Client(sb.target) as cb:
         src = ca.prefill(M, p, policy=m.greedy()).output
         msgs = list(ca.export_kv(M, src.cache.cache_id, max_chunk_bytes=64 * 1024))
@@ -79,7 +74,7 @@ def test_state_bytes_beyond_the_header_or_the_tokens_are_refused_at_once():
 
 def test_imported_sequence_is_keyed_under_its_salt():
     a, b = _llc(), _llc()
-    p = _prompt(40, seed=1)
+    p = prompt_ids(40, 1, lo=100, hi=20000)
     with InProcessServer([a]) as sa, InProcessServer([b]) as sb, Client(sa.target) as ca, Client(sb.target) as cb:
         src = ca.prefill(M, p, policy=m.greedy(), cache_salt="tenant-secret").output
         r = cb.import_kv(M, list(ca.export_kv(M, src.cache.cache_id)), reserve_tokens=48,
@@ -99,7 +94,7 @@ def test_imported_sequence_is_keyed_under_its_salt():
 
 def test_pushed_state_stays_in_the_importers_key_space():
     a, ex = _llc(), _llc()
-    p = _prompt(40, seed=2)
+    p = prompt_ids(40, 2, lo=100, hi=20000)
     with InProcessServer([a]) as sa, InProcessServer([ex], auth_tokens=[ALICE, BOB]) as s, Client(sa.target) as ca, \
             Client(s.target, token=ALICE) as alice, Client(s.target, token=BOB) as bob:
         src = ca.prefill(M, p, policy=m.greedy()).output

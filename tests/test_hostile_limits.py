@@ -27,6 +27,7 @@ from ferrum_client import Client, FerrumRpcError, pb, tpb
 
 from .conftest_models import tiny_llama_dir  # noqa: F401
 from .support.servers import InProcessServer
+from .support.waits import wait_until
 
 pytest.importorskip("xgrammar")
 
@@ -378,14 +379,8 @@ def test_an_open_stream_keeps_its_origins_parked_caches(tiny_llama_dir):  # noqa
         parked = c.stub.Prefill(pb.PrefillRequest(model_id="tiny", input=pb.PrefillInput(token_ids=[5, 6]))).output
         reg = srv.models.get("tiny").executor.registry
         stream = c.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(model_id="tiny"))
-        deadline = time.monotonic() + 5
-        while not srv.server.streams.active and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert srv.server.streams.active, "the subscription did not open"
+        assert wait_until(lambda: srv.server.streams.active, timeout=5), "the subscription did not open"
         time.sleep(1.6)  # four idle TTLs with no call, only the open stream
         assert parked.cache.cache_id in reg, "a parked cache was reclaimed while its origin had a stream open"
         stream.cancel()
-        deadline = time.monotonic() + 5
-        while parked.cache.cache_id in reg and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert parked.cache.cache_id not in reg, "the quiet-origin rule no longer reclaims once the stream closed"
+        assert wait_until(lambda: parked.cache.cache_id not in reg, timeout=5, interval=0.1), "the quiet-origin rule no longer reclaims once the stream closed"

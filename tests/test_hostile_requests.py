@@ -27,6 +27,7 @@ from ferrum_client import Client, FerrumRpcError, messages as m, pb, tpb
 
 from .conftest_models import tiny_bert_dir, tiny_llama_dir  # noqa: F401 - fixtures
 from .support.servers import ServerProcess
+from .support.waits import wait_no_listed_caches
 
 C = grpc.StatusCode
 RSS_BOUND = 150 * 1024 * 1024  # peak RSS growth allowed while a hostile request is refused
@@ -130,10 +131,7 @@ UNARY = [
 def _no_caches(c: Client) -> None:
     """No live cache, allowing a closed Session's caches a few seconds to go (the server releases
     them when it sees the stream end, after the client has moved on)."""
-    deadline = time.monotonic() + 5
-    while c.list_caches().caches and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(c.list_caches().caches) == 0, "a refused request left a cache"
+    assert len(wait_no_listed_caches(c, timeout=5)) == 0, "a refused request left a cache"
 
 
 @pytest.mark.parametrize("name,build,rpc,code,text", UNARY, ids=[u[0] for u in UNARY])

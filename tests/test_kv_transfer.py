@@ -5,7 +5,6 @@ B equals one server doing it all; refusals leave nothing behind (no cache, every
 
 from __future__ import annotations
 
-import random
 import shutil
 import threading
 import time
@@ -19,15 +18,12 @@ from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
 from ferrum_service.testing.tiny_models import build_tiny_llama
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
+from .support.prompts import prompt_ids
 from .support.servers import InProcessServer, ServerProcess
+from .support.waits import wait_no_listed_caches, wait_until
 
 BS = 16
 M = "tiny"
-
-
-def _prompt(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 500) for _ in range(n)]
 
 
 def _executor(path, budget_blocks: int = 64) -> HfCausalLmExecutor:
@@ -96,7 +92,7 @@ def _code(fn) -> grpc.StatusCode:
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_prefill_on_a_decode_on_b_equals_one_server(pair, mode):
     sa, sb, a, b = pair
-    p = _prompt(50)
+    p = prompt_ids(50)
     with Client(sa.target) as ca, Client(sb.target) as cb:
         ref = _prefill(ca, p, reserve_tokens=64, bypass_prefix_cache=True)
         t0 = int(np.argmax(m.logits_array(ref.output)))
@@ -136,7 +132,7 @@ def test_prefill_on_a_decode_on_b_equals_one_server(pair, mode):
 def test_export_ranges_and_refusals(pair):
     sa, sb, a, b = pair
     with Client(sa.target) as ca:
-        src = _prefill(ca, _prompt(40))
+        src = _prefill(ca, prompt_ids(40))
         cid = src.cache.cache_id
         part = _export(ca, cid, from_token=16, to_token=32)
         assert (part[0].header.from_token, part[0].header.to_token, list(part[0].header.positions)) == (
@@ -154,9 +150,9 @@ def test_import_into_a_full_server_is_refused_with_nothing_kept(tiny_llama_dir):
     a, b = _executor(tiny_llama_dir), _executor(tiny_llama_dir, budget_blocks=16)
     with InProcessServer([a]) as sa, InProcessServer([b], kv_peers=[sa.target]) as sb, Client(sa.target) as ca, \
             Client(sb.target) as cb:
-        filler = _prefill(cb, _prompt(190, seed=9), bypass_prefix_cache=True)  # 12 of 16 blocks
+        filler = _prefill(cb, prompt_ids(190, 9), bypass_prefix_cache=True)  # 12 of 16 blocks
         free = b.pool.free_blocks
-        src = _prefill(ca, _prompt(100))
+        src = _prefill(ca, prompt_ids(100))
         msgs = _push(_export(ca, src.cache.cache_id))
         assert _code(lambda: cb.stub.ImportKv(iter(msgs))) == grpc.StatusCode.RESOURCE_EXHAUSTED
         # refused at the header, before any chunk is read (not DATA_LOSS for the missing chunks)
@@ -164,7 +160,7 @@ def test_import_into_a_full_server_is_refused_with_nothing_kept(tiny_llama_dir):
         assert _code(lambda: cb.stub.ImportKv(iter([pb.ImportKvRequest(model_id=M, source=pb.KvSource(
             target=sa.target, cache_id=src.cache.cache_id))]))) == grpc.StatusCode.RESOURCE_EXHAUSTED
         # a reservation beyond the pool is refused too
-        small = _prefill(ca, _prompt(20))
+        small = _prefill(ca, prompt_ids(20))
         assert _code(lambda: cb.stub.ImportKv(iter(_push(_export(ca, small.cache.cache_id), reserve_tokens=80)))
                      ) == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert b.pool.free_blocks == free and len(b.registry) == 1
@@ -176,7 +172,7 @@ def test_import_into_a_full_server_is_refused_with_nothing_kept(tiny_llama_dir):
 def test_interrupted_transfer_leaves_no_cache(pair):
     sa, sb, a, b = pair
     with Client(sa.target) as ca, Client(sb.target) as cb:
-        src = _prefill(ca, _prompt(60))
+        src = _prefill(ca, prompt_ids(60))
         msgs = _push(_export(ca, src.cache.cache_id, max_chunk_bytes=2048))
         # the stream ends early: DATA_LOSS, nothing imported
         assert _code(lambda: cb.stub.ImportKv(iter(msgs[:len(msgs) // 2]))) == grpc.StatusCode.DATA_LOSS
@@ -189,28 +185,33 @@ def test_interrupted_transfer_leaves_no_cache(pair):
             gate.wait(10)
 
         fut = cb.stub.ImportKv.future(stalled())
-        deadline = time.time() + 10
-        while b.pool.free_blocks == b.pool.num_blocks and time.time() < deadline:
-            time.sleep(0.01)  # the header was admitted: blocks are staged
-        assert b.pool.free_blocks < b.pool.num_blocks and len(b.registry) == 0
+        # the header was admitted: blocks are staged
+        assert wait_until(lambda: b.pool.free_blocks < b.pool.num_blocks)
+        assert len(b.registry) == 0
         fut.cancel()
         gate.set()
-        deadline = time.time() + 10
-        while b.pool.free_blocks != b.pool.num_blocks and time.time() < deadline:
-            time.sleep(0.02)
+        assert wait_until(lambda: b.pool.free_blocks == b.pool.num_blocks)
         _assert_empty(b)
-        assert b.pool.free_blocks == b.pool.num_blocks
-        # the source going away mid-pull: the exporter's cache released while B pulls
-        big = _prefill(ca, _prompt(200, seed=3))
-        pulled = cb.stub.ImportKv.future(iter([pb.ImportKvRequest(model_id=M, source=pb.KvSource(
-            target=sa.target, cache_id=big.cache.cache_id, max_chunk_bytes=1024))]))
+        # the source cannot go away mid-pull: while A exports the cache to B (A's transfer thread
+        # held up, so the export is in flight and holds the cache), A refuses to release it
+        # (ABORTED: busy); the pull then completes with every token
+        big = _prefill(ca, prompt_ids(200, 3))
+        host_a = sa.models.get(M)
+        held = threading.Event()
+        sa.server.servicer.kv._io.submit(held.wait, 30)
         try:
-            pulled.result(30)
-            cb.stub.ReleaseCache(pb.ReleaseCacheRequest(model_id=M, cache_id=pulled.result().cache.cache_id))
-        except grpc.RpcError:
-            pass
+            pulled = cb.stub.ImportKv.future(iter([pb.ImportKvRequest(model_id=M, source=pb.KvSource(
+                target=sa.target, cache_id=big.cache.cache_id, max_chunk_bytes=1024))]))
+            assert wait_until(lambda: host_a.is_busy(big.cache.cache_id)), "the export never held the cache"
+            assert _code(lambda: ca.stub.ReleaseCache(pb.ReleaseCacheRequest(
+                model_id=M, cache_id=big.cache.cache_id))) == grpc.StatusCode.ABORTED
+        finally:
+            held.set()
+        got = pulled.result(30)
+        assert got.imported_tokens == 200 and got.cache.num_tokens == 200
+        cb.stub.ReleaseCache(pb.ReleaseCacheRequest(model_id=M, cache_id=got.cache.cache_id))
         ca.stub.ReleaseCache(pb.ReleaseCacheRequest(model_id=M, cache_id=src.cache.cache_id))
-        ca.stub.ReleaseCache(pb.ReleaseCacheRequest(model_id=M, cache_id=big.cache.cache_id))
+        assert ca.stub.ReleaseCache(pb.ReleaseCacheRequest(model_id=M, cache_id=big.cache.cache_id)).released
     _assert_empty(b)
 
 
@@ -220,7 +221,7 @@ def test_mismatches_are_refused(pair, tmp_path):
                                          kv_budget_tokens=64 * BS)
     with InProcessServer([other], kv_peers=[sa.target]) as so, Client(sa.target) as ca, Client(sb.target) as cb, \
             Client(so.target) as co:
-        src = _prefill(ca, _prompt(30))
+        src = _prefill(ca, prompt_ids(30))
         msgs = _push(_export(ca, src.cache.cache_id))
 
         def altered(**h):
@@ -249,7 +250,7 @@ def test_mismatches_are_refused(pair, tmp_path):
 def test_corrupted_chunk_is_data_loss(pair):
     sa, sb, a, b = pair
     with Client(sa.target) as ca, Client(sb.target) as cb:
-        src = _prefill(ca, _prompt(40))
+        src = _prefill(ca, prompt_ids(40))
         msgs = _push(_export(ca, src.cache.cache_id, max_chunk_bytes=2048))
         bad = pb.ImportKvRequest()
         bad.CopyFrom(msgs[3])
@@ -275,7 +276,7 @@ def test_roles(tiny_llama_dir):
         assert cd.stub.Info(pb.InfoRequest()).role == pb.SERVER_ROLE_DECODE
         caps = cp.stub.Capabilities(pb.CapabilitiesRequest(model_id=M)).capabilities
         assert caps.supports_kv_transfer
-        p = _prompt(30)
+        p = prompt_ids(30)
         FP = grpc.StatusCode.FAILED_PRECONDITION
         assert _code(lambda: _prefill(cd, p)) == FP
         assert _code(lambda: list(cd.stub.Generate(m.generate_request(M, token_ids=p, max_tokens=2)))) == FP
@@ -306,7 +307,7 @@ def test_disaggregated_router_matches_one_server(tiny_llama_dir):
             assert [r.target for r in router.prefill.replicas()] == [sp.target]
             assert [r.target for r in router.decode.replicas()] == [sd.target]
             for i in range(3):
-                p = _prompt(30 + 7 * i, seed=i)
+                p = prompt_ids(30 + 7 * i, i)
                 ref = [e.token.token_id for e in co.generate(M, token_ids=p, max_tokens=6, ignore_eos=True)
                        if e.WhichOneof("event") == "token"]
                 with router.new_session() as s:
@@ -335,7 +336,7 @@ def test_router_source_down_marks_the_prefill_replica(tiny_llama_dir):
         with DisaggregatedRouter([sp.target], [sd.target], source_targets={sp.target: "127.0.0.1:1"},
                                  handoff_timeout=10) as router, router.new_session() as s:
             with pytest.raises(ReplicaLost) as e:
-                s.prefill(M, _prompt(20))
+                s.prefill(M, prompt_ids(20))
             assert e.value.target == sp.target
             assert not router.prefill.replicas()[0].up and router.decode.replicas()[0].up
     _assert_empty(pre)
@@ -345,7 +346,7 @@ def test_router_source_down_marks_the_prefill_replica(tiny_llama_dir):
 def test_client_push_import(pair):
     sa, sb, a, b = pair
     with Client(sa.target) as ca, Client(sb.target) as cb:
-        src = _prefill(ca, _prompt(33))
+        src = _prefill(ca, prompt_ids(33))
         r = cb.import_kv(M, ca.export_kv(M, src.cache.cache_id, max_chunk_bytes=1024), reserve_tokens=40)
         assert r.cache.num_tokens == 33 and r.chunks > 2
         cb.release_cache(M, r.cache.cache_id)
@@ -361,7 +362,7 @@ def test_server_pull_acts_for_its_caller(tiny_llama_dir):
             InProcessServer([b], auth_tokens=tokens, kv_peers=[sa.target], **peer) as sb, \
             Client(sa.target, token="tok-alice") as alice_a, Client(sb.target, token="tok-alice") as alice_b, \
             Client(sb.target, token="tok-bob") as bob_b:
-        src = alice_a.prefill(M, _prompt(20)).output
+        src = alice_a.prefill(M, prompt_ids(20)).output
         # bob's pull reaches A (with B's peer token) on bob's behalf: alice's cache is NOT_FOUND to
         # him, and B keeps nothing
         with pytest.raises(Exception) as e:
@@ -382,7 +383,7 @@ def test_export_does_not_wait_for_the_sources_busy_worker(pair):
     """A prefill server's worker is busy with prompts; a pull from it must not queue behind them."""
     sa, sb, a, b = pair
     with Client(sa.target) as ca, Client(sb.target) as cb:
-        src = ca.prefill(M, _prompt(64)).output
+        src = ca.prefill(M, prompt_ids(64)).output
         cb.release_cache(M, cb.pull_kv(M, sa.target, src.cache.cache_id).cache.cache_id)  # warm (fingerprints)
         busy = sa.models.get(M)._pool.submit(time.sleep, 3.0)  # a long step on A's worker
         t0 = time.perf_counter()
@@ -424,7 +425,7 @@ def test_two_processes_16_sessions_handed_off(tiny_llama_dir):
         def session(i: int) -> None:
             try:
                 with Client(pa.target) as ca, Client(pd.target) as cd:
-                    p = _prompt(40 + i, seed=i)
+                    p = prompt_ids(40 + i, i)
                     src = ca.stub.Prefill(pb.PrefillRequest(model_id=M, input=pb.PrefillInput(
                         token_ids=p, logits=m.greedy()))).output
                     r = cd.stub.ImportKv(iter([pb.ImportKvRequest(model_id=M, reserve_tokens=len(p) + 8,
@@ -448,8 +449,7 @@ def test_two_processes_16_sessions_handed_off(tiny_llama_dir):
         assert not errors, errors[:3]
         assert len(results) == 16
         with Client(pa.target) as ca, Client(pd.target) as cd:
-            time.sleep(0.2)
-            assert not ca.stub.ListCaches(pb.ListCachesRequest()).caches
-            assert not cd.stub.ListCaches(pb.ListCachesRequest()).caches
+            assert wait_no_listed_caches(ca) == []
+            assert wait_no_listed_caches(cd) == []
             loads = cd.stub.Loads(pb.LoadsRequest()).loads[0]
             assert loads.active_caches == 0 and loads.free_blocks == loads.total_blocks

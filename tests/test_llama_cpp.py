@@ -3,8 +3,6 @@ llama.cpp's own results, its KV books against llama.cpp's, and the contract over
 
 from __future__ import annotations
 
-import random
-
 import grpc
 import pytest
 import torch
@@ -13,32 +11,21 @@ from ferrum_client import Client, FerrumRpcError
 from ferrum_service.errors import FerrumError
 from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
 
+from .support.llama import TOL, assert_no_leak
+from .support.packaged import smollm2_gguf_path
+from .support.prompts import SMOLLM2, prompt_ids
 from .support.servers import InProcessServer
 
 pytest.importorskip("llama_cpp")
 
 NONE = LogitsPolicy(mode=OutputMode.NONE)
-# llama.cpp quantises activations per matmul (q8) and picks kernels by batch shape, so the same
-# position computed in a different batch differs slightly; observed max |diff| on SmolLM2 Q4_1
-# logits (magnitude ~20) is below 0.3, while unrelated positions differ by several units.
-TOL = 0.5
-
-
-def _gguf():
-    from ferrum_service.packaged_models import PackagedModelMissing, smollm2_gguf
-
-    try:
-        d, f = smollm2_gguf()
-    except PackagedModelMissing as e:
-        pytest.skip(str(e))
-    return str(d / f)
 
 
 @pytest.fixture(scope="module")
 def llc():
     from ferrum_service.executors.llama_cpp import LlamaCppExecutor
 
-    return LlamaCppExecutor(_gguf(), model_id="smollm2", threads=2, n_ctx=2048)
+    return LlamaCppExecutor(smollm2_gguf_path(), model_id="smollm2", threads=2, n_ctx=2048)
 
 
 @pytest.fixture
@@ -46,19 +33,7 @@ def ex(llc):
     yield llc
     for e in llc.registry.entries():
         llc.release_cache(e.cache_id)
-    _assert_no_leak(llc)
-
-
-def _assert_no_leak(ex) -> None:
-    assert len(ex.registry) == 0
-    assert ex.live_sequences() == 0, "a sequence id leaked"
-    assert ex.kv_cells_used() == 0, "llama.cpp still holds KV cells"
-    assert ex.registry.used_tokens == 0 and ex.registry.free_tokens == ex.registry.total_tokens
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
+    assert_no_leak(llc)
 
 
 def _chat_ids(ex) -> list[int]:
@@ -82,7 +57,7 @@ def test_tokenizer_and_template_come_from_the_gguf(ex):
 
 
 def test_prefill_then_decodes_equals_one_prefill(ex):
-    toks = _prompt(1, 24)
+    toks = prompt_ids(24, 1, **SMOLLM2)
     full = ex.prefill(PrefillInput(token_ids=toks, all_positions=True))
     ref = full.all_logits
     ex.release_cache(full.cache.cache_id)
@@ -97,7 +72,7 @@ def test_prefill_then_decodes_equals_one_prefill(ex):
 
 
 def test_truncate_then_decode_equals_a_fresh_prefill(ex):
-    toks = _prompt(2, 30)
+    toks = prompt_ids(30, 2, **SMOLLM2)
     cid = ex.prefill(PrefillInput(token_ids=toks, policy=NONE)).cache.cache_id
     h, removed = ex.truncate_kv(cid, 12)
     assert removed == 18 and h.num_tokens == 12 and ex.kv_cells_used() == 12
@@ -110,7 +85,7 @@ def test_truncate_then_decode_equals_a_fresh_prefill(ex):
 
 
 def test_verify_rows_equal_step_by_step_decodes(ex):
-    base = _prompt(3, 16)
+    base = prompt_ids(16, 3, **SMOLLM2)
     draft = [4093, 314, 260, 3575, 282]
     a = ex.prefill(PrefillInput(token_ids=base, policy=NONE)).cache.cache_id
     steps = [ex.decode(DecodeInput(cache_id=a, token_id=t)).logits for t in draft]
@@ -123,7 +98,7 @@ def test_verify_rows_equal_step_by_step_decodes(ex):
 
 
 def test_a_batch_equals_its_rows_alone(ex):
-    prompts = [_prompt(10 + i, n) for i, n in enumerate((5, 17, 33))]
+    prompts = [prompt_ids(n, 10 + i, **SMOLLM2) for i, n in enumerate((5, 17, 33))]
     nxt = [11, 22, 33]
     solo = []
     for p, t in zip(prompts, nxt):
@@ -143,7 +118,7 @@ def test_a_batch_equals_its_rows_alone(ex):
 
 
 def test_failed_decode_rolls_back_and_leaks_nothing(ex):
-    cid = ex.prefill(PrefillInput(token_ids=_prompt(4, 8), policy=NONE)).cache.cache_id
+    cid = ex.prefill(PrefillInput(token_ids=prompt_ids(8, 4, **SMOLLM2), policy=NONE)).cache.cache_id
     seqs = ex.live_sequences()
     # Token ids outside the vocabulary make llama_decode itself fail (the server validates them
     # before they get here; the executor must still undo the step).
@@ -156,10 +131,10 @@ def test_failed_decode_rolls_back_and_leaks_nothing(ex):
 
 
 def test_forward_equals_prefill_rows_and_keeps_nothing(ex):
-    toks = [_prompt(20, 9), _prompt(21, 9)]
+    toks = [prompt_ids(9, 20, **SMOLLM2), prompt_ids(9, 21, **SMOLLM2)]
     logits = ex.forward(torch.tensor(toks))
     assert logits.shape == (2, 9, 49152)
-    _assert_no_leak(ex)
+    assert_no_leak(ex)
     for i, t in enumerate(toks):
         ref = ex.prefill(PrefillInput(token_ids=t, all_positions=True)).all_logits
         assert _maxdiff(logits[i], ref) < TOL
@@ -168,7 +143,7 @@ def test_forward_equals_prefill_rows_and_keeps_nothing(ex):
 def test_reserve_kv_slots_books_the_budget(ex):
     from ferrum_service.types import KvSlotRequest
 
-    cid = ex.prefill(PrefillInput(token_ids=_prompt(22, 10), policy=NONE)).cache.cache_id
+    cid = ex.prefill(PrefillInput(token_ids=prompt_ids(10, 22, **SMOLLM2), policy=NONE)).cache.cache_id
     r = ex.reserve_kv_slots([KvSlotRequest(cache_id=cid, target_len=100)])
     assert r.allocations[0].new_blocks == 90 and r.free_blocks_after == r.free_blocks_before - 90
     assert ex.kv_slot_capacity().free_blocks == ex.registry.total_tokens - 100
@@ -187,7 +162,7 @@ def test_reserve_kv_slots_for_a_new_sequence_takes_a_sequence_id(ex):
     (a,) = r.allocations
     assert a.cache_id == "engine-seq" and a.created_cache_id and a.new_blocks == 40
     assert ex.live_sequences() == seqs + 1 and ex.registry.get(a.created_cache_id).num_tokens == 0
-    prompt = _prompt(23, 9)
+    prompt = prompt_ids(9, 23, **SMOLLM2)
     (u,) = ex.unified_decode([UnifiedItem(seq_id="engine-seq", q_tokens=prompt, cache_id=a.created_cache_id)])
     ref = ex.prefill(PrefillInput(token_ids=prompt))
     assert u.cache.num_tokens == 9 and _maxdiff(u.logits, ref.logits) < TOL
@@ -205,7 +180,7 @@ def test_sequence_ids_are_recycled(small_server):
         small.release_cache(c)
     for _ in range(small.n_seq + 4):
         small.release_cache(small.prefill(PrefillInput(token_ids=[5, 6], policy=NONE)).cache.cache_id)
-    _assert_no_leak(small)
+    assert_no_leak(small)
 
 
 def test_greedy_generate_equals_llama_cpp_high_level_api(ex):
@@ -214,7 +189,7 @@ def test_greedy_generate_equals_llama_cpp_high_level_api(ex):
 
     ids = _chat_ids(ex)
     n = 16
-    ref_llm = Llama(_gguf(), n_ctx=2048, n_threads=2, flash_attn=True, verbose=False)
+    ref_llm = Llama(smollm2_gguf_path(), n_ctx=2048, n_threads=2, flash_attn=True, verbose=False)
     ref = []
     for t in ref_llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0):
         ref.append(t)
@@ -234,7 +209,7 @@ def small_server():
     """A server with a 512-token llama.cpp KV budget, for admission."""
     from ferrum_service.executors.llama_cpp import LlamaCppExecutor
 
-    small = LlamaCppExecutor(_gguf(), model_id="small", threads=2, n_ctx=512, n_seq=8)
+    small = LlamaCppExecutor(smollm2_gguf_path(), model_id="small", threads=2, n_ctx=512, n_seq=8)
     with InProcessServer([small]) as srv:
         yield srv, small
 
@@ -244,34 +219,34 @@ def test_budget_exhaustion_answers_resource_exhausted_and_recovers(small_server)
     with Client(srv.target) as c:
         cap = c.kv_capacity("small")
         assert cap.total_tokens == 512 and cap.used_tokens == 0
-        a = c.prefill("small", _prompt(5, 400)).output.cache.cache_id
+        a = c.prefill("small", prompt_ids(400, 5, **SMOLLM2)).output.cache.cache_id
         assert c.kv_capacity("small").used_tokens == 400 and small.kv_cells_used() == 400
         with pytest.raises(FerrumRpcError) as e:
-            c.prefill("small", _prompt(6, 200))
+            c.prefill("small", prompt_ids(200, 6, **SMOLLM2))
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         with pytest.raises(FerrumRpcError) as e:  # all or nothing: the small prompt is not kept
-            c.batch_prefill("small", [_prompt(7, 10), _prompt(8, 150)])
+            c.batch_prefill("small", [prompt_ids(10, 7, **SMOLLM2), prompt_ids(150, 8, **SMOLLM2)])
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert small.live_sequences() == 1 and small.kv_cells_used() == 400
         c.release_cache("small", a)
-        b = c.prefill("small", _prompt(6, 200)).output.cache.cache_id
+        b = c.prefill("small", prompt_ids(200, 6, **SMOLLM2)).output.cache.cache_id
         c.truncate_kv("small", b, 50)
         assert c.kv_capacity("small").used_tokens == 50 and small.kv_cells_used() == 50
         c.release_cache("small", b)
     assert srv.live_caches()["small"] == 0
-    _assert_no_leak(small)
+    assert_no_leak(small)
 
 
 def test_cancelled_generate_frees_its_sequence(small_server):
     srv, small = small_server
     with Client(srv.target) as c:
-        stream = c.generate("small", token_ids=_prompt(9, 20), max_tokens=200, ignore_eos=True)
+        stream = c.generate("small", token_ids=prompt_ids(20, 9, **SMOLLM2), max_tokens=200, ignore_eos=True)
         it = iter(stream)
         for _ in range(3):
             next(it)
         stream.cancel()
     assert srv.live_caches()["small"] == 0
-    _assert_no_leak(small)
+    assert_no_leak(small)
 
 
 def test_status_counts_each_step_once(small_server):
@@ -280,7 +255,7 @@ def test_status_counts_each_step_once(small_server):
     srv, small = small_server
     with Client(srv.target) as c:
         st0 = c.status("small").status
-        p = c.prefill("small", _prompt(11, 8)).output
+        p = c.prefill("small", prompt_ids(8, 11, **SMOLLM2)).output
         cid = p.cache.cache_id
         c.decode("small", cid, p.output.token_id)
         c.decode("small", cid, 5)
@@ -288,7 +263,7 @@ def test_status_counts_each_step_once(small_server):
         c.release_cache("small", cid)
     assert st.prefill_operations - st0.prefill_operations == 1
     assert st.decode_operations - st0.decode_operations == 2
-    _assert_no_leak(small)
+    assert_no_leak(small)
 
 
 # The shared conformance scenario on llama.cpp: tests/test_conformance.py[llama-cpp] (profile

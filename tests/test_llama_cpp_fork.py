@@ -11,7 +11,8 @@ from ferrum_client import Client, pb, tpb
 from ferrum_service.types import DecodeInput, PrefillInput
 
 from .support.servers import InProcessServer
-from .test_llama_cpp import _assert_no_leak, _gguf
+from .support.llama import assert_no_leak
+from .support.packaged import smollm2_gguf_path
 
 pytest.importorskip("llama_cpp")
 
@@ -25,7 +26,7 @@ TOL = 1.5
 def llc():
     from ferrum_service.executors.llama_cpp import LlamaCppExecutor
 
-    return LlamaCppExecutor(_gguf(), model_id="smollm2", threads=2, n_ctx=1024)
+    return LlamaCppExecutor(smollm2_gguf_path(), model_id="smollm2", threads=2, n_ctx=1024)
 
 
 def _fresh(ex, tokens):
@@ -52,7 +53,7 @@ def test_forks_diverge_independently(llc):
     llc.release_cache(a.cache.cache_id)
     _same(llc.decode(DecodeInput(f.cache_id, 12)).logits, _fresh(llc, p[:50] + [7, 11, 12]))
     llc.release_cache(f.cache_id)
-    _assert_no_leak(llc)
+    assert_no_leak(llc)
 
 
 def test_generate_n_on_llama_cpp(llc):
@@ -65,7 +66,7 @@ def test_generate_n_on_llama_cpp(llc):
         assert sorted(samples) == [0, 1, 2] and all(len(t) == 5 for t in samples.values())
         assert [e.WhichOneof("event") for e in evs].count("finished") == 3
         assert _by_sample(c.stub.Generate(req)) == samples  # same seeds, same samples
-    _assert_no_leak(llc)
+    assert_no_leak(llc)
 
 
 def _by_sample(events) -> dict[int, list[int]]:

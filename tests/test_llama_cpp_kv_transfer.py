@@ -12,7 +12,7 @@ import pytest
 from ferrum_client import Client, messages as m, pb
 
 from .support.servers import InProcessServer
-from .test_llama_cpp import _gguf
+from .support.packaged import smollm2_gguf_path
 
 pytest.importorskip("llama_cpp")
 
@@ -22,7 +22,7 @@ M = "smollm2"
 def _llc(n_ctx: int = 1024, n_seq: int = 4):
     from ferrum_service.executors.llama_cpp import LlamaCppExecutor
 
-    return LlamaCppExecutor(_gguf(), model_id=M, threads=2, n_ctx=n_ctx, n_seq=n_seq)
+    return LlamaCppExecutor(smollm2_gguf_path(), model_id=M, threads=2, n_ctx=n_ctx, n_seq=n_seq)
 
 
 def _empty(ex) -> None:

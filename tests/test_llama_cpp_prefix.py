@@ -5,16 +5,16 @@ recipe. Results are compared with the same executor computing everything (bypass
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from ferrum_client import Client, pb
 from ferrum_client.prefix_keys import block_keys
 from ferrum_service.types import DecodeInput, PrefillInput
 
+from .support.prompts import SMOLLM2, prompt_ids
 from .support.servers import InProcessServer
-from .test_llama_cpp import TOL, _gguf
+from .support.llama import TOL
+from .support.packaged import smollm2_gguf_path
 from .test_prefix_cache import _mirror
 
 pytest.importorskip("llama_cpp")
@@ -24,7 +24,7 @@ pytest.importorskip("llama_cpp")
 def llc():
     from ferrum_service.executors.llama_cpp import LlamaCppExecutor
 
-    ex = LlamaCppExecutor(_gguf(), model_id="smollm2", threads=2, n_ctx=512, n_seq=4)
+    ex = LlamaCppExecutor(smollm2_gguf_path(), model_id="smollm2", threads=2, n_ctx=512, n_seq=4)
     events: list[tuple[str, dict]] = []
     ex.prefix.on_event = lambda kind, data: events.append((kind, data))
     ex.events = events
@@ -35,11 +35,6 @@ def llc():
     assert _mirror(events) == set(ex.prefix.index)  # block events replayed give the cached set
     ex.shutdown()
     assert len(ex._free_seq) == ex.n_seq and not ex.prefix.index
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def _fresh(ex, tokens):
@@ -55,8 +50,8 @@ def _same(a, b) -> None:
 
 @pytest.mark.parametrize("shared,expect", [(0, 0), (10, 0), (32, 32), (60, 48), (64, 63)])
 def test_hit_equals_no_hit(llc, shared, expect):
-    first = _prompt(64, 1)
-    second = first[:shared] + _prompt(64 - shared, 2)
+    first = prompt_ids(64, 1, **SMOLLM2)
+    second = first[:shared] + prompt_ids(64 - shared, 2, **SMOLLM2)
     a = llc.prefill(PrefillInput(first))
     llc.release_cache(a.cache.cache_id)  # retired: its blocks stay cached
     b = llc.prefill(PrefillInput(second))
@@ -66,7 +61,7 @@ def test_hit_equals_no_hit(llc, shared, expect):
 
 
 def test_salt_and_bypass(llc):
-    p = _prompt(40, 3)
+    p = prompt_ids(40, 3, **SMOLLM2)
     llc.prefill(PrefillInput(p, cache_salt="a"))
     assert llc.prefill(PrefillInput(p, cache_salt="b")).cached_tokens == 0
     assert llc.prefill(PrefillInput(p, cache_salt="a", bypass_prefix_cache=True)).cached_tokens == 0
@@ -74,7 +69,7 @@ def test_salt_and_bypass(llc):
 
 
 def test_keys_and_events_follow_the_recipe(llc):
-    p = _prompt(40, 4)
+    p = prompt_ids(40, 4, **SMOLLM2)
     llc.prefill(PrefillInput(p))
     (kind, data), = [(k, d) for k, d in llc.events if k == "stored"]
     assert data["block_hashes"] == block_keys(p, 16, model_id="smollm2")
@@ -83,30 +78,30 @@ def test_keys_and_events_follow_the_recipe(llc):
 
 
 def test_retired_sequences_give_way_to_new_ones(llc):
-    outs = [llc.prefill(PrefillInput(_prompt(40, 10 + i))) for i in range(4)]  # every sequence id
+    outs = [llc.prefill(PrefillInput(prompt_ids(40, 10 + i, **SMOLLM2))) for i in range(4)]  # every sequence id
     for o in outs:
         llc.release_cache(o.cache.cache_id)
     assert len(llc.prefix.evictable) == 4 and llc.live_sequences() == 0
     # four new prompts need the four ids: the retired sequences are evicted, oldest first
-    news = [llc.prefill(PrefillInput(_prompt(40, 20 + i))) for i in range(4)]
+    news = [llc.prefill(PrefillInput(prompt_ids(40, 20 + i, **SMOLLM2))) for i in range(4)]
     assert not llc.prefix.evictable and llc.prefix.stats.evicted_blocks == 8
     removed = {k for kind, d in llc.events if kind == "removed" for k in d["block_hashes"]}
-    assert block_keys(_prompt(40, 10), 16, model_id="smollm2")[0] in removed
+    assert block_keys(prompt_ids(40, 10, **SMOLLM2), 16, model_id="smollm2")[0] in removed
     for o in news:
         llc.release_cache(o.cache.cache_id)
 
 
 def test_retired_cells_give_way_to_a_long_prompt(llc):
-    a = llc.prefill(PrefillInput(_prompt(300, 5)))
+    a = llc.prefill(PrefillInput(prompt_ids(300, 5, **SMOLLM2)))
     llc.release_cache(a.cache.cache_id)
-    b = llc.prefill(PrefillInput(_prompt(400, 6)))  # 300 + 400 > 512 cells: the retired one goes
+    b = llc.prefill(PrefillInput(prompt_ids(400, 6, **SMOLLM2)))  # 300 + 400 > 512 cells: the retired one goes
     assert b.cached_tokens == 0 and not llc.prefix.evictable
     llc.release_cache(b.cache.cache_id)
-    _same(b.logits, _fresh(llc, _prompt(400, 6)))  # computed on clean cells, and again after eviction
+    _same(b.logits, _fresh(llc, prompt_ids(400, 6, **SMOLLM2)))  # computed on clean cells, and again after eviction
 
 
 def test_truncating_a_source_shortens_later_hits(llc):
-    p = _prompt(64, 7)
+    p = prompt_ids(64, 7, **SMOLLM2)
     a = llc.prefill(PrefillInput(p))
     llc.truncate_kv(a.cache.cache_id, 20)
     b = llc.prefill(PrefillInput(p))
@@ -137,7 +132,7 @@ def test_loads_counts_the_cached_blocks(llc):
     llama.cpp too: it read 0 while the block events said 2 (the conformance step
     prefix.mirror.matches_server found it)."""
     assert llc.kv_capacity().cached_blocks == 0
-    out = llc.prefill(PrefillInput(_prompt(40, 7)))
+    out = llc.prefill(PrefillInput(prompt_ids(40, 7, **SMOLLM2)))
     assert llc.kv_capacity().cached_blocks == llc.prefix.cached_blocks == 2  # what Loads reports
     llc.release_cache(out.cache.cache_id)
     assert llc.kv_capacity().cached_blocks == 2  # retired, still keyed

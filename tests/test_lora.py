@@ -15,7 +15,7 @@ from ferrum_service import errors
 from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
 from ferrum_service.testing.tiny_adapters import build_lora_adapter
 from ferrum_service.testing.tiny_models import build_tiny_llama
-from ferrum_service.types import DecodeInput, PrefillInput, UnifiedItem
+from ferrum_service.types import DecodeInput, KvSlotRequest, PrefillInput, UnifiedItem
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .lora_fixtures import adapters  # noqa: F401 - fixture
@@ -127,6 +127,29 @@ def test_cache_is_bound_to_its_adapter(ex):
     with pytest.raises(errors.FerrumError) as e:
         ex.prefill(PrefillInput(token_ids=P, adapter="a1"))
     assert e.value.code.name == "NOT_FOUND"
+    ex.prefix.check()
+
+
+def test_failed_first_step_leaves_an_empty_cache_unbound(ex):
+    """An empty cache (ReserveKvSlots) is bound by its first step; a step that fails, in the
+    forward or at the adapter lookup, unbinds it again: the adapter can be unloaded and the cache
+    can still take another adapter."""
+    r = ex.reserve_kv_slots([KvSlotRequest(cache_id="s", target_len=8, new_sequence=True)])
+    cid = r.allocations[0].created_cache_id
+    with pytest.raises(IndexError):  # a token id past the vocabulary fails inside the forward
+        ex.unified_decode([UnifiedItem(seq_id="s", q_tokens=[1, 10**6], cache_id=cid, adapter="a1")])
+    e = ex.registry.get(cid)
+    assert e.adapter == "" and e.num_tokens == 0 and e.payload.adapter == ""
+    assert e.payload.root == ex.prefix.root("", "")
+    assert ex.adapter_bindings()["a1"] == 0
+    with pytest.raises(errors.FerrumError) as err:  # an adapter that is not loaded: refused, unbound
+        ex.unified_decode([UnifiedItem(seq_id="s", q_tokens=[1, 2], cache_id=cid, adapter="nope")])
+    assert err.value.code.name == "NOT_FOUND"
+    assert ex.registry.get(cid).adapter == ""
+    assert ex.unload_adapter("a1") == (True, 0)
+    out = ex.unified_decode([UnifiedItem(seq_id="s", q_tokens=[1, 2], cache_id=cid, adapter="a2")])
+    assert len(out) == 1 and ex.registry.get(cid).adapter == "a2" and ex.registry.get(cid).num_tokens == 2
+    ex.release_cache(cid)
     ex.prefix.check()
 
 

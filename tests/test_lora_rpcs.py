@@ -8,7 +8,6 @@ A real server on a loopback port: the tiny random-weight llama, next to its merg
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -22,6 +21,7 @@ from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .lora_fixtures import adapters  # noqa: F401 - fixture
 from .support.servers import InProcessServer, ServerProcess
+from .support.waits import subscribe_from_now
 
 P = [1, 5, 9, 33, 7, 100, 42, 8, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 30, 31, 2, 3, 44, 45, 46, 47, 48, 49,
      50, 51, 52, 53, 54, 55]
@@ -140,7 +140,7 @@ def test_block_events_and_keys_carry_the_adapter(srv, adapters):
     got: list = []
     with Client(srv.target) as c:
         _load(c, "a2", adapters["a2"][0])
-        call = c.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(model_id="tiny", include_block_events=True))
+        call = subscribe_from_now(c, "tiny", include_block_events=True)  # misses nothing from here on
 
         def read():
             for ev in call:
@@ -150,7 +150,6 @@ def test_block_events_and_keys_carry_the_adapter(srv, adapters):
 
         t = threading.Thread(target=read, daemon=True)
         t.start()
-        time.sleep(0.3)
         p = [int(x) for x in range(200, 240)]
         out = c.stub.Prefill(pb.PrefillRequest(model_id="tiny", input=pb.PrefillInput(token_ids=p, adapter="a2"))).output
         t.join(10)

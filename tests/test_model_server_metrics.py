@@ -16,6 +16,7 @@ from ferrum_service.testing.server_process import free_port
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .support.servers import InProcessServer
+from .support.waits import wait_no_live_caches
 
 pytest.importorskip("peft")
 
@@ -72,9 +73,7 @@ def test_llm_d_metrics(tiny_llama_dir, tmp_path):  # noqa: F811
         assert 'running_lora_adapters="a1"' in name
         a.cancel()
         b.cancel()
-        deadline = time.time() + 10
-        while srv.live_caches() != {"tiny": 0} and time.time() < deadline:
-            time.sleep(0.1)
+        assert wait_no_live_caches(srv, timeout=10) == {"tiny": 0}
         after = _scrape(port)
         assert after['vllm:num_requests_running{model_name="tiny"}'] == 0
         assert after['vllm:kv_cache_usage_perc{model_name="tiny"}'] == 0

@@ -4,8 +4,6 @@ memory follows its real tokens, not rows x longest."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -14,14 +12,10 @@ from ferrum_service.executors.packed_attention import ATTN_NAME, build_step
 from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
 
 from .conftest_models import ForwardCounter, tiny_llama, tiny_llama_dir  # noqa: F401
+from .support.prompts import prompt_ids
 
 TOL = 1e-4
 NONE = LogitsPolicy(mode=OutputMode.NONE)
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 512) for _ in range(n)]
 
 
 def _full(ex, tokens):
@@ -49,7 +43,7 @@ def _scattered(ex, tokens: list[int], spacer_seed: int) -> str:
     for k in range(0, len(tokens), 16):
         o = ex.prefill(PrefillInput(token_ids=tokens[k : k + 16], cache_id=cid, policy=NONE))
         cid = o.cache.cache_id
-        spacers.append(ex.prefill(PrefillInput(token_ids=_prompt(spacer_seed + k, 3), policy=NONE)).cache.cache_id)
+        spacers.append(ex.prefill(PrefillInput(token_ids=prompt_ids(3, spacer_seed + k, lo=5, hi=512), policy=NONE)).cache.cache_id)
     for s in spacers:
         ex.release_cache(s)
     blocks = ex.registry.get(cid).payload.blocks
@@ -61,7 +55,7 @@ def test_model_keeps_its_own_attention_outside_packed_steps(ex):
     assert ex.model.config._attn_implementation == ATTN_NAME
     assert ex.info().metadata["attn_implementation"] == "sdpa"
     # A padded batch through the plain model (no cache of ours) still masks its padding.
-    a, b = _prompt(1, 9), _prompt(2, 5)
+    a, b = prompt_ids(9, 1, lo=5, hi=512), prompt_ids(5, 2, lo=5, hi=512)
     ids = torch.tensor([a, [0] * 4 + b])
     mask = torch.tensor([[1] * 9, [0] * 4 + [1] * 5])
     with torch.inference_mode():
@@ -70,8 +64,8 @@ def test_model_keeps_its_own_attention_outside_packed_steps(ex):
 
 
 def test_build_step_reads_contiguous_rows_in_place_and_gathers_only_scattered_ones(ex):
-    contiguous = ex.prefill(PrefillInput(token_ids=_prompt(3, 40), policy=NONE)).cache.cache_id
-    scattered = _scattered(ex, _prompt(4, 40), 100)
+    contiguous = ex.prefill(PrefillInput(token_ids=prompt_ids(40, 3, lo=5, hi=512), policy=NONE)).cache.cache_id
+    scattered = _scattered(ex, prompt_ids(40, 4, lo=5, hi=512), 100)
     blocks = {c: ex.registry.get(c).payload.blocks for c in (contiguous, scattered)}
     # Two-token rows (verify-like) are attended row by row.
     rows = [(blocks[c], 40, 2) for c in (contiguous, scattered)] + [([], 0, 7)]
@@ -84,13 +78,13 @@ def test_build_step_reads_contiguous_rows_in_place_and_gathers_only_scattered_on
     assert step.rows[0].mask.shape == (2, 42) and step.group_index is None
     # One-token rows of similar lengths share one call over exactly their blocks (padded to the
     # group's longest with the null block 0); a much longer row keeps them apart.
-    short = ex.prefill(PrefillInput(token_ids=_prompt(5, 20), policy=NONE)).cache.cache_id
+    short = ex.prefill(PrefillInput(token_ids=prompt_ids(20, 5, lo=5, hi=512), policy=NONE)).cache.cache_id
     step = build_step(ex.pool, [(blocks[contiguous], 40, 1), (blocks[scattered], 40, 1),
                                 (ex.registry.get(short).payload.blocks, 20, 1)], ex.device)
     assert step.group_index.tolist() == blocks[contiguous][:3] + blocks[scattered][:3] + ex.registry.get(
         short).payload.blocks[:2] + [0]
     assert step.group_mask.sum(-1).flatten().tolist() == [41, 41, 21] and step.gather_index is None
-    long = ex.prefill(PrefillInput(token_ids=_prompt(6, 200), policy=NONE)).cache.cache_id
+    long = ex.prefill(PrefillInput(token_ids=prompt_ids(200, 6, lo=5, hi=512), policy=NONE)).cache.cache_id
     step = build_step(ex.pool, [(blocks[contiguous], 40, 1), (ex.registry.get(long).payload.blocks, 200, 1)],
                       ex.device)
     assert step.group_index is None  # too unequal: row by row
@@ -100,15 +94,15 @@ def test_mixed_step_rows_equal_each_row_alone(ex):
     """Fresh prompts of different lengths, a chunk continuing a cache (all positions, i.e. verify
     rows), and decodes on short, long, contiguous and scattered caches: one forward, and every
     row's logits equal that row's own full forward."""
-    dec_prompts = [_prompt(10, 1), _prompt(11, 15), _prompt(12, 33), _prompt(13, 70)]
+    dec_prompts = [prompt_ids(1, 10, lo=5, hi=512), prompt_ids(15, 11, lo=5, hi=512), prompt_ids(33, 12, lo=5, hi=512), prompt_ids(70, 13, lo=5, hi=512)]
     dec_caches = [ex.prefill(PrefillInput(token_ids=p, policy=NONE)).cache.cache_id for p in dec_prompts]
-    scat_prompt = _prompt(14, 50)
+    scat_prompt = prompt_ids(50, 14, lo=5, hi=512)
     dec_prompts.append(scat_prompt)
     dec_caches.append(_scattered(ex, scat_prompt, 200))
-    nxt = [_prompt(20 + i, 1)[0] for i in range(len(dec_caches))]
-    cont_prompt = _prompt(30, 45)
+    nxt = [prompt_ids(1, 20 + i, lo=5, hi=512)[0] for i in range(len(dec_caches))]
+    cont_prompt = prompt_ids(45, 30, lo=5, hi=512)
     cont = ex.prefill(PrefillInput(token_ids=cont_prompt[:20], policy=NONE)).cache.cache_id
-    fresh = [_prompt(40, 37), _prompt(41, 3)]
+    fresh = [prompt_ids(37, 40, lo=5, hi=512), prompt_ids(3, 41, lo=5, hi=512)]
     prefills = [PrefillInput(token_ids=p) for p in fresh]
     prefills.append(PrefillInput(token_ids=cont_prompt[20:], cache_id=cont, all_positions=True))
     decodes = [DecodeInput(cache_id=c, token_id=t) for c, t in zip(dec_caches, nxt)]
@@ -126,17 +120,17 @@ def test_mixed_step_rows_equal_each_row_alone(ex):
 
 
 def test_forward_verify_and_chunked_unified_steps_on_scattered_caches(ex):
-    prompt, draft = _prompt(50, 41), _prompt(51, 5)
+    prompt, draft = prompt_ids(41, 50, lo=5, hi=512), prompt_ids(5, 51, lo=5, hi=512)
     cid = _scattered(ex, prompt, 300)
     v = ex.forward_verify(cid, draft, LogitsPolicy())
     full = _full(ex, prompt + draft)
     assert _maxdiff(v.rows, full[len(prompt) - 1 + 1 :]) < TOL
     # A prompt in three chunks next to a decode on the scattered cache, one forward each.
-    other = _prompt(52, 60)
+    other = prompt_ids(60, 52, lo=5, hi=512)
     seq = prompt + draft
     cache_id, pos = "", 0
     for k, chunk in enumerate([other[:16], other[16:40], other[40:]]):
-        t = _prompt(60 + k, 1)[0]
+        t = prompt_ids(1, 60 + k, lo=5, hi=512)[0]
         items = [UnifiedItem(seq_id="p", q_tokens=chunk, cache_id=cache_id, pos_offset=pos, is_final_chunk=k == 2),
                  UnifiedItem(seq_id="d", q_tokens=[t], cache_id=cid, pos_offset=len(seq))]
         res = ex.unified_decode(items)
@@ -171,9 +165,9 @@ def test_step_peak_memory_follows_real_tokens_not_rows_times_longest(ex):
     """One 600-token sequence decoding next to seven 5-token ones: the step's transient memory is
     that of the long row alone plus the short rows, far below 8 rows x 600 tokens of K/V (what a
     step padded to its longest row gathers)."""
-    long_contig = ex.prefill(PrefillInput(token_ids=_prompt(70, 600), policy=NONE)).cache.cache_id
-    long_scat = _scattered(ex, _prompt(71, 600), 400)
-    shorts = [ex.prefill(PrefillInput(token_ids=_prompt(80 + i, 5), policy=NONE)).cache.cache_id for i in range(7)]
+    long_contig = ex.prefill(PrefillInput(token_ids=prompt_ids(600, 70, lo=5, hi=512), policy=NONE)).cache.cache_id
+    long_scat = _scattered(ex, prompt_ids(600, 71, lo=5, hi=512), 400)
+    shorts = [ex.prefill(PrefillInput(token_ids=prompt_ids(5, 80 + i, lo=5, hi=512), policy=NONE)).cache.cache_id for i in range(7)]
 
     def step(caches):
         return lambda: ex.batch_decode([DecodeInput(cache_id=c, token_id=9) for c in caches])

@@ -20,6 +20,7 @@ from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
 from ferrum_service.types import DecodeInput, PrefillInput, UnifiedItem
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
+from .support.prompts import prompt_ids
 
 BS = 16
 ATOL = 1e-4
@@ -59,11 +60,6 @@ def _mirror(events) -> set[bytes]:
     return keys
 
 
-def _prompt(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 500) for _ in range(n)]
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:
     assert int(a.argmax()) == int(b.argmax())
     assert torch.allclose(a, b, atol=ATOL), float((a - b).abs().max())
@@ -86,8 +82,8 @@ def _greedy(ex, out, steps: int) -> list[int]:
     (48, 48, 47),          # everything, whole blocks: all but the last token (recomputed into a copy)
 ])
 def test_hit_equals_no_hit(ex, ref, shared, total, expect_cached):
-    first = _prompt(total, seed=1)
-    second = first[:shared] + _prompt(total - shared, seed=2)
+    first = prompt_ids(total, 1)
+    second = first[:shared] + prompt_ids(total - shared, 2)
     a = ex.prefill(PrefillInput(first))
     b = ex.prefill(PrefillInput(second))
     assert a.cached_tokens == 0
@@ -103,7 +99,7 @@ def test_hit_equals_no_hit(ex, ref, shared, total, expect_cached):
 
 
 def test_released_prefix_stays_cached_and_is_reused(ex, ref):
-    p = _prompt(64)
+    p = prompt_ids(64)
     a = ex.prefill(PrefillInput(p))
     ex.release_cache(a.cache.cache_id)
     assert len(ex.prefix.evictable) == 4 and ex.prefix.cached_blocks == 4
@@ -116,7 +112,7 @@ def test_released_prefix_stays_cached_and_is_reused(ex, ref):
 
 
 def test_bypass_and_all_positions_compute_everything(ex):
-    p = _prompt(40)
+    p = prompt_ids(40)
     ex.prefill(PrefillInput(p))
     assert ex.prefill(PrefillInput(p, bypass_prefix_cache=True)).cached_tokens == 0
     out = ex.prefill(PrefillInput(p, all_positions=True))
@@ -124,7 +120,7 @@ def test_bypass_and_all_positions_compute_everything(ex):
 
 
 def test_cache_salt_keeps_tenants_apart(ex):
-    p = _prompt(48)
+    p = prompt_ids(48)
     ex.prefill(PrefillInput(p, cache_salt="tenant-a"))
     assert ex.prefill(PrefillInput(p, cache_salt="tenant-b")).cached_tokens == 0
     assert ex.prefill(PrefillInput(p)).cached_tokens == 0
@@ -132,7 +128,7 @@ def test_cache_salt_keeps_tenants_apart(ex):
 
 
 def test_unified_items_take_prefix_hits(ex, ref):
-    p = _prompt(40)
+    p = prompt_ids(40)
     ex.prefill(PrefillInput(p))
     (res,) = ex.unified_decode([UnifiedItem("s", p + [9], is_final_chunk=True)])
     assert res.cached_tokens == 32
@@ -142,7 +138,7 @@ def test_unified_items_take_prefix_hits(ex, ref):
 
 
 def test_fork_diverges_independently(ex, ref):
-    p = _prompt(40)
+    p = prompt_ids(40)
     a = ex.prefill(PrefillInput(p))
     f, shared = ex.fork_cache(a.cache.cache_id, 36)
     assert shared == 3 and f.num_tokens == 36
@@ -161,7 +157,7 @@ def test_fork_diverges_independently(ex, ref):
 
 
 def test_fork_refusals(ex):
-    a = ex.prefill(PrefillInput(_prompt(20)))
+    a = ex.prefill(PrefillInput(prompt_ids(20)))
     with pytest.raises(errors.FerrumError) as e:
         ex.fork_cache(a.cache.cache_id, 0)
     assert e.value.code == grpc.StatusCode.OUT_OF_RANGE
@@ -181,12 +177,12 @@ def _ref_logits(ref, tokens: list[int]) -> torch.Tensor:
 
 
 def test_small_pool_evicts_and_recomputes(ex, ref):
-    a = _prompt(16 * BS, seed=3)  # half the pool
+    a = prompt_ids(16 * BS, 3)  # half the pool
     out = ex.prefill(PrefillInput(a))
     ex.release_cache(out.cache.cache_id)
     assert len(ex.prefix.evictable) == 16
     # two more prompts of 12 blocks each: the second needs blocks the first prompt left cached
-    keep = [ex.prefill(PrefillInput(_prompt(12 * BS, seed=s))) for s in (4, 5)]
+    keep = [ex.prefill(PrefillInput(prompt_ids(12 * BS, s))) for s in (4, 5)]
     assert ex.prefix.stats.evicted_blocks > 0
     removed = [k for kind, d in ex.events if kind == "removed" for k in d["block_hashes"]]
     assert removed, "eviction emitted no removed event"
@@ -198,18 +194,18 @@ def test_small_pool_evicts_and_recomputes(ex, ref):
 
 
 def test_admission_counts_evictable_and_refuses_cleanly(ex):
-    out = ex.prefill(PrefillInput(_prompt(30 * BS, seed=6)))
+    out = ex.prefill(PrefillInput(prompt_ids(30 * BS, 6)))
     ex.release_cache(out.cache.cache_id)
-    big = ex.prefill(PrefillInput(_prompt(32 * BS - 1, seed=7)))  # needs every block: evicts them all
+    big = ex.prefill(PrefillInput(prompt_ids(32 * BS - 1, 7)))  # needs every block: evicts them all
     assert big.cached_tokens == 0
     with pytest.raises(errors.FerrumError) as e:
-        ex.prefill(PrefillInput(_prompt(20, seed=8)))
+        ex.prefill(PrefillInput(prompt_ids(20, 8)))
     assert e.value.kind == errors.ErrorKind.RESOURCE_EXHAUSTED
     assert len(ex.registry) == 1
 
 
 def test_block_event_keys_follow_the_advertised_recipe(ex):
-    p = _prompt(50)
+    p = prompt_ids(50)
     ex.prefill(PrefillInput(p, cache_salt="s"))
     (kind, data), = [(k, d) for k, d in ex.events if k == "stored"]
     assert data["block_hashes"] == block_keys(p, BS, model_id="tiny", cache_salt="s")
@@ -223,7 +219,7 @@ def test_block_event_keys_follow_the_advertised_recipe(ex):
 def test_disabled_prefix_cache_shares_nothing_but_still_forks(tiny_llama_dir):
     e = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=512,
                                      prefix_cache=False)
-    p = _prompt(40)
+    p = prompt_ids(40)
     a = e.prefill(PrefillInput(p))
     assert e.prefill(PrefillInput(p)).cached_tokens == 0
     f, shared = e.fork_cache(a.cache.cache_id)
@@ -238,13 +234,13 @@ def test_random_operations_mirror_a_cacheless_executor(ex, ref):
     """Random prefills (sharing prefixes), forks, decodes, truncations and releases: every step's
     logits equal the same token history run from scratch on ``ref``; invariants hold throughout."""
     rng = random.Random(11)
-    base = _prompt(80, seed=12)
+    base = prompt_ids(80, 12)
     live: dict[str, list[int]] = {}
     for step in range(60):
         op = rng.choice(["prefill", "prefill", "fork", "decode", "decode", "truncate", "release"])
         try:
             if op == "prefill" or not live:
-                toks = base[: rng.randrange(1, 80)] + _prompt(rng.randrange(0, 20), seed=100 + step)
+                toks = base[: rng.randrange(1, 80)] + prompt_ids(rng.randrange(0, 20), 100 + step)
                 out = ex.prefill(PrefillInput(toks, bypass_prefix_cache=rng.random() < 0.1))
                 live[out.cache.cache_id] = toks
                 got = out.logits

@@ -5,9 +5,7 @@ Real server on a loopback port, the tiny random-weight llama (raw stubs: the con
 
 from __future__ import annotations
 
-import random
 import threading
-import time
 
 import grpc
 import pytest
@@ -17,14 +15,11 @@ from ferrum_client.prefix_keys import block_keys, chain_root
 from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
+from .support.prompts import prompt_ids
 from .support.servers import InProcessServer, ServerProcess
+from .support.waits import subscribe_from_now, wait_no_live_caches
 
 BS = 16
-
-
-def _prompt(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 500) for _ in range(n)]
 
 
 @pytest.fixture
@@ -55,7 +50,7 @@ def test_info_capabilities_and_cached_tokens(srv):
             True, "sha256-chain-v1", BS, "ferrum-prefix-v1", ["model_id", "cache_salt", "adapter"])
         caps = c.stub.Capabilities(pb.CapabilitiesRequest(model_id="tiny")).capabilities
         assert caps.supports_prefix_caching and caps.supports_fork
-        p = _prompt(50)
+        p = prompt_ids(50)
         a = _prefill(c, p)
         b = _prefill(c, p + [1, 2])
         assert (a.cached_tokens, b.cached_tokens) == (0, 48)
@@ -71,7 +66,7 @@ def test_info_capabilities_and_cached_tokens(srv):
 
 def test_fork_cache_rpc_and_session_step(srv):
     with Client(srv.target) as c:
-        p = _prompt(40)
+        p = prompt_ids(40)
         a = _prefill(c, p)
         f = c.stub.ForkCache(pb.ForkCacheRequest(model_id="tiny", cache_id=a.cache.cache_id, keep_tokens=36))
         assert f.cache.num_tokens == 36 and f.shared_blocks == 3 and f.cache.cache_id != a.cache.cache_id
@@ -106,10 +101,7 @@ def test_fork_cache_rpc_and_session_step(srv):
         assert srv.live_caches()["tiny"] == 2
         requests.put(None)
         assert list(stream) == []
-    deadline = time.monotonic() + 5
-    while srv.live_caches()["tiny"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.live_caches()["tiny"] == 0
+    assert wait_no_live_caches(srv, timeout=5)["tiny"] == 0
 
 
 def _generate(c: Client, prompt, **kw):
@@ -128,7 +120,7 @@ def _samples(events) -> dict[int, list[int]]:
 
 def test_generate_n_samples_share_the_prompt_and_reproduce(srv):
     with Client(srv.target) as c:
-        p = _prompt(70)
+        p = prompt_ids(70)
         sampling = tpb.SamplingParams(temperature=1.0, seed=123)
         evs = _generate(c, p, n=4, sampling=sampling)
         kinds = [e.WhichOneof("event") for e in evs]
@@ -163,7 +155,7 @@ def test_a_cached_prompt_joins_running_streams_in_one_chunk(srv):
 
     host.step_and_sample = spy
     with Client(srv.target) as c:
-        long = _prompt(100, seed=9)
+        long = prompt_ids(100, 9)
         _release(c, _prefill(c, long[:96]).cache.cache_id)  # 96 tokens cached (6 blocks)
         running = c.stub.Generate(pb.GenerateRequest(model_id="tiny", token_ids=pb.TokenIds(token_ids=[3, 4]),
                                                      stop=pb.StopConditions(max_tokens=30, ignore_eos=True)))
@@ -177,7 +169,7 @@ def test_a_cached_prompt_joins_running_streams_in_one_chunk(srv):
 
 def test_capacity_loads_and_metrics_read_the_pool(srv):
     with Client(srv.target) as c:
-        p = _prompt(64)
+        p = prompt_ids(64)
         a = _prefill(c, p)
         forks = [c.stub.ForkCache(pb.ForkCacheRequest(model_id="tiny", cache_id=a.cache.cache_id))
                  for _ in range(3)]
@@ -204,8 +196,9 @@ def test_capacity_loads_and_metrics_read_the_pool(srv):
 def test_block_events_carry_the_advertised_keys(srv):
     got: list = []
     with Client(srv.target) as c:
-        call = c.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(model_id="tiny", include_block_events=True))
-        plain = c.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(model_id="tiny"))
+        # from now on, whenever the server registers them: no sleep until they are live
+        call = subscribe_from_now(c, "tiny", include_block_events=True)
+        plain = subscribe_from_now(c, "tiny")
 
         def read(stream, sink, n):
             for ev in stream:
@@ -218,8 +211,7 @@ def test_block_events_carry_the_advertised_keys(srv):
                    threading.Thread(target=read, args=(plain, cache_only, 2), daemon=True)]
         for t in readers:
             t.start()
-        time.sleep(0.3)
-        p = _prompt(40)
+        p = prompt_ids(40)
         a = _prefill(c, p, cache_salt="t1")
         _release(c, a.cache.cache_id)
         for t in readers:
@@ -240,7 +232,7 @@ def test_no_prefix_cache_flag(tiny_llama_dir):
     spec = f"hf-causal-lm,id=tiny,path={tiny_llama_dir}"
     with ServerProcess("--model", spec, "--no-prefix-cache") as proc, Client(proc.target) as c:
         assert not c.stub.Info(pb.InfoRequest(model_id="tiny")).models[0].prefix_cache.enabled
-        p = _prompt(40)
+        p = prompt_ids(40)
         _prefill(c, p)
         assert _prefill(c, p).cached_tokens == 0
         f = c.stub.ForkCache(pb.ForkCacheRequest(model_id="tiny", cache_id=_prefill(c, p).cache.cache_id))

@@ -22,6 +22,7 @@ from ferrum_client.prefix_mirror import PrefixMirror, wait_until
 from ferrum_client.routing import StickyRouter
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
+from .support.prompts import prompt_ids
 from .support.servers import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,11 +54,6 @@ def _recipe(c: Client):
     return info.prefix_cache
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    """``n`` token ids in the tiny vocabulary (5..511), different per seed."""
-    return [5 + (seed * 131 + i * 37 + (i * i) % 17) % 500 for i in range(n)]
-
-
 def test_block_events_carry_the_keys_prefix_keys_computes(replicas):
     target = replicas[0].target
     with Client(target, timeout=STEP_TIMEOUT) as c:
@@ -68,7 +64,8 @@ def test_block_events_carry_the_keys_prefix_keys_computes(replicas):
         caps = c.capabilities(MODEL)
         assert caps.supports_prefix_caching and caps.supports_fork and caps.kv_block_size == bs
 
-        cases = [("", _prompt(1, 3 * bs + 5)), ("tenant-a", _prompt(1, 3 * bs + 5)), ("", _prompt(2, 2 * bs))]
+        cases = [("", prompt_ids(3 * bs + 5, 1, lo=5, hi=505)), ("tenant-a", prompt_ids(3 * bs + 5, 1, lo=5, hi=505)),
+                 ("", prompt_ids(2 * bs, 2, lo=5, hi=505))]
         for salt, prompt in cases:
             out = c.prefill(MODEL, prompt, cache_salt=salt).output
             c.release_cache(MODEL, out.cache.cache_id)
@@ -119,7 +116,7 @@ def test_router_sends_a_repeated_prefix_to_the_replica_that_holds_it(replicas):
     a, b = (s.target for s in replicas)
     with Client(a, timeout=STEP_TIMEOUT) as c:
         bs = _recipe(c).block_size
-    shared = _prompt(7, 4 * bs)  # a "system prompt" of four full blocks
+    shared = prompt_ids(4 * bs, 7, lo=5, hi=505)  # a "system prompt" of four full blocks
     with StickyRouter([a, b], prefix_aware=True, step_timeout=STEP_TIMEOUT) as router:
         assert router.wait_following(20)
         # 1. a cold prompt: nobody holds it, the fewest-sessions rule places it
@@ -141,7 +138,7 @@ def test_router_sends_a_repeated_prefix_to_the_replica_that_holds_it(replicas):
 
         # 3. repeated prefix, new question: the holder, despite its sessions; served from its cache
         for k in range(3):
-            prompt = shared + _prompt(100 + k, bs // 2 + 3)
+            prompt = shared + prompt_ids(bs // 2 + 3, 100 + k, lo=5, hi=505)
             with router.new_session(prompt_tokens=prompt, model_id=MODEL) as s:
                 assert s.target == holder and s.expected_cached_tokens == 4 * bs
                 out = s.prefill(MODEL, prompt).output
@@ -149,7 +146,7 @@ def test_router_sends_a_repeated_prefix_to_the_replica_that_holds_it(replicas):
                 s.release_cache(MODEL, out.cache.cache_id)
 
         # 4. a cold prompt and another tenant's salt go to the less loaded replica, computed in full
-        for prompt, salt in ((_prompt(55, 3 * bs), ""), (shared + [1, 2], "tenant-b")):
+        for prompt, salt in ((prompt_ids(3 * bs, 55, lo=5, hi=505), ""), (shared + [1, 2], "tenant-b")):
             with router.new_session(prompt_tokens=prompt, model_id=MODEL, cache_salt=salt) as s:
                 assert s.target == other and s.expected_cached_tokens == 0
                 out = s.prefill(MODEL, prompt, cache_salt=salt).output
@@ -167,7 +164,7 @@ def test_fork_cache_as_a_session_step_sync_and_async(replicas):
     target = replicas[1].target
     with Client(target, timeout=STEP_TIMEOUT) as c:
         bs = _recipe(c).block_size
-    prompt = _prompt(11, 2 * bs + 3)
+    prompt = prompt_ids(2 * bs + 3, 11, lo=5, hi=505)
 
     pre = pb.PrefillRequest(model_id=MODEL, input=m.prefill_input(prompt, cache_salt="s"))
 

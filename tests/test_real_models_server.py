@@ -14,6 +14,7 @@ from ferrum_client import Client, FerrumRpcError, messages as m, pb
 
 from .conftest_models import tiny_bert_dir, tiny_llama_dir  # noqa: F401 - fixtures
 from .support.servers import InProcessServer, ServerProcess
+from .support.waits import wait_no_live_caches
 
 
 @pytest.fixture(scope="module")
@@ -227,10 +228,7 @@ def test_generate_cancelled_around_its_prompt_step_leaves_no_cache(tiny_server, 
                 pass
         except FerrumRpcError as e:
             assert e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED), e
-    deadline = time.monotonic() + 10
-    while tiny_server.live_caches()["tiny"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert tiny_server.live_caches()["tiny"] == 0
+    assert wait_no_live_caches(tiny_server, timeout=10)["tiny"] == 0
 
 
 def test_kv_slot_rpcs_report_and_reserve_the_paged_pool(tc):

@@ -18,6 +18,7 @@ from ferrum_service.executors import ConfigurableModelExecutor
 
 from .conftest_models import tiny_llama_dir  # noqa: F401
 from .support.servers import InProcessServer, ServerProcess
+from .support.waits import wait_until
 
 X = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -81,9 +82,7 @@ def test_full_kv_budget_is_refused_at_once_with_retry_info_and_recovers():
         # nothing was allocated past the budget, and releases bring admission back
         # the session's own cache died with it; what is held is exactly 3 x 16 + 8 tokens
         reg = srv.models.get("mock").executor.registry
-        deadline = time.monotonic() + 10
-        while len(reg) != 4 and time.monotonic() < deadline:
-            time.sleep(0.01)  # polling: the session's release runs as its stream ends
+        wait_until(lambda: len(reg) == 4, interval=0.01)  # the session's release runs as its stream ends
         assert sorted(e.cache_id for e in reg.entries()) == sorted(ids)
         assert (reg.used_tokens, reg.reserved_tokens, reg.free_tokens) == (56, 0, 8)
         assert reg.recount() == (56, 56)
@@ -169,9 +168,7 @@ def test_refusals_are_logged_with_structured_fields():
         with pytest.raises(FerrumRpcError) as e:
             c.prefill("mock", [1])
         assert e.value.code == X
-        deadline = time.monotonic() + 5
-        while '"request refused"' not in srv.log() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: '"request refused"' in srv.log(), timeout=5, interval=0.05)
         lines = [json.loads(ln) for ln in srv.log().splitlines() if '"request refused"' in ln]
     assert lines, "no structured refusal log line"
     rec = lines[-1]

@@ -26,6 +26,7 @@ from ferrum_service.executors import ConfigurableModelExecutor
 
 from .support import llama
 from .support.servers import REPO, InProcessServer, ServerProcess
+from .support.waits import wait_until
 
 STEP_S = 0.02
 
@@ -77,7 +78,7 @@ def srv(request):
     with InProcessServer([ex], cache_ttl=0) as s:
         yield s
         if llama.is_llama(ex):  # the executor's own books back to their initial values
-            _wait_until(lambda: s.live_caches()["slow"] == 0)
+            wait_until(lambda: s.live_caches()["slow"] == 0)
             llama.assert_books(s.models.get("slow"), idle=True)
 
 
@@ -85,19 +86,10 @@ def _ex(srv) -> SlowModel:
     return srv.models.get("slow").executor
 
 
-def _wait_until(pred, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
-
-
 def _assert_stopped_and_freed(srv, ex: SlowModel) -> None:
     """No more than one step runs after the stream ended, and its caches are gone (on llama.cpp:
     its sequence ids and KV cells too)."""
-    assert _wait_until(lambda: srv.live_caches()["slow"] == 0), "the stream's cache was not freed"
+    assert wait_until(lambda: srv.live_caches()["slow"] == 0), "the stream's cache was not freed"
     settled = ex.decodes
     time.sleep(10 * STEP_S)
     assert ex.decodes == settled, "decodes went on after the stream ended"
@@ -122,7 +114,7 @@ def test_generate_deadline_stops_within_one_step_and_frees_the_cache(srv):
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         at_error = ex.decodes
         assert time.monotonic() - t0 < 2.0 and 5 < n < 4000
-    assert _wait_until(lambda: srv.server.streams.active == set()), "the stream never ended on the server"
+    assert wait_until(lambda: srv.server.streams.active == set()), "the stream never ended on the server"
     assert ex.decodes - at_error <= 1, "more than the in-flight step ran after the deadline"
     _assert_stopped_and_freed(srv, ex)
     assert _metric(srv, "ferrum_cancelled_streams_total") >= 1
@@ -233,7 +225,7 @@ def test_generate_frees_its_cache_released_when_finished_and_reclaimed_when_it_e
                 pass
         assert e.value.code == grpc.StatusCode.CANCELLED
 
-        assert _wait_until(lambda: srv.live_caches()["slow"] == 0), "a stream's cache was not freed"
+        assert wait_until(lambda: srv.live_caches()["slow"] == 0), "a stream's cache was not freed"
         reasons = _freed_reasons(c, set(cids.values()))
     assert {how: reasons.get(cid) for how, cid in cids.items()} == {
         "finished": "released", "cancelled": "reclaimed", "deadline": "reclaimed", "aborted": "reclaimed"}
@@ -274,7 +266,7 @@ def test_session_deadline_stops_pipelined_steps_and_frees_the_cache(srv):
         finally:
             stop.set()
     assert 5 < got < 100
-    assert _wait_until(lambda: srv.server.streams.active == set()), "the stream never ended on the server"
+    assert wait_until(lambda: srv.server.streams.active == set()), "the stream never ended on the server"
     assert ex.decodes - at_error <= 1
     _assert_stopped_and_freed(srv, ex)
     assert _metric(srv, "ferrum_reclaimed_caches_total", model="slow") == 1
@@ -321,10 +313,10 @@ def test_idle_ownerless_caches_are_reclaimed_after_the_ttl_and_steps_renew_the_l
             assert {x.cache_id for x in srv.models.get("mock").executor.registry.entries()} == {busy, trunc, owned}
             # a cache owned by an open stream is the stream's to free, however idle it is
             assert s.step(pb.DecodeRequest(model_id="mock", input=m.decode_input(owned, 1))).output.cache.num_tokens == 2
-        assert _wait_until(lambda: srv.live_caches()["mock"] == 2)
+        assert wait_until(lambda: srv.live_caches()["mock"] == 2)
         assert srv.server.metrics.value("ferrum_expired_caches_total", {"model": "mock"}) == 1
         # after the caller stops touching them, they expire too
-        assert _wait_until(lambda: srv.live_caches()["mock"] == 0, timeout=5 * ttl)
+        assert wait_until(lambda: srv.live_caches()["mock"] == 0, timeout=5 * ttl)
         assert srv.server.metrics.value("ferrum_expired_caches_total", {"model": "mock"}) == 3
         assert srv.server.metrics.value("ferrum_reclaimed_caches_total", {"model": "mock"}) == 4  # + the session's
 
@@ -352,7 +344,7 @@ def test_caches_of_a_quiet_origin_are_reclaimed_long_before_the_ttl():
             time.sleep(quiet / 8)
         assert idle in reg and used in reg
         t_quiet = time.monotonic()
-        assert _wait_until(lambda: srv.live_caches()["mock"] == 0, timeout=5)  # the origin went quiet
+        assert wait_until(lambda: srv.live_caches()["mock"] == 0, timeout=5)  # the origin went quiet
         assert time.monotonic() - t_quiet < 3 * quiet + 0.5
         assert srv.server.metrics.value("ferrum_idle_origin_caches_total", {"model": "mock"}) == 2
         assert srv.server.metrics.value("ferrum_expired_caches_total", {"model": "mock"}) == 0
@@ -380,7 +372,7 @@ def test_cache_ttl_from_the_environment_and_the_reclaim_is_logged():
     with ServerProcess("--model", "configurable,id=mock,vocab_size=1000,token_sequence=7",
                        env={"FERRUM_CACHE_TTL": "0.4"}) as srv, Client(srv.target) as c:
         cid = c.prefill("mock", [1, 2]).output.cache.cache_id
-        assert _wait_until(lambda: c.kv_capacity("mock").used_tokens == 0, timeout=5)
+        assert wait_until(lambda: c.kv_capacity("mock").used_tokens == 0, timeout=5)
         with pytest.raises(FerrumRpcError) as e:
             c.decode("mock", cid, 1)
         assert e.value.code == grpc.StatusCode.NOT_FOUND

@@ -12,6 +12,7 @@ from ferrum_client import Client, FerrumRpcError, messages as m, pb, tpb
 
 from .conftest import contract_executors
 from .support.servers import InProcessServer
+from .support.waits import wait_no_live_caches
 
 
 def test_info_lists_every_model(client):
@@ -171,12 +172,7 @@ def test_generate_cancel_frees_cache(fresh_server, client):
     with pytest.raises(FerrumRpcError) as e:
         list(it)
     assert e.value.code == grpc.StatusCode.CANCELLED
-    import time
-
-    deadline = time.monotonic() + 5
-    while fresh_server.live_caches()["mock"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert fresh_server.live_caches()["mock"] == 0
+    assert wait_no_live_caches(fresh_server, timeout=5)["mock"] == 0
 
 
 def test_generate_keep_cache_then_continue(client):
@@ -194,9 +190,4 @@ def test_session_end_releases_its_caches(fresh_server, client):
         for i in range(3):
             s.step(pb.PrefillRequest(model_id="mock", input=m.prefill_input([i + 1])))
         assert fresh_server.live_caches()["mock"] == 3
-    import time
-
-    deadline = time.monotonic() + 5
-    while fresh_server.live_caches()["mock"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert fresh_server.live_caches()["mock"] == 0
+    assert wait_no_live_caches(fresh_server, timeout=5)["mock"] == 0

@@ -14,6 +14,7 @@ from ferrum_client import Client, FerrumRpcError, messages as m, pb
 from ferrum_service.executors import ConfigurableModelExecutor, StubModelExecutor
 
 from .support.servers import InProcessServer
+from .support.waits import wait_no_live_caches, wait_until
 
 KIND = {pb.KV_EVENT_KIND_CREATED: "created", pb.KV_EVENT_KIND_EXTENDED: "extended",
         pb.KV_EVENT_KIND_TRUNCATED: "truncated", pb.KV_EVENT_KIND_RELEASED: "released",
@@ -128,12 +129,7 @@ def test_mirror_tracks_server_through_random_operations():
         t2 = threading.Thread(target=_follow, args=(watcher, mirror, stop, resume, streams))
         t2.start()
         # wait until the mirror has caught up with the server's sequence
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            loads = watcher.loads()
-            if mirror.last_seq >= loads.kv_event_seq:
-                break
-            time.sleep(0.05)
+        wait_until(lambda: mirror.last_seq >= watcher.loads().kv_event_seq, timeout=20, interval=0.05)
         snap = watcher.list_caches()
         expected = {(x.model_id, x.cache_id): x.num_tokens for x in snap.caches}
         with mirror.lock:
@@ -253,10 +249,7 @@ def test_abort_generate_by_request_id(fresh_server, client):
     assert e.value.code == grpc.StatusCode.CANCELLED
     assert client.abort("mock", request_id="req-42").aborted_streams == 0  # idempotent
     assert client.abort("mock", request_id="never-existed").aborted_streams == 0
-    deadline = time.monotonic() + 5
-    while fresh_server.live_caches()["mock"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert fresh_server.live_caches()["mock"] == 0
+    assert wait_no_live_caches(fresh_server, timeout=5)["mock"] == 0
 
 
 def test_abort_racing_a_finishing_stream_leaves_nothing_behind(fresh_server, client):
@@ -271,10 +264,7 @@ def test_abort_racing_a_finishing_stream_leaves_nothing_behind(fresh_server, cli
         except FerrumRpcError as e:
             assert e.code == grpc.StatusCode.CANCELLED  # the documented outcome of a won race
         t.join()
-    deadline = time.monotonic() + 5
-    while fresh_server.live_caches()["mock"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert fresh_server.live_caches()["mock"] == 0
+    assert wait_no_live_caches(fresh_server, timeout=5)["mock"] == 0
 
 
 def test_abort_by_cache_id_releases_it(client):

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from ferrum_client import Client, FerrumRpcError
 
 from .support.servers import REPO, ServerProcess
+from .support.waits import wait_until
 
 MOCK = "configurable,id=mock,vocab_size=1000,token_sequence=10:20:30"
 
@@ -27,8 +27,7 @@ def test_sigterm_drains_streams_then_exits_zero():
             it = iter(stream)
             assert next(it).WhichOneof("event") == "started"
             srv.terminate(signal.SIGTERM)
-            time.sleep(0.3)
-            assert c.health() == "NOT_SERVING"  # health flips first
+            assert wait_until(lambda: c.health() == "NOT_SERVING")  # health flips first
             with pytest.raises(FerrumRpcError) as e:
                 c.prefill("mock", [1])
             assert e.value.code == grpc.StatusCode.UNAVAILABLE

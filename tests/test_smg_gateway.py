@@ -21,6 +21,7 @@ from ferrum_client import Client, pb
 
 from ferrum_service.testing.smg_gateway import Gateway, gateway_venv
 from .support.servers import ServerProcess
+from .support.waits import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -75,12 +76,7 @@ def _live_caches(workers) -> list[int]:
 def _no_caches(workers, timeout: float = 20.0) -> list[int]:
     """Live caches per worker once none is left (releases run just after a stream ends), or at the
     deadline."""
-    deadline = time.time() + timeout
-    while True:
-        live = _live_caches(workers)
-        if not any(live) or time.time() > deadline:
-            return live
-        time.sleep(0.1)
+    return wait_for(lambda: _live_caches(workers), lambda live: not any(live), timeout, 0.1)
 
 
 def _prefix_hits(workers) -> list[int]:

@@ -17,7 +17,7 @@ from ferrum_client import messages as m
 from ferrum_service.executors.configurable import ConfigurableModelExecutor
 
 from .support.servers import InProcessServer
-from .test_llama_cpp import _gguf
+from .support.packaged import smollm2_gguf_path
 
 pytest.importorskip("xgrammar")
 
@@ -35,7 +35,7 @@ SCHEMA = {
 def server():
     from ferrum_service.executors.llama_cpp import LlamaCppExecutor
 
-    llc = LlamaCppExecutor(_gguf(), model_id="smollm2", threads=2, n_ctx=4096, n_seq=16)
+    llc = LlamaCppExecutor(smollm2_gguf_path(), model_id="smollm2", threads=2, n_ctx=4096, n_seq=16)
     mock = ConfigurableModelExecutor.with_token_sequence(1000, [10, 20], model_id="mock")
     with InProcessServer([llc, mock], open_admin_rpcs=True) as srv, Client(srv.target) as c:
         yield srv, c

@@ -9,7 +9,6 @@ import hashlib
 import io
 import json
 import threading
-import time
 import zipfile
 
 import grpc
@@ -24,6 +23,7 @@ from ferrum_client import Client, pb
 
 from .conftest_models import tiny_bert_dir, tiny_llama_dir  # noqa: F401 - fixtures
 from .support.servers import InProcessServer
+from .support.waits import wait_for, wait_no_live_caches
 
 pytest.importorskip("transformers")
 
@@ -262,27 +262,19 @@ def test_text_input_and_truncation(engine, server):
     assert c.prompt_tokens == len(ids) and list(c.output_ids) == list(a.output_ids)
 
 
-def _wait_live(server, want: int, timeout: float = 10.0) -> dict:
-    t = time.time() + timeout
-    while True:
-        live = server.live_caches()
-        if live == {"tiny": want} or time.time() > t:
-            return live
-
-
 def test_abort_by_request_id_ends_the_stream_and_frees_its_cache(engine, server):
     req = vpb.GenerateRequest(request_id="to-abort", tokenized=vpb.TokenizedInput(input_ids=PROMPT), stream=True,
                               sampling_params=vpb.SamplingParams(max_tokens=800, ignore_eos=True, temperature=0.0))
     it = engine.Generate(req, timeout=60)
     first = next(it)
     assert first.WhichOneof("response") == "chunk"
-    assert _wait_live(server, 1) == {"tiny": 1}
+    assert wait_for(server.live_caches, lambda live: live == {"tiny": 1}) == {"tiny": 1}
     engine.Abort(vpb.AbortRequest(request_ids=["to-abort", "unknown-id"]))
     with pytest.raises(grpc.RpcError) as e:
         for _ in it:
             pass
     assert _code(e) == grpc.StatusCode.CANCELLED
-    assert _wait_live(server, 0) == {"tiny": 0}
+    assert wait_no_live_caches(server) == {"tiny": 0}
 
 
 def test_client_disconnect_frees_the_cache(engine, server):
@@ -292,7 +284,7 @@ def test_client_disconnect_frees_the_cache(engine, server):
     next(it)
     next(it)
     it.cancel()
-    assert _wait_live(server, 0) == {"tiny": 0}
+    assert wait_no_live_caches(server) == {"tiny": 0}
 
 
 def test_loads_count_a_running_stream(engine, server):
@@ -306,7 +298,7 @@ def test_loads_count_a_running_stream(engine, server):
     fl = engine.FlushCache(cpb.FlushCacheRequest(timeout_s=0))
     assert not fl.success and "live" in fl.message
     it.cancel()
-    assert _wait_live(server, 0) == {"tiny": 0}
+    assert wait_no_live_caches(server) == {"tiny": 0}
 
 
 # ---- tokenizer, KV events, flush --------------------------------------------------------------------
@@ -501,5 +493,5 @@ def test_flood_of_streams_and_aborts_leaves_nothing(engine, server):
     with ThreadPoolExecutor(32) as pool:
         outcomes = list(pool.map(one, range(32)))
     assert outcomes.count("done") >= 16 and set(outcomes) <= {"done", "dropped", "CANCELLED"}, outcomes
-    assert _wait_live(server, 0, timeout=30) == {"tiny": 0}
+    assert wait_no_live_caches(server, timeout=30) == {"tiny": 0}
     assert _gen(engine, max_tokens=2, temperature=0.0)[0].complete.completion_tokens == 2

@@ -33,6 +33,10 @@ if [ -z "${FERRUM_SERVER_CMD:-}" ] && [ ! -x "$here/../../.venv/bin/ferrum-servi
   fi
   echo "[ts] WARNING: no server (FERRUM_SERVER_CMD unset, no .venv): live tests will SKIP" >&2
 fi
+echo "[ts] example scheduler (batching, a fork, a handoff to a decode server)"
+if [ -n "${FERRUM_SERVER_CMD:-}" ] || [ -x "$here/../../.venv/bin/ferrum-service" ]; then
+  node dist/examples/scheduler.js
+fi
 echo "[ts] node --test"
 node --test --test-concurrency=1 dist/test/ 2>&1 | tee "$tmp/test.log"
 echo "[ts] summary: $(grep -E '^# (pass|fail|skipped) ' "$tmp/test.log" | tr '\n' ' ');" \

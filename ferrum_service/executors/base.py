@@ -180,7 +180,7 @@ class ModelExecutor(abc.ABC):
         total = self.registry.total_tokens * self.registry.bytes_per_token
         st.memory_usage.allocated_bytes = total
         st.memory_usage.used_bytes = used
-        st.memory_usage.peak_bytes = max(used, getattr(self, "_peak_kv_bytes", 0))
+        st.memory_usage.peak_bytes = self.registry.peak_tokens * self.registry.bytes_per_token
         st.memory_usage.utilization_percent = 100.0 * used / total if total else 0.0
         return st
 

@@ -965,7 +965,9 @@ class HfCausalLmExecutor(ItemStepExecutor):
         return need, revived, hits
 
     def _step(self, items: list[StepItem], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
-        """Admit, allocate, run one forward over all items, commit; undo everything on failure."""
+        """Admit, allocate, run one forward over all items, commit. On failure the step leaves no
+        trace: caches it created are released, blocks it grew are returned, reservations and the
+        adapter bindings of empty caches are put back."""
         if self.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down")
         if len(items) > self.max_batch_size:
@@ -982,7 +984,21 @@ class HfCausalLmExecutor(ItemStepExecutor):
                 limit=self.max_batch_tokens,
             )
 
-        lora = self._adapters_of(items, field)
+        bound: list[tuple[CacheEntry, str, bytes]] = []  # empty caches this step binds, to unbind on failure
+        try:
+            return self._step_bound(items, field, bound)
+        except BaseException:
+            for e, adapter, root in reversed(bound):
+                e.adapter = adapter
+                if isinstance(e.payload, SeqBlocks):
+                    e.payload.adapter, e.payload.root = adapter, root
+            raise
+
+    def _step_bound(self, items: list[StepItem], field: str,
+                    bound: list[tuple[CacheEntry, str, bytes]]) -> list[tuple[CacheEntry, torch.Tensor | None]]:
+        """``_step`` after its limits: binds empty caches to their first step's adapter (recorded
+        in ``bound``), admits, allocates, runs the forward and commits."""
+        lora = self._adapters_of(items, field, bound)
         # Admission, before anything is allocated or computed.
         pc, pool, bs = self.prefix, self.pool, self.block_size
         need, revived, hits = self._plan(items)
@@ -1043,16 +1059,19 @@ class HfCausalLmExecutor(ItemStepExecutor):
             pc.commit(e.payload, e.tokens, e.cache_id)
         return list(zip(entries, logits))
 
-    def _adapters_of(self, items: list[StepItem], field: str) -> dict[str, AdapterWeights]:
+    def _adapters_of(self, items: list[StepItem], field: str,
+                     bound: list[tuple[CacheEntry, str, bytes]]) -> dict[str, AdapterWeights]:
         """The LoRA weights a step's rows use (resident now). A new cache takes its item's adapter;
         a live cache keeps its own (another one named is FAILED_PRECONDITION), except an empty cache
-        (reserved by ``ReserveKvSlots``) that its first step binds."""
+        (reserved by ``ReserveKvSlots``) that its first step binds: each such binding is appended
+        to ``bound`` as (entry, previous adapter, previous chain root) so a failed step undoes it."""
         names = set()
         for it in items:
             e = it.entry
             if e is not None:
                 if it.adapter and it.adapter != e.adapter:
                     e.check_adapter(it.adapter, f"{field}.adapter")
+                    bound.append((e, e.adapter, e.payload.root))
                     e.adapter = it.adapter
                     e.payload.root = self.prefix.root(e.payload.salt, it.adapter)
                     e.payload.adapter = it.adapter

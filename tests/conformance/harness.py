@@ -251,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--peer", action="store_true", help="serve: the peer (the profile's models, peer.extra_args)")
     ap.add_argument("--model", action="append", default=None,
                     help="serve: --model spec (repeatable; ${TINY_MODEL_DIR} is filled in); default: the scenario's")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="serve: one more argument for the server (repeatable; spell it --server-arg=--flag)")
     args = ap.parse_args(argv)
     if args.command == "tiny-model":
         print(tiny_model_dir())
@@ -273,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the scenario's servers get its server_args (the peer: and peer.extra_args); --model servers none
         extra = (peer_args(profile_name=args.profile) if args.peer
                  else [] if args.model else server_args(profile_name=args.profile))
-        with start_server(models, args.port, extra_args=extra) as srv:
+        with start_server(models, args.port, extra_args=extra + args.server_arg) as srv:
             print(f"READY {srv.target}", flush=True)
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
             try:

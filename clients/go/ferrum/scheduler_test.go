@@ -31,9 +31,10 @@ func twoServers(t *testing.T, ctx context.Context, roles bool) (a, b *testserver
 		t.Fatal(err)
 	}
 	models := []string{"hf-causal-lm,id=tiny,path=" + tiny}
-	var argsA, argsB []string
+	// B pulls KV from A: a server pulls only from peers its operator names (--kv-peer)
+	argsA, argsB := []string{}, []string{"--kv-peer", "127.0.0.1:*"}
 	if roles {
-		argsA, argsB = []string{"--role", "prefill"}, []string{"--role", "decode"}
+		argsA, argsB = []string{"--role", "prefill"}, []string{"--role", "decode", "--kv-peer", "127.0.0.1:*"}
 	}
 	if a, err = testserver.Start(ctx, models, argsA...); err != nil {
 		t.Fatal(err)

@@ -13,7 +13,7 @@ import grpc
 from . import messages as m
 from . import requests as rq
 from ._proto.ferrum.executor.v1 import executor_pb2 as pb
-from .channel import READY_POLL_S, Connection, ready_polls
+from .channel import MAX_MIGRATION_HOPS, READY_POLL_S, Connection, ready_polls
 from .errors import FerrumRpcError
 
 
@@ -54,7 +54,10 @@ class AsyncClient(Connection):
         await self.close()
 
     async def close(self) -> None:
-        """Close the channel."""
+        """Close the channel (and those opened to follow migrated streams)."""
+        for c in self._siblings.values():
+            await c.close()
+        self._siblings.clear()
         await self.channel.close()
 
     async def _call(self, name: str, request, timeout: float | None = None):
@@ -125,15 +128,35 @@ class AsyncClient(Connection):
         except grpc.RpcError as e:
             raise FerrumRpcError.from_rpc_error(e) from None
 
-    async def generate(self, model_id: str, *, timeout: float | None = None,
+    async def generate(self, model_id: str, *, timeout: float | None = None, follow_migrations: bool = True,
                        **kw) -> AsyncIterator[pb.GenerateResponse]:
         """Async iterator over a generation's events (see
         :func:`ferrum_client.messages.generate_request` for the arguments; break out of the loop
-        to cancel it)."""
+        to cancel it). A stream moved to a peer (``GenerateMigrated``) is followed there and
+        resumed, as one stream (see :meth:`ferrum_client.Client.generate`);
+        ``follow_migrations=False`` passes ``migrated`` on instead."""
+        client: AsyncClient = self
         call = self.stub.Generate(m.generate_request(model_id, **kw), timeout=timeout, metadata=self.metadata)
-        async with aclosing(_messages(call)) as events:
-            async for ev in events:
-                yield ev
+        hops = 0
+        while True:
+            moved = None
+            async with aclosing(_messages(call)) as events:
+                async for ev in events:
+                    kind = ev.WhichOneof("event")
+                    if kind == "migrated" and follow_migrations:
+                        moved = ev.migrated
+                        break
+                    if kind == "started" and hops:
+                        continue  # the resumed stream's start: the caller saw the first one
+                    yield ev
+            if moved is None:
+                return
+            hops += 1
+            if hops > MAX_MIGRATION_HOPS:
+                raise FerrumRpcError(grpc.StatusCode.ABORTED, f"the stream moved more than {MAX_MIGRATION_HOPS} times")
+            client = self._sibling(moved.target)
+            call = client.stub.Generate(pb.GenerateRequest(model_id=model_id, resume_token=moved.resume_token),
+                                        timeout=timeout, metadata=client.metadata)
 
     def session(self) -> AsyncSession:
         """Open a ``Session`` stream: an :class:`AsyncSession` (``async with``; steps in, results

@@ -36,6 +36,11 @@ class Connection:
                  private_key: bytes | None = None, certificate_chain: bytes | None = None,
                  options: Sequence[tuple[str, Any]] = (), timeout: float | None = 60.0,
                  server_name: str | None = None) -> None:
+        # kept to open the same kind of connection to another server (a migrated stream's new home)
+        self._settings = dict(token=token, root_certificates=root_certificates, private_key=private_key,
+                              certificate_chain=certificate_chain, options=options, timeout=timeout,
+                              server_name=server_name)
+        self._siblings: dict[str, Any] = {}
         opts = list(DEFAULT_OPTIONS) + list(options)
         if server_name:
             opts.append(("grpc.ssl_target_name_override", server_name))
@@ -48,6 +53,19 @@ class Connection:
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
         self.timeout = timeout
+
+
+    def _sibling(self, target: str):
+        """A connection like this one (same credentials and options) to ``target``, kept open
+        until this one closes (used to follow a stream that moved to another server)."""
+        c = self._siblings.get(target)
+        if c is None:
+            c = self._siblings[target] = type(self)(target, **self._settings)
+        return c
+
+
+#: Servers a client follows one stream through at most (``GenerateMigrated`` events).
+MAX_MIGRATION_HOPS = 16
 
 
 def ready_polls(timeout: float) -> Iterator[None]:

@@ -138,15 +138,18 @@ def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, t
                      top_logprobs: int = 0, keep_cache: bool = False, stream_text: bool = False,
                      request_id: str = "", cache_salt: str = "", bypass_prefix_cache: bool = False,
                      n: int = 1, constraint: tpb.OutputConstraint | None = None,
-                     adapter: str = "", speculation: "pb.SpeculationOptions | int | None" = None) -> pb.GenerateRequest:
+                     adapter: str = "", resume_token: str = "",
+                     speculation: "pb.SpeculationOptions | int | None" = None) -> pb.GenerateRequest:
     """``GenerateRequest``: the prompt as ``token_ids``, ``text`` or ``chat`` (or continue
     ``cache_id`` from ``last_token_id``). ``n`` samples of one prompt share its prefilled KV
     (events carry ``sample_index``; sample ``i`` uses seed ``seed + i * 0x9E3779B9``); ``cache_salt`` /
     ``bypass_prefix_cache`` control prefix caching as in :func:`prefill_input`; ``constraint``
     (:func:`constraint`) makes the output follow a JSON schema, regex, grammar or choice list;
     ``adapter`` names the LoRA adapter to generate with (as in :func:`prefill_input`; continuing
-    ``cache_id``, "" = the cache's own); ``speculation``: server-side n-gram speculation, a
-    ``SpeculationOptions`` or its ``max_draft_tokens`` (None = the server's default)."""
+    ``cache_id``, "" = the cache's own); ``resume_token`` resumes a stream another server moved here
+    (``GenerateMigrated``; the clients' ``generate`` follows those by itself); ``speculation``:
+    server-side n-gram speculation, a ``SpeculationOptions`` or its ``max_draft_tokens`` (None = the
+    server's default)."""
     req = pb.GenerateRequest(
         model_id=model_id, cache_id=cache_id,
         sampling=sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -155,6 +158,7 @@ def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, t
                                stop_sequences=list(stop_sequences), ignore_eos=ignore_eos),
         top_logprobs=top_logprobs, keep_cache=keep_cache, stream_text=stream_text, request_id=request_id,
         cache_salt=cache_salt, bypass_prefix_cache=bypass_prefix_cache, n=n, adapter=adapter,
+        resume_token=resume_token,
     )
     if token_ids is not None:
         req.token_ids.token_ids.extend(token_ids)

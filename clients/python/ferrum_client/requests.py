@@ -188,6 +188,12 @@ def unload_adapter(name: str, model_id: str = "") -> pb.UnloadAdapterRequest:
     return pb.UnloadAdapterRequest(model_id=model_id, name=name)
 
 
+def migrate_streams(target: str, *, request_id: str = "", model_id: str = "",
+                    drain: bool = False) -> pb.MigrateStreamsRequest:
+    """``MigrateStreamsRequest``: move streams to the peer ``target`` (HOST:PORT)."""
+    return pb.MigrateStreamsRequest(target=target, request_id=request_id, model_id=model_id, drain=drain)
+
+
 def abort(model_id: str = "", *, request_id: str | None = None, cache_id: str | None = None) -> pb.AbortRequest:
     """``AbortRequest`` for a ``Generate`` stream's ``request_id`` or a ``cache_id``."""
     req = pb.AbortRequest(model_id=model_id)
@@ -298,6 +304,9 @@ UNARY: dict[str, Unary] = {
                            "messages.", pb.ListAdaptersResponse),
     "abort": Unary("Abort", abort, "Abort a ``Generate`` stream by ``request_id`` or release a cache by "
                    "``cache_id`` (idempotent).", pb.AbortResponse),
+    "migrate_streams": Unary("MigrateStreams", migrate_streams, "Move running ``Generate`` streams (all, or those "
+                             "of ``request_id``) to the KV peer ``target`` (admin; ``drain=True`` also stops new "
+                             "work): ``.streams``, one ``StreamMigration`` each.", pb.MigrateStreamsResponse),
 }
 
 

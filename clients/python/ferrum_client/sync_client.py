@@ -14,7 +14,7 @@ import grpc
 from . import messages as m
 from . import requests as rq
 from ._proto.ferrum.executor.v1 import executor_pb2 as pb
-from .channel import READY_POLL_S, Connection, ready_polls
+from .channel import MAX_MIGRATION_HOPS, READY_POLL_S, Connection, ready_polls
 from .errors import FerrumRpcError
 
 
@@ -42,7 +42,10 @@ class Client(Connection):
         self.close()
 
     def close(self) -> None:
-        """Close the channel."""
+        """Close the channel (and those opened to follow migrated streams)."""
+        for c in self._siblings.values():
+            c.close()
+        self._siblings.clear()
         self.channel.close()
 
     def _call(self, name: str, request, timeout: float | None = None):
@@ -78,11 +81,23 @@ class Client(Connection):
         request = rq.kv_events(model_id, from_seq, include_block_events)
         return GenerateStream(self.stub.SubscribeKvEvents(request, timeout=timeout, metadata=self.metadata))
 
-    def generate(self, model_id: str, *, timeout: float | None = None, **kw) -> GenerateStream:
+    def generate(self, model_id: str, *, timeout: float | None = None, follow_migrations: bool = True,
+                 **kw) -> GenerateStream:
         """Stream a generation (see :func:`ferrum_client.messages.generate_request` for the
-        arguments). Iterate the result for ``GenerateResponse`` events; ``.cancel()`` stops it."""
+        arguments). Iterate the result for ``GenerateResponse`` events; ``.cancel()`` stops it.
+
+        A stream the server moves to a peer (``GenerateMigrated``) is followed there with the same
+        credentials and resumed by its token: the events go on as one stream (the server's
+        ``migrated`` event and the peer's ``started`` event are not passed on; ``.migrations``
+        lists the servers moved to). ``follow_migrations=False`` passes ``migrated`` on instead."""
         call = self.stub.Generate(m.generate_request(model_id, **kw), timeout=timeout, metadata=self.metadata)
-        return GenerateStream(call)
+
+        def follow(moved: pb.GenerateMigrated):
+            peer = self._sibling(moved.target)
+            return peer.stub.Generate(pb.GenerateRequest(model_id=model_id, resume_token=moved.resume_token),
+                                      timeout=timeout, metadata=peer.metadata)
+
+        return GenerateStream(call, follow if follow_migrations else None)
 
     def export_kv(self, model_id: str, cache_id: str, from_token: int = 0, to_token: int = 0,
                   max_chunk_bytes: int = 0, timeout: float | None = None) -> GenerateStream:
@@ -113,12 +128,34 @@ class Client(Connection):
 class GenerateStream:
     """Iterator over a server-streaming call's messages (``Generate``, ``SubscribeKvEvents``)."""
 
-    def __init__(self, call) -> None:
+    def __init__(self, call, follow=None) -> None:
         self.call = call
+        self._follow = follow
+        self.migrations: list[str] = []  # servers the stream moved to (followed)
 
     def __iter__(self) -> Iterator[pb.GenerateResponse]:
         try:
-            yield from self.call
+            if self._follow is None:  # another stream (exports, events), or migrations passed on
+                yield from self.call
+                return
+            while True:
+                moved = None
+                for ev in self.call:
+                    kind = ev.WhichOneof("event")
+                    if kind == "migrated":
+                        moved = ev.migrated
+                        break
+                    if kind == "started" and self.migrations:
+                        continue  # the resumed stream's start: the caller saw the first one
+                    yield ev
+                if moved is None:
+                    return
+                if len(self.migrations) >= MAX_MIGRATION_HOPS:
+                    raise FerrumRpcError(grpc.StatusCode.ABORTED,
+                                         f"the stream moved more than {MAX_MIGRATION_HOPS} times")
+                self.call.cancel()
+                self.migrations.append(moved.target)
+                self.call = self._follow(moved)
         except grpc.RpcError as e:
             raise FerrumRpcError.from_rpc_error(e) from None
 

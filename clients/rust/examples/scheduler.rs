@@ -9,18 +9,25 @@
 //!    agrees with is accepted, plus the target's own next token; `TruncateKv` rolls the cache back
 //!    over the rejected drafts.
 //!
-//! Both runs are checked against the server's own greedy `Generate` for the same prompts.
+//! 3. **A fork and a handoff.** One prompt, prefilled once, branches with `ForkCache` (the
+//!    branches share its KV blocks copy-on-write) and the branches advance together in one
+//!    `BatchDecode`, each fed another token; then one branch's cache is handed to a second,
+//!    decode-only server (`--role decode`) with `ImportKv` by server pull, and decoding goes on
+//!    there: the same tokens as on the first server.
+//!
+//! Runs 1 and 2 are checked against the server's own greedy `Generate`, run 3 against the first
+//! server's continuation.
 //!
 //! ```text
-//! cargo run --example scheduler                       # starts a server (tiny llama + mock)
-//! cargo run --example scheduler -- --endpoint http://127.0.0.1:50051   # hosts "tiny" and "mock"
+//! cargo run --example scheduler     # starts two servers (tiny llama + mock; tiny on a decode-role one)
+//! cargo run --example scheduler -- --endpoint http://127.0.0.1:50051 --decode-endpoint http://127.0.0.1:50052
 //! ```
 
 use std::collections::VecDeque;
 
 use ferrum_remote_executor::proto::{self, DecodeInput, PrefillInput};
 use ferrum_remote_executor::testing::{tiny_model_dir, ServerProcess};
-use ferrum_remote_executor::{policy, Client};
+use ferrum_remote_executor::{handoff, policy, Client, HandoffMode, ImportOptions};
 use futures_util::StreamExt;
 
 struct Request {
@@ -259,30 +266,87 @@ async fn speculative(c: &Client, has_tokenizer: bool, prompt: Vec<i32>, max_toke
     Ok(ok)
 }
 
+/// Run 3: one prompt, three branches (the cache and two forks) decoded in one batch, then one
+/// branch handed to the decode server and continued there.
+async fn fork_and_handoff(c: &Client, d: &Client) -> Result<bool, BoxErr> {
+    let prompt: Vec<i32> = (0..40).map(|i| 1 + (i * 37) % 500).collect();
+    let pre = c.prefill(&prompt, None).await?;
+    let root = pre.cache.clone().unwrap().cache_id;
+    let first = token(&pre.output);
+    let mut branches = vec![root.clone()];
+    for _ in 0..2 {
+        let f = c.fork_cache(&root, None, 64).await?;
+        println!("fork: {} shares {} blocks with {root}", f.cache.as_ref().unwrap().cache_id, f.shared_blocks);
+        branches.push(f.cache.unwrap().cache_id);
+    }
+    // each branch takes another first token: the greedy one, and two others
+    let firsts = [first, (first + 1) % 500, (first + 2) % 500];
+    let mut last: Vec<i32> = firsts.to_vec();
+    let mut outs: Vec<Vec<i32>> = firsts.iter().map(|&t| vec![t]).collect();
+    for step in 0..4 {
+        let inputs = branches.iter().zip(&last).map(|(b, &t)| DecodeInput { cache_id: b.clone(), token_id: t, ..Default::default() }).collect();
+        let o = c.batch_decode(inputs).await?;
+        for (i, r) in o.iter().enumerate() {
+            last[i] = token(&r.output);
+            outs[i].push(last[i]);
+        }
+        println!("branch step {step}: batch_decode of {} branches -> {last:?}", branches.len());
+    }
+    // hand branch 1 to the decode server (it pulls the K/V from this one), continue both ways
+    let h = handoff(c, d, &branches[1], HandoffMode::Pull, ImportOptions { reserve_tokens: 64, ..Default::default() }, None, false).await?;
+    println!("handoff: {} -> {} ({} tokens, {} bytes, {} ms)", branches[1], h.cache.cache_id, h.imported.imported_tokens, h.imported.bytes, h.handoff_ms);
+    let (mut here, mut there) = (last[1], last[1]);
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for _ in 0..4 {
+        here = token(&c.decode(&branches[1], here, None).await?.output);
+        there = token(&d.decode(&h.cache.cache_id, there, None).await?.output);
+        a.push(here);
+        b.push(there);
+    }
+    println!("branch 1 continued here {a:?}, on the decode server {b:?}");
+    d.release_cache(&h.cache.cache_id).await?;
+    for br in &branches {
+        c.release_cache(br).await?;
+    }
+    Ok(a == b && outs[0][0] == first)
+}
+
 #[tokio::main]
 async fn main() -> Result<(), BoxErr> {
     let mut args = std::env::args().skip(1);
     let mut endpoint = None;
+    let mut decode_endpoint = None;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--endpoint" => endpoint = args.next(),
+            "--decode-endpoint" => decode_endpoint = args.next(),
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
     // Without --endpoint: a fresh server with the tiny llama ("tiny") and ferrum's configurable
     // executor ("mock"); with one, it must host both ids.
-    let mut _server = None;
+    let mut _servers = Vec::new();
+    let tiny = format!("hf-causal-lm,id=tiny,path={}", tiny_model_dir()?.display());
     let endpoint = match endpoint {
         Some(e) => e,
         None => {
-            let tiny = format!("hf-causal-lm,id=tiny,path={}", tiny_model_dir()?.display());
-            let s = ServerProcess::start(&[tiny, ServerProcess::MOCK.to_string()]).await?;
+            let s = ServerProcess::start(&[tiny.clone(), ServerProcess::MOCK.to_string()]).await?;
             let e = s.endpoint.clone();
-            _server = Some(s);
+            _servers.push(s);
+            e
+        }
+    };
+    let decode_endpoint = match decode_endpoint {
+        Some(e) => e,
+        None => {
+            let s = ServerProcess::start_with_args(&[tiny], &["--role".into(), "decode".into(), "--kv-peer".into(), "127.0.0.1:*".into()]).await?;
+            let e = s.endpoint.clone();
+            _servers.push(s);
             e
         }
     };
     let c = Client::connect(endpoint).await?.with_model("tiny");
+    let d = Client::connect(decode_endpoint).await?.with_model("tiny");
     let info = c.model_info().await?;
     println!("model {} ({}, vocab {})", info.model_id, info.executor, info.vocab_size);
     let a = continuous_batching(&c, info.has_tokenizer).await?;
@@ -292,8 +356,12 @@ async fn main() -> Result<(), BoxErr> {
     // this run shows acceptance and rollback. Its tokens depend on a server-wide decode counter
     // (every verified row counts), so there is no Generate comparison.
     let _ = speculative(&c.model("mock"), false, vec![10, 20, 30, 10, 20, 30], 24, false).await?;
+    let f = fork_and_handoff(&c, &d).await?;
     if !(a && b) {
         return Err("scheduler output differs from the server's greedy Generate".into());
+    }
+    if !f {
+        return Err("the handed-off branch continued differently on the decode server".into());
     }
     Ok(())
 }

@@ -46,6 +46,97 @@ pub mod policy {
     }
 }
 
+/// Structured-output constraints for `SamplingParams.constraint` (masks computed on the server).
+pub mod constraint {
+    use crate::proto::{output_constraint::Kind, ChoiceList, OutputConstraint};
+
+    /// One JSON value valid under the JSON Schema `schema` (its text).
+    pub fn json_schema(schema: impl Into<String>) -> OutputConstraint {
+        OutputConstraint { kind: Some(Kind::JsonSchema(schema.into())) }
+    }
+    /// Text the whole of which matches `pattern`.
+    pub fn regex(pattern: impl Into<String>) -> OutputConstraint {
+        OutputConstraint { kind: Some(Kind::Regex(pattern.into())) }
+    }
+    /// Text of a GBNF grammar (`root ::= ...`).
+    pub fn ebnf(grammar: impl Into<String>) -> OutputConstraint {
+        OutputConstraint { kind: Some(Kind::EbnfGrammar(grammar.into())) }
+    }
+    /// Exactly one of `choices`.
+    pub fn choice<S: Into<String>>(choices: impl IntoIterator<Item = S>) -> OutputConstraint {
+        OutputConstraint { kind: Some(Kind::Choice(ChoiceList { choices: choices.into_iter().map(Into::into).collect() })) }
+    }
+}
+
+/// Options of a generation ([`Client::generate_with`]); everything else of `GenerateRequest` via
+/// [`Client::generate`].
+#[derive(Clone, Debug, Default)]
+pub struct GenerateOptions {
+    pub max_tokens: u32,
+    pub stop_token_ids: Vec<i32>,
+    pub stop_sequences: Vec<String>,
+    pub ignore_eos: bool,
+    pub sampling: Option<proto::SamplingParams>,
+    /// Continue this cache (with `last_token_id` and no prompt: that token is fed first).
+    pub cache_id: String,
+    pub last_token_id: Option<i32>,
+    /// Samples from the one prompt (its cache forked per sample; events carry `sample_index`).
+    pub n: u32,
+    pub top_logprobs: u32,
+    pub keep_cache: bool,
+    pub request_id: String,
+    pub stream_text: bool,
+    pub cache_salt: String,
+    pub bypass_prefix_cache: bool,
+    pub adapter: String,
+}
+
+/// A whole generation ([`Client::generate_all`]): per sample, its tokens and finished event.
+#[derive(Clone, Debug, Default)]
+pub struct GenerateResult {
+    pub started: Option<proto::GenerateStarted>,
+    /// Tokens per `sample_index`.
+    pub samples: Vec<Vec<i32>>,
+    /// The finished event per `sample_index`.
+    pub finished: Vec<Option<proto::GenerateFinished>>,
+    /// The stream moved to another server (live migration): where, and the token to resume it
+    /// with (`Generate` with `resume_token` on `target`). This client does not follow it itself.
+    pub migrated: Option<proto::GenerateMigrated>,
+}
+
+impl GenerateResult {
+    /// Sample 0's tokens (all of them for a single sample).
+    pub fn tokens(&self) -> &[i32] {
+        self.samples.first().map(Vec::as_slice).unwrap_or(&[])
+    }
+}
+
+/// A cache range exported by [`Client::export_kv_all`]: the transfer header and its chunks.
+#[derive(Clone, Debug, Default)]
+pub struct ExportedKv {
+    pub header: proto::KvTransferHeader,
+    pub chunks: Vec<proto::KvChunk>,
+}
+
+/// Options of an `ImportKv` (push or pull).
+#[derive(Clone, Debug, Default)]
+pub struct ImportOptions {
+    /// Total tokens the new cache may grow to (0 = the imported ones).
+    pub reserve_tokens: u64,
+    pub cache_salt: String,
+    pub request_id: String,
+}
+
+/// A stream over the messages of a Vec (what a client-streaming call sends).
+struct VecStream<T>(std::vec::IntoIter<T>);
+
+impl<T: Unpin> futures_core::Stream for VecStream<T> {
+    type Item = T;
+    fn poll_next(mut self: std::pin::Pin<&mut Self>, _cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<T>> {
+        std::task::Poll::Ready(self.0.next())
+    }
+}
+
 /// Typed client for one server. Cheap to clone (the channel is shared).
 #[derive(Clone, Debug)]
 pub struct Client {
@@ -54,18 +145,23 @@ pub struct Client {
     model_id: String,
     timeout: Option<Duration>,
     stream_timeout: Option<Duration>,
+    /// "authorization: Bearer <token>" on every call.
+    authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+    target: String,
 }
 
 impl Client {
     /// Connect to `endpoint` (e.g. `http://127.0.0.1:50051`). Unary calls get a 30 s deadline
     /// by default ([`Client::with_timeout`]); streams none ([`Client::with_stream_timeout`]).
     pub async fn connect(endpoint: impl Into<String>) -> Result<Self, tonic::transport::Error> {
-        let channel = Endpoint::from_shared(endpoint.into())?
+        let endpoint = endpoint.into();
+        let channel = Endpoint::from_shared(endpoint.clone())?
             .connect_timeout(Duration::from_secs(10))
             .tcp_nodelay(true)
             .connect()
             .await?;
-        Ok(Self::from_channel(channel))
+        let target = endpoint_target(&endpoint);
+        Ok(Self::from_channel(channel).with_target(target))
     }
 
     /// Over an existing channel (TLS, interceptors and such are the caller's business).
@@ -78,7 +174,28 @@ impl Client {
             model_id: String::new(),
             timeout: Some(Duration::from_secs(30)),
             stream_timeout: None,
+            authorization: None,
+            target: String::new(),
         }
+    }
+
+    /// Send "authorization: Bearer `token`" with every call (the server's `--auth-token-file`).
+    /// TLS: build the `Channel` with tonic's TLS feature and pass it to [`Client::from_channel`].
+    pub fn with_token(mut self, token: &str) -> Result<Self, Status> {
+        let v = format!("Bearer {token}").parse().map_err(|_| Status::invalid_argument("token is not valid ASCII metadata"))?;
+        self.authorization = Some(v);
+        Ok(self)
+    }
+
+    /// The server's `host:port` as this client reached it (empty for [`Client::from_channel`]
+    /// unless set with [`Client::with_target`]): what another server pulls from in a handoff.
+    pub fn target(&self) -> &str {
+        &self.target
+    }
+    /// Set the `host:port` [`Client::target`] reports.
+    pub fn with_target(mut self, target: impl Into<String>) -> Self {
+        self.target = target.into();
+        self
     }
 
     /// The model requests name (empty = the server's only model).
@@ -110,9 +227,18 @@ impl Client {
     }
 
     fn req<T>(&self, msg: T) -> Request<T> {
-        let mut r = Request::new(msg);
+        let mut r = self.stream_req(msg);
         if let Some(t) = self.timeout {
             r.set_timeout(t);
+        }
+        r
+    }
+
+    /// A request with the credentials and the stream deadline (if any).
+    fn stream_req<T>(&self, msg: T) -> Request<T> {
+        let mut r = Request::new(msg);
+        if let Some(a) = &self.authorization {
+            r.metadata_mut().insert("authorization", a.clone());
         }
         r
     }
@@ -301,11 +427,203 @@ impl Client {
         if request.model_id.is_empty() {
             request.model_id = self.model_id.clone();
         }
-        let mut r = Request::new(request);
+        let mut r = self.stream_req(request);
         if let Some(t) = self.stream_timeout {
             r.set_timeout(t);
         }
         Ok(self.stub.clone().generate(r).await?.into_inner())
+    }
+
+    /// A generation from a prompt (`prompt` None = continue `opts.cache_id`).
+    pub async fn generate_with(&self, prompt: Option<proto::generate_request::Prompt>, opts: GenerateOptions) -> Result<GenerateStream, Status> {
+        self.generate(proto::GenerateRequest {
+            prompt,
+            cache_id: opts.cache_id,
+            last_token_id: opts.last_token_id,
+            sampling: opts.sampling,
+            stop: Some(proto::StopConditions {
+                max_tokens: if opts.max_tokens == 0 { 16 } else { opts.max_tokens },
+                stop_token_ids: opts.stop_token_ids,
+                ignore_eos: opts.ignore_eos,
+                stop_sequences: opts.stop_sequences,
+            }),
+            top_logprobs: opts.top_logprobs,
+            keep_cache: opts.keep_cache,
+            request_id: opts.request_id,
+            stream_text: opts.stream_text,
+            cache_salt: opts.cache_salt,
+            bypass_prefix_cache: opts.bypass_prefix_cache,
+            n: opts.n,
+            adapter: opts.adapter,
+            ..Default::default()
+        })
+        .await
+    }
+
+    /// Run a generation to its end: the started event, each sample's tokens and finished event.
+    pub async fn generate_all(&self, prompt: Option<proto::generate_request::Prompt>, opts: GenerateOptions) -> Result<GenerateResult, Status> {
+        let mut stream = self.generate_with(prompt, opts).await?;
+        let mut out = GenerateResult::default();
+        while let Some(ev) = next_message(&mut stream).await? {
+            match ev.event {
+                Some(proto::generate_response::Event::Started(s)) => out.started = Some(s),
+                Some(proto::generate_response::Event::Token(t)) => {
+                    let i = t.sample_index as usize;
+                    if out.samples.len() <= i {
+                        out.samples.resize(i + 1, Vec::new());
+                    }
+                    out.samples[i].push(t.token_id);
+                }
+                Some(proto::generate_response::Event::Finished(f)) => {
+                    let i = f.sample_index as usize;
+                    if out.finished.len() <= i {
+                        out.finished.resize(i + 1, None);
+                    }
+                    out.finished[i] = Some(f);
+                }
+                Some(proto::generate_response::Event::Migrated(m)) => out.migrated = Some(m),
+                None => {}
+            }
+        }
+        Ok(out)
+    }
+
+    // ---- scheduler-facing operations ----
+
+    /// `ForkCache`: a new cache sharing the first `keep_tokens` tokens of `cache_id` (all when
+    /// None), copy-on-write; `reserve_tokens` as a prefill's.
+    pub async fn fork_cache(&self, cache_id: &str, keep_tokens: Option<u64>, reserve_tokens: u64) -> Result<proto::ForkCacheResponse, Status> {
+        let m = proto::ForkCacheRequest {
+            model_id: self.model_id.clone(),
+            cache_id: cache_id.to_string(),
+            keep_tokens,
+            reserve_tokens,
+            ..Default::default()
+        };
+        Ok(self.stub.clone().fork_cache(self.req(m)).await?.into_inner())
+    }
+    /// `Loads`: per-model load (caches, free KV, running and queued steps, prefix hits) and the
+    /// KV-event sequence number; cheap enough before every placement.
+    pub async fn loads(&self) -> Result<proto::LoadsResponse, Status> {
+        let m = proto::LoadsRequest { model_id: self.model_id.clone() };
+        Ok(self.stub.clone().loads(self.req(m)).await?.into_inner())
+    }
+    /// This client's model's `ModelLoad` (the first one when no model is set).
+    pub async fn model_load(&self) -> Result<proto::ModelLoad, Status> {
+        let r = self.loads().await?;
+        r.loads
+            .into_iter()
+            .find(|l| self.model_id.is_empty() || l.model_id == self.model_id)
+            .ok_or_else(|| Status::not_found(format!("no load for model {:?}", self.model_id)))
+    }
+    /// `Abort` of a `Generate` by its `request_id`.
+    pub async fn abort_request(&self, request_id: &str) -> Result<proto::AbortResponse, Status> {
+        let m = proto::AbortRequest {
+            model_id: self.model_id.clone(),
+            target: Some(proto::abort_request::Target::RequestId(request_id.to_string())),
+        };
+        Ok(self.stub.clone().abort(self.req(m)).await?.into_inner())
+    }
+    /// `Abort` of a cache (it is released, ending any stream using it).
+    pub async fn abort_cache(&self, cache_id: &str) -> Result<proto::AbortResponse, Status> {
+        let m = proto::AbortRequest {
+            model_id: self.model_id.clone(),
+            target: Some(proto::abort_request::Target::CacheId(cache_id.to_string())),
+        };
+        Ok(self.stub.clone().abort(self.req(m)).await?.into_inner())
+    }
+    /// `SubscribeKvEvents`: cache events (and with `include_block_events` prefix-cache block
+    /// events) of the client's model (every model when it has none); `from_seq` replays the
+    /// server's buffer from that sequence number. Dropping the stream ends the subscription.
+    pub async fn subscribe_kv_events(
+        &self,
+        from_seq: Option<u64>,
+        include_block_events: bool,
+    ) -> Result<tonic::Streaming<proto::SubscribeKvEventsResponse>, Status> {
+        let m = proto::SubscribeKvEventsRequest { model_id: self.model_id.clone(), from_seq, include_block_events };
+        Ok(self.stub.clone().subscribe_kv_events(self.stream_req(m)).await?.into_inner())
+    }
+    /// `ExportKv`: the transfer header, then the chunks, of `cache_id`'s tokens
+    /// `[from_token, to_token)` (`to_token` 0 = the end).
+    pub async fn export_kv(
+        &self,
+        cache_id: &str,
+        from_token: u64,
+        to_token: u64,
+        max_chunk_bytes: u32,
+    ) -> Result<tonic::Streaming<proto::ExportKvResponse>, Status> {
+        let m = proto::ExportKvRequest {
+            model_id: self.model_id.clone(),
+            cache_id: cache_id.to_string(),
+            from_token,
+            to_token,
+            max_chunk_bytes,
+        };
+        let mut r = self.stream_req(m);
+        if let Some(t) = self.stream_timeout.or(self.timeout) {
+            r.set_timeout(t);
+        }
+        Ok(self.stub.clone().export_kv(r).await?.into_inner())
+    }
+    /// [`Client::export_kv`] of the whole cache, collected.
+    pub async fn export_kv_all(&self, cache_id: &str) -> Result<ExportedKv, Status> {
+        let mut s = self.export_kv(cache_id, 0, 0, 0).await?;
+        let mut header = None;
+        let mut chunks = Vec::new();
+        while let Some(m) = next_message(&mut s).await? {
+            match m.message {
+                Some(proto::export_kv_response::Message::Header(h)) => header = Some(h),
+                Some(proto::export_kv_response::Message::Chunk(c)) => chunks.push(c),
+                None => {}
+            }
+        }
+        let header = header.ok_or_else(|| Status::internal("ExportKv: the stream had no header"))?;
+        Ok(ExportedKv { header, chunks })
+    }
+    /// `ImportKv` (push): a new cache on this server from exported K/V.
+    pub async fn import_kv(&self, kv: ExportedKv, opts: ImportOptions) -> Result<proto::ImportKvResponse, Status> {
+        let mut msgs = Vec::with_capacity(kv.chunks.len() + 1);
+        msgs.push(proto::ImportKvRequest {
+            model_id: self.model_id.clone(),
+            reserve_tokens: opts.reserve_tokens,
+            cache_salt: opts.cache_salt,
+            request_id: opts.request_id,
+            data: Some(proto::import_kv_request::Data::Header(kv.header)),
+            ..Default::default()
+        });
+        msgs.extend(kv.chunks.into_iter().map(|c| proto::ImportKvRequest {
+            data: Some(proto::import_kv_request::Data::Chunk(c)),
+            ..Default::default()
+        }));
+        let r = self.req(VecStream(msgs.into_iter()));
+        Ok(self.stub.clone().import_kv(r).await?.into_inner())
+    }
+    /// `ImportKv` (pull): this server fetches `cache_id` from the server at `source_target`
+    /// (`host:port` as it reaches it) itself, with this client's credentials.
+    pub async fn pull_kv(&self, source_target: &str, cache_id: &str, opts: ImportOptions) -> Result<proto::ImportKvResponse, Status> {
+        let m = proto::ImportKvRequest {
+            model_id: self.model_id.clone(),
+            reserve_tokens: opts.reserve_tokens,
+            cache_salt: opts.cache_salt,
+            request_id: opts.request_id,
+            source: Some(proto::KvSource {
+                target: source_target.to_string(),
+                cache_id: cache_id.to_string(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let r = self.req(VecStream(vec![m].into_iter()));
+        Ok(self.stub.clone().import_kv(r).await?.into_inner())
+    }
+    /// `ApplyChatTemplate`: the model's chat template over `(role, content)` messages.
+    pub async fn apply_chat_template(&self, messages: &[(&str, &str)], add_generation_prompt: bool) -> Result<proto::ApplyChatTemplateResponse, Status> {
+        let m = proto::ApplyChatTemplateRequest {
+            model_id: self.model_id.clone(),
+            messages: messages.iter().map(|(r, c)| proto::ChatMessage { role: r.to_string(), content: c.to_string() }).collect(),
+            add_generation_prompt,
+        };
+        Ok(self.stub.clone().apply_chat_template(self.req(m)).await?.into_inner())
     }
 
     /// A generation from token ids with `max_tokens` and greedy sampling unless `sampling`.
@@ -331,8 +649,19 @@ impl Client {
     /// server; an error of the call itself (UNAUTHENTICATED, UNAVAILABLE, ...) comes back from the
     /// first [`Session::recv`] / [`Session::step`]. Must run within a tokio runtime.
     pub async fn session(&self) -> Result<Session, Status> {
-        Ok(Session::start(self.stub(), self.model_id.clone(), self.stream_timeout))
+        Ok(Session::start(self.stub(), self.model_id.clone(), self.stream_timeout, self.authorization.clone()))
     }
+}
+
+/// The next message of a server stream (None at its end).
+pub async fn next_message<T>(s: &mut tonic::Streaming<T>) -> Result<Option<T>, Status> {
+    s.message().await
+}
+
+/// `host:port` of an endpoint URL (`http://127.0.0.1:50051` → `127.0.0.1:50051`).
+fn endpoint_target(endpoint: &str) -> String {
+    let rest = endpoint.split_once("://").map_or(endpoint, |(_, r)| r);
+    rest.trim_end_matches('/').to_string()
 }
 
 fn output<T>(o: Option<T>) -> Result<T, Status> {

@@ -27,6 +27,8 @@ pub struct StepResult {
     pub ok: bool,
     /// Failed, but the step is marked `known_issue` (reported as XFAIL; does not fail the run).
     pub xfail: bool,
+    /// Not run: its `requires` variable is false in this profile (reported as SKIP; counted as ok).
+    pub skipped: bool,
     pub message: String,
     pub millis: u128,
     /// What the step observed: result fields, or `{"code": .., "reason": ..}` for an error.
@@ -41,7 +43,11 @@ pub struct Report {
 
 impl Report {
     pub fn passed(&self) -> usize {
-        self.results.iter().filter(|r| r.ok).count()
+        self.results.iter().filter(|r| r.ok && !r.skipped).count()
+    }
+    /// Steps not run (`requires` false).
+    pub fn skipped(&self) -> usize {
+        self.results.iter().filter(|r| r.skipped).count()
     }
     pub fn failed(&self) -> usize {
         self.results.iter().filter(|r| !r.ok).count()
@@ -55,7 +61,9 @@ impl Report {
         self.results
             .iter()
             .map(|r| {
-                if r.xfail {
+                if r.skipped {
+                    format!("SKIP {} ({}): {}", r.id, r.op, r.message)
+                } else if r.xfail {
                     format!("XFAIL {} ({}, {} ms): {}", r.id, r.op, r.millis, r.message)
                 } else if r.ok {
                     format!("PASS {} ({}, {} ms)", r.id, r.op, r.millis)
@@ -138,15 +146,38 @@ impl From<tonic::Status> for Fail {
 
 type Out = Result<(Value, Map<String, Value>), Fail>;
 
-/// Runs scenario steps against one server.
+/// Runs scenario steps against one server (and a peer for the KV handoff steps).
 pub struct Runner {
     client: Client,
+    peer: Option<Client>,
     vars: HashMap<String, Value>,
 }
 
 impl Runner {
     pub fn new(client: Client) -> Self {
-        Self { client, vars: HashMap::new() }
+        Self { client, peer: None, vars: HashMap::new() }
+    }
+
+    /// The second server of the KV handoff steps (`"server": "peer"`, `"to": "peer"`).
+    pub fn with_peer(mut self, peer: Client) -> Self {
+        self.peer = Some(peer);
+        self
+    }
+
+    /// Seed variables (a profile's, placeholders filled in: `harness.py vars`) over the scenario's.
+    pub fn with_vars(mut self, vars: &Map<String, Value>) -> Self {
+        for (k, v) in vars {
+            self.vars.insert(k.clone(), v.clone());
+        }
+        self
+    }
+
+    fn server(&self, name: &Value) -> Result<&Client, Fail> {
+        match name.as_str().unwrap_or("main") {
+            "" | "main" => Ok(&self.client),
+            "peer" => self.peer.as_ref().ok_or_else(|| Fail::Bad("no peer server in this run".into())),
+            other => Err(Fail::Bad(format!("unknown server {other:?}"))),
+        }
     }
 
     /// Replace `"$name"` / `"$name[i]"` references (recursively).
@@ -231,18 +262,29 @@ impl Runner {
                 .unwrap_or_default(),
             seed: s["seed"].as_u64(),
             token_mask: Vec::new(),
-            ..Default::default()
+            constraint: match &s["constraint"] {
+                Value::Null => None,
+                c => Some(constraint_from_json(c).map_err(Fail::Bad)?),
+            },
         }))
     }
 
-    fn client_for(&self, step: &Value) -> Client {
-        self.client.model(step["model"].as_str().unwrap_or(""))
+    fn client_for(&self, step: &Value) -> Result<Client, Fail> {
+        Ok(self.server(&step["server"])?.model(step["model"].as_str().unwrap_or("")))
+    }
+
+    fn opt_str(&self, step: &Value, key: &str) -> Result<String, Fail> {
+        if step[key].is_null() {
+            Ok(String::new())
+        } else {
+            self.str_arg(step, key)
+        }
     }
 
     /// Execute one attempt of a step: (observed, values to save by save-key).
     async fn exec(&self, step: &Value) -> Out {
         let op = step["op"].as_str().unwrap_or("");
-        let c = self.client_for(step);
+        let c = self.client_for(step)?;
         let mut save = Map::new();
         let observed = match op {
             "info" => {
@@ -259,12 +301,16 @@ impl Runner {
                     Some(s) => policy::sampled(s),
                     None => policy::greedy(),
                 });
+                input.cache_salt = self.opt_str(step, "cache_salt")?;
+                input.bypass_prefix_cache = step["bypass_prefix_cache"].as_bool().unwrap_or(false);
+                input.adapter = self.opt_str(step, "adapter")?;
                 let o = c.prefill_input(input).await?;
                 let cache = o.cache.unwrap_or_default();
                 let token = o.output.and_then(|x| x.token_id);
                 save.insert("cache".into(), json!(cache.cache_id));
                 save.insert("token".into(), json!(token));
-                json!({"token": token, "num_tokens": cache.num_tokens, "model_id": cache.model_id, "cache": cache.cache_id})
+                json!({"token": token, "num_tokens": cache.num_tokens, "model_id": cache.model_id, "cache": cache.cache_id,
+                       "cached_tokens": o.cached_tokens})
             }
             "decode" => {
                 let mut input = proto::DecodeInput {
@@ -349,19 +395,106 @@ impl Runner {
                 json!({"text": text})
             }
             "generate" => self.generate(&c, step, &mut save).await?,
+            "fork" => {
+                let keep = if step["keep_tokens"].is_null() { None } else { Some(self.int(step, "keep_tokens")? as u64) };
+                let reserve = step["reserve_tokens"].as_u64().unwrap_or(0);
+                let r = c.fork_cache(&self.str_arg(step, "cache")?, keep, reserve).await?;
+                let h = r.cache.unwrap_or_default();
+                json!({"cache": h.cache_id, "model_id": h.model_id, "num_tokens": h.num_tokens, "shared_blocks": r.shared_blocks})
+            }
+            "loads" => {
+                let r = c.loads().await?;
+                let model = step["model"].as_str().unwrap_or("");
+                let l = r.loads.iter().find(|l| l.model_id == model).ok_or_else(|| Fail::Bad(format!("Loads has no entry for {model:?}")))?;
+                json!({"kv_event_seq": r.kv_event_seq, "active_caches": l.active_caches, "cached_blocks": l.cached_blocks,
+                       "block_size": l.block_size, "prefix_hit_tokens": l.prefix_hit_tokens,
+                       "prefix_queried_tokens": l.prefix_queried_tokens, "resident_tokens": l.resident_tokens})
+            }
+            "list_caches" => {
+                let r = c.list_caches().await?;
+                let mut ids: Vec<String> = r.caches.into_iter().map(|h| h.cache_id).collect();
+                ids.sort();
+                json!({"caches": ids, "as_of_seq": r.as_of_seq})
+            }
+            "kv_events" => {
+                let model = step["model"].as_str().unwrap_or("");
+                let after = if step["after_seq"].is_null() { 0 } else { self.int(step, "after_seq")? as u64 };
+                let (msgs, resync) = collect_events(&c, after).await?;
+                let mut kinds = Vec::new();
+                let mut caches = Vec::new();
+                let mut nums = Vec::new();
+                let mut stored = 0usize;
+                for m in &msgs {
+                    match &m.message {
+                        Some(proto::subscribe_kv_events_response::Message::Event(e)) if e.model_id == model => {
+                            kinds.push(proto::KvEventKind::try_from(e.kind).map(|k| k.as_str_name().trim_start_matches("KV_EVENT_KIND_").to_string()).unwrap_or_default());
+                            caches.push(e.cache_id.clone());
+                            nums.push(e.num_tokens);
+                        }
+                        Some(proto::subscribe_kv_events_response::Message::BlockEvent(b)) if b.model_id == model => {
+                            if let Some(proto::kv_block_event::Data::Stored(s)) = &b.data {
+                                stored += s.block_hashes.len();
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                json!({"kinds": kinds, "caches": caches, "num_tokens": nums, "blocks_stored": stored, "resync_required": resync})
+            }
+            "mirror" => {
+                let model = step["model"].as_str().unwrap_or("");
+                let mut mirror = crate::prefix_mirror::PrefixMirror::new();
+                mirror.set_recipes(&c.model("").info().await?);
+                let (msgs, resync) = collect_events(&c, 0).await?;
+                if resync {
+                    return Err(Fail::Bad("the server's replay buffer no longer starts at seq 1 (resync_required)".into()));
+                }
+                for m in &msgs {
+                    mirror.apply(m);
+                }
+                let toks: Vec<u32> = if step["tokens"].is_null() { Vec::new() } else { self.tokens(step, "tokens")?.into_iter().map(|t| t as u32).collect() };
+                let cached = mirror.cached_tokens(model, &toks, &self.opt_str(step, "cache_salt")?, &self.opt_str(step, "adapter")?);
+                json!({"blocks": mirror.len(model), "cached_tokens": cached})
+            }
+            "abort" => {
+                let r = if step["request_id"].is_null() {
+                    c.abort_cache(&self.str_arg(step, "cache")?).await?
+                } else {
+                    c.abort_request(&self.str_arg(step, "request_id")?).await?
+                };
+                json!({"aborted_streams": r.aborted_streams, "released_cache": r.released_cache})
+            }
+            "handoff" => {
+                let to = self.server(&step["to"])?.model(step["model"].as_str().unwrap_or(""));
+                let mode = if step["mode"].as_str() == Some("pull") { crate::handoff::HandoffMode::Pull } else { crate::handoff::HandoffMode::Push };
+                let opts = crate::client::ImportOptions { reserve_tokens: step["reserve_tokens"].as_u64().unwrap_or(0), ..Default::default() };
+                let h = crate::handoff::handoff(&c, &to, &self.str_arg(step, "cache")?, mode, opts, None, false).await?;
+                let r = h.imported;
+                json!({"cache": h.cache.cache_id, "model_id": h.cache.model_id, "num_tokens": h.cache.num_tokens,
+                       "imported_tokens": r.imported_tokens, "chunks": r.chunks, "bytes": r.bytes, "cached_blocks": r.cached_blocks})
+            }
+            "load_adapter" => {
+                let r = c.load_adapter(&self.str_arg(step, "name")?, &self.str_arg(step, "path")?).await?;
+                let a = r.adapter.unwrap_or_default();
+                json!({"name": a.name, "loaded": r.loaded, "rank": a.rank})
+            }
+            "unload_adapter" => {
+                let r = c.unload_adapter(&self.str_arg(step, "name")?).await?;
+                json!({"unloaded": r.unloaded, "dropped_blocks": r.dropped_blocks})
+            }
             other => return Err(Fail::Bad(format!("unknown op {other:?}"))),
         };
         Ok((observed, save))
     }
 
     async fn generate(&self, c: &Client, step: &Value, save: &mut Map<String, Value>) -> Result<Value, Fail> {
-        use futures_core::Stream;
-        use std::pin::Pin;
         let prompt = if step["text"].is_null() {
             proto::generate_request::Prompt::TokenIds(proto::TokenIds { token_ids: self.tokens(step, "tokens")? })
         } else {
             proto::generate_request::Prompt::Text(self.str_arg(step, "text")?)
         };
+        let n = step["n"].as_u64().unwrap_or(0) as u32;
+        let request_id = self.opt_str(step, "request_id")?;
         let req = proto::GenerateRequest {
             prompt: Some(prompt),
             sampling: self.sampling(step)?,
@@ -375,51 +508,96 @@ impl Runner {
                 ..Default::default()
             }),
             keep_cache: step["keep_cache"].as_bool().unwrap_or(false),
+            n,
+            cache_salt: self.opt_str(step, "cache_salt")?,
+            bypass_prefix_cache: step["bypass_prefix_cache"].as_bool().unwrap_or(false),
+            adapter: self.opt_str(step, "adapter")?,
+            request_id: request_id.clone(),
             ..Default::default()
         };
         let cancel_after = step["cancel_after"].as_u64().map(|n| n as usize);
-        let mut stream = c.generate(req).await?;
-        let mut tokens: Vec<i32> = Vec::new();
-        let mut finished: Option<proto::GenerateFinished> = None;
-        let mut cancelled = false;
+        let abort_after = step["abort_after"].as_u64().map(|n| n as usize);
+        let samples_n = n.max(1) as usize;
+        let mut samples: Vec<Vec<i32>> = vec![Vec::new(); samples_n];
+        let mut reasons: Vec<Value> = vec![Value::Null; samples_n];
+        let mut o = json!({"cancelled": false, "finish_reason": null});
+        let mut count = 0usize;
+        let mut end_code = "OK";
+        let mut stream = match c.generate(req).await {
+            Ok(s) => s,
+            Err(s) if abort_after.is_some() => return Ok(json!({"end_code": code_name(s.code())})),
+            Err(s) => return Err(Fail::Rpc(s)),
+        };
         loop {
-            if cancel_after.is_some_and(|n| tokens.len() >= n) {
-                cancelled = true;
+            if cancel_after.is_some_and(|n| count >= n) {
+                o["cancelled"] = json!(true);
                 break;
             }
-            let next = std::future::poll_fn(|cx| Pin::new(&mut stream).poll_next(cx)).await;
-            match next {
-                None => break,
-                Some(Err(s)) => {
+            match stream.message().await {
+                Ok(None) => break,
+                Err(s) => {
+                    if abort_after.is_some() {
+                        end_code = code_name(s.code());
+                        break;
+                    }
                     if s.code() == Code::Cancelled {
-                        cancelled = true;
+                        o["cancelled"] = json!(true);
                         break;
                     }
                     return Err(Fail::Rpc(s));
                 }
-                Some(Ok(ev)) => match ev.event {
+                Ok(Some(ev)) => match ev.event {
                     Some(proto::generate_response::Event::Started(s)) => {
-                        save.insert("cache".into(), json!(s.cache.map(|c| c.cache_id).unwrap_or_default()));
+                        save.insert("cache".into(), json!(s.cache.as_ref().map(|c| c.cache_id.clone()).unwrap_or_default()));
+                        o["cache"] = save["cache"].clone();
+                        o["prompt_tokens"] = json!(s.prompt_tokens);
+                        o["cached_tokens"] = json!(s.cached_tokens);
                     }
-                    Some(proto::generate_response::Event::Token(t)) => tokens.push(t.token_id),
+                    Some(proto::generate_response::Event::Token(t)) => {
+                        let i = t.sample_index as usize;
+                        if samples.len() <= i {
+                            samples.resize(i + 1, Vec::new());
+                            reasons.resize(i + 1, Value::Null);
+                        }
+                        samples[i].push(t.token_id);
+                        count += 1;
+                        if abort_after == Some(count) {
+                            let r = c.abort_request(&request_id).await?;
+                            o["aborted_streams"] = json!(r.aborted_streams);
+                        }
+                    }
                     Some(proto::generate_response::Event::Finished(f)) => {
-                        finished = Some(f);
-                        break;
+                        let i = f.sample_index as usize;
+                        if reasons.len() <= i {
+                            reasons.resize(i + 1, Value::Null);
+                        }
+                        reasons[i] = json!(finish_reason_name(f.finish_reason));
+                        if i == 0 {
+                            o["finish_reason"] = reasons[0].clone();
+                            save.insert("finish_reason".into(), o["finish_reason"].clone());
+                            o["prompt_tokens"] = json!(f.prompt_tokens);
+                            o["generated_tokens"] = json!(f.generated_tokens);
+                            o["text"] = json!(f.text);
+                        }
+                    }
+                    Some(proto::generate_response::Event::Migrated(m)) => {
+                        // the scenario migrates nothing: a moved stream is a failed step here
+                        return Err(Fail::Bad(format!("the stream migrated to {} (this runner does not follow)", m.target)));
                     }
                     None => {}
                 },
             }
         }
         drop(stream); // cancels the call when it is still open
+        let tokens = samples[0].clone();
         save.insert("tokens".into(), json!(tokens));
-        let mut o = json!({"tokens": tokens, "cancelled": cancelled, "finish_reason": null,
-                           "cache": save.get("cache").cloned().unwrap_or(Value::Null)});
-        if let Some(f) = finished {
-            o["finish_reason"] = json!(finish_reason_name(f.finish_reason));
-            save.insert("finish_reason".into(), o["finish_reason"].clone());
-            o["prompt_tokens"] = json!(f.prompt_tokens);
-            o["generated_tokens"] = json!(f.generated_tokens);
-            o["text"] = json!(f.text);
+        save.insert("samples".into(), json!(samples));
+        o["tokens"] = json!(tokens);
+        o["samples"] = json!(samples);
+        o["finish_reasons"] = json!(reasons);
+        o["end_code"] = json!(end_code);
+        if o.get("cache").is_none() {
+            o["cache"] = Value::Null;
         }
         Ok(o)
     }
@@ -458,6 +636,12 @@ impl Runner {
         let id = step["id"].as_str().unwrap_or("?").to_string();
         let op = step["op"].as_str().unwrap_or("?").to_string();
         let started = Instant::now();
+        if let Some(req) = step["requires"].as_str() {
+            let on = self.vars.get(req).is_some_and(|v| !(v.is_null() || *v == Value::Bool(false) || *v == json!("") || *v == json!(0)));
+            if !on {
+                return StepResult { id, op, ok: true, xfail: false, skipped: true, message: format!("requires {req}"), millis: 0, observed: Value::Null };
+            }
+        }
         let deadline = started + Duration::from_millis(step["eventually_ms"].as_u64().unwrap_or(0));
         loop {
             let out = self.exec(step).await;
@@ -486,6 +670,7 @@ impl Runner {
                 op,
                 ok: verdict.is_ok() || xfail,
                 xfail,
+                skipped: false,
                 message: verdict.err().unwrap_or_default(),
                 millis: started.elapsed().as_millis(),
                 observed,
@@ -498,7 +683,7 @@ impl Runner {
     pub async fn run(&mut self, scenario: &Value) -> Report {
         if let Some(vars) = scenario["vars"].as_object() {
             for (k, v) in vars {
-                self.vars.insert(k.clone(), v.clone());
+                self.vars.entry(k.clone()).or_insert_with(|| v.clone());
             }
         }
         let mut report = Report::default();
@@ -580,36 +765,122 @@ pub fn with_profile(scenario: &Value, name: &str) -> Result<Value, String> {
     Ok(out)
 }
 
+/// An `OutputConstraint` from proto JSON (`{"json_schema": ..}`, `{"choice": {"choices": [..]}}`, ...).
+fn constraint_from_json(v: &Value) -> Result<proto::OutputConstraint, String> {
+    use crate::client::constraint;
+    if let Some(s) = v["json_schema"].as_str() {
+        return Ok(constraint::json_schema(s));
+    }
+    if let Some(s) = v["regex"].as_str() {
+        return Ok(constraint::regex(s));
+    }
+    if let Some(s) = v["ebnf_grammar"].as_str() {
+        return Ok(constraint::ebnf(s));
+    }
+    if let Some(a) = v["choice"]["choices"].as_array() {
+        return Ok(constraint::choice(a.iter().filter_map(|x| x.as_str()).map(String::from)));
+    }
+    Err(format!("unknown constraint {v}"))
+}
+
+/// Every event message (all models, block events too) with seq > `after_seq` up to the server's
+/// current sequence number (read first from `ListCaches`), and whether the server said resync.
+async fn collect_events(c: &Client, after_seq: u64) -> Result<(Vec<proto::SubscribeKvEventsResponse>, bool), Fail> {
+    let all = c.model("");
+    let last = all.list_caches().await?.as_of_seq;
+    if last <= after_seq {
+        return Ok((Vec::new(), false));
+    }
+    let mut stream = all.subscribe_kv_events(Some(after_seq + 1), true).await?;
+    let mut msgs = Vec::new();
+    let read = async {
+        while let Some(m) = stream.message().await? {
+            let seq = match &m.message {
+                Some(proto::subscribe_kv_events_response::Message::ResyncRequired(_)) => return Ok::<bool, tonic::Status>(true),
+                Some(proto::subscribe_kv_events_response::Message::Event(e)) => e.seq,
+                Some(proto::subscribe_kv_events_response::Message::BlockEvent(b)) => b.seq,
+                None => 0,
+            };
+            msgs.push(m);
+            if seq >= last {
+                break;
+            }
+        }
+        Ok(false)
+    };
+    let resync = tokio::time::timeout(Duration::from_secs(15), read)
+        .await
+        .map_err(|_| Fail::Bad(format!("KV events up to seq {last} did not arrive within 15 s")))??;
+    Ok((msgs, resync))
+}
+
+/// `python tests/conformance/harness.py ARGS...`'s stdout.
+fn harness(args: &[&str]) -> Result<String, String> {
+    let root = crate::testing::repo_root();
+    let out = std::process::Command::new(crate::testing::python())
+        .arg(root.join("tests/conformance/harness.py"))
+        .args(args)
+        .current_dir(&root)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .map_err(|e| format!("harness.py {args:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("harness.py {args:?} failed: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn lines(s: &str) -> Vec<String> {
+    s.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect()
+}
+
 /// Load a scenario, start a fresh server for it (unless `endpoint` is given), run it.
 pub async fn run_scenario_file(path: &std::path::Path, endpoint: Option<String>) -> Result<Report, String> {
     run_scenario_profile(path, "", endpoint).await
 }
 
-/// [`run_scenario_file`] for one profile of the scenario (`""` = its top-level models).
+/// [`run_scenario_file`] for one profile of the scenario (`""` = its top-level models): a fresh
+/// main server (with the scenario's `server_args`) and a fresh peer (`peer.extra_args`: the KV
+/// handoff destination), the profile's variables from `harness.py vars`. With `endpoint`, only
+/// that server (the steps on the peer then fail).
 pub async fn run_scenario_profile(path: &std::path::Path, profile: &str, endpoint: Option<String>) -> Result<Report, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let scenario: Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     let scenario = with_profile(&scenario, profile)?;
-    let (_server, endpoint) = match endpoint {
-        Some(e) => (None, e),
+    let prof: Vec<&str> = if profile.is_empty() { vec![] } else { vec!["--profile", profile] };
+    let with = |cmd: &str| -> Vec<String> { std::iter::once(cmd.to_string()).chain(prof.iter().map(|s| s.to_string())).collect() };
+    let call = |cmd: &str| harness(&with(cmd).iter().map(String::as_str).collect::<Vec<_>>());
+    let vars: Map<String, Value> = serde_json::from_str(&call("vars")?).map_err(|e| format!("harness vars: {e}"))?;
+    let mut servers = Vec::new();
+    let (endpoint, peer_endpoint) = match endpoint {
+        Some(e) => (e, None),
         None => {
-            let mut vars = HashMap::new();
-            let models = scenario["server_models"].to_string();
-            if models.contains("${TINY_MODEL_DIR}") {
-                vars.insert("TINY_MODEL_DIR".to_string(), crate::testing::tiny_model_dir()?.display().to_string());
-            }
-            if models.contains("${SMOLLM2_GGUF}") {
-                vars.insert("SMOLLM2_GGUF".to_string(), crate::testing::smollm2_gguf()?.display().to_string());
-            }
-            let s = crate::testing::ServerProcess::start(&server_models(&scenario, &vars)).await?;
-            let e = s.endpoint.clone();
-            (Some(s), e)
+            let models = lines(&call("models")?);
+            let (main_args, peer_args) = (lines(&call("server-args")?), lines(&call("peer-args")?));
+            let (main, peer) = tokio::join!(
+                crate::testing::ServerProcess::start_with_args(&models, &main_args),
+                crate::testing::ServerProcess::start_with_args(&models, &peer_args),
+            );
+            let (main, peer) = (main?, peer?);
+            let out = (main.endpoint.clone(), Some(peer.endpoint.clone()));
+            servers.push(main);
+            servers.push(peer);
+            out
         }
     };
     let client = Client::connect(endpoint.clone()).await.map_err(|e| format!("connect {endpoint}: {e}"))?;
-    let report = Runner::new(client).run(&scenario).await;
+    let mut vars = vars;
+    vars.insert("main_target".into(), json!(client.target()));
+    let mut runner = Runner::new(client);
+    if let Some(pe) = peer_endpoint {
+        let peer = Client::connect(pe.clone()).await.map_err(|e| format!("connect {pe}: {e}"))?;
+        vars.insert("peer_target".into(), json!(peer.target()));
+        runner = runner.with_peer(peer);
+    }
+    let report = runner.with_vars(&vars).run(&scenario).await;
     if let Ok(out) = std::env::var("FERRUM_CONFORMANCE_REPORT") {
         let _ = std::fs::write(&out, serde_json::to_string_pretty(&report.to_json()).unwrap_or_default());
     }
+    drop(servers);
     Ok(report)
 }

@@ -103,6 +103,8 @@ struct Shared {
     /// does no paged admission, so every later call is ferrum's `Ok(None)` without an RPC.
     no_paged_admission: std::sync::atomic::AtomicBool,
     rpc: RpcCounters,
+    /// Prefix-hit counters and the prompts of the caches created here (engine clones).
+    prefix: crate::prefix_state::PrefixState,
 }
 
 /// Step RPCs sent by a [`RemoteModelExecutor`] (see [`RemoteModelExecutor::rpc_counts`]).
@@ -328,6 +330,7 @@ impl RemoteModelExecutor {
                 masks: Mutex::new(HashMap::new()),
                 no_paged_admission: false.into(),
                 rpc: RpcCounters::default(),
+                prefix: Default::default(),
             }),
             client,
             opts,
@@ -399,6 +402,75 @@ impl RemoteModelExecutor {
         refresh_shared(&self.client, &self.shared).await
     }
 
+    /// Prefix caching as this executor saw it: the tokens the server took from its prefix cache
+    /// for the caches created here, and the engine clones it mapped (see [`crate::prefix_state`]).
+    pub fn prefix_stats(&self) -> crate::PrefixStats {
+        self.shared.prefix.snapshot()
+    }
+
+    /// Make the server cache behind an engine clone (`<id>-clone-<n>`, ferrum's
+    /// `GenericKvCacheHandle::clone_handle`) of a cache this executor created: a `ForkCache` of
+    /// its first `num_tokens` tokens while the source is live, else a prefill of the tokens it was
+    /// given (the server's prefix cache serves their full blocks). The clone's id becomes an alias.
+    async fn materialize_clones(&self, handles: Vec<Arc<dyn KvCacheHandle>>) -> Result<()> {
+        for h in &handles {
+            if self.known_cache(h).is_none() {
+                self.materialize_clone(h.cache_id(), h.num_tokens()).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::materialize_clones`] for one name: `id` (`<source>-clone-<n>`) gets a server cache
+    /// holding the source's first `keep` tokens. Names that are no clone of a cache created here
+    /// are left alone.
+    async fn materialize_clone(&self, id: String, keep: usize) -> Result<()> {
+        let Some(base) = crate::prefix_state::clone_source(&id) else { return Ok(()) };
+        if self.shared.aliases.lock().unwrap().contains_key(&id) {
+            return Ok(());
+        }
+        let alias = self.shared.aliases.lock().unwrap().get(base).cloned();
+        let src = alias.or_else(|| self.shared.prefix.server_id_of(base)).unwrap_or_else(|| base.to_string());
+        let live = self.shared.minted.lock().unwrap().contains(&src);
+        let mut made = None;
+        if live && keep > 0 {
+            self.wait_released(std::slice::from_ref(&src)).await;
+            match self.client.fork_cache(&src, Some(keep as u64), 0).await {
+                Ok(r) => {
+                    self.shared.prefix.clone_forks.fetch_add(1, Ordering::Relaxed);
+                    made = r.cache.map(|c| c.cache_id);
+                }
+                Err(e) if e.code() == tonic::Code::NotFound => {}
+                Err(e) => return Err(st(e)),
+            }
+        }
+        let tokens = self.shared.prefix.prompt_prefix(&src, keep);
+        if made.is_none() {
+            let Some(tokens) = tokens.clone().filter(|t| !t.is_empty()) else {
+                return Ok(()); // not a clone of ours: the step names it as is (NOT_FOUND)
+            };
+            let out = self
+                .client
+                .prefill_input(proto::PrefillInput { token_ids: tokens.clone(), logits: Some(policy::none()), ..Default::default() })
+                .await
+                .map_err(st)?;
+            self.shared.prefix.clone_prefills.fetch_add(1, Ordering::Relaxed);
+            if out.cache.is_some() {
+                self.shared.prefix.note_new_cache(tokens.len(), out.cached_tokens);
+            }
+            made = out.cache.map(|c| c.cache_id);
+        }
+        if let Some(m) = made {
+            if let Some(t) = tokens {
+                self.shared.prefix.note_tokens(&m, &t, true);
+            }
+            self.shared.prefix.note_name(&id, &m);
+            self.note_minted(&m);
+            self.shared.aliases.lock().unwrap().insert(id, m);
+        }
+        Ok(())
+    }
+
     /// Wait until every release spawned by `release_cache` has been answered.
     pub async fn flush_releases(&self) {
         let rxs: Vec<_> = self.shared.pending_releases.lock().unwrap().values().cloned().collect();
@@ -427,7 +499,7 @@ impl RemoteModelExecutor {
     /// `unified_decode`.
     fn known_cache(&self, h: &Arc<dyn KvCacheHandle>) -> Option<String> {
         if let Some(r) = as_remote(h) {
-            return Some(r.cache_id());
+            return Some(r.server_cache_id().to_string());
         }
         self.shared.aliases.lock().unwrap().get(&h.cache_id()).cloned()
     }
@@ -520,8 +592,21 @@ impl RemoteModelExecutor {
             metadata: convert::json_map_to_struct(&input.metadata),
             request_id: input.request_id.as_ref().map(|r| r.0.to_string()).unwrap_or_default(),
             adapter: convert::lora_adapter_from_metadata(&input.metadata)?,
+            cache_salt: input.metadata.get("ferrum_cache_salt").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
+            bypass_prefix_cache: input.metadata.get("ferrum_bypass_prefix_cache").and_then(|v| v.as_bool()).unwrap_or(false),
             ..Default::default()
         })
+    }
+
+    /// Count a prefill's prefix hit and remember its tokens (for engine clones of the cache).
+    fn note_prefill(&self, sent: &proto::PrefillInput, o: &proto::PrefillOutput) {
+        let new_cache = sent.cache_id.is_empty();
+        if new_cache {
+            self.shared.prefix.note_new_cache(sent.token_ids.len(), o.cached_tokens);
+        }
+        if let Some(c) = &o.cache {
+            self.shared.prefix.note_tokens(&c.cache_id, &sent.token_ids, new_cache);
+        }
     }
 
     fn prefill_from_proto(&self, o: &proto::PrefillOutput) -> Result<PrefillOutput> {
@@ -564,11 +649,15 @@ impl RemoteModelExecutor {
         })
     }
 
-    fn decode_from_proto(&self, o: &proto::DecodeOutput, full: bool) -> Result<DecodeOutput> {
+    /// The output keeps the input handle's name (ferrum's engine checks that a decode does not
+    /// change a sequence's cache identity): an engine-made or aliased handle stays named as it was.
+    fn decode_from_proto(&self, o: &proto::DecodeOutput, full: bool, input: &Arc<dyn KvCacheHandle>) -> Result<DecodeOutput> {
         let cache = o.cache.as_ref().ok_or_else(|| FerrumError::internal("decode returned no cache"))?;
         let row = output_row(o.output.as_ref(), full)?;
         let n = row.len();
-        Ok(DecodeOutput::new(tensor(row, vec![1, n])?, self.handle(cache)))
+        self.note_minted(&cache.cache_id);
+        let h = RemoteKvCacheHandle::from_proto(cache, self.device.clone()).named(input.cache_id());
+        Ok(DecodeOutput::new(tensor(row, vec![1, n])?, Arc::new(h)))
     }
 }
 
@@ -688,6 +777,23 @@ impl ModelExecutor for RemoteModelExecutor {
             self.shared.local_reservations.fetch_add(1, Ordering::Relaxed);
             return Ok(None);
         }
+        // An engine clone (`<id>-clone-<n>`, ferrum's prefix-cache hit) reserved before its first
+        // step: make its server cache now (a fork of the source), or the reservation would create
+        // an empty one. The engine reserves a decode-ready sequence's next token: `target_len - 1`
+        // tokens are the clone's.
+        let clones: Vec<(String, usize)> = {
+            let aliases = self.shared.aliases.lock().unwrap();
+            requests
+                .iter()
+                .filter(|r| !aliases.contains_key(&r.cache_id) && crate::prefix_state::clone_source(&r.cache_id).is_some())
+                .map(|r| (r.cache_id.clone(), r.target_len.saturating_sub(1)))
+                .collect()
+        };
+        for (id, keep) in clones {
+            if let Some(r) = self.block_on(self.materialize_clone(id, keep)) {
+                r?;
+            }
+        }
         let mut reqs: Vec<proto::KvSlotRequest> = Vec::with_capacity(requests.len());
         let mut names: Vec<String> = Vec::with_capacity(requests.len());
         {
@@ -745,6 +851,9 @@ impl ModelExecutor for RemoteModelExecutor {
                     let mut aliases = self.shared.aliases.lock().unwrap();
                     let mut minted = self.shared.minted.lock().unwrap();
                     for (name, id) in created {
+                        // an empty cache: its first chunk is its prompt's start (engine clones)
+                        self.shared.prefix.note_tokens(&id, &[], true);
+                        self.shared.prefix.note_name(&name, &id);
                         minted.insert(id.clone());
                         aliases.insert(name, id);
                     }
@@ -770,12 +879,16 @@ impl ModelExecutor for RemoteModelExecutor {
     }
 
     async fn prefill(&self, input: &PrefillInput) -> Result<PrefillOutput> {
+        if let Some(h) = &input.kv_cache {
+            self.materialize_clones(vec![h.clone()]).await?;
+        }
         let p = self.prefill_to_proto(input)?;
         if !p.cache_id.is_empty() {
             self.wait_released(std::slice::from_ref(&p.cache_id)).await;
         }
         bump(&self.shared.rpc.prefill);
-        let out = self.client.prefill_input(p).await.map_err(st)?;
+        let out = self.client.prefill_input(p.clone()).await.map_err(st)?;
+        self.note_prefill(&p, &out);
         self.prefill_from_proto(&out)
     }
 
@@ -784,9 +897,13 @@ impl ModelExecutor for RemoteModelExecutor {
         if inputs.is_empty() {
             return Ok(Vec::new());
         }
+        self.materialize_clones(inputs.iter().filter_map(|i| i.kv_cache.clone()).collect()).await?;
         let ps = inputs.iter().map(|i| self.prefill_to_proto(i)).collect::<Result<Vec<_>>>()?;
         bump(&self.shared.rpc.batch_prefill);
-        let outs = self.client.batch_prefill(ps).await.map_err(st)?;
+        let outs = self.client.batch_prefill(ps.clone()).await.map_err(st)?;
+        for (p, o) in ps.iter().zip(&outs) {
+            self.note_prefill(p, o);
+        }
         if outs.len() != inputs.len() {
             return Err(FerrumError::internal(format!(
                 "BatchPrefill returned {} outputs for {} inputs",
@@ -798,12 +915,13 @@ impl ModelExecutor for RemoteModelExecutor {
     }
 
     async fn decode(&self, input: &DecodeInput) -> Result<DecodeOutput> {
+        self.materialize_clones(vec![input.kv_cache.clone()]).await?;
         let p = self.decode_to_proto(input)?;
         self.wait_released(std::slice::from_ref(&p.cache_id)).await;
         let full = p.logits.as_ref().is_some_and(is_full);
         bump(&self.shared.rpc.decode);
         let out = self.client.decode_input(p).await.map_err(st)?;
-        self.decode_from_proto(&out, full)
+        self.decode_from_proto(&out, full, &input.kv_cache)
     }
 
     /// One `BatchDecode`: one output per input, in order, same caches (all or nothing).
@@ -811,6 +929,7 @@ impl ModelExecutor for RemoteModelExecutor {
         if inputs.is_empty() {
             return Ok(Vec::new());
         }
+        self.materialize_clones(inputs.iter().map(|i| i.kv_cache.clone()).collect()).await?;
         let ps = inputs.iter().map(|i| self.decode_to_proto(i)).collect::<Result<Vec<_>>>()?;
         let ids: Vec<String> = ps.iter().map(|p| p.cache_id.clone()).collect();
         self.wait_released(&ids).await;
@@ -824,7 +943,7 @@ impl ModelExecutor for RemoteModelExecutor {
                 inputs.len()
             )));
         }
-        outs.iter().zip(fulls).map(|(o, f)| self.decode_from_proto(o, f)).collect()
+        outs.iter().zip(fulls).zip(inputs).map(|((o, f), i)| self.decode_from_proto(o, f, &i.kv_cache)).collect()
     }
 
     /// `UnifiedDecode`. UNIMPLEMENTED (executors without a native unified forward, e.g. the
@@ -844,6 +963,7 @@ impl ModelExecutor for RemoteModelExecutor {
         if batch.items.is_empty() {
             return Ok(Vec::new());
         }
+        self.materialize_clones(batch.items.iter().map(|it| it.kv_cache.clone()).collect()).await?;
         let mut items = Vec::with_capacity(batch.items.len());
         let mut fulls = Vec::with_capacity(batch.items.len());
         for it in &batch.items {
@@ -861,6 +981,8 @@ impl ModelExecutor for RemoteModelExecutor {
                 logits: Some(if it.is_final_chunk { pol } else { policy::none() }),
                 metadata: convert::json_map_to_struct(&it.metadata),
                 adapter: convert::lora_adapter_from_metadata(&it.metadata)?,
+                cache_salt: it.metadata.get("ferrum_cache_salt").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
+                bypass_prefix_cache: it.metadata.get("ferrum_bypass_prefix_cache").and_then(|v| v.as_bool()).unwrap_or(false),
                 ..Default::default()
             });
         }
@@ -877,13 +999,20 @@ impl ModelExecutor for RemoteModelExecutor {
         }
         let mut out = Vec::with_capacity(results.len());
         for ((it, sent), (r, full)) in batch.items.iter().zip(&items).zip(results.iter().zip(fulls)) {
+            let server_id = r.cache.as_ref().map(|c| c.cache_id.as_str()).unwrap_or("");
+            if sent.cache_id.is_empty() {
+                self.shared.prefix.note_new_cache(sent.q_tokens.len(), r.cached_tokens);
+            }
+            self.shared.prefix.note_tokens(server_id, &sent.q_tokens, sent.cache_id.is_empty());
             if sent.cache_id.is_empty() {
                 if let Some(c) = &r.cache {
                     self.note_minted(&c.cache_id);
                     let mut a = self.shared.aliases.lock().unwrap();
                     a.insert(it.seq_id.clone(), c.cache_id.clone());
+                    self.shared.prefix.note_name(&it.seq_id, &c.cache_id);
                     if it.kv_cache.cache_id() != it.seq_id {
                         a.insert(it.kv_cache.cache_id(), c.cache_id.clone());
+                        self.shared.prefix.note_name(&it.kv_cache.cache_id(), &c.cache_id);
                     }
                 }
             }
@@ -902,6 +1031,7 @@ impl ModelExecutor for RemoteModelExecutor {
     /// `TruncateKv` (a real rollback; ferrum's default is a no-op). The caller's handle is not
     /// updated (the trait returns `()`); the server's length is the truth for the next step.
     async fn truncate_kv(&self, kv_cache: &Arc<dyn KvCacheHandle>, new_len: usize) -> Result<()> {
+        self.materialize_clones(vec![kv_cache.clone()]).await?;
         let id = self.step_cache(kv_cache);
         self.wait_released(std::slice::from_ref(&id)).await;
         let new_len = i64::try_from(new_len).map_err(|_| FerrumError::invalid_parameter("new_len too large"))?;
@@ -919,6 +1049,7 @@ impl ModelExecutor for RemoteModelExecutor {
         if inputs.is_empty() {
             return Ok(Vec::new());
         }
+        self.materialize_clones(inputs.iter().map(|i| i.kv_cache.clone()).collect()).await?;
         let ids: Vec<String> = inputs.iter().map(|i| self.step_cache(&i.kv_cache)).collect();
         if ids.iter().any(|i| i != &ids[0]) {
             let mut out = Vec::with_capacity(inputs.len());
@@ -949,7 +1080,7 @@ impl ModelExecutor for RemoteModelExecutor {
                 inputs.len()
             )));
         }
-        let last = RemoteKvCacheHandle::from_proto(cache, self.device.clone());
+        let last = RemoteKvCacheHandle::from_proto(cache, self.device.clone()).named(inputs[0].kv_cache.cache_id());
         let n = resp.outputs.len();
         resp.outputs
             .iter()
@@ -987,10 +1118,24 @@ impl ModelExecutor for RemoteModelExecutor {
         s
     }
 
-    /// `CacheMetrics` (blocking; None when it cannot block or the server has none).
+    /// `CacheMetrics` (blocking; none when it cannot block or the server has none), with this
+    /// executor's prefix-cache counters under "remote_prefix" (what ferrum's trait offers for
+    /// "model-level paged KV prefix reuse counters": hit and queried prompt tokens, hits, and the
+    /// engine clones mapped to forks or prefills).
     fn cache_metrics_snapshot(&self) -> Option<serde_json::Value> {
         let client = self.client.clone();
-        self.block_on(async move { client.cache_metrics().await }).and_then(|r| r.ok()).flatten().map(|s| convert::struct_to_json(&s))
+        let server = self.block_on(async move { client.cache_metrics().await }).and_then(|r| r.ok()).flatten().map(|s| convert::struct_to_json(&s));
+        let p = self.prefix_stats();
+        let mut v = match server {
+            Some(serde_json::Value::Object(m)) => m,
+            _ => serde_json::Map::new(),
+        };
+        v.insert(
+            "remote_prefix".into(),
+            serde_json::json!({"hit_tokens": p.hit_tokens, "queried_tokens": p.queried_tokens, "hits": p.hits,
+                               "clone_forks": p.clone_forks, "clone_prefills": p.clone_prefills}),
+        );
+        Some(serde_json::Value::Object(v))
     }
 
     /// `LoraMetrics` (blocking; None when it cannot block or the server has none).

@@ -20,6 +20,9 @@ use crate::proto;
 #[derive(Debug, Clone)]
 pub struct RemoteKvCacheHandle {
     cache_id: String,
+    /// The caller's name for the cache when it is not the server's id (an engine-made handle
+    /// or an engine clone the executor mapped): `cache_id()` keeps answering it.
+    name: Option<String>,
     model_id: String,
     block_table: BlockTable,
     num_layers: usize,
@@ -38,6 +41,7 @@ impl RemoteKvCacheHandle {
         block_table.sequence_length = h.num_tokens as usize;
         Self {
             cache_id: h.cache_id.clone(),
+            name: None,
             model_id: h.model_id.clone(),
             block_table,
             num_layers: h.num_layers as usize,
@@ -46,6 +50,20 @@ impl RemoteKvCacheHandle {
             memory_bytes: h.memory_bytes as usize,
             device,
         }
+    }
+
+    /// The same cache under the caller's `name` (what `cache_id()` answers), when it differs
+    /// from the server's id.
+    pub fn named(mut self, name: String) -> Self {
+        if name != self.cache_id {
+            self.name = Some(name);
+        }
+        self
+    }
+
+    /// The server's id of the cache (what every RPC names).
+    pub fn server_cache_id(&self) -> &str {
+        &self.cache_id
     }
 
     /// The model the cache belongs to.
@@ -128,6 +146,6 @@ impl KvCacheHandle for RemoteKvCacheHandle {
         !self.cache_id.is_empty()
     }
     fn cache_id(&self) -> String {
-        self.cache_id.clone()
+        self.name.clone().unwrap_or_else(|| self.cache_id.clone())
     }
 }

@@ -131,7 +131,12 @@ pub mod conformance;
 pub mod convert;
 pub mod error;
 pub mod executor;
+pub mod handoff;
 pub mod kv;
+pub mod prefix_keys;
+pub mod prefix_mirror;
+pub mod prefix_state;
+pub mod router;
 pub mod session;
 pub mod tensor;
 pub mod testing;
@@ -143,7 +148,11 @@ pub mod proto {
     tonic::include_proto!("ferrum.executor.v1");
 }
 
-pub use client::{policy, Client, GenerateStream};
+pub use client::{constraint, policy, Client, ExportedKv, GenerateOptions, GenerateResult, GenerateStream, ImportOptions};
+pub use handoff::{handoff, prefill_and_handoff, Handoff, HandoffMode};
+pub use prefix_mirror::{BlockEventFollower, PrefixMirror};
+pub use prefix_state::PrefixStats;
+pub use router::{PrefixRouter, Route};
 pub use error::{error_reason, status_to_ferrum, step_error_to_status};
 pub use executor::{logits_policy_to_proto, RemoteExecutorOptions, RemoteModelExecutor, RpcCounts};
 pub use kv::RemoteKvCacheHandle;

@@ -196,13 +196,18 @@ impl std::fmt::Debug for Session {
 
 impl Session {
     /// Start the call on `stub` (see [`Client::session`]).
+    /// with "authorization" metadata when given.
     pub(crate) fn start(
         mut stub: ModelExecutorClient<Channel>,
         model_id: String,
         timeout: Option<Duration>,
+        authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
     ) -> Session {
         let (tx, rx) = mpsc::unbounded_channel();
         let mut request = Request::new(Outgoing(rx));
+        if let Some(a) = authorization {
+            request.metadata_mut().insert("authorization", a);
+        }
         if let Some(t) = timeout {
             request.set_timeout(t);
         }
@@ -433,6 +438,12 @@ impl Session {
     pub async fn release_cache(&mut self, cache_id: &str) -> Result<proto::ReleaseCacheResponse, Status> {
         let m = proto::ReleaseCacheRequest { cache_id: cache_id.to_string(), ..Default::default() };
         self.step_as(m.into(), StepResult::into_release_cache).await
+    }
+    /// A copy-on-write fork of a cache (the first `keep_tokens` tokens; all when None), owned by
+    /// this stream like the caches it prefills.
+    pub async fn fork_cache(&mut self, cache_id: &str, keep_tokens: Option<u64>) -> Result<proto::ForkCacheResponse, Status> {
+        let m = proto::ForkCacheRequest { cache_id: cache_id.to_string(), keep_tokens, ..Default::default() };
+        self.step_as(m.into(), StepResult::into_fork_cache).await
     }
 }
 

@@ -45,7 +45,7 @@ fn server_cmd() -> Vec<String> {
 
 /// `$FERRUM_PYTHON`, else the `python` next to `$FERRUM_SERVER_CMD`'s executable (a venv's bin),
 /// else the repository's `.venv/bin/python`, else `python3`.
-fn python() -> String {
+pub fn python() -> String {
     if let Ok(p) = std::env::var("FERRUM_PYTHON") {
         return p;
     }
@@ -148,6 +148,11 @@ impl ServerProcess {
 
     /// Start a server hosting `models` (executor specs) and wait until health says SERVING.
     pub async fn start(models: &[String]) -> Result<Self, String> {
+        Self::start_with_args(models, &[]).await
+    }
+
+    /// [`ServerProcess::start`] with extra server arguments (`--role decode`, `--open-admin-rpcs`, ...).
+    pub async fn start_with_args(models: &[String], extra: &[String]) -> Result<Self, String> {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map_err(|e| format!("no free port: {e}"))?
@@ -170,6 +175,7 @@ impl ServerProcess {
         for m in models {
             c.args(["--model", m]);
         }
+        c.args(extra);
         let child = c.spawn().map_err(|e| format!("cannot start {:?}: {e}", cmd))?;
         let mut sp = ServerProcess { child, port, endpoint: format!("http://127.0.0.1:{port}"), log_path };
         let timeout = std::env::var("FERRUM_SERVER_START_TIMEOUT")

@@ -14,6 +14,7 @@ import {
   ChannelCredentials,
   ChannelOptions,
   ClientDuplexStream,
+  ClientReadableStream,
   credentials as grpcCredentials,
   Metadata,
   ServiceError,
@@ -24,8 +25,11 @@ import * as types from "./gen/ferrum/executor/v1/types";
 import { FerrumError } from "./errors";
 
 export interface ClientOptions {
-  /** Default: insecure (plaintext). `credentials.createSsl(...)` for TLS / mutual TLS. */
+  /** Default: insecure (plaintext), or TLS when `tls` is given. `credentials.createSsl(...)` for full control. */
   credentials?: ChannelCredentials;
+  /** TLS: the CA certificate(s) to trust (PEM; `{}` = the system's roots), and for mutual TLS the
+   * client's key and certificate chain. Ignored when `credentials` is set. */
+  tls?: { rootCerts?: Buffer; privateKey?: Buffer; certChain?: Buffer };
   /** Sent as "authorization: Bearer <token>" with every call. */
   token?: string;
   /** Deadline of unary calls that pass no timeoutMs (default 60 s; 0 = none). */
@@ -62,6 +66,10 @@ export interface StepOpts extends CallOpts {
   /** Prefill: the LoRA adapter (registered with loadAdapter) a new cache is computed with and bound
    * to; unset = the base model, or, continuing `cacheId`, the cache's own adapter. */
   adapter?: string;
+  /** Prefill of a new cache: the prefix-cache tenant salt (caches of other salts never share blocks). */
+  cacheSalt?: string;
+  /** Prefill of a new cache: compute every token, take nothing from the prefix cache. */
+  bypassPrefixCache?: boolean;
 }
 
 /** One decode input of a batch. */
@@ -88,6 +96,143 @@ export function textPrompt(text: string): pb.GenerateRequest["prompt"] {
   return { $case: "text", text };
 }
 
+/** A Generate prompt of a conversation, rendered with the model's chat template on the server. */
+export function chatPrompt(messages: { role: string; content: string }[]): pb.GenerateRequest["prompt"] {
+  return { $case: "chat", chat: { messages } };
+}
+
+/** Structured-output constraints for `SamplingParams.constraint` (masks computed on the server). */
+export const constraints = {
+  /** One JSON value valid under the schema (a JSON Schema object or its text). */
+  jsonSchema(schema: string | object): types.OutputConstraint {
+    return { kind: { $case: "jsonSchema", jsonSchema: typeof schema === "string" ? schema : JSON.stringify(schema) } };
+  },
+  /** Text the whole of which matches the regular expression. */
+  regex(pattern: string): types.OutputConstraint {
+    return { kind: { $case: "regex", regex: pattern } };
+  },
+  /** Text of a GBNF grammar (`root ::= ...`). */
+  ebnf(grammar: string): types.OutputConstraint {
+    return { kind: { $case: "ebnfGrammar", ebnfGrammar: grammar } };
+  },
+  /** Exactly one of these strings. */
+  choice(choices: string[]): types.OutputConstraint {
+    return { kind: { $case: "choice", choice: { choices } } };
+  },
+};
+
+/** Options of a generation (`generateArgs`); everything else of `GenerateRequest` via `GenerateArgs`. */
+export interface GenerateOpts {
+  maxTokens?: number;
+  stopTokenIds?: number[];
+  stopSequences?: string[];
+  ignoreEos?: boolean;
+  sampling?: Partial<types.SamplingParams>;
+  /** Continue this cache (with `lastTokenId` and no prompt: feed that token first). */
+  cacheId?: string;
+  lastTokenId?: number;
+  /** Samples from the one prompt (its cache forked per sample; events carry `sampleIndex`). */
+  n?: number;
+  topLogprobs?: number;
+  keepCache?: boolean;
+  requestId?: string;
+  streamText?: boolean;
+  cacheSalt?: string;
+  bypassPrefixCache?: boolean;
+  adapter?: string;
+}
+
+/** A GenerateRequest from a prompt (token ids, text, chat messages, or none to continue `cacheId`). */
+export function generateArgs(modelId: string, prompt: number[] | string | { role: string; content: string }[] | undefined,
+  o: GenerateOpts = {}): GenerateArgs {
+  const p = prompt === undefined ? undefined
+    : typeof prompt === "string" ? textPrompt(prompt)
+    : prompt.length > 0 && typeof prompt[0] === "object" ? chatPrompt(prompt as { role: string; content: string }[])
+    : tokenPrompt(prompt as number[]);
+  return {
+    modelId, prompt: p, cacheId: o.cacheId ?? "", lastTokenId: o.lastTokenId, sampling: o.sampling,
+    stop: { maxTokens: o.maxTokens ?? 16, stopTokenIds: o.stopTokenIds ?? [], stopSequences: o.stopSequences ?? [],
+      ignoreEos: o.ignoreEos ?? false },
+    n: o.n ?? 0, topLogprobs: o.topLogprobs ?? 0, keepCache: o.keepCache ?? false, requestId: o.requestId ?? "",
+    streamText: o.streamText ?? false, cacheSalt: o.cacheSalt ?? "", bypassPrefixCache: o.bypassPrefixCache ?? false,
+    adapter: o.adapter ?? "",
+  } as GenerateArgs;
+}
+
+/** What `generateAll` collects: per sample (`GenerateRequest.n`), its tokens and its finished event. */
+export interface GenerateResult {
+  started?: pb.GenerateStarted;
+  /** Sample 0's tokens (all of them for a single sample). */
+  tokens: number[];
+  /** Sample 0's finished event. */
+  finished?: pb.GenerateFinished;
+  /** Tokens per sample index. */
+  samples: number[][];
+  /** Finished event per sample index. */
+  finishedSamples: pb.GenerateFinished[];
+  /** Text pieces per sample (with `streamText`). */
+  texts: string[];
+}
+
+/** The request `forkCache` sends (also a Session step). */
+export function forkCacheRequest(modelId: string, cacheId: string,
+  o: { keepTokens?: number; reserveTokens?: number; clientStepId?: string } = {}): pb.ForkCacheRequest {
+  return pb.ForkCacheRequest.fromPartial({ modelId, cacheId, keepTokens: o.keepTokens,
+    reserveTokens: o.reserveTokens ?? 0, clientStepId: o.clientStepId ?? "" });
+}
+
+/** One item of a unified (mixed prefill / decode) step. */
+export interface UnifiedItem {
+  seqId: string;
+  tokens: number[];
+  /** Empty = a new sequence (then `posOffset` 0). */
+  cacheId?: string;
+  posOffset?: number;
+  /** Default true: logits are computed for the item. False for a non-final prefill chunk. */
+  isFinalChunk?: boolean;
+  policy?: Partial<types.LogitsPolicy>;
+  sampling?: Partial<types.SamplingParams>;
+  cacheSalt?: string;
+  bypassPrefixCache?: boolean;
+  adapter?: string;
+}
+
+/** The request `unifiedDecode` sends (also a Session step). */
+export function unifiedDecodeRequest(modelId: string, items: UnifiedItem[], clientStepId = ""): pb.UnifiedDecodeRequest {
+  return pb.UnifiedDecodeRequest.fromPartial({ modelId, clientStepId, items: items.map((i) => ({
+    seqId: i.seqId, qTokens: i.tokens, cacheId: i.cacheId ?? "", posOffset: i.posOffset ?? 0,
+    isFinalChunk: i.isFinalChunk ?? true, logits: policyOf(i), cacheSalt: i.cacheSalt ?? "",
+    bypassPrefixCache: i.bypassPrefixCache ?? false, adapter: i.adapter ?? "",
+  })) });
+}
+
+/** Options of an ImportKv (push or pull). */
+export interface ImportOpts extends CallOpts {
+  /** Total tokens the new cache may grow to (0 = the imported ones). */
+  reserveTokens?: number;
+  cacheSalt?: string;
+  requestId?: string;
+}
+
+/** Where `pullKv` fetches from. */
+export interface PullSource {
+  /** The exporting server, host:port as the importing server reaches it. */
+  target: string;
+  cacheId: string;
+  /** Its model id there ("" = the same). */
+  modelId?: string;
+  fromToken?: number;
+  toToken?: number;
+  tls?: boolean;
+  maxChunkBytes?: number;
+}
+
+/** An exported cache range: the transfer header and its chunks, ready for `importKv`. */
+export interface ExportedKv {
+  header: pb.KvTransferHeader;
+  chunks: pb.KvChunk[];
+}
+
 function policyOf(o: { policy?: Partial<types.LogitsPolicy>; sampling?: Partial<types.SamplingParams> }):
   types.LogitsPolicy | undefined {
   if (!o.policy && !o.sampling) return undefined;
@@ -101,6 +246,7 @@ export function prefillRequest(modelId: string, tokenIds: number[], o: StepOpts 
     input: {
       tokenIds, cacheId: o.cacheId ?? "", logits: policyOf(o), reserveTokens: o.reserveTokens ?? 0,
       allPositions: o.allPositions ?? false, requestId: o.requestId ?? "", adapter: o.adapter ?? "",
+      cacheSalt: o.cacheSalt ?? "", bypassPrefixCache: o.bypassPrefixCache ?? false,
     },
   });
 }
@@ -132,11 +278,17 @@ type Unary<Req, Resp> = (req: Req, md: Metadata, opts: Partial<CallOptions>,
 export class FerrumClient {
   /** The generated grpc-js stub, for RPCs and fields this class does not wrap. */
   readonly raw: pb.ModelExecutorClient;
+  /** The address this client connects to (host:port). */
+  readonly target: string;
   private readonly token?: string;
   private readonly defaultTimeoutMs: number;
 
   constructor(target: string, opts: ClientOptions = {}) {
-    this.raw = new pb.ModelExecutorClient(target, opts.credentials ?? grpcCredentials.createInsecure(), {
+    const creds = opts.credentials
+      ?? (opts.tls ? grpcCredentials.createSsl(opts.tls.rootCerts ?? null, opts.tls.privateKey ?? null, opts.tls.certChain ?? null)
+        : grpcCredentials.createInsecure());
+    this.target = target;
+    this.raw = new pb.ModelExecutorClient(target, creds, {
       "grpc.max_receive_message_length": 64 << 20,
       "grpc.max_send_message_length": 64 << 20,
       ...opts.channelOptions,
@@ -266,13 +418,212 @@ export class FerrumClient {
   }
 
   /** Roll a cache back to `newLen` tokens. */
-  truncateKv(modelId: string, cacheId: string, newLen: number, o?: CallOpts): Promise<pb.TruncateKvResponse> {
-    return this.unary(this.raw.truncateKv, pb.TruncateKvRequest.fromPartial({ modelId, cacheId, newLen }), o);
+  truncateKv(modelId: string, cacheId: string, newLen: number, o: CallOpts & { clientStepId?: string } = {}):
+    Promise<pb.TruncateKvResponse> {
+    return this.unary(this.raw.truncateKv, pb.TruncateKvRequest.fromPartial({ modelId, cacheId, newLen,
+      clientStepId: o.clientStepId ?? "" }), o);
   }
 
   /** Free a cache (idempotent: `released` is false when it was already gone). */
-  releaseCache(modelId: string, cacheId: string, o?: CallOpts): Promise<pb.ReleaseCacheResponse> {
-    return this.unary(this.raw.releaseCache, pb.ReleaseCacheRequest.fromPartial({ modelId, cacheId }), o);
+  releaseCache(modelId: string, cacheId: string, o: CallOpts & { clientStepId?: string } = {}):
+    Promise<pb.ReleaseCacheResponse> {
+    return this.unary(this.raw.releaseCache, pb.ReleaseCacheRequest.fromPartial({ modelId, cacheId,
+      clientStepId: o.clientStepId ?? "" }), o);
+  }
+
+  /** A new cache sharing the first `keepTokens` tokens of `cacheId` (all when unset), copy-on-write. */
+  forkCache(modelId: string, cacheId: string,
+    o: CallOpts & { keepTokens?: number; reserveTokens?: number; clientStepId?: string } = {}): Promise<pb.ForkCacheResponse> {
+    return this.unary(this.raw.forkCache, forkCacheRequest(modelId, cacheId, o), o);
+  }
+
+  /** Prefill chunks and decode steps in one forward (UNIMPLEMENTED without native unified decode). */
+  async unifiedDecode(modelId: string, items: UnifiedItem[], o: CallOpts & { clientStepId?: string } = {}):
+    Promise<pb.UnifiedDecodeResponse> {
+    return this.unary(this.raw.unifiedDecode, unifiedDecodeRequest(modelId, items, o.clientStepId), o);
+  }
+
+  /** A cache-less full forward over token ids `[batch][seq]`: logits `[batch, seq, vocab]` (or hidden states). */
+  async forward(modelId: string, tokenIds: number[][], o: CallOpts & { logitsDtype?: types.DataType } = {}):
+    Promise<pb.ForwardResponse> {
+    const rows = tokenIds.length;
+    const cols = rows ? tokenIds[0].length : 0;
+    const data = Buffer.alloc(rows * cols * 4);
+    tokenIds.forEach((row, i) => {
+      if (row.length !== cols) throw new Error("forward: every row needs the same length");
+      row.forEach((t, j) => data.writeInt32LE(t, (i * cols + j) * 4));
+    });
+    const input = types.Tensor.fromPartial({ dtype: types.DataType.DATA_TYPE_INT32, shape: [rows, cols], data });
+    return this.unary(this.raw.forward, pb.ForwardRequest.fromPartial({ modelId, input,
+      logitsDtype: o.logitsDtype ?? types.DataType.DATA_TYPE_FP32 }), o);
+  }
+
+  /** The model's state, operation counts and metrics. */
+  status(modelId = "", o?: CallOpts): Promise<pb.StatusResponse> {
+    return this.unary(this.raw.status, pb.StatusRequest.fromPartial({ modelId }), o);
+  }
+
+  /** The model's admission limits (absent where the executor has none). */
+  admissionLimits(modelId = "", o?: CallOpts): Promise<pb.AdmissionLimitsResponse> {
+    return this.unary(this.raw.admissionLimits, pb.AdmissionLimitsRequest.fromPartial({ modelId }), o);
+  }
+
+  /** Paged-KV admission at a batch boundary (RESOURCE_EXHAUSTED = defer). */
+  reserveKvSlots(modelId: string, requests: Partial<types.KvSlotRequest>[], o?: CallOpts): Promise<pb.ReserveKvSlotsResponse> {
+    return this.unary(this.raw.reserveKvSlots, pb.ReserveKvSlotsRequest.fromPartial({ modelId, requests }), o);
+  }
+
+  /** The paged-KV snapshot (absent where the executor does not page). */
+  kvSlotCapacity(modelId = "", o?: CallOpts): Promise<pb.KvSlotCapacityResponse> {
+    return this.unary(this.raw.kvSlotCapacity, pb.KvSlotCapacityRequest.fromPartial({ modelId }), o);
+  }
+
+  /** The executor's cache metrics (a JSON object; undefined = none). */
+  async cacheMetrics(modelId = "", o?: CallOpts): Promise<{ [k: string]: unknown } | undefined> {
+    return (await this.unary(this.raw.cacheMetrics, pb.CacheMetricsRequest.fromPartial({ modelId }), o)).metrics;
+  }
+
+  /** The executor's LoRA metrics (undefined = no LoRA runtime). */
+  async loraMetrics(modelId = "", o?: CallOpts): Promise<{ [k: string]: unknown } | undefined> {
+    return (await this.unary(this.raw.loraMetrics, pb.LoraMetricsRequest.fromPartial({ modelId }), o)).metrics;
+  }
+
+  /** Warm the model (every model when "") up. Admin RPC. */
+  warmup(modelId = "", o?: CallOpts): Promise<pb.WarmupResponse> {
+    return this.unary(this.raw.warmup, pb.WarmupRequest.fromPartial({ modelId }), o);
+  }
+
+  /** Stop serving the model (every model when ""), freeing its caches. Admin RPC. */
+  shutdown(modelId = "", o?: CallOpts): Promise<pb.ShutdownResponse> {
+    return this.unary(this.raw.shutdown, pb.ShutdownRequest.fromPartial({ modelId }), o);
+  }
+
+  /** The model's chat template applied to messages: text and token ids. */
+  applyChatTemplate(modelId: string, messages: { role: string; content: string }[],
+    o: CallOpts & { addGenerationPrompt?: boolean } = {}): Promise<pb.ApplyChatTemplateResponse> {
+    return this.unary(this.raw.applyChatTemplate, pb.ApplyChatTemplateRequest.fromPartial({ modelId, messages,
+      addGenerationPrompt: o.addGenerationPrompt ?? true }), o);
+  }
+
+  /** Per-model load (caches, free KV, running and queued steps, latencies, prefix hits): cheap. */
+  loads(modelId = "", o?: CallOpts): Promise<pb.LoadsResponse> {
+    return this.unary(this.raw.loads, pb.LoadsRequest.fromPartial({ modelId }), o);
+  }
+
+  /** Every live cache, with the KV-event sequence number the snapshot is consistent with. */
+  listCaches(modelId = "", o?: CallOpts): Promise<pb.ListCachesResponse> {
+    return this.unary(this.raw.listCaches, pb.ListCachesRequest.fromPartial({ modelId }), o);
+  }
+
+  /** Stop a Generate by its `requestId`, or release a cache by `cacheId` (idempotent). */
+  abort(modelId: string, target: { requestId: string } | { cacheId: string }, o?: CallOpts): Promise<pb.AbortResponse> {
+    const t: pb.AbortRequest["target"] = "requestId" in target
+      ? { $case: "requestId", requestId: target.requestId } : { $case: "cacheId", cacheId: target.cacheId };
+    return this.unary(this.raw.abort, pb.AbortRequest.fromPartial({ modelId, target: t }), o);
+  }
+
+  /**
+   * Cache events (and with `includeBlockEvents` prefix-cache block events) as an async iterator;
+   * `fromSeq` replays the server's buffer from that sequence number (a `resyncRequired` message
+   * first when it is gone). Leaving the loop or aborting `signal` ends the subscription.
+   */
+  subscribeKvEvents(modelId = "", o: { fromSeq?: number; includeBlockEvents?: boolean; signal?: AbortSignal } = {}):
+    AsyncGenerator<pb.SubscribeKvEventsResponse> {
+    const req = pb.SubscribeKvEventsRequest.fromPartial({ modelId, fromSeq: o.fromSeq,
+      includeBlockEvents: o.includeBlockEvents ?? false });
+    return this.stream(this.raw.subscribeKvEvents(req, this.metadata(), {}), o);
+  }
+
+  /** A cache's K/V for a token range: the transfer header, then the chunks, as an async iterator. */
+  exportKv(modelId: string, cacheId: string,
+    o: CallOpts & { fromToken?: number; toToken?: number; maxChunkBytes?: number } = {}): AsyncGenerator<pb.ExportKvResponse> {
+    const req = pb.ExportKvRequest.fromPartial({ modelId, cacheId, fromToken: o.fromToken ?? 0, toToken: o.toToken ?? 0,
+      maxChunkBytes: o.maxChunkBytes ?? 0 });
+    const opts: Partial<CallOptions> = o.timeoutMs ? { deadline: Date.now() + o.timeoutMs } : {};
+    return this.stream(this.raw.exportKv(req, this.metadata(), opts), o);
+  }
+
+  /** `exportKv` collected: the header and every chunk (checked for order). */
+  async exportKvAll(modelId: string, cacheId: string,
+    o: CallOpts & { fromToken?: number; toToken?: number; maxChunkBytes?: number } = {}): Promise<ExportedKv> {
+    let header: pb.KvTransferHeader | undefined;
+    const chunks: pb.KvChunk[] = [];
+    for await (const m of this.exportKv(modelId, cacheId, o)) {
+      if (m.message?.$case === "header") header = m.message.header;
+      else if (m.message?.$case === "chunk") chunks.push(m.message.chunk);
+    }
+    if (!header) throw new FerrumError(13, "ExportKv: the stream had no header");
+    return { header, chunks };
+  }
+
+  /** Push K/V (from `exportKvAll`, or an `exportKv` stream of another server) into a new cache here. */
+  async importKv(modelId: string, kv: ExportedKv | AsyncIterable<pb.ExportKvResponse>, o: ImportOpts = {}):
+    Promise<pb.ImportKvResponse> {
+    const first = { modelId, reserveTokens: o.reserveTokens ?? 0, cacheSalt: o.cacheSalt ?? "", requestId: o.requestId ?? "" };
+    async function* messages(): AsyncGenerator<pb.ImportKvRequest> {
+      if ("header" in kv && "chunks" in kv) {
+        yield pb.ImportKvRequest.fromPartial({ ...first, data: { $case: "header", header: kv.header } });
+        for (const chunk of kv.chunks) yield pb.ImportKvRequest.fromPartial({ data: { $case: "chunk", chunk } });
+        return;
+      }
+      let n = 0;
+      for await (const m of kv as AsyncIterable<pb.ExportKvResponse>) {
+        if (m.message?.$case === "header") yield pb.ImportKvRequest.fromPartial({ ...(n === 0 ? first : {}), data: m.message });
+        else if (m.message?.$case === "chunk") yield pb.ImportKvRequest.fromPartial({ data: m.message });
+        n++;
+      }
+    }
+    return this.clientStream(messages(), o);
+  }
+
+  /** KV handoff by server pull: this server fetches the cache from `source.target` itself (ExportKv
+   * there, with this client's credentials); the new cache here is the caller's. */
+  pullKv(modelId: string, source: PullSource, o: ImportOpts = {}): Promise<pb.ImportKvResponse> {
+    const req = pb.ImportKvRequest.fromPartial({ modelId, reserveTokens: o.reserveTokens ?? 0, cacheSalt: o.cacheSalt ?? "",
+      requestId: o.requestId ?? "", source: { target: source.target, cacheId: source.cacheId, modelId: source.modelId ?? "",
+        fromToken: source.fromToken ?? 0, toToken: source.toToken ?? 0, tls: source.tls ?? false,
+        maxChunkBytes: source.maxChunkBytes ?? 0 } });
+    return this.clientStream((async function* () { yield req; })(), o);
+  }
+
+  private async *stream<T>(call: ClientReadableStream<T>, o: { signal?: AbortSignal }): AsyncGenerator<T> {
+    const onAbort = () => call.cancel();
+    if (o.signal?.aborted) call.cancel();
+    o.signal?.addEventListener("abort", onAbort, { once: true });
+    try {
+      for await (const m of call as AsyncIterable<T>) yield m;
+    } catch (e) {
+      throw FerrumError.fromServiceError(e as ServiceError);
+    } finally {
+      o.signal?.removeEventListener("abort", onAbort);
+      call.cancel();
+    }
+  }
+
+  private clientStream(messages: AsyncIterable<pb.ImportKvRequest>, o: CallOpts): Promise<pb.ImportKvResponse> {
+    const timeout = o.timeoutMs ?? this.defaultTimeoutMs;
+    const opts: Partial<CallOptions> = timeout > 0 ? { deadline: Date.now() + timeout } : {};
+    return new Promise<pb.ImportKvResponse>((resolve, reject) => {
+      let done = false;
+      const call = this.raw.importKv(this.metadata(), opts, (err, resp) => {
+        done = true;
+        o.signal?.removeEventListener("abort", onAbort);
+        if (err) reject(FerrumError.fromServiceError(err));
+        else resolve(resp);
+      });
+      const onAbort = () => call.cancel();
+      o.signal?.addEventListener("abort", onAbort, { once: true });
+      (async () => {
+        for await (const m of messages) {
+          if (done) return;
+          if (!call.write(m)) await new Promise<void>((r) => call.once("drain", () => r()));
+        }
+        call.end();
+      })().catch((e) => {
+        call.cancel();
+        if (!done) reject(e instanceof FerrumError ? e : new FerrumError(2, `ImportKv source: ${e}`));
+      });
+    });
   }
 
   /** Register the LoRA adapter in the PEFT directory `path` (on the server's filesystem) under `name`;
@@ -312,15 +663,21 @@ export class FerrumClient {
     }
   }
 
-  /** Run a generation to the end: the started event, the tokens and the finished event. */
-  async generateAll(req: GenerateArgs, o: CallOpts = {}):
-    Promise<{ started?: pb.GenerateStarted; tokens: number[]; finished?: pb.GenerateFinished }> {
-    const res: { started?: pb.GenerateStarted; tokens: number[]; finished?: pb.GenerateFinished } = { tokens: [] };
+  /** Run a generation to the end: the started event, each sample's tokens and finished event. */
+  async generateAll(req: GenerateArgs, o: CallOpts = {}): Promise<GenerateResult> {
+    const res: GenerateResult = { tokens: [], samples: [], finishedSamples: [], texts: [] };
     for await (const ev of this.generate(req, o)) {
-      if (ev.event?.$case === "started") res.started = ev.event.started;
-      else if (ev.event?.$case === "token") res.tokens.push(ev.event.token.tokenId);
-      else if (ev.event?.$case === "finished") res.finished = ev.event.finished;
+      const e = ev.event;
+      if (e?.$case === "started") res.started = e.started;
+      else if (e?.$case === "token") {
+        const i = e.token.sampleIndex;
+        while (res.samples.length <= i) { res.samples.push([]); res.texts.push(""); }
+        res.samples[i].push(e.token.tokenId);
+        res.texts[i] += e.token.text;
+      } else if (e?.$case === "finished") res.finishedSamples[e.finished.sampleIndex] = e.finished;
     }
+    res.tokens = res.samples[0] ?? [];
+    res.finished = res.finishedSamples[0];
     return res;
   }
 
@@ -391,6 +748,29 @@ export class Session {
     const r = await this.step({ $case: "batchDecode",
       batchDecode: pb.BatchDecodeRequest.fromPartial({ modelId, inputs: items.map(decodeInput) }) });
     return (r as Extract<StepResult, { $case: "batchDecode" }>).batchDecode;
+  }
+
+  async batchPrefill(modelId: string, inputs: Partial<pb.PrefillInput>[]): Promise<pb.BatchPrefillResponse> {
+    const r = await this.step({ $case: "batchPrefill", batchPrefill: pb.BatchPrefillRequest.fromPartial({ modelId, inputs }) });
+    return (r as Extract<StepResult, { $case: "batchPrefill" }>).batchPrefill;
+  }
+
+  async unifiedDecode(modelId: string, items: UnifiedItem[]): Promise<pb.UnifiedDecodeResponse> {
+    const r = await this.step({ $case: "unifiedDecode", unifiedDecode: unifiedDecodeRequest(modelId, items) });
+    return (r as Extract<StepResult, { $case: "unifiedDecode" }>).unifiedDecode;
+  }
+
+  async forwardVerify(modelId: string, cacheId: string, tokenIds: number[],
+    o: StepOpts & { acceptGreedyPrefix?: boolean } = {}): Promise<pb.ForwardVerifyResponse> {
+    const r = await this.step({ $case: "forwardVerify", forwardVerify: pb.ForwardVerifyRequest.fromPartial({ modelId,
+      cacheId, tokenIds, acceptGreedyPrefix: o.acceptGreedyPrefix ?? false, logits: policyOf(o) }) });
+    return (r as Extract<StepResult, { $case: "forwardVerify" }>).forwardVerify;
+  }
+
+  async forkCache(modelId: string, cacheId: string, o: { keepTokens?: number; reserveTokens?: number } = {}):
+    Promise<pb.ForkCacheResponse> {
+    const r = await this.step({ $case: "forkCache", forkCache: forkCacheRequest(modelId, cacheId, o) });
+    return (r as Extract<StepResult, { $case: "forkCache" }>).forkCache;
   }
 
   async truncateKv(modelId: string, cacheId: string, newLen: number): Promise<pb.TruncateKvResponse> {

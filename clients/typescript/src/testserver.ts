@@ -4,7 +4,7 @@
  * The harness stops its server when our end of its stdin closes, so even a killed test process
  * leaves no server behind.
  */
-import { ChildProcess, spawn } from "node:child_process";
+import { ChildProcess, execFileSync, spawn } from "node:child_process";
 import { existsSync } from "node:fs";
 import * as path from "node:path";
 import { createInterface } from "node:readline";
@@ -57,10 +57,30 @@ export interface TestServer {
  * Start a fresh server hosting `models` (--model specs; "${TINY_MODEL_DIR}" is the tiny random
  * llama). No models = the conformance scenario's. Resolves once health says SERVING.
  */
-export function startServer(models: string[] = [], readyTimeoutMs = 180_000): Promise<TestServer> {
-  const root = repoRoot();
-  const args = [path.join(root, "tests", "conformance", "harness.py"), "serve"];
+export function startServer(models: string[] = [], readyTimeoutMs = 180_000, extraArgs: string[] = []): Promise<TestServer> {
+  const args: string[] = [];
   for (const m of models) args.push("--model", m);
+  // harness.py serve hands --server-arg values to the server as they are
+  return serve([...args, ...extraArgs.map((a) => `--server-arg=${a}`)], readyTimeoutMs);
+}
+
+/** A fresh scenario server of `profile` ("" = the top-level models) with the scenario's server
+ * arguments; `peer`: the second server of the KV handoff steps (its peer arguments). */
+export function startScenarioServer(profile = "", peer = false, readyTimeoutMs = 180_000): Promise<TestServer> {
+  return serve([...(profile ? ["--profile", profile] : []), ...(peer ? ["--peer"] : [])], readyTimeoutMs);
+}
+
+/** The variables a profile seeds (placeholders filled in by the harness). */
+export function scenarioVars(profile = ""): Record<string, unknown> {
+  const root = repoRoot();
+  const out = execFileSync(python(), [path.join(root, "tests", "conformance", "harness.py"), "vars",
+    ...(profile ? ["--profile", profile] : [])], { cwd: root, env: { ...process.env, HF_HUB_OFFLINE: "1" }, encoding: "utf8" });
+  return JSON.parse(out) as Record<string, unknown>;
+}
+
+function serve(extra: string[], readyTimeoutMs: number): Promise<TestServer> {
+  const root = repoRoot();
+  const args = [path.join(root, "tests", "conformance", "harness.py"), "serve", ...extra];
   const child: ChildProcess = spawn(python(), args, {
     cwd: root, stdio: ["pipe", "pipe", "inherit"], env: { ...process.env, HF_HUB_OFFLINE: "1" },
   });

@@ -4,7 +4,7 @@ import { test } from "node:test";
 import assert from "node:assert/strict";
 import { FerrumClient } from "../src/client";
 import { loadScenario, runScenario, withProfile } from "../src/conformance";
-import { noServerReason, scenarioPath, startServer } from "../src/testserver";
+import { noServerReason, scenarioPath, scenarioVars, startScenarioServer } from "../src/testserver";
 
 const reason = noServerReason();
 // In CI (CI=true, or FERRUM_SERVER_CMD set) a missing server fails the suite instead of skipping.
@@ -20,19 +20,24 @@ for (const profile of ["", "llama-cpp"]) {
   const name = profile ? `conformance scenario (profile ${profile})` : "conformance scenario";
   test(name, { skip: skip ? `skipping: ${skip}` : false, timeout: 300_000 }, async () => {
     const sc = withProfile(loadScenario(scenarioPath()), profile);
-    const srv = await startServer(sc.server_models);
+    // the main server and the peer (the KV handoff destination, --role decode)
+    const [srv, peerSrv] = await Promise.all([startScenarioServer(profile), startScenarioServer(profile, true)]);
     const c = new FerrumClient(srv.target);
+    const peer = new FerrumClient(peerSrv.target);
     try {
-      const sum = await runScenario(c, sc, (line) => console.log(line));
+      const sum = await runScenario({ main: c, mainTarget: srv.target, peer, peerTarget: peerSrv.target }, sc,
+        (line) => console.log(line), scenarioVars(profile));
       const bad = sum.steps.filter((s) => s.status === "FAIL").map((s) => `${s.id}: ${s.error}`);
       assert.deepEqual(bad, [], `${sum.failed} conformance step(s) failed`);
       // every step runs and passes (an expected failure must be marked xfail in the scenario file)
       assert.equal(sum.failed, 0, `${sum.failed} conformance step(s) failed`);
       assert.equal(sum.steps.length, sc.steps.length, `${sum.steps.length} of ${sc.steps.length} steps ran`);
-      assert.equal(sum.passed + sum.xfailed, sc.steps.length, `${sum.passed} of ${sc.steps.length} steps passed`);
+      assert.equal(sum.passed + sum.xfailed + sum.skipped, sc.steps.length, `${sum.passed} of ${sc.steps.length} steps passed`);
+      assert.ok(sum.passed > sum.skipped, `${sum.skipped} steps skipped, only ${sum.passed} passed`);
     } finally {
       c.close();
-      await srv.stop();
+      peer.close();
+      await Promise.all([srv.stop(), peerSrv.stop()]);
     }
   });
 }

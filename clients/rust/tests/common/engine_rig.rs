@@ -20,8 +20,18 @@ pub fn engine(
     tokenizer: Arc<dyn Tokenizer + Send + Sync>,
     tensors: Arc<dyn TensorFactory>,
 ) -> ContinuousBatchEngine {
+    engine_with(EngineConfig::default(), executor, tokenizer, tensors)
+}
+
+/// [`engine`] with another `EngineConfig` (e.g. `runtime.prefix_cache_enabled`).
+pub fn engine_with(
+    config: EngineConfig,
+    executor: Arc<dyn ModelExecutor + Send + Sync>,
+    tokenizer: Arc<dyn Tokenizer + Send + Sync>,
+    tensors: Arc<dyn TensorFactory>,
+) -> ContinuousBatchEngine {
     ContinuousBatchEngine::new(
-        EngineConfig::default(),
+        config,
         Arc::new(ContinuousBatchScheduler::new(SchedulerConfig::default())),
         tokenizer,
         Arc::new(MockSampler),

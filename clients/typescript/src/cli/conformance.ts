@@ -1,27 +1,41 @@
 /**
  * The conformance scenario as a command:
- *   node dist/src/cli/conformance.js                  # starts a fresh server itself
- *   node dist/src/cli/conformance.js --target h:p     # against a FRESH server you started
+ *   node dist/src/cli/conformance.js [--profile P]                       # starts fresh servers itself
+ *   node dist/src/cli/conformance.js --target h:p --peer h:p [--profile P] # against FRESH servers you started
  */
 import { FerrumClient } from "../client";
-import { loadScenario, runScenario } from "../conformance";
-import { scenarioPath, startServer, TestServer } from "../testserver";
+import { loadScenario, runScenario, withProfile } from "../conformance";
+import { scenarioPath, scenarioVars, startScenarioServer, TestServer } from "../testserver";
+
+function arg(name: string): string {
+  const i = process.argv.indexOf(name);
+  return i >= 0 ? process.argv[i + 1] ?? "" : "";
+}
 
 async function main(): Promise<number> {
-  const i = process.argv.indexOf("--target");
-  let target = i >= 0 ? process.argv[i + 1] : "";
-  let srv: TestServer | undefined;
-  if (!target) {
-    srv = await startServer();
-    target = srv.target;
-  }
-  const c = new FerrumClient(target);
+  const profile = arg("--profile");
+  let target = arg("--target");
+  let peerTarget = arg("--peer");
+  const started: TestServer[] = [];
   try {
-    const sum = await runScenario(c, loadScenario(scenarioPath()));
-    return sum.failed ? 1 : 0;
+    if (!target) {
+      const [m, p] = await Promise.all([startScenarioServer(profile), startScenarioServer(profile, true)]);
+      started.push(m, p);
+      target = m.target;
+      peerTarget = p.target;
+    }
+    const main = new FerrumClient(target);
+    const peer = peerTarget ? new FerrumClient(peerTarget) : undefined;
+    try {
+      const sum = await runScenario({ main, mainTarget: target, peer, peerTarget }, withProfile(loadScenario(scenarioPath()), profile),
+        console.log, scenarioVars(profile));
+      return sum.failed ? 1 : 0;
+    } finally {
+      main.close();
+      peer?.close();
+    }
   } finally {
-    c.close();
-    await srv?.stop();
+    await Promise.all(started.map((s) => s.stop()));
   }
 }
 

@@ -3746,9 +3746,15 @@ type GenerateRequest struct {
 	// continues a cache, empty means "the cache's own"; another name is FAILED_PRECONDITION.
 	// NOT_FOUND when no adapter of that name is loaded.
 	Adapter string `protobuf:"bytes,16,opt,name=adapter,proto3" json:"adapter,omitempty"`
+	// Resume a stream that another server moved here (`GenerateMigrated.resume_token`). Every other
+	// field but `model_id` (which must then name the stream's model, or be empty) is ignored: the
+	// stream goes on with its original settings, and its next token event has index
+	// `GenerateMigrated.generated_tokens`. Single use, only by the caller that started the stream,
+	// within `GenerateMigrated.resume_deadline_ms`; any other token is NOT_FOUND.
+	ResumeToken string `protobuf:"bytes,17,opt,name=resume_token,json=resumeToken,proto3" json:"resume_token,omitempty"`
 	// Server-side speculative decoding for this request (see `SpeculationOptions`). Unset = the
 	// server's default (`--speculation-draft-tokens`, off unless set).
-	Speculation   *SpeculationOptions `protobuf:"bytes,17,opt,name=speculation,proto3" json:"speculation,omitempty"`
+	Speculation   *SpeculationOptions `protobuf:"bytes,18,opt,name=speculation,proto3" json:"speculation,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3908,6 +3914,13 @@ func (x *GenerateRequest) GetAdapter() string {
 	return ""
 }
 
+func (x *GenerateRequest) GetResumeToken() string {
+	if x != nil {
+		return x.ResumeToken
+	}
+	return ""
+}
+
 func (x *GenerateRequest) GetSpeculation() *SpeculationOptions {
 	if x != nil {
 		return x.Speculation
@@ -4026,7 +4039,10 @@ type GenerateStarted struct {
 	PromptTokens uint32                 `protobuf:"varint,2,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
 	RequestId    string                 `protobuf:"bytes,3,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	// Prompt tokens taken from the prefix cache instead of computed.
-	CachedTokens  uint32 `protobuf:"varint,4,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
+	CachedTokens uint32 `protobuf:"varint,4,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
+	// On a resumed stream (`GenerateRequest.resume_token`): the tokens generated before the move;
+	// the first token event here has this index. 0 otherwise.
+	ResumedTokens uint32 `protobuf:"varint,5,opt,name=resumed_tokens,json=resumedTokens,proto3" json:"resumed_tokens,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -4085,6 +4101,13 @@ func (x *GenerateStarted) GetRequestId() string {
 func (x *GenerateStarted) GetCachedTokens() uint32 {
 	if x != nil {
 		return x.CachedTokens
+	}
+	return 0
+}
+
+func (x *GenerateStarted) GetResumedTokens() uint32 {
+	if x != nil {
+		return x.ResumedTokens
 	}
 	return 0
 }
@@ -4310,6 +4333,7 @@ type GenerateResponse struct {
 	//	*GenerateResponse_Started
 	//	*GenerateResponse_Token
 	//	*GenerateResponse_Finished
+	//	*GenerateResponse_Migrated
 	Event         isGenerateResponse_Event `protobuf_oneof:"event"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -4379,6 +4403,15 @@ func (x *GenerateResponse) GetFinished() *GenerateFinished {
 	return nil
 }
 
+func (x *GenerateResponse) GetMigrated() *GenerateMigrated {
+	if x != nil {
+		if x, ok := x.Event.(*GenerateResponse_Migrated); ok {
+			return x.Migrated
+		}
+	}
+	return nil
+}
+
 type isGenerateResponse_Event interface {
 	isGenerateResponse_Event()
 }
@@ -4395,11 +4428,469 @@ type GenerateResponse_Finished struct {
 	Finished *GenerateFinished `protobuf:"bytes,3,opt,name=finished,proto3,oneof"`
 }
 
+type GenerateResponse_Migrated struct {
+	// The stream moved to another server (`MigrateStreams`, or a drain with `--drain-to`) and
+	// ends here without a `finished` event: call `Generate` on `target` with `resume_token` to
+	// receive the rest. Sent after the last token event of this server.
+	Migrated *GenerateMigrated `protobuf:"bytes,4,opt,name=migrated,proto3,oneof"`
+}
+
 func (*GenerateResponse_Started) isGenerateResponse_Event() {}
 
 func (*GenerateResponse_Token) isGenerateResponse_Event() {}
 
 func (*GenerateResponse_Finished) isGenerateResponse_Event() {}
+
+func (*GenerateResponse_Migrated) isGenerateResponse_Event() {}
+
+// Where a migrated stream goes on.
+type GenerateMigrated struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// HOST:PORT of the server that holds the stream now.
+	Target string `protobuf:"bytes,1,opt,name=target,proto3" json:"target,omitempty"`
+	// Pass as `GenerateRequest.resume_token` there (single use, bound to the caller).
+	ResumeToken string `protobuf:"bytes,2,opt,name=resume_token,json=resumeToken,proto3" json:"resume_token,omitempty"`
+	// Token events sent so far (on this server and any before it): the index of the next one.
+	GeneratedTokens uint32 `protobuf:"varint,3,opt,name=generated_tokens,json=generatedTokens,proto3" json:"generated_tokens,omitempty"`
+	// Milliseconds the target holds the stream for the resume; after that it is dropped.
+	ResumeDeadlineMs uint32 `protobuf:"varint,4,opt,name=resume_deadline_ms,json=resumeDeadlineMs,proto3" json:"resume_deadline_ms,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
+}
+
+func (x *GenerateMigrated) Reset() {
+	*x = GenerateMigrated{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GenerateMigrated) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GenerateMigrated) ProtoMessage() {}
+
+func (x *GenerateMigrated) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GenerateMigrated.ProtoReflect.Descriptor instead.
+func (*GenerateMigrated) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{64}
+}
+
+func (x *GenerateMigrated) GetTarget() string {
+	if x != nil {
+		return x.Target
+	}
+	return ""
+}
+
+func (x *GenerateMigrated) GetResumeToken() string {
+	if x != nil {
+		return x.ResumeToken
+	}
+	return ""
+}
+
+func (x *GenerateMigrated) GetGeneratedTokens() uint32 {
+	if x != nil {
+		return x.GeneratedTokens
+	}
+	return 0
+}
+
+func (x *GenerateMigrated) GetResumeDeadlineMs() uint32 {
+	if x != nil {
+		return x.ResumeDeadlineMs
+	}
+	return 0
+}
+
+type MigrateStreamsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Empty = streams of every hosted model.
+	ModelId string `protobuf:"bytes,1,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
+	// Move only the streams with this `GenerateRequest.request_id` (of any caller); empty = every
+	// running `Generate` stream.
+	RequestId string `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	// The server to move them to: HOST:PORT, one of this server's KV peers (`--kv-peer`), else
+	// PERMISSION_DENIED. It must count this server as its own KV peer and share a peer token.
+	Target string `protobuf:"bytes,3,opt,name=target,proto3" json:"target,omitempty"`
+	// Also stop taking new work: health turns NOT_SERVING, `ModelLoad.draining` is true, and new
+	// `Generate` / `Session` / step calls are UNAVAILABLE (what `--drain-to` does on SIGTERM).
+	Drain         bool `protobuf:"varint,4,opt,name=drain,proto3" json:"drain,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MigrateStreamsRequest) Reset() {
+	*x = MigrateStreamsRequest{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MigrateStreamsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MigrateStreamsRequest) ProtoMessage() {}
+
+func (x *MigrateStreamsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MigrateStreamsRequest.ProtoReflect.Descriptor instead.
+func (*MigrateStreamsRequest) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{65}
+}
+
+func (x *MigrateStreamsRequest) GetModelId() string {
+	if x != nil {
+		return x.ModelId
+	}
+	return ""
+}
+
+func (x *MigrateStreamsRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+func (x *MigrateStreamsRequest) GetTarget() string {
+	if x != nil {
+		return x.Target
+	}
+	return ""
+}
+
+func (x *MigrateStreamsRequest) GetDrain() bool {
+	if x != nil {
+		return x.Drain
+	}
+	return false
+}
+
+// One stream's outcome.
+type StreamMigration struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	RequestId string                 `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	ModelId   string                 `protobuf:"bytes,2,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
+	// Moved: the stream ended here with `GenerateMigrated`.
+	Migrated bool `protobuf:"varint,3,opt,name=migrated,proto3" json:"migrated,omitempty"`
+	// Not moved (the stream goes on here): the gRPC code name and message of the refusal.
+	ErrorCode    string `protobuf:"bytes,4,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
+	ErrorMessage string `protobuf:"bytes,5,opt,name=error_message,json=errorMessage,proto3" json:"error_message,omitempty"`
+	// Milliseconds from the stream's last token here to the target holding it.
+	HandoffMs     uint32 `protobuf:"varint,6,opt,name=handoff_ms,json=handoffMs,proto3" json:"handoff_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StreamMigration) Reset() {
+	*x = StreamMigration{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StreamMigration) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StreamMigration) ProtoMessage() {}
+
+func (x *StreamMigration) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StreamMigration.ProtoReflect.Descriptor instead.
+func (*StreamMigration) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{66}
+}
+
+func (x *StreamMigration) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+func (x *StreamMigration) GetModelId() string {
+	if x != nil {
+		return x.ModelId
+	}
+	return ""
+}
+
+func (x *StreamMigration) GetMigrated() bool {
+	if x != nil {
+		return x.Migrated
+	}
+	return false
+}
+
+func (x *StreamMigration) GetErrorCode() string {
+	if x != nil {
+		return x.ErrorCode
+	}
+	return ""
+}
+
+func (x *StreamMigration) GetErrorMessage() string {
+	if x != nil {
+		return x.ErrorMessage
+	}
+	return ""
+}
+
+func (x *StreamMigration) GetHandoffMs() uint32 {
+	if x != nil {
+		return x.HandoffMs
+	}
+	return 0
+}
+
+type MigrateStreamsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Streams       []*StreamMigration     `protobuf:"bytes,1,rep,name=streams,proto3" json:"streams,omitempty"`
+	Migrated      uint32                 `protobuf:"varint,2,opt,name=migrated,proto3" json:"migrated,omitempty"`
+	Refused       uint32                 `protobuf:"varint,3,opt,name=refused,proto3" json:"refused,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MigrateStreamsResponse) Reset() {
+	*x = MigrateStreamsResponse{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MigrateStreamsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MigrateStreamsResponse) ProtoMessage() {}
+
+func (x *MigrateStreamsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MigrateStreamsResponse.ProtoReflect.Descriptor instead.
+func (*MigrateStreamsResponse) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{67}
+}
+
+func (x *MigrateStreamsResponse) GetStreams() []*StreamMigration {
+	if x != nil {
+		return x.Streams
+	}
+	return nil
+}
+
+func (x *MigrateStreamsResponse) GetMigrated() uint32 {
+	if x != nil {
+		return x.Migrated
+	}
+	return 0
+}
+
+func (x *MigrateStreamsResponse) GetRefused() uint32 {
+	if x != nil {
+		return x.Refused
+	}
+	return 0
+}
+
+type AcceptMigrationRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The stream's model here.
+	ModelId string `protobuf:"bytes,1,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
+	// Where its KV is: the calling server's address and the stream's cache there. The cache holds
+	// the prompt and every generated token but the last.
+	Source *KvSource `protobuf:"bytes,2,opt,name=source,proto3" json:"source,omitempty"`
+	// The stream's original request (prompt fields cleared): sampling, stop conditions, adapter,
+	// salt, output options.
+	Request *GenerateRequest `protobuf:"bytes,3,opt,name=request,proto3" json:"request,omitempty"`
+	// Every token generated so far, in order (the last one is not in the cache yet: fed first).
+	GeneratedTokenIds []int32 `protobuf:"varint,4,rep,packed,name=generated_token_ids,json=generatedTokenIds,proto3" json:"generated_token_ids,omitempty"`
+	// The prompt's length (reported again in the final event).
+	PromptTokens uint32 `protobuf:"varint,5,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	// Where the structured-output constraint started in the cache (its matcher replays the tokens
+	// from there); 0 without a constraint.
+	ConstraintStart uint32 `protobuf:"varint,6,opt,name=constraint_start,json=constraintStart,proto3" json:"constraint_start,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *AcceptMigrationRequest) Reset() {
+	*x = AcceptMigrationRequest{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AcceptMigrationRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AcceptMigrationRequest) ProtoMessage() {}
+
+func (x *AcceptMigrationRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AcceptMigrationRequest.ProtoReflect.Descriptor instead.
+func (*AcceptMigrationRequest) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{68}
+}
+
+func (x *AcceptMigrationRequest) GetModelId() string {
+	if x != nil {
+		return x.ModelId
+	}
+	return ""
+}
+
+func (x *AcceptMigrationRequest) GetSource() *KvSource {
+	if x != nil {
+		return x.Source
+	}
+	return nil
+}
+
+func (x *AcceptMigrationRequest) GetRequest() *GenerateRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+func (x *AcceptMigrationRequest) GetGeneratedTokenIds() []int32 {
+	if x != nil {
+		return x.GeneratedTokenIds
+	}
+	return nil
+}
+
+func (x *AcceptMigrationRequest) GetPromptTokens() uint32 {
+	if x != nil {
+		return x.PromptTokens
+	}
+	return 0
+}
+
+func (x *AcceptMigrationRequest) GetConstraintStart() uint32 {
+	if x != nil {
+		return x.ConstraintStart
+	}
+	return 0
+}
+
+type AcceptMigrationResponse struct {
+	state            protoimpl.MessageState `protogen:"open.v1"`
+	ResumeToken      string                 `protobuf:"bytes,1,opt,name=resume_token,json=resumeToken,proto3" json:"resume_token,omitempty"`
+	ImportedTokens   uint32                 `protobuf:"varint,2,opt,name=imported_tokens,json=importedTokens,proto3" json:"imported_tokens,omitempty"`
+	ResumeDeadlineMs uint32                 `protobuf:"varint,3,opt,name=resume_deadline_ms,json=resumeDeadlineMs,proto3" json:"resume_deadline_ms,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
+}
+
+func (x *AcceptMigrationResponse) Reset() {
+	*x = AcceptMigrationResponse{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AcceptMigrationResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AcceptMigrationResponse) ProtoMessage() {}
+
+func (x *AcceptMigrationResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AcceptMigrationResponse.ProtoReflect.Descriptor instead.
+func (*AcceptMigrationResponse) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{69}
+}
+
+func (x *AcceptMigrationResponse) GetResumeToken() string {
+	if x != nil {
+		return x.ResumeToken
+	}
+	return ""
+}
+
+func (x *AcceptMigrationResponse) GetImportedTokens() uint32 {
+	if x != nil {
+		return x.ImportedTokens
+	}
+	return 0
+}
+
+func (x *AcceptMigrationResponse) GetResumeDeadlineMs() uint32 {
+	if x != nil {
+		return x.ResumeDeadlineMs
+	}
+	return 0
+}
 
 type SessionRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -4423,7 +4914,7 @@ type SessionRequest struct {
 
 func (x *SessionRequest) Reset() {
 	*x = SessionRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4435,7 +4926,7 @@ func (x *SessionRequest) String() string {
 func (*SessionRequest) ProtoMessage() {}
 
 func (x *SessionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4448,7 +4939,7 @@ func (x *SessionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionRequest.ProtoReflect.Descriptor instead.
 func (*SessionRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{64}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *SessionRequest) GetStepId() uint64 {
@@ -4626,7 +5117,7 @@ type SessionResponse struct {
 
 func (x *SessionResponse) Reset() {
 	*x = SessionResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4638,7 +5129,7 @@ func (x *SessionResponse) String() string {
 func (*SessionResponse) ProtoMessage() {}
 
 func (x *SessionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4651,7 +5142,7 @@ func (x *SessionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionResponse.ProtoReflect.Descriptor instead.
 func (*SessionResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{65}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *SessionResponse) GetStepId() uint64 {
@@ -4833,7 +5324,7 @@ type LoadsRequest struct {
 
 func (x *LoadsRequest) Reset() {
 	*x = LoadsRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4845,7 +5336,7 @@ func (x *LoadsRequest) String() string {
 func (*LoadsRequest) ProtoMessage() {}
 
 func (x *LoadsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4858,7 +5349,7 @@ func (x *LoadsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadsRequest.ProtoReflect.Descriptor instead.
 func (*LoadsRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{66}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *LoadsRequest) GetModelId() string {
@@ -4880,7 +5371,7 @@ type LatencySummary struct {
 
 func (x *LatencySummary) Reset() {
 	*x = LatencySummary{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4892,7 +5383,7 @@ func (x *LatencySummary) String() string {
 func (*LatencySummary) ProtoMessage() {}
 
 func (x *LatencySummary) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4905,7 +5396,7 @@ func (x *LatencySummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LatencySummary.ProtoReflect.Descriptor instead.
 func (*LatencySummary) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{67}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *LatencySummary) GetP50Ns() uint64 {
@@ -4956,13 +5447,15 @@ type ModelLoad struct {
 	CachedBlocks        uint64 `protobuf:"varint,15,opt,name=cached_blocks,json=cachedBlocks,proto3" json:"cached_blocks,omitempty"`
 	PrefixHitTokens     uint64 `protobuf:"varint,16,opt,name=prefix_hit_tokens,json=prefixHitTokens,proto3" json:"prefix_hit_tokens,omitempty"`
 	PrefixQueriedTokens uint64 `protobuf:"varint,17,opt,name=prefix_queried_tokens,json=prefixQueriedTokens,proto3" json:"prefix_queried_tokens,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// The server drains (`MigrateStreams` with `drain`, or a shutdown): send it no new work.
+	Draining      bool `protobuf:"varint,18,opt,name=draining,proto3" json:"draining,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ModelLoad) Reset() {
 	*x = ModelLoad{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4974,7 +5467,7 @@ func (x *ModelLoad) String() string {
 func (*ModelLoad) ProtoMessage() {}
 
 func (x *ModelLoad) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4987,7 +5480,7 @@ func (x *ModelLoad) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ModelLoad.ProtoReflect.Descriptor instead.
 func (*ModelLoad) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{68}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *ModelLoad) GetModelId() string {
@@ -5109,6 +5602,13 @@ func (x *ModelLoad) GetPrefixQueriedTokens() uint64 {
 	return 0
 }
 
+func (x *ModelLoad) GetDraining() bool {
+	if x != nil {
+		return x.Draining
+	}
+	return false
+}
+
 type LoadsResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Loads []*ModelLoad           `protobuf:"bytes,1,rep,name=loads,proto3" json:"loads,omitempty"`
@@ -5120,7 +5620,7 @@ type LoadsResponse struct {
 
 func (x *LoadsResponse) Reset() {
 	*x = LoadsResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5132,7 +5632,7 @@ func (x *LoadsResponse) String() string {
 func (*LoadsResponse) ProtoMessage() {}
 
 func (x *LoadsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5145,7 +5645,7 @@ func (x *LoadsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadsResponse.ProtoReflect.Descriptor instead.
 func (*LoadsResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{69}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *LoadsResponse) GetLoads() []*ModelLoad {
@@ -5172,7 +5672,7 @@ type ListCachesRequest struct {
 
 func (x *ListCachesRequest) Reset() {
 	*x = ListCachesRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5184,7 +5684,7 @@ func (x *ListCachesRequest) String() string {
 func (*ListCachesRequest) ProtoMessage() {}
 
 func (x *ListCachesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5197,7 +5697,7 @@ func (x *ListCachesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListCachesRequest.ProtoReflect.Descriptor instead.
 func (*ListCachesRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{70}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *ListCachesRequest) GetModelId() string {
@@ -5218,7 +5718,7 @@ type ListCachesResponse struct {
 
 func (x *ListCachesResponse) Reset() {
 	*x = ListCachesResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5230,7 +5730,7 @@ func (x *ListCachesResponse) String() string {
 func (*ListCachesResponse) ProtoMessage() {}
 
 func (x *ListCachesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5243,7 +5743,7 @@ func (x *ListCachesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListCachesResponse.ProtoReflect.Descriptor instead.
 func (*ListCachesResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{71}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *ListCachesResponse) GetCaches() []*KvCacheHandle {
@@ -5277,7 +5777,7 @@ type KvEvent struct {
 
 func (x *KvEvent) Reset() {
 	*x = KvEvent{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5289,7 +5789,7 @@ func (x *KvEvent) String() string {
 func (*KvEvent) ProtoMessage() {}
 
 func (x *KvEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5302,7 +5802,7 @@ func (x *KvEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvEvent.ProtoReflect.Descriptor instead.
 func (*KvEvent) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{72}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *KvEvent) GetSeq() uint64 {
@@ -5362,7 +5862,7 @@ type SubscribeKvEventsRequest struct {
 
 func (x *SubscribeKvEventsRequest) Reset() {
 	*x = SubscribeKvEventsRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5374,7 +5874,7 @@ func (x *SubscribeKvEventsRequest) String() string {
 func (*SubscribeKvEventsRequest) ProtoMessage() {}
 
 func (x *SubscribeKvEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5387,7 +5887,7 @@ func (x *SubscribeKvEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeKvEventsRequest.ProtoReflect.Descriptor instead.
 func (*SubscribeKvEventsRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{73}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *SubscribeKvEventsRequest) GetModelId() string {
@@ -5432,7 +5932,7 @@ type KvBlockStored struct {
 
 func (x *KvBlockStored) Reset() {
 	*x = KvBlockStored{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5444,7 +5944,7 @@ func (x *KvBlockStored) String() string {
 func (*KvBlockStored) ProtoMessage() {}
 
 func (x *KvBlockStored) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5457,7 +5957,7 @@ func (x *KvBlockStored) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvBlockStored.ProtoReflect.Descriptor instead.
 func (*KvBlockStored) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{74}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *KvBlockStored) GetBlockHashes() [][]byte {
@@ -5505,7 +6005,7 @@ type KvBlockRemoved struct {
 
 func (x *KvBlockRemoved) Reset() {
 	*x = KvBlockRemoved{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[75]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5517,7 +6017,7 @@ func (x *KvBlockRemoved) String() string {
 func (*KvBlockRemoved) ProtoMessage() {}
 
 func (x *KvBlockRemoved) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[75]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5530,7 +6030,7 @@ func (x *KvBlockRemoved) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvBlockRemoved.ProtoReflect.Descriptor instead.
 func (*KvBlockRemoved) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{75}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *KvBlockRemoved) GetBlockHashes() [][]byte {
@@ -5549,7 +6049,7 @@ type KvBlocksCleared struct {
 
 func (x *KvBlocksCleared) Reset() {
 	*x = KvBlocksCleared{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[76]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5561,7 +6061,7 @@ func (x *KvBlocksCleared) String() string {
 func (*KvBlocksCleared) ProtoMessage() {}
 
 func (x *KvBlocksCleared) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[76]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5574,7 +6074,7 @@ func (x *KvBlocksCleared) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvBlocksCleared.ProtoReflect.Descriptor instead.
 func (*KvBlocksCleared) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{76}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{82}
 }
 
 // One prefix-cache block event.
@@ -5596,7 +6096,7 @@ type KvBlockEvent struct {
 
 func (x *KvBlockEvent) Reset() {
 	*x = KvBlockEvent{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[77]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5608,7 +6108,7 @@ func (x *KvBlockEvent) String() string {
 func (*KvBlockEvent) ProtoMessage() {}
 
 func (x *KvBlockEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[77]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5621,7 +6121,7 @@ func (x *KvBlockEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvBlockEvent.ProtoReflect.Descriptor instead.
 func (*KvBlockEvent) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{77}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{83}
 }
 
 func (x *KvBlockEvent) GetSeq() uint64 {
@@ -5714,7 +6214,7 @@ type ResyncRequired struct {
 
 func (x *ResyncRequired) Reset() {
 	*x = ResyncRequired{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[78]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5726,7 +6226,7 @@ func (x *ResyncRequired) String() string {
 func (*ResyncRequired) ProtoMessage() {}
 
 func (x *ResyncRequired) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[78]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5739,7 +6239,7 @@ func (x *ResyncRequired) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResyncRequired.ProtoReflect.Descriptor instead.
 func (*ResyncRequired) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{78}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *ResyncRequired) GetRequestedSeq() uint64 {
@@ -5777,7 +6277,7 @@ type SubscribeKvEventsResponse struct {
 
 func (x *SubscribeKvEventsResponse) Reset() {
 	*x = SubscribeKvEventsResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[79]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[85]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5789,7 +6289,7 @@ func (x *SubscribeKvEventsResponse) String() string {
 func (*SubscribeKvEventsResponse) ProtoMessage() {}
 
 func (x *SubscribeKvEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[79]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[85]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5802,7 +6302,7 @@ func (x *SubscribeKvEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeKvEventsResponse.ProtoReflect.Descriptor instead.
 func (*SubscribeKvEventsResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{79}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{85}
 }
 
 func (x *SubscribeKvEventsResponse) GetMessage() isSubscribeKvEventsResponse_Message {
@@ -5876,7 +6376,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[80]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[86]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5888,7 +6388,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[80]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[86]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5901,7 +6401,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{80}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{86}
 }
 
 func (x *AbortRequest) GetModelId() string {
@@ -5966,7 +6466,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[81]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[87]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5978,7 +6478,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[81]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[87]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5991,7 +6491,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{81}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{87}
 }
 
 func (x *AbortResponse) GetAbortedStreams() uint32 {
@@ -6026,7 +6526,7 @@ type ExportKvRequest struct {
 
 func (x *ExportKvRequest) Reset() {
 	*x = ExportKvRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[82]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[88]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6038,7 +6538,7 @@ func (x *ExportKvRequest) String() string {
 func (*ExportKvRequest) ProtoMessage() {}
 
 func (x *ExportKvRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[82]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[88]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6051,7 +6551,7 @@ func (x *ExportKvRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExportKvRequest.ProtoReflect.Descriptor instead.
 func (*ExportKvRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{82}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{88}
 }
 
 func (x *ExportKvRequest) GetModelId() string {
@@ -6146,7 +6646,7 @@ type KvTransferHeader struct {
 
 func (x *KvTransferHeader) Reset() {
 	*x = KvTransferHeader{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[83]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[89]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6158,7 +6658,7 @@ func (x *KvTransferHeader) String() string {
 func (*KvTransferHeader) ProtoMessage() {}
 
 func (x *KvTransferHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[83]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[89]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6171,7 +6671,7 @@ func (x *KvTransferHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvTransferHeader.ProtoReflect.Descriptor instead.
 func (*KvTransferHeader) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{83}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{89}
 }
 
 func (x *KvTransferHeader) GetModelId() string {
@@ -6329,7 +6829,7 @@ type KvChunk struct {
 
 func (x *KvChunk) Reset() {
 	*x = KvChunk{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[84]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[90]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6341,7 +6841,7 @@ func (x *KvChunk) String() string {
 func (*KvChunk) ProtoMessage() {}
 
 func (x *KvChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[84]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[90]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6354,7 +6854,7 @@ func (x *KvChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvChunk.ProtoReflect.Descriptor instead.
 func (*KvChunk) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{84}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{90}
 }
 
 func (x *KvChunk) GetIndex() uint32 {
@@ -6419,7 +6919,7 @@ type ExportKvResponse struct {
 
 func (x *ExportKvResponse) Reset() {
 	*x = ExportKvResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[85]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[91]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6431,7 +6931,7 @@ func (x *ExportKvResponse) String() string {
 func (*ExportKvResponse) ProtoMessage() {}
 
 func (x *ExportKvResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[85]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[91]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6444,7 +6944,7 @@ func (x *ExportKvResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExportKvResponse.ProtoReflect.Descriptor instead.
 func (*ExportKvResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{85}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{91}
 }
 
 func (x *ExportKvResponse) GetMessage() isExportKvResponse_Message {
@@ -6516,7 +7016,7 @@ type KvSource struct {
 
 func (x *KvSource) Reset() {
 	*x = KvSource{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[86]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[92]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6528,7 +7028,7 @@ func (x *KvSource) String() string {
 func (*KvSource) ProtoMessage() {}
 
 func (x *KvSource) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[86]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[92]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6541,7 +7041,7 @@ func (x *KvSource) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvSource.ProtoReflect.Descriptor instead.
 func (*KvSource) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{86}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{92}
 }
 
 func (x *KvSource) GetTarget() string {
@@ -6622,7 +7122,7 @@ type ImportKvRequest struct {
 
 func (x *ImportKvRequest) Reset() {
 	*x = ImportKvRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[87]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[93]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6634,7 +7134,7 @@ func (x *ImportKvRequest) String() string {
 func (*ImportKvRequest) ProtoMessage() {}
 
 func (x *ImportKvRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[87]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[93]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6647,7 +7147,7 @@ func (x *ImportKvRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportKvRequest.ProtoReflect.Descriptor instead.
 func (*ImportKvRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{87}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{93}
 }
 
 func (x *ImportKvRequest) GetModelId() string {
@@ -6748,7 +7248,7 @@ type ImportKvResponse struct {
 
 func (x *ImportKvResponse) Reset() {
 	*x = ImportKvResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[88]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[94]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6760,7 +7260,7 @@ func (x *ImportKvResponse) String() string {
 func (*ImportKvResponse) ProtoMessage() {}
 
 func (x *ImportKvResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[88]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[94]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6773,7 +7273,7 @@ func (x *ImportKvResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportKvResponse.ProtoReflect.Descriptor instead.
 func (*ImportKvResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{88}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{94}
 }
 
 func (x *ImportKvResponse) GetCache() *KvCacheHandle {
@@ -6833,7 +7333,7 @@ type LoadAdapterRequest struct {
 
 func (x *LoadAdapterRequest) Reset() {
 	*x = LoadAdapterRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[89]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[95]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6845,7 +7345,7 @@ func (x *LoadAdapterRequest) String() string {
 func (*LoadAdapterRequest) ProtoMessage() {}
 
 func (x *LoadAdapterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[89]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[95]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6858,7 +7358,7 @@ func (x *LoadAdapterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadAdapterRequest.ProtoReflect.Descriptor instead.
 func (*LoadAdapterRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{89}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{95}
 }
 
 func (x *LoadAdapterRequest) GetModelId() string {
@@ -6895,7 +7395,7 @@ type LoadAdapterResponse struct {
 
 func (x *LoadAdapterResponse) Reset() {
 	*x = LoadAdapterResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[90]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[96]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6907,7 +7407,7 @@ func (x *LoadAdapterResponse) String() string {
 func (*LoadAdapterResponse) ProtoMessage() {}
 
 func (x *LoadAdapterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[90]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[96]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6920,7 +7420,7 @@ func (x *LoadAdapterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadAdapterResponse.ProtoReflect.Descriptor instead.
 func (*LoadAdapterResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{90}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{96}
 }
 
 func (x *LoadAdapterResponse) GetAdapter() *AdapterInfo {
@@ -6954,7 +7454,7 @@ type UnloadAdapterRequest struct {
 
 func (x *UnloadAdapterRequest) Reset() {
 	*x = UnloadAdapterRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[91]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[97]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6966,7 +7466,7 @@ func (x *UnloadAdapterRequest) String() string {
 func (*UnloadAdapterRequest) ProtoMessage() {}
 
 func (x *UnloadAdapterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[91]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[97]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6979,7 +7479,7 @@ func (x *UnloadAdapterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnloadAdapterRequest.ProtoReflect.Descriptor instead.
 func (*UnloadAdapterRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{91}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{97}
 }
 
 func (x *UnloadAdapterRequest) GetModelId() string {
@@ -7008,7 +7508,7 @@ type UnloadAdapterResponse struct {
 
 func (x *UnloadAdapterResponse) Reset() {
 	*x = UnloadAdapterResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[92]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[98]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7020,7 +7520,7 @@ func (x *UnloadAdapterResponse) String() string {
 func (*UnloadAdapterResponse) ProtoMessage() {}
 
 func (x *UnloadAdapterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[92]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[98]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7033,7 +7533,7 @@ func (x *UnloadAdapterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnloadAdapterResponse.ProtoReflect.Descriptor instead.
 func (*UnloadAdapterResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{92}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{98}
 }
 
 func (x *UnloadAdapterResponse) GetUnloaded() bool {
@@ -7060,7 +7560,7 @@ type ListAdaptersRequest struct {
 
 func (x *ListAdaptersRequest) Reset() {
 	*x = ListAdaptersRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[93]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[99]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7072,7 +7572,7 @@ func (x *ListAdaptersRequest) String() string {
 func (*ListAdaptersRequest) ProtoMessage() {}
 
 func (x *ListAdaptersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[93]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[99]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7085,7 +7585,7 @@ func (x *ListAdaptersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAdaptersRequest.ProtoReflect.Descriptor instead.
 func (*ListAdaptersRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{93}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{99}
 }
 
 func (x *ListAdaptersRequest) GetModelId() string {
@@ -7104,7 +7604,7 @@ type ListAdaptersResponse struct {
 
 func (x *ListAdaptersResponse) Reset() {
 	*x = ListAdaptersResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[94]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[100]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7116,7 +7616,7 @@ func (x *ListAdaptersResponse) String() string {
 func (*ListAdaptersResponse) ProtoMessage() {}
 
 func (x *ListAdaptersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[94]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[100]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7129,7 +7629,7 @@ func (x *ListAdaptersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAdaptersResponse.ProtoReflect.Descriptor instead.
 func (*ListAdaptersResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{94}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{100}
 }
 
 func (x *ListAdaptersResponse) GetAdapters() []*AdapterInfo {
@@ -7169,7 +7669,7 @@ type AdapterInfo struct {
 
 func (x *AdapterInfo) Reset() {
 	*x = AdapterInfo{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[95]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[101]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7181,7 +7681,7 @@ func (x *AdapterInfo) String() string {
 func (*AdapterInfo) ProtoMessage() {}
 
 func (x *AdapterInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[95]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[101]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7194,7 +7694,7 @@ func (x *AdapterInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdapterInfo.ProtoReflect.Descriptor instead.
 func (*AdapterInfo) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{95}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{101}
 }
 
 func (x *AdapterInfo) GetModelId() string {
@@ -7508,7 +8008,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x0estop_token_ids\x18\x02 \x03(\x05R\fstopTokenIds\x12\x1d\n" +
 	"\n" +
 	"ignore_eos\x18\x03 \x01(\bR\tignoreEos\x12%\n" +
-	"\x0estop_sequences\x18\x04 \x03(\tR\rstopSequences\"\xd2\x05\n" +
+	"\x0estop_sequences\x18\x04 \x03(\tR\rstopSequences\"\xf5\x05\n" +
 	"\x0fGenerateRequest\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12;\n" +
 	"\ttoken_ids\x18\x02 \x01(\v2\x1c.ferrum.executor.v1.TokenIdsH\x00R\btokenIds\x12\x14\n" +
@@ -7530,21 +8030,23 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"cache_salt\x18\r \x01(\tR\tcacheSalt\x12.\n" +
 	"\x13bypass_prefix_cache\x18\x0e \x01(\bR\x11bypassPrefixCache\x12\f\n" +
 	"\x01n\x18\x0f \x01(\rR\x01n\x12\x18\n" +
-	"\aadapter\x18\x10 \x01(\tR\aadapter\x12H\n" +
-	"\vspeculation\x18\x11 \x01(\v2&.ferrum.executor.v1.SpeculationOptionsR\vspeculationB\b\n" +
+	"\aadapter\x18\x10 \x01(\tR\aadapter\x12!\n" +
+	"\fresume_token\x18\x11 \x01(\tR\vresumeToken\x12H\n" +
+	"\vspeculation\x18\x12 \x01(\v2&.ferrum.executor.v1.SpeculationOptionsR\vspeculationB\b\n" +
 	"\x06promptB\x10\n" +
 	"\x0e_last_token_id\"\x94\x01\n" +
 	"\x12SpeculationOptions\x12\x1a\n" +
 	"\bdisabled\x18\x01 \x01(\bR\bdisabled\x12(\n" +
 	"\x10max_draft_tokens\x18\x02 \x01(\rR\x0emaxDraftTokens\x12\x1b\n" +
 	"\tmin_ngram\x18\x03 \x01(\rR\bminNgram\x12\x1b\n" +
-	"\tmax_ngram\x18\x04 \x01(\rR\bmaxNgram\"\xb3\x01\n" +
+	"\tmax_ngram\x18\x04 \x01(\rR\bmaxNgram\"\xda\x01\n" +
 	"\x0fGenerateStarted\x127\n" +
 	"\x05cache\x18\x01 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x12#\n" +
 	"\rprompt_tokens\x18\x02 \x01(\rR\fpromptTokens\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x03 \x01(\tR\trequestId\x12#\n" +
-	"\rcached_tokens\x18\x04 \x01(\rR\fcachedTokens\"\xd3\x01\n" +
+	"\rcached_tokens\x18\x04 \x01(\rR\fcachedTokens\x12%\n" +
+	"\x0eresumed_tokens\x18\x05 \x01(\rR\rresumedTokens\"\xd3\x01\n" +
 	"\n" +
 	"TokenEvent\x12\x19\n" +
 	"\btoken_id\x18\x01 \x01(\x05R\atokenId\x12\x18\n" +
@@ -7564,12 +8066,49 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\fsample_index\x18\b \x01(\rR\vsampleIndex\x12!\n" +
 	"\fdraft_tokens\x18\t \x01(\rR\vdraftTokens\x122\n" +
 	"\x15accepted_draft_tokens\x18\n" +
-	" \x01(\rR\x13acceptedDraftTokens\"\xd8\x01\n" +
+	" \x01(\rR\x13acceptedDraftTokens\"\x9c\x02\n" +
 	"\x10GenerateResponse\x12?\n" +
 	"\astarted\x18\x01 \x01(\v2#.ferrum.executor.v1.GenerateStartedH\x00R\astarted\x126\n" +
 	"\x05token\x18\x02 \x01(\v2\x1e.ferrum.executor.v1.TokenEventH\x00R\x05token\x12B\n" +
-	"\bfinished\x18\x03 \x01(\v2$.ferrum.executor.v1.GenerateFinishedH\x00R\bfinishedB\a\n" +
-	"\x05event\"\xd2\x05\n" +
+	"\bfinished\x18\x03 \x01(\v2$.ferrum.executor.v1.GenerateFinishedH\x00R\bfinished\x12B\n" +
+	"\bmigrated\x18\x04 \x01(\v2$.ferrum.executor.v1.GenerateMigratedH\x00R\bmigratedB\a\n" +
+	"\x05event\"\xa6\x01\n" +
+	"\x10GenerateMigrated\x12\x16\n" +
+	"\x06target\x18\x01 \x01(\tR\x06target\x12!\n" +
+	"\fresume_token\x18\x02 \x01(\tR\vresumeToken\x12)\n" +
+	"\x10generated_tokens\x18\x03 \x01(\rR\x0fgeneratedTokens\x12,\n" +
+	"\x12resume_deadline_ms\x18\x04 \x01(\rR\x10resumeDeadlineMs\"\x7f\n" +
+	"\x15MigrateStreamsRequest\x12\x19\n" +
+	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x02 \x01(\tR\trequestId\x12\x16\n" +
+	"\x06target\x18\x03 \x01(\tR\x06target\x12\x14\n" +
+	"\x05drain\x18\x04 \x01(\bR\x05drain\"\xca\x01\n" +
+	"\x0fStreamMigration\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x01 \x01(\tR\trequestId\x12\x19\n" +
+	"\bmodel_id\x18\x02 \x01(\tR\amodelId\x12\x1a\n" +
+	"\bmigrated\x18\x03 \x01(\bR\bmigrated\x12\x1d\n" +
+	"\n" +
+	"error_code\x18\x04 \x01(\tR\terrorCode\x12#\n" +
+	"\rerror_message\x18\x05 \x01(\tR\ferrorMessage\x12\x1d\n" +
+	"\n" +
+	"handoff_ms\x18\x06 \x01(\rR\thandoffMs\"\x8d\x01\n" +
+	"\x16MigrateStreamsResponse\x12=\n" +
+	"\astreams\x18\x01 \x03(\v2#.ferrum.executor.v1.StreamMigrationR\astreams\x12\x1a\n" +
+	"\bmigrated\x18\x02 \x01(\rR\bmigrated\x12\x18\n" +
+	"\arefused\x18\x03 \x01(\rR\arefused\"\xa8\x02\n" +
+	"\x16AcceptMigrationRequest\x12\x19\n" +
+	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x124\n" +
+	"\x06source\x18\x02 \x01(\v2\x1c.ferrum.executor.v1.KvSourceR\x06source\x12=\n" +
+	"\arequest\x18\x03 \x01(\v2#.ferrum.executor.v1.GenerateRequestR\arequest\x12.\n" +
+	"\x13generated_token_ids\x18\x04 \x03(\x05R\x11generatedTokenIds\x12#\n" +
+	"\rprompt_tokens\x18\x05 \x01(\rR\fpromptTokens\x12)\n" +
+	"\x10constraint_start\x18\x06 \x01(\rR\x0fconstraintStart\"\x93\x01\n" +
+	"\x17AcceptMigrationResponse\x12!\n" +
+	"\fresume_token\x18\x01 \x01(\tR\vresumeToken\x12'\n" +
+	"\x0fimported_tokens\x18\x02 \x01(\rR\x0eimportedTokens\x12,\n" +
+	"\x12resume_deadline_ms\x18\x03 \x01(\rR\x10resumeDeadlineMs\"\xd2\x05\n" +
 	"\x0eSessionRequest\x12\x17\n" +
 	"\astep_id\x18\x01 \x01(\x04R\x06stepId\x12>\n" +
 	"\aprefill\x18\x02 \x01(\v2\".ferrum.executor.v1.PrefillRequestH\x00R\aprefill\x12N\n" +
@@ -7606,7 +8145,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x0eLatencySummary\x12\x15\n" +
 	"\x06p50_ns\x18\x01 \x01(\x04R\x05p50Ns\x12\x15\n" +
 	"\x06p99_ns\x18\x02 \x01(\x04R\x05p99Ns\x12\x14\n" +
-	"\x05count\x18\x03 \x01(\x04R\x05count\"\xd8\x05\n" +
+	"\x05count\x18\x03 \x01(\x04R\x05count\"\xf4\x05\n" +
 	"\tModelLoad\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12#\n" +
 	"\ractive_caches\x18\x02 \x01(\x04R\factiveCaches\x12'\n" +
@@ -7628,7 +8167,8 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x10evictable_blocks\x18\x0e \x01(\x04R\x0fevictableBlocks\x12#\n" +
 	"\rcached_blocks\x18\x0f \x01(\x04R\fcachedBlocks\x12*\n" +
 	"\x11prefix_hit_tokens\x18\x10 \x01(\x04R\x0fprefixHitTokens\x122\n" +
-	"\x15prefix_queried_tokens\x18\x11 \x01(\x04R\x13prefixQueriedTokens\"f\n" +
+	"\x15prefix_queried_tokens\x18\x11 \x01(\x04R\x13prefixQueriedTokens\x12\x1a\n" +
+	"\bdraining\x18\x12 \x01(\bR\bdraining\"f\n" +
 	"\rLoadsResponse\x123\n" +
 	"\x05loads\x18\x01 \x03(\v2\x1d.ferrum.executor.v1.ModelLoadR\x05loads\x12 \n" +
 	"\fkv_event_seq\x18\x02 \x01(\x04R\n" +
@@ -7819,7 +8359,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x17SERVER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n" +
 	"\x10SERVER_ROLE_BOTH\x10\x01\x12\x17\n" +
 	"\x13SERVER_ROLE_PREFILL\x10\x02\x12\x16\n" +
-	"\x12SERVER_ROLE_DECODE\x10\x032\xd5\x19\n" +
+	"\x12SERVER_ROLE_DECODE\x10\x032\xaa\x1b\n" +
 	"\rModelExecutor\x12I\n" +
 	"\x04Info\x12\x1f.ferrum.executor.v1.InfoRequest\x1a .ferrum.executor.v1.InfoResponse\x12a\n" +
 	"\fCapabilities\x12'.ferrum.executor.v1.CapabilitiesRequest\x1a(.ferrum.executor.v1.CapabilitiesResponse\x12O\n" +
@@ -7859,7 +8399,9 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\bImportKv\x12#.ferrum.executor.v1.ImportKvRequest\x1a$.ferrum.executor.v1.ImportKvResponse(\x01\x12^\n" +
 	"\vLoadAdapter\x12&.ferrum.executor.v1.LoadAdapterRequest\x1a'.ferrum.executor.v1.LoadAdapterResponse\x12d\n" +
 	"\rUnloadAdapter\x12(.ferrum.executor.v1.UnloadAdapterRequest\x1a).ferrum.executor.v1.UnloadAdapterResponse\x12a\n" +
-	"\fListAdapters\x12'.ferrum.executor.v1.ListAdaptersRequest\x1a(.ferrum.executor.v1.ListAdaptersResponseB\xe8\x01\n" +
+	"\fListAdapters\x12'.ferrum.executor.v1.ListAdaptersRequest\x1a(.ferrum.executor.v1.ListAdaptersResponse\x12g\n" +
+	"\x0eMigrateStreams\x12).ferrum.executor.v1.MigrateStreamsRequest\x1a*.ferrum.executor.v1.MigrateStreamsResponse\x12j\n" +
+	"\x0fAcceptMigration\x12*.ferrum.executor.v1.AcceptMigrationRequest\x1a+.ferrum.executor.v1.AcceptMigrationResponseB\xe8\x01\n" +
 	"\x16com.ferrum.executor.v1B\rExecutorProtoP\x01ZUgithub.com/ferrum-service/ferrum-service/clients/go/gen/ferrum/executor/v1;executorv1\xa2\x02\x03FEX\xaa\x02\x12Ferrum.Executor.V1\xca\x02\x12Ferrum\\Executor\\V1\xe2\x02\x1eFerrum\\Executor\\V1\\GPBMetadata\xea\x02\x14Ferrum::Executor::V1b\x06proto3"
 
 var (
@@ -7875,7 +8417,7 @@ func file_ferrum_executor_v1_executor_proto_rawDescGZIP() []byte {
 }
 
 var file_ferrum_executor_v1_executor_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_ferrum_executor_v1_executor_proto_msgTypes = make([]protoimpl.MessageInfo, 96)
+var file_ferrum_executor_v1_executor_proto_msgTypes = make([]protoimpl.MessageInfo, 102)
 var file_ferrum_executor_v1_executor_proto_goTypes = []any{
 	(FinishReason)(0),                 // 0: ferrum.executor.v1.FinishReason
 	(KvEventKind)(0),                  // 1: ferrum.executor.v1.KvEventKind
@@ -7944,238 +8486,252 @@ var file_ferrum_executor_v1_executor_proto_goTypes = []any{
 	(*TokenEvent)(nil),                // 64: ferrum.executor.v1.TokenEvent
 	(*GenerateFinished)(nil),          // 65: ferrum.executor.v1.GenerateFinished
 	(*GenerateResponse)(nil),          // 66: ferrum.executor.v1.GenerateResponse
-	(*SessionRequest)(nil),            // 67: ferrum.executor.v1.SessionRequest
-	(*SessionResponse)(nil),           // 68: ferrum.executor.v1.SessionResponse
-	(*LoadsRequest)(nil),              // 69: ferrum.executor.v1.LoadsRequest
-	(*LatencySummary)(nil),            // 70: ferrum.executor.v1.LatencySummary
-	(*ModelLoad)(nil),                 // 71: ferrum.executor.v1.ModelLoad
-	(*LoadsResponse)(nil),             // 72: ferrum.executor.v1.LoadsResponse
-	(*ListCachesRequest)(nil),         // 73: ferrum.executor.v1.ListCachesRequest
-	(*ListCachesResponse)(nil),        // 74: ferrum.executor.v1.ListCachesResponse
-	(*KvEvent)(nil),                   // 75: ferrum.executor.v1.KvEvent
-	(*SubscribeKvEventsRequest)(nil),  // 76: ferrum.executor.v1.SubscribeKvEventsRequest
-	(*KvBlockStored)(nil),             // 77: ferrum.executor.v1.KvBlockStored
-	(*KvBlockRemoved)(nil),            // 78: ferrum.executor.v1.KvBlockRemoved
-	(*KvBlocksCleared)(nil),           // 79: ferrum.executor.v1.KvBlocksCleared
-	(*KvBlockEvent)(nil),              // 80: ferrum.executor.v1.KvBlockEvent
-	(*ResyncRequired)(nil),            // 81: ferrum.executor.v1.ResyncRequired
-	(*SubscribeKvEventsResponse)(nil), // 82: ferrum.executor.v1.SubscribeKvEventsResponse
-	(*AbortRequest)(nil),              // 83: ferrum.executor.v1.AbortRequest
-	(*AbortResponse)(nil),             // 84: ferrum.executor.v1.AbortResponse
-	(*ExportKvRequest)(nil),           // 85: ferrum.executor.v1.ExportKvRequest
-	(*KvTransferHeader)(nil),          // 86: ferrum.executor.v1.KvTransferHeader
-	(*KvChunk)(nil),                   // 87: ferrum.executor.v1.KvChunk
-	(*ExportKvResponse)(nil),          // 88: ferrum.executor.v1.ExportKvResponse
-	(*KvSource)(nil),                  // 89: ferrum.executor.v1.KvSource
-	(*ImportKvRequest)(nil),           // 90: ferrum.executor.v1.ImportKvRequest
-	(*ImportKvResponse)(nil),          // 91: ferrum.executor.v1.ImportKvResponse
-	(*LoadAdapterRequest)(nil),        // 92: ferrum.executor.v1.LoadAdapterRequest
-	(*LoadAdapterResponse)(nil),       // 93: ferrum.executor.v1.LoadAdapterResponse
-	(*UnloadAdapterRequest)(nil),      // 94: ferrum.executor.v1.UnloadAdapterRequest
-	(*UnloadAdapterResponse)(nil),     // 95: ferrum.executor.v1.UnloadAdapterResponse
-	(*ListAdaptersRequest)(nil),       // 96: ferrum.executor.v1.ListAdaptersRequest
-	(*ListAdaptersResponse)(nil),      // 97: ferrum.executor.v1.ListAdaptersResponse
-	(*AdapterInfo)(nil),               // 98: ferrum.executor.v1.AdapterInfo
-	(*ModelInfo)(nil),                 // 99: ferrum.executor.v1.ModelInfo
-	(*ExecutorCapabilities)(nil),      // 100: ferrum.executor.v1.ExecutorCapabilities
-	(*ExecutorStatus)(nil),            // 101: ferrum.executor.v1.ExecutorStatus
-	(*ExecutorMetrics)(nil),           // 102: ferrum.executor.v1.ExecutorMetrics
-	(*KvCapacity)(nil),                // 103: ferrum.executor.v1.KvCapacity
-	(*ExecutorAdmissionLimits)(nil),   // 104: ferrum.executor.v1.ExecutorAdmissionLimits
-	(*LogitsPolicy)(nil),              // 105: ferrum.executor.v1.LogitsPolicy
-	(*structpb.Struct)(nil),           // 106: google.protobuf.Struct
-	(*KvCacheHandle)(nil),             // 107: ferrum.executor.v1.KvCacheHandle
-	(*LogitsOutput)(nil),              // 108: ferrum.executor.v1.LogitsOutput
-	(*Tensor)(nil),                    // 109: ferrum.executor.v1.Tensor
-	(*StepTimings)(nil),               // 110: ferrum.executor.v1.StepTimings
-	(DataType)(0),                     // 111: ferrum.executor.v1.DataType
-	(*KvSlotRequest)(nil),             // 112: ferrum.executor.v1.KvSlotRequest
-	(*KvSlotReservation)(nil),         // 113: ferrum.executor.v1.KvSlotReservation
-	(*KvSlotCapacitySnapshot)(nil),    // 114: ferrum.executor.v1.KvSlotCapacitySnapshot
-	(*SamplingParams)(nil),            // 115: ferrum.executor.v1.SamplingParams
-	(*TokenLogprob)(nil),              // 116: ferrum.executor.v1.TokenLogprob
-	(*StepError)(nil),                 // 117: ferrum.executor.v1.StepError
+	(*GenerateMigrated)(nil),          // 67: ferrum.executor.v1.GenerateMigrated
+	(*MigrateStreamsRequest)(nil),     // 68: ferrum.executor.v1.MigrateStreamsRequest
+	(*StreamMigration)(nil),           // 69: ferrum.executor.v1.StreamMigration
+	(*MigrateStreamsResponse)(nil),    // 70: ferrum.executor.v1.MigrateStreamsResponse
+	(*AcceptMigrationRequest)(nil),    // 71: ferrum.executor.v1.AcceptMigrationRequest
+	(*AcceptMigrationResponse)(nil),   // 72: ferrum.executor.v1.AcceptMigrationResponse
+	(*SessionRequest)(nil),            // 73: ferrum.executor.v1.SessionRequest
+	(*SessionResponse)(nil),           // 74: ferrum.executor.v1.SessionResponse
+	(*LoadsRequest)(nil),              // 75: ferrum.executor.v1.LoadsRequest
+	(*LatencySummary)(nil),            // 76: ferrum.executor.v1.LatencySummary
+	(*ModelLoad)(nil),                 // 77: ferrum.executor.v1.ModelLoad
+	(*LoadsResponse)(nil),             // 78: ferrum.executor.v1.LoadsResponse
+	(*ListCachesRequest)(nil),         // 79: ferrum.executor.v1.ListCachesRequest
+	(*ListCachesResponse)(nil),        // 80: ferrum.executor.v1.ListCachesResponse
+	(*KvEvent)(nil),                   // 81: ferrum.executor.v1.KvEvent
+	(*SubscribeKvEventsRequest)(nil),  // 82: ferrum.executor.v1.SubscribeKvEventsRequest
+	(*KvBlockStored)(nil),             // 83: ferrum.executor.v1.KvBlockStored
+	(*KvBlockRemoved)(nil),            // 84: ferrum.executor.v1.KvBlockRemoved
+	(*KvBlocksCleared)(nil),           // 85: ferrum.executor.v1.KvBlocksCleared
+	(*KvBlockEvent)(nil),              // 86: ferrum.executor.v1.KvBlockEvent
+	(*ResyncRequired)(nil),            // 87: ferrum.executor.v1.ResyncRequired
+	(*SubscribeKvEventsResponse)(nil), // 88: ferrum.executor.v1.SubscribeKvEventsResponse
+	(*AbortRequest)(nil),              // 89: ferrum.executor.v1.AbortRequest
+	(*AbortResponse)(nil),             // 90: ferrum.executor.v1.AbortResponse
+	(*ExportKvRequest)(nil),           // 91: ferrum.executor.v1.ExportKvRequest
+	(*KvTransferHeader)(nil),          // 92: ferrum.executor.v1.KvTransferHeader
+	(*KvChunk)(nil),                   // 93: ferrum.executor.v1.KvChunk
+	(*ExportKvResponse)(nil),          // 94: ferrum.executor.v1.ExportKvResponse
+	(*KvSource)(nil),                  // 95: ferrum.executor.v1.KvSource
+	(*ImportKvRequest)(nil),           // 96: ferrum.executor.v1.ImportKvRequest
+	(*ImportKvResponse)(nil),          // 97: ferrum.executor.v1.ImportKvResponse
+	(*LoadAdapterRequest)(nil),        // 98: ferrum.executor.v1.LoadAdapterRequest
+	(*LoadAdapterResponse)(nil),       // 99: ferrum.executor.v1.LoadAdapterResponse
+	(*UnloadAdapterRequest)(nil),      // 100: ferrum.executor.v1.UnloadAdapterRequest
+	(*UnloadAdapterResponse)(nil),     // 101: ferrum.executor.v1.UnloadAdapterResponse
+	(*ListAdaptersRequest)(nil),       // 102: ferrum.executor.v1.ListAdaptersRequest
+	(*ListAdaptersResponse)(nil),      // 103: ferrum.executor.v1.ListAdaptersResponse
+	(*AdapterInfo)(nil),               // 104: ferrum.executor.v1.AdapterInfo
+	(*ModelInfo)(nil),                 // 105: ferrum.executor.v1.ModelInfo
+	(*ExecutorCapabilities)(nil),      // 106: ferrum.executor.v1.ExecutorCapabilities
+	(*ExecutorStatus)(nil),            // 107: ferrum.executor.v1.ExecutorStatus
+	(*ExecutorMetrics)(nil),           // 108: ferrum.executor.v1.ExecutorMetrics
+	(*KvCapacity)(nil),                // 109: ferrum.executor.v1.KvCapacity
+	(*ExecutorAdmissionLimits)(nil),   // 110: ferrum.executor.v1.ExecutorAdmissionLimits
+	(*LogitsPolicy)(nil),              // 111: ferrum.executor.v1.LogitsPolicy
+	(*structpb.Struct)(nil),           // 112: google.protobuf.Struct
+	(*KvCacheHandle)(nil),             // 113: ferrum.executor.v1.KvCacheHandle
+	(*LogitsOutput)(nil),              // 114: ferrum.executor.v1.LogitsOutput
+	(*Tensor)(nil),                    // 115: ferrum.executor.v1.Tensor
+	(*StepTimings)(nil),               // 116: ferrum.executor.v1.StepTimings
+	(DataType)(0),                     // 117: ferrum.executor.v1.DataType
+	(*KvSlotRequest)(nil),             // 118: ferrum.executor.v1.KvSlotRequest
+	(*KvSlotReservation)(nil),         // 119: ferrum.executor.v1.KvSlotReservation
+	(*KvSlotCapacitySnapshot)(nil),    // 120: ferrum.executor.v1.KvSlotCapacitySnapshot
+	(*SamplingParams)(nil),            // 121: ferrum.executor.v1.SamplingParams
+	(*TokenLogprob)(nil),              // 122: ferrum.executor.v1.TokenLogprob
+	(*StepError)(nil),                 // 123: ferrum.executor.v1.StepError
 }
 var file_ferrum_executor_v1_executor_proto_depIdxs = []int32{
-	99,  // 0: ferrum.executor.v1.InfoResponse.models:type_name -> ferrum.executor.v1.ModelInfo
+	105, // 0: ferrum.executor.v1.InfoResponse.models:type_name -> ferrum.executor.v1.ModelInfo
 	2,   // 1: ferrum.executor.v1.InfoResponse.role:type_name -> ferrum.executor.v1.ServerRole
-	100, // 2: ferrum.executor.v1.CapabilitiesResponse.capabilities:type_name -> ferrum.executor.v1.ExecutorCapabilities
-	101, // 3: ferrum.executor.v1.StatusResponse.status:type_name -> ferrum.executor.v1.ExecutorStatus
-	102, // 4: ferrum.executor.v1.StatusResponse.metrics:type_name -> ferrum.executor.v1.ExecutorMetrics
-	103, // 5: ferrum.executor.v1.KvCapacityResponse.capacity:type_name -> ferrum.executor.v1.KvCapacity
-	104, // 6: ferrum.executor.v1.AdmissionLimitsResponse.limits:type_name -> ferrum.executor.v1.ExecutorAdmissionLimits
-	105, // 7: ferrum.executor.v1.PrefillInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	106, // 8: ferrum.executor.v1.PrefillInput.metadata:type_name -> google.protobuf.Struct
-	107, // 9: ferrum.executor.v1.PrefillOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	108, // 10: ferrum.executor.v1.PrefillOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
-	108, // 11: ferrum.executor.v1.PrefillOutput.positions:type_name -> ferrum.executor.v1.LogitsOutput
-	109, // 12: ferrum.executor.v1.PrefillOutput.embedding:type_name -> ferrum.executor.v1.Tensor
+	106, // 2: ferrum.executor.v1.CapabilitiesResponse.capabilities:type_name -> ferrum.executor.v1.ExecutorCapabilities
+	107, // 3: ferrum.executor.v1.StatusResponse.status:type_name -> ferrum.executor.v1.ExecutorStatus
+	108, // 4: ferrum.executor.v1.StatusResponse.metrics:type_name -> ferrum.executor.v1.ExecutorMetrics
+	109, // 5: ferrum.executor.v1.KvCapacityResponse.capacity:type_name -> ferrum.executor.v1.KvCapacity
+	110, // 6: ferrum.executor.v1.AdmissionLimitsResponse.limits:type_name -> ferrum.executor.v1.ExecutorAdmissionLimits
+	111, // 7: ferrum.executor.v1.PrefillInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	112, // 8: ferrum.executor.v1.PrefillInput.metadata:type_name -> google.protobuf.Struct
+	113, // 9: ferrum.executor.v1.PrefillOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	114, // 10: ferrum.executor.v1.PrefillOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
+	114, // 11: ferrum.executor.v1.PrefillOutput.positions:type_name -> ferrum.executor.v1.LogitsOutput
+	115, // 12: ferrum.executor.v1.PrefillOutput.embedding:type_name -> ferrum.executor.v1.Tensor
 	13,  // 13: ferrum.executor.v1.PrefillRequest.input:type_name -> ferrum.executor.v1.PrefillInput
 	14,  // 14: ferrum.executor.v1.PrefillResponse.output:type_name -> ferrum.executor.v1.PrefillOutput
-	110, // 15: ferrum.executor.v1.PrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	116, // 15: ferrum.executor.v1.PrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
 	13,  // 16: ferrum.executor.v1.BatchPrefillRequest.inputs:type_name -> ferrum.executor.v1.PrefillInput
 	14,  // 17: ferrum.executor.v1.BatchPrefillResponse.outputs:type_name -> ferrum.executor.v1.PrefillOutput
-	110, // 18: ferrum.executor.v1.BatchPrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	105, // 19: ferrum.executor.v1.DecodeInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	106, // 20: ferrum.executor.v1.DecodeInput.metadata:type_name -> google.protobuf.Struct
-	107, // 21: ferrum.executor.v1.DecodeOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	108, // 22: ferrum.executor.v1.DecodeOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
+	116, // 18: ferrum.executor.v1.BatchPrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	111, // 19: ferrum.executor.v1.DecodeInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	112, // 20: ferrum.executor.v1.DecodeInput.metadata:type_name -> google.protobuf.Struct
+	113, // 21: ferrum.executor.v1.DecodeOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	114, // 22: ferrum.executor.v1.DecodeOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
 	19,  // 23: ferrum.executor.v1.DecodeRequest.input:type_name -> ferrum.executor.v1.DecodeInput
 	20,  // 24: ferrum.executor.v1.DecodeResponse.output:type_name -> ferrum.executor.v1.DecodeOutput
-	110, // 25: ferrum.executor.v1.DecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	116, // 25: ferrum.executor.v1.DecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
 	19,  // 26: ferrum.executor.v1.BatchDecodeRequest.inputs:type_name -> ferrum.executor.v1.DecodeInput
 	20,  // 27: ferrum.executor.v1.BatchDecodeResponse.outputs:type_name -> ferrum.executor.v1.DecodeOutput
-	110, // 28: ferrum.executor.v1.BatchDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	105, // 29: ferrum.executor.v1.UnifiedBatchItem.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	106, // 30: ferrum.executor.v1.UnifiedBatchItem.metadata:type_name -> google.protobuf.Struct
+	116, // 28: ferrum.executor.v1.BatchDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	111, // 29: ferrum.executor.v1.UnifiedBatchItem.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	112, // 30: ferrum.executor.v1.UnifiedBatchItem.metadata:type_name -> google.protobuf.Struct
 	25,  // 31: ferrum.executor.v1.UnifiedDecodeRequest.items:type_name -> ferrum.executor.v1.UnifiedBatchItem
-	107, // 32: ferrum.executor.v1.UnifiedItemResult.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	108, // 33: ferrum.executor.v1.UnifiedItemResult.output:type_name -> ferrum.executor.v1.LogitsOutput
+	113, // 32: ferrum.executor.v1.UnifiedItemResult.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	114, // 33: ferrum.executor.v1.UnifiedItemResult.output:type_name -> ferrum.executor.v1.LogitsOutput
 	27,  // 34: ferrum.executor.v1.UnifiedDecodeResponse.results:type_name -> ferrum.executor.v1.UnifiedItemResult
-	110, // 35: ferrum.executor.v1.UnifiedDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	109, // 36: ferrum.executor.v1.ForwardRequest.input:type_name -> ferrum.executor.v1.Tensor
-	111, // 37: ferrum.executor.v1.ForwardRequest.logits_dtype:type_name -> ferrum.executor.v1.DataType
-	109, // 38: ferrum.executor.v1.ForwardResponse.output:type_name -> ferrum.executor.v1.Tensor
-	110, // 39: ferrum.executor.v1.ForwardResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	105, // 40: ferrum.executor.v1.ForwardVerifyRequest.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	108, // 41: ferrum.executor.v1.ForwardVerifyResponse.outputs:type_name -> ferrum.executor.v1.LogitsOutput
-	107, // 42: ferrum.executor.v1.ForwardVerifyResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	110, // 43: ferrum.executor.v1.ForwardVerifyResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	107, // 44: ferrum.executor.v1.TruncateKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	107, // 45: ferrum.executor.v1.ForkCacheResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	112, // 46: ferrum.executor.v1.ReserveKvSlotsRequest.requests:type_name -> ferrum.executor.v1.KvSlotRequest
-	113, // 47: ferrum.executor.v1.ReserveKvSlotsResponse.reservation:type_name -> ferrum.executor.v1.KvSlotReservation
-	114, // 48: ferrum.executor.v1.KvSlotCapacityResponse.snapshot:type_name -> ferrum.executor.v1.KvSlotCapacitySnapshot
-	106, // 49: ferrum.executor.v1.CacheMetricsResponse.metrics:type_name -> google.protobuf.Struct
-	106, // 50: ferrum.executor.v1.LoraMetricsResponse.metrics:type_name -> google.protobuf.Struct
+	116, // 35: ferrum.executor.v1.UnifiedDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	115, // 36: ferrum.executor.v1.ForwardRequest.input:type_name -> ferrum.executor.v1.Tensor
+	117, // 37: ferrum.executor.v1.ForwardRequest.logits_dtype:type_name -> ferrum.executor.v1.DataType
+	115, // 38: ferrum.executor.v1.ForwardResponse.output:type_name -> ferrum.executor.v1.Tensor
+	116, // 39: ferrum.executor.v1.ForwardResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	111, // 40: ferrum.executor.v1.ForwardVerifyRequest.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	114, // 41: ferrum.executor.v1.ForwardVerifyResponse.outputs:type_name -> ferrum.executor.v1.LogitsOutput
+	113, // 42: ferrum.executor.v1.ForwardVerifyResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	116, // 43: ferrum.executor.v1.ForwardVerifyResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	113, // 44: ferrum.executor.v1.TruncateKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	113, // 45: ferrum.executor.v1.ForkCacheResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	118, // 46: ferrum.executor.v1.ReserveKvSlotsRequest.requests:type_name -> ferrum.executor.v1.KvSlotRequest
+	119, // 47: ferrum.executor.v1.ReserveKvSlotsResponse.reservation:type_name -> ferrum.executor.v1.KvSlotReservation
+	120, // 48: ferrum.executor.v1.KvSlotCapacityResponse.snapshot:type_name -> ferrum.executor.v1.KvSlotCapacitySnapshot
+	112, // 49: ferrum.executor.v1.CacheMetricsResponse.metrics:type_name -> google.protobuf.Struct
+	112, // 50: ferrum.executor.v1.LoraMetricsResponse.metrics:type_name -> google.protobuf.Struct
 	55,  // 51: ferrum.executor.v1.ApplyChatTemplateRequest.messages:type_name -> ferrum.executor.v1.ChatMessage
 	55,  // 52: ferrum.executor.v1.ChatMessages.messages:type_name -> ferrum.executor.v1.ChatMessage
 	58,  // 53: ferrum.executor.v1.GenerateRequest.token_ids:type_name -> ferrum.executor.v1.TokenIds
 	59,  // 54: ferrum.executor.v1.GenerateRequest.chat:type_name -> ferrum.executor.v1.ChatMessages
-	115, // 55: ferrum.executor.v1.GenerateRequest.sampling:type_name -> ferrum.executor.v1.SamplingParams
+	121, // 55: ferrum.executor.v1.GenerateRequest.sampling:type_name -> ferrum.executor.v1.SamplingParams
 	60,  // 56: ferrum.executor.v1.GenerateRequest.stop:type_name -> ferrum.executor.v1.StopConditions
 	62,  // 57: ferrum.executor.v1.GenerateRequest.speculation:type_name -> ferrum.executor.v1.SpeculationOptions
-	107, // 58: ferrum.executor.v1.GenerateStarted.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	116, // 59: ferrum.executor.v1.TokenEvent.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
+	113, // 58: ferrum.executor.v1.GenerateStarted.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	122, // 59: ferrum.executor.v1.TokenEvent.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
 	0,   // 60: ferrum.executor.v1.GenerateFinished.finish_reason:type_name -> ferrum.executor.v1.FinishReason
-	107, // 61: ferrum.executor.v1.GenerateFinished.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	113, // 61: ferrum.executor.v1.GenerateFinished.cache:type_name -> ferrum.executor.v1.KvCacheHandle
 	63,  // 62: ferrum.executor.v1.GenerateResponse.started:type_name -> ferrum.executor.v1.GenerateStarted
 	64,  // 63: ferrum.executor.v1.GenerateResponse.token:type_name -> ferrum.executor.v1.TokenEvent
 	65,  // 64: ferrum.executor.v1.GenerateResponse.finished:type_name -> ferrum.executor.v1.GenerateFinished
-	15,  // 65: ferrum.executor.v1.SessionRequest.prefill:type_name -> ferrum.executor.v1.PrefillRequest
-	17,  // 66: ferrum.executor.v1.SessionRequest.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillRequest
-	21,  // 67: ferrum.executor.v1.SessionRequest.decode:type_name -> ferrum.executor.v1.DecodeRequest
-	23,  // 68: ferrum.executor.v1.SessionRequest.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeRequest
-	26,  // 69: ferrum.executor.v1.SessionRequest.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeRequest
-	31,  // 70: ferrum.executor.v1.SessionRequest.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyRequest
-	33,  // 71: ferrum.executor.v1.SessionRequest.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvRequest
-	35,  // 72: ferrum.executor.v1.SessionRequest.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheRequest
-	37,  // 73: ferrum.executor.v1.SessionRequest.fork_cache:type_name -> ferrum.executor.v1.ForkCacheRequest
-	16,  // 74: ferrum.executor.v1.SessionResponse.prefill:type_name -> ferrum.executor.v1.PrefillResponse
-	18,  // 75: ferrum.executor.v1.SessionResponse.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillResponse
-	22,  // 76: ferrum.executor.v1.SessionResponse.decode:type_name -> ferrum.executor.v1.DecodeResponse
-	24,  // 77: ferrum.executor.v1.SessionResponse.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeResponse
-	28,  // 78: ferrum.executor.v1.SessionResponse.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeResponse
-	32,  // 79: ferrum.executor.v1.SessionResponse.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyResponse
-	34,  // 80: ferrum.executor.v1.SessionResponse.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvResponse
-	36,  // 81: ferrum.executor.v1.SessionResponse.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheResponse
-	38,  // 82: ferrum.executor.v1.SessionResponse.fork_cache:type_name -> ferrum.executor.v1.ForkCacheResponse
-	117, // 83: ferrum.executor.v1.SessionResponse.error:type_name -> ferrum.executor.v1.StepError
-	70,  // 84: ferrum.executor.v1.ModelLoad.prefill_latency:type_name -> ferrum.executor.v1.LatencySummary
-	70,  // 85: ferrum.executor.v1.ModelLoad.decode_latency:type_name -> ferrum.executor.v1.LatencySummary
-	71,  // 86: ferrum.executor.v1.LoadsResponse.loads:type_name -> ferrum.executor.v1.ModelLoad
-	107, // 87: ferrum.executor.v1.ListCachesResponse.caches:type_name -> ferrum.executor.v1.KvCacheHandle
-	1,   // 88: ferrum.executor.v1.KvEvent.kind:type_name -> ferrum.executor.v1.KvEventKind
-	77,  // 89: ferrum.executor.v1.KvBlockEvent.stored:type_name -> ferrum.executor.v1.KvBlockStored
-	78,  // 90: ferrum.executor.v1.KvBlockEvent.removed:type_name -> ferrum.executor.v1.KvBlockRemoved
-	79,  // 91: ferrum.executor.v1.KvBlockEvent.cleared:type_name -> ferrum.executor.v1.KvBlocksCleared
-	75,  // 92: ferrum.executor.v1.SubscribeKvEventsResponse.event:type_name -> ferrum.executor.v1.KvEvent
-	81,  // 93: ferrum.executor.v1.SubscribeKvEventsResponse.resync_required:type_name -> ferrum.executor.v1.ResyncRequired
-	80,  // 94: ferrum.executor.v1.SubscribeKvEventsResponse.block_event:type_name -> ferrum.executor.v1.KvBlockEvent
-	111, // 95: ferrum.executor.v1.KvTransferHeader.kv_dtype:type_name -> ferrum.executor.v1.DataType
-	86,  // 96: ferrum.executor.v1.ExportKvResponse.header:type_name -> ferrum.executor.v1.KvTransferHeader
-	87,  // 97: ferrum.executor.v1.ExportKvResponse.chunk:type_name -> ferrum.executor.v1.KvChunk
-	89,  // 98: ferrum.executor.v1.ImportKvRequest.source:type_name -> ferrum.executor.v1.KvSource
-	86,  // 99: ferrum.executor.v1.ImportKvRequest.header:type_name -> ferrum.executor.v1.KvTransferHeader
-	87,  // 100: ferrum.executor.v1.ImportKvRequest.chunk:type_name -> ferrum.executor.v1.KvChunk
-	107, // 101: ferrum.executor.v1.ImportKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	98,  // 102: ferrum.executor.v1.LoadAdapterResponse.adapter:type_name -> ferrum.executor.v1.AdapterInfo
-	98,  // 103: ferrum.executor.v1.ListAdaptersResponse.adapters:type_name -> ferrum.executor.v1.AdapterInfo
-	3,   // 104: ferrum.executor.v1.ModelExecutor.Info:input_type -> ferrum.executor.v1.InfoRequest
-	5,   // 105: ferrum.executor.v1.ModelExecutor.Capabilities:input_type -> ferrum.executor.v1.CapabilitiesRequest
-	7,   // 106: ferrum.executor.v1.ModelExecutor.Status:input_type -> ferrum.executor.v1.StatusRequest
-	9,   // 107: ferrum.executor.v1.ModelExecutor.KvCapacity:input_type -> ferrum.executor.v1.KvCapacityRequest
-	11,  // 108: ferrum.executor.v1.ModelExecutor.AdmissionLimits:input_type -> ferrum.executor.v1.AdmissionLimitsRequest
-	15,  // 109: ferrum.executor.v1.ModelExecutor.Prefill:input_type -> ferrum.executor.v1.PrefillRequest
-	17,  // 110: ferrum.executor.v1.ModelExecutor.BatchPrefill:input_type -> ferrum.executor.v1.BatchPrefillRequest
-	21,  // 111: ferrum.executor.v1.ModelExecutor.Decode:input_type -> ferrum.executor.v1.DecodeRequest
-	23,  // 112: ferrum.executor.v1.ModelExecutor.BatchDecode:input_type -> ferrum.executor.v1.BatchDecodeRequest
-	26,  // 113: ferrum.executor.v1.ModelExecutor.UnifiedDecode:input_type -> ferrum.executor.v1.UnifiedDecodeRequest
-	29,  // 114: ferrum.executor.v1.ModelExecutor.Forward:input_type -> ferrum.executor.v1.ForwardRequest
-	31,  // 115: ferrum.executor.v1.ModelExecutor.ForwardVerify:input_type -> ferrum.executor.v1.ForwardVerifyRequest
-	33,  // 116: ferrum.executor.v1.ModelExecutor.TruncateKv:input_type -> ferrum.executor.v1.TruncateKvRequest
-	35,  // 117: ferrum.executor.v1.ModelExecutor.ReleaseCache:input_type -> ferrum.executor.v1.ReleaseCacheRequest
-	37,  // 118: ferrum.executor.v1.ModelExecutor.ForkCache:input_type -> ferrum.executor.v1.ForkCacheRequest
-	39,  // 119: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:input_type -> ferrum.executor.v1.ReserveKvSlotsRequest
-	41,  // 120: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:input_type -> ferrum.executor.v1.KvSlotCapacityRequest
-	43,  // 121: ferrum.executor.v1.ModelExecutor.CacheMetrics:input_type -> ferrum.executor.v1.CacheMetricsRequest
-	45,  // 122: ferrum.executor.v1.ModelExecutor.LoraMetrics:input_type -> ferrum.executor.v1.LoraMetricsRequest
-	47,  // 123: ferrum.executor.v1.ModelExecutor.Warmup:input_type -> ferrum.executor.v1.WarmupRequest
-	49,  // 124: ferrum.executor.v1.ModelExecutor.Shutdown:input_type -> ferrum.executor.v1.ShutdownRequest
-	51,  // 125: ferrum.executor.v1.ModelExecutor.Tokenize:input_type -> ferrum.executor.v1.TokenizeRequest
-	53,  // 126: ferrum.executor.v1.ModelExecutor.Detokenize:input_type -> ferrum.executor.v1.DetokenizeRequest
-	56,  // 127: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:input_type -> ferrum.executor.v1.ApplyChatTemplateRequest
-	61,  // 128: ferrum.executor.v1.ModelExecutor.Generate:input_type -> ferrum.executor.v1.GenerateRequest
-	67,  // 129: ferrum.executor.v1.ModelExecutor.Session:input_type -> ferrum.executor.v1.SessionRequest
-	69,  // 130: ferrum.executor.v1.ModelExecutor.Loads:input_type -> ferrum.executor.v1.LoadsRequest
-	73,  // 131: ferrum.executor.v1.ModelExecutor.ListCaches:input_type -> ferrum.executor.v1.ListCachesRequest
-	76,  // 132: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:input_type -> ferrum.executor.v1.SubscribeKvEventsRequest
-	83,  // 133: ferrum.executor.v1.ModelExecutor.Abort:input_type -> ferrum.executor.v1.AbortRequest
-	85,  // 134: ferrum.executor.v1.ModelExecutor.ExportKv:input_type -> ferrum.executor.v1.ExportKvRequest
-	90,  // 135: ferrum.executor.v1.ModelExecutor.ImportKv:input_type -> ferrum.executor.v1.ImportKvRequest
-	92,  // 136: ferrum.executor.v1.ModelExecutor.LoadAdapter:input_type -> ferrum.executor.v1.LoadAdapterRequest
-	94,  // 137: ferrum.executor.v1.ModelExecutor.UnloadAdapter:input_type -> ferrum.executor.v1.UnloadAdapterRequest
-	96,  // 138: ferrum.executor.v1.ModelExecutor.ListAdapters:input_type -> ferrum.executor.v1.ListAdaptersRequest
-	4,   // 139: ferrum.executor.v1.ModelExecutor.Info:output_type -> ferrum.executor.v1.InfoResponse
-	6,   // 140: ferrum.executor.v1.ModelExecutor.Capabilities:output_type -> ferrum.executor.v1.CapabilitiesResponse
-	8,   // 141: ferrum.executor.v1.ModelExecutor.Status:output_type -> ferrum.executor.v1.StatusResponse
-	10,  // 142: ferrum.executor.v1.ModelExecutor.KvCapacity:output_type -> ferrum.executor.v1.KvCapacityResponse
-	12,  // 143: ferrum.executor.v1.ModelExecutor.AdmissionLimits:output_type -> ferrum.executor.v1.AdmissionLimitsResponse
-	16,  // 144: ferrum.executor.v1.ModelExecutor.Prefill:output_type -> ferrum.executor.v1.PrefillResponse
-	18,  // 145: ferrum.executor.v1.ModelExecutor.BatchPrefill:output_type -> ferrum.executor.v1.BatchPrefillResponse
-	22,  // 146: ferrum.executor.v1.ModelExecutor.Decode:output_type -> ferrum.executor.v1.DecodeResponse
-	24,  // 147: ferrum.executor.v1.ModelExecutor.BatchDecode:output_type -> ferrum.executor.v1.BatchDecodeResponse
-	28,  // 148: ferrum.executor.v1.ModelExecutor.UnifiedDecode:output_type -> ferrum.executor.v1.UnifiedDecodeResponse
-	30,  // 149: ferrum.executor.v1.ModelExecutor.Forward:output_type -> ferrum.executor.v1.ForwardResponse
-	32,  // 150: ferrum.executor.v1.ModelExecutor.ForwardVerify:output_type -> ferrum.executor.v1.ForwardVerifyResponse
-	34,  // 151: ferrum.executor.v1.ModelExecutor.TruncateKv:output_type -> ferrum.executor.v1.TruncateKvResponse
-	36,  // 152: ferrum.executor.v1.ModelExecutor.ReleaseCache:output_type -> ferrum.executor.v1.ReleaseCacheResponse
-	38,  // 153: ferrum.executor.v1.ModelExecutor.ForkCache:output_type -> ferrum.executor.v1.ForkCacheResponse
-	40,  // 154: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:output_type -> ferrum.executor.v1.ReserveKvSlotsResponse
-	42,  // 155: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:output_type -> ferrum.executor.v1.KvSlotCapacityResponse
-	44,  // 156: ferrum.executor.v1.ModelExecutor.CacheMetrics:output_type -> ferrum.executor.v1.CacheMetricsResponse
-	46,  // 157: ferrum.executor.v1.ModelExecutor.LoraMetrics:output_type -> ferrum.executor.v1.LoraMetricsResponse
-	48,  // 158: ferrum.executor.v1.ModelExecutor.Warmup:output_type -> ferrum.executor.v1.WarmupResponse
-	50,  // 159: ferrum.executor.v1.ModelExecutor.Shutdown:output_type -> ferrum.executor.v1.ShutdownResponse
-	52,  // 160: ferrum.executor.v1.ModelExecutor.Tokenize:output_type -> ferrum.executor.v1.TokenizeResponse
-	54,  // 161: ferrum.executor.v1.ModelExecutor.Detokenize:output_type -> ferrum.executor.v1.DetokenizeResponse
-	57,  // 162: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:output_type -> ferrum.executor.v1.ApplyChatTemplateResponse
-	66,  // 163: ferrum.executor.v1.ModelExecutor.Generate:output_type -> ferrum.executor.v1.GenerateResponse
-	68,  // 164: ferrum.executor.v1.ModelExecutor.Session:output_type -> ferrum.executor.v1.SessionResponse
-	72,  // 165: ferrum.executor.v1.ModelExecutor.Loads:output_type -> ferrum.executor.v1.LoadsResponse
-	74,  // 166: ferrum.executor.v1.ModelExecutor.ListCaches:output_type -> ferrum.executor.v1.ListCachesResponse
-	82,  // 167: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:output_type -> ferrum.executor.v1.SubscribeKvEventsResponse
-	84,  // 168: ferrum.executor.v1.ModelExecutor.Abort:output_type -> ferrum.executor.v1.AbortResponse
-	88,  // 169: ferrum.executor.v1.ModelExecutor.ExportKv:output_type -> ferrum.executor.v1.ExportKvResponse
-	91,  // 170: ferrum.executor.v1.ModelExecutor.ImportKv:output_type -> ferrum.executor.v1.ImportKvResponse
-	93,  // 171: ferrum.executor.v1.ModelExecutor.LoadAdapter:output_type -> ferrum.executor.v1.LoadAdapterResponse
-	95,  // 172: ferrum.executor.v1.ModelExecutor.UnloadAdapter:output_type -> ferrum.executor.v1.UnloadAdapterResponse
-	97,  // 173: ferrum.executor.v1.ModelExecutor.ListAdapters:output_type -> ferrum.executor.v1.ListAdaptersResponse
-	139, // [139:174] is the sub-list for method output_type
-	104, // [104:139] is the sub-list for method input_type
-	104, // [104:104] is the sub-list for extension type_name
-	104, // [104:104] is the sub-list for extension extendee
-	0,   // [0:104] is the sub-list for field type_name
+	67,  // 65: ferrum.executor.v1.GenerateResponse.migrated:type_name -> ferrum.executor.v1.GenerateMigrated
+	69,  // 66: ferrum.executor.v1.MigrateStreamsResponse.streams:type_name -> ferrum.executor.v1.StreamMigration
+	95,  // 67: ferrum.executor.v1.AcceptMigrationRequest.source:type_name -> ferrum.executor.v1.KvSource
+	61,  // 68: ferrum.executor.v1.AcceptMigrationRequest.request:type_name -> ferrum.executor.v1.GenerateRequest
+	15,  // 69: ferrum.executor.v1.SessionRequest.prefill:type_name -> ferrum.executor.v1.PrefillRequest
+	17,  // 70: ferrum.executor.v1.SessionRequest.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillRequest
+	21,  // 71: ferrum.executor.v1.SessionRequest.decode:type_name -> ferrum.executor.v1.DecodeRequest
+	23,  // 72: ferrum.executor.v1.SessionRequest.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeRequest
+	26,  // 73: ferrum.executor.v1.SessionRequest.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeRequest
+	31,  // 74: ferrum.executor.v1.SessionRequest.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyRequest
+	33,  // 75: ferrum.executor.v1.SessionRequest.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvRequest
+	35,  // 76: ferrum.executor.v1.SessionRequest.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheRequest
+	37,  // 77: ferrum.executor.v1.SessionRequest.fork_cache:type_name -> ferrum.executor.v1.ForkCacheRequest
+	16,  // 78: ferrum.executor.v1.SessionResponse.prefill:type_name -> ferrum.executor.v1.PrefillResponse
+	18,  // 79: ferrum.executor.v1.SessionResponse.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillResponse
+	22,  // 80: ferrum.executor.v1.SessionResponse.decode:type_name -> ferrum.executor.v1.DecodeResponse
+	24,  // 81: ferrum.executor.v1.SessionResponse.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeResponse
+	28,  // 82: ferrum.executor.v1.SessionResponse.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeResponse
+	32,  // 83: ferrum.executor.v1.SessionResponse.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyResponse
+	34,  // 84: ferrum.executor.v1.SessionResponse.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvResponse
+	36,  // 85: ferrum.executor.v1.SessionResponse.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheResponse
+	38,  // 86: ferrum.executor.v1.SessionResponse.fork_cache:type_name -> ferrum.executor.v1.ForkCacheResponse
+	123, // 87: ferrum.executor.v1.SessionResponse.error:type_name -> ferrum.executor.v1.StepError
+	76,  // 88: ferrum.executor.v1.ModelLoad.prefill_latency:type_name -> ferrum.executor.v1.LatencySummary
+	76,  // 89: ferrum.executor.v1.ModelLoad.decode_latency:type_name -> ferrum.executor.v1.LatencySummary
+	77,  // 90: ferrum.executor.v1.LoadsResponse.loads:type_name -> ferrum.executor.v1.ModelLoad
+	113, // 91: ferrum.executor.v1.ListCachesResponse.caches:type_name -> ferrum.executor.v1.KvCacheHandle
+	1,   // 92: ferrum.executor.v1.KvEvent.kind:type_name -> ferrum.executor.v1.KvEventKind
+	83,  // 93: ferrum.executor.v1.KvBlockEvent.stored:type_name -> ferrum.executor.v1.KvBlockStored
+	84,  // 94: ferrum.executor.v1.KvBlockEvent.removed:type_name -> ferrum.executor.v1.KvBlockRemoved
+	85,  // 95: ferrum.executor.v1.KvBlockEvent.cleared:type_name -> ferrum.executor.v1.KvBlocksCleared
+	81,  // 96: ferrum.executor.v1.SubscribeKvEventsResponse.event:type_name -> ferrum.executor.v1.KvEvent
+	87,  // 97: ferrum.executor.v1.SubscribeKvEventsResponse.resync_required:type_name -> ferrum.executor.v1.ResyncRequired
+	86,  // 98: ferrum.executor.v1.SubscribeKvEventsResponse.block_event:type_name -> ferrum.executor.v1.KvBlockEvent
+	117, // 99: ferrum.executor.v1.KvTransferHeader.kv_dtype:type_name -> ferrum.executor.v1.DataType
+	92,  // 100: ferrum.executor.v1.ExportKvResponse.header:type_name -> ferrum.executor.v1.KvTransferHeader
+	93,  // 101: ferrum.executor.v1.ExportKvResponse.chunk:type_name -> ferrum.executor.v1.KvChunk
+	95,  // 102: ferrum.executor.v1.ImportKvRequest.source:type_name -> ferrum.executor.v1.KvSource
+	92,  // 103: ferrum.executor.v1.ImportKvRequest.header:type_name -> ferrum.executor.v1.KvTransferHeader
+	93,  // 104: ferrum.executor.v1.ImportKvRequest.chunk:type_name -> ferrum.executor.v1.KvChunk
+	113, // 105: ferrum.executor.v1.ImportKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	104, // 106: ferrum.executor.v1.LoadAdapterResponse.adapter:type_name -> ferrum.executor.v1.AdapterInfo
+	104, // 107: ferrum.executor.v1.ListAdaptersResponse.adapters:type_name -> ferrum.executor.v1.AdapterInfo
+	3,   // 108: ferrum.executor.v1.ModelExecutor.Info:input_type -> ferrum.executor.v1.InfoRequest
+	5,   // 109: ferrum.executor.v1.ModelExecutor.Capabilities:input_type -> ferrum.executor.v1.CapabilitiesRequest
+	7,   // 110: ferrum.executor.v1.ModelExecutor.Status:input_type -> ferrum.executor.v1.StatusRequest
+	9,   // 111: ferrum.executor.v1.ModelExecutor.KvCapacity:input_type -> ferrum.executor.v1.KvCapacityRequest
+	11,  // 112: ferrum.executor.v1.ModelExecutor.AdmissionLimits:input_type -> ferrum.executor.v1.AdmissionLimitsRequest
+	15,  // 113: ferrum.executor.v1.ModelExecutor.Prefill:input_type -> ferrum.executor.v1.PrefillRequest
+	17,  // 114: ferrum.executor.v1.ModelExecutor.BatchPrefill:input_type -> ferrum.executor.v1.BatchPrefillRequest
+	21,  // 115: ferrum.executor.v1.ModelExecutor.Decode:input_type -> ferrum.executor.v1.DecodeRequest
+	23,  // 116: ferrum.executor.v1.ModelExecutor.BatchDecode:input_type -> ferrum.executor.v1.BatchDecodeRequest
+	26,  // 117: ferrum.executor.v1.ModelExecutor.UnifiedDecode:input_type -> ferrum.executor.v1.UnifiedDecodeRequest
+	29,  // 118: ferrum.executor.v1.ModelExecutor.Forward:input_type -> ferrum.executor.v1.ForwardRequest
+	31,  // 119: ferrum.executor.v1.ModelExecutor.ForwardVerify:input_type -> ferrum.executor.v1.ForwardVerifyRequest
+	33,  // 120: ferrum.executor.v1.ModelExecutor.TruncateKv:input_type -> ferrum.executor.v1.TruncateKvRequest
+	35,  // 121: ferrum.executor.v1.ModelExecutor.ReleaseCache:input_type -> ferrum.executor.v1.ReleaseCacheRequest
+	37,  // 122: ferrum.executor.v1.ModelExecutor.ForkCache:input_type -> ferrum.executor.v1.ForkCacheRequest
+	39,  // 123: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:input_type -> ferrum.executor.v1.ReserveKvSlotsRequest
+	41,  // 124: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:input_type -> ferrum.executor.v1.KvSlotCapacityRequest
+	43,  // 125: ferrum.executor.v1.ModelExecutor.CacheMetrics:input_type -> ferrum.executor.v1.CacheMetricsRequest
+	45,  // 126: ferrum.executor.v1.ModelExecutor.LoraMetrics:input_type -> ferrum.executor.v1.LoraMetricsRequest
+	47,  // 127: ferrum.executor.v1.ModelExecutor.Warmup:input_type -> ferrum.executor.v1.WarmupRequest
+	49,  // 128: ferrum.executor.v1.ModelExecutor.Shutdown:input_type -> ferrum.executor.v1.ShutdownRequest
+	51,  // 129: ferrum.executor.v1.ModelExecutor.Tokenize:input_type -> ferrum.executor.v1.TokenizeRequest
+	53,  // 130: ferrum.executor.v1.ModelExecutor.Detokenize:input_type -> ferrum.executor.v1.DetokenizeRequest
+	56,  // 131: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:input_type -> ferrum.executor.v1.ApplyChatTemplateRequest
+	61,  // 132: ferrum.executor.v1.ModelExecutor.Generate:input_type -> ferrum.executor.v1.GenerateRequest
+	73,  // 133: ferrum.executor.v1.ModelExecutor.Session:input_type -> ferrum.executor.v1.SessionRequest
+	75,  // 134: ferrum.executor.v1.ModelExecutor.Loads:input_type -> ferrum.executor.v1.LoadsRequest
+	79,  // 135: ferrum.executor.v1.ModelExecutor.ListCaches:input_type -> ferrum.executor.v1.ListCachesRequest
+	82,  // 136: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:input_type -> ferrum.executor.v1.SubscribeKvEventsRequest
+	89,  // 137: ferrum.executor.v1.ModelExecutor.Abort:input_type -> ferrum.executor.v1.AbortRequest
+	91,  // 138: ferrum.executor.v1.ModelExecutor.ExportKv:input_type -> ferrum.executor.v1.ExportKvRequest
+	96,  // 139: ferrum.executor.v1.ModelExecutor.ImportKv:input_type -> ferrum.executor.v1.ImportKvRequest
+	98,  // 140: ferrum.executor.v1.ModelExecutor.LoadAdapter:input_type -> ferrum.executor.v1.LoadAdapterRequest
+	100, // 141: ferrum.executor.v1.ModelExecutor.UnloadAdapter:input_type -> ferrum.executor.v1.UnloadAdapterRequest
+	102, // 142: ferrum.executor.v1.ModelExecutor.ListAdapters:input_type -> ferrum.executor.v1.ListAdaptersRequest
+	68,  // 143: ferrum.executor.v1.ModelExecutor.MigrateStreams:input_type -> ferrum.executor.v1.MigrateStreamsRequest
+	71,  // 144: ferrum.executor.v1.ModelExecutor.AcceptMigration:input_type -> ferrum.executor.v1.AcceptMigrationRequest
+	4,   // 145: ferrum.executor.v1.ModelExecutor.Info:output_type -> ferrum.executor.v1.InfoResponse
+	6,   // 146: ferrum.executor.v1.ModelExecutor.Capabilities:output_type -> ferrum.executor.v1.CapabilitiesResponse
+	8,   // 147: ferrum.executor.v1.ModelExecutor.Status:output_type -> ferrum.executor.v1.StatusResponse
+	10,  // 148: ferrum.executor.v1.ModelExecutor.KvCapacity:output_type -> ferrum.executor.v1.KvCapacityResponse
+	12,  // 149: ferrum.executor.v1.ModelExecutor.AdmissionLimits:output_type -> ferrum.executor.v1.AdmissionLimitsResponse
+	16,  // 150: ferrum.executor.v1.ModelExecutor.Prefill:output_type -> ferrum.executor.v1.PrefillResponse
+	18,  // 151: ferrum.executor.v1.ModelExecutor.BatchPrefill:output_type -> ferrum.executor.v1.BatchPrefillResponse
+	22,  // 152: ferrum.executor.v1.ModelExecutor.Decode:output_type -> ferrum.executor.v1.DecodeResponse
+	24,  // 153: ferrum.executor.v1.ModelExecutor.BatchDecode:output_type -> ferrum.executor.v1.BatchDecodeResponse
+	28,  // 154: ferrum.executor.v1.ModelExecutor.UnifiedDecode:output_type -> ferrum.executor.v1.UnifiedDecodeResponse
+	30,  // 155: ferrum.executor.v1.ModelExecutor.Forward:output_type -> ferrum.executor.v1.ForwardResponse
+	32,  // 156: ferrum.executor.v1.ModelExecutor.ForwardVerify:output_type -> ferrum.executor.v1.ForwardVerifyResponse
+	34,  // 157: ferrum.executor.v1.ModelExecutor.TruncateKv:output_type -> ferrum.executor.v1.TruncateKvResponse
+	36,  // 158: ferrum.executor.v1.ModelExecutor.ReleaseCache:output_type -> ferrum.executor.v1.ReleaseCacheResponse
+	38,  // 159: ferrum.executor.v1.ModelExecutor.ForkCache:output_type -> ferrum.executor.v1.ForkCacheResponse
+	40,  // 160: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:output_type -> ferrum.executor.v1.ReserveKvSlotsResponse
+	42,  // 161: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:output_type -> ferrum.executor.v1.KvSlotCapacityResponse
+	44,  // 162: ferrum.executor.v1.ModelExecutor.CacheMetrics:output_type -> ferrum.executor.v1.CacheMetricsResponse
+	46,  // 163: ferrum.executor.v1.ModelExecutor.LoraMetrics:output_type -> ferrum.executor.v1.LoraMetricsResponse
+	48,  // 164: ferrum.executor.v1.ModelExecutor.Warmup:output_type -> ferrum.executor.v1.WarmupResponse
+	50,  // 165: ferrum.executor.v1.ModelExecutor.Shutdown:output_type -> ferrum.executor.v1.ShutdownResponse
+	52,  // 166: ferrum.executor.v1.ModelExecutor.Tokenize:output_type -> ferrum.executor.v1.TokenizeResponse
+	54,  // 167: ferrum.executor.v1.ModelExecutor.Detokenize:output_type -> ferrum.executor.v1.DetokenizeResponse
+	57,  // 168: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:output_type -> ferrum.executor.v1.ApplyChatTemplateResponse
+	66,  // 169: ferrum.executor.v1.ModelExecutor.Generate:output_type -> ferrum.executor.v1.GenerateResponse
+	74,  // 170: ferrum.executor.v1.ModelExecutor.Session:output_type -> ferrum.executor.v1.SessionResponse
+	78,  // 171: ferrum.executor.v1.ModelExecutor.Loads:output_type -> ferrum.executor.v1.LoadsResponse
+	80,  // 172: ferrum.executor.v1.ModelExecutor.ListCaches:output_type -> ferrum.executor.v1.ListCachesResponse
+	88,  // 173: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:output_type -> ferrum.executor.v1.SubscribeKvEventsResponse
+	90,  // 174: ferrum.executor.v1.ModelExecutor.Abort:output_type -> ferrum.executor.v1.AbortResponse
+	94,  // 175: ferrum.executor.v1.ModelExecutor.ExportKv:output_type -> ferrum.executor.v1.ExportKvResponse
+	97,  // 176: ferrum.executor.v1.ModelExecutor.ImportKv:output_type -> ferrum.executor.v1.ImportKvResponse
+	99,  // 177: ferrum.executor.v1.ModelExecutor.LoadAdapter:output_type -> ferrum.executor.v1.LoadAdapterResponse
+	101, // 178: ferrum.executor.v1.ModelExecutor.UnloadAdapter:output_type -> ferrum.executor.v1.UnloadAdapterResponse
+	103, // 179: ferrum.executor.v1.ModelExecutor.ListAdapters:output_type -> ferrum.executor.v1.ListAdaptersResponse
+	70,  // 180: ferrum.executor.v1.ModelExecutor.MigrateStreams:output_type -> ferrum.executor.v1.MigrateStreamsResponse
+	72,  // 181: ferrum.executor.v1.ModelExecutor.AcceptMigration:output_type -> ferrum.executor.v1.AcceptMigrationResponse
+	145, // [145:182] is the sub-list for method output_type
+	108, // [108:145] is the sub-list for method input_type
+	108, // [108:108] is the sub-list for extension type_name
+	108, // [108:108] is the sub-list for extension extendee
+	0,   // [0:108] is the sub-list for field type_name
 }
 
 func init() { file_ferrum_executor_v1_executor_proto_init() }
@@ -8201,8 +8757,9 @@ func file_ferrum_executor_v1_executor_proto_init() {
 		(*GenerateResponse_Started)(nil),
 		(*GenerateResponse_Token)(nil),
 		(*GenerateResponse_Finished)(nil),
+		(*GenerateResponse_Migrated)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[64].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[70].OneofWrappers = []any{
 		(*SessionRequest_Prefill)(nil),
 		(*SessionRequest_BatchPrefill)(nil),
 		(*SessionRequest_Decode)(nil),
@@ -8213,7 +8770,7 @@ func file_ferrum_executor_v1_executor_proto_init() {
 		(*SessionRequest_ReleaseCache)(nil),
 		(*SessionRequest_ForkCache)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[65].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[71].OneofWrappers = []any{
 		(*SessionResponse_Prefill)(nil),
 		(*SessionResponse_BatchPrefill)(nil),
 		(*SessionResponse_Decode)(nil),
@@ -8225,26 +8782,26 @@ func file_ferrum_executor_v1_executor_proto_init() {
 		(*SessionResponse_ForkCache)(nil),
 		(*SessionResponse_Error)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[73].OneofWrappers = []any{}
-	file_ferrum_executor_v1_executor_proto_msgTypes[77].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[79].OneofWrappers = []any{}
+	file_ferrum_executor_v1_executor_proto_msgTypes[83].OneofWrappers = []any{
 		(*KvBlockEvent_Stored)(nil),
 		(*KvBlockEvent_Removed)(nil),
 		(*KvBlockEvent_Cleared)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[79].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[85].OneofWrappers = []any{
 		(*SubscribeKvEventsResponse_Event)(nil),
 		(*SubscribeKvEventsResponse_ResyncRequired)(nil),
 		(*SubscribeKvEventsResponse_BlockEvent)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[80].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[86].OneofWrappers = []any{
 		(*AbortRequest_RequestId)(nil),
 		(*AbortRequest_CacheId)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[85].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[91].OneofWrappers = []any{
 		(*ExportKvResponse_Header)(nil),
 		(*ExportKvResponse_Chunk)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[87].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[93].OneofWrappers = []any{
 		(*ImportKvRequest_Header)(nil),
 		(*ImportKvRequest_Chunk)(nil),
 	}
@@ -8254,7 +8811,7 @@ func file_ferrum_executor_v1_executor_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ferrum_executor_v1_executor_proto_rawDesc), len(file_ferrum_executor_v1_executor_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   96,
+			NumMessages:   102,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -75,6 +75,8 @@ const (
 	ModelExecutor_LoadAdapter_FullMethodName       = "/ferrum.executor.v1.ModelExecutor/LoadAdapter"
 	ModelExecutor_UnloadAdapter_FullMethodName     = "/ferrum.executor.v1.ModelExecutor/UnloadAdapter"
 	ModelExecutor_ListAdapters_FullMethodName      = "/ferrum.executor.v1.ModelExecutor/ListAdapters"
+	ModelExecutor_MigrateStreams_FullMethodName    = "/ferrum.executor.v1.ModelExecutor/MigrateStreams"
+	ModelExecutor_AcceptMigration_FullMethodName   = "/ferrum.executor.v1.ModelExecutor/AcceptMigration"
 )
 
 // ModelExecutorClient is the client API for ModelExecutor service.
@@ -193,6 +195,16 @@ type ModelExecutorClient interface {
 	UnloadAdapter(ctx context.Context, in *UnloadAdapterRequest, opts ...grpc.CallOption) (*UnloadAdapterResponse, error)
 	// The adapters registered on a model (all models when `model_id` is empty).
 	ListAdapters(ctx context.Context, in *ListAdaptersRequest, opts ...grpc.CallOption) (*ListAdaptersResponse, error)
+	// Move running `Generate` streams to another server (`target`, one of this server's KV peers)
+	// without losing or repeating a token: each stream stops at a step boundary, the target pulls
+	// its KV (`AcceptMigration`) and the stream ends here with a `GenerateMigrated` event that the
+	// caller follows to the target. A stream the target refuses goes on here. An admin RPC.
+	MigrateStreams(ctx context.Context, in *MigrateStreamsRequest, opts ...grpc.CallOption) (*MigrateStreamsResponse, error)
+	// Server to server: take over one stream from the calling server (the stream's KV is pulled
+	// from `source`, its decode state comes in the request) and hold it for the caller's resume
+	// (`GenerateRequest.resume_token`). Only a call authenticated with one of this server's KV peer
+	// tokens, from a configured KV peer, is accepted (PERMISSION_DENIED otherwise).
+	AcceptMigration(ctx context.Context, in *AcceptMigrationRequest, opts ...grpc.CallOption) (*AcceptMigrationResponse, error)
 }
 
 type modelExecutorClient struct {
@@ -586,6 +598,26 @@ func (c *modelExecutorClient) ListAdapters(ctx context.Context, in *ListAdapters
 	return out, nil
 }
 
+func (c *modelExecutorClient) MigrateStreams(ctx context.Context, in *MigrateStreamsRequest, opts ...grpc.CallOption) (*MigrateStreamsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(MigrateStreamsResponse)
+	err := c.cc.Invoke(ctx, ModelExecutor_MigrateStreams_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *modelExecutorClient) AcceptMigration(ctx context.Context, in *AcceptMigrationRequest, opts ...grpc.CallOption) (*AcceptMigrationResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(AcceptMigrationResponse)
+	err := c.cc.Invoke(ctx, ModelExecutor_AcceptMigration_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ModelExecutorServer is the server API for ModelExecutor service.
 // All implementations must embed UnimplementedModelExecutorServer
 // for forward compatibility.
@@ -702,6 +734,16 @@ type ModelExecutorServer interface {
 	UnloadAdapter(context.Context, *UnloadAdapterRequest) (*UnloadAdapterResponse, error)
 	// The adapters registered on a model (all models when `model_id` is empty).
 	ListAdapters(context.Context, *ListAdaptersRequest) (*ListAdaptersResponse, error)
+	// Move running `Generate` streams to another server (`target`, one of this server's KV peers)
+	// without losing or repeating a token: each stream stops at a step boundary, the target pulls
+	// its KV (`AcceptMigration`) and the stream ends here with a `GenerateMigrated` event that the
+	// caller follows to the target. A stream the target refuses goes on here. An admin RPC.
+	MigrateStreams(context.Context, *MigrateStreamsRequest) (*MigrateStreamsResponse, error)
+	// Server to server: take over one stream from the calling server (the stream's KV is pulled
+	// from `source`, its decode state comes in the request) and hold it for the caller's resume
+	// (`GenerateRequest.resume_token`). Only a call authenticated with one of this server's KV peer
+	// tokens, from a configured KV peer, is accepted (PERMISSION_DENIED otherwise).
+	AcceptMigration(context.Context, *AcceptMigrationRequest) (*AcceptMigrationResponse, error)
 	mustEmbedUnimplementedModelExecutorServer()
 }
 
@@ -816,6 +858,12 @@ func (UnimplementedModelExecutorServer) UnloadAdapter(context.Context, *UnloadAd
 }
 func (UnimplementedModelExecutorServer) ListAdapters(context.Context, *ListAdaptersRequest) (*ListAdaptersResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListAdapters not implemented")
+}
+func (UnimplementedModelExecutorServer) MigrateStreams(context.Context, *MigrateStreamsRequest) (*MigrateStreamsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method MigrateStreams not implemented")
+}
+func (UnimplementedModelExecutorServer) AcceptMigration(context.Context, *AcceptMigrationRequest) (*AcceptMigrationResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method AcceptMigration not implemented")
 }
 func (UnimplementedModelExecutorServer) mustEmbedUnimplementedModelExecutorServer() {}
 func (UnimplementedModelExecutorServer) testEmbeddedByValue()                       {}
@@ -1425,6 +1473,42 @@ func _ModelExecutor_ListAdapters_Handler(srv interface{}, ctx context.Context, d
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ModelExecutor_MigrateStreams_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(MigrateStreamsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ModelExecutorServer).MigrateStreams(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ModelExecutor_MigrateStreams_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ModelExecutorServer).MigrateStreams(ctx, req.(*MigrateStreamsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ModelExecutor_AcceptMigration_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(AcceptMigrationRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ModelExecutorServer).AcceptMigration(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ModelExecutor_AcceptMigration_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ModelExecutorServer).AcceptMigration(ctx, req.(*AcceptMigrationRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // ModelExecutor_ServiceDesc is the grpc.ServiceDesc for ModelExecutor service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -1551,6 +1635,14 @@ var ModelExecutor_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListAdapters",
 			Handler:    _ModelExecutor_ListAdapters_Handler,
+		},
+		{
+			MethodName: "MigrateStreams",
+			Handler:    _ModelExecutor_MigrateStreams_Handler,
+		},
+		{
+			MethodName: "AcceptMigration",
+			Handler:    _ModelExecutor_AcceptMigration_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

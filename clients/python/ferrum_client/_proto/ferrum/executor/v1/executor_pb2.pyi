@@ -591,7 +591,7 @@ class StopConditions(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., stop_sequences: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model_id", "token_ids", "text", "chat", "cache_id", "last_token_id", "sampling", "stop", "top_logprobs", "keep_cache", "request_id", "stream_text", "cache_salt", "bypass_prefix_cache", "n", "adapter", "speculation")
+    __slots__ = ("model_id", "token_ids", "text", "chat", "cache_id", "last_token_id", "sampling", "stop", "top_logprobs", "keep_cache", "request_id", "stream_text", "cache_salt", "bypass_prefix_cache", "n", "adapter", "resume_token", "speculation")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -608,6 +608,7 @@ class GenerateRequest(_message.Message):
     BYPASS_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     token_ids: TokenIds
@@ -625,8 +626,9 @@ class GenerateRequest(_message.Message):
     bypass_prefix_cache: bool
     n: int
     adapter: str
+    resume_token: str
     speculation: SpeculationOptions
-    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., cache_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., keep_cache: _Optional[bool] = ..., request_id: _Optional[str] = ..., stream_text: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., n: _Optional[int] = ..., adapter: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., cache_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., keep_cache: _Optional[bool] = ..., request_id: _Optional[str] = ..., stream_text: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., n: _Optional[int] = ..., adapter: _Optional[str] = ..., resume_token: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
     __slots__ = ("disabled", "max_draft_tokens", "min_ngram", "max_ngram")
@@ -641,16 +643,18 @@ class SpeculationOptions(_message.Message):
     def __init__(self, disabled: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., min_ngram: _Optional[int] = ..., max_ngram: _Optional[int] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
-    __slots__ = ("cache", "prompt_tokens", "request_id", "cached_tokens")
+    __slots__ = ("cache", "prompt_tokens", "request_id", "cached_tokens", "resumed_tokens")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache: _types_pb2.KvCacheHandle
     prompt_tokens: int
     request_id: str
     cached_tokens: int
-    def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_id", "logprob", "top_logprobs", "index", "text", "sample_index")
@@ -693,14 +697,92 @@ class GenerateFinished(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., text: _Optional[str] = ..., time_to_first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., sample_index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("started", "token", "finished")
+    __slots__ = ("started", "token", "finished", "migrated")
     STARTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
     started: GenerateStarted
     token: TokenEvent
     finished: GenerateFinished
-    def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ..., finished: _Optional[_Union[GenerateFinished, _Mapping]] = ...) -> None: ...
+    migrated: GenerateMigrated
+    def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ..., finished: _Optional[_Union[GenerateFinished, _Mapping]] = ..., migrated: _Optional[_Union[GenerateMigrated, _Mapping]] = ...) -> None: ...
+
+class GenerateMigrated(_message.Message):
+    __slots__ = ("target", "resume_token", "generated_tokens", "resume_deadline_ms")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    resume_token: str
+    generated_tokens: int
+    resume_deadline_ms: int
+    def __init__(self, target: _Optional[str] = ..., resume_token: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., resume_deadline_ms: _Optional[int] = ...) -> None: ...
+
+class MigrateStreamsRequest(_message.Message):
+    __slots__ = ("model_id", "request_id", "target", "drain")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    request_id: str
+    target: str
+    drain: bool
+    def __init__(self, model_id: _Optional[str] = ..., request_id: _Optional[str] = ..., target: _Optional[str] = ..., drain: _Optional[bool] = ...) -> None: ...
+
+class StreamMigration(_message.Message):
+    __slots__ = ("request_id", "model_id", "migrated", "error_code", "error_message", "handoff_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_id: str
+    migrated: bool
+    error_code: str
+    error_message: str
+    handoff_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., migrated: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., handoff_ms: _Optional[int] = ...) -> None: ...
+
+class MigrateStreamsResponse(_message.Message):
+    __slots__ = ("streams", "migrated", "refused")
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    streams: _containers.RepeatedCompositeFieldContainer[StreamMigration]
+    migrated: int
+    refused: int
+    def __init__(self, streams: _Optional[_Iterable[_Union[StreamMigration, _Mapping]]] = ..., migrated: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
+
+class AcceptMigrationRequest(_message.Message):
+    __slots__ = ("model_id", "source", "request", "generated_token_ids", "prompt_tokens", "constraint_start")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_START_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    source: KvSource
+    request: GenerateRequest
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_tokens: int
+    constraint_start: int
+    def __init__(self, model_id: _Optional[str] = ..., source: _Optional[_Union[KvSource, _Mapping]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., constraint_start: _Optional[int] = ...) -> None: ...
+
+class AcceptMigrationResponse(_message.Message):
+    __slots__ = ("resume_token", "imported_tokens", "resume_deadline_ms")
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    IMPORTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    resume_token: str
+    imported_tokens: int
+    resume_deadline_ms: int
+    def __init__(self, resume_token: _Optional[str] = ..., imported_tokens: _Optional[int] = ..., resume_deadline_ms: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("step_id", "prefill", "batch_prefill", "decode", "batch_decode", "unified_decode", "forward_verify", "truncate_kv", "release_cache", "fork_cache")
@@ -769,7 +851,7 @@ class LatencySummary(_message.Message):
     def __init__(self, p50_ns: _Optional[int] = ..., p99_ns: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class ModelLoad(_message.Message):
-    __slots__ = ("model_id", "active_caches", "resident_tokens", "free_tokens", "free_blocks", "total_blocks", "block_size", "running_steps", "queued_steps", "active_streams", "prefill_latency", "decode_latency", "reserved_tokens", "evictable_blocks", "cached_blocks", "prefix_hit_tokens", "prefix_queried_tokens")
+    __slots__ = ("model_id", "active_caches", "resident_tokens", "free_tokens", "free_blocks", "total_blocks", "block_size", "running_steps", "queued_steps", "active_streams", "prefill_latency", "decode_latency", "reserved_tokens", "evictable_blocks", "cached_blocks", "prefix_hit_tokens", "prefix_queried_tokens", "draining")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_CACHES_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -787,6 +869,7 @@ class ModelLoad(_message.Message):
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     active_caches: int
     resident_tokens: int
@@ -804,7 +887,8 @@ class ModelLoad(_message.Message):
     cached_blocks: int
     prefix_hit_tokens: int
     prefix_queried_tokens: int
-    def __init__(self, model_id: _Optional[str] = ..., active_caches: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_steps: _Optional[int] = ..., queued_steps: _Optional[int] = ..., active_streams: _Optional[int] = ..., prefill_latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., decode_latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., reserved_tokens: _Optional[int] = ..., evictable_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, model_id: _Optional[str] = ..., active_caches: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_steps: _Optional[int] = ..., queued_steps: _Optional[int] = ..., active_streams: _Optional[int] = ..., prefill_latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., decode_latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., reserved_tokens: _Optional[int] = ..., evictable_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class LoadsResponse(_message.Message):
     __slots__ = ("loads", "kv_event_seq")

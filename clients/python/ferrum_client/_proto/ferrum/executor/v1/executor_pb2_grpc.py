@@ -210,6 +210,16 @@ class ModelExecutorStub:
                 request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
                 response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
+        self.MigrateStreams = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/MigrateStreams',
+                request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.MigrateStreamsRequest.SerializeToString,
+                response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.MigrateStreamsResponse.FromString,
+                _registered_method=True)
+        self.AcceptMigration = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/AcceptMigration',
+                request_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.AcceptMigrationRequest.SerializeToString,
+                response_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.AcceptMigrationResponse.FromString,
+                _registered_method=True)
 
 
 class ModelExecutorServicer:
@@ -507,6 +517,28 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MigrateStreams(self, request, context):
+        """--- Live stream migration (see docs/operating.md, "Live migration and drain") ----------------
+
+        Move running `Generate` streams to another server (`target`, one of this server's KV peers)
+        without losing or repeating a token: each stream stops at a step boundary, the target pulls
+        its KV (`AcceptMigration`) and the stream ends here with a `GenerateMigrated` event that the
+        caller follows to the target. A stream the target refuses goes on here. An admin RPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcceptMigration(self, request, context):
+        """Server to server: take over one stream from the calling server (the stream's KV is pulled
+        from `source`, its decode state comes in the request) and hold it for the caller's resume
+        (`GenerateRequest.resume_token`). Only a call authenticated with one of this server's KV peer
+        tokens, from a configured KV peer, is accepted (PERMISSION_DENIED otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -684,6 +716,16 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.ListAdapters,
                     request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersRequest.FromString,
                     response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'MigrateStreams': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateStreams,
+                    request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.MigrateStreamsRequest.FromString,
+                    response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.MigrateStreamsResponse.SerializeToString,
+            ),
+            'AcceptMigration': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcceptMigration,
+                    request_deserializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.AcceptMigrationRequest.FromString,
+                    response_serializer=ferrum_dot_executor_dot_v1_dot_executor__pb2.AcceptMigrationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1632,6 +1674,60 @@ class ModelExecutor:
             '/ferrum.executor.v1.ModelExecutor/ListAdapters',
             ferrum_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
             ferrum_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateStreams(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/MigrateStreams',
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.MigrateStreamsRequest.SerializeToString,
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.MigrateStreamsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcceptMigration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/AcceptMigration',
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.AcceptMigrationRequest.SerializeToString,
+            ferrum_dot_executor_dot_v1_dot_executor__pb2.AcceptMigrationResponse.FromString,
             options,
             channel_credentials,
             insecure,

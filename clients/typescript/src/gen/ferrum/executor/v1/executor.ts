@@ -919,6 +919,14 @@ export interface GenerateRequest {
    */
   adapter: string;
   /**
+   * Resume a stream that another server moved here (`GenerateMigrated.resume_token`). Every other
+   * field but `model_id` (which must then name the stream's model, or be empty) is ignored: the
+   * stream goes on with its original settings, and its next token event has index
+   * `GenerateMigrated.generated_tokens`. Single use, only by the caller that started the stream,
+   * within `GenerateMigrated.resume_deadline_ms`; any other token is NOT_FOUND.
+   */
+  resumeToken: string;
+  /**
    * Server-side speculative decoding for this request (see `SpeculationOptions`). Unset = the
    * server's default (`--speculation-draft-tokens`, off unless set).
    */
@@ -957,6 +965,11 @@ export interface GenerateStarted {
   requestId: string;
   /** Prompt tokens taken from the prefix cache instead of computed. */
   cachedTokens: number;
+  /**
+   * On a resumed stream (`GenerateRequest.resume_token`): the tokens generated before the move;
+   * the first token event here has this index. 0 otherwise.
+   */
+  resumedTokens: number;
 }
 
 /** One generated token. */
@@ -1007,7 +1020,98 @@ export interface GenerateResponse {
   event: { $case: "started"; started: GenerateStarted } | { $case: "token"; token: TokenEvent } | {
     $case: "finished";
     finished: GenerateFinished;
-  } | undefined;
+  } | //
+  /**
+   * The stream moved to another server (`MigrateStreams`, or a drain with `--drain-to`) and
+   * ends here without a `finished` event: call `Generate` on `target` with `resume_token` to
+   * receive the rest. Sent after the last token event of this server.
+   */
+  { $case: "migrated"; migrated: GenerateMigrated } | undefined;
+}
+
+/** Where a migrated stream goes on. */
+export interface GenerateMigrated {
+  /** HOST:PORT of the server that holds the stream now. */
+  target: string;
+  /** Pass as `GenerateRequest.resume_token` there (single use, bound to the caller). */
+  resumeToken: string;
+  /** Token events sent so far (on this server and any before it): the index of the next one. */
+  generatedTokens: number;
+  /** Milliseconds the target holds the stream for the resume; after that it is dropped. */
+  resumeDeadlineMs: number;
+}
+
+export interface MigrateStreamsRequest {
+  /** Empty = streams of every hosted model. */
+  modelId: string;
+  /**
+   * Move only the streams with this `GenerateRequest.request_id` (of any caller); empty = every
+   * running `Generate` stream.
+   */
+  requestId: string;
+  /**
+   * The server to move them to: HOST:PORT, one of this server's KV peers (`--kv-peer`), else
+   * PERMISSION_DENIED. It must count this server as its own KV peer and share a peer token.
+   */
+  target: string;
+  /**
+   * Also stop taking new work: health turns NOT_SERVING, `ModelLoad.draining` is true, and new
+   * `Generate` / `Session` / step calls are UNAVAILABLE (what `--drain-to` does on SIGTERM).
+   */
+  drain: boolean;
+}
+
+/** One stream's outcome. */
+export interface StreamMigration {
+  requestId: string;
+  modelId: string;
+  /** Moved: the stream ended here with `GenerateMigrated`. */
+  migrated: boolean;
+  /** Not moved (the stream goes on here): the gRPC code name and message of the refusal. */
+  errorCode: string;
+  errorMessage: string;
+  /** Milliseconds from the stream's last token here to the target holding it. */
+  handoffMs: number;
+}
+
+export interface MigrateStreamsResponse {
+  streams: StreamMigration[];
+  migrated: number;
+  refused: number;
+}
+
+export interface AcceptMigrationRequest {
+  /** The stream's model here. */
+  modelId: string;
+  /**
+   * Where its KV is: the calling server's address and the stream's cache there. The cache holds
+   * the prompt and every generated token but the last.
+   */
+  source:
+    | KvSource
+    | undefined;
+  /**
+   * The stream's original request (prompt fields cleared): sampling, stop conditions, adapter,
+   * salt, output options.
+   */
+  request:
+    | GenerateRequest
+    | undefined;
+  /** Every token generated so far, in order (the last one is not in the cache yet: fed first). */
+  generatedTokenIds: number[];
+  /** The prompt's length (reported again in the final event). */
+  promptTokens: number;
+  /**
+   * Where the structured-output constraint started in the cache (its matcher replays the tokens
+   * from there); 0 without a constraint.
+   */
+  constraintStart: number;
+}
+
+export interface AcceptMigrationResponse {
+  resumeToken: string;
+  importedTokens: number;
+  resumeDeadlineMs: number;
 }
 
 export interface SessionRequest {
@@ -1086,6 +1190,8 @@ export interface ModelLoad {
   cachedBlocks: number;
   prefixHitTokens: number;
   prefixQueriedTokens: number;
+  /** The server drains (`MigrateStreams` with `drain`, or a shutdown): send it no new work. */
+  draining: boolean;
 }
 
 export interface LoadsResponse {
@@ -7557,6 +7663,7 @@ function createBaseGenerateRequest(): GenerateRequest {
     bypassPrefixCache: false,
     n: 0,
     adapter: "",
+    resumeToken: "",
     speculation: undefined,
   };
 }
@@ -7613,8 +7720,11 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     if (message.adapter !== "") {
       writer.uint32(130).string(message.adapter);
     }
+    if (message.resumeToken !== "") {
+      writer.uint32(138).string(message.resumeToken);
+    }
     if (message.speculation !== undefined) {
-      SpeculationOptions.encode(message.speculation, writer.uint32(138).fork()).join();
+      SpeculationOptions.encode(message.speculation, writer.uint32(146).fork()).join();
     }
     return writer;
   },
@@ -7765,6 +7875,14 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
               break;
             }
 
+            message.resumeToken = reader.string();
+            continue;
+          }
+          case 18: {
+            if (tag !== 146) {
+              break;
+            }
+
             message.speculation = SpeculationOptions.decode(reader, reader.uint32());
             continue;
           }
@@ -7840,6 +7958,11 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
         : false,
       n: isSet(object.n) ? globalThis.Number(object.n) : 0,
       adapter: isSet(object.adapter) ? globalThis.String(object.adapter) : "",
+      resumeToken: isSet(object.resumeToken)
+        ? globalThis.String(object.resumeToken)
+        : isSet(object.resume_token)
+        ? globalThis.String(object.resume_token)
+        : "",
       speculation: isSet(object.speculation) ? SpeculationOptions.fromJSON(object.speculation) : undefined,
     };
   },
@@ -7892,6 +8015,9 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     if (message.adapter !== "") {
       obj.adapter = message.adapter;
     }
+    if (message.resumeToken !== "") {
+      obj.resumeToken = message.resumeToken;
+    }
     if (message.speculation !== undefined) {
       obj.speculation = SpeculationOptions.toJSON(message.speculation);
     }
@@ -7940,6 +8066,7 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     message.bypassPrefixCache = object.bypassPrefixCache ?? false;
     message.n = object.n ?? 0;
     message.adapter = object.adapter ?? "";
+    message.resumeToken = object.resumeToken ?? "";
     message.speculation = (object.speculation !== undefined && object.speculation !== null)
       ? SpeculationOptions.fromPartial(object.speculation)
       : undefined;
@@ -8077,7 +8204,7 @@ export const SpeculationOptions: MessageFns<SpeculationOptions> = {
 };
 
 function createBaseGenerateStarted(): GenerateStarted {
-  return { cache: undefined, promptTokens: 0, requestId: "", cachedTokens: 0 };
+  return { cache: undefined, promptTokens: 0, requestId: "", cachedTokens: 0, resumedTokens: 0 };
 }
 
 export const GenerateStarted: MessageFns<GenerateStarted> = {
@@ -8093,6 +8220,9 @@ export const GenerateStarted: MessageFns<GenerateStarted> = {
     }
     if (message.cachedTokens !== 0) {
       writer.uint32(32).uint32(message.cachedTokens);
+    }
+    if (message.resumedTokens !== 0) {
+      writer.uint32(40).uint32(message.resumedTokens);
     }
     return writer;
   },
@@ -8142,6 +8272,14 @@ export const GenerateStarted: MessageFns<GenerateStarted> = {
             message.cachedTokens = reader.uint32();
             continue;
           }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.resumedTokens = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -8172,6 +8310,11 @@ export const GenerateStarted: MessageFns<GenerateStarted> = {
         : isSet(object.cached_tokens)
         ? globalThis.Number(object.cached_tokens)
         : 0,
+      resumedTokens: isSet(object.resumedTokens)
+        ? globalThis.Number(object.resumedTokens)
+        : isSet(object.resumed_tokens)
+        ? globalThis.Number(object.resumed_tokens)
+        : 0,
     };
   },
 
@@ -8189,6 +8332,9 @@ export const GenerateStarted: MessageFns<GenerateStarted> = {
     if (message.cachedTokens !== 0) {
       obj.cachedTokens = Math.round(message.cachedTokens);
     }
+    if (message.resumedTokens !== 0) {
+      obj.resumedTokens = Math.round(message.resumedTokens);
+    }
     return obj;
   },
 
@@ -8203,6 +8349,7 @@ export const GenerateStarted: MessageFns<GenerateStarted> = {
     message.promptTokens = object.promptTokens ?? 0;
     message.requestId = object.requestId ?? "";
     message.cachedTokens = object.cachedTokens ?? 0;
+    message.resumedTokens = object.resumedTokens ?? 0;
     return message;
   },
 };
@@ -8642,6 +8789,9 @@ export const GenerateResponse: MessageFns<GenerateResponse> = {
       case "finished":
         GenerateFinished.encode(message.event.finished, writer.uint32(26).fork()).join();
         break;
+      case "migrated":
+        GenerateMigrated.encode(message.event.migrated, writer.uint32(34).fork()).join();
+        break;
     }
     return writer;
   },
@@ -8683,6 +8833,14 @@ export const GenerateResponse: MessageFns<GenerateResponse> = {
             message.event = { $case: "finished", finished: GenerateFinished.decode(reader, reader.uint32()) };
             continue;
           }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.event = { $case: "migrated", migrated: GenerateMigrated.decode(reader, reader.uint32()) };
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -8703,6 +8861,8 @@ export const GenerateResponse: MessageFns<GenerateResponse> = {
         ? { $case: "token", token: TokenEvent.fromJSON(object.token) }
         : isSet(object.finished)
         ? { $case: "finished", finished: GenerateFinished.fromJSON(object.finished) }
+        : isSet(object.migrated)
+        ? { $case: "migrated", migrated: GenerateMigrated.fromJSON(object.migrated) }
         : undefined,
     };
   },
@@ -8715,6 +8875,8 @@ export const GenerateResponse: MessageFns<GenerateResponse> = {
       obj.token = TokenEvent.toJSON(message.event.token);
     } else if (message.event?.$case === "finished") {
       obj.finished = GenerateFinished.toJSON(message.event.finished);
+    } else if (message.event?.$case === "migrated") {
+      obj.migrated = GenerateMigrated.toJSON(message.event.migrated);
     }
     return obj;
   },
@@ -8743,7 +8905,842 @@ export const GenerateResponse: MessageFns<GenerateResponse> = {
         }
         break;
       }
+      case "migrated": {
+        if (object.event?.migrated !== undefined && object.event?.migrated !== null) {
+          message.event = { $case: "migrated", migrated: GenerateMigrated.fromPartial(object.event.migrated) };
+        }
+        break;
+      }
     }
+    return message;
+  },
+};
+
+function createBaseGenerateMigrated(): GenerateMigrated {
+  return { target: "", resumeToken: "", generatedTokens: 0, resumeDeadlineMs: 0 };
+}
+
+export const GenerateMigrated: MessageFns<GenerateMigrated> = {
+  encode(message: GenerateMigrated, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.target !== "") {
+      writer.uint32(10).string(message.target);
+    }
+    if (message.resumeToken !== "") {
+      writer.uint32(18).string(message.resumeToken);
+    }
+    if (message.generatedTokens !== 0) {
+      writer.uint32(24).uint32(message.generatedTokens);
+    }
+    if (message.resumeDeadlineMs !== 0) {
+      writer.uint32(32).uint32(message.resumeDeadlineMs);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): GenerateMigrated {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseGenerateMigrated();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.target = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.resumeToken = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.generatedTokens = reader.uint32();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.resumeDeadlineMs = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): GenerateMigrated {
+    return {
+      target: isSet(object.target) ? globalThis.String(object.target) : "",
+      resumeToken: isSet(object.resumeToken)
+        ? globalThis.String(object.resumeToken)
+        : isSet(object.resume_token)
+        ? globalThis.String(object.resume_token)
+        : "",
+      generatedTokens: isSet(object.generatedTokens)
+        ? globalThis.Number(object.generatedTokens)
+        : isSet(object.generated_tokens)
+        ? globalThis.Number(object.generated_tokens)
+        : 0,
+      resumeDeadlineMs: isSet(object.resumeDeadlineMs)
+        ? globalThis.Number(object.resumeDeadlineMs)
+        : isSet(object.resume_deadline_ms)
+        ? globalThis.Number(object.resume_deadline_ms)
+        : 0,
+    };
+  },
+
+  toJSON(message: GenerateMigrated): unknown {
+    const obj: any = {};
+    if (message.target !== "") {
+      obj.target = message.target;
+    }
+    if (message.resumeToken !== "") {
+      obj.resumeToken = message.resumeToken;
+    }
+    if (message.generatedTokens !== 0) {
+      obj.generatedTokens = Math.round(message.generatedTokens);
+    }
+    if (message.resumeDeadlineMs !== 0) {
+      obj.resumeDeadlineMs = Math.round(message.resumeDeadlineMs);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<GenerateMigrated>, I>>(base?: I): GenerateMigrated {
+    return GenerateMigrated.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<GenerateMigrated>, I>>(object: I): GenerateMigrated {
+    const message = createBaseGenerateMigrated();
+    message.target = object.target ?? "";
+    message.resumeToken = object.resumeToken ?? "";
+    message.generatedTokens = object.generatedTokens ?? 0;
+    message.resumeDeadlineMs = object.resumeDeadlineMs ?? 0;
+    return message;
+  },
+};
+
+function createBaseMigrateStreamsRequest(): MigrateStreamsRequest {
+  return { modelId: "", requestId: "", target: "", drain: false };
+}
+
+export const MigrateStreamsRequest: MessageFns<MigrateStreamsRequest> = {
+  encode(message: MigrateStreamsRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.modelId !== "") {
+      writer.uint32(10).string(message.modelId);
+    }
+    if (message.requestId !== "") {
+      writer.uint32(18).string(message.requestId);
+    }
+    if (message.target !== "") {
+      writer.uint32(26).string(message.target);
+    }
+    if (message.drain !== false) {
+      writer.uint32(32).bool(message.drain);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): MigrateStreamsRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseMigrateStreamsRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.modelId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.requestId = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.target = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.drain = reader.bool();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): MigrateStreamsRequest {
+    return {
+      modelId: isSet(object.modelId)
+        ? globalThis.String(object.modelId)
+        : isSet(object.model_id)
+        ? globalThis.String(object.model_id)
+        : "",
+      requestId: isSet(object.requestId)
+        ? globalThis.String(object.requestId)
+        : isSet(object.request_id)
+        ? globalThis.String(object.request_id)
+        : "",
+      target: isSet(object.target) ? globalThis.String(object.target) : "",
+      drain: isSet(object.drain) ? globalThis.Boolean(object.drain) : false,
+    };
+  },
+
+  toJSON(message: MigrateStreamsRequest): unknown {
+    const obj: any = {};
+    if (message.modelId !== "") {
+      obj.modelId = message.modelId;
+    }
+    if (message.requestId !== "") {
+      obj.requestId = message.requestId;
+    }
+    if (message.target !== "") {
+      obj.target = message.target;
+    }
+    if (message.drain !== false) {
+      obj.drain = message.drain;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<MigrateStreamsRequest>, I>>(base?: I): MigrateStreamsRequest {
+    return MigrateStreamsRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<MigrateStreamsRequest>, I>>(object: I): MigrateStreamsRequest {
+    const message = createBaseMigrateStreamsRequest();
+    message.modelId = object.modelId ?? "";
+    message.requestId = object.requestId ?? "";
+    message.target = object.target ?? "";
+    message.drain = object.drain ?? false;
+    return message;
+  },
+};
+
+function createBaseStreamMigration(): StreamMigration {
+  return { requestId: "", modelId: "", migrated: false, errorCode: "", errorMessage: "", handoffMs: 0 };
+}
+
+export const StreamMigration: MessageFns<StreamMigration> = {
+  encode(message: StreamMigration, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.requestId !== "") {
+      writer.uint32(10).string(message.requestId);
+    }
+    if (message.modelId !== "") {
+      writer.uint32(18).string(message.modelId);
+    }
+    if (message.migrated !== false) {
+      writer.uint32(24).bool(message.migrated);
+    }
+    if (message.errorCode !== "") {
+      writer.uint32(34).string(message.errorCode);
+    }
+    if (message.errorMessage !== "") {
+      writer.uint32(42).string(message.errorMessage);
+    }
+    if (message.handoffMs !== 0) {
+      writer.uint32(48).uint32(message.handoffMs);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): StreamMigration {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseStreamMigration();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.requestId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.modelId = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.migrated = reader.bool();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.errorCode = reader.string();
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.errorMessage = reader.string();
+            continue;
+          }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.handoffMs = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): StreamMigration {
+    return {
+      requestId: isSet(object.requestId)
+        ? globalThis.String(object.requestId)
+        : isSet(object.request_id)
+        ? globalThis.String(object.request_id)
+        : "",
+      modelId: isSet(object.modelId)
+        ? globalThis.String(object.modelId)
+        : isSet(object.model_id)
+        ? globalThis.String(object.model_id)
+        : "",
+      migrated: isSet(object.migrated) ? globalThis.Boolean(object.migrated) : false,
+      errorCode: isSet(object.errorCode)
+        ? globalThis.String(object.errorCode)
+        : isSet(object.error_code)
+        ? globalThis.String(object.error_code)
+        : "",
+      errorMessage: isSet(object.errorMessage)
+        ? globalThis.String(object.errorMessage)
+        : isSet(object.error_message)
+        ? globalThis.String(object.error_message)
+        : "",
+      handoffMs: isSet(object.handoffMs)
+        ? globalThis.Number(object.handoffMs)
+        : isSet(object.handoff_ms)
+        ? globalThis.Number(object.handoff_ms)
+        : 0,
+    };
+  },
+
+  toJSON(message: StreamMigration): unknown {
+    const obj: any = {};
+    if (message.requestId !== "") {
+      obj.requestId = message.requestId;
+    }
+    if (message.modelId !== "") {
+      obj.modelId = message.modelId;
+    }
+    if (message.migrated !== false) {
+      obj.migrated = message.migrated;
+    }
+    if (message.errorCode !== "") {
+      obj.errorCode = message.errorCode;
+    }
+    if (message.errorMessage !== "") {
+      obj.errorMessage = message.errorMessage;
+    }
+    if (message.handoffMs !== 0) {
+      obj.handoffMs = Math.round(message.handoffMs);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<StreamMigration>, I>>(base?: I): StreamMigration {
+    return StreamMigration.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<StreamMigration>, I>>(object: I): StreamMigration {
+    const message = createBaseStreamMigration();
+    message.requestId = object.requestId ?? "";
+    message.modelId = object.modelId ?? "";
+    message.migrated = object.migrated ?? false;
+    message.errorCode = object.errorCode ?? "";
+    message.errorMessage = object.errorMessage ?? "";
+    message.handoffMs = object.handoffMs ?? 0;
+    return message;
+  },
+};
+
+function createBaseMigrateStreamsResponse(): MigrateStreamsResponse {
+  return { streams: [], migrated: 0, refused: 0 };
+}
+
+export const MigrateStreamsResponse: MessageFns<MigrateStreamsResponse> = {
+  encode(message: MigrateStreamsResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    for (const v of message.streams) {
+      StreamMigration.encode(v!, writer.uint32(10).fork()).join();
+    }
+    if (message.migrated !== 0) {
+      writer.uint32(16).uint32(message.migrated);
+    }
+    if (message.refused !== 0) {
+      writer.uint32(24).uint32(message.refused);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): MigrateStreamsResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseMigrateStreamsResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.streams.push(StreamMigration.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.migrated = reader.uint32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.refused = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): MigrateStreamsResponse {
+    return {
+      streams: globalThis.Array.isArray(object?.streams)
+        ? object.streams.map((e: any) => StreamMigration.fromJSON(e))
+        : [],
+      migrated: isSet(object.migrated) ? globalThis.Number(object.migrated) : 0,
+      refused: isSet(object.refused) ? globalThis.Number(object.refused) : 0,
+    };
+  },
+
+  toJSON(message: MigrateStreamsResponse): unknown {
+    const obj: any = {};
+    if (message.streams?.length) {
+      obj.streams = message.streams.map((e) => StreamMigration.toJSON(e));
+    }
+    if (message.migrated !== 0) {
+      obj.migrated = Math.round(message.migrated);
+    }
+    if (message.refused !== 0) {
+      obj.refused = Math.round(message.refused);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<MigrateStreamsResponse>, I>>(base?: I): MigrateStreamsResponse {
+    return MigrateStreamsResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<MigrateStreamsResponse>, I>>(object: I): MigrateStreamsResponse {
+    const message = createBaseMigrateStreamsResponse();
+    message.streams = object.streams?.map((e) => StreamMigration.fromPartial(e)) || [];
+    message.migrated = object.migrated ?? 0;
+    message.refused = object.refused ?? 0;
+    return message;
+  },
+};
+
+function createBaseAcceptMigrationRequest(): AcceptMigrationRequest {
+  return {
+    modelId: "",
+    source: undefined,
+    request: undefined,
+    generatedTokenIds: [],
+    promptTokens: 0,
+    constraintStart: 0,
+  };
+}
+
+export const AcceptMigrationRequest: MessageFns<AcceptMigrationRequest> = {
+  encode(message: AcceptMigrationRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.modelId !== "") {
+      writer.uint32(10).string(message.modelId);
+    }
+    if (message.source !== undefined) {
+      KvSource.encode(message.source, writer.uint32(18).fork()).join();
+    }
+    if (message.request !== undefined) {
+      GenerateRequest.encode(message.request, writer.uint32(26).fork()).join();
+    }
+    if (message.generatedTokenIds.length !== 0) {
+      writer.uint32(34).fork();
+      for (const v of message.generatedTokenIds) {
+        writer.int32(v);
+      }
+      writer.join();
+    }
+    if (message.promptTokens !== 0) {
+      writer.uint32(40).uint32(message.promptTokens);
+    }
+    if (message.constraintStart !== 0) {
+      writer.uint32(48).uint32(message.constraintStart);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): AcceptMigrationRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseAcceptMigrationRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.modelId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.source = KvSource.decode(reader, reader.uint32());
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.request = GenerateRequest.decode(reader, reader.uint32());
+            continue;
+          }
+          case 4: {
+            if (tag === 32) {
+              message.generatedTokenIds.push(reader.int32());
+
+              continue;
+            }
+
+            if (tag === 34) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.generatedTokenIds.push(reader.int32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.promptTokens = reader.uint32();
+            continue;
+          }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.constraintStart = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): AcceptMigrationRequest {
+    return {
+      modelId: isSet(object.modelId)
+        ? globalThis.String(object.modelId)
+        : isSet(object.model_id)
+        ? globalThis.String(object.model_id)
+        : "",
+      source: isSet(object.source) ? KvSource.fromJSON(object.source) : undefined,
+      request: isSet(object.request) ? GenerateRequest.fromJSON(object.request) : undefined,
+      generatedTokenIds: globalThis.Array.isArray(object?.generatedTokenIds)
+        ? object.generatedTokenIds.map((e: any) => globalThis.Number(e))
+        : globalThis.Array.isArray(object?.generated_token_ids)
+        ? object.generated_token_ids.map((e: any) => globalThis.Number(e))
+        : [],
+      promptTokens: isSet(object.promptTokens)
+        ? globalThis.Number(object.promptTokens)
+        : isSet(object.prompt_tokens)
+        ? globalThis.Number(object.prompt_tokens)
+        : 0,
+      constraintStart: isSet(object.constraintStart)
+        ? globalThis.Number(object.constraintStart)
+        : isSet(object.constraint_start)
+        ? globalThis.Number(object.constraint_start)
+        : 0,
+    };
+  },
+
+  toJSON(message: AcceptMigrationRequest): unknown {
+    const obj: any = {};
+    if (message.modelId !== "") {
+      obj.modelId = message.modelId;
+    }
+    if (message.source !== undefined) {
+      obj.source = KvSource.toJSON(message.source);
+    }
+    if (message.request !== undefined) {
+      obj.request = GenerateRequest.toJSON(message.request);
+    }
+    if (message.generatedTokenIds?.length) {
+      obj.generatedTokenIds = message.generatedTokenIds.map((e) => Math.round(e));
+    }
+    if (message.promptTokens !== 0) {
+      obj.promptTokens = Math.round(message.promptTokens);
+    }
+    if (message.constraintStart !== 0) {
+      obj.constraintStart = Math.round(message.constraintStart);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<AcceptMigrationRequest>, I>>(base?: I): AcceptMigrationRequest {
+    return AcceptMigrationRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<AcceptMigrationRequest>, I>>(object: I): AcceptMigrationRequest {
+    const message = createBaseAcceptMigrationRequest();
+    message.modelId = object.modelId ?? "";
+    message.source = (object.source !== undefined && object.source !== null)
+      ? KvSource.fromPartial(object.source)
+      : undefined;
+    message.request = (object.request !== undefined && object.request !== null)
+      ? GenerateRequest.fromPartial(object.request)
+      : undefined;
+    message.generatedTokenIds = object.generatedTokenIds?.map((e) => e) || [];
+    message.promptTokens = object.promptTokens ?? 0;
+    message.constraintStart = object.constraintStart ?? 0;
+    return message;
+  },
+};
+
+function createBaseAcceptMigrationResponse(): AcceptMigrationResponse {
+  return { resumeToken: "", importedTokens: 0, resumeDeadlineMs: 0 };
+}
+
+export const AcceptMigrationResponse: MessageFns<AcceptMigrationResponse> = {
+  encode(message: AcceptMigrationResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.resumeToken !== "") {
+      writer.uint32(10).string(message.resumeToken);
+    }
+    if (message.importedTokens !== 0) {
+      writer.uint32(16).uint32(message.importedTokens);
+    }
+    if (message.resumeDeadlineMs !== 0) {
+      writer.uint32(24).uint32(message.resumeDeadlineMs);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): AcceptMigrationResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseAcceptMigrationResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.resumeToken = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.importedTokens = reader.uint32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.resumeDeadlineMs = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): AcceptMigrationResponse {
+    return {
+      resumeToken: isSet(object.resumeToken)
+        ? globalThis.String(object.resumeToken)
+        : isSet(object.resume_token)
+        ? globalThis.String(object.resume_token)
+        : "",
+      importedTokens: isSet(object.importedTokens)
+        ? globalThis.Number(object.importedTokens)
+        : isSet(object.imported_tokens)
+        ? globalThis.Number(object.imported_tokens)
+        : 0,
+      resumeDeadlineMs: isSet(object.resumeDeadlineMs)
+        ? globalThis.Number(object.resumeDeadlineMs)
+        : isSet(object.resume_deadline_ms)
+        ? globalThis.Number(object.resume_deadline_ms)
+        : 0,
+    };
+  },
+
+  toJSON(message: AcceptMigrationResponse): unknown {
+    const obj: any = {};
+    if (message.resumeToken !== "") {
+      obj.resumeToken = message.resumeToken;
+    }
+    if (message.importedTokens !== 0) {
+      obj.importedTokens = Math.round(message.importedTokens);
+    }
+    if (message.resumeDeadlineMs !== 0) {
+      obj.resumeDeadlineMs = Math.round(message.resumeDeadlineMs);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<AcceptMigrationResponse>, I>>(base?: I): AcceptMigrationResponse {
+    return AcceptMigrationResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<AcceptMigrationResponse>, I>>(object: I): AcceptMigrationResponse {
+    const message = createBaseAcceptMigrationResponse();
+    message.resumeToken = object.resumeToken ?? "";
+    message.importedTokens = object.importedTokens ?? 0;
+    message.resumeDeadlineMs = object.resumeDeadlineMs ?? 0;
     return message;
   },
 };
@@ -9582,6 +10579,7 @@ function createBaseModelLoad(): ModelLoad {
     cachedBlocks: 0,
     prefixHitTokens: 0,
     prefixQueriedTokens: 0,
+    draining: false,
   };
 }
 
@@ -9637,6 +10635,9 @@ export const ModelLoad: MessageFns<ModelLoad> = {
     }
     if (message.prefixQueriedTokens !== 0) {
       writer.uint32(136).uint64(message.prefixQueriedTokens);
+    }
+    if (message.draining !== false) {
+      writer.uint32(144).bool(message.draining);
     }
     return writer;
   },
@@ -9790,6 +10791,14 @@ export const ModelLoad: MessageFns<ModelLoad> = {
             message.prefixQueriedTokens = longToNumber(reader.uint64());
             continue;
           }
+          case 18: {
+            if (tag !== 144) {
+              break;
+            }
+
+            message.draining = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -9889,6 +10898,7 @@ export const ModelLoad: MessageFns<ModelLoad> = {
         : isSet(object.prefix_queried_tokens)
         ? globalThis.Number(object.prefix_queried_tokens)
         : 0,
+      draining: isSet(object.draining) ? globalThis.Boolean(object.draining) : false,
     };
   },
 
@@ -9945,6 +10955,9 @@ export const ModelLoad: MessageFns<ModelLoad> = {
     if (message.prefixQueriedTokens !== 0) {
       obj.prefixQueriedTokens = Math.round(message.prefixQueriedTokens);
     }
+    if (message.draining !== false) {
+      obj.draining = message.draining;
+    }
     return obj;
   },
 
@@ -9974,6 +10987,7 @@ export const ModelLoad: MessageFns<ModelLoad> = {
     message.cachedBlocks = object.cachedBlocks ?? 0;
     message.prefixHitTokens = object.prefixHitTokens ?? 0;
     message.prefixQueriedTokens = object.prefixQueriedTokens ?? 0;
+    message.draining = object.draining ?? false;
     return message;
   },
 };
@@ -14119,6 +15133,40 @@ export const ModelExecutorService = {
       Buffer.from(ListAdaptersResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): ListAdaptersResponse => ListAdaptersResponse.decode(value),
   },
+  /**
+   * Move running `Generate` streams to another server (`target`, one of this server's KV peers)
+   * without losing or repeating a token: each stream stops at a step boundary, the target pulls
+   * its KV (`AcceptMigration`) and the stream ends here with a `GenerateMigrated` event that the
+   * caller follows to the target. A stream the target refuses goes on here. An admin RPC.
+   */
+  migrateStreams: {
+    path: "/ferrum.executor.v1.ModelExecutor/MigrateStreams" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: MigrateStreamsRequest): Buffer =>
+      Buffer.from(MigrateStreamsRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): MigrateStreamsRequest => MigrateStreamsRequest.decode(value),
+    responseSerialize: (value: MigrateStreamsResponse): Buffer =>
+      Buffer.from(MigrateStreamsResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): MigrateStreamsResponse => MigrateStreamsResponse.decode(value),
+  },
+  /**
+   * Server to server: take over one stream from the calling server (the stream's KV is pulled
+   * from `source`, its decode state comes in the request) and hold it for the caller's resume
+   * (`GenerateRequest.resume_token`). Only a call authenticated with one of this server's KV peer
+   * tokens, from a configured KV peer, is accepted (PERMISSION_DENIED otherwise).
+   */
+  acceptMigration: {
+    path: "/ferrum.executor.v1.ModelExecutor/AcceptMigration" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: AcceptMigrationRequest): Buffer =>
+      Buffer.from(AcceptMigrationRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): AcceptMigrationRequest => AcceptMigrationRequest.decode(value),
+    responseSerialize: (value: AcceptMigrationResponse): Buffer =>
+      Buffer.from(AcceptMigrationResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): AcceptMigrationResponse => AcceptMigrationResponse.decode(value),
+  },
 } as const;
 
 export interface ModelExecutorServer extends UntypedServiceImplementation {
@@ -14268,6 +15316,20 @@ export interface ModelExecutorServer extends UntypedServiceImplementation {
   unloadAdapter: handleUnaryCall<UnloadAdapterRequest, UnloadAdapterResponse>;
   /** The adapters registered on a model (all models when `model_id` is empty). */
   listAdapters: handleUnaryCall<ListAdaptersRequest, ListAdaptersResponse>;
+  /**
+   * Move running `Generate` streams to another server (`target`, one of this server's KV peers)
+   * without losing or repeating a token: each stream stops at a step boundary, the target pulls
+   * its KV (`AcceptMigration`) and the stream ends here with a `GenerateMigrated` event that the
+   * caller follows to the target. A stream the target refuses goes on here. An admin RPC.
+   */
+  migrateStreams: handleUnaryCall<MigrateStreamsRequest, MigrateStreamsResponse>;
+  /**
+   * Server to server: take over one stream from the calling server (the stream's KV is pulled
+   * from `source`, its decode state comes in the request) and hold it for the caller's resume
+   * (`GenerateRequest.resume_token`). Only a call authenticated with one of this server's KV peer
+   * tokens, from a configured KV peer, is accepted (PERMISSION_DENIED otherwise).
+   */
+  acceptMigration: handleUnaryCall<AcceptMigrationRequest, AcceptMigrationResponse>;
 }
 
 export interface ModelExecutorClient extends Client {
@@ -14869,6 +15931,48 @@ export interface ModelExecutorClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: ListAdaptersResponse) => void,
   ): ClientUnaryCall;
+  /**
+   * Move running `Generate` streams to another server (`target`, one of this server's KV peers)
+   * without losing or repeating a token: each stream stops at a step boundary, the target pulls
+   * its KV (`AcceptMigration`) and the stream ends here with a `GenerateMigrated` event that the
+   * caller follows to the target. A stream the target refuses goes on here. An admin RPC.
+   */
+  migrateStreams(
+    request: MigrateStreamsRequest,
+    callback: (error: ServiceError | null, response: MigrateStreamsResponse) => void,
+  ): ClientUnaryCall;
+  migrateStreams(
+    request: MigrateStreamsRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: MigrateStreamsResponse) => void,
+  ): ClientUnaryCall;
+  migrateStreams(
+    request: MigrateStreamsRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: MigrateStreamsResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * Server to server: take over one stream from the calling server (the stream's KV is pulled
+   * from `source`, its decode state comes in the request) and hold it for the caller's resume
+   * (`GenerateRequest.resume_token`). Only a call authenticated with one of this server's KV peer
+   * tokens, from a configured KV peer, is accepted (PERMISSION_DENIED otherwise).
+   */
+  acceptMigration(
+    request: AcceptMigrationRequest,
+    callback: (error: ServiceError | null, response: AcceptMigrationResponse) => void,
+  ): ClientUnaryCall;
+  acceptMigration(
+    request: AcceptMigrationRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: AcceptMigrationResponse) => void,
+  ): ClientUnaryCall;
+  acceptMigration(
+    request: AcceptMigrationRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: AcceptMigrationResponse) => void,
+  ): ClientUnaryCall;
 }
 
 export const ModelExecutorClient = makeGenericClientConstructor(
@@ -14907,12 +16011,6 @@ type Exact<P, I extends P> = P extends Builtin ? P
 
 function longToNumber(int64: { toString(): string }): number {
   const num = globalThis.Number(int64.toString());
-  if (num > globalThis.Number.MAX_SAFE_INTEGER) {
-    throw new globalThis.Error("Value is larger than Number.MAX_SAFE_INTEGER");
-  }
-  if (num < globalThis.Number.MIN_SAFE_INTEGER) {
-    throw new globalThis.Error("Value is smaller than Number.MIN_SAFE_INTEGER");
-  }
   return num;
 }
 

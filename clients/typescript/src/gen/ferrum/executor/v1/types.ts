@@ -5748,12 +5748,6 @@ type Exact<P, I extends P> = P extends Builtin ? P
 
 function longToNumber(int64: { toString(): string }): number {
   const num = globalThis.Number(int64.toString());
-  if (num > globalThis.Number.MAX_SAFE_INTEGER) {
-    throw new globalThis.Error("Value is larger than Number.MAX_SAFE_INTEGER");
-  }
-  if (num < globalThis.Number.MIN_SAFE_INTEGER) {
-    throw new globalThis.Error("Value is smaller than Number.MIN_SAFE_INTEGER");
-  }
   return num;
 }
 
