@@ -21,7 +21,8 @@ import os
 import threading
 import time
 
-from .common import Server, median, write_rows
+from .common import Server, median
+from .schema import row, write_rows
 from .llama_cpp_rows import DRIFT_LIMIT, timed_row
 
 PARAGRAPH = (
@@ -118,14 +119,20 @@ def main(argv=None) -> int:
             acc = median([r["acceptance"] for r in spec])
             drift = max(drifts)
             flag = "busy" if drift > DRIFT_LIMIT else ""
-            rows.append((f"{a.model}: Generate n-gram speculation ÷ plain, {task} task, {b} stream(s), "
-                         f"{a.max_tokens} tokens", f"{ss:.1f}", f"{ps:.1f}", f"{ss / ps:.2f}", target, f"{acc:.2f}",
-                         str(same), f"{100 * drift:.0f} %", flag))
+            rows.append(row(f"{a.model}: Generate n-gram speculation ÷ plain, {task} task, {b} stream(s), "
+                            f"{a.max_tokens} tokens", round(ss, 1), round(ps, 1), round(ss / ps, 2),
+                            None if target == "reported" else target,
+                            target_value=1.5 if target == "≥ 1.5x" else None, drift=round(drift, 3),
+                            unit="tok/s", acceptance=round(acc, 2), greedy_identical=bool(same),
+                            note="server-side speculation ÷ plain Generate, sides alternated; acceptance "
+                                 f"{acc:.2f}; greedy output identical: {same}"))
             raw["rows"][f"{task}_b{b}"] = {
                 "attempts": attempt + 1, "drifts": drifts, "tokens0": plain[0]["tokens"][0],
                 "plain": [{k: v for k, v in r.items() if k != "tokens"} for r in plain],
                 "spec": [{k: v for k, v in r.items() if k != "tokens"} for r in spec]}
-            print(f"| {' | '.join(rows[-1])} |", flush=True)
+            r = rows[-1]
+            print(f"| {r['name']} | {r['ours']} | {r['peer']} | {r['ratio']} | {r['target'] or ''} | "
+                  f"{acc:.2f} | {same} | {100 * drift:.0f} % | {flag} |", flush=True)
     write_rows(f"speculation_rows-{a.model}", rows, raw)
     return 0
 
