@@ -161,6 +161,9 @@ class ContinuousBatcher:
         del self._decode_queue[:max_batch]
         prefills: list[_Pending] = []
         self._chunks = []
+        if any(p.inp.draft for p in decodes) and not self._fits([], decodes):
+            for p in decodes:  # drafts past the step's ceilings: this step verifies none
+                p.inp.draft = []
         tokens = 0
         room = max_batch - len(decodes)
         while self._prefill_queue and len(prefills) < room:
@@ -210,8 +213,8 @@ class ContinuousBatcher:
         for k, inp in enumerate([c for c, _ in self._chunks] + list(extra)):
             past = reg.get(inp.cache_id).num_tokens if inp.cache_id in reg else cached[k] if k < len(cached) else 0
             rows.append((len(inp.token_ids) - (0 if inp.cache_id else past), past))
-        for p in decodes:
-            rows.append((1, reg.get(p.inp.cache_id).num_tokens if p.inp.cache_id in reg else 0))
+        for p in decodes:  # a speculating stream's row also carries its drafts
+            rows.append((1 + len(p.inp.draft), reg.get(p.inp.cache_id).num_tokens if p.inp.cache_id in reg else 0))
         cost = self.host.executor.step_cost(rows, len(rows))
         return ((not lim.max_step_tokens or cost.positions <= lim.max_step_tokens)
                 and (not lim.max_step_bytes or cost.scratch_bytes <= lim.max_step_bytes))

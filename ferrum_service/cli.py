@@ -33,6 +33,8 @@ SERVE_FLAGS = {
                         "transformers; on llama.cpp 10% of the available memory, at most n_seq training contexts)"),
     "max_message_bytes": (int, 64 * 1024 * 1024, "largest gRPC message accepted or sent"),
     "max_batch": (int, 64, "most Generate streams batched into one decode step"),
+    "speculation_draft_tokens": (int, 0, "server-side n-gram speculation for Generate requests that set no "
+                                 "`speculation` option: draft tokens per step (0 = off; at most 16)"),
     "grace_period": (float, 20.0, "seconds in-flight streams get on SIGTERM"),
     "cache_ttl": (float, 600.0, "seconds an ownerless cache (made by unary RPCs) may sit idle before it is "
                   "reclaimed (0 = never)"),
@@ -264,7 +266,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admin_tokens=_read_tokens(st["admin_token_file"]) or
         ([os.environ["FERRUM_ADMIN_TOKEN"]] if os.environ.get("FERRUM_ADMIN_TOKEN") else []),
         max_batch=st["max_batch"], cache_ttl=st["cache_ttl"], origin_idle_ttl=st["origin_idle_ttl"],
-        max_queue=st["max_queue"],
+        max_queue=st["max_queue"], speculation_draft_tokens=st["speculation_draft_tokens"],
         open_admin_rpcs=st["open_admin_rpcs"], max_step_bytes=st["max_step_bytes"],
         max_text_bytes=st["max_text_bytes"], otlp_endpoint=st["otlp_endpoint"], role=st["role"],
         kv_event_replay_bytes=st["kv_event_replay_bytes"], max_kv_event_subscribers=st["max_kv_event_subscribers"],

@@ -17,7 +17,7 @@ import time
 import grpc
 from typing import TYPE_CHECKING, AsyncIterator
 
-from . import errors, tracing
+from . import errors, speculation, tracing
 from .convert import check_token, check_tokens, handle_pb, pb, sampling_params
 from .guided import GuideState, _matcher
 from .streams import StreamState
@@ -117,6 +117,9 @@ class _Sample:
         self.out_ids: list[int] = []
         self.generated = 0
         self.finish = pb.FINISH_REASON_UNSPECIFIED
+        self.drafter: speculation.NgramDrafter | None = None  # server-side speculation (speculation.py)
+        self.draft_tokens = 0
+        self.accepted_drafts = 0
         self.migrated = False  # the stream moved to a peer (ended with GenerateMigrated)
 
 
@@ -160,6 +163,9 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
     if n > 1 and not host.executor.capabilities().supports_fork:
         raise errors.unsupported(f"n > 1: model {host.model_id!r} cannot fork caches (ForkCache)")
     salt = checks.salt(req.cache_salt, "cache_salt")
+    spec = speculation.request_config(req, getattr(host, "speculation_default", 0))
+    if spec is not None and not speculation.usable(LogitsPolicy(sampling=sp), host.executor):
+        spec = None  # decodes plainly (documented in the contract)
     policy = LogitsPolicy(mode=OutputMode.SAMPLED_TOKEN, sampling=sp, top_logprobs=int(req.top_logprobs))
     max_tokens = int(req.stop.max_tokens) or DEFAULT_MAX_TOKENS
     stop_ids = set(check_tokens(req.stop.stop_token_ids, host.vocab_size, "stop.stop_token_ids", allow_empty=True))
@@ -276,9 +282,13 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
                 return moved
 
             async def run(s: _Sample) -> AsyncIterator[pb.GenerateResponse]:
+                if spec is not None:
+                    s.drafter = speculation.NgramDrafter(spec, reg.get(s.cache_id).tokens)
                 async for ev in _decode_loop(host, req, state, s, pipeline, max_tokens, stop_ids, eos_ids,
                                              mover if not state.unmovable else None):
                     yield ev
+                if not pipeline:
+                    await _drop_unfed(host, s, prior + (len(prompt) if prompt else 1))
                 finished[0] += 1
                 if s.migrated:
                     return
@@ -356,27 +366,44 @@ async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool
     try:
         while True:
             state.check_aborted()
-            token = row.token_id
-            s.generated += 1
-            s.out_ids.append(token)
-            piece = s.detok.push(token) if s.detok is not None else ""
-            ev = pb.TokenEvent(token_id=token, logprob=row.logprob, index=s.generated - 1,
-                               text=piece if req.stream_text else "", sample_index=s.index)
-            for t, lp in row.top:
-                ev.top_logprobs.add(token_id=t, logprob=lp)
-            if token in stop_ids:
-                s.finish = pb.FINISH_REASON_STOP
-            elif token in eos_ids:
-                s.finish = pb.FINISH_REASON_EOS
-            elif s.detok is not None and _stop_sequence_in(s.detok.text, piece, req.stop.stop_sequences):
-                s.finish = pb.FINISH_REASON_STOP
-            elif s.generated >= max_tokens:
-                s.finish = pb.FINISH_REASON_LENGTH
-            nxt = DecodeInput(cache_id=s.cache_id, token_id=token, policy=s.policy)
+            events = []
+            for r in [row] + row.extra:  # more than one token when drafts were accepted
+                token = r.token_id
+                s.generated += 1
+                s.out_ids.append(token)
+                piece = s.detok.push(token) if s.detok is not None else ""
+                ev = pb.TokenEvent(token_id=token, logprob=r.logprob, index=s.generated - 1,
+                                   text=piece if req.stream_text else "", sample_index=s.index)
+                for t, lp in r.top:
+                    ev.top_logprobs.add(token_id=t, logprob=lp)
+                events.append(ev)
+                if token in stop_ids:
+                    s.finish = pb.FINISH_REASON_STOP
+                elif token in eos_ids:
+                    s.finish = pb.FINISH_REASON_EOS
+                elif s.detok is not None and _stop_sequence_in(s.detok.text, piece, req.stop.stop_sequences):
+                    s.finish = pb.FINISH_REASON_STOP
+                elif s.generated >= max_tokens:
+                    s.finish = pb.FINISH_REASON_LENGTH
+                if s.finish != pb.FINISH_REASON_UNSPECIFIED:
+                    break
+            draft: list[int] = []
+            if s.drafter is not None:
+                if row.drafted:
+                    s.draft_tokens += row.drafted
+                    s.accepted_drafts += len(row.extra)
+                    speculation.stats_of(host).record(row.drafted, len(row.extra))
+                    s.drafter.feedback(row.drafted, len(row.extra))
+                s.drafter.extend([ev.token_id for ev in events])
+                if s.finish == pb.FINISH_REASON_UNSPECIFIED:
+                    # each draft token may become one more output token: never past max_tokens
+                    draft = s.drafter.propose(max_tokens - s.generated - 1)
+            nxt = DecodeInput(cache_id=s.cache_id, token_id=token, policy=s.policy, draft=draft)
             moving = mover is not None and bool(state.move_to)
             if pipeline and s.finish == pb.FINISH_REASON_UNSPECIFIED and not moving:
                 pending = asyncio.ensure_future(host.batcher.decode(nxt))
-            yield pb.GenerateResponse(token=ev)
+            for ev in events:
+                yield pb.GenerateResponse(token=ev)
             if s.finish != pb.FINISH_REASON_UNSPECIFIED:
                 return
             state.check_aborted()
@@ -396,11 +423,21 @@ async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool
             pending.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
+async def _drop_unfed(host, s: _Sample, start: int) -> None:
+    """A kept cache holds every output token but the last (as after plain decoding): a stream
+    that stopped inside a step's accepted drafts drops the drafts after its last token."""
+    reg = host.executor.registry
+    want = start + s.generated - 1
+    if s.drafter is not None and s.cache_id in reg and reg.get(s.cache_id).num_tokens > want:
+        await host.call(host.executor.truncate_kv, s.cache_id, want, admit=False)
+
+
 def _finished(host, req, s: _Sample, prompt_tokens: int, ttft: int, t_start: int, tok, keep: bool
               ) -> pb.GenerateFinished:
     fin = pb.GenerateFinished(
         finish_reason=s.finish, prompt_tokens=prompt_tokens, generated_tokens=s.generated,
         time_to_first_token_ns=ttft, total_ns=time.perf_counter_ns() - t_start, sample_index=s.index,
+        draft_tokens=s.draft_tokens, accepted_draft_tokens=s.accepted_drafts,
     )
     if req.stream_text and s.detok is not None:
         fin.text = s.detok.text  # exactly the streamed pieces (a trailing partial UTF-8 char is dropped)

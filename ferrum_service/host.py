@@ -31,6 +31,7 @@ from .executors.base import ModelExecutor
 from .guided import mask_rows, overlapping, prepare_masks, refuse_broken
 from .progress import Progress
 from .sampling import RowResult, process_rows
+from .speculation import sample_verified
 from .types import DecodeInput, PrefillInput
 
 
@@ -295,5 +296,7 @@ class ModelHost:
         policies = [i.policy for i in prefills + decodes]
         entries = [reg.get(c.cache_id) for c in caches]
         problems = mask_rows(ex, entries, logits, policies, prepared, len(pre))
+        if any(i.draft for i in decodes):
+            return pre, dec, sample_verified(ex, len(pre), decodes, logits, policies, entries), problems
         rows = process_rows(logits, policies, [e.tokens for e in entries], [c.num_tokens for c in caches])
         return pre, dec, rows, problems

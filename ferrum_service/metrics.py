@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .speculation import stats_of
+
 if TYPE_CHECKING:
     from .host import ModelHost
     from .models import ModelSet
@@ -45,6 +47,7 @@ class Metrics:
             self._model_gauges(models)
             r.register(_ReclaimedCollector(models))
             r.register(_PrefixCollector(models))
+            r.register(_SpeculationCollector(models))
             r.register(_LoraCollector(models))
 
     def _model_gauges(self, models: "ModelSet") -> None:
@@ -163,6 +166,32 @@ class _PrefixCollector:
             c = CounterMetricFamily(name, help_, labels=["model"])
             for host in self.models:
                 c.add_metric([host.model_id], getattr(host.executor.prefix.stats, attr))
+            yield c
+
+
+class _SpeculationCollector:
+    """Server-side speculation in ``Generate`` (speculation.py), per model:
+    ``ferrum_speculation_draft_tokens_total`` (drafts verified),
+    ``ferrum_speculation_accepted_tokens_total`` (drafts accepted; acceptance rate = accepted /
+    draft) and ``ferrum_speculation_verify_rows_total`` (speculative rows run)."""
+
+    _NAMES = (("ferrum_speculation_draft_tokens", "Draft tokens Generate's n-gram speculation verified",
+               "draft_tokens"),
+              ("ferrum_speculation_accepted_tokens", "Draft tokens accepted (equal to the token drawn there)",
+               "accepted_tokens"),
+              ("ferrum_speculation_verify_rows", "Speculative rows (a token plus its drafts) run", "verify_rows"))
+
+    def __init__(self, models: "ModelSet") -> None:
+        self.models = list(models)
+
+    def describe(self):
+        return [CounterMetricFamily(n, h, labels=["model"]) for n, h, _ in self._NAMES]
+
+    def collect(self):
+        for name, help_, attr in self._NAMES:
+            c = CounterMetricFamily(name, help_, labels=["model"])
+            for host in self.models:
+                c.add_metric([host.model_id], getattr(stats_of(host), attr))
             yield c
 
 

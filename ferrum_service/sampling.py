@@ -33,6 +33,10 @@ class RowResult:
     logits: bytes | None = None
     logits_dtype: str = "fp32"
     vocab: int = 0
+    # Server-side speculation (``speculation.py``): the tokens the same step produced after this
+    # one (accepted drafts, then the next sampled token) and how many drafts it verified.
+    extra: list["RowResult"] = field(default_factory=list)
+    drafted: int = 0
 
 
 def encode_row(row: torch.Tensor, dtype: str) -> bytes:

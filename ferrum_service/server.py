@@ -68,6 +68,7 @@ class ServerConfig:
     # long are reclaimed, before cache_ttl (0 = off; capped at cache_ttl); see leases.py
     origin_idle_ttl: float = 60.0
     max_queue: int = 256  # steps that may wait for one model's worker (0 = unbounded)
+    speculation_draft_tokens: int = 0  # Generate's default server-side speculation (0 = off; speculation.py)
     open_admin_rpcs: bool = False  # Warmup/Shutdown for any caller when no admin token is configured
     max_step_bytes: int = 2 * 1024**3  # transient memory one forward may need (0 = no limit)
     max_text_bytes: int = 1024 * 1024  # text one request may ask to tokenize
@@ -130,11 +131,14 @@ class Server:
             raise ValueError("origin_idle_ttl must be >= 0 (0 = off)")
         if cfg.max_queue < 0:
             raise ValueError("max_queue must be >= 0 (0 = unbounded)")
+        if cfg.speculation_draft_tokens < 0:
+            raise ValueError("speculation_draft_tokens must be >= 0 (0 = off)")
         if min(cfg.max_caches, cfg.max_caches_per_caller, cfg.max_compile_seconds, cfg.stall_timeout) < 0:
             raise ValueError("max_caches, max_caches_per_caller, max_compile_seconds and stall_timeout must be >= 0")
         for host in models:
             cap_model(host, cfg.max_caches)
             host.max_queue = cfg.max_queue
+            host.speculation_default = cfg.speculation_draft_tokens
             host.limits.max_step_bytes = cfg.max_step_bytes
             host.limits.max_response_bytes = cfg.max_message_bytes
             host.limits.max_text_bytes = cfg.max_text_bytes

@@ -121,6 +121,9 @@ class DecodeInput:
     policy: LogitsPolicy = field(default_factory=LogitsPolicy)
     position: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Server-side speculation (``speculation.py``): draft tokens fed after ``token_id`` in the same
+    # row; the output's logits are then ``[1 + len(draft), V]``, row i the output after token i.
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -142,6 +142,8 @@ class ModelExecutor(abc.ABC):
     kind: str = "abstract"
     #: True = calls are cheap enough to run on the event loop thread (no worker-thread hop).
     inline: bool = False
+    #: Decode steps may carry draft tokens (``DecodeInput.draft``) verified in the same forward.
+    supports_draft_rows: bool = False
 
     registry: CacheRegistry
     #: The LoRA adapters registered on this model (``lora.AdapterSet``); None = it serves none.

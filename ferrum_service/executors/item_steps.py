@@ -46,6 +46,10 @@ class StepItem:
 class ItemStepExecutor(ModelExecutor):
     """Prefill / decode / mixed / unified / verify steps as one ``_step`` over items."""
 
+    #: A decode step may carry draft tokens (``DecodeInput.draft``): one multi-token row in the
+    #: same forward as the other rows.
+    supports_draft_rows = True
+
     @abc.abstractmethod
     def _step(self, items: list[StepItem], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
         """Admit, run one forward over ``items`` and commit them (nothing on failure)."""
@@ -137,6 +141,9 @@ class ItemStepExecutor(ModelExecutor):
                 raise errors.failed_precondition(
                     f"{field}.position: the cache holds {entry.num_tokens} tokens, so the token is written at "
                     f"{entry.num_tokens}, not {inp.position}", field=f"{field}.position")
+            if inp.draft:  # a speculative row: every position's logits verify the drafts
+                items.append(StepItem(entry, [int(inp.token_id)] + [int(t) for t in inp.draft], "all"))
+                continue
             items.append(StepItem(entry, [int(inp.token_id)], "last" if inp.policy.needs_logits else "none"))
         return items
 

@@ -138,7 +138,8 @@ def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, t
                      top_logprobs: int = 0, keep_cache: bool = False, stream_text: bool = False,
                      request_id: str = "", cache_salt: str = "", bypass_prefix_cache: bool = False,
                      n: int = 1, constraint: tpb.OutputConstraint | None = None,
-                     adapter: str = "", resume_token: str = "") -> pb.GenerateRequest:
+                     adapter: str = "", resume_token: str = "",
+                     speculation: "pb.SpeculationOptions | int | None" = None) -> pb.GenerateRequest:
     """``GenerateRequest``: the prompt as ``token_ids``, ``text`` or ``chat`` (or continue
     ``cache_id`` from ``last_token_id``). ``n`` samples of one prompt share its prefilled KV
     (events carry ``sample_index``; sample ``i`` uses seed ``seed + i * 0x9E3779B9``); ``cache_salt`` /
@@ -146,7 +147,9 @@ def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, t
     (:func:`constraint`) makes the output follow a JSON schema, regex, grammar or choice list;
     ``adapter`` names the LoRA adapter to generate with (as in :func:`prefill_input`; continuing
     ``cache_id``, "" = the cache's own); ``resume_token`` resumes a stream another server moved here
-    (``GenerateMigrated``; the clients' ``generate`` follows those by itself)."""
+    (``GenerateMigrated``; the clients' ``generate`` follows those by itself); ``speculation``:
+    server-side n-gram speculation, a ``SpeculationOptions`` or its ``max_draft_tokens`` (None = the
+    server's default)."""
     req = pb.GenerateRequest(
         model_id=model_id, cache_id=cache_id,
         sampling=sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -166,4 +169,8 @@ def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, t
             req.chat.messages.add(role=role, content=content)
     if last_token_id is not None:
         req.last_token_id = last_token_id
+    if isinstance(speculation, int):
+        req.speculation.max_draft_tokens = speculation
+    elif speculation is not None:
+        req.speculation.CopyFrom(speculation)
     return req

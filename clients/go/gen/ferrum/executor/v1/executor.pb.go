@@ -3751,7 +3751,10 @@ type GenerateRequest struct {
 	// stream goes on with its original settings, and its next token event has index
 	// `GenerateMigrated.generated_tokens`. Single use, only by the caller that started the stream,
 	// within `GenerateMigrated.resume_deadline_ms`; any other token is NOT_FOUND.
-	ResumeToken   string `protobuf:"bytes,17,opt,name=resume_token,json=resumeToken,proto3" json:"resume_token,omitempty"`
+	ResumeToken string `protobuf:"bytes,17,opt,name=resume_token,json=resumeToken,proto3" json:"resume_token,omitempty"`
+	// Server-side speculative decoding for this request (see `SpeculationOptions`). Unset = the
+	// server's default (`--speculation-draft-tokens`, off unless set).
+	Speculation   *SpeculationOptions `protobuf:"bytes,18,opt,name=speculation,proto3" json:"speculation,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3918,6 +3921,13 @@ func (x *GenerateRequest) GetResumeToken() string {
 	return ""
 }
 
+func (x *GenerateRequest) GetSpeculation() *SpeculationOptions {
+	if x != nil {
+		return x.Speculation
+	}
+	return nil
+}
+
 type isGenerateRequest_Prompt interface {
 	isGenerateRequest_Prompt()
 }
@@ -3942,6 +3952,86 @@ func (*GenerateRequest_Text) isGenerateRequest_Prompt() {}
 
 func (*GenerateRequest_Chat) isGenerateRequest_Prompt() {}
 
+// Server-side speculation: an n-gram (prompt-lookup) drafter proposes the tokens that followed the
+// latest earlier occurrence of the sequence's last n tokens (prompt and output), and each step
+// verifies them in the same batched forward as the other streams' tokens. Output is what plain
+// decoding gives: greedy identical, seeded sampling token-identical (same seed, same tokens),
+// unseeded sampling distributed the same (the speculative acceptance rule). A request with a
+// structured-output constraint, or on an executor without multi-token decode rows, decodes
+// plainly (its `GenerateFinished.draft_tokens` stays 0).
+type SpeculationOptions struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Turn speculation off for this request (also when the server enables it by default).
+	Disabled bool `protobuf:"varint,1,opt,name=disabled,proto3" json:"disabled,omitempty"`
+	// Draft tokens proposed per step; 0 = the server's default (4 when it has none); values above
+	// 16 are capped at 16. Never more than the tokens left to `stop.max_tokens`.
+	MaxDraftTokens uint32 `protobuf:"varint,2,opt,name=max_draft_tokens,json=maxDraftTokens,proto3" json:"max_draft_tokens,omitempty"`
+	// n-gram sizes looked up, longest first: `min_ngram..max_ngram`, each in 1..8 (0 = 1 and
+	// max(min_ngram, 3)); out of range or min > max is INVALID_ARGUMENT naming the field.
+	MinNgram      uint32 `protobuf:"varint,3,opt,name=min_ngram,json=minNgram,proto3" json:"min_ngram,omitempty"`
+	MaxNgram      uint32 `protobuf:"varint,4,opt,name=max_ngram,json=maxNgram,proto3" json:"max_ngram,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SpeculationOptions) Reset() {
+	*x = SpeculationOptions{}
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[59]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SpeculationOptions) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SpeculationOptions) ProtoMessage() {}
+
+func (x *SpeculationOptions) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[59]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SpeculationOptions.ProtoReflect.Descriptor instead.
+func (*SpeculationOptions) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{59}
+}
+
+func (x *SpeculationOptions) GetDisabled() bool {
+	if x != nil {
+		return x.Disabled
+	}
+	return false
+}
+
+func (x *SpeculationOptions) GetMaxDraftTokens() uint32 {
+	if x != nil {
+		return x.MaxDraftTokens
+	}
+	return 0
+}
+
+func (x *SpeculationOptions) GetMinNgram() uint32 {
+	if x != nil {
+		return x.MinNgram
+	}
+	return 0
+}
+
+func (x *SpeculationOptions) GetMaxNgram() uint32 {
+	if x != nil {
+		return x.MaxNgram
+	}
+	return 0
+}
+
 // The first event: the prompt was prefilled.
 type GenerateStarted struct {
 	state        protoimpl.MessageState `protogen:"open.v1"`
@@ -3959,7 +4049,7 @@ type GenerateStarted struct {
 
 func (x *GenerateStarted) Reset() {
 	*x = GenerateStarted{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[59]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3971,7 +4061,7 @@ func (x *GenerateStarted) String() string {
 func (*GenerateStarted) ProtoMessage() {}
 
 func (x *GenerateStarted) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[59]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3984,7 +4074,7 @@ func (x *GenerateStarted) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateStarted.ProtoReflect.Descriptor instead.
 func (*GenerateStarted) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{59}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *GenerateStarted) GetCache() *KvCacheHandle {
@@ -4040,7 +4130,7 @@ type TokenEvent struct {
 
 func (x *TokenEvent) Reset() {
 	*x = TokenEvent{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[60]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4052,7 +4142,7 @@ func (x *TokenEvent) String() string {
 func (*TokenEvent) ProtoMessage() {}
 
 func (x *TokenEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[60]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4065,7 +4155,7 @@ func (x *TokenEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenEvent.ProtoReflect.Descriptor instead.
 func (*TokenEvent) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{60}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *TokenEvent) GetTokenId() int32 {
@@ -4126,14 +4216,19 @@ type GenerateFinished struct {
 	TotalNs            uint64 `protobuf:"varint,7,opt,name=total_ns,json=totalNs,proto3" json:"total_ns,omitempty"`
 	// Which sample ended (`GenerateRequest.n`; 0 for a single sample). The stream ends after the
 	// last sample's `finished` event.
-	SampleIndex   uint32 `protobuf:"varint,8,opt,name=sample_index,json=sampleIndex,proto3" json:"sample_index,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	SampleIndex uint32 `protobuf:"varint,8,opt,name=sample_index,json=sampleIndex,proto3" json:"sample_index,omitempty"`
+	// Server-side speculation (`GenerateRequest.speculation`): draft tokens this sample's steps
+	// verified, and how many of them were accepted (acceptance rate = accepted / draft; both 0
+	// without speculation).
+	DraftTokens         uint32 `protobuf:"varint,9,opt,name=draft_tokens,json=draftTokens,proto3" json:"draft_tokens,omitempty"`
+	AcceptedDraftTokens uint32 `protobuf:"varint,10,opt,name=accepted_draft_tokens,json=acceptedDraftTokens,proto3" json:"accepted_draft_tokens,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *GenerateFinished) Reset() {
 	*x = GenerateFinished{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[61]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4145,7 +4240,7 @@ func (x *GenerateFinished) String() string {
 func (*GenerateFinished) ProtoMessage() {}
 
 func (x *GenerateFinished) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[61]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4158,7 +4253,7 @@ func (x *GenerateFinished) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateFinished.ProtoReflect.Descriptor instead.
 func (*GenerateFinished) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{61}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *GenerateFinished) GetFinishReason() FinishReason {
@@ -4217,6 +4312,20 @@ func (x *GenerateFinished) GetSampleIndex() uint32 {
 	return 0
 }
 
+func (x *GenerateFinished) GetDraftTokens() uint32 {
+	if x != nil {
+		return x.DraftTokens
+	}
+	return 0
+}
+
+func (x *GenerateFinished) GetAcceptedDraftTokens() uint32 {
+	if x != nil {
+		return x.AcceptedDraftTokens
+	}
+	return 0
+}
+
 type GenerateResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Event:
@@ -4232,7 +4341,7 @@ type GenerateResponse struct {
 
 func (x *GenerateResponse) Reset() {
 	*x = GenerateResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[62]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4244,7 +4353,7 @@ func (x *GenerateResponse) String() string {
 func (*GenerateResponse) ProtoMessage() {}
 
 func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[62]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4257,7 +4366,7 @@ func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateResponse.ProtoReflect.Descriptor instead.
 func (*GenerateResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{62}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *GenerateResponse) GetEvent() isGenerateResponse_Event {
@@ -4351,7 +4460,7 @@ type GenerateMigrated struct {
 
 func (x *GenerateMigrated) Reset() {
 	*x = GenerateMigrated{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[63]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4363,7 +4472,7 @@ func (x *GenerateMigrated) String() string {
 func (*GenerateMigrated) ProtoMessage() {}
 
 func (x *GenerateMigrated) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[63]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4376,7 +4485,7 @@ func (x *GenerateMigrated) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateMigrated.ProtoReflect.Descriptor instead.
 func (*GenerateMigrated) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{63}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *GenerateMigrated) GetTarget() string {
@@ -4426,7 +4535,7 @@ type MigrateStreamsRequest struct {
 
 func (x *MigrateStreamsRequest) Reset() {
 	*x = MigrateStreamsRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4438,7 +4547,7 @@ func (x *MigrateStreamsRequest) String() string {
 func (*MigrateStreamsRequest) ProtoMessage() {}
 
 func (x *MigrateStreamsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[64]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4451,7 +4560,7 @@ func (x *MigrateStreamsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MigrateStreamsRequest.ProtoReflect.Descriptor instead.
 func (*MigrateStreamsRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{64}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *MigrateStreamsRequest) GetModelId() string {
@@ -4500,7 +4609,7 @@ type StreamMigration struct {
 
 func (x *StreamMigration) Reset() {
 	*x = StreamMigration{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4512,7 +4621,7 @@ func (x *StreamMigration) String() string {
 func (*StreamMigration) ProtoMessage() {}
 
 func (x *StreamMigration) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[65]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4525,7 +4634,7 @@ func (x *StreamMigration) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StreamMigration.ProtoReflect.Descriptor instead.
 func (*StreamMigration) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{65}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *StreamMigration) GetRequestId() string {
@@ -4581,7 +4690,7 @@ type MigrateStreamsResponse struct {
 
 func (x *MigrateStreamsResponse) Reset() {
 	*x = MigrateStreamsResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4593,7 +4702,7 @@ func (x *MigrateStreamsResponse) String() string {
 func (*MigrateStreamsResponse) ProtoMessage() {}
 
 func (x *MigrateStreamsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[66]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4606,7 +4715,7 @@ func (x *MigrateStreamsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MigrateStreamsResponse.ProtoReflect.Descriptor instead.
 func (*MigrateStreamsResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{66}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *MigrateStreamsResponse) GetStreams() []*StreamMigration {
@@ -4653,7 +4762,7 @@ type AcceptMigrationRequest struct {
 
 func (x *AcceptMigrationRequest) Reset() {
 	*x = AcceptMigrationRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4665,7 +4774,7 @@ func (x *AcceptMigrationRequest) String() string {
 func (*AcceptMigrationRequest) ProtoMessage() {}
 
 func (x *AcceptMigrationRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[67]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4678,7 +4787,7 @@ func (x *AcceptMigrationRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AcceptMigrationRequest.ProtoReflect.Descriptor instead.
 func (*AcceptMigrationRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{67}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *AcceptMigrationRequest) GetModelId() string {
@@ -4734,7 +4843,7 @@ type AcceptMigrationResponse struct {
 
 func (x *AcceptMigrationResponse) Reset() {
 	*x = AcceptMigrationResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4746,7 +4855,7 @@ func (x *AcceptMigrationResponse) String() string {
 func (*AcceptMigrationResponse) ProtoMessage() {}
 
 func (x *AcceptMigrationResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[68]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4759,7 +4868,7 @@ func (x *AcceptMigrationResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AcceptMigrationResponse.ProtoReflect.Descriptor instead.
 func (*AcceptMigrationResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{68}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *AcceptMigrationResponse) GetResumeToken() string {
@@ -4805,7 +4914,7 @@ type SessionRequest struct {
 
 func (x *SessionRequest) Reset() {
 	*x = SessionRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4817,7 +4926,7 @@ func (x *SessionRequest) String() string {
 func (*SessionRequest) ProtoMessage() {}
 
 func (x *SessionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[69]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4830,7 +4939,7 @@ func (x *SessionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionRequest.ProtoReflect.Descriptor instead.
 func (*SessionRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{69}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *SessionRequest) GetStepId() uint64 {
@@ -5008,7 +5117,7 @@ type SessionResponse struct {
 
 func (x *SessionResponse) Reset() {
 	*x = SessionResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5020,7 +5129,7 @@ func (x *SessionResponse) String() string {
 func (*SessionResponse) ProtoMessage() {}
 
 func (x *SessionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[70]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5033,7 +5142,7 @@ func (x *SessionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionResponse.ProtoReflect.Descriptor instead.
 func (*SessionResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{70}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *SessionResponse) GetStepId() uint64 {
@@ -5215,7 +5324,7 @@ type LoadsRequest struct {
 
 func (x *LoadsRequest) Reset() {
 	*x = LoadsRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5227,7 +5336,7 @@ func (x *LoadsRequest) String() string {
 func (*LoadsRequest) ProtoMessage() {}
 
 func (x *LoadsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[71]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5240,7 +5349,7 @@ func (x *LoadsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadsRequest.ProtoReflect.Descriptor instead.
 func (*LoadsRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{71}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *LoadsRequest) GetModelId() string {
@@ -5262,7 +5371,7 @@ type LatencySummary struct {
 
 func (x *LatencySummary) Reset() {
 	*x = LatencySummary{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5274,7 +5383,7 @@ func (x *LatencySummary) String() string {
 func (*LatencySummary) ProtoMessage() {}
 
 func (x *LatencySummary) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[72]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5287,7 +5396,7 @@ func (x *LatencySummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LatencySummary.ProtoReflect.Descriptor instead.
 func (*LatencySummary) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{72}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *LatencySummary) GetP50Ns() uint64 {
@@ -5346,7 +5455,7 @@ type ModelLoad struct {
 
 func (x *ModelLoad) Reset() {
 	*x = ModelLoad{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5358,7 +5467,7 @@ func (x *ModelLoad) String() string {
 func (*ModelLoad) ProtoMessage() {}
 
 func (x *ModelLoad) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[73]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5371,7 +5480,7 @@ func (x *ModelLoad) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ModelLoad.ProtoReflect.Descriptor instead.
 func (*ModelLoad) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{73}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *ModelLoad) GetModelId() string {
@@ -5511,7 +5620,7 @@ type LoadsResponse struct {
 
 func (x *LoadsResponse) Reset() {
 	*x = LoadsResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5523,7 +5632,7 @@ func (x *LoadsResponse) String() string {
 func (*LoadsResponse) ProtoMessage() {}
 
 func (x *LoadsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[74]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5536,7 +5645,7 @@ func (x *LoadsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadsResponse.ProtoReflect.Descriptor instead.
 func (*LoadsResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{74}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *LoadsResponse) GetLoads() []*ModelLoad {
@@ -5563,7 +5672,7 @@ type ListCachesRequest struct {
 
 func (x *ListCachesRequest) Reset() {
 	*x = ListCachesRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[75]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5575,7 +5684,7 @@ func (x *ListCachesRequest) String() string {
 func (*ListCachesRequest) ProtoMessage() {}
 
 func (x *ListCachesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[75]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5588,7 +5697,7 @@ func (x *ListCachesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListCachesRequest.ProtoReflect.Descriptor instead.
 func (*ListCachesRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{75}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *ListCachesRequest) GetModelId() string {
@@ -5609,7 +5718,7 @@ type ListCachesResponse struct {
 
 func (x *ListCachesResponse) Reset() {
 	*x = ListCachesResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[76]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5621,7 +5730,7 @@ func (x *ListCachesResponse) String() string {
 func (*ListCachesResponse) ProtoMessage() {}
 
 func (x *ListCachesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[76]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5634,7 +5743,7 @@ func (x *ListCachesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListCachesResponse.ProtoReflect.Descriptor instead.
 func (*ListCachesResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{76}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *ListCachesResponse) GetCaches() []*KvCacheHandle {
@@ -5668,7 +5777,7 @@ type KvEvent struct {
 
 func (x *KvEvent) Reset() {
 	*x = KvEvent{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[77]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5680,7 +5789,7 @@ func (x *KvEvent) String() string {
 func (*KvEvent) ProtoMessage() {}
 
 func (x *KvEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[77]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5693,7 +5802,7 @@ func (x *KvEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvEvent.ProtoReflect.Descriptor instead.
 func (*KvEvent) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{77}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *KvEvent) GetSeq() uint64 {
@@ -5753,7 +5862,7 @@ type SubscribeKvEventsRequest struct {
 
 func (x *SubscribeKvEventsRequest) Reset() {
 	*x = SubscribeKvEventsRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[78]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5765,7 +5874,7 @@ func (x *SubscribeKvEventsRequest) String() string {
 func (*SubscribeKvEventsRequest) ProtoMessage() {}
 
 func (x *SubscribeKvEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[78]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5778,7 +5887,7 @@ func (x *SubscribeKvEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeKvEventsRequest.ProtoReflect.Descriptor instead.
 func (*SubscribeKvEventsRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{78}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *SubscribeKvEventsRequest) GetModelId() string {
@@ -5823,7 +5932,7 @@ type KvBlockStored struct {
 
 func (x *KvBlockStored) Reset() {
 	*x = KvBlockStored{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[79]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5835,7 +5944,7 @@ func (x *KvBlockStored) String() string {
 func (*KvBlockStored) ProtoMessage() {}
 
 func (x *KvBlockStored) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[79]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5848,7 +5957,7 @@ func (x *KvBlockStored) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvBlockStored.ProtoReflect.Descriptor instead.
 func (*KvBlockStored) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{79}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *KvBlockStored) GetBlockHashes() [][]byte {
@@ -5896,7 +6005,7 @@ type KvBlockRemoved struct {
 
 func (x *KvBlockRemoved) Reset() {
 	*x = KvBlockRemoved{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[80]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5908,7 +6017,7 @@ func (x *KvBlockRemoved) String() string {
 func (*KvBlockRemoved) ProtoMessage() {}
 
 func (x *KvBlockRemoved) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[80]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5921,7 +6030,7 @@ func (x *KvBlockRemoved) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvBlockRemoved.ProtoReflect.Descriptor instead.
 func (*KvBlockRemoved) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{80}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *KvBlockRemoved) GetBlockHashes() [][]byte {
@@ -5940,7 +6049,7 @@ type KvBlocksCleared struct {
 
 func (x *KvBlocksCleared) Reset() {
 	*x = KvBlocksCleared{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[81]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5952,7 +6061,7 @@ func (x *KvBlocksCleared) String() string {
 func (*KvBlocksCleared) ProtoMessage() {}
 
 func (x *KvBlocksCleared) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[81]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5965,7 +6074,7 @@ func (x *KvBlocksCleared) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvBlocksCleared.ProtoReflect.Descriptor instead.
 func (*KvBlocksCleared) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{81}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{82}
 }
 
 // One prefix-cache block event.
@@ -5987,7 +6096,7 @@ type KvBlockEvent struct {
 
 func (x *KvBlockEvent) Reset() {
 	*x = KvBlockEvent{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[82]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5999,7 +6108,7 @@ func (x *KvBlockEvent) String() string {
 func (*KvBlockEvent) ProtoMessage() {}
 
 func (x *KvBlockEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[82]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6012,7 +6121,7 @@ func (x *KvBlockEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvBlockEvent.ProtoReflect.Descriptor instead.
 func (*KvBlockEvent) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{82}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{83}
 }
 
 func (x *KvBlockEvent) GetSeq() uint64 {
@@ -6105,7 +6214,7 @@ type ResyncRequired struct {
 
 func (x *ResyncRequired) Reset() {
 	*x = ResyncRequired{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[83]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6117,7 +6226,7 @@ func (x *ResyncRequired) String() string {
 func (*ResyncRequired) ProtoMessage() {}
 
 func (x *ResyncRequired) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[83]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6130,7 +6239,7 @@ func (x *ResyncRequired) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResyncRequired.ProtoReflect.Descriptor instead.
 func (*ResyncRequired) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{83}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *ResyncRequired) GetRequestedSeq() uint64 {
@@ -6168,7 +6277,7 @@ type SubscribeKvEventsResponse struct {
 
 func (x *SubscribeKvEventsResponse) Reset() {
 	*x = SubscribeKvEventsResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[84]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[85]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6180,7 +6289,7 @@ func (x *SubscribeKvEventsResponse) String() string {
 func (*SubscribeKvEventsResponse) ProtoMessage() {}
 
 func (x *SubscribeKvEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[84]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[85]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6193,7 +6302,7 @@ func (x *SubscribeKvEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeKvEventsResponse.ProtoReflect.Descriptor instead.
 func (*SubscribeKvEventsResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{84}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{85}
 }
 
 func (x *SubscribeKvEventsResponse) GetMessage() isSubscribeKvEventsResponse_Message {
@@ -6267,7 +6376,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[85]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[86]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6279,7 +6388,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[85]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[86]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6292,7 +6401,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{85}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{86}
 }
 
 func (x *AbortRequest) GetModelId() string {
@@ -6357,7 +6466,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[86]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[87]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6369,7 +6478,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[86]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[87]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6382,7 +6491,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{86}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{87}
 }
 
 func (x *AbortResponse) GetAbortedStreams() uint32 {
@@ -6417,7 +6526,7 @@ type ExportKvRequest struct {
 
 func (x *ExportKvRequest) Reset() {
 	*x = ExportKvRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[87]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[88]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6429,7 +6538,7 @@ func (x *ExportKvRequest) String() string {
 func (*ExportKvRequest) ProtoMessage() {}
 
 func (x *ExportKvRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[87]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[88]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6442,7 +6551,7 @@ func (x *ExportKvRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExportKvRequest.ProtoReflect.Descriptor instead.
 func (*ExportKvRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{87}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{88}
 }
 
 func (x *ExportKvRequest) GetModelId() string {
@@ -6537,7 +6646,7 @@ type KvTransferHeader struct {
 
 func (x *KvTransferHeader) Reset() {
 	*x = KvTransferHeader{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[88]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[89]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6549,7 +6658,7 @@ func (x *KvTransferHeader) String() string {
 func (*KvTransferHeader) ProtoMessage() {}
 
 func (x *KvTransferHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[88]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[89]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6562,7 +6671,7 @@ func (x *KvTransferHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvTransferHeader.ProtoReflect.Descriptor instead.
 func (*KvTransferHeader) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{88}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{89}
 }
 
 func (x *KvTransferHeader) GetModelId() string {
@@ -6720,7 +6829,7 @@ type KvChunk struct {
 
 func (x *KvChunk) Reset() {
 	*x = KvChunk{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[89]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[90]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6732,7 +6841,7 @@ func (x *KvChunk) String() string {
 func (*KvChunk) ProtoMessage() {}
 
 func (x *KvChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[89]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[90]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6745,7 +6854,7 @@ func (x *KvChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvChunk.ProtoReflect.Descriptor instead.
 func (*KvChunk) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{89}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{90}
 }
 
 func (x *KvChunk) GetIndex() uint32 {
@@ -6810,7 +6919,7 @@ type ExportKvResponse struct {
 
 func (x *ExportKvResponse) Reset() {
 	*x = ExportKvResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[90]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[91]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6822,7 +6931,7 @@ func (x *ExportKvResponse) String() string {
 func (*ExportKvResponse) ProtoMessage() {}
 
 func (x *ExportKvResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[90]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[91]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6835,7 +6944,7 @@ func (x *ExportKvResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExportKvResponse.ProtoReflect.Descriptor instead.
 func (*ExportKvResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{90}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{91}
 }
 
 func (x *ExportKvResponse) GetMessage() isExportKvResponse_Message {
@@ -6907,7 +7016,7 @@ type KvSource struct {
 
 func (x *KvSource) Reset() {
 	*x = KvSource{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[91]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[92]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6919,7 +7028,7 @@ func (x *KvSource) String() string {
 func (*KvSource) ProtoMessage() {}
 
 func (x *KvSource) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[91]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[92]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6932,7 +7041,7 @@ func (x *KvSource) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvSource.ProtoReflect.Descriptor instead.
 func (*KvSource) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{91}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{92}
 }
 
 func (x *KvSource) GetTarget() string {
@@ -7013,7 +7122,7 @@ type ImportKvRequest struct {
 
 func (x *ImportKvRequest) Reset() {
 	*x = ImportKvRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[92]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[93]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7025,7 +7134,7 @@ func (x *ImportKvRequest) String() string {
 func (*ImportKvRequest) ProtoMessage() {}
 
 func (x *ImportKvRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[92]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[93]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7038,7 +7147,7 @@ func (x *ImportKvRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportKvRequest.ProtoReflect.Descriptor instead.
 func (*ImportKvRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{92}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{93}
 }
 
 func (x *ImportKvRequest) GetModelId() string {
@@ -7139,7 +7248,7 @@ type ImportKvResponse struct {
 
 func (x *ImportKvResponse) Reset() {
 	*x = ImportKvResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[93]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[94]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7151,7 +7260,7 @@ func (x *ImportKvResponse) String() string {
 func (*ImportKvResponse) ProtoMessage() {}
 
 func (x *ImportKvResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[93]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[94]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7164,7 +7273,7 @@ func (x *ImportKvResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportKvResponse.ProtoReflect.Descriptor instead.
 func (*ImportKvResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{93}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{94}
 }
 
 func (x *ImportKvResponse) GetCache() *KvCacheHandle {
@@ -7224,7 +7333,7 @@ type LoadAdapterRequest struct {
 
 func (x *LoadAdapterRequest) Reset() {
 	*x = LoadAdapterRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[94]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[95]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7236,7 +7345,7 @@ func (x *LoadAdapterRequest) String() string {
 func (*LoadAdapterRequest) ProtoMessage() {}
 
 func (x *LoadAdapterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[94]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[95]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7249,7 +7358,7 @@ func (x *LoadAdapterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadAdapterRequest.ProtoReflect.Descriptor instead.
 func (*LoadAdapterRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{94}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{95}
 }
 
 func (x *LoadAdapterRequest) GetModelId() string {
@@ -7286,7 +7395,7 @@ type LoadAdapterResponse struct {
 
 func (x *LoadAdapterResponse) Reset() {
 	*x = LoadAdapterResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[95]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[96]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7298,7 +7407,7 @@ func (x *LoadAdapterResponse) String() string {
 func (*LoadAdapterResponse) ProtoMessage() {}
 
 func (x *LoadAdapterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[95]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[96]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7311,7 +7420,7 @@ func (x *LoadAdapterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadAdapterResponse.ProtoReflect.Descriptor instead.
 func (*LoadAdapterResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{95}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{96}
 }
 
 func (x *LoadAdapterResponse) GetAdapter() *AdapterInfo {
@@ -7345,7 +7454,7 @@ type UnloadAdapterRequest struct {
 
 func (x *UnloadAdapterRequest) Reset() {
 	*x = UnloadAdapterRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[96]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[97]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7357,7 +7466,7 @@ func (x *UnloadAdapterRequest) String() string {
 func (*UnloadAdapterRequest) ProtoMessage() {}
 
 func (x *UnloadAdapterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[96]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[97]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7370,7 +7479,7 @@ func (x *UnloadAdapterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnloadAdapterRequest.ProtoReflect.Descriptor instead.
 func (*UnloadAdapterRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{96}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{97}
 }
 
 func (x *UnloadAdapterRequest) GetModelId() string {
@@ -7399,7 +7508,7 @@ type UnloadAdapterResponse struct {
 
 func (x *UnloadAdapterResponse) Reset() {
 	*x = UnloadAdapterResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[97]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[98]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7411,7 +7520,7 @@ func (x *UnloadAdapterResponse) String() string {
 func (*UnloadAdapterResponse) ProtoMessage() {}
 
 func (x *UnloadAdapterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[97]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[98]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7424,7 +7533,7 @@ func (x *UnloadAdapterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnloadAdapterResponse.ProtoReflect.Descriptor instead.
 func (*UnloadAdapterResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{97}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{98}
 }
 
 func (x *UnloadAdapterResponse) GetUnloaded() bool {
@@ -7451,7 +7560,7 @@ type ListAdaptersRequest struct {
 
 func (x *ListAdaptersRequest) Reset() {
 	*x = ListAdaptersRequest{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[98]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[99]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7463,7 +7572,7 @@ func (x *ListAdaptersRequest) String() string {
 func (*ListAdaptersRequest) ProtoMessage() {}
 
 func (x *ListAdaptersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[98]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[99]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7476,7 +7585,7 @@ func (x *ListAdaptersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAdaptersRequest.ProtoReflect.Descriptor instead.
 func (*ListAdaptersRequest) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{98}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{99}
 }
 
 func (x *ListAdaptersRequest) GetModelId() string {
@@ -7495,7 +7604,7 @@ type ListAdaptersResponse struct {
 
 func (x *ListAdaptersResponse) Reset() {
 	*x = ListAdaptersResponse{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[99]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[100]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7507,7 +7616,7 @@ func (x *ListAdaptersResponse) String() string {
 func (*ListAdaptersResponse) ProtoMessage() {}
 
 func (x *ListAdaptersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[99]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[100]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7520,7 +7629,7 @@ func (x *ListAdaptersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAdaptersResponse.ProtoReflect.Descriptor instead.
 func (*ListAdaptersResponse) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{99}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{100}
 }
 
 func (x *ListAdaptersResponse) GetAdapters() []*AdapterInfo {
@@ -7560,7 +7669,7 @@ type AdapterInfo struct {
 
 func (x *AdapterInfo) Reset() {
 	*x = AdapterInfo{}
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[100]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[101]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7572,7 +7681,7 @@ func (x *AdapterInfo) String() string {
 func (*AdapterInfo) ProtoMessage() {}
 
 func (x *AdapterInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[100]
+	mi := &file_ferrum_executor_v1_executor_proto_msgTypes[101]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7585,7 +7694,7 @@ func (x *AdapterInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdapterInfo.ProtoReflect.Descriptor instead.
 func (*AdapterInfo) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{100}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{101}
 }
 
 func (x *AdapterInfo) GetModelId() string {
@@ -7899,7 +8008,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x0estop_token_ids\x18\x02 \x03(\x05R\fstopTokenIds\x12\x1d\n" +
 	"\n" +
 	"ignore_eos\x18\x03 \x01(\bR\tignoreEos\x12%\n" +
-	"\x0estop_sequences\x18\x04 \x03(\tR\rstopSequences\"\xab\x05\n" +
+	"\x0estop_sequences\x18\x04 \x03(\tR\rstopSequences\"\xf5\x05\n" +
 	"\x0fGenerateRequest\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12;\n" +
 	"\ttoken_ids\x18\x02 \x01(\v2\x1c.ferrum.executor.v1.TokenIdsH\x00R\btokenIds\x12\x14\n" +
@@ -7922,9 +8031,15 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x13bypass_prefix_cache\x18\x0e \x01(\bR\x11bypassPrefixCache\x12\f\n" +
 	"\x01n\x18\x0f \x01(\rR\x01n\x12\x18\n" +
 	"\aadapter\x18\x10 \x01(\tR\aadapter\x12!\n" +
-	"\fresume_token\x18\x11 \x01(\tR\vresumeTokenB\b\n" +
+	"\fresume_token\x18\x11 \x01(\tR\vresumeToken\x12H\n" +
+	"\vspeculation\x18\x12 \x01(\v2&.ferrum.executor.v1.SpeculationOptionsR\vspeculationB\b\n" +
 	"\x06promptB\x10\n" +
-	"\x0e_last_token_id\"\xda\x01\n" +
+	"\x0e_last_token_id\"\x94\x01\n" +
+	"\x12SpeculationOptions\x12\x1a\n" +
+	"\bdisabled\x18\x01 \x01(\bR\bdisabled\x12(\n" +
+	"\x10max_draft_tokens\x18\x02 \x01(\rR\x0emaxDraftTokens\x12\x1b\n" +
+	"\tmin_ngram\x18\x03 \x01(\rR\bminNgram\x12\x1b\n" +
+	"\tmax_ngram\x18\x04 \x01(\rR\bmaxNgram\"\xda\x01\n" +
 	"\x0fGenerateStarted\x127\n" +
 	"\x05cache\x18\x01 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x12#\n" +
 	"\rprompt_tokens\x18\x02 \x01(\rR\fpromptTokens\x12\x1d\n" +
@@ -7939,7 +8054,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\ftop_logprobs\x18\x03 \x03(\v2 .ferrum.executor.v1.TokenLogprobR\vtopLogprobs\x12\x14\n" +
 	"\x05index\x18\x04 \x01(\rR\x05index\x12\x12\n" +
 	"\x04text\x18\x05 \x01(\tR\x04text\x12!\n" +
-	"\fsample_index\x18\x06 \x01(\rR\vsampleIndex\"\xe8\x02\n" +
+	"\fsample_index\x18\x06 \x01(\rR\vsampleIndex\"\xbf\x03\n" +
 	"\x10GenerateFinished\x12E\n" +
 	"\rfinish_reason\x18\x01 \x01(\x0e2 .ferrum.executor.v1.FinishReasonR\ffinishReason\x12#\n" +
 	"\rprompt_tokens\x18\x02 \x01(\rR\fpromptTokens\x12)\n" +
@@ -7948,7 +8063,10 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x04text\x18\x05 \x01(\tR\x04text\x122\n" +
 	"\x16time_to_first_token_ns\x18\x06 \x01(\x04R\x12timeToFirstTokenNs\x12\x19\n" +
 	"\btotal_ns\x18\a \x01(\x04R\atotalNs\x12!\n" +
-	"\fsample_index\x18\b \x01(\rR\vsampleIndex\"\x9c\x02\n" +
+	"\fsample_index\x18\b \x01(\rR\vsampleIndex\x12!\n" +
+	"\fdraft_tokens\x18\t \x01(\rR\vdraftTokens\x122\n" +
+	"\x15accepted_draft_tokens\x18\n" +
+	" \x01(\rR\x13acceptedDraftTokens\"\x9c\x02\n" +
 	"\x10GenerateResponse\x12?\n" +
 	"\astarted\x18\x01 \x01(\v2#.ferrum.executor.v1.GenerateStartedH\x00R\astarted\x126\n" +
 	"\x05token\x18\x02 \x01(\v2\x1e.ferrum.executor.v1.TokenEventH\x00R\x05token\x12B\n" +
@@ -8299,7 +8417,7 @@ func file_ferrum_executor_v1_executor_proto_rawDescGZIP() []byte {
 }
 
 var file_ferrum_executor_v1_executor_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_ferrum_executor_v1_executor_proto_msgTypes = make([]protoimpl.MessageInfo, 101)
+var file_ferrum_executor_v1_executor_proto_msgTypes = make([]protoimpl.MessageInfo, 102)
 var file_ferrum_executor_v1_executor_proto_goTypes = []any{
 	(FinishReason)(0),                 // 0: ferrum.executor.v1.FinishReason
 	(KvEventKind)(0),                  // 1: ferrum.executor.v1.KvEventKind
@@ -8363,255 +8481,257 @@ var file_ferrum_executor_v1_executor_proto_goTypes = []any{
 	(*ChatMessages)(nil),              // 59: ferrum.executor.v1.ChatMessages
 	(*StopConditions)(nil),            // 60: ferrum.executor.v1.StopConditions
 	(*GenerateRequest)(nil),           // 61: ferrum.executor.v1.GenerateRequest
-	(*GenerateStarted)(nil),           // 62: ferrum.executor.v1.GenerateStarted
-	(*TokenEvent)(nil),                // 63: ferrum.executor.v1.TokenEvent
-	(*GenerateFinished)(nil),          // 64: ferrum.executor.v1.GenerateFinished
-	(*GenerateResponse)(nil),          // 65: ferrum.executor.v1.GenerateResponse
-	(*GenerateMigrated)(nil),          // 66: ferrum.executor.v1.GenerateMigrated
-	(*MigrateStreamsRequest)(nil),     // 67: ferrum.executor.v1.MigrateStreamsRequest
-	(*StreamMigration)(nil),           // 68: ferrum.executor.v1.StreamMigration
-	(*MigrateStreamsResponse)(nil),    // 69: ferrum.executor.v1.MigrateStreamsResponse
-	(*AcceptMigrationRequest)(nil),    // 70: ferrum.executor.v1.AcceptMigrationRequest
-	(*AcceptMigrationResponse)(nil),   // 71: ferrum.executor.v1.AcceptMigrationResponse
-	(*SessionRequest)(nil),            // 72: ferrum.executor.v1.SessionRequest
-	(*SessionResponse)(nil),           // 73: ferrum.executor.v1.SessionResponse
-	(*LoadsRequest)(nil),              // 74: ferrum.executor.v1.LoadsRequest
-	(*LatencySummary)(nil),            // 75: ferrum.executor.v1.LatencySummary
-	(*ModelLoad)(nil),                 // 76: ferrum.executor.v1.ModelLoad
-	(*LoadsResponse)(nil),             // 77: ferrum.executor.v1.LoadsResponse
-	(*ListCachesRequest)(nil),         // 78: ferrum.executor.v1.ListCachesRequest
-	(*ListCachesResponse)(nil),        // 79: ferrum.executor.v1.ListCachesResponse
-	(*KvEvent)(nil),                   // 80: ferrum.executor.v1.KvEvent
-	(*SubscribeKvEventsRequest)(nil),  // 81: ferrum.executor.v1.SubscribeKvEventsRequest
-	(*KvBlockStored)(nil),             // 82: ferrum.executor.v1.KvBlockStored
-	(*KvBlockRemoved)(nil),            // 83: ferrum.executor.v1.KvBlockRemoved
-	(*KvBlocksCleared)(nil),           // 84: ferrum.executor.v1.KvBlocksCleared
-	(*KvBlockEvent)(nil),              // 85: ferrum.executor.v1.KvBlockEvent
-	(*ResyncRequired)(nil),            // 86: ferrum.executor.v1.ResyncRequired
-	(*SubscribeKvEventsResponse)(nil), // 87: ferrum.executor.v1.SubscribeKvEventsResponse
-	(*AbortRequest)(nil),              // 88: ferrum.executor.v1.AbortRequest
-	(*AbortResponse)(nil),             // 89: ferrum.executor.v1.AbortResponse
-	(*ExportKvRequest)(nil),           // 90: ferrum.executor.v1.ExportKvRequest
-	(*KvTransferHeader)(nil),          // 91: ferrum.executor.v1.KvTransferHeader
-	(*KvChunk)(nil),                   // 92: ferrum.executor.v1.KvChunk
-	(*ExportKvResponse)(nil),          // 93: ferrum.executor.v1.ExportKvResponse
-	(*KvSource)(nil),                  // 94: ferrum.executor.v1.KvSource
-	(*ImportKvRequest)(nil),           // 95: ferrum.executor.v1.ImportKvRequest
-	(*ImportKvResponse)(nil),          // 96: ferrum.executor.v1.ImportKvResponse
-	(*LoadAdapterRequest)(nil),        // 97: ferrum.executor.v1.LoadAdapterRequest
-	(*LoadAdapterResponse)(nil),       // 98: ferrum.executor.v1.LoadAdapterResponse
-	(*UnloadAdapterRequest)(nil),      // 99: ferrum.executor.v1.UnloadAdapterRequest
-	(*UnloadAdapterResponse)(nil),     // 100: ferrum.executor.v1.UnloadAdapterResponse
-	(*ListAdaptersRequest)(nil),       // 101: ferrum.executor.v1.ListAdaptersRequest
-	(*ListAdaptersResponse)(nil),      // 102: ferrum.executor.v1.ListAdaptersResponse
-	(*AdapterInfo)(nil),               // 103: ferrum.executor.v1.AdapterInfo
-	(*ModelInfo)(nil),                 // 104: ferrum.executor.v1.ModelInfo
-	(*ExecutorCapabilities)(nil),      // 105: ferrum.executor.v1.ExecutorCapabilities
-	(*ExecutorStatus)(nil),            // 106: ferrum.executor.v1.ExecutorStatus
-	(*ExecutorMetrics)(nil),           // 107: ferrum.executor.v1.ExecutorMetrics
-	(*KvCapacity)(nil),                // 108: ferrum.executor.v1.KvCapacity
-	(*ExecutorAdmissionLimits)(nil),   // 109: ferrum.executor.v1.ExecutorAdmissionLimits
-	(*LogitsPolicy)(nil),              // 110: ferrum.executor.v1.LogitsPolicy
-	(*structpb.Struct)(nil),           // 111: google.protobuf.Struct
-	(*KvCacheHandle)(nil),             // 112: ferrum.executor.v1.KvCacheHandle
-	(*LogitsOutput)(nil),              // 113: ferrum.executor.v1.LogitsOutput
-	(*Tensor)(nil),                    // 114: ferrum.executor.v1.Tensor
-	(*StepTimings)(nil),               // 115: ferrum.executor.v1.StepTimings
-	(DataType)(0),                     // 116: ferrum.executor.v1.DataType
-	(*KvSlotRequest)(nil),             // 117: ferrum.executor.v1.KvSlotRequest
-	(*KvSlotReservation)(nil),         // 118: ferrum.executor.v1.KvSlotReservation
-	(*KvSlotCapacitySnapshot)(nil),    // 119: ferrum.executor.v1.KvSlotCapacitySnapshot
-	(*SamplingParams)(nil),            // 120: ferrum.executor.v1.SamplingParams
-	(*TokenLogprob)(nil),              // 121: ferrum.executor.v1.TokenLogprob
-	(*StepError)(nil),                 // 122: ferrum.executor.v1.StepError
+	(*SpeculationOptions)(nil),        // 62: ferrum.executor.v1.SpeculationOptions
+	(*GenerateStarted)(nil),           // 63: ferrum.executor.v1.GenerateStarted
+	(*TokenEvent)(nil),                // 64: ferrum.executor.v1.TokenEvent
+	(*GenerateFinished)(nil),          // 65: ferrum.executor.v1.GenerateFinished
+	(*GenerateResponse)(nil),          // 66: ferrum.executor.v1.GenerateResponse
+	(*GenerateMigrated)(nil),          // 67: ferrum.executor.v1.GenerateMigrated
+	(*MigrateStreamsRequest)(nil),     // 68: ferrum.executor.v1.MigrateStreamsRequest
+	(*StreamMigration)(nil),           // 69: ferrum.executor.v1.StreamMigration
+	(*MigrateStreamsResponse)(nil),    // 70: ferrum.executor.v1.MigrateStreamsResponse
+	(*AcceptMigrationRequest)(nil),    // 71: ferrum.executor.v1.AcceptMigrationRequest
+	(*AcceptMigrationResponse)(nil),   // 72: ferrum.executor.v1.AcceptMigrationResponse
+	(*SessionRequest)(nil),            // 73: ferrum.executor.v1.SessionRequest
+	(*SessionResponse)(nil),           // 74: ferrum.executor.v1.SessionResponse
+	(*LoadsRequest)(nil),              // 75: ferrum.executor.v1.LoadsRequest
+	(*LatencySummary)(nil),            // 76: ferrum.executor.v1.LatencySummary
+	(*ModelLoad)(nil),                 // 77: ferrum.executor.v1.ModelLoad
+	(*LoadsResponse)(nil),             // 78: ferrum.executor.v1.LoadsResponse
+	(*ListCachesRequest)(nil),         // 79: ferrum.executor.v1.ListCachesRequest
+	(*ListCachesResponse)(nil),        // 80: ferrum.executor.v1.ListCachesResponse
+	(*KvEvent)(nil),                   // 81: ferrum.executor.v1.KvEvent
+	(*SubscribeKvEventsRequest)(nil),  // 82: ferrum.executor.v1.SubscribeKvEventsRequest
+	(*KvBlockStored)(nil),             // 83: ferrum.executor.v1.KvBlockStored
+	(*KvBlockRemoved)(nil),            // 84: ferrum.executor.v1.KvBlockRemoved
+	(*KvBlocksCleared)(nil),           // 85: ferrum.executor.v1.KvBlocksCleared
+	(*KvBlockEvent)(nil),              // 86: ferrum.executor.v1.KvBlockEvent
+	(*ResyncRequired)(nil),            // 87: ferrum.executor.v1.ResyncRequired
+	(*SubscribeKvEventsResponse)(nil), // 88: ferrum.executor.v1.SubscribeKvEventsResponse
+	(*AbortRequest)(nil),              // 89: ferrum.executor.v1.AbortRequest
+	(*AbortResponse)(nil),             // 90: ferrum.executor.v1.AbortResponse
+	(*ExportKvRequest)(nil),           // 91: ferrum.executor.v1.ExportKvRequest
+	(*KvTransferHeader)(nil),          // 92: ferrum.executor.v1.KvTransferHeader
+	(*KvChunk)(nil),                   // 93: ferrum.executor.v1.KvChunk
+	(*ExportKvResponse)(nil),          // 94: ferrum.executor.v1.ExportKvResponse
+	(*KvSource)(nil),                  // 95: ferrum.executor.v1.KvSource
+	(*ImportKvRequest)(nil),           // 96: ferrum.executor.v1.ImportKvRequest
+	(*ImportKvResponse)(nil),          // 97: ferrum.executor.v1.ImportKvResponse
+	(*LoadAdapterRequest)(nil),        // 98: ferrum.executor.v1.LoadAdapterRequest
+	(*LoadAdapterResponse)(nil),       // 99: ferrum.executor.v1.LoadAdapterResponse
+	(*UnloadAdapterRequest)(nil),      // 100: ferrum.executor.v1.UnloadAdapterRequest
+	(*UnloadAdapterResponse)(nil),     // 101: ferrum.executor.v1.UnloadAdapterResponse
+	(*ListAdaptersRequest)(nil),       // 102: ferrum.executor.v1.ListAdaptersRequest
+	(*ListAdaptersResponse)(nil),      // 103: ferrum.executor.v1.ListAdaptersResponse
+	(*AdapterInfo)(nil),               // 104: ferrum.executor.v1.AdapterInfo
+	(*ModelInfo)(nil),                 // 105: ferrum.executor.v1.ModelInfo
+	(*ExecutorCapabilities)(nil),      // 106: ferrum.executor.v1.ExecutorCapabilities
+	(*ExecutorStatus)(nil),            // 107: ferrum.executor.v1.ExecutorStatus
+	(*ExecutorMetrics)(nil),           // 108: ferrum.executor.v1.ExecutorMetrics
+	(*KvCapacity)(nil),                // 109: ferrum.executor.v1.KvCapacity
+	(*ExecutorAdmissionLimits)(nil),   // 110: ferrum.executor.v1.ExecutorAdmissionLimits
+	(*LogitsPolicy)(nil),              // 111: ferrum.executor.v1.LogitsPolicy
+	(*structpb.Struct)(nil),           // 112: google.protobuf.Struct
+	(*KvCacheHandle)(nil),             // 113: ferrum.executor.v1.KvCacheHandle
+	(*LogitsOutput)(nil),              // 114: ferrum.executor.v1.LogitsOutput
+	(*Tensor)(nil),                    // 115: ferrum.executor.v1.Tensor
+	(*StepTimings)(nil),               // 116: ferrum.executor.v1.StepTimings
+	(DataType)(0),                     // 117: ferrum.executor.v1.DataType
+	(*KvSlotRequest)(nil),             // 118: ferrum.executor.v1.KvSlotRequest
+	(*KvSlotReservation)(nil),         // 119: ferrum.executor.v1.KvSlotReservation
+	(*KvSlotCapacitySnapshot)(nil),    // 120: ferrum.executor.v1.KvSlotCapacitySnapshot
+	(*SamplingParams)(nil),            // 121: ferrum.executor.v1.SamplingParams
+	(*TokenLogprob)(nil),              // 122: ferrum.executor.v1.TokenLogprob
+	(*StepError)(nil),                 // 123: ferrum.executor.v1.StepError
 }
 var file_ferrum_executor_v1_executor_proto_depIdxs = []int32{
-	104, // 0: ferrum.executor.v1.InfoResponse.models:type_name -> ferrum.executor.v1.ModelInfo
+	105, // 0: ferrum.executor.v1.InfoResponse.models:type_name -> ferrum.executor.v1.ModelInfo
 	2,   // 1: ferrum.executor.v1.InfoResponse.role:type_name -> ferrum.executor.v1.ServerRole
-	105, // 2: ferrum.executor.v1.CapabilitiesResponse.capabilities:type_name -> ferrum.executor.v1.ExecutorCapabilities
-	106, // 3: ferrum.executor.v1.StatusResponse.status:type_name -> ferrum.executor.v1.ExecutorStatus
-	107, // 4: ferrum.executor.v1.StatusResponse.metrics:type_name -> ferrum.executor.v1.ExecutorMetrics
-	108, // 5: ferrum.executor.v1.KvCapacityResponse.capacity:type_name -> ferrum.executor.v1.KvCapacity
-	109, // 6: ferrum.executor.v1.AdmissionLimitsResponse.limits:type_name -> ferrum.executor.v1.ExecutorAdmissionLimits
-	110, // 7: ferrum.executor.v1.PrefillInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	111, // 8: ferrum.executor.v1.PrefillInput.metadata:type_name -> google.protobuf.Struct
-	112, // 9: ferrum.executor.v1.PrefillOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	113, // 10: ferrum.executor.v1.PrefillOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
-	113, // 11: ferrum.executor.v1.PrefillOutput.positions:type_name -> ferrum.executor.v1.LogitsOutput
-	114, // 12: ferrum.executor.v1.PrefillOutput.embedding:type_name -> ferrum.executor.v1.Tensor
+	106, // 2: ferrum.executor.v1.CapabilitiesResponse.capabilities:type_name -> ferrum.executor.v1.ExecutorCapabilities
+	107, // 3: ferrum.executor.v1.StatusResponse.status:type_name -> ferrum.executor.v1.ExecutorStatus
+	108, // 4: ferrum.executor.v1.StatusResponse.metrics:type_name -> ferrum.executor.v1.ExecutorMetrics
+	109, // 5: ferrum.executor.v1.KvCapacityResponse.capacity:type_name -> ferrum.executor.v1.KvCapacity
+	110, // 6: ferrum.executor.v1.AdmissionLimitsResponse.limits:type_name -> ferrum.executor.v1.ExecutorAdmissionLimits
+	111, // 7: ferrum.executor.v1.PrefillInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	112, // 8: ferrum.executor.v1.PrefillInput.metadata:type_name -> google.protobuf.Struct
+	113, // 9: ferrum.executor.v1.PrefillOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	114, // 10: ferrum.executor.v1.PrefillOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
+	114, // 11: ferrum.executor.v1.PrefillOutput.positions:type_name -> ferrum.executor.v1.LogitsOutput
+	115, // 12: ferrum.executor.v1.PrefillOutput.embedding:type_name -> ferrum.executor.v1.Tensor
 	13,  // 13: ferrum.executor.v1.PrefillRequest.input:type_name -> ferrum.executor.v1.PrefillInput
 	14,  // 14: ferrum.executor.v1.PrefillResponse.output:type_name -> ferrum.executor.v1.PrefillOutput
-	115, // 15: ferrum.executor.v1.PrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	116, // 15: ferrum.executor.v1.PrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
 	13,  // 16: ferrum.executor.v1.BatchPrefillRequest.inputs:type_name -> ferrum.executor.v1.PrefillInput
 	14,  // 17: ferrum.executor.v1.BatchPrefillResponse.outputs:type_name -> ferrum.executor.v1.PrefillOutput
-	115, // 18: ferrum.executor.v1.BatchPrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	110, // 19: ferrum.executor.v1.DecodeInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	111, // 20: ferrum.executor.v1.DecodeInput.metadata:type_name -> google.protobuf.Struct
-	112, // 21: ferrum.executor.v1.DecodeOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	113, // 22: ferrum.executor.v1.DecodeOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
+	116, // 18: ferrum.executor.v1.BatchPrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	111, // 19: ferrum.executor.v1.DecodeInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	112, // 20: ferrum.executor.v1.DecodeInput.metadata:type_name -> google.protobuf.Struct
+	113, // 21: ferrum.executor.v1.DecodeOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	114, // 22: ferrum.executor.v1.DecodeOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
 	19,  // 23: ferrum.executor.v1.DecodeRequest.input:type_name -> ferrum.executor.v1.DecodeInput
 	20,  // 24: ferrum.executor.v1.DecodeResponse.output:type_name -> ferrum.executor.v1.DecodeOutput
-	115, // 25: ferrum.executor.v1.DecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	116, // 25: ferrum.executor.v1.DecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
 	19,  // 26: ferrum.executor.v1.BatchDecodeRequest.inputs:type_name -> ferrum.executor.v1.DecodeInput
 	20,  // 27: ferrum.executor.v1.BatchDecodeResponse.outputs:type_name -> ferrum.executor.v1.DecodeOutput
-	115, // 28: ferrum.executor.v1.BatchDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	110, // 29: ferrum.executor.v1.UnifiedBatchItem.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	111, // 30: ferrum.executor.v1.UnifiedBatchItem.metadata:type_name -> google.protobuf.Struct
+	116, // 28: ferrum.executor.v1.BatchDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	111, // 29: ferrum.executor.v1.UnifiedBatchItem.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	112, // 30: ferrum.executor.v1.UnifiedBatchItem.metadata:type_name -> google.protobuf.Struct
 	25,  // 31: ferrum.executor.v1.UnifiedDecodeRequest.items:type_name -> ferrum.executor.v1.UnifiedBatchItem
-	112, // 32: ferrum.executor.v1.UnifiedItemResult.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	113, // 33: ferrum.executor.v1.UnifiedItemResult.output:type_name -> ferrum.executor.v1.LogitsOutput
+	113, // 32: ferrum.executor.v1.UnifiedItemResult.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	114, // 33: ferrum.executor.v1.UnifiedItemResult.output:type_name -> ferrum.executor.v1.LogitsOutput
 	27,  // 34: ferrum.executor.v1.UnifiedDecodeResponse.results:type_name -> ferrum.executor.v1.UnifiedItemResult
-	115, // 35: ferrum.executor.v1.UnifiedDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	114, // 36: ferrum.executor.v1.ForwardRequest.input:type_name -> ferrum.executor.v1.Tensor
-	116, // 37: ferrum.executor.v1.ForwardRequest.logits_dtype:type_name -> ferrum.executor.v1.DataType
-	114, // 38: ferrum.executor.v1.ForwardResponse.output:type_name -> ferrum.executor.v1.Tensor
-	115, // 39: ferrum.executor.v1.ForwardResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	110, // 40: ferrum.executor.v1.ForwardVerifyRequest.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	113, // 41: ferrum.executor.v1.ForwardVerifyResponse.outputs:type_name -> ferrum.executor.v1.LogitsOutput
-	112, // 42: ferrum.executor.v1.ForwardVerifyResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	115, // 43: ferrum.executor.v1.ForwardVerifyResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	112, // 44: ferrum.executor.v1.TruncateKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	112, // 45: ferrum.executor.v1.ForkCacheResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	117, // 46: ferrum.executor.v1.ReserveKvSlotsRequest.requests:type_name -> ferrum.executor.v1.KvSlotRequest
-	118, // 47: ferrum.executor.v1.ReserveKvSlotsResponse.reservation:type_name -> ferrum.executor.v1.KvSlotReservation
-	119, // 48: ferrum.executor.v1.KvSlotCapacityResponse.snapshot:type_name -> ferrum.executor.v1.KvSlotCapacitySnapshot
-	111, // 49: ferrum.executor.v1.CacheMetricsResponse.metrics:type_name -> google.protobuf.Struct
-	111, // 50: ferrum.executor.v1.LoraMetricsResponse.metrics:type_name -> google.protobuf.Struct
+	116, // 35: ferrum.executor.v1.UnifiedDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	115, // 36: ferrum.executor.v1.ForwardRequest.input:type_name -> ferrum.executor.v1.Tensor
+	117, // 37: ferrum.executor.v1.ForwardRequest.logits_dtype:type_name -> ferrum.executor.v1.DataType
+	115, // 38: ferrum.executor.v1.ForwardResponse.output:type_name -> ferrum.executor.v1.Tensor
+	116, // 39: ferrum.executor.v1.ForwardResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	111, // 40: ferrum.executor.v1.ForwardVerifyRequest.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	114, // 41: ferrum.executor.v1.ForwardVerifyResponse.outputs:type_name -> ferrum.executor.v1.LogitsOutput
+	113, // 42: ferrum.executor.v1.ForwardVerifyResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	116, // 43: ferrum.executor.v1.ForwardVerifyResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	113, // 44: ferrum.executor.v1.TruncateKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	113, // 45: ferrum.executor.v1.ForkCacheResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	118, // 46: ferrum.executor.v1.ReserveKvSlotsRequest.requests:type_name -> ferrum.executor.v1.KvSlotRequest
+	119, // 47: ferrum.executor.v1.ReserveKvSlotsResponse.reservation:type_name -> ferrum.executor.v1.KvSlotReservation
+	120, // 48: ferrum.executor.v1.KvSlotCapacityResponse.snapshot:type_name -> ferrum.executor.v1.KvSlotCapacitySnapshot
+	112, // 49: ferrum.executor.v1.CacheMetricsResponse.metrics:type_name -> google.protobuf.Struct
+	112, // 50: ferrum.executor.v1.LoraMetricsResponse.metrics:type_name -> google.protobuf.Struct
 	55,  // 51: ferrum.executor.v1.ApplyChatTemplateRequest.messages:type_name -> ferrum.executor.v1.ChatMessage
 	55,  // 52: ferrum.executor.v1.ChatMessages.messages:type_name -> ferrum.executor.v1.ChatMessage
 	58,  // 53: ferrum.executor.v1.GenerateRequest.token_ids:type_name -> ferrum.executor.v1.TokenIds
 	59,  // 54: ferrum.executor.v1.GenerateRequest.chat:type_name -> ferrum.executor.v1.ChatMessages
-	120, // 55: ferrum.executor.v1.GenerateRequest.sampling:type_name -> ferrum.executor.v1.SamplingParams
+	121, // 55: ferrum.executor.v1.GenerateRequest.sampling:type_name -> ferrum.executor.v1.SamplingParams
 	60,  // 56: ferrum.executor.v1.GenerateRequest.stop:type_name -> ferrum.executor.v1.StopConditions
-	112, // 57: ferrum.executor.v1.GenerateStarted.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	121, // 58: ferrum.executor.v1.TokenEvent.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
-	0,   // 59: ferrum.executor.v1.GenerateFinished.finish_reason:type_name -> ferrum.executor.v1.FinishReason
-	112, // 60: ferrum.executor.v1.GenerateFinished.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	62,  // 61: ferrum.executor.v1.GenerateResponse.started:type_name -> ferrum.executor.v1.GenerateStarted
-	63,  // 62: ferrum.executor.v1.GenerateResponse.token:type_name -> ferrum.executor.v1.TokenEvent
-	64,  // 63: ferrum.executor.v1.GenerateResponse.finished:type_name -> ferrum.executor.v1.GenerateFinished
-	66,  // 64: ferrum.executor.v1.GenerateResponse.migrated:type_name -> ferrum.executor.v1.GenerateMigrated
-	68,  // 65: ferrum.executor.v1.MigrateStreamsResponse.streams:type_name -> ferrum.executor.v1.StreamMigration
-	94,  // 66: ferrum.executor.v1.AcceptMigrationRequest.source:type_name -> ferrum.executor.v1.KvSource
-	61,  // 67: ferrum.executor.v1.AcceptMigrationRequest.request:type_name -> ferrum.executor.v1.GenerateRequest
-	15,  // 68: ferrum.executor.v1.SessionRequest.prefill:type_name -> ferrum.executor.v1.PrefillRequest
-	17,  // 69: ferrum.executor.v1.SessionRequest.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillRequest
-	21,  // 70: ferrum.executor.v1.SessionRequest.decode:type_name -> ferrum.executor.v1.DecodeRequest
-	23,  // 71: ferrum.executor.v1.SessionRequest.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeRequest
-	26,  // 72: ferrum.executor.v1.SessionRequest.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeRequest
-	31,  // 73: ferrum.executor.v1.SessionRequest.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyRequest
-	33,  // 74: ferrum.executor.v1.SessionRequest.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvRequest
-	35,  // 75: ferrum.executor.v1.SessionRequest.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheRequest
-	37,  // 76: ferrum.executor.v1.SessionRequest.fork_cache:type_name -> ferrum.executor.v1.ForkCacheRequest
-	16,  // 77: ferrum.executor.v1.SessionResponse.prefill:type_name -> ferrum.executor.v1.PrefillResponse
-	18,  // 78: ferrum.executor.v1.SessionResponse.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillResponse
-	22,  // 79: ferrum.executor.v1.SessionResponse.decode:type_name -> ferrum.executor.v1.DecodeResponse
-	24,  // 80: ferrum.executor.v1.SessionResponse.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeResponse
-	28,  // 81: ferrum.executor.v1.SessionResponse.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeResponse
-	32,  // 82: ferrum.executor.v1.SessionResponse.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyResponse
-	34,  // 83: ferrum.executor.v1.SessionResponse.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvResponse
-	36,  // 84: ferrum.executor.v1.SessionResponse.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheResponse
-	38,  // 85: ferrum.executor.v1.SessionResponse.fork_cache:type_name -> ferrum.executor.v1.ForkCacheResponse
-	122, // 86: ferrum.executor.v1.SessionResponse.error:type_name -> ferrum.executor.v1.StepError
-	75,  // 87: ferrum.executor.v1.ModelLoad.prefill_latency:type_name -> ferrum.executor.v1.LatencySummary
-	75,  // 88: ferrum.executor.v1.ModelLoad.decode_latency:type_name -> ferrum.executor.v1.LatencySummary
-	76,  // 89: ferrum.executor.v1.LoadsResponse.loads:type_name -> ferrum.executor.v1.ModelLoad
-	112, // 90: ferrum.executor.v1.ListCachesResponse.caches:type_name -> ferrum.executor.v1.KvCacheHandle
-	1,   // 91: ferrum.executor.v1.KvEvent.kind:type_name -> ferrum.executor.v1.KvEventKind
-	82,  // 92: ferrum.executor.v1.KvBlockEvent.stored:type_name -> ferrum.executor.v1.KvBlockStored
-	83,  // 93: ferrum.executor.v1.KvBlockEvent.removed:type_name -> ferrum.executor.v1.KvBlockRemoved
-	84,  // 94: ferrum.executor.v1.KvBlockEvent.cleared:type_name -> ferrum.executor.v1.KvBlocksCleared
-	80,  // 95: ferrum.executor.v1.SubscribeKvEventsResponse.event:type_name -> ferrum.executor.v1.KvEvent
-	86,  // 96: ferrum.executor.v1.SubscribeKvEventsResponse.resync_required:type_name -> ferrum.executor.v1.ResyncRequired
-	85,  // 97: ferrum.executor.v1.SubscribeKvEventsResponse.block_event:type_name -> ferrum.executor.v1.KvBlockEvent
-	116, // 98: ferrum.executor.v1.KvTransferHeader.kv_dtype:type_name -> ferrum.executor.v1.DataType
-	91,  // 99: ferrum.executor.v1.ExportKvResponse.header:type_name -> ferrum.executor.v1.KvTransferHeader
-	92,  // 100: ferrum.executor.v1.ExportKvResponse.chunk:type_name -> ferrum.executor.v1.KvChunk
-	94,  // 101: ferrum.executor.v1.ImportKvRequest.source:type_name -> ferrum.executor.v1.KvSource
-	91,  // 102: ferrum.executor.v1.ImportKvRequest.header:type_name -> ferrum.executor.v1.KvTransferHeader
-	92,  // 103: ferrum.executor.v1.ImportKvRequest.chunk:type_name -> ferrum.executor.v1.KvChunk
-	112, // 104: ferrum.executor.v1.ImportKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	103, // 105: ferrum.executor.v1.LoadAdapterResponse.adapter:type_name -> ferrum.executor.v1.AdapterInfo
-	103, // 106: ferrum.executor.v1.ListAdaptersResponse.adapters:type_name -> ferrum.executor.v1.AdapterInfo
-	3,   // 107: ferrum.executor.v1.ModelExecutor.Info:input_type -> ferrum.executor.v1.InfoRequest
-	5,   // 108: ferrum.executor.v1.ModelExecutor.Capabilities:input_type -> ferrum.executor.v1.CapabilitiesRequest
-	7,   // 109: ferrum.executor.v1.ModelExecutor.Status:input_type -> ferrum.executor.v1.StatusRequest
-	9,   // 110: ferrum.executor.v1.ModelExecutor.KvCapacity:input_type -> ferrum.executor.v1.KvCapacityRequest
-	11,  // 111: ferrum.executor.v1.ModelExecutor.AdmissionLimits:input_type -> ferrum.executor.v1.AdmissionLimitsRequest
-	15,  // 112: ferrum.executor.v1.ModelExecutor.Prefill:input_type -> ferrum.executor.v1.PrefillRequest
-	17,  // 113: ferrum.executor.v1.ModelExecutor.BatchPrefill:input_type -> ferrum.executor.v1.BatchPrefillRequest
-	21,  // 114: ferrum.executor.v1.ModelExecutor.Decode:input_type -> ferrum.executor.v1.DecodeRequest
-	23,  // 115: ferrum.executor.v1.ModelExecutor.BatchDecode:input_type -> ferrum.executor.v1.BatchDecodeRequest
-	26,  // 116: ferrum.executor.v1.ModelExecutor.UnifiedDecode:input_type -> ferrum.executor.v1.UnifiedDecodeRequest
-	29,  // 117: ferrum.executor.v1.ModelExecutor.Forward:input_type -> ferrum.executor.v1.ForwardRequest
-	31,  // 118: ferrum.executor.v1.ModelExecutor.ForwardVerify:input_type -> ferrum.executor.v1.ForwardVerifyRequest
-	33,  // 119: ferrum.executor.v1.ModelExecutor.TruncateKv:input_type -> ferrum.executor.v1.TruncateKvRequest
-	35,  // 120: ferrum.executor.v1.ModelExecutor.ReleaseCache:input_type -> ferrum.executor.v1.ReleaseCacheRequest
-	37,  // 121: ferrum.executor.v1.ModelExecutor.ForkCache:input_type -> ferrum.executor.v1.ForkCacheRequest
-	39,  // 122: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:input_type -> ferrum.executor.v1.ReserveKvSlotsRequest
-	41,  // 123: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:input_type -> ferrum.executor.v1.KvSlotCapacityRequest
-	43,  // 124: ferrum.executor.v1.ModelExecutor.CacheMetrics:input_type -> ferrum.executor.v1.CacheMetricsRequest
-	45,  // 125: ferrum.executor.v1.ModelExecutor.LoraMetrics:input_type -> ferrum.executor.v1.LoraMetricsRequest
-	47,  // 126: ferrum.executor.v1.ModelExecutor.Warmup:input_type -> ferrum.executor.v1.WarmupRequest
-	49,  // 127: ferrum.executor.v1.ModelExecutor.Shutdown:input_type -> ferrum.executor.v1.ShutdownRequest
-	51,  // 128: ferrum.executor.v1.ModelExecutor.Tokenize:input_type -> ferrum.executor.v1.TokenizeRequest
-	53,  // 129: ferrum.executor.v1.ModelExecutor.Detokenize:input_type -> ferrum.executor.v1.DetokenizeRequest
-	56,  // 130: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:input_type -> ferrum.executor.v1.ApplyChatTemplateRequest
-	61,  // 131: ferrum.executor.v1.ModelExecutor.Generate:input_type -> ferrum.executor.v1.GenerateRequest
-	72,  // 132: ferrum.executor.v1.ModelExecutor.Session:input_type -> ferrum.executor.v1.SessionRequest
-	74,  // 133: ferrum.executor.v1.ModelExecutor.Loads:input_type -> ferrum.executor.v1.LoadsRequest
-	78,  // 134: ferrum.executor.v1.ModelExecutor.ListCaches:input_type -> ferrum.executor.v1.ListCachesRequest
-	81,  // 135: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:input_type -> ferrum.executor.v1.SubscribeKvEventsRequest
-	88,  // 136: ferrum.executor.v1.ModelExecutor.Abort:input_type -> ferrum.executor.v1.AbortRequest
-	90,  // 137: ferrum.executor.v1.ModelExecutor.ExportKv:input_type -> ferrum.executor.v1.ExportKvRequest
-	95,  // 138: ferrum.executor.v1.ModelExecutor.ImportKv:input_type -> ferrum.executor.v1.ImportKvRequest
-	97,  // 139: ferrum.executor.v1.ModelExecutor.LoadAdapter:input_type -> ferrum.executor.v1.LoadAdapterRequest
-	99,  // 140: ferrum.executor.v1.ModelExecutor.UnloadAdapter:input_type -> ferrum.executor.v1.UnloadAdapterRequest
-	101, // 141: ferrum.executor.v1.ModelExecutor.ListAdapters:input_type -> ferrum.executor.v1.ListAdaptersRequest
-	67,  // 142: ferrum.executor.v1.ModelExecutor.MigrateStreams:input_type -> ferrum.executor.v1.MigrateStreamsRequest
-	70,  // 143: ferrum.executor.v1.ModelExecutor.AcceptMigration:input_type -> ferrum.executor.v1.AcceptMigrationRequest
-	4,   // 144: ferrum.executor.v1.ModelExecutor.Info:output_type -> ferrum.executor.v1.InfoResponse
-	6,   // 145: ferrum.executor.v1.ModelExecutor.Capabilities:output_type -> ferrum.executor.v1.CapabilitiesResponse
-	8,   // 146: ferrum.executor.v1.ModelExecutor.Status:output_type -> ferrum.executor.v1.StatusResponse
-	10,  // 147: ferrum.executor.v1.ModelExecutor.KvCapacity:output_type -> ferrum.executor.v1.KvCapacityResponse
-	12,  // 148: ferrum.executor.v1.ModelExecutor.AdmissionLimits:output_type -> ferrum.executor.v1.AdmissionLimitsResponse
-	16,  // 149: ferrum.executor.v1.ModelExecutor.Prefill:output_type -> ferrum.executor.v1.PrefillResponse
-	18,  // 150: ferrum.executor.v1.ModelExecutor.BatchPrefill:output_type -> ferrum.executor.v1.BatchPrefillResponse
-	22,  // 151: ferrum.executor.v1.ModelExecutor.Decode:output_type -> ferrum.executor.v1.DecodeResponse
-	24,  // 152: ferrum.executor.v1.ModelExecutor.BatchDecode:output_type -> ferrum.executor.v1.BatchDecodeResponse
-	28,  // 153: ferrum.executor.v1.ModelExecutor.UnifiedDecode:output_type -> ferrum.executor.v1.UnifiedDecodeResponse
-	30,  // 154: ferrum.executor.v1.ModelExecutor.Forward:output_type -> ferrum.executor.v1.ForwardResponse
-	32,  // 155: ferrum.executor.v1.ModelExecutor.ForwardVerify:output_type -> ferrum.executor.v1.ForwardVerifyResponse
-	34,  // 156: ferrum.executor.v1.ModelExecutor.TruncateKv:output_type -> ferrum.executor.v1.TruncateKvResponse
-	36,  // 157: ferrum.executor.v1.ModelExecutor.ReleaseCache:output_type -> ferrum.executor.v1.ReleaseCacheResponse
-	38,  // 158: ferrum.executor.v1.ModelExecutor.ForkCache:output_type -> ferrum.executor.v1.ForkCacheResponse
-	40,  // 159: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:output_type -> ferrum.executor.v1.ReserveKvSlotsResponse
-	42,  // 160: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:output_type -> ferrum.executor.v1.KvSlotCapacityResponse
-	44,  // 161: ferrum.executor.v1.ModelExecutor.CacheMetrics:output_type -> ferrum.executor.v1.CacheMetricsResponse
-	46,  // 162: ferrum.executor.v1.ModelExecutor.LoraMetrics:output_type -> ferrum.executor.v1.LoraMetricsResponse
-	48,  // 163: ferrum.executor.v1.ModelExecutor.Warmup:output_type -> ferrum.executor.v1.WarmupResponse
-	50,  // 164: ferrum.executor.v1.ModelExecutor.Shutdown:output_type -> ferrum.executor.v1.ShutdownResponse
-	52,  // 165: ferrum.executor.v1.ModelExecutor.Tokenize:output_type -> ferrum.executor.v1.TokenizeResponse
-	54,  // 166: ferrum.executor.v1.ModelExecutor.Detokenize:output_type -> ferrum.executor.v1.DetokenizeResponse
-	57,  // 167: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:output_type -> ferrum.executor.v1.ApplyChatTemplateResponse
-	65,  // 168: ferrum.executor.v1.ModelExecutor.Generate:output_type -> ferrum.executor.v1.GenerateResponse
-	73,  // 169: ferrum.executor.v1.ModelExecutor.Session:output_type -> ferrum.executor.v1.SessionResponse
-	77,  // 170: ferrum.executor.v1.ModelExecutor.Loads:output_type -> ferrum.executor.v1.LoadsResponse
-	79,  // 171: ferrum.executor.v1.ModelExecutor.ListCaches:output_type -> ferrum.executor.v1.ListCachesResponse
-	87,  // 172: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:output_type -> ferrum.executor.v1.SubscribeKvEventsResponse
-	89,  // 173: ferrum.executor.v1.ModelExecutor.Abort:output_type -> ferrum.executor.v1.AbortResponse
-	93,  // 174: ferrum.executor.v1.ModelExecutor.ExportKv:output_type -> ferrum.executor.v1.ExportKvResponse
-	96,  // 175: ferrum.executor.v1.ModelExecutor.ImportKv:output_type -> ferrum.executor.v1.ImportKvResponse
-	98,  // 176: ferrum.executor.v1.ModelExecutor.LoadAdapter:output_type -> ferrum.executor.v1.LoadAdapterResponse
-	100, // 177: ferrum.executor.v1.ModelExecutor.UnloadAdapter:output_type -> ferrum.executor.v1.UnloadAdapterResponse
-	102, // 178: ferrum.executor.v1.ModelExecutor.ListAdapters:output_type -> ferrum.executor.v1.ListAdaptersResponse
-	69,  // 179: ferrum.executor.v1.ModelExecutor.MigrateStreams:output_type -> ferrum.executor.v1.MigrateStreamsResponse
-	71,  // 180: ferrum.executor.v1.ModelExecutor.AcceptMigration:output_type -> ferrum.executor.v1.AcceptMigrationResponse
-	144, // [144:181] is the sub-list for method output_type
-	107, // [107:144] is the sub-list for method input_type
-	107, // [107:107] is the sub-list for extension type_name
-	107, // [107:107] is the sub-list for extension extendee
-	0,   // [0:107] is the sub-list for field type_name
+	62,  // 57: ferrum.executor.v1.GenerateRequest.speculation:type_name -> ferrum.executor.v1.SpeculationOptions
+	113, // 58: ferrum.executor.v1.GenerateStarted.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	122, // 59: ferrum.executor.v1.TokenEvent.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
+	0,   // 60: ferrum.executor.v1.GenerateFinished.finish_reason:type_name -> ferrum.executor.v1.FinishReason
+	113, // 61: ferrum.executor.v1.GenerateFinished.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	63,  // 62: ferrum.executor.v1.GenerateResponse.started:type_name -> ferrum.executor.v1.GenerateStarted
+	64,  // 63: ferrum.executor.v1.GenerateResponse.token:type_name -> ferrum.executor.v1.TokenEvent
+	65,  // 64: ferrum.executor.v1.GenerateResponse.finished:type_name -> ferrum.executor.v1.GenerateFinished
+	67,  // 65: ferrum.executor.v1.GenerateResponse.migrated:type_name -> ferrum.executor.v1.GenerateMigrated
+	69,  // 66: ferrum.executor.v1.MigrateStreamsResponse.streams:type_name -> ferrum.executor.v1.StreamMigration
+	95,  // 67: ferrum.executor.v1.AcceptMigrationRequest.source:type_name -> ferrum.executor.v1.KvSource
+	61,  // 68: ferrum.executor.v1.AcceptMigrationRequest.request:type_name -> ferrum.executor.v1.GenerateRequest
+	15,  // 69: ferrum.executor.v1.SessionRequest.prefill:type_name -> ferrum.executor.v1.PrefillRequest
+	17,  // 70: ferrum.executor.v1.SessionRequest.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillRequest
+	21,  // 71: ferrum.executor.v1.SessionRequest.decode:type_name -> ferrum.executor.v1.DecodeRequest
+	23,  // 72: ferrum.executor.v1.SessionRequest.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeRequest
+	26,  // 73: ferrum.executor.v1.SessionRequest.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeRequest
+	31,  // 74: ferrum.executor.v1.SessionRequest.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyRequest
+	33,  // 75: ferrum.executor.v1.SessionRequest.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvRequest
+	35,  // 76: ferrum.executor.v1.SessionRequest.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheRequest
+	37,  // 77: ferrum.executor.v1.SessionRequest.fork_cache:type_name -> ferrum.executor.v1.ForkCacheRequest
+	16,  // 78: ferrum.executor.v1.SessionResponse.prefill:type_name -> ferrum.executor.v1.PrefillResponse
+	18,  // 79: ferrum.executor.v1.SessionResponse.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillResponse
+	22,  // 80: ferrum.executor.v1.SessionResponse.decode:type_name -> ferrum.executor.v1.DecodeResponse
+	24,  // 81: ferrum.executor.v1.SessionResponse.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeResponse
+	28,  // 82: ferrum.executor.v1.SessionResponse.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeResponse
+	32,  // 83: ferrum.executor.v1.SessionResponse.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyResponse
+	34,  // 84: ferrum.executor.v1.SessionResponse.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvResponse
+	36,  // 85: ferrum.executor.v1.SessionResponse.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheResponse
+	38,  // 86: ferrum.executor.v1.SessionResponse.fork_cache:type_name -> ferrum.executor.v1.ForkCacheResponse
+	123, // 87: ferrum.executor.v1.SessionResponse.error:type_name -> ferrum.executor.v1.StepError
+	76,  // 88: ferrum.executor.v1.ModelLoad.prefill_latency:type_name -> ferrum.executor.v1.LatencySummary
+	76,  // 89: ferrum.executor.v1.ModelLoad.decode_latency:type_name -> ferrum.executor.v1.LatencySummary
+	77,  // 90: ferrum.executor.v1.LoadsResponse.loads:type_name -> ferrum.executor.v1.ModelLoad
+	113, // 91: ferrum.executor.v1.ListCachesResponse.caches:type_name -> ferrum.executor.v1.KvCacheHandle
+	1,   // 92: ferrum.executor.v1.KvEvent.kind:type_name -> ferrum.executor.v1.KvEventKind
+	83,  // 93: ferrum.executor.v1.KvBlockEvent.stored:type_name -> ferrum.executor.v1.KvBlockStored
+	84,  // 94: ferrum.executor.v1.KvBlockEvent.removed:type_name -> ferrum.executor.v1.KvBlockRemoved
+	85,  // 95: ferrum.executor.v1.KvBlockEvent.cleared:type_name -> ferrum.executor.v1.KvBlocksCleared
+	81,  // 96: ferrum.executor.v1.SubscribeKvEventsResponse.event:type_name -> ferrum.executor.v1.KvEvent
+	87,  // 97: ferrum.executor.v1.SubscribeKvEventsResponse.resync_required:type_name -> ferrum.executor.v1.ResyncRequired
+	86,  // 98: ferrum.executor.v1.SubscribeKvEventsResponse.block_event:type_name -> ferrum.executor.v1.KvBlockEvent
+	117, // 99: ferrum.executor.v1.KvTransferHeader.kv_dtype:type_name -> ferrum.executor.v1.DataType
+	92,  // 100: ferrum.executor.v1.ExportKvResponse.header:type_name -> ferrum.executor.v1.KvTransferHeader
+	93,  // 101: ferrum.executor.v1.ExportKvResponse.chunk:type_name -> ferrum.executor.v1.KvChunk
+	95,  // 102: ferrum.executor.v1.ImportKvRequest.source:type_name -> ferrum.executor.v1.KvSource
+	92,  // 103: ferrum.executor.v1.ImportKvRequest.header:type_name -> ferrum.executor.v1.KvTransferHeader
+	93,  // 104: ferrum.executor.v1.ImportKvRequest.chunk:type_name -> ferrum.executor.v1.KvChunk
+	113, // 105: ferrum.executor.v1.ImportKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	104, // 106: ferrum.executor.v1.LoadAdapterResponse.adapter:type_name -> ferrum.executor.v1.AdapterInfo
+	104, // 107: ferrum.executor.v1.ListAdaptersResponse.adapters:type_name -> ferrum.executor.v1.AdapterInfo
+	3,   // 108: ferrum.executor.v1.ModelExecutor.Info:input_type -> ferrum.executor.v1.InfoRequest
+	5,   // 109: ferrum.executor.v1.ModelExecutor.Capabilities:input_type -> ferrum.executor.v1.CapabilitiesRequest
+	7,   // 110: ferrum.executor.v1.ModelExecutor.Status:input_type -> ferrum.executor.v1.StatusRequest
+	9,   // 111: ferrum.executor.v1.ModelExecutor.KvCapacity:input_type -> ferrum.executor.v1.KvCapacityRequest
+	11,  // 112: ferrum.executor.v1.ModelExecutor.AdmissionLimits:input_type -> ferrum.executor.v1.AdmissionLimitsRequest
+	15,  // 113: ferrum.executor.v1.ModelExecutor.Prefill:input_type -> ferrum.executor.v1.PrefillRequest
+	17,  // 114: ferrum.executor.v1.ModelExecutor.BatchPrefill:input_type -> ferrum.executor.v1.BatchPrefillRequest
+	21,  // 115: ferrum.executor.v1.ModelExecutor.Decode:input_type -> ferrum.executor.v1.DecodeRequest
+	23,  // 116: ferrum.executor.v1.ModelExecutor.BatchDecode:input_type -> ferrum.executor.v1.BatchDecodeRequest
+	26,  // 117: ferrum.executor.v1.ModelExecutor.UnifiedDecode:input_type -> ferrum.executor.v1.UnifiedDecodeRequest
+	29,  // 118: ferrum.executor.v1.ModelExecutor.Forward:input_type -> ferrum.executor.v1.ForwardRequest
+	31,  // 119: ferrum.executor.v1.ModelExecutor.ForwardVerify:input_type -> ferrum.executor.v1.ForwardVerifyRequest
+	33,  // 120: ferrum.executor.v1.ModelExecutor.TruncateKv:input_type -> ferrum.executor.v1.TruncateKvRequest
+	35,  // 121: ferrum.executor.v1.ModelExecutor.ReleaseCache:input_type -> ferrum.executor.v1.ReleaseCacheRequest
+	37,  // 122: ferrum.executor.v1.ModelExecutor.ForkCache:input_type -> ferrum.executor.v1.ForkCacheRequest
+	39,  // 123: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:input_type -> ferrum.executor.v1.ReserveKvSlotsRequest
+	41,  // 124: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:input_type -> ferrum.executor.v1.KvSlotCapacityRequest
+	43,  // 125: ferrum.executor.v1.ModelExecutor.CacheMetrics:input_type -> ferrum.executor.v1.CacheMetricsRequest
+	45,  // 126: ferrum.executor.v1.ModelExecutor.LoraMetrics:input_type -> ferrum.executor.v1.LoraMetricsRequest
+	47,  // 127: ferrum.executor.v1.ModelExecutor.Warmup:input_type -> ferrum.executor.v1.WarmupRequest
+	49,  // 128: ferrum.executor.v1.ModelExecutor.Shutdown:input_type -> ferrum.executor.v1.ShutdownRequest
+	51,  // 129: ferrum.executor.v1.ModelExecutor.Tokenize:input_type -> ferrum.executor.v1.TokenizeRequest
+	53,  // 130: ferrum.executor.v1.ModelExecutor.Detokenize:input_type -> ferrum.executor.v1.DetokenizeRequest
+	56,  // 131: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:input_type -> ferrum.executor.v1.ApplyChatTemplateRequest
+	61,  // 132: ferrum.executor.v1.ModelExecutor.Generate:input_type -> ferrum.executor.v1.GenerateRequest
+	73,  // 133: ferrum.executor.v1.ModelExecutor.Session:input_type -> ferrum.executor.v1.SessionRequest
+	75,  // 134: ferrum.executor.v1.ModelExecutor.Loads:input_type -> ferrum.executor.v1.LoadsRequest
+	79,  // 135: ferrum.executor.v1.ModelExecutor.ListCaches:input_type -> ferrum.executor.v1.ListCachesRequest
+	82,  // 136: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:input_type -> ferrum.executor.v1.SubscribeKvEventsRequest
+	89,  // 137: ferrum.executor.v1.ModelExecutor.Abort:input_type -> ferrum.executor.v1.AbortRequest
+	91,  // 138: ferrum.executor.v1.ModelExecutor.ExportKv:input_type -> ferrum.executor.v1.ExportKvRequest
+	96,  // 139: ferrum.executor.v1.ModelExecutor.ImportKv:input_type -> ferrum.executor.v1.ImportKvRequest
+	98,  // 140: ferrum.executor.v1.ModelExecutor.LoadAdapter:input_type -> ferrum.executor.v1.LoadAdapterRequest
+	100, // 141: ferrum.executor.v1.ModelExecutor.UnloadAdapter:input_type -> ferrum.executor.v1.UnloadAdapterRequest
+	102, // 142: ferrum.executor.v1.ModelExecutor.ListAdapters:input_type -> ferrum.executor.v1.ListAdaptersRequest
+	68,  // 143: ferrum.executor.v1.ModelExecutor.MigrateStreams:input_type -> ferrum.executor.v1.MigrateStreamsRequest
+	71,  // 144: ferrum.executor.v1.ModelExecutor.AcceptMigration:input_type -> ferrum.executor.v1.AcceptMigrationRequest
+	4,   // 145: ferrum.executor.v1.ModelExecutor.Info:output_type -> ferrum.executor.v1.InfoResponse
+	6,   // 146: ferrum.executor.v1.ModelExecutor.Capabilities:output_type -> ferrum.executor.v1.CapabilitiesResponse
+	8,   // 147: ferrum.executor.v1.ModelExecutor.Status:output_type -> ferrum.executor.v1.StatusResponse
+	10,  // 148: ferrum.executor.v1.ModelExecutor.KvCapacity:output_type -> ferrum.executor.v1.KvCapacityResponse
+	12,  // 149: ferrum.executor.v1.ModelExecutor.AdmissionLimits:output_type -> ferrum.executor.v1.AdmissionLimitsResponse
+	16,  // 150: ferrum.executor.v1.ModelExecutor.Prefill:output_type -> ferrum.executor.v1.PrefillResponse
+	18,  // 151: ferrum.executor.v1.ModelExecutor.BatchPrefill:output_type -> ferrum.executor.v1.BatchPrefillResponse
+	22,  // 152: ferrum.executor.v1.ModelExecutor.Decode:output_type -> ferrum.executor.v1.DecodeResponse
+	24,  // 153: ferrum.executor.v1.ModelExecutor.BatchDecode:output_type -> ferrum.executor.v1.BatchDecodeResponse
+	28,  // 154: ferrum.executor.v1.ModelExecutor.UnifiedDecode:output_type -> ferrum.executor.v1.UnifiedDecodeResponse
+	30,  // 155: ferrum.executor.v1.ModelExecutor.Forward:output_type -> ferrum.executor.v1.ForwardResponse
+	32,  // 156: ferrum.executor.v1.ModelExecutor.ForwardVerify:output_type -> ferrum.executor.v1.ForwardVerifyResponse
+	34,  // 157: ferrum.executor.v1.ModelExecutor.TruncateKv:output_type -> ferrum.executor.v1.TruncateKvResponse
+	36,  // 158: ferrum.executor.v1.ModelExecutor.ReleaseCache:output_type -> ferrum.executor.v1.ReleaseCacheResponse
+	38,  // 159: ferrum.executor.v1.ModelExecutor.ForkCache:output_type -> ferrum.executor.v1.ForkCacheResponse
+	40,  // 160: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:output_type -> ferrum.executor.v1.ReserveKvSlotsResponse
+	42,  // 161: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:output_type -> ferrum.executor.v1.KvSlotCapacityResponse
+	44,  // 162: ferrum.executor.v1.ModelExecutor.CacheMetrics:output_type -> ferrum.executor.v1.CacheMetricsResponse
+	46,  // 163: ferrum.executor.v1.ModelExecutor.LoraMetrics:output_type -> ferrum.executor.v1.LoraMetricsResponse
+	48,  // 164: ferrum.executor.v1.ModelExecutor.Warmup:output_type -> ferrum.executor.v1.WarmupResponse
+	50,  // 165: ferrum.executor.v1.ModelExecutor.Shutdown:output_type -> ferrum.executor.v1.ShutdownResponse
+	52,  // 166: ferrum.executor.v1.ModelExecutor.Tokenize:output_type -> ferrum.executor.v1.TokenizeResponse
+	54,  // 167: ferrum.executor.v1.ModelExecutor.Detokenize:output_type -> ferrum.executor.v1.DetokenizeResponse
+	57,  // 168: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:output_type -> ferrum.executor.v1.ApplyChatTemplateResponse
+	66,  // 169: ferrum.executor.v1.ModelExecutor.Generate:output_type -> ferrum.executor.v1.GenerateResponse
+	74,  // 170: ferrum.executor.v1.ModelExecutor.Session:output_type -> ferrum.executor.v1.SessionResponse
+	78,  // 171: ferrum.executor.v1.ModelExecutor.Loads:output_type -> ferrum.executor.v1.LoadsResponse
+	80,  // 172: ferrum.executor.v1.ModelExecutor.ListCaches:output_type -> ferrum.executor.v1.ListCachesResponse
+	88,  // 173: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:output_type -> ferrum.executor.v1.SubscribeKvEventsResponse
+	90,  // 174: ferrum.executor.v1.ModelExecutor.Abort:output_type -> ferrum.executor.v1.AbortResponse
+	94,  // 175: ferrum.executor.v1.ModelExecutor.ExportKv:output_type -> ferrum.executor.v1.ExportKvResponse
+	97,  // 176: ferrum.executor.v1.ModelExecutor.ImportKv:output_type -> ferrum.executor.v1.ImportKvResponse
+	99,  // 177: ferrum.executor.v1.ModelExecutor.LoadAdapter:output_type -> ferrum.executor.v1.LoadAdapterResponse
+	101, // 178: ferrum.executor.v1.ModelExecutor.UnloadAdapter:output_type -> ferrum.executor.v1.UnloadAdapterResponse
+	103, // 179: ferrum.executor.v1.ModelExecutor.ListAdapters:output_type -> ferrum.executor.v1.ListAdaptersResponse
+	70,  // 180: ferrum.executor.v1.ModelExecutor.MigrateStreams:output_type -> ferrum.executor.v1.MigrateStreamsResponse
+	72,  // 181: ferrum.executor.v1.ModelExecutor.AcceptMigration:output_type -> ferrum.executor.v1.AcceptMigrationResponse
+	145, // [145:182] is the sub-list for method output_type
+	108, // [108:145] is the sub-list for method input_type
+	108, // [108:108] is the sub-list for extension type_name
+	108, // [108:108] is the sub-list for extension extendee
+	0,   // [0:108] is the sub-list for field type_name
 }
 
 func init() { file_ferrum_executor_v1_executor_proto_init() }
@@ -8633,13 +8753,13 @@ func file_ferrum_executor_v1_executor_proto_init() {
 		(*GenerateRequest_Text)(nil),
 		(*GenerateRequest_Chat)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[62].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[63].OneofWrappers = []any{
 		(*GenerateResponse_Started)(nil),
 		(*GenerateResponse_Token)(nil),
 		(*GenerateResponse_Finished)(nil),
 		(*GenerateResponse_Migrated)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[69].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[70].OneofWrappers = []any{
 		(*SessionRequest_Prefill)(nil),
 		(*SessionRequest_BatchPrefill)(nil),
 		(*SessionRequest_Decode)(nil),
@@ -8650,7 +8770,7 @@ func file_ferrum_executor_v1_executor_proto_init() {
 		(*SessionRequest_ReleaseCache)(nil),
 		(*SessionRequest_ForkCache)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[70].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[71].OneofWrappers = []any{
 		(*SessionResponse_Prefill)(nil),
 		(*SessionResponse_BatchPrefill)(nil),
 		(*SessionResponse_Decode)(nil),
@@ -8662,26 +8782,26 @@ func file_ferrum_executor_v1_executor_proto_init() {
 		(*SessionResponse_ForkCache)(nil),
 		(*SessionResponse_Error)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[78].OneofWrappers = []any{}
-	file_ferrum_executor_v1_executor_proto_msgTypes[82].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[79].OneofWrappers = []any{}
+	file_ferrum_executor_v1_executor_proto_msgTypes[83].OneofWrappers = []any{
 		(*KvBlockEvent_Stored)(nil),
 		(*KvBlockEvent_Removed)(nil),
 		(*KvBlockEvent_Cleared)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[84].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[85].OneofWrappers = []any{
 		(*SubscribeKvEventsResponse_Event)(nil),
 		(*SubscribeKvEventsResponse_ResyncRequired)(nil),
 		(*SubscribeKvEventsResponse_BlockEvent)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[85].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[86].OneofWrappers = []any{
 		(*AbortRequest_RequestId)(nil),
 		(*AbortRequest_CacheId)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[90].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[91].OneofWrappers = []any{
 		(*ExportKvResponse_Header)(nil),
 		(*ExportKvResponse_Chunk)(nil),
 	}
-	file_ferrum_executor_v1_executor_proto_msgTypes[92].OneofWrappers = []any{
+	file_ferrum_executor_v1_executor_proto_msgTypes[93].OneofWrappers = []any{
 		(*ImportKvRequest_Header)(nil),
 		(*ImportKvRequest_Chunk)(nil),
 	}
@@ -8691,7 +8811,7 @@ func file_ferrum_executor_v1_executor_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ferrum_executor_v1_executor_proto_rawDesc), len(file_ferrum_executor_v1_executor_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   101,
+			NumMessages:   102,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -591,7 +591,7 @@ class StopConditions(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., stop_sequences: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model_id", "token_ids", "text", "chat", "cache_id", "last_token_id", "sampling", "stop", "top_logprobs", "keep_cache", "request_id", "stream_text", "cache_salt", "bypass_prefix_cache", "n", "adapter", "resume_token")
+    __slots__ = ("model_id", "token_ids", "text", "chat", "cache_id", "last_token_id", "sampling", "stop", "top_logprobs", "keep_cache", "request_id", "stream_text", "cache_salt", "bypass_prefix_cache", "n", "adapter", "resume_token", "speculation")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -609,6 +609,7 @@ class GenerateRequest(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     token_ids: TokenIds
     text: str
@@ -626,7 +627,20 @@ class GenerateRequest(_message.Message):
     n: int
     adapter: str
     resume_token: str
-    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., cache_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., keep_cache: _Optional[bool] = ..., request_id: _Optional[str] = ..., stream_text: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., n: _Optional[int] = ..., adapter: _Optional[str] = ..., resume_token: _Optional[str] = ...) -> None: ...
+    speculation: SpeculationOptions
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., cache_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., keep_cache: _Optional[bool] = ..., request_id: _Optional[str] = ..., stream_text: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., n: _Optional[int] = ..., adapter: _Optional[str] = ..., resume_token: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ...) -> None: ...
+
+class SpeculationOptions(_message.Message):
+    __slots__ = ("disabled", "max_draft_tokens", "min_ngram", "max_ngram")
+    DISABLED_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    MAX_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    disabled: bool
+    max_draft_tokens: int
+    min_ngram: int
+    max_ngram: int
+    def __init__(self, disabled: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., min_ngram: _Optional[int] = ..., max_ngram: _Optional[int] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
     __slots__ = ("cache", "prompt_tokens", "request_id", "cached_tokens", "resumed_tokens")
@@ -659,7 +673,7 @@ class TokenEvent(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., sample_index: _Optional[int] = ...) -> None: ...
 
 class GenerateFinished(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "generated_tokens", "cache", "text", "time_to_first_token_ns", "total_ns", "sample_index")
+    __slots__ = ("finish_reason", "prompt_tokens", "generated_tokens", "cache", "text", "time_to_first_token_ns", "total_ns", "sample_index", "draft_tokens", "accepted_draft_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -668,6 +682,8 @@ class GenerateFinished(_message.Message):
     TIME_TO_FIRST_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     prompt_tokens: int
     generated_tokens: int
@@ -676,7 +692,9 @@ class GenerateFinished(_message.Message):
     time_to_first_token_ns: int
     total_ns: int
     sample_index: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., text: _Optional[str] = ..., time_to_first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., sample_index: _Optional[int] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cache: _Optional[_Union[_types_pb2.KvCacheHandle, _Mapping]] = ..., text: _Optional[str] = ..., time_to_first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., sample_index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("started", "token", "finished", "migrated")

@@ -926,6 +926,36 @@ export interface GenerateRequest {
    * within `GenerateMigrated.resume_deadline_ms`; any other token is NOT_FOUND.
    */
   resumeToken: string;
+  /**
+   * Server-side speculative decoding for this request (see `SpeculationOptions`). Unset = the
+   * server's default (`--speculation-draft-tokens`, off unless set).
+   */
+  speculation: SpeculationOptions | undefined;
+}
+
+/**
+ * Server-side speculation: an n-gram (prompt-lookup) drafter proposes the tokens that followed the
+ * latest earlier occurrence of the sequence's last n tokens (prompt and output), and each step
+ * verifies them in the same batched forward as the other streams' tokens. Output is what plain
+ * decoding gives: greedy identical, seeded sampling token-identical (same seed, same tokens),
+ * unseeded sampling distributed the same (the speculative acceptance rule). A request with a
+ * structured-output constraint, or on an executor without multi-token decode rows, decodes
+ * plainly (its `GenerateFinished.draft_tokens` stays 0).
+ */
+export interface SpeculationOptions {
+  /** Turn speculation off for this request (also when the server enables it by default). */
+  disabled: boolean;
+  /**
+   * Draft tokens proposed per step; 0 = the server's default (4 when it has none); values above
+   * 16 are capped at 16. Never more than the tokens left to `stop.max_tokens`.
+   */
+  maxDraftTokens: number;
+  /**
+   * n-gram sizes looked up, longest first: `min_ngram..max_ngram`, each in 1..8 (0 = 1 and
+   * max(min_ngram, 3)); out of range or min > max is INVALID_ARGUMENT naming the field.
+   */
+  minNgram: number;
+  maxNgram: number;
 }
 
 /** The first event: the prompt was prefilled. */
@@ -977,6 +1007,13 @@ export interface GenerateFinished {
    * last sample's `finished` event.
    */
   sampleIndex: number;
+  /**
+   * Server-side speculation (`GenerateRequest.speculation`): draft tokens this sample's steps
+   * verified, and how many of them were accepted (acceptance rate = accepted / draft; both 0
+   * without speculation).
+   */
+  draftTokens: number;
+  acceptedDraftTokens: number;
 }
 
 export interface GenerateResponse {
@@ -7627,6 +7664,7 @@ function createBaseGenerateRequest(): GenerateRequest {
     n: 0,
     adapter: "",
     resumeToken: "",
+    speculation: undefined,
   };
 }
 
@@ -7684,6 +7722,9 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     }
     if (message.resumeToken !== "") {
       writer.uint32(138).string(message.resumeToken);
+    }
+    if (message.speculation !== undefined) {
+      SpeculationOptions.encode(message.speculation, writer.uint32(146).fork()).join();
     }
     return writer;
   },
@@ -7837,6 +7878,14 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
             message.resumeToken = reader.string();
             continue;
           }
+          case 18: {
+            if (tag !== 146) {
+              break;
+            }
+
+            message.speculation = SpeculationOptions.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -7914,6 +7963,7 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
         : isSet(object.resume_token)
         ? globalThis.String(object.resume_token)
         : "",
+      speculation: isSet(object.speculation) ? SpeculationOptions.fromJSON(object.speculation) : undefined,
     };
   },
 
@@ -7968,6 +8018,9 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     if (message.resumeToken !== "") {
       obj.resumeToken = message.resumeToken;
     }
+    if (message.speculation !== undefined) {
+      obj.speculation = SpeculationOptions.toJSON(message.speculation);
+    }
     return obj;
   },
 
@@ -8014,6 +8067,138 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     message.n = object.n ?? 0;
     message.adapter = object.adapter ?? "";
     message.resumeToken = object.resumeToken ?? "";
+    message.speculation = (object.speculation !== undefined && object.speculation !== null)
+      ? SpeculationOptions.fromPartial(object.speculation)
+      : undefined;
+    return message;
+  },
+};
+
+function createBaseSpeculationOptions(): SpeculationOptions {
+  return { disabled: false, maxDraftTokens: 0, minNgram: 0, maxNgram: 0 };
+}
+
+export const SpeculationOptions: MessageFns<SpeculationOptions> = {
+  encode(message: SpeculationOptions, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.disabled !== false) {
+      writer.uint32(8).bool(message.disabled);
+    }
+    if (message.maxDraftTokens !== 0) {
+      writer.uint32(16).uint32(message.maxDraftTokens);
+    }
+    if (message.minNgram !== 0) {
+      writer.uint32(24).uint32(message.minNgram);
+    }
+    if (message.maxNgram !== 0) {
+      writer.uint32(32).uint32(message.maxNgram);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): SpeculationOptions {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseSpeculationOptions();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.disabled = reader.bool();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.maxDraftTokens = reader.uint32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.minNgram = reader.uint32();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.maxNgram = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): SpeculationOptions {
+    return {
+      disabled: isSet(object.disabled) ? globalThis.Boolean(object.disabled) : false,
+      maxDraftTokens: isSet(object.maxDraftTokens)
+        ? globalThis.Number(object.maxDraftTokens)
+        : isSet(object.max_draft_tokens)
+        ? globalThis.Number(object.max_draft_tokens)
+        : 0,
+      minNgram: isSet(object.minNgram)
+        ? globalThis.Number(object.minNgram)
+        : isSet(object.min_ngram)
+        ? globalThis.Number(object.min_ngram)
+        : 0,
+      maxNgram: isSet(object.maxNgram)
+        ? globalThis.Number(object.maxNgram)
+        : isSet(object.max_ngram)
+        ? globalThis.Number(object.max_ngram)
+        : 0,
+    };
+  },
+
+  toJSON(message: SpeculationOptions): unknown {
+    const obj: any = {};
+    if (message.disabled !== false) {
+      obj.disabled = message.disabled;
+    }
+    if (message.maxDraftTokens !== 0) {
+      obj.maxDraftTokens = Math.round(message.maxDraftTokens);
+    }
+    if (message.minNgram !== 0) {
+      obj.minNgram = Math.round(message.minNgram);
+    }
+    if (message.maxNgram !== 0) {
+      obj.maxNgram = Math.round(message.maxNgram);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<SpeculationOptions>, I>>(base?: I): SpeculationOptions {
+    return SpeculationOptions.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<SpeculationOptions>, I>>(object: I): SpeculationOptions {
+    const message = createBaseSpeculationOptions();
+    message.disabled = object.disabled ?? false;
+    message.maxDraftTokens = object.maxDraftTokens ?? 0;
+    message.minNgram = object.minNgram ?? 0;
+    message.maxNgram = object.maxNgram ?? 0;
     return message;
   },
 };
@@ -8340,6 +8525,8 @@ function createBaseGenerateFinished(): GenerateFinished {
     timeToFirstTokenNs: 0,
     totalNs: 0,
     sampleIndex: 0,
+    draftTokens: 0,
+    acceptedDraftTokens: 0,
   };
 }
 
@@ -8368,6 +8555,12 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
     }
     if (message.sampleIndex !== 0) {
       writer.uint32(64).uint32(message.sampleIndex);
+    }
+    if (message.draftTokens !== 0) {
+      writer.uint32(72).uint32(message.draftTokens);
+    }
+    if (message.acceptedDraftTokens !== 0) {
+      writer.uint32(80).uint32(message.acceptedDraftTokens);
     }
     return writer;
   },
@@ -8449,6 +8642,22 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
             message.sampleIndex = reader.uint32();
             continue;
           }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.draftTokens = reader.uint32();
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.acceptedDraftTokens = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -8495,6 +8704,16 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
         : isSet(object.sample_index)
         ? globalThis.Number(object.sample_index)
         : 0,
+      draftTokens: isSet(object.draftTokens)
+        ? globalThis.Number(object.draftTokens)
+        : isSet(object.draft_tokens)
+        ? globalThis.Number(object.draft_tokens)
+        : 0,
+      acceptedDraftTokens: isSet(object.acceptedDraftTokens)
+        ? globalThis.Number(object.acceptedDraftTokens)
+        : isSet(object.accepted_draft_tokens)
+        ? globalThis.Number(object.accepted_draft_tokens)
+        : 0,
     };
   },
 
@@ -8524,6 +8743,12 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
     if (message.sampleIndex !== 0) {
       obj.sampleIndex = Math.round(message.sampleIndex);
     }
+    if (message.draftTokens !== 0) {
+      obj.draftTokens = Math.round(message.draftTokens);
+    }
+    if (message.acceptedDraftTokens !== 0) {
+      obj.acceptedDraftTokens = Math.round(message.acceptedDraftTokens);
+    }
     return obj;
   },
 
@@ -8542,6 +8767,8 @@ export const GenerateFinished: MessageFns<GenerateFinished> = {
     message.timeToFirstTokenNs = object.timeToFirstTokenNs ?? 0;
     message.totalNs = object.totalNs ?? 0;
     message.sampleIndex = object.sampleIndex ?? 0;
+    message.draftTokens = object.draftTokens ?? 0;
+    message.acceptedDraftTokens = object.acceptedDraftTokens ?? 0;
     return message;
   },
 };
