@@ -26,13 +26,13 @@ engine goes quiet. Reclaims by this rule are counted in ``ferrum_idle_origin_cac
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING
 
 import structlog
 
 from .callers import CallerActivity
+from .periodic import Periodic
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -58,34 +58,18 @@ class LeaseReaper:
         # Check often enough that a cache outlives its TTL by at most ~25 %, but not more than
         # once per 50 ms nor less than once per 30 s.
         self.interval = interval if interval is not None else min(30.0, max(0.05, shortest / 4))
-        self._task: asyncio.Task | None = None
+        self._job = Periodic("lease-reaper", self.sweep, lambda: self.interval)
 
     @property
     def enabled(self) -> bool:
         return self.ttl > 0
 
     def start(self) -> None:
-        if self.enabled and self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="lease-reaper")
+        if self.enabled:
+            self._job.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            try:
-                await self.sweep()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - the reaper must outlive a bad sweep
-                log.exception("lease sweep failed")
+        await self._job.stop()
 
     def _why(self, entry, now: float) -> str | None:
         """Why an ownerless cache not held by a step is due now: "lease" (idle past the TTL),

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Callable
 
 import structlog
 
+from .periodic import Periodic
+
 if TYPE_CHECKING:
     from .models import ModelSet
 
@@ -96,30 +98,14 @@ class StallWatch:
         self.set_health = set_health
         self.interval = interval if interval is not None else min(5.0, max(0.05, self.stall_timeout / 4))
         self.stalled: set[str] = set()
-        self._task: asyncio.Task | None = None
+        self._job = Periodic("stall-watch", self.check, lambda: self.interval)
 
     def start(self) -> None:
-        if self.stall_timeout > 0 and self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="stall-watch")
+        if self.stall_timeout > 0:
+            self._job.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            try:
-                await self.check()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - the watch must outlive a bad check
-                log.exception("stall check failed")
+        await self._job.stop()
 
     async def check(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
