@@ -120,7 +120,7 @@ def default_kv_tokens(bytes_per_token: int, n_seq: int, train_ctx: int) -> int:
     ceiling = n_seq * train_ctx
     floor = min(DEFAULT_N_CTX, ceiling)
     if avail is None:
-        return max(floor, min(ceiling, DEFAULT_N_CTX))
+        return floor
     return max(floor, min(ceiling, int(avail * DEFAULT_KV_MEMORY_FRACTION) // bytes_per_token))
 
 
