@@ -18,7 +18,7 @@ REPETITIVE_TEXT = (
 
 def load_smollm2(dtype: str = "auto"):
     from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
-    from ferrum_service.packaged_models import smollm2_gguf
+    from ferrum_service.hosting.packaged_models import smollm2_gguf
 
     d, f = smollm2_gguf()
     ex = HfCausalLmExecutor.from_path(d, gguf_file=f, model_id="smollm2", device="cpu", dtype=dtype,
@@ -46,8 +46,8 @@ def executor_decode(ex, prompts: list[list[int]], steps: int, repeats: int, samp
     """Aggregate decode tok/s of ``batch_decode`` over ``prompts`` (one forward per step). With
     ``sampled`` each step also runs server-side greedy sampling (what the server does per step).
     ``warmup``: one untimed pass first."""
-    from ferrum_service.sampling import process_rows
-    from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
+    from ferrum_service.core.sampling import process_rows
+    from ferrum_service.core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 
     none = LogitsPolicy(mode=OutputMode.NONE)
     greedy = LogitsPolicy(mode=OutputMode.SAMPLED_TOKEN)
@@ -168,7 +168,7 @@ def llama_cpp(gguf_path: str, prompt: list[int], new_tokens: int, repeats: int, 
 
 @torch.inference_mode()
 def greedy_tokens(ex, prompt: list[int], n: int) -> list[int]:
-    from ferrum_service.types import DecodeInput, PrefillInput
+    from ferrum_service.core.types import DecodeInput, PrefillInput
 
     out = ex.prefill(PrefillInput(token_ids=prompt))
     cid = out.cache.cache_id
@@ -182,7 +182,7 @@ def greedy_tokens(ex, prompt: list[int], n: int) -> list[int]:
 
 @torch.inference_mode()
 def all_logits(ex, ids: list[int]) -> torch.Tensor:
-    from ferrum_service.types import PrefillInput
+    from ferrum_service.core.types import PrefillInput
 
     out = ex.prefill(PrefillInput(token_ids=ids, all_positions=True))
     ex.release_cache(out.cache.cache_id)
@@ -227,7 +227,7 @@ def decode_vs_context(ex, b: int = 8, contexts: tuple[int, int] = (32, 1536), st
     caches are prefilled once, then ``steps`` greedy ``batch_decode`` steps run at each context in
     turn (ABAB..., ``repeats`` times) and the caches are truncated back after each run, so every run
     sees the same context. Returns p50 step ms per context and their ratio (long ÷ short)."""
-    from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
+    from ferrum_service.core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 
     vocab = ex.info().vocab_size
     none = LogitsPolicy(mode=OutputMode.NONE)
@@ -264,7 +264,7 @@ def prompt_joins_decodes(ex, prompt_len: int = 800, decodes: int = 31, context: 
     """One ``prompt_len``-token prompt joining ``decodes`` running decodes (``context`` tokens each)
     in one ``mixed_step``, against the decodes alone (``batch_decode``) plus the prompt alone
     (``prefill``), each side timed in turn (ABC ABC ...). Ratio = joint ÷ (decodes + prompt)."""
-    from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
+    from ferrum_service.core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 
     vocab = ex.info().vocab_size
     none = LogitsPolicy(mode=OutputMode.NONE)

@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="grid: prompt lengths (comma-separated)")
     ap.add_argument("--streams", default=",".join(map(str, STREAMS)), help="grid: stream counts (comma-separated)")
     a = ap.parse_args(argv)
-    from ferrum_service.packaged_models import smollm2_gguf
+    from ferrum_service.hosting.packaged_models import smollm2_gguf
 
     d, f = smollm2_gguf()
     gguf = str(d / f)

@@ -66,7 +66,7 @@ class Ours:
     def __init__(self, adapters: Path) -> None:
         from ferrum_service.executors import lora
         from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
-        from ferrum_service.packaged_models import smollm2_gguf
+        from ferrum_service.hosting.packaged_models import smollm2_gguf
 
         d, f = smollm2_gguf()
         self.lora = lora
@@ -76,7 +76,7 @@ class Ours:
             self.ex.load_adapter(f"a{k}", str(adapters / f"a{k}"))
 
     def step_ms(self, mixed: bool, grouped: bool, steps: int) -> float:
-        from ferrum_service.types import DecodeInput, PrefillInput
+        from ferrum_service.core.types import DecodeInput, PrefillInput
 
         self.lora.LoraStep.apply = _grouped_apply if grouped else self.stacked
         ex = self.ex
@@ -100,7 +100,7 @@ class Peft:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
-        from ferrum_service.packaged_models import smollm2_gguf
+        from ferrum_service.hosting.packaged_models import smollm2_gguf
 
         d, f = smollm2_gguf()
         base = AutoModelForCausalLM.from_pretrained(str(d), gguf_file=f, dtype=torch.float32)

@@ -50,7 +50,7 @@ def row(target: str, streams: int, max_tokens: int, rounds: int) -> dict:
 
 
 def build_adapters(out: Path, rank: int) -> list[str]:
-    from ferrum_service.packaged_models import smollm2_gguf
+    from ferrum_service.hosting.packaged_models import smollm2_gguf
     from ferrum_service.testing.tiny_adapters import build_lora_adapter
 
     d, f = smollm2_gguf()

@@ -175,7 +175,7 @@ def main(argv=None) -> int:
 
     # llama.cpp after the servers are gone (its threads would compete with theirs)
     if not a.skip_llama_cpp:
-        from ferrum_service.packaged_models import smollm2_gguf
+        from ferrum_service.hosting.packaged_models import smollm2_gguf
 
         d, f = smollm2_gguf()
         section("llama_cpp", lambda: inproc.llama_cpp(str(Path(d) / f), prompt, 2 * gen_tokens, repeats, threads))

@@ -25,7 +25,7 @@ from .structured_rows import PROMPT, SCHEMA
 
 
 def _load(spec: str):
-    from ferrum_service.packaged_models import smollm2_gguf
+    from ferrum_service.hosting.packaged_models import smollm2_gguf
 
     d, f = smollm2_gguf()
     if spec == "hf":
@@ -39,8 +39,8 @@ def _load(spec: str):
 
 def run(host, rows: int, steps: int, overlap: str, seed: int) -> float:
     """ms per constrained decode step of ``rows`` sequences (the prompt prefilled first)."""
-    from ferrum_service import guided
-    from ferrum_service.types import ConstraintSpec, DecodeInput, LogitsPolicy, PrefillInput, SamplingParams
+    from ferrum_service.core import guided
+    from ferrum_service.core.types import ConstraintSpec, DecodeInput, LogitsPolicy, PrefillInput, SamplingParams
 
     ex = host.executor
     spec = ConstraintSpec("json_schema", json.dumps(SCHEMA))
@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=4)
     a = ap.parse_args()
-    from ferrum_service.host import ModelHost
+    from ferrum_service.hosting.host import ModelHost
 
     host = ModelHost("smollm2", _load(a.spec))
     load_before = os.getloadavg()

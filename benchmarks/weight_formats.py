@@ -53,7 +53,7 @@ TEXT = ("The printing press was invented in the fifteenth century. It changed ho
 
 
 def load(spec: str, threads: int):
-    from ferrum_service.model_specs import build_executor, parse_spec
+    from ferrum_service.hosting.model_specs import build_executor, parse_spec
 
     extra = f",threads={threads},n_ctx=4096" if spec.startswith("smollm2-llama") else ""
     return build_executor(parse_spec(spec + extra), device="cpu")

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from . import __version__
-from .errors import FerrumError
+from .core.errors import FerrumError
 
 SERVE_FLAGS = {
     # name: (type, default, help)
@@ -161,7 +161,7 @@ def resolve_serve_settings(args: argparse.Namespace) -> dict:
                                or cfg.get("prefix_cache") is False)
     out["allow_pickle"] = bool(args.allow_pickle or os.environ.get("FERRUM_ALLOW_PICKLE") == "1"
                                or cfg.get("allow_pickle"))
-    from .model_specs import DEFAULT_MODELS, parse_spec, spec_from_mapping
+    from .hosting.model_specs import DEFAULT_MODELS, parse_spec, spec_from_mapping
 
     if args.model:
         specs = [parse_spec(m) for m in args.model]
@@ -178,7 +178,7 @@ def resolve_serve_settings(args: argparse.Namespace) -> dict:
 
 def _adapter_flags(flags: list[str], specs) -> dict[str, dict[str, str]]:
     """``--adapter [MODEL:]NAME=PATH`` flags and the specs' own adapters, per model id."""
-    from .model_specs import spec_adapters
+    from .hosting.model_specs import spec_adapters
 
     out = {s.model_id: spec_adapters(s) for s in specs}
     for f in flags:
@@ -212,7 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if st["role"] not in ("both", "prefill", "decode"):
         print(f"--role must be both, prefill or decode, not {st['role']!r}", file=sys.stderr)
         return 2
-    from .kv_peers import normalize_peer, normalize_target
+    from .hosting.kv_peers import normalize_peer, normalize_target
 
     # --kv-peer: HOST:PORT or HOST:* (every port of one host); --drain-to names one server
     bad = [p for p in st["kv_peer"] or [] if normalize_peer(p) is None]
@@ -227,8 +227,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import structlog
     import torch
 
-    from .host import new_worker
-    from .model_specs import build_executor
+    from .hosting.host import new_worker
+    from .hosting.model_specs import build_executor
     from .server import ServerConfig, serve
 
     log = structlog.get_logger("ferrum_service.cli")

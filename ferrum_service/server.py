@@ -18,29 +18,29 @@ from dataclasses import dataclass, field
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2, executor_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from . import tracing
-from .auth import AuthInterceptor, is_admin_call
-from .host import ModelHost
-from .kv_events import KvEventHub
-from .kv_peers import KvPeers
-from .callers import CallerActivity
-from .cache_quota import DEFAULT_MAX_CACHES, DEFAULT_MAX_CACHES_PER_CALLER, CacheQuota, cap_model
-from .constraint_compile import DEFAULT_MAX_COMPILE_SECONDS, CompilePool
-from .leases import LeaseReaper
-from .progress import DEFAULT_STALL_TIMEOUT_S, StallWatch
-from .metrics import Metrics
-from .models import ModelSet
-from .operations import Operations
-from .reflection import enable_reflection
-from .servicer import ModelExecutorServicer
-from .streams import StreamRegistry
-from .validate import RequestChecks
-from .vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME, VllmEngineServicer
+from .core.callers import CallerActivity
+from .hosting.cache_quota import DEFAULT_MAX_CACHES, DEFAULT_MAX_CACHES_PER_CALLER, CacheQuota, cap_model
+from .hosting.constraint_compile import DEFAULT_MAX_COMPILE_SECONDS, CompilePool
+from .hosting.host import ModelHost
+from .hosting.kv_events import KvEventHub
+from .hosting.kv_peers import KvPeers
+from .hosting.models import ModelSet
+from .hosting.progress import DEFAULT_STALL_TIMEOUT_S, StallWatch
+from .wire import tracing
+from .wire.auth import AuthInterceptor, is_admin_call
+from .wire.leases import LeaseReaper
+from .wire.metrics import Metrics
+from .wire.operations import Operations
+from .wire.reflection import enable_reflection
+from .wire.servicer import ModelExecutorServicer
+from .wire.streams import StreamRegistry
+from .wire.validate import RequestChecks
+from .wire.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
+from .wire.vllm_engine import VllmEngineServicer
 
 log = structlog.get_logger("ferrum_service.server")
 

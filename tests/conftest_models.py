@@ -63,7 +63,7 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def minilm_path():
-    from ferrum_service.packaged_models import PackagedModelMissing, minilm_dir
+    from ferrum_service.hosting.packaged_models import PackagedModelMissing, minilm_dir
 
     try:
         return minilm_dir()

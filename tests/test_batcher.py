@@ -25,9 +25,9 @@ def tiny_executor(tiny_llama_dir):  # noqa: F811
 
 
 def test_a_prompt_too_costly_to_join_the_decodes_runs_alone_next(tiny_executor):
-    from ferrum_service.batcher import _Pending
-    from ferrum_service.host import ModelHost
-    from ferrum_service.types import DecodeInput, PrefillInput
+    from ferrum_service.hosting.batcher import _Pending
+    from ferrum_service.hosting.host import ModelHost
+    from ferrum_service.core.types import DecodeInput, PrefillInput
 
     host = ModelHost("tiny", tiny_executor)
     host.limits.max_step_tokens = 40

@@ -6,9 +6,9 @@ import grpc
 import pytest
 import torch
 
-from ferrum_service.errors import ErrorKind, FerrumError
+from ferrum_service.core.errors import ErrorKind, FerrumError
 from ferrum_service.executors.bert import BertModelExecutor, read_sentence_transformers_config
-from ferrum_service.types import DecodeInput, LogitsPolicy, PrefillInput, UnifiedItem
+from ferrum_service.core.types import DecodeInput, LogitsPolicy, PrefillInput, UnifiedItem
 
 from .conftest_models import ForwardCounter, minilm_path, tiny_bert_dir  # noqa: F401
 

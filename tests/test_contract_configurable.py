@@ -158,9 +158,9 @@ def test_default_mixed_step_is_all_or_nothing():
     """The base executor's ``mixed_step`` (prompts + other sequences' decodes, as the server's
     continuous batching joins them): a failing decode undoes the prompts — a new cache is released,
     a continued one is truncated back."""
-    from ferrum_service.errors import FerrumError
+    from ferrum_service.core.errors import FerrumError
     from ferrum_service.executors import ConfigurableModelExecutor
-    from ferrum_service.types import DecodeInput, PrefillInput
+    from ferrum_service.core.types import DecodeInput, PrefillInput
 
     ex = ConfigurableModelExecutor.with_token_sequence(100, [7, 8, 9], model_id="mix")
     old = ex.prefill(PrefillInput(token_ids=[1, 2])).cache.cache_id

@@ -133,7 +133,7 @@ def test_eight_sessions_of_1536_tokens_are_admitted_at_once(default_server):
 
 # ---- the F16 copy: made once, checked, atomic ----------------------------------------------------
 def _convert_in_subprocess(folder, src: str) -> subprocess.Popen:
-    code = ("import sys; from ferrum_service.weight_cache import converted_gguf; "
+    code = ("import sys; from ferrum_service.hosting.weight_cache import converted_gguf; "
             "print(converted_gguf(sys.argv[1], 'f16'))")
     return subprocess.Popen([sys.executable, "-c", code, src], env={**os.environ, "FERRUM_MODEL_CACHE": str(folder)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
@@ -148,7 +148,7 @@ def test_f16_copy_is_made_once_by_two_servers_starting_at_once(tmp_path):
     assert len(paths) == 1, outs
     made = [o for o in outs if "converting weights once" in o[0] + o[1]]
     assert len(made) == 1, "the copy was made twice: the lock did not hold the second process"
-    from ferrum_service.weight_cache import file_sha256
+    from ferrum_service.hosting.weight_cache import file_sha256
 
     out = paths.pop()
     meta = json.loads(open(out + ".json").read())
@@ -159,7 +159,7 @@ def test_f16_copy_is_made_once_by_two_servers_starting_at_once(tmp_path):
 
 
 def test_f16_copy_is_made_again_when_corrupt_or_missing(tmp_path):
-    from ferrum_service.weight_cache import converted_gguf, file_sha256
+    from ferrum_service.hosting.weight_cache import converted_gguf, file_sha256
 
     src = gguf()
     out = converted_gguf(src, "f16", folder=tmp_path)
@@ -181,7 +181,7 @@ def test_f16_copy_is_made_again_when_corrupt_or_missing(tmp_path):
 
 # ---- spec options: quant= and the byte budget ----------------------------------------------------
 def test_quant_option_serves_the_packaged_q4_1_file_and_refuses_unknown_formats():
-    from ferrum_service.model_specs import build_executor, parse_spec
+    from ferrum_service.hosting.model_specs import build_executor, parse_spec
 
     src = gguf()
     ex = build_executor(parse_spec("smollm2-llama,quant=q4_1,n_ctx=512,threads=2"), device="cpu")
@@ -193,7 +193,7 @@ def test_quant_option_serves_the_packaged_q4_1_file_and_refuses_unknown_formats(
 
 
 def test_kv_budget_bytes_sizes_the_llama_cpp_buffer():
-    from ferrum_service.model_specs import build_executor, parse_spec
+    from ferrum_service.hosting.model_specs import build_executor, parse_spec
 
     src = gguf()
     ex = build_executor(parse_spec(f"llama-cpp,id=b,path={src},threads=2"), device="cpu", kv_budget_bytes=23040 * 1000)

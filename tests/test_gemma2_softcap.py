@@ -11,7 +11,7 @@ import torch
 
 from ferrum_client import Client, pb
 
-from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
+from ferrum_service.core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 
 from .support.servers import InProcessServer
 

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2
 from ferrum_client import Client, FerrumRpcError, pb
 
 from ferrum_service.executors import ConfigurableModelExecutor
-from ferrum_service.progress import Progress
+from ferrum_service.hosting.progress import Progress
 
 from .conftest_models import tiny_llama_dir  # noqa: F401
 from .support.servers import InProcessServer

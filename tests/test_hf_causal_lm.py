@@ -6,9 +6,9 @@ import grpc
 import pytest
 import torch
 
-from ferrum_service.errors import ErrorKind, FerrumError
+from ferrum_service.core.errors import ErrorKind, FerrumError
 from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
-from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
+from ferrum_service.core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
 
 from .conftest_models import ForwardCounter, smollm2, tiny_llama, tiny_llama_dir  # noqa: F401
 from .support.prompts import prompt_ids
@@ -308,7 +308,7 @@ def test_reserve_kv_slots_allocates_up_front_all_or_nothing(small_budget):
     """ferrum's paged admission: ``reserve_kv_slots`` hands a cache the blocks for its target now
     (decodes inside the reservation allocate nothing), refuses what the pool cannot cover without
     allocating anything, and ``kv_slot_capacity`` reports the pool."""
-    from ferrum_service.types import KvSlotRequest
+    from ferrum_service.core.types import KvSlotRequest
 
     ex = small_budget  # 64 tokens = 4 blocks of 16
     snap = ex.kv_slot_capacity()
@@ -337,7 +337,7 @@ def test_reserve_kv_slots_for_a_new_sequence_creates_the_cache_its_first_step_fi
     first step, under its own name) creates an empty cache holding the blocks; a unified item on
     that cache at position 0 is the prompt and gives the same logits as a fresh prefill. All or
     nothing: a reservation that does not fit creates nothing."""
-    from ferrum_service.types import KvSlotRequest
+    from ferrum_service.core.types import KvSlotRequest
 
     ex = small_budget  # 64 tokens = 4 blocks of 16
     res = ex.reserve_kv_slots([KvSlotRequest("engine-seq-1", 20, new_sequence=True)])

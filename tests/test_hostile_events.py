@@ -348,7 +348,7 @@ def test_hub_owners_of_block_events_and_pending_caches(monkeypatch):
     import asyncio
 
     from ferrum_client.prefix_keys import chain_root
-    from ferrum_service import kv_events
+    from ferrum_service.hosting import kv_events
     from ferrum_service.executors.llama_prefix import SequencePrefixIndex
 
     monkeypatch.setattr(kv_events, "PENDING_OWNER_S", 0.2)

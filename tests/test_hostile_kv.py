@@ -22,8 +22,8 @@ from ferrum_client import Client, FerrumRpcError, messages as m, pb, tpb
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 from ferrum_client.prefix_keys import block_keys, caller_salt, chain_root, token_caller
 from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
-from ferrum_service.kv_peers import CALLER_HEADER, MAX_CHANNELS
-from ferrum_service.types import DecodeInput, PrefillInput
+from ferrum_service.hosting.kv_peers import CALLER_HEADER, MAX_CHANNELS
+from ferrum_service.core.types import DecodeInput, PrefillInput
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .lora_fixtures import adapters  # noqa: F401 - fixture
@@ -517,7 +517,7 @@ def test_root_memo_is_bounded_and_thread_safe(tiny_llama_dir, adapters):
 # ---- flags ---------------------------------------------------------------------------------------
 def test_kv_peer_flags(tmp_path, monkeypatch):
     from ferrum_service.cli import build_parser, main, resolve_serve_settings
-    from ferrum_service.kv_peers import KvPeers
+    from ferrum_service.hosting.kv_peers import KvPeers
 
     monkeypatch.delenv("FERRUM_KV_PEER", raising=False)
     st = resolve_serve_settings(build_parser().parse_args(
@@ -584,8 +584,8 @@ def test_a_host_wildcard_peer_admits_that_hosts_ports_only():
     """``--kv-peer 127.0.0.1:*``: every port of that host (servers on one machine), nothing else."""
     import asyncio
 
-    from ferrum_service import errors
-    from ferrum_service.kv_peers import KvPeers
+    from ferrum_service.core import errors
+    from ferrum_service.hosting.kv_peers import KvPeers
 
     peers = KvPeers(["127.0.0.1:*"])
 

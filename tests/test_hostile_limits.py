@@ -178,8 +178,8 @@ def test_time_limit_deadline_full_pool_and_per_request_count(tiny_llama_dir):  #
         deadline_srv.max_seconds = 30.0
         while deadline_srv.in_flight:  # let the background compiles end (they cannot be stopped)
             time.sleep(0.2)
-        from ferrum_service.guided import guides_of
-        from ferrum_service.types import ConstraintSpec
+        from ferrum_service.core.guided import guides_of
+        from ferrum_service.core.types import ConstraintSpec
 
         guides = guides_of(srv.models.get("tiny").executor)
         assert guides.cached(ConstraintSpec("json_schema", _slow_schema("lim"))) is None  # dropped: refused again
@@ -211,7 +211,7 @@ def test_time_limit_deadline_full_pool_and_per_request_count(tiny_llama_dir):  #
 
 
 def test_compiled_constraint_cache_is_bounded(server, monkeypatch):
-    from ferrum_service.guided import Guides, guides_of
+    from ferrum_service.core.guided import Guides, guides_of
 
     srv, c = server
     monkeypatch.setattr(Guides, "cache_entries", 3)
@@ -287,7 +287,7 @@ def test_an_executors_own_lower_cache_limit_is_kept():
 
 # ---- F6: constraint x chunked prefill -------------------------------------------------------------
 def test_constrained_prompt_in_chunks_equals_the_prompt_whole(server, monkeypatch):
-    from ferrum_service import batcher as batcher_mod
+    from ferrum_service.hosting import batcher as batcher_mod
 
     srv, c = server
     cons = tpb.OutputConstraint(choice=tpb.ChoiceList(choices=["alpha beta", "gamma", "delta 42"]))

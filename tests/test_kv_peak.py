@@ -4,7 +4,7 @@ KV live caches held at once (kept by the registry), not the bytes used now."""
 from __future__ import annotations
 
 from ferrum_service.executors.base import ModelExecutor
-from ferrum_service.kv_registry import CacheRegistry
+from ferrum_service.core.kv_registry import CacheRegistry
 
 
 class _Books(ModelExecutor):

@@ -396,7 +396,7 @@ def test_export_does_not_wait_for_the_sources_busy_worker(pair):
 
 
 def test_role_flag_is_checked():
-    from ferrum_service.models import ModelSet
+    from ferrum_service.hosting.models import ModelSet
     from ferrum_service.server import Server, ServerConfig
 
     with pytest.raises(ValueError, match="role"):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ferrum_client import Client, FerrumRpcError
-from ferrum_service.errors import FerrumError
-from ferrum_service.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
+from ferrum_service.core.errors import FerrumError
+from ferrum_service.core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
 
 from .support.llama import TOL, assert_no_leak
 from .support.packaged import smollm2_gguf_path
@@ -141,7 +141,7 @@ def test_forward_equals_prefill_rows_and_keeps_nothing(ex):
 
 
 def test_reserve_kv_slots_books_the_budget(ex):
-    from ferrum_service.types import KvSlotRequest
+    from ferrum_service.core.types import KvSlotRequest
 
     cid = ex.prefill(PrefillInput(token_ids=prompt_ids(10, 22, **SMOLLM2), policy=NONE)).cache.cache_id
     r = ex.reserve_kv_slots([KvSlotRequest(cache_id=cid, target_len=100)])
@@ -155,7 +155,7 @@ def test_reserve_kv_slots_books_the_budget(ex):
 def test_reserve_kv_slots_for_a_new_sequence_takes_a_sequence_id(ex):
     """Issue 15 (1): a ``new_sequence`` reservation creates an empty cache (a llama.cpp sequence
     id holding the promise) that a unified item at position 0 fills like a fresh prompt."""
-    from ferrum_service.types import KvSlotRequest
+    from ferrum_service.core.types import KvSlotRequest
 
     seqs = ex.live_sequences()
     r = ex.reserve_kv_slots([KvSlotRequest(cache_id="engine-seq", target_len=40, new_sequence=True)])

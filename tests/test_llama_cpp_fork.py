@@ -8,7 +8,7 @@ import random
 import pytest
 
 from ferrum_client import Client, pb, tpb
-from ferrum_service.types import DecodeInput, PrefillInput
+from ferrum_service.core.types import DecodeInput, PrefillInput
 
 from .support.servers import InProcessServer
 from .support.llama import assert_no_leak

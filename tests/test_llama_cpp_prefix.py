@@ -9,7 +9,7 @@ import pytest
 
 from ferrum_client import Client, pb
 from ferrum_client.prefix_keys import block_keys
-from ferrum_service.types import DecodeInput, PrefillInput
+from ferrum_service.core.types import DecodeInput, PrefillInput
 
 from .support.prompts import SMOLLM2, prompt_ids
 from .support.servers import InProcessServer

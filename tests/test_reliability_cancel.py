@@ -326,7 +326,7 @@ def test_caches_of_a_quiet_origin_are_reclaimed_long_before_the_ttl():
     host). While that origin keeps calling, an idle cache of it keeps the full TTL; once the origin
     makes no call at all for ``origin_idle_ttl``, its idle caches are reclaimed then (ferrum's
     engine never releases its draft executor's caches; they go soon after the engine goes quiet)."""
-    from ferrum_service.callers import peer_host
+    from ferrum_service.core.callers import peer_host
 
     assert peer_host("ipv4:127.0.0.1:50123") == "ipv4:127.0.0.1"
     assert peer_host("ipv6:[::1]:50123") == "ipv6:[::1]" and peer_host("unix:/tmp/s") == "unix:/tmp/s"

@@ -1,11 +1,11 @@
-"""Server-side sampling (ferrum_service.sampling) on real torch tensors."""
+"""Server-side sampling (ferrum_service.core.sampling) on real torch tensors."""
 
 from __future__ import annotations
 
 import torch
 
-from ferrum_service.sampling import encode_row, process_rows
-from ferrum_service.types import LogitsPolicy, OutputMode, SamplingParams
+from ferrum_service.core.sampling import encode_row, process_rows
+from ferrum_service.core.types import LogitsPolicy, OutputMode, SamplingParams
 
 
 def pol(**kw) -> LogitsPolicy:
@@ -92,7 +92,7 @@ def test_batched_sampler_equals_the_per_row_reference_for_every_policy():
     """sample_rows over a mixed batch gives each row exactly what sample_row gives it alone."""
     import random
 
-    from ferrum_service.sampling import sample_row, sample_rows
+    from ferrum_service.core.sampling import sample_row, sample_rows
 
     rng = random.Random(1)
     v = 500

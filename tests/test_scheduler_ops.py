@@ -167,7 +167,7 @@ def test_slow_subscriber_is_dropped_without_blocking_compute():
     first sequence number it missed, and publishing goes on (real asyncio loop, no server)."""
     import asyncio
 
-    from ferrum_service.kv_events import KvEventHub, SubscriberDropped
+    from ferrum_service.hosting.kv_events import KvEventHub, SubscriberDropped
 
     async def scenario():
         hub = KvEventHub(subscriber_buffer=100)

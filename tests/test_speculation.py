@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from ferrum_client import Client, pb, tpb
-from ferrum_service import speculation
+from ferrum_service.core import speculation
 from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
-from ferrum_service.speculation import MAX_DRAFT_TOKENS, NgramDrafter, SpeculationConfig, sample_verified
-from ferrum_service.types import DecodeInput, LogitsPolicy, SamplingParams
+from ferrum_service.core.speculation import MAX_DRAFT_TOKENS, NgramDrafter, SpeculationConfig, sample_verified
+from ferrum_service.core.types import DecodeInput, LogitsPolicy, SamplingParams
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .support.servers import InProcessServer
@@ -367,7 +367,7 @@ def test_a_verify_row_shares_the_step_with_plain_decode_rows(srv):
     row in one forward; the rejected draft's KV is gone when the step returns."""
     import asyncio
 
-    from ferrum_service.types import PrefillInput
+    from ferrum_service.core.types import PrefillInput
 
     host = next(h for h in srv.models if h.model_id == "count")
     ex = host.executor

@@ -212,7 +212,7 @@ def test_past_the_end_only_end_tokens_and_rollback_still_works(server):
 def test_masks_during_the_forward_equal_masks_after_it(server, monkeypatch):
     """The masks computed on the mask thread while the forward runs (the default) give the same
     seeded samples as masks computed after the forward; the overlap path really runs."""
-    from ferrum_service import guided
+    from ferrum_service.core import guided
 
     _, c = server
     cons = tpb.OutputConstraint(json_schema=json.dumps(SCHEMA))
@@ -225,7 +225,7 @@ def test_masks_during_the_forward_equal_masks_after_it(server, monkeypatch):
         return p
 
     monkeypatch.setattr(guided, "OVERLAP", "1")
-    monkeypatch.setattr("ferrum_service.host.prepare_masks", counting)
+    monkeypatch.setattr("ferrum_service.hosting.host.prepare_masks", counting)
     # One at a time (same batches), each prompt computed whole: a prompt partly served from the
     # prefix cache (kept or evicted by the module's earlier tests) is computed in a smaller batch,
     # whose float sums differ in the last bits, and a seeded sample at a near-tie can flip.

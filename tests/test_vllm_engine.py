@@ -322,7 +322,7 @@ def test_get_tokenizer_bundle(engine, server):
 
 
 def test_bundle_drops_fixed_padding():
-    from ferrum_service.tokenizer_bundle import _unpadded
+    from ferrum_service.wire.tokenizer_bundle import _unpadded
 
     doc = {"version": "1.0", "padding": {"strategy": {"Fixed": 128}, "pad_id": 0}, "model": {"type": "WordPiece"}}
     out = json.loads(_unpadded(json.dumps(doc).encode()))

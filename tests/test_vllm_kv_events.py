@@ -9,9 +9,9 @@ import asyncio
 import grpc
 import pytest
 
-from ferrum_service import errors
-from ferrum_service.kv_events import KvEventHub
-from ferrum_service.vllm_kv_events import BlockEventRelay, batch_pb, block_hash
+from ferrum_service.core import errors
+from ferrum_service.hosting.kv_events import KvEventHub
+from ferrum_service.wire.vllm_kv_events import BlockEventRelay, batch_pb, block_hash
 
 BS = 4
 
@@ -106,7 +106,7 @@ def test_a_subscriber_that_falls_behind_gets_data_loss():
 def test_stored_events_without_token_ids_carry_no_blocks():
     """With bearer tokens on, the server strips token ids from block events: a block without its
     tokens would hash like every other in SMG's index, so the batch goes out empty."""
-    from ferrum_service.kv_events import KvEventRecord
+    from ferrum_service.hosting.kv_events import KvEventRecord
 
     ev = KvEventRecord(7, 0, "m", "", 0, 0, "stored", _stored([b"a" * 32], b"r" * 32, []))
     b = batch_pb(7, ev)

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .. import errors
-from ..kv_registry import CacheEntry, CacheRegistry
-from ..types import (
+from ..core import errors
+from ..core.kv_registry import CacheEntry, CacheRegistry
+from ..core.types import (
     AdmissionLimits,
     CacheHandle,
     DecodeInput,

@@ -25,9 +25,9 @@ from typing import Any
 import structlog
 import torch
 
-from .. import errors
-from ..kv_registry import CacheEntry, CacheRegistry
-from ..types import (
+from ..core import errors
+from ..core.kv_registry import CacheEntry, CacheRegistry
+from ..core.types import (
     CacheHandle,
     DecodeInput,
     DecodeOutput,

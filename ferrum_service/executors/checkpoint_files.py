@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import errors
+from ..core import errors
 
 
 def require_safe_weights(path: Path, allow_pickle: bool) -> dict:

@@ -23,8 +23,8 @@ import itertools
 
 import torch
 
-from ..kv_registry import CacheRegistry
-from ..types import (
+from ..core.kv_registry import CacheRegistry
+from ..core.types import (
     DecodeInput,
     DecodeOutput,
     ExecutorCapabilities,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..types import ModelInfo
+from ..core.types import ModelInfo
 
 
 def ferrum_fixed_info(

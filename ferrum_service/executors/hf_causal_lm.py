@@ -4,7 +4,7 @@ What it does
 ------------
 Loads a local checkpoint directory (safetensors + config + tokenizer) or a GGUF file, and serves
 ferrum's ``ModelExecutor`` methods with per-sequence KV caches that the executor owns and the
-:class:`~ferrum_service.kv_registry.CacheRegistry` names. Every batched method is **one forward**:
+:class:`~ferrum_service.core.kv_registry.CacheRegistry` names. Every batched method is **one forward**:
 ``batch_prefill``, ``batch_decode``, ``unified_decode`` (prefill chunks and decode steps mixed) and
 ``forward_verify`` (N+1 tokens of one sequence) each call the model once.
 
@@ -90,9 +90,9 @@ from typing import Any
 import structlog
 import torch
 
-from .. import errors
-from ..kv_registry import CacheEntry, CacheRegistry
-from ..types import (
+from ..core import errors
+from ..core.kv_registry import CacheEntry, CacheRegistry
+from ..core.types import (
     AdmissionLimits,
     CacheHandle,
     ExecutorCapabilities,
@@ -109,8 +109,8 @@ from ..types import (
     StepCost,
 )
 from .base import KvLayout
-from .item_steps import ItemStepExecutor, StepItem
 from .checkpoint_files import require_safe_weights
+from .item_steps import ItemStepExecutor, StepItem
 from .lora import AdapterSet, AdapterWeights, lora_step
 from .packed_attention import base_implementation, build_step, install, packed_step
 from .paged_kv import BlockPool, PagedWriteCache

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import errors
-from ..kv_registry import CacheEntry
-from ..types import (
+from ..core import errors
+from ..core.kv_registry import CacheEntry
+from ..core.types import (
     DecodeInput,
     DecodeOutput,
     LogitsPolicy,

@@ -8,7 +8,7 @@ One llama.cpp context holds one *unified* KV buffer of ``n_ctx`` cells shared by
 (``kv_unified``); each live cache owns one llama.cpp sequence id (recycled on release) and its cells
 are found by llama.cpp wherever they are free, so the KV budget is exactly ``n_ctx`` tokens (sized
 from memory by default: :func:`default_kv_tokens`; llama.cpp allocates and clears it at load) and the
-:class:`~ferrum_service.kv_registry.CacheRegistry` books it: a step that needs more tokens than are
+:class:`~ferrum_service.core.kv_registry.CacheRegistry` books it: a step that needs more tokens than are
 free is refused with RESOURCE_EXHAUSTED before anything is decoded, and a step that fails inside
 ``llama_decode`` is rolled back (``llama_memory_seq_rm`` of the positions it added).
 
@@ -32,10 +32,9 @@ import numpy as np
 import structlog
 import torch
 
-from .. import errors
-from .base import KvLayout
-from ..kv_registry import CacheEntry, CacheRegistry
-from ..types import (
+from ..core import errors
+from ..core.kv_registry import CacheEntry, CacheRegistry
+from ..core.types import (
     AdmissionLimits,
     CacheHandle,
     ExecutorCapabilities,
@@ -48,6 +47,7 @@ from ..types import (
     ModelInfo,
     PrefillInput,
 )
+from .base import KvLayout
 from .item_steps import ItemStepExecutor, StepItem
 from .llama_prefix import SequencePrefixIndex
 

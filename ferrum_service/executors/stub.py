@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_registry import CacheRegistry
-from ..types import (
+from ..core.kv_registry import CacheRegistry
+from ..core.types import (
     CacheHandle,
     DecodeInput,
     DecodeOutput,

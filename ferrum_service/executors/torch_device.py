@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import errors
+from ..core import errors
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _NAMES = {v: k for k, v in DTYPES.items()}

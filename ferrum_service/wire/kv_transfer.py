@@ -46,16 +46,15 @@ from typing import Any, AsyncIterator
 
 import grpc
 import structlog
-
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 
-from . import errors
-from .callers import current_caller
+from ..core import errors
+from ..core.callers import current_caller
+from ..executors.base import KvLayout
+from ..hosting.kv_peers import KvPeers
 from .convert import handle_pb, pb, tpb
-from .executors.base import KvLayout
-from .kv_peers import KvPeers
 
-log = structlog.get_logger("ferrum_service.kv_transfer")
+log = structlog.get_logger("ferrum_service.wire.kv_transfer")
 
 #: K+V bytes per chunk when the request does not say.
 DEFAULT_CHUNK_BYTES = 4 << 20

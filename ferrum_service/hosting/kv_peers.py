@@ -43,9 +43,9 @@ import urllib.parse
 import grpc
 import structlog
 
-from . import errors
+from ..core import errors
 
-log = structlog.get_logger("ferrum_service.kv_peers")
+log = structlog.get_logger("ferrum_service.hosting.kv_peers")
 
 #: Metadata key carrying the caller's identity on a pull (honoured only with a peer token).
 CALLER_HEADER = "x-ferrum-kv-caller"

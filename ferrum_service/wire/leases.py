@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from .callers import CallerActivity
-from .periodic import Periodic
+from ..core.callers import CallerActivity
+from ..hosting.periodic import Periodic
 
 if TYPE_CHECKING:
+    from ..hosting.models import ModelSet
     from .metrics import Metrics
-    from .models import ModelSet
 
-log = structlog.get_logger("ferrum_service.leases")
+log = structlog.get_logger("ferrum_service.wire.leases")
 
 
 class LeaseReaper:

@@ -32,7 +32,7 @@ from .periodic import Periodic
 if TYPE_CHECKING:
     from .models import ModelSet
 
-log = structlog.get_logger("ferrum_service.progress")
+log = structlog.get_logger("ferrum_service.hosting.progress")
 
 RATE_WINDOW_S = 10.0
 MIN_RETRY_MS = 20

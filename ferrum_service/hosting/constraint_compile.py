@@ -34,9 +34,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Sequence
 
-from . import errors
-from .callers import current_deadline
-from .types import ConstraintSpec, SamplingParams
+from ..core import errors
+from ..core.callers import current_deadline
+from ..core.types import ConstraintSpec, SamplingParams
 
 if TYPE_CHECKING:
     from .host import ModelHost
@@ -163,7 +163,7 @@ class CompilePool:
 
     async def compile(self, host: "ModelHost", spec: ConstraintSpec, field: str) -> Any:
         """The compiled constraint: from the model's cache, else compiled in the pool."""
-        from .guided import guides_of
+        from ..core.guided import guides_of
 
         guides = guides_of(host.executor)
         guides.check_tokenizer(field)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import errors
+from ..core import errors
 from .host import ModelHost
 
 

@@ -13,21 +13,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-
-import grpc
 from typing import TYPE_CHECKING, AsyncIterator
 
-from . import errors, speculation, tracing
+import grpc
+
+from ..core import errors, speculation
+from ..core.guided import GuideState, _matcher
+from ..core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
+from . import tracing
 from .convert import check_token, check_tokens, handle_pb, pb, sampling_params
-from .guided import GuideState, _matcher
 from .streams import StreamState
-from .types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 from .validate import RequestChecks, admit
 
 if TYPE_CHECKING:
-    from .host import ModelHost
+    from ..hosting.host import ModelHost
+    from ..hosting.models import ModelSet
     from .migration import Migrations, Parked
-    from .models import ModelSet
 
 DEFAULT_MAX_TOKENS = 128
 

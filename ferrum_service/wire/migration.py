@@ -38,21 +38,20 @@ from typing import TYPE_CHECKING
 
 import grpc
 import structlog
-
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 
-from . import errors
-from .callers import current_caller
+from ..core import errors
+from ..core.callers import current_caller
 from .convert import check_tokens, pb, sampling_params
 
 if TYPE_CHECKING:
-    from .kv_peers import KvPeers
+    from ..hosting.kv_peers import KvPeers
+    from ..hosting.models import ModelSet
     from .kv_transfer import KvTransfer
-    from .models import ModelSet
     from .streams import StreamRegistry
     from .validate import RequestChecks
 
-log = structlog.get_logger("ferrum_service.migration")
+log = structlog.get_logger("ferrum_service.wire.migration")
 
 #: Seconds B holds a migrated stream for its caller's resume.
 DEFAULT_RESUME_S = 30.0

@@ -22,8 +22,8 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Iterator
 
-from . import errors
-from .callers import current_caller
+from ..core import errors
+from ..core.callers import current_caller
 
 if TYPE_CHECKING:
     from .host import ModelHost

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Iterator
 
 import structlog
 
-from . import errors
-from .callers import current_caller, current_origin
+from ..core import errors
+from ..core.callers import current_caller, current_origin
 
 if TYPE_CHECKING:
-    from .callers import CallerActivity
-    from .host import ModelHost
-    from .models import ModelSet
+    from ..core.callers import CallerActivity
+    from ..hosting.host import ModelHost
+    from ..hosting.models import ModelSet
 
-log = structlog.get_logger("ferrum_service.streams")
+log = structlog.get_logger("ferrum_service.wire.streams")
 
 
 @dataclass

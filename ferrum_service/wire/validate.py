@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from ferrum_client.prefix_keys import caller_salt
 
-from . import errors
-from .callers import current_caller, current_origin
-from .cache_quota import CacheQuota
-from .constraint_compile import CompilePool, check_shape
+from ..core import errors
+from ..core.callers import current_caller, current_origin
+from ..core.kv_registry import CacheEntry
+from ..core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
+from ..executors.item_steps import StepItem
+from ..hosting.cache_quota import CacheQuota
+from ..hosting.constraint_compile import CompilePool, check_shape
 from .convert import check_token, check_tokens, logits_policy, pb, struct_to_dict
-from .executors.item_steps import StepItem
-from .kv_registry import CacheEntry
-from .types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
 
 #: Longest ``cache_salt`` accepted (it is hashed into every block key of the cache).
 MAX_CACHE_SALT_BYTES = 1024
@@ -39,8 +39,8 @@ MAX_CACHE_SALT_BYTES = 1024
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 if TYPE_CHECKING:
-    from .host import ModelHost
-    from .models import ModelSet
+    from ..hosting.host import ModelHost
+    from ..hosting.models import ModelSet
 
 
 class RequestChecks:

@@ -43,6 +43,7 @@ from . import errors
 from .kv_registry import CacheEntry
 from .types import ConstraintSpec, LogitsPolicy
 
+
 @dataclass
 class GuideState:
     """A cache's constraint: the matcher, the cache length it started at, the tokens it accepted."""

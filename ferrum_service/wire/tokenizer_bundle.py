@@ -19,7 +19,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from . import errors
+from ..core import errors
 
 #: Files a gateway reads (the names SMG's tokenizer loader looks for), plus ``*.jinja``.
 BUNDLE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.json",

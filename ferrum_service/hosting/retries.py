@@ -14,8 +14,8 @@ import asyncio
 import collections
 from typing import Awaitable, Callable
 
-from . import errors
-from .callers import current_caller
+from ..core import errors
+from ..core.callers import current_caller
 
 WINDOW = 4096
 WINDOW_BYTES = 64 * 1024 * 1024

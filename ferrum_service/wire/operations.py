@@ -11,17 +11,18 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from . import errors, tracing
+from ..core import errors
+from ..core.guided import guides_of, mask_rows, refuse_broken
+from ..core.sampling import encode_row, process_rows
+from ..core.types import DecodeInput, KvSlotRequest, OutputMode, PrefillInput
+from ..hosting.cache_quota import MAX_SLOT_REQUESTS
+from ..hosting.retries import StepDeduper
+from . import tracing
 from .convert import handle_pb, logits_policy, pb, row_pb, tpb
-from .cache_quota import MAX_SLOT_REQUESTS
-from .retries import StepDeduper
-from .guided import guides_of, mask_rows, refuse_broken
-from .sampling import encode_row, process_rows
-from .types import DecodeInput, KvSlotRequest, OutputMode, PrefillInput
 from .validate import RequestChecks, admit, admit_decodes, admit_prefills, admit_unified
 
 if TYPE_CHECKING:
-    from .models import ModelSet
+    from ..hosting.models import ModelSet
 
 
 def _timings(t_start: int, timed, sampling_ns: int) -> tpb.StepTimings:

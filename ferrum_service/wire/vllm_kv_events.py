@@ -35,10 +35,10 @@ import grpc
 import structlog
 from smg_grpc_proto.generated import common_pb2 as cpb
 
-from . import errors
-from .kv_events import KvEventHub, KvEventRecord, SubscriberDropped
+from ..core import errors
+from ..hosting.kv_events import KvEventHub, KvEventRecord, SubscriberDropped
 
-log = structlog.get_logger("ferrum_service.vllm_kv_events")
+log = structlog.get_logger("ferrum_service.wire.vllm_kv_events")
 
 _DATA_LOSS = grpc.StatusCode.DATA_LOSS
 

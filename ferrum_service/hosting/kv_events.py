@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import errors
+from ..core import errors
 
 KINDS = {"created": 1, "extended": 2, "truncated": 3, "released": 4, "reclaimed": 5, "evicted": 6, "forked": 7}
 

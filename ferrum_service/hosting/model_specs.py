@@ -94,12 +94,12 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
     budget = int(budget) if budget else None
     budget_bytes = int(budget_bytes) if budget_bytes and not budget else None
     if spec.executor == "stub":
-        from .executors.stub import StubModelExecutor
+        from ..executors.stub import StubModelExecutor
 
         kw = {"kv_budget_tokens": budget} if budget else {}
         return StubModelExecutor(mid, int(o.get("vocab_size", 32000)), **kw)
     if spec.executor == "configurable":
-        from .executors.configurable import ConfigurableModelExecutor
+        from ..executors.configurable import ConfigurableModelExecutor
 
         vocab = int(o.get("vocab_size", 1000))
         kw: dict[str, Any] = {"model_id": mid, "counter": str(o.get("counter", "shared"))}
@@ -114,7 +114,7 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         # dtype= is a transformers option (llama.cpp runs the file's own quantisation).
         kind = "smollm2-llama" if "dtype" not in spec.options and _prefer_llama_cpp(dev) else "smollm2-hf"
     if kind in ("llama-cpp", "smollm2-llama"):
-        from .executors.llama_cpp import LlamaCppExecutor
+        from ..executors.llama_cpp import LlamaCppExecutor
 
         path, quant = o.get("path"), str(o.get("quant", "file")).lower()
         if kind == "smollm2-llama" and not path:
@@ -146,7 +146,7 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         kw["prefix_cache"] = _flag(o.get("prefix_cache", prefix_cache))
         return LlamaCppExecutor(str(path), model_id=mid, device=dev, **kw)
     if kind in ("hf-causal-lm", "smollm2-hf"):
-        from .executors.hf_causal_lm import HfCausalLmExecutor
+        from ..executors.hf_causal_lm import HfCausalLmExecutor
 
         path, gguf = o.get("path"), o.get("gguf_file")
         if kind == "smollm2-hf" and not path:
@@ -168,7 +168,7 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         return HfCausalLmExecutor.from_path(str(path), model_id=mid, device=dev, dtype=dt, gguf_file=gguf,
                                             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, **kw)
     if spec.executor in ("bert", "minilm"):
-        from .executors.bert import BertModelExecutor
+        from ..executors.bert import BertModelExecutor
 
         path = o.get("path")
         if spec.executor == "minilm" and not path:

@@ -12,7 +12,7 @@ from typing import Awaitable, Callable
 
 import structlog
 
-log = structlog.get_logger("ferrum_service.periodic")
+log = structlog.get_logger("ferrum_service.hosting.periodic")
 
 
 class Periodic:

@@ -19,9 +19,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import errors
-from .sampling import RowResult
-from .types import DecodeInput, PrefillInput, PrefillOutput
+from ..core import errors
+from ..core.sampling import RowResult
+from ..core.types import DecodeInput, PrefillInput, PrefillOutput
 
 if TYPE_CHECKING:
     from .host import ModelHost

@@ -10,7 +10,7 @@ it new steps are refused at once with RESOURCE_EXHAUSTED (releases and shutdown 
 and decode steps of running ``Generate`` streams are not new work). ``_step_and_sample`` is the
 "forward + stats + masks + sampling" of decode steps and of the ``Generate`` streams' steps: unary
 ``Decode``/``BatchDecode`` reach it through ``decode_and_sample``, the
-:class:`~ferrum_service.batcher.ContinuousBatcher` (``host.batcher``) through ``step_and_sample``.
+:class:`~ferrum_service.hosting.batcher.ContinuousBatcher` (``host.batcher``) through ``step_and_sample``.
 Prefill, UnifiedDecode and ForwardVerify finish their own results in ``operations.py``.
 """
 
@@ -25,14 +25,14 @@ from typing import Any, Callable, Iterable
 
 import grpc
 
-from . import errors
+from ..core import errors
+from ..core.guided import mask_rows, overlapping, prepare_masks, refuse_broken
+from ..core.sampling import RowResult, process_rows
+from ..core.speculation import sample_verified
+from ..core.types import DecodeInput, PrefillInput
+from ..executors.base import ModelExecutor
 from .batcher import ContinuousBatcher
-from .executors.base import ModelExecutor
-from .guided import mask_rows, overlapping, prepare_masks, refuse_broken
 from .progress import Progress
-from .sampling import RowResult, process_rows
-from .speculation import sample_verified
-from .types import DecodeInput, PrefillInput
 
 
 def new_worker(name: str) -> concurrent.futures.ThreadPoolExecutor:

@@ -22,11 +22,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 import structlog
+from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 from grpc_status import rpc_status
 
-from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
-
-from . import __version__, errors, tracing
+from .. import __version__
+from ..core import errors
+from ..core.callers import CallerActivity, current_caller, current_origin, enter_call
+from ..hosting.kv_events import KvEventHub, SubscriberDropped
+from ..hosting.models import ModelSet
+from . import tracing
 from .convert import (
     adapter_pb,
     as_ferrum_error,
@@ -43,17 +47,14 @@ from .convert import (
     step_error_pb,
     tpb,
 )
-from .callers import CallerActivity, current_caller, current_origin, enter_call
 from .generate import generate
-from .kv_events import KvEventHub, SubscriberDropped
 from .kv_transfer import KvTransfer
 from .metrics import Metrics
 from .migration import Migrations
-from .models import ModelSet
 from .operations import Operations
 from .streams import StreamRegistry
 
-log = structlog.get_logger("ferrum_service.servicer")
+log = structlog.get_logger("ferrum_service.wire.servicer")
 
 _ROLES = {"both": pb.SERVER_ROLE_BOTH, "prefill": pb.SERVER_ROLE_PREFILL, "decode": pb.SERVER_ROLE_DECODE}
 

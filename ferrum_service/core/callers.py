@@ -23,7 +23,6 @@ import time
 from typing import Iterator
 
 import grpc
-
 from ferrum_client.prefix_keys import token_caller
 
 current_caller: contextvars.ContextVar[str] = contextvars.ContextVar("ferrum_caller", default="")

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .speculation import stats_of
+from ..core.speculation import stats_of
 
 if TYPE_CHECKING:
-    from .host import ModelHost
-    from .models import ModelSet
+    from ..hosting.host import ModelHost
+    from ..hosting.models import ModelSet
     from .streams import StreamRegistry
 
 _BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)

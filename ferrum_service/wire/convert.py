@@ -13,15 +13,14 @@ import math
 import grpc
 import numpy as np
 import structlog
+from ferrum_client._proto.ferrum.executor.v1 import executor_pb2 as pb
+from ferrum_client._proto.ferrum.executor.v1 import types_pb2 as tpb
 from google.protobuf import any_pb2, duration_pb2, json_format, struct_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from ferrum_client._proto.ferrum.executor.v1 import executor_pb2 as pb
-from ferrum_client._proto.ferrum.executor.v1 import types_pb2 as tpb
-
-from . import errors
-from .sampling import RowResult
-from .types import (
+from ..core import errors
+from ..core.sampling import RowResult
+from ..core.types import (
     CacheHandle,
     ConstraintSpec,
     ExecutorCapabilities,
@@ -383,7 +382,7 @@ __all__ = [
 
 
 # ---- errors -> statuses ---------------------------------------------------------------------------
-_log = structlog.get_logger("ferrum_service.errors")
+_log = structlog.get_logger("ferrum_service.core.errors")
 _BAD_REQUEST_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                       grpc.StatusCode.FAILED_PRECONDITION)
 

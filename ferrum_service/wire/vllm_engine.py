@@ -30,8 +30,9 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from . import __version__, errors
-from .callers import enter_call
+from .. import __version__
+from ..core import errors
+from ..core.callers import enter_call
 from .convert import check_tokens, pb, tpb
 from .generate import generate
 from .metrics import kv_usage, requests_of
@@ -39,10 +40,10 @@ from .tokenizer_bundle import tokenizer_zip
 from .vllm_kv_events import BlockEventRelay
 
 if TYPE_CHECKING:
-    from .host import ModelHost
+    from ..hosting.host import ModelHost
     from .servicer import ModelExecutorServicer
 
-log = structlog.get_logger("ferrum_service.vllm_engine")
+log = structlog.get_logger("ferrum_service.wire.vllm_engine")
 
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 #: ``max_tokens`` when the request leaves it unset (vLLM: the rest of the context). Capped, because
