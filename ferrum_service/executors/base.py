@@ -320,7 +320,7 @@ class ModelExecutor(abc.ABC):
 
     def admit_kv(self, grow: list[tuple[CacheEntry, int]], new: list, field: str) -> None:
         """Admission for a step the server is about to queue, before any work: ``grow`` = live
-        caches and the length each will reach; ``new`` = the caches it creates (``StepItem``:
+        caches and the length each will reach; ``new`` = the caches it creates (``StepRow``:
         tokens, reservation, prefix-cache options). Default: the registry's token budget."""
         reg = self.registry
         need = sum(reg.growth(e, n) for e, n in grow) + sum(max(len(i.tokens), i.reserve) for i in new)

@@ -92,6 +92,7 @@ import torch
 
 from ..core import errors
 from ..core.kv_registry import CacheEntry, CacheRegistry
+from ..core.steps import StepRow, Want
 from ..core.types import (
     AdmissionLimits,
     CacheHandle,
@@ -110,7 +111,7 @@ from ..core.types import (
 )
 from .base import KvLayout
 from .checkpoint_files import require_safe_weights
-from .item_steps import ItemStepExecutor, StepItem
+from .item_steps import ItemStepExecutor
 from .lora import AdapterSet, AdapterWeights, lora_step
 from .packed_attention import base_implementation, build_step, install, packed_step
 from .paged_kv import BlockPool, PagedWriteCache
@@ -686,9 +687,9 @@ class HfCausalLmExecutor(ItemStepExecutor):
         blocks, _ = self.prefix.match(inp.token_ids, self.prefix.root(inp.cache_salt, inp.adapter))
         return min(len(blocks) * self.block_size, len(inp.token_ids) - 1)
 
-    def admit_kv(self, grow: list[tuple[CacheEntry, int]], new: list[StepItem], field: str) -> None:
+    def admit_kv(self, grow: list[tuple[CacheEntry, int]], new: list[StepRow], field: str) -> None:
         """The pool's admission for a step the server is about to queue (see :meth:`_plan`)."""
-        items = [StepItem(e, [0] * max(0, n - e.num_tokens), "none") for e, n in grow] + list(new)
+        items = [StepRow(e, [0] * max(0, n - e.num_tokens), "none") for e, n in grow] + list(new)
         need, revived, _ = self._plan(items)
         self._admit(need, field, new_caches=len(new), revived=len(revived))
 
@@ -924,14 +925,14 @@ class HfCausalLmExecutor(ItemStepExecutor):
         """One tiny prefill + decode through the paged path (allocates and frees one block)."""
         if self.prefix.available_blocks < 1:
             return
-        ((entry, _),) = self._step([StepItem(None, [self._pad_id], "last", bypass=True)], "warmup")
+        ((entry, _),) = self._step([StepRow(None, [self._pad_id], "last", bypass=True)], "warmup")
         try:
-            self._step([StepItem(entry, [self._pad_id], "last")], "warmup")
+            self._step([StepRow(entry, [self._pad_id], "last")], "warmup")
         finally:
             self.release_cache(entry.cache_id)
 
     # ---- the one forward -----------------------------------------------------------------------
-    def _plan(self, items: list[StepItem]) -> tuple[int, set[int], list[tuple[list[int], list[bytes], bytes]]]:
+    def _plan(self, items: list[StepRow]) -> tuple[int, set[int], list[tuple[list[int], list[bytes], bytes]]]:
         """What a step over ``items`` needs from the pool: (new blocks, evictable blocks its prefix
         hits take back, per item (hit blocks, their keys, chain root)). Sets ``item.cached``.
 
@@ -964,7 +965,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
                 hits.append(([], [], b""))
         return need, revived, hits
 
-    def _step(self, items: list[StepItem], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
+    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
         """Admit, allocate, run one forward over all items, commit. On failure the step leaves no
         trace: caches it created are released, blocks it grew are returned, reservations and the
         adapter bindings of empty caches are put back."""
@@ -994,7 +995,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
                     e.payload.adapter, e.payload.root = adapter, root
             raise
 
-    def _step_bound(self, items: list[StepItem], field: str,
+    def _step_bound(self, items: list[StepRow], field: str,
                     bound: list[tuple[CacheEntry, str, bytes]]) -> list[tuple[CacheEntry, torch.Tensor | None]]:
         """``_step`` after its limits: binds empty caches to their first step's adapter (recorded
         in ``bound``), admits, allocates, runs the forward and commits."""
@@ -1059,7 +1060,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
             pc.commit(e.payload, e.tokens, e.cache_id)
         return list(zip(entries, logits))
 
-    def _adapters_of(self, items: list[StepItem], field: str,
+    def _adapters_of(self, items: list[StepRow], field: str,
                      bound: list[tuple[CacheEntry, str, bytes]]) -> dict[str, AdapterWeights]:
         """The LoRA weights a step's rows use (resident now). A new cache takes its item's adapter;
         a live cache keeps its own (another one named is FAILED_PRECONDITION), except an empty cache

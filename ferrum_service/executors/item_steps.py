@@ -1,6 +1,6 @@
 """The step shape shared by executors that own per-sequence KV caches (transformers, llama.cpp).
 
-Every compute method of such an executor becomes one list of :class:`StepItem` (a sequence's new
+Every compute method of such an executor becomes one list of :class:`StepRow` (a sequence's new
 tokens, its cache or None for a new one, which logits rows to keep) run by the executor's own
 ``_step(items, field)`` as one forward, all or nothing, returning ``(entry, logits)`` per item.
 :class:`ItemStepExecutor` builds the items from the interface's inputs (checking positions) and the
@@ -10,12 +10,12 @@ outputs from the results, so each executor only implements ``_step``.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 
 import torch
 
 from ..core import errors
 from ..core.kv_registry import CacheEntry
+from ..core.steps import StepRow, Want
 from ..core.types import (
     DecodeInput,
     DecodeOutput,
@@ -29,20 +29,6 @@ from ..core.types import (
 from .base import ModelExecutor
 
 
-@dataclass
-class StepItem:
-    """One sequence's share of a step: tokens to append to ``entry`` (None = a new cache)."""
-
-    entry: CacheEntry | None
-    tokens: list[int]
-    want: str  # "none" | "last" | "all": which logits rows to compute
-    reserve: int = 0
-    salt: str = ""  # a new cache's prefix-cache salt
-    bypass: bool = False  # a new cache computes every token (no prefix-cache lookup)
-    adapter: str = ""  # LoRA adapter: a new cache's; for a live cache "" or its own (checked by ``_step``)
-    cached: int = 0  # set by ``_step``: leading tokens taken from the prefix cache
-
-
 class ItemStepExecutor(ModelExecutor):
     """Prefill / decode / mixed / unified / verify steps as one ``_step`` over items."""
 
@@ -51,7 +37,7 @@ class ItemStepExecutor(ModelExecutor):
     supports_draft_rows = True
 
     @abc.abstractmethod
-    def _step(self, items: list[StepItem], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
+    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
         """Admit, run one forward over ``items`` and commit them (nothing on failure)."""
 
     # ---- interface --------------------------------------------------------------------------------
@@ -95,8 +81,8 @@ class ItemStepExecutor(ModelExecutor):
                 raise errors.failed_precondition(
                     f"items[{k}].pos_offset is {it.pos_offset} but the cache holds {have} tokens",
                     field=f"items[{k}].pos_offset")
-            work.append(StepItem(entry, list(it.q_tokens),
-                                 "last" if it.is_final_chunk and it.policy.needs_logits else "none",
+            work.append(StepRow(entry, list(it.q_tokens),
+                                 Want.LAST if it.is_final_chunk and it.policy.needs_logits else Want.NONE,
                                  salt=it.cache_salt, bypass=it.bypass_prefix_cache, adapter=it.adapter))
         results = self._step(work, "items")
         return [UnifiedResult(seq_id=it.seq_id, cache=self.handle(e), logits=l if it.is_final_chunk else None,
@@ -108,7 +94,7 @@ class ItemStepExecutor(ModelExecutor):
         """N+1 tokens into one cache in one forward; row i is the output after ``token_ids[i]``."""
         entry = self.registry.get(cache_id)
         base = entry.num_tokens
-        ((entry, rows),) = self._step([StepItem(entry, list(token_ids), "all")], "token_ids")
+        ((entry, rows),) = self._step([StepRow(entry, list(token_ids), Want.ALL)], "token_ids")
         return VerifyOutput(rows=rows, cache=self.handle(entry), base_len=base)
 
     def _fork_source(self, cache_id: str, keep_tokens: int | None) -> tuple[CacheEntry, int]:
@@ -124,16 +110,16 @@ class ItemStepExecutor(ModelExecutor):
         return src, keep
 
     # ---- items and outputs ------------------------------------------------------------------------
-    def _prefill_items(self, inputs: list[PrefillInput], field: str) -> list[StepItem]:
+    def _prefill_items(self, inputs: list[PrefillInput], field: str) -> list[StepRow]:
         items = []
         for inp in inputs:
             entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id") if inp.cache_id else None
-            want = "none" if not inp.policy.needs_logits else "all" if inp.all_positions else "last"
-            items.append(StepItem(entry, list(inp.token_ids), want, reserve=int(inp.reserve_tokens or 0),
+            want = Want.NONE if not inp.policy.needs_logits else Want.ALL if inp.all_positions else Want.LAST
+            items.append(StepRow(entry, list(inp.token_ids), want, reserve=int(inp.reserve_tokens or 0),
                                   salt=inp.cache_salt, bypass=inp.bypass_prefix_cache, adapter=inp.adapter))
         return items
 
-    def _decode_items(self, inputs: list[DecodeInput], field: str) -> list[StepItem]:
+    def _decode_items(self, inputs: list[DecodeInput], field: str) -> list[StepRow]:
         items = []
         for inp in inputs:
             entry = self.registry.get(inp.cache_id, field=f"{field}.cache_id")
@@ -142,12 +128,12 @@ class ItemStepExecutor(ModelExecutor):
                     f"{field}.position: the cache holds {entry.num_tokens} tokens, so the token is written at "
                     f"{entry.num_tokens}, not {inp.position}", field=f"{field}.position")
             if inp.draft:  # a speculative row: every position's logits verify the drafts
-                items.append(StepItem(entry, [int(inp.token_id)] + [int(t) for t in inp.draft], "all"))
+                items.append(StepRow(entry, [int(inp.token_id)] + [int(t) for t in inp.draft], Want.ALL))
                 continue
-            items.append(StepItem(entry, [int(inp.token_id)], "last" if inp.policy.needs_logits else "none"))
+            items.append(StepRow(entry, [int(inp.token_id)], Want.LAST if inp.policy.needs_logits else Want.NONE))
         return items
 
-    def _prefill_outputs(self, items: list[StepItem], results) -> list[PrefillOutput]:
+    def _prefill_outputs(self, items: list[StepRow], results) -> list[PrefillOutput]:
         """Logits ``[n, vocab]`` (all positions asked for) give ``all_logits`` and their last row."""
         outs = []
         for it, (entry, logits) in zip(items, results):
@@ -163,4 +149,4 @@ class ItemStepExecutor(ModelExecutor):
         return [DecodeOutput(cache=self.handle(e), logits=l) for e, l in results]
 
 
-__all__ = ["ItemStepExecutor", "StepItem"]
+__all__ = ["ItemStepExecutor"]

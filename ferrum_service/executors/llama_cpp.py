@@ -34,6 +34,7 @@ import torch
 
 from ..core import errors
 from ..core.kv_registry import CacheEntry, CacheRegistry
+from ..core.steps import StepRow, Want
 from ..core.types import (
     AdmissionLimits,
     CacheHandle,
@@ -48,7 +49,7 @@ from ..core.types import (
     PrefillInput,
 )
 from .base import KvLayout
-from .item_steps import ItemStepExecutor, StepItem
+from .item_steps import ItemStepExecutor
 from .llama_prefix import SequencePrefixIndex
 
 log = structlog.get_logger(__name__)
@@ -353,7 +354,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         self._make_room(b * n)
         seqs = [self._take_seq() for _ in range(b)]
         try:
-            rows = self._decode_batch([StepItem(None, ids[i].tolist(), "all") for i in range(b)], [(s, 0) for s in seqs])
+            rows = self._decode_batch([StepRow(None, ids[i].tolist(), "all") for i in range(b)], [(s, 0) for s in seqs])
         finally:
             for s in seqs:
                 self._L.llama_memory_seq_rm(self._mem, s, -1, -1)
@@ -594,9 +595,9 @@ class LlamaCppExecutor(ItemStepExecutor):
         """One tiny prefill + decode (allocates llama.cpp's compute buffers)."""
         if self.registry.free_tokens < 2 or not self._free_seq:
             return
-        ((entry, _),) = self._step([StepItem(None, [0], "last")], "warmup")
+        ((entry, _),) = self._step([StepRow(None, [0], "last")], "warmup")
         try:
-            self._step([StepItem(entry, [0], "last")], "warmup")
+            self._step([StepRow(entry, [0], "last")], "warmup")
         finally:
             self.release_cache(entry.cache_id)
 
@@ -611,7 +612,7 @@ class LlamaCppExecutor(ItemStepExecutor):
 
     # ---- items ---------------------------------------------------------------------------------
     # ---- the one decode ------------------------------------------------------------------------
-    def _step(self, items: list[StepItem], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
+    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
         """Admit, run one ``llama_decode`` over all items, commit; undo everything on failure."""
         if self.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down")
@@ -649,7 +650,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         created: list[CacheEntry] = []
         placed: list[tuple[int, int]] = []  # (seq id, first position written) for rollback
         entries: list[CacheEntry] = []
-        work: list[StepItem] = []  # what is decoded: a new sequence's tokens after its prefix hit
+        work: list[StepRow] = []  # what is decoded: a new sequence's tokens after its prefix hit
         try:
             for it, (src, take, keys, root) in zip(items, hits):
                 if it.entry is None:
@@ -666,7 +667,7 @@ class LlamaCppExecutor(ItemStepExecutor):
                         pc.stats.queried_tokens += len(it.tokens)
                         pc.stats.hit_tokens += take
                         pc.stats.hits += take > 0
-                    work.append(StepItem(e, it.tokens[take:], it.want))
+                    work.append(StepRow(e, it.tokens[take:], it.want))
                 else:
                     e, past = it.entry, it.entry.num_tokens
                     if it.reserve > e.reserved_total:
@@ -689,7 +690,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         # every executor; recording here too counted each llama.cpp step twice.
         return list(zip(entries, logits))
 
-    def _decode_batch(self, items: list[StepItem], placed: list[tuple[int, int]]) -> list[torch.Tensor | None]:
+    def _decode_batch(self, items: list[StepRow], placed: list[tuple[int, int]]) -> list[torch.Tensor | None]:
         L, b = self._L, self._batch
         n = sum(len(it.tokens) for it in items)
         tok, pos, out = self._b_tok, self._b_pos, self._b_out

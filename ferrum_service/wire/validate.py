@@ -27,8 +27,8 @@ from ferrum_client.prefix_keys import caller_salt
 from ..core import errors
 from ..core.callers import current_caller, current_origin
 from ..core.kv_registry import CacheEntry
+from ..core.steps import StepRow
 from ..core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
-from ..executors.item_steps import StepItem
 from ..hosting.cache_quota import CacheQuota
 from ..hosting.constraint_compile import CompilePool, check_shape
 from .convert import check_token, check_tokens, logits_policy, pb, struct_to_dict
@@ -340,7 +340,7 @@ class RequestChecks:
 
 # ---- KV admission ---------------------------------------------------------------------------------
 def admit(host: "ModelHost", field: str, *, grow: Iterable[tuple[CacheEntry, int]] = (),
-          new: Iterable[StepItem] = ()) -> None:
+          new: Iterable[StepRow] = ()) -> None:
     """Admit one step's KV growth, all or nothing, before any work: ``grow`` lists live caches and
     the length each will reach, ``new`` the caches the step creates (their tokens, reservation and
     prefix-cache options). RESOURCE_EXHAUSTED (with RetryInfo) when the executor's KV budget, or
@@ -363,7 +363,7 @@ def admit_prefills(host: "ModelHost", inputs: list[PrefillInput], field: str = "
             grow.append((e, e.num_tokens + len(i.token_ids)))
         else:
             want = "all" if i.all_positions else "last"
-            new.append(StepItem(None, list(i.token_ids), want, reserve=int(i.reserve_tokens or 0),
+            new.append(StepRow(None, list(i.token_ids), want, reserve=int(i.reserve_tokens or 0),
                                 salt=i.cache_salt, bypass=i.bypass_prefix_cache, adapter=i.adapter))
     admit(host, field, grow=grow, new=new)
 
@@ -379,7 +379,7 @@ def admit_unified(host: "ModelHost", items: list[UnifiedItem], field: str = "ite
     reg = host.executor.registry
     admit(host, field,
           grow=[(reg.get(i.cache_id), i.pos_offset + len(i.q_tokens)) for i in items if i.cache_id],
-          new=[StepItem(None, list(i.q_tokens), "last", salt=i.cache_salt, bypass=i.bypass_prefix_cache,
+          new=[StepRow(None, list(i.q_tokens), "last", salt=i.cache_salt, bypass=i.bypass_prefix_cache,
                         adapter=i.adapter)
                for i in items if not i.cache_id])
 
