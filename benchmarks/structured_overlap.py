@@ -5,7 +5,7 @@ thread) vs after it, in one process, on the same model and caches.
 
 A two-server A/B of this setting moved ±15 % with which server ran second (llama.cpp's worker
 threads spin a while after a step and take cores from the next process), so this measures the two
-ways inside one server: ``ModelHost.decode_and_sample`` steps (the path Generate, Decode and
+ways inside one server: ``steps.run`` of decode plans (the path Generate, Decode and
 BatchDecode take) of 1 and 8 JSON-schema-constrained sequences of SmolLM2, sampling seeded, with
 ``guided.OVERLAP`` flipped between "1" and "0" every round. ms per step, medians; drift-probed.
 Prints a Markdown table and writes ``results/structured_overlap.json``.
@@ -40,9 +40,12 @@ def _load(spec: str):
 def run(host, rows: int, steps: int, overlap: str, seed: int) -> float:
     """ms per constrained decode step of ``rows`` sequences (the prompt prefilled first)."""
     from ferrum_service.core import guided
+    from ferrum_service.core.steps import StepPlan, StepRow
+    from ferrum_service.core.steps import run as run_step
     from ferrum_service.core.types import ConstraintSpec, DecodeInput, LogitsPolicy, PrefillInput, SamplingParams
 
     ex = host.executor
+    reg = ex.registry
     spec = ConstraintSpec("json_schema", json.dumps(SCHEMA))
     compiled = guided.guides_of(ex).compile(spec, "constraint")
     text = ex.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
@@ -50,17 +53,17 @@ def run(host, rows: int, steps: int, overlap: str, seed: int) -> float:
     prompt = list(ex.tokenizer.encode(text, add_special_tokens=False))
     policies = [LogitsPolicy(sampling=SamplingParams(temperature=0.8, seed=seed + i, constraint=spec,
                                                      compiled=compiled)) for i in range(rows)]
-    pre, _, out = host.step_and_sample([PrefillInput(token_ids=prompt, policy=p, bypass_prefix_cache=True)
-                                        for p in policies], [])
-    caches = [o.cache.cache_id for o in pre]
-    toks = [r.token_id for r in out]
+    res = run_step(ex, StepPlan([StepRow.prompt(PrefillInput(token_ids=prompt, policy=p, bypass_prefix_cache=True),
+                                                 None) for p in policies]))
+    caches = [o.cache.cache_id for o in res.outputs]
+    toks = [r.token_id for r in res.rows]
     guided.OVERLAP = overlap
     try:
         t0 = time.perf_counter()
         for _ in range(steps):
-            _, res = host.decode_and_sample([DecodeInput(cache_id=c, token_id=t, policy=p)
-                                             for c, t, p in zip(caches, toks, policies)])
-            toks = [r.token_id for r in res]
+            res = run_step(ex, StepPlan([StepRow.decode(DecodeInput(cache_id=c, token_id=t, policy=p), reg.get(c),
+                                                        "inputs") for c, t, p in zip(caches, toks, policies)]))
+            toks = [r.token_id for r in res.rows]
         return 1000 * (time.perf_counter() - t0) / steps
     finally:
         for c in caches:
@@ -75,7 +78,7 @@ def to_row(rec: dict, date: str | None = None) -> dict:
                drift=rec["drift"], date=date, unit="ms/step", executor=rec["executor"], streams=rec["streams"],
                ms={"overlap": rec["ms"]["1"], "serial": rec["ms"]["0"]},
                note="ours = masks during the forward, peer = after it; ratio = after ÷ during; "
-                    "decode_and_sample steps in one process, the setting flipped every round, medians")
+                    "steps.run decode plans in one process, the setting flipped every round, medians")
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from .core.callers import CallerActivity
+from .hosting.batcher import ContinuousBatcher
 from .hosting.cache_quota import DEFAULT_MAX_CACHES, DEFAULT_MAX_CACHES_PER_CALLER, CacheQuota, cap_model
 from .hosting.constraint_compile import DEFAULT_MAX_COMPILE_SECONDS, CompilePool
 from .hosting.host import ModelHost
@@ -326,8 +327,10 @@ def host_models(executors, max_batch: int = 64, max_queue: int = 0, workers=None
     executor ``i`` was loaded on (see ``host.new_worker``), else a new one."""
     models = ModelSet()
     for i, ex in enumerate(executors):
-        models.add(ModelHost(ex.info().model_id, ex, max_batch=max_batch, max_queue=max_queue,
-                             worker=workers[i] if workers else None))
+        host = ModelHost(ex.info().model_id, ex, max_batch=max_batch, max_queue=max_queue,
+                         worker=workers[i] if workers else None)
+        ContinuousBatcher(host)  # the Generate streams' step queue, attached to its host
+        models.add(host)
     return models
 
 

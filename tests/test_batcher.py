@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from ferrum_client import Client
+
+from ferrum_service.core.steps import RowKind
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .support.servers import InProcessServer
@@ -25,11 +26,12 @@ def tiny_executor(tiny_llama_dir):  # noqa: F811
 
 
 def test_a_prompt_too_costly_to_join_the_decodes_runs_alone_next(tiny_executor):
-    from ferrum_service.hosting.batcher import _Pending
-    from ferrum_service.hosting.host import ModelHost
     from ferrum_service.core.types import DecodeInput, PrefillInput
+    from ferrum_service.hosting.batcher import ContinuousBatcher, _Pending
+    from ferrum_service.hosting.host import ModelHost
 
     host = ModelHost("tiny", tiny_executor)
+    ContinuousBatcher(host)
     host.limits.max_step_tokens = 40
     running = [tiny_executor.prefill(PrefillInput(token_ids=[1, 2, 3])).cache.cache_id for _ in range(3)]
     loop = asyncio.new_event_loop()
@@ -40,15 +42,15 @@ def test_a_prompt_too_costly_to_join_the_decodes_runs_alone_next(tiny_executor):
         long = _Pending(PrefillInput(token_ids=[9] * 40), loop.create_future())
         b._prefill_queue += [short, long]
         # 3 decodes + the 10-token prompt: 13 positions <= 40; + the 40-token one: 53 > 40; 3 + 40 > 40 too
-        prefills, decodes = b._next_batch()
-        assert [p.inp.cache_id for p in decodes] == running
-        assert prefills == [short]
+        batch = b._next_batch()
+        assert [p.inp.cache_id for p in batch.decodes] == running
+        assert batch.prompts == [short]
         assert host.executor.step_cost([(10, 0), (1, 3), (1, 3), (1, 3)], 4).positions == 13
         b._decode_queue += [_Pending(DecodeInput(cache_id=c, token_id=5), loop.create_future()) for c in running]
-        prefills, decodes = b._next_batch()
-        assert prefills == [] and len(decodes) == 3  # the long prompt cannot join: decodes go on
-        prefills, decodes = b._next_batch()
-        assert prefills == [long] and decodes == []  # ... and it runs alone right after
+        batch = b._next_batch()
+        assert batch.prompts == [] and len(batch.decodes) == 3  # the long prompt cannot join: decodes go on
+        batch = b._next_batch()
+        assert batch.prompts == [long] and batch.decodes == []  # ... and it runs alone right after
         assert len(b._decode_queue) == 0
     finally:
         loop.close()
@@ -88,13 +90,14 @@ def test_a_long_prompt_joins_running_streams_a_chunk_at_a_time(tiny_llama_dir): 
                 dict(token_ids=[(7 * i) % 500 + 1 for i in range(70)], max_tokens=6, temperature=0.9, seed=5)]
         alone = [c.generate("tiny", ignore_eos=True, **r).tokens() for r in reqs]
         steps = []
-        real_step = host.step_and_sample
+        real_step = host.step
 
-        def spy(prefills, decodes):
-            steps.append((sum(len(p.token_ids) for p in prefills), len(decodes)))
-            return real_step(prefills, decodes)
+        def spy(plan, **kw):
+            steps.append((sum(len(r.tokens) for r in plan.rows if r.kind is RowKind.PROMPT),
+                          sum(1 for r in plan.rows if r.kind is RowKind.DECODE)))
+            return real_step(plan, **kw)
 
-        host.step_and_sample = spy
+        host.step = spy
         streams = [c.generate("tiny", ignore_eos=True, **r) for r in reqs[:2]]
         first = [next(iter(s)) for s in streams]  # both running before the long prompts arrive
         assert all(ev.WhichOneof("event") == "started" for ev in first)

@@ -9,9 +9,10 @@ import threading
 
 import grpc
 import pytest
-
 from ferrum_client import Client, pb, tpb
 from ferrum_client.prefix_keys import block_keys, chain_root
+
+from ferrum_service.core.steps import RowKind
 from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
@@ -147,13 +148,14 @@ def test_a_cached_prompt_joins_running_streams_in_one_chunk(srv):
     host = srv.models.get("tiny")
     host.batcher.prefill_tokens_per_step = 16
     steps = []
-    real_step = host.step_and_sample
+    real_step = host.step
 
-    def spy(prefills, decodes):
-        steps.append(([len(p.token_ids) for p in prefills], len(decodes)))
-        return real_step(prefills, decodes)
+    def spy(plan, **kw):
+        steps.append(([len(r.tokens) for r in plan.rows if r.kind is RowKind.PROMPT],
+                      sum(1 for r in plan.rows if r.kind is RowKind.DECODE)))
+        return real_step(plan, **kw)
 
-    host.step_and_sample = spy
+    host.step = spy
     with Client(srv.target) as c:
         long = prompt_ids(100, 9)
         _release(c, _prefill(c, long[:96]).cache.cache_id)  # 96 tokens cached (6 blocks)

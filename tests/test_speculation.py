@@ -238,8 +238,7 @@ def test_unseeded_verification_draws_from_the_target_distribution():
     n = 4000
     for _ in range(n):
         entry = _FakeRegistryEntry(12)  # 10 before the step + the fed token + 1 draft
-        (r,) = sample_verified(ex, 0, [DecodeInput(cache_id="c", token_id=0, policy=pol, draft=[1])], [row], [pol],
-                               [entry])
+        (r,) = sample_verified(ex, [row], [pol], [entry], [[1]])
         counts[r.token_id] += 1
         assert r.drafted == 1
         accepted += len(r.extra)

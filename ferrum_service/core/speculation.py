@@ -33,7 +33,7 @@ from .sampling import RowResult, process_rows
 
 if TYPE_CHECKING:
     from .kv_registry import CacheEntry
-    from .types import DecodeInput, LogitsPolicy
+    from .types import LogitsPolicy
 
 #: Most draft tokens one step verifies; larger requests are capped to it (a longer draft costs
 #: more compute than the rare long acceptance returns).
@@ -153,27 +153,18 @@ def stats_of(host: Any) -> SpeculationStats:
     return st
 
 
-def sample_verified(executor: Any, offset: int, decodes: "list[DecodeInput]", logits: list, policies: list,
-                    entries: "list[CacheEntry]") -> list[RowResult]:
-    """Sample every row of a step whose decode rows may carry drafts (on the worker, after the
-    forward): one :class:`RowResult` per input row (prompts first, from ``offset`` the decodes).
-    A drafted row's result is its first token, with ``extra`` = the accepted drafts and the token
-    after them, and ``drafted``; its cache is truncated to drop the rejected drafts."""
+def sample_verified(executor: Any, logits: list, policies: list, entries: "list[CacheEntry]",
+                    drafts: list[list[int]]) -> list[RowResult]:
+    """Sample the decode rows of a step that carried drafts (on the worker, after the forward):
+    row i's logits are ``[1 + len(drafts[i]), V]``, row j the output after its j-th token. The
+    result is the first token, with ``extra`` = the accepted drafts and the token after them, and
+    ``drafted``; each cache is truncated to drop its rejected drafts."""
     flat_logits: list = []
     flat_pol: list = []
     hist: list = []
     pos: list[int] = []
-    spans: list[tuple[int, int]] = []  # per input row: first flat row, rows
-    for i, (row, pol, e) in enumerate(zip(logits, policies, entries)):
-        draft = decodes[i - offset].draft if i >= offset else []
+    for row, pol, e, draft in zip(logits, policies, entries, drafts):
         n = e.num_tokens
-        spans.append((len(flat_logits), len(draft) + 1))
-        if not draft:
-            flat_logits.append(row)
-            flat_pol.append(pol)
-            hist.append(e.tokens)
-            pos.append(n)
-            continue
         base = n - len(draft)  # the position the first drawn token takes
         penalty = pol.sampling.repetition_penalty != 1.0
         for j in range(len(draft) + 1):
@@ -183,19 +174,16 @@ def sample_verified(executor: Any, offset: int, decodes: "list[DecodeInput]", lo
             pos.append(base + j)
     flat = process_rows(flat_logits, flat_pol, hist, pos)
     out: list[RowResult] = []
-    for i, (start, count) in enumerate(spans):
-        if count == 1:
-            out.append(flat[start])
-            continue
-        draft = decodes[i - offset].draft
-        drawn = flat[start:start + count]
+    start = 0
+    for e, draft in zip(entries, drafts):
+        drawn = flat[start:start + len(draft) + 1]
+        start += len(draft) + 1
         accepted = 0
         while accepted < len(draft) and drawn[accepted].token_id == draft[accepted]:
             accepted += 1
         first = drawn[0]
         first.extra = drawn[1:accepted + 1]
         first.drafted = len(draft)
-        e = entries[i]
         if accepted < len(draft):  # drop the KV of the rejected drafts
             executor.truncate_kv(e.cache_id, e.num_tokens - (len(draft) - accepted))
         out.append(first)

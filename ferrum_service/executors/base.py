@@ -24,6 +24,7 @@ import torch
 
 from ..core import errors
 from ..core.kv_registry import CacheEntry, CacheRegistry
+from ..core.steps import RowKind, RowOutput, StepPlan, StepRow, Want
 from ..core.types import (
     AdmissionLimits,
     CacheHandle,
@@ -37,6 +38,7 @@ from ..core.types import (
     KvSlotReservation,
     LogitsPolicy,
     ModelInfo,
+    OutputMode,
     PrefillInput,
     PrefillOutput,
     StepCost,
@@ -235,26 +237,52 @@ class ModelExecutor(abc.ABC):
         """``batch_decode()``; default = serial decodes (ferrum's default)."""
         return [self.decode(inp) for inp in inputs]
 
-    def mixed_step(
-        self, prefills: list[PrefillInput], decodes: list[DecodeInput]
-    ) -> tuple[list[PrefillOutput], list[DecodeOutput]]:
-        """Prompts and decode steps of *different* sequences in one call, all or nothing: how the
-        server's continuous batching lets new ``Generate`` streams join running ones. Default:
-        ``batch_prefill`` then ``batch_decode``; if the decodes fail, the prompts are undone (new
-        caches released, continued ones truncated back). Executors with one forward for both
-        override it."""
-        before = {i.cache_id: self.registry.get(i.cache_id).num_tokens for i in prefills if i.cache_id}
-        pre = self.batch_prefill(prefills) if len(prefills) > 1 else [self.prefill(p) for p in prefills]
+    def execute(self, plan: "StepPlan") -> "list[RowOutput]":
+        """Run one step (``core/steps.py``): every row of ``plan`` in one call, all or nothing —
+        the one entry the server calls. Default: the rows one by one through ``prefill`` /
+        ``decode`` / ``forward_verify``; if one fails, the rows before it are undone (caches they
+        created released, caches they continued truncated back). Executors with one forward for
+        all rows override it."""
+        done: list[tuple[StepRow, RowOutput, int]] = []
         try:
-            dec = self.batch_decode(decodes) if len(decodes) > 1 else [self.decode(d) for d in decodes]
+            for k, r in enumerate(plan.rows):
+                before = r.entry.num_tokens if r.entry is not None else 0
+                done.append((r, self._execute_row(r, f"{plan.field}[{k}]"), before))
         except Exception:
-            for inp, out in zip(prefills, pre):
-                if inp.cache_id:
-                    self.truncate_kv(inp.cache_id, before[inp.cache_id])
+            for r, out, before in reversed(done):
+                if r.entry is not None:
+                    self.truncate_kv(r.entry.cache_id, before)
                 else:
                     self.release_cache(out.cache.cache_id)
             raise
-        return pre, dec
+        return [out for _, out, _ in done]
+
+    def _execute_row(self, r: "StepRow", field: str) -> "RowOutput":
+        policy = r.policy or LogitsPolicy(mode=OutputMode.NONE)
+        if r.kind is RowKind.VERIFY:
+            v = self.forward_verify(r.entry.cache_id, r.tokens, policy)
+            return RowOutput(v.cache, v.rows)
+        if r.kind is RowKind.DECODE and r.entry is not None and len(r.tokens) == 1:
+            d = self.decode(DecodeInput(cache_id=r.entry.cache_id, token_id=r.tokens[0], policy=policy))
+            return RowOutput(d.cache, d.logits if r.want is not Want.NONE else None)
+        p = self.prefill(PrefillInput(token_ids=list(r.tokens), cache_id=r.entry.cache_id if r.entry else "",
+                                      policy=policy, reserve_tokens=r.reserve, all_positions=r.want is Want.ALL,
+                                      cache_salt=r.salt, bypass_prefix_cache=r.bypass, adapter=r.adapter))
+        logits = p.all_logits if r.want is Want.ALL else p.logits if r.want is Want.LAST else None
+        return RowOutput(p.cache, logits, p.embedding, p.cached_tokens)
+
+    def mixed_step(
+        self, prefills: list[PrefillInput], decodes: list[DecodeInput]
+    ) -> tuple[list[PrefillOutput], list[DecodeOutput]]:
+        """Prompts and decode steps of *different* sequences in one :meth:`execute`, all or
+        nothing (in-process callers; the server builds its plans itself)."""
+        reg = self.registry
+        rows = [StepRow.prompt(i, reg.get(i.cache_id, field="inputs.cache_id") if i.cache_id else None)
+                for i in prefills]
+        rows += [StepRow.decode(i, reg.get(i.cache_id, field="inputs.cache_id"), "inputs") for i in decodes]
+        outs = self.execute(StepPlan(rows, "inputs"))
+        n = len(prefills)
+        return prefill_outputs(rows[:n], outs[:n]), [DecodeOutput(cache=o.cache, logits=o.logits) for o in outs[n:]]
 
     def unified_decode(self, items: list[UnifiedItem]) -> list[UnifiedResult]:
         """``unified_decode()``; default unsupported (ferrum's default)."""
@@ -412,3 +440,18 @@ class ModelExecutor(abc.ABC):
         h.num_kv_heads = info.num_kv_heads
         h.head_dim = info.head_dim
         return h
+
+
+def prefill_outputs(rows: "list[StepRow]", outs: "list[RowOutput]") -> list[PrefillOutput]:
+    """The interface's ``PrefillOutput`` of prompt rows: ``all_logits`` and its last row when every
+    position was asked for."""
+    res = []
+    for r, o in zip(rows, outs):
+        out = PrefillOutput(cache=o.cache, cached_tokens=o.cached, embedding=o.embedding)
+        if o.logits is not None and r.want is Want.ALL and o.logits.dim() == 2:
+            out.all_logits, out.logits = o.logits, o.logits[-1]
+        else:
+            out.logits = o.logits
+        res.append(out)
+    return res
+

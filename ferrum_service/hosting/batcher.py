@@ -4,8 +4,9 @@ Every running stream's next decode step (:meth:`ContinuousBatcher.decode`) and n
 (:meth:`ContinuousBatcher.prefill`) go into one queue per model. Each step takes every queued decode
 step and prompt tokens up to :attr:`ContinuousBatcher.prefill_tokens_per_step` (chunked prefill: a
 longer prompt joins step after step, a chunk at a time, continuing the cache its first chunk made),
-and runs them as one forward on the model's worker (``ModelHost.step_and_sample``: the executor's
-``mixed_step`` when both kinds are present), up to ``max_batch`` rows. So running streams keep their
+and runs them as one forward on the model's worker: one :class:`~ferrum_service.core.steps.StepPlan`
+whose rows are the prompts' chunks and the decode steps, up to ``max_batch`` rows, within the
+model's per-step ceilings (``StepPlan.fits``). So running streams keep their
 pace while prompts arrive: a step costs at most their decodes plus one budget of prompt tokens. Before a step it waits a few
 milliseconds for the streams of the previous step to queue their next token (stragglers), so B
 streams share one forward per token. A step that fails is all or nothing; its rows are then rerun
@@ -15,16 +16,14 @@ one by one so that one bad stream does not fail the others.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..core import errors
+from ..core.kv_registry import CacheRegistry
 from ..core.sampling import RowResult
-from ..core.types import DecodeInput, PrefillInput, PrefillOutput
-
-if TYPE_CHECKING:
-    from .host import ModelHost
+from ..core.steps import RowKind, RowOutput, StepPlan, StepRow, Want
+from ..core.types import DecodeInput, PrefillInput
+from .host import ModelHost
 
 
 @dataclass
@@ -42,25 +41,23 @@ class _Pending:
         if not self.fut.done():
             self.fut.set_exception(e)
 
-    def chunk(self, size: int) -> tuple[PrefillInput, bool]:
-        """The next ``size`` tokens of this prompt as a step input, and whether they are its last."""
+    def chunk(self, size: int, reg: CacheRegistry) -> tuple[StepRow, bool]:
+        """The next ``size`` tokens of this prompt as a step row, and whether they are its last. A
+        chunk before the last asks for no logits (nothing is sampled in the middle of a prompt; a
+        structured-output constraint starts where the whole prompt ends)."""
         inp = self.inp
-        ids = inp.token_ids[self.done:self.done + size]
+        ids = list(inp.token_ids[self.done:self.done + size])
         last = self.done + len(ids) >= len(inp.token_ids)
-        if not self.done and last:
-            return inp, True
-        policy = inp.policy
-        if not last and policy.sampling.constraint is not None:
-            # A structured-output constraint starts where the whole prompt ends: a chunk in the
-            # middle of the prompt carries none (its row is not sampled), or the constraint would
-            # start there and take the rest of the prompt for output.
-            policy = dataclasses.replace(policy, sampling=dataclasses.replace(policy.sampling, constraint=None,
-                                                                              compiled=None))
-        return PrefillInput(token_ids=ids, cache_id=self.created or inp.cache_id, policy=policy,
-                            reserve_tokens=inp.reserve_tokens if not self.done and not inp.cache_id else 0,
-                            metadata=inp.metadata, request_id=inp.request_id, cache_salt=inp.cache_salt,
-                            adapter=inp.adapter,
-                            bypass_prefix_cache=inp.bypass_prefix_cache), last
+        cache_id = self.created or inp.cache_id
+        want = Want.NONE
+        if last and inp.policy.needs_logits:
+            want = Want.ALL if inp.all_positions else Want.LAST
+        row = StepRow(reg.get(cache_id) if cache_id else None, ids, want, inp.policy if last else None,
+                      RowKind.PROMPT, reserve=inp.reserve_tokens if not self.done else 0, salt=inp.cache_salt,
+                      bypass=inp.bypass_prefix_cache, adapter=inp.adapter)
+        if row.entry is None:
+            row.cached = self.cached
+        return row, last
 
 
 class ContinuousBatcher:
@@ -83,7 +80,7 @@ class ContinuousBatcher:
         self._expected: set[str] = set()
         self.mixed_steps = 0  # steps that joined new prompts with running decodes (diagnostics)
         self._prompt_alone_next = False  # a prompt too costly to join the decodes goes first, alone
-        self._chunks: list[tuple[PrefillInput, bool]] = []  # the next step's prompt chunks (and last?)
+        host.attach(self)
 
     @property
     def queued_prompts(self) -> int:
@@ -103,7 +100,7 @@ class ContinuousBatcher:
         self._kick()
         return await fut
 
-    async def prefill(self, inp: PrefillInput) -> tuple[PrefillOutput, RowResult]:
+    async def prefill(self, inp: PrefillInput) -> tuple[RowOutput, RowResult]:
         """A stream's prompt (+ sampling of its first token), run in the same forward as the running
         streams' decode steps. New work: refused at once past the host's queue limit. If the stream
         is cancelled while its step runs, the cache the step created is reclaimed."""
@@ -143,30 +140,37 @@ class ContinuousBatcher:
                 break
             await asyncio.sleep(0)
 
-    def _next_batch(self) -> tuple[list[_Pending], list[_Pending]]:
+    def _next_batch(self) -> "_Batch":
         """Up to ``max_batch`` rows: every queued decode step first, then new prompts (oldest
         first) while the room, :attr:`prefill_tokens_per_step` and the model's per-step ceilings
         allow (at least one prompt when there is room). A prompt that cannot join the running
         decodes within the ceilings (padding makes a long prompt cost rows x its length) runs
         alone in the next step."""
+        reg = self.host.executor.registry
+        batch = _Batch()
         if self._prompt_alone_next:
             self._prompt_alone_next = False
             self._drop_cancelled_prompts()
             if self._prefill_queue:
                 p = self._prefill_queue.pop(0)
-                self._chunks = [p.chunk(len(p.inp.token_ids) - p.done)]
-                return [p], []
+                batch.add_prompt(p, *p.chunk(len(p.inp.token_ids) - p.done, reg))
+                return batch
         max_batch = self.host.max_batch
-        decodes = [p for p in self._decode_queue[:max_batch] if not p.fut.cancelled()]
+        for p in self._decode_queue[:max_batch]:
+            if p.fut.cancelled():
+                continue
+            if p.inp.cache_id not in reg:  # its cache went away while the step waited
+                p.fail(errors.not_found(f"cache {p.inp.cache_id!r} is gone", field="cache_id"))
+                continue
+            batch.add_decode(p, reg)
         del self._decode_queue[:max_batch]
-        prefills: list[_Pending] = []
-        self._chunks = []
-        if any(p.inp.draft for p in decodes) and not self._fits([], decodes):
-            for p in decodes:  # drafts past the step's ceilings: this step verifies none
+        if any(r.drafts for r in batch.decode_rows) and not self._fits(batch):
+            for p in batch.decodes:  # drafts past the step's ceilings: this step verifies none
                 p.inp.draft = []
+            batch.rebuild_decodes(reg)
         tokens = 0
-        room = max_batch - len(decodes)
-        while self._prefill_queue and len(prefills) < room:
+        room = max_batch - len(batch.decodes)
+        while self._prefill_queue and len(batch.prompts) < room:
             p = self._prefill_queue[0]
             if p.fut.cancelled():
                 self._forget_prompt(self._prefill_queue.pop(0))
@@ -179,19 +183,18 @@ class ContinuousBatcher:
             # nothing to compute, so they do not count against the budget.
             p.cached = self.host.executor.cached_prefix(p.inp) if not p.done and not p.inp.cache_id else 0
             # Only a running batch is protected by chunking; alone, a prompt goes in one step.
-            size = min(left, budget + p.cached) if decodes or prefills else left
-            chunk, last = p.chunk(size)
-            if (prefills or decodes) and not self._fits(prefills + [p], decodes, [chunk]):
-                if not prefills:
+            size = min(left, budget + p.cached) if batch.rows else left
+            row, last = p.chunk(size, reg)
+            if batch.rows and not self._fits(batch, row):
+                if not batch.prompts:
                     self._prompt_alone_next = True
                 break
             self._prefill_queue.pop(0)
-            prefills.append(p)
-            self._chunks.append((chunk, last))
-            tokens += len(chunk.token_ids) - p.cached
+            batch.add_prompt(p, row, last)
+            tokens += row.computed
             if not last:
                 break  # the rest of this prompt goes in the next steps, ahead of later prompts
-        return prefills, decodes
+        return batch
 
     def _drop_cancelled_prompts(self) -> None:
         for p in self._prefill_queue:
@@ -204,86 +207,79 @@ class ContinuousBatcher:
         if p.created and not p.inp.cache_id:
             self.host.release_soon(p.created, "reclaimed")
 
-    def _fits(self, prefills: list[_Pending], decodes: list[_Pending], extra: list[PrefillInput] = ()) -> bool:
-        """Whether one forward over these rows (the prompts' chunks taken so far plus ``extra``)
-        stays within the model's per-step ceilings."""
-        reg, lim = self.host.executor.registry, self.host.limits
-        rows = []
-        cached = [p.cached for p in prefills]
-        for k, inp in enumerate([c for c, _ in self._chunks] + list(extra)):
-            past = reg.get(inp.cache_id).num_tokens if inp.cache_id in reg else cached[k] if k < len(cached) else 0
-            rows.append((len(inp.token_ids) - (0 if inp.cache_id else past), past))
-        for p in decodes:  # a speculating stream's row also carries its drafts
-            rows.append((1 + len(p.inp.draft), reg.get(p.inp.cache_id).num_tokens if p.inp.cache_id in reg else 0))
-        cost = self.host.executor.step_cost(rows, len(rows))
-        return ((not lim.max_step_tokens or cost.positions <= lim.max_step_tokens)
-                and (not lim.max_step_bytes or cost.scratch_bytes <= lim.max_step_bytes))
+    def _fits(self, batch: "_Batch", extra: StepRow | None = None) -> bool:
+        """Whether one forward over the batch's rows (plus ``extra``) stays within the model's
+        per-step ceilings."""
+        rows = batch.rows + ([extra] if extra is not None else [])
+        return StepPlan(rows).fits(self.host.limits, self.host.executor)
 
     async def _drain(self) -> None:
         while self._decode_queue or self._prefill_queue:
             await self._gather_stragglers()
-            prefills, decodes = self._next_batch()
-            self._expected = {p.inp.cache_id for p in decodes}
-            if not prefills and not decodes:
+            batch = self._next_batch()
+            self._expected = {p.inp.cache_id for p in batch.decodes}
+            if not batch.rows:
                 continue
-            chunks = self._chunks
             try:
-                pre, dec = (await self.host.call(self._step, [c for c, _ in chunks], decodes, admit=False)).value
+                result = await self._step(batch.rows)
             except errors.FerrumError as e:
-                if len(prefills) + len(decodes) == 1:
-                    (prefills or decodes)[0].fail(e)
-                    self._forget_prompts(prefills)
+                if len(batch.rows) == 1:
+                    (batch.prompts or batch.decodes)[0].fail(e)
+                    self._forget_prompts(batch.prompts)
                 else:
-                    await self._isolate(prefills, chunks, decodes)
+                    await self._isolate(batch)
                 continue
             except Exception as e:  # noqa: BLE001
-                for p in prefills + decodes:
+                for p in batch.prompts + batch.decodes:
                     p.fail(e)
-                self._forget_prompts(prefills)
+                self._forget_prompts(batch.prompts)
                 continue
-            for p, (chunk, last), r in zip(prefills, chunks, pre):
-                self._advance(p, chunk, last, r)
-            for p, r in zip(decodes, dec):
+            if batch.prompts and batch.decodes:
+                self.mixed_steps += 1
+            n = len(batch.prompts)
+            for k, (p, last) in enumerate(zip(batch.prompts, batch.last)):
+                self._advance(p, batch.rows[k], last, result.outputs[k], result.rows[k])
+            for p, r in zip(batch.decodes, result.rows[n:]):
                 self._resolve(p, r)
             # The streams resume on later loop turns; give them the chance to queue their next
             # step before this task decides the queue is empty and ends.
             await self._gather_stragglers()
         self._expected = set()
 
-    async def _isolate(self, prefills: list[_Pending], chunks, decodes: list[_Pending]) -> None:
+    async def _isolate(self, batch: "_Batch") -> None:
         """After a failed step (all or nothing: nothing of it was applied), fail only the stream
         that caused it. A prompt is the usual cause (its cache does not fit now): the prompts go
         alone first, and the running streams' decodes then run together, as one step."""
-        for p, (chunk, last) in zip(prefills, chunks):
+        n = len(batch.prompts)
+        for k, (p, last) in enumerate(zip(batch.prompts, batch.last)):
             try:
-                pre1, _ = (await self.host.call(self._step, [chunk], [], admit=False)).value
-                self._advance(p, chunk, last, pre1[0])
+                res = await self._step([batch.rows[k]])
+                self._advance(p, batch.rows[k], last, res.outputs[0], res.rows[0])
             except Exception as e2:  # noqa: BLE001 - forwarded to the stream that caused it
                 p.fail(e2)
                 self._forget_prompts([p])
-        if not decodes:
+        if not batch.decodes:
             return
         try:
-            _, dec = (await self.host.call(self._step, [], decodes, admit=False)).value
-            for p, r in zip(decodes, dec):
+            res = await self._step(batch.rows[n:])
+            for p, r in zip(batch.decodes, res.rows):
                 self._resolve(p, r)
             return
         except Exception:  # noqa: BLE001 - a decode itself fails: find which, one by one
             pass
-        for p in decodes:
+        for p, row in zip(batch.decodes, batch.rows[n:]):
             try:
-                _, dec1 = (await self.host.call(self._step, [], [p], admit=False)).value
-                self._resolve(p, dec1[0])
+                self._resolve(p, (await self._step([row])).rows[0])
             except Exception as e2:  # noqa: BLE001
                 p.fail(e2)
 
-    def _advance(self, p: _Pending, chunk: PrefillInput, last: bool, result) -> None:
+    def _advance(self, p: _Pending, row: StepRow, last: bool, out: RowOutput, sampled: RowResult | None) -> None:
         """A prompt's chunk ran: resolve the stream on its last chunk, else queue the rest first."""
         if last:
-            self._resolve(p, result)
+            self._resolve(p, (out, sampled))
             return
-        p.done += len(chunk.token_ids)
-        p.created = result[0].cache.cache_id
+        p.done += len(row.tokens)
+        p.created = out.cache.cache_id
         if p.fut.cancelled():
             self._forget_prompt(p)
         else:
@@ -299,12 +295,38 @@ class ContinuousBatcher:
         elif isinstance(p.inp, PrefillInput) and not p.inp.cache_id:
             self.host.release_soon(result[0].cache.cache_id, "reclaimed")  # its stream is gone
 
-    def _step(self, prefills: list[PrefillInput], decodes: list[_Pending]):
-        """One batched step on the worker: ([(PrefillOutput, RowResult)], [RowResult])."""
-        pre, _, rows = self.host.step_and_sample(prefills, [p.inp for p in decodes])
-        if prefills and decodes:
-            self.mixed_steps += 1
-        return list(zip(pre, rows[: len(pre)])), rows[len(pre):]
+    async def _step(self, rows: list[StepRow]):
+        """One batched step on the worker (``steps.run``): its :class:`StepResult`. A row whose
+        fed token broke its constraint is not refused here: streams sample under the mask."""
+        return (await self.host.step(StepPlan(rows, "inputs", refuse_broken=False), admit=False)).value
+
+
+class _Batch:
+    """The rows of the next step: the prompts' chunks first (with whether each is its prompt's
+    last), then the decode steps."""
+
+    def __init__(self) -> None:
+        self.prompts: list[_Pending] = []
+        self.last: list[bool] = []
+        self.decodes: list[_Pending] = []
+        self.prompt_rows: list[StepRow] = []
+        self.decode_rows: list[StepRow] = []
+
+    @property
+    def rows(self) -> list[StepRow]:
+        return self.prompt_rows + self.decode_rows
+
+    def add_prompt(self, p: _Pending, row: StepRow, last: bool) -> None:
+        self.prompts.append(p)
+        self.prompt_rows.append(row)
+        self.last.append(last)
+
+    def add_decode(self, p: _Pending, reg: CacheRegistry) -> None:
+        self.decodes.append(p)
+        self.decode_rows.append(StepRow.decode(p.inp, reg.get(p.inp.cache_id), "inputs"))
+
+    def rebuild_decodes(self, reg: CacheRegistry) -> None:
+        self.decode_rows = [StepRow.decode(p.inp, reg.get(p.inp.cache_id), "inputs") for p in self.decodes]
 
 
 __all__ = ["ContinuousBatcher"]

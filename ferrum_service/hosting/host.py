@@ -1,17 +1,16 @@
 """A hosted model: its executor, the worker thread it runs on, per-cache step exclusion, and the
-step dispatch every batched path shares.
+running of its steps.
 
 ``ModelHost.call`` runs one executor method off the event loop on the model's single worker thread
 (so model state needs no locks and forward passes never block the server), or inline for cheap
-executors. ``ModelHost.hold`` marks caches busy for the duration of a step: a second step on a
-busy cache is refused with ABORTED instead of racing it; holding a cache also renews its lease
-(``last_access``, see ``leases.py``). ``max_queue`` bounds the steps waiting for the worker: past
-it new steps are refused at once with RESOURCE_EXHAUSTED (releases and shutdown are never refused,
-and decode steps of running ``Generate`` streams are not new work). ``_step_and_sample`` is the
-"forward + stats + masks + sampling" of decode steps and of the ``Generate`` streams' steps: unary
-``Decode``/``BatchDecode`` reach it through ``decode_and_sample``, the
-:class:`~ferrum_service.hosting.batcher.ContinuousBatcher` (``host.batcher``) through ``step_and_sample``.
-Prefill, UnifiedDecode and ForwardVerify finish their own results in ``operations.py``.
+executors; ``ModelHost.step`` runs one :class:`~ferrum_service.core.steps.StepPlan` there
+(``steps.run``: masks, the forward, counters, sampling). ``ModelHost.hold`` marks caches busy for
+the duration of a step: a second step on a busy cache is refused with ABORTED instead of racing it;
+holding a cache also renews its lease (``last_access``, see ``leases.py``). ``max_queue`` bounds the
+steps waiting for the worker: past it new steps are refused at once with RESOURCE_EXHAUSTED
+(releases and shutdown are never refused, and decode steps of running ``Generate`` streams are not
+new work). The model's step queue for ``Generate`` streams (``batcher.py``) is attached by the
+server's wiring (:meth:`ModelHost.attach`); the host knows it only as a :class:`StepQueue`.
 """
 
 from __future__ import annotations
@@ -21,17 +20,13 @@ import concurrent.futures
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import grpc
 
 from ..core import errors
-from ..core.guided import mask_rows, overlapping, prepare_masks, refuse_broken
-from ..core.sampling import RowResult, process_rows
-from ..core.speculation import sample_verified
-from ..core.types import DecodeInput, PrefillInput
+from ..core.steps import StepLimits, StepPlan, run
 from ..executors.base import ModelExecutor
-from .batcher import ContinuousBatcher
 from .progress import Progress
 
 
@@ -45,14 +40,13 @@ def new_worker(name: str) -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"exec-{name}")
 
 
-@dataclass
-class StepLimits:
-    """Per-step ceilings every request is checked against before any work (``validate.py``)."""
+class StepQueue(Protocol):
+    """What the host needs of the model's step queue for ``Generate`` streams (``batcher.py``)."""
 
-    max_step_tokens: int = 0  # positions one forward may compute, padding included (0 = none)
-    max_step_bytes: int = 2 * 1024**3  # transient memory one forward may need (0 = none)
-    max_response_bytes: int = 64 * 1024 * 1024  # one response (the message size limit)
-    max_text_bytes: int = 1024 * 1024  # text one request asks to tokenize or template
+    @property
+    def queued_prompts(self) -> int: ...
+
+    def forget(self, cache_id: str) -> None: ...
 
 
 @dataclass
@@ -84,13 +78,19 @@ class ModelHost:
         self.max_batch = min(max_batch, self.capabilities.max_batch_size or max_batch)
         self.max_queue = max_queue  # steps allowed to wait for the worker (0 = unbounded)
         lim = executor.admission_limits()
-        self.limits = StepLimits(max_step_tokens=lim.maximum_scheduled_tokens if lim is not None else 0)
+        self.limits = StepLimits(max_step_tokens=lim.maximum_scheduled_tokens if lim is not None else 0,
+                                 max_rows=self.capabilities.max_batch_size)
         self._pool = worker or new_worker(model_id)
         self._busy: set[str] = set()
         self.running = 0  # steps executing or queued on the worker
         self._pending_releases: set[asyncio.Task] = set()
-        self.batcher = ContinuousBatcher(self)
+        self.batcher: Any = None  # the model's step queue for Generate streams (``attach``)
         self.progress = Progress()  # completed calls: the service rate (retry hints) and stall health
+
+    def attach(self, queue: StepQueue) -> None:
+        """Give the host the model's step queue (the server's wiring does, ``batcher.py``): its
+        queued prompts count as waiting work, and it forgets a released cache."""
+        self.batcher = queue
 
     # ---- running executor methods -------------------------------------------------------------
     def on_worker(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
@@ -103,7 +103,7 @@ class ModelHost:
     @property
     def waiting(self) -> int:
         """Steps queued behind the one the worker is running (new Generate prompts included)."""
-        return max(0, self.running - 1) + self.batcher.queued_prompts
+        return max(0, self.running - 1) + (self.batcher.queued_prompts if self.batcher is not None else 0)
 
     def retry_after_ms(self) -> int:
         """RetryInfo for a request refused for queue or capacity reasons: the work queued now at
@@ -219,7 +219,8 @@ class ModelHost:
         interrupt it and leak the cache. It waits while a step or transfer holds the cache (an
         ``ExportKv`` reading its blocks on another thread): freed blocks could go to another
         caller's prompt under the reader."""
-        self.batcher.forget(cache_id)
+        if self.batcher is not None:
+            self.batcher.forget(cache_id)
         if cache_id not in self.executor.registry:
             return
         if self.executor.inline and not self.is_busy(cache_id):
@@ -251,52 +252,7 @@ class ModelHost:
     def shutdown_pool(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def decode_and_sample(self, inputs: list[DecodeInput]) -> tuple[list, list[RowResult]]:
-        """One (batched) decode step and its sampling; runs on the worker thread. A token fed that
-        the cache's structured-output constraint refuses is FAILED_PRECONDITION (after the step:
-        the cache holds the token)."""
-        _, outs, rows, problems = self._step_and_sample([], inputs)
-        refuse_broken(problems, "inputs")
-        return outs, rows
-
-    def step_and_sample(self, prefills: list[PrefillInput], decodes: list[DecodeInput]):
-        """One step over prompts and decode steps of different sequences (one forward where the
-        executor can: ``mixed_step``) and the sampling of every row; runs on the worker thread.
-        Each row's repetition-penalty history is its cache's tokens; rows with a structured-output
-        constraint are masked first. Returns (prefill outputs, decode outputs, rows: the prompts'
-        rows first)."""
-        return self._step_and_sample(prefills, decodes)[:3]
-
-    def _step_and_sample(self, prefills: list[PrefillInput], decodes: list[DecodeInput]):
-        ex = self.executor
-        reg = ex.registry
-        prepared = None
-        if decodes and any(i.policy.sampling.constraint is not None for i in decodes) and overlapping(ex):
-            prepared = prepare_masks(ex, [reg.get(i.cache_id) for i in decodes], [i.token_id for i in decodes],
-                                     [i.policy for i in decodes])
-        t0 = time.perf_counter()
-        try:
-            if prefills and decodes:
-                pre, dec = ex.mixed_step(prefills, decodes)
-            elif prefills:
-                pre, dec = (ex.batch_prefill(prefills) if len(prefills) > 1 else [ex.prefill(prefills[0])]), []
-            else:
-                pre, dec = [], (ex.batch_decode(decodes) if len(decodes) > 1 else [ex.decode(decodes[0])])
-        except BaseException:
-            if prepared is not None:  # let the mask thread finish with the matchers before anyone else uses them
-                prepared.done.exception()
-            raise
-        dt = time.perf_counter() - t0
-        if prefills:
-            ex.stats.record("prefill", dt, len(prefills))
-        if decodes:
-            ex.stats.record("decode", dt, len(decodes))
-        caches = [o.cache for o in pre] + [o.cache for o in dec]
-        logits = [o.logits for o in pre] + [o.logits for o in dec]
-        policies = [i.policy for i in prefills + decodes]
-        entries = [reg.get(c.cache_id) for c in caches]
-        problems = mask_rows(ex, entries, logits, policies, prepared, len(pre))
-        if any(i.draft for i in decodes):
-            return pre, dec, sample_verified(ex, len(pre), decodes, logits, policies, entries), problems
-        rows = process_rows(logits, policies, [e.tokens for e in entries], [c.num_tokens for c in caches])
-        return pre, dec, rows, problems
+    async def step(self, plan: StepPlan, *, admit: bool = True,
+                   on_orphan: Callable[[Any], None] | None = None) -> Timed:
+        """Run ``plan`` on the worker (``steps.run``); the value is its :class:`StepResult`."""
+        return await self.call(run, self.executor, plan, admit=admit, on_orphan=on_orphan)

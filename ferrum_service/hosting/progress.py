@@ -23,14 +23,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Iterable
 
 import structlog
 
 from .periodic import Periodic
-
-if TYPE_CHECKING:
-    from .models import ModelSet
 
 log = structlog.get_logger("ferrum_service.hosting.progress")
 
@@ -88,10 +85,11 @@ class Progress:
 
 
 class StallWatch:
-    """Checks every model's progress every ``interval`` seconds and calls ``set_health(model_id,
+    """Checks the progress of every hosted model (``models``: the ``ModelSet``, iterated as its
+    ``ModelHost``s) every ``interval`` seconds and calls ``set_health(model_id,
     serving)`` when a model becomes stalled or moves again (see the module doc)."""
 
-    def __init__(self, models: "ModelSet", stall_timeout: float,
+    def __init__(self, models: Iterable[Any], stall_timeout: float,
                  set_health: Callable[[str, bool], "asyncio.Future | None"], interval: float | None = None) -> None:
         self.models = models
         self.stall_timeout = float(stall_timeout)

@@ -19,6 +19,7 @@ import grpc
 
 from ..core import errors, speculation
 from ..core.guided import GuideState, _matcher
+from ..core.steps import StepRow, Want
 from ..core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 from . import tracing
 from .convert import check_token, check_tokens, handle_pb, pb, sampling_params
@@ -176,11 +177,10 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
         raise errors.failed_precondition("stop.stop_sequences needs a tokenizer", field="stop.stop_sequences")
     prompt = await _prompt_tokens(host, checks, req)
     reg = host.executor.registry
-    prior = 0
-    adapter = checks.adapter(host, req.adapter, "adapter",
-                             checks.live_entry(host, req.cache_id, "cache_id") if req.cache_id else None)
-    if req.cache_id:
-        prior = checks.live_entry(host, req.cache_id, "cache_id").num_tokens
+    entry = checks.live_entry(host, req.cache_id, "cache_id") if req.cache_id else None
+    prior = entry.num_tokens if entry is not None else 0
+    adapter = checks.adapter(host, req.adapter, "adapter", entry)
+    if entry is not None:
         if not prompt and not req.HasField("last_token_id"):
             raise errors.invalid("cache_id without a prompt needs last_token_id", field="last_token_id")
     if req.HasField("last_token_id"):
@@ -189,7 +189,7 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
     total = prior + len(prompt) + max_tokens - resumed + (1 if resumed else 0)
     checks.check_length(host, total, "stop.max_tokens")
     if prompt:
-        checks.check_step(host, [(len(prompt), prior)], 1, "token_ids" if req.token_ids.token_ids else "prompt")
+        checks.plan(host, [StepRow(entry, prompt, Want.LAST, policy)], "token_ids" if req.token_ids.token_ids else "prompt")
     await checks.compile(host, [(sp, "sampling.constraint")])
 
     def detokenizer():
@@ -221,9 +221,9 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
                                        cache_salt=salt, bypass_prefix_cache=req.bypass_prefix_cache,
                                        adapter=adapter)
                     if cache_id:
-                        admit(host, "stop.max_tokens", grow=[(reg.get(cache_id), total)])
+                        admit(host, field="stop.max_tokens", grow=[(reg.get(cache_id), total)])
                     out, row = await host.batcher.prefill(inp)
-                    cached = out.cached_tokens
+                    cached = out.cached
                     if not cache_id:
                         cache_id = out.cache.cache_id
                         created.append(cache_id)
@@ -231,7 +231,7 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
                         checks.adopt(reg.get(cache_id), "" if req.keep_cache else owner)
                     handle = out.cache
                 else:
-                    admit(host, "stop.max_tokens", grow=[(reg.get(cache_id), total)])
+                    admit(host, field="stop.max_tokens", grow=[(reg.get(cache_id), total)])
                     row = await host.batcher.decode(
                         DecodeInput(cache_id=cache_id, token_id=req.last_token_id, policy=policy)
                     )

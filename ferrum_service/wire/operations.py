@@ -12,14 +12,15 @@ import time
 from typing import TYPE_CHECKING
 
 from ..core import errors
-from ..core.guided import guides_of, mask_rows, refuse_broken
-from ..core.sampling import encode_row, process_rows
-from ..core.types import DecodeInput, KvSlotRequest, OutputMode, PrefillInput
+from ..core.guided import guides_of
+from ..core.sampling import encode_row
+from ..core.steps import RowKind, StepPlan, StepResult, StepRow, Want, run
+from ..core.types import KvSlotRequest, OutputMode
 from ..hosting.cache_quota import MAX_SLOT_REQUESTS
 from ..hosting.retries import StepDeduper
 from . import tracing
 from .convert import handle_pb, logits_policy, pb, row_pb, tpb
-from .validate import RequestChecks, admit, admit_decodes, admit_prefills, admit_unified
+from .validate import RequestChecks, admit
 
 if TYPE_CHECKING:
     from ..hosting.models import ModelSet
@@ -55,120 +56,93 @@ class Operations:
         return await self.deduper.run(model_id, step_id, req, lambda: fn(req, owner))
 
     # ---- helpers ----------------------------------------------------------------------------------
-    def _prefill_outputs(self, host, inputs: list[PrefillInput], outs) -> tuple[list[pb.PrefillOutput], int]:
-        t0 = time.perf_counter_ns()
-        rows = [o.logits for o in outs]
-        reg = host.executor.registry
-        entries = [reg.get(o.cache.cache_id) if o.cache.cache_id in reg else None for o in outs]
-        refuse_broken(mask_rows(host.executor, entries, rows, [i.policy for i in inputs]), "inputs")
-        res = process_rows(
-            rows,
-            [i.policy for i in inputs],
-            [e.tokens if e is not None else [] for e in entries],
-            [o.cache.num_tokens for o in outs],
-        )
+    @staticmethod
+    def _prompt_msgs(rows: list[StepRow], res: StepResult) -> list[pb.PrefillOutput]:
+        """Each prompt row's ``PrefillOutput``: its cache, its output row (when a logits policy
+        asked for one), every position's row (``all_positions``), an encoder's embedding."""
         msgs = []
-        for inp, out, r in zip(inputs, outs, res):
-            m = pb.PrefillOutput(cache=handle_pb(out.cache), cached_tokens=out.cached_tokens)
-            if inp.policy.mode != OutputMode.NONE and out.logits is not None:
-                m.output.CopyFrom(row_pb(r))
-            if inp.all_positions and out.all_logits is not None:
-                n = out.all_logits.shape[0]
-                base = out.cache.num_tokens - n
-                for pr in process_rows(out.all_logits, [inp.policy] * n, None, [base + j + 1 for j in range(n)]):
-                    m.positions.append(row_pb(pr))
+        for k, (row, out) in enumerate(zip(rows, res.outputs)):
+            m = pb.PrefillOutput(cache=handle_pb(out.cache), cached_tokens=out.cached)
+            if res.rows[k] is not None:
+                m.output.CopyFrom(row_pb(res.rows[k]))
+            for pr in res.positions[k]:
+                m.positions.append(row_pb(pr))
             if out.embedding is not None:
                 m.embedding.dtype = tpb.DATA_TYPE_FP32
                 m.embedding.shape.append(int(out.embedding.shape[-1]))
                 m.embedding.data = encode_row(out.embedding, "fp32")
             msgs.append(m)
-        return msgs, time.perf_counter_ns() - t0
+        return msgs
 
     @staticmethod
-    def _orphaned(host, inputs):
-        """Frees the caches a step created for ``inputs`` (those without a ``cache_id``) when its
-        caller is gone before it could hand them out."""
-        def free(value) -> None:
-            outs = value[0]
-            for inp, o in zip(inputs, outs):
-                if not inp.cache_id:
-                    host.release_soon(o.cache.cache_id, "reclaimed")
+    def _orphaned(host, rows: list[StepRow]):
+        """Frees the caches a step created (rows without a cache) when its caller is gone before
+        it could hand them out."""
+        def free(res: StepResult) -> None:
+            for row, out in zip(rows, res.outputs):
+                if row.entry is None:
+                    host.release_soon(out.cache.cache_id, "reclaimed")
         return free
 
-    def _adopt(self, host, created, owner: str) -> None:
-        """Record who the caches a call created belong to: the caller, and the Session stream (if
+    def _adopt(self, host, rows: list[StepRow], res: StepResult, owner: str) -> None:
+        """Record who the caches a step created belong to: the caller, and the Session stream (if
         any) that frees them when it ends. Encoders keep no cache in the registry."""
         reg = host.executor.registry
-        for o in created:
-            if o.cache.cache_id in reg:
-                self.checks.adopt(reg.get(o.cache.cache_id), owner)
+        for row, out in zip(rows, res.outputs):
+            if row.entry is None and out.cache.cache_id in reg:
+                self.checks.adopt(reg.get(out.cache.cache_id), owner)
+
+    async def _run(self, host, plan: StepPlan, owner: str, quota_field: str):
+        """Compile the plan's constraints, admit its KV, hold its caches and run it on the worker;
+        the caches it creates count against the caller's cap and become the caller's."""
+        rows = plan.rows
+        await self.checks.compile(host, [(r.policy.sampling, f"{plan.field}[{k}].logits.sampling.constraint")
+                                         for k, r in enumerate(rows) if r.policy is not None])
+        admit(host, plan)
+        ids = [r.entry.cache_id for r in rows if r.entry is not None]
+        with self.checks.quota.claim(host, sum(1 for r in rows if r.entry is None), quota_field):
+            with host.hold(ids, f"{plan.field}.cache_id"):
+                timed = await host.step(plan, on_orphan=self._orphaned(host, rows))
+            self._adopt(host, rows, timed.value, owner)
+        return timed
 
     # ---- operations -------------------------------------------------------------------------------
     async def prefill(self, req: pb.PrefillRequest, owner: str = "") -> pb.PrefillResponse:
         t = time.perf_counter_ns()
         host = self.models.get(req.model_id)
-        inp = self.checks.prefill_input(host, req.input, "input")
-        if not inp.cache_id:
+        row = self.checks.prompt_row(host, req.input, "input")
+        if row.entry is None:
             self.checks.check_new_prompt("Prefill")
-        self.checks.check_prefill_step(host, [inp], "input")
-        await self.checks.compile(host, [(inp.policy.sampling, "input.logits.sampling.constraint")])
-        with self.checks.quota.claim(host, 0 if inp.cache_id else 1, "input"):
-            with host.hold([inp.cache_id], "input.cache_id"):
-                timed = await host.call(self._run_prefill, host, [inp], on_orphan=self._orphaned(host, [inp]))
-            outs, msgs, s_ns = timed.value
-            self._adopt(host, [] if inp.cache_id else outs, owner)
-        return pb.PrefillResponse(output=msgs[0], timings=_timings(t, timed, s_ns))
-
-    def _run_prefill(self, host, inputs: list[PrefillInput]):
-        """The prefill and its outputs' logits processing, on the worker (all torch work of a step
-        stays on the model's thread)."""
-        t0 = time.perf_counter()
-        outs = host.executor.batch_prefill(inputs) if len(inputs) > 1 else [host.executor.prefill(inputs[0])]
-        host.executor.stats.record("prefill", time.perf_counter() - t0, len(inputs))
-        msgs, s_ns = self._prefill_outputs(host, inputs, outs)
-        return outs, msgs, s_ns
+        timed = await self._run(host, self.checks.plan(host, [row], "input"), owner, "input")
+        res = timed.value
+        return pb.PrefillResponse(output=self._prompt_msgs([row], res)[0], timings=_timings(t, timed, res.sampling_ns))
 
     async def batch_prefill(self, req: pb.BatchPrefillRequest, owner: str = "") -> pb.BatchPrefillResponse:
         t = time.perf_counter_ns()
         host = self.models.get(req.model_id)
         if not req.inputs:
             raise errors.invalid("inputs is empty: at least one prompt is required", field="inputs")
-        inputs = [self.checks.prefill_input(host, m, f"inputs[{i}]") for i, m in enumerate(req.inputs)]
-        ids = [i.cache_id for i in inputs]
-        if not all(ids):
+        rows = [self.checks.prompt_row(host, m, f"inputs[{i}]") for i, m in enumerate(req.inputs)]
+        if any(r.entry is None for r in rows):
             self.checks.check_new_prompt("BatchPrefill")
-        self.checks.unique(ids, "inputs.cache_id")
-        self.checks.check_prefill_step(host, inputs, "inputs")
-        await self.checks.compile(host, [(x.policy.sampling, f"inputs[{k}].logits.sampling.constraint")
-                                         for k, x in enumerate(inputs)])
-        admit_prefills(host, inputs)
-        with self.checks.quota.claim(host, sum(1 for c in ids if not c), "inputs"):
-            with host.hold(ids, "inputs.cache_id"):
-                timed = await host.call(self._run_prefill, host, inputs, on_orphan=self._orphaned(host, inputs))
-            outs, msgs, s_ns = timed.value
-            self._adopt(host, [o for inp, o in zip(inputs, outs) if not inp.cache_id], owner)
-        return pb.BatchPrefillResponse(outputs=msgs, timings=_timings(t, timed, s_ns))
+        self.checks.unique([r.entry.cache_id for r in rows if r.entry is not None], "inputs.cache_id")
+        timed = await self._run(host, self.checks.plan(host, rows, "inputs"), owner, "inputs")
+        res = timed.value
+        return pb.BatchPrefillResponse(outputs=self._prompt_msgs(rows, res), timings=_timings(t, timed, res.sampling_ns))
 
     async def decode(self, req: pb.DecodeRequest, owner: str = "") -> pb.DecodeResponse:
+        """One token into a cache. A token the cache's structured-output constraint refuses is
+        FAILED_PRECONDITION (after the step: the cache holds the token)."""
         t = time.perf_counter_ns()
         host = self.models.get(req.model_id)
         self.checks.require_generation(host, "Decode")
         self.checks.check_decode_role("Decode")
-        inp = self.checks.decode_input(host, req.input, "input")
-        admit_decodes(host, [inp], "input.cache_id")
-        self.checks.check_decode_step(host, [inp], "input")
-        await self.checks.compile(host, [(inp.policy.sampling, "input.logits.sampling.constraint")])
-        with host.hold([inp.cache_id], "input.cache_id"):
-            timed = await host.call(self._run_decode, host, [inp])
-        outs, rows = timed.value
-        return pb.DecodeResponse(
-            output=pb.DecodeOutput(cache=handle_pb(outs[0].cache), output=row_pb(rows[0])),
-            timings=_timings(t, timed, 0),
-        )
-
-    @staticmethod
-    def _run_decode(host, inputs: list[DecodeInput]):
-        return host.decode_and_sample(inputs)
+        row = self.checks.decode_row(host, req.input, "input")
+        timed = await self._run(host, self.checks.plan(host, [row], "input"), owner, "input")
+        res = timed.value
+        return pb.DecodeResponse(output=pb.DecodeOutput(cache=handle_pb(res.outputs[0].cache),
+                                                        output=row_pb(res.rows[0])),
+                                 timings=_timings(t, timed, 0))
 
     async def batch_decode(self, req: pb.BatchDecodeRequest, owner: str = "") -> pb.BatchDecodeResponse:
         t = time.perf_counter_ns()
@@ -177,18 +151,12 @@ class Operations:
         self.checks.check_decode_role("BatchDecode")
         if not req.inputs:
             raise errors.invalid("inputs is empty: at least one decode input is required", field="inputs")
-        inputs = [self.checks.decode_input(host, m, f"inputs[{i}]") for i, m in enumerate(req.inputs)]
-        ids = [i.cache_id for i in inputs]
-        self.checks.unique(ids, "inputs.cache_id")
-        self.checks.check_decode_step(host, inputs, "inputs")
-        await self.checks.compile(host, [(x.policy.sampling, f"inputs[{k}].logits.sampling.constraint")
-                                         for k, x in enumerate(inputs)])
-        admit_decodes(host, inputs)
-        with host.hold(ids, "inputs.cache_id"):
-            timed = await host.call(self._run_decode, host, inputs)
-        outs, rows = timed.value
+        rows = [self.checks.decode_row(host, m, f"inputs[{i}]") for i, m in enumerate(req.inputs)]
+        self.checks.unique([r.entry.cache_id for r in rows], "inputs.cache_id")
+        timed = await self._run(host, self.checks.plan(host, rows, "inputs"), owner, "inputs")
+        res = timed.value
         return pb.BatchDecodeResponse(
-            outputs=[pb.DecodeOutput(cache=handle_pb(o.cache), output=row_pb(r)) for o, r in zip(outs, rows)],
+            outputs=[pb.DecodeOutput(cache=handle_pb(o.cache), output=row_pb(r)) for o, r in zip(res.outputs, res.rows)],
             timings=_timings(t, timed, 0),
         )
 
@@ -199,56 +167,26 @@ class Operations:
         self.checks.require_unified(host)
         if not req.items:
             raise errors.invalid("items is empty", field="items")
-        items = [self.checks.unified_item(host, m, f"items[{i}]") for i, m in enumerate(req.items)]
-        ids = [i.cache_id for i in items]
-        if not all(ids):
+        rows = [self.checks.unified_row(host, m, f"items[{i}]") for i, m in enumerate(req.items)]
+        if any(r.entry is None for r in rows):
             self.checks.check_new_prompt("UnifiedDecode")
-        reg = host.executor.registry
         # A decode item: one final token continuing a cache that is not in the middle of a chunked
         # prompt (a prompt's last chunk, and longer extensions, are prompt work).
-        if any(i.cache_id and i.is_final_chunk and len(i.q_tokens) == 1 and not reg.get(i.cache_id).chunking
-               for i in items):
+        if any(r.kind is RowKind.DECODE and not r.entry.chunking for r in rows):
             self.checks.check_decode_role("UnifiedDecode (a decode item)")
-        self.checks.unique(ids, "items.cache_id")
-        self.checks.check_step(host, [(len(i.q_tokens), i.pos_offset) for i in items], len(items), "items",
-                               sum(self.checks.row_bytes(host, i.policy) for i in items))
-        await self.checks.compile(host, [(x.policy.sampling, f"items[{k}].logits.sampling.constraint")
-                                         for k, x in enumerate(items)])
-        admit_unified(host, items)
-        with self.checks.quota.claim(host, sum(1 for c in ids if not c), "items"):
-            with host.hold(ids, "items.cache_id"):
-                timed = await host.call(self._run_unified, host, items, on_orphan=self._orphaned(host, items))
-            results, by_k, s_ns = timed.value
-            for r, it in zip(results, items):
-                if r.cache.cache_id in reg:
-                    reg.get(r.cache.cache_id).chunking = not it.is_final_chunk
-            self._adopt(host, [r for r, it in zip(results, items) if not it.cache_id], owner)
-        resp = pb.UnifiedDecodeResponse()
-        for k, (it, r) in enumerate(zip(items, results)):
-            m = resp.results.add(seq_id=it.seq_id, cache=handle_pb(r.cache), cached_tokens=r.cached_tokens)
-            if k in by_k:
-                m.output.CopyFrom(row_pb(by_k[k]))
-        resp.timings.CopyFrom(_timings(t, timed, s_ns))
-        return resp
-
-    @staticmethod
-    def _run_unified(host, items):
-        """The unified forward and the final items' sampling, on the worker."""
-        t0 = time.perf_counter()
-        results = host.executor.unified_decode(items)
-        host.executor.stats.record("decode", time.perf_counter() - t0, len(items))
-        t_s = time.perf_counter_ns()
+        self.checks.unique([r.entry.cache_id for r in rows if r.entry is not None], "items.cache_id")
+        timed = await self._run(host, self.checks.plan(host, rows, "items"), owner, "items")
+        res = timed.value
         reg = host.executor.registry
-        final = [k for k, it in enumerate(items) if it.is_final_chunk and results[k].logits is not None]
-        refuse_broken(mask_rows(host.executor, [reg.get(results[k].cache.cache_id) for k in final],
-                                [results[k].logits for k in final], [items[k].policy for k in final]), "items")
-        rows = process_rows(
-            [results[k].logits for k in final],
-            [items[k].policy for k in final],
-            [reg.get(results[k].cache.cache_id).tokens for k in final],
-            [results[k].cache.num_tokens for k in final],
-        )
-        return results, dict(zip(final, rows)), time.perf_counter_ns() - t_s
+        resp = pb.UnifiedDecodeResponse()
+        for it, out, r in zip(req.items, res.outputs, res.rows):
+            if out.cache.cache_id in reg:
+                reg.get(out.cache.cache_id).chunking = not it.is_final_chunk
+            m = resp.results.add(seq_id=it.seq_id, cache=handle_pb(out.cache), cached_tokens=out.cached)
+            if r is not None:
+                m.output.CopyFrom(row_pb(r))
+        resp.timings.CopyFrom(_timings(t, timed, res.sampling_ns))
+        return resp
 
     async def forward_verify(self, req: pb.ForwardVerifyRequest, owner: str = "") -> pb.ForwardVerifyResponse:
         t = time.perf_counter_ns()
@@ -265,14 +203,14 @@ class Operations:
             raise errors.invalid("accept_greedy_prefix needs logits.mode OUTPUT_MODE_SAMPLED_TOKEN",
                                  field="accept_greedy_prefix")
         self.checks.check_length(host, entry.num_tokens + len(ids), "token_ids")
-        self.checks.check_step(host, [(len(ids), entry.num_tokens)], len(ids), "token_ids",
-                               len(ids) * self.checks.row_bytes(host, policy))
-        admit(host, "token_ids", grow=[(entry, entry.num_tokens + len(ids))])
+        plan = self.checks.plan(host, [StepRow.verify(entry, ids, policy)], "token_ids")
+        admit(host, plan)
         with host.hold([req.cache_id], "cache_id"):
-            timed = await host.call(self._run_verify, host, req.cache_id, ids, policy, req.accept_greedy_prefix)
-        out, rows, accepted, cache = timed.value
+            timed = await host.call(self._run_verify, host, plan, req.accept_greedy_prefix)
+        res, accepted, cache = timed.value
+        rows = res.positions[0]
         resp = pb.ForwardVerifyResponse(
-            outputs=[row_pb(r) for r in rows], cache=handle_pb(cache), base_len=out.base_len,
+            outputs=[row_pb(r) for r in rows], cache=handle_pb(cache), base_len=res.outputs[0].cache.num_tokens - len(ids),
             timings=_timings(t, timed, 0),
         )
         if req.accept_greedy_prefix:
@@ -281,25 +219,21 @@ class Operations:
         return resp
 
     @staticmethod
-    def _run_verify(host, cache_id, ids, policy, accept: bool):
-        t0 = time.perf_counter()
-        ex = host.executor
-        out = ex.forward_verify(cache_id, ids, policy)
-        ex.stats.record("decode", time.perf_counter() - t0, len(ids))
-        entry = ex.registry.get(cache_id)
-        base = out.base_len
-        hist = entry.tokens
-        rows = process_rows(out.rows, [policy] * len(ids), [hist[: base + j + 1] for j in range(len(ids))],
-                            [base + j + 1 for j in range(len(ids))])
+    def _run_verify(host, plan: StepPlan, accept: bool):
+        """The verify step and, with ``accept``, the drafts' greedy acceptance: the cache keeps the
+        accepted drafts and the token after them (on the worker)."""
+        res = run(host.executor, plan)
+        row = plan.rows[0]
+        ids, cache = row.tokens, res.outputs[0].cache
         accepted = 0
-        cache = out.cache
         if accept:
-            while accepted < len(ids) - 1 and rows[accepted].token_id == ids[accepted + 1]:
+            drawn = res.positions[0]
+            while accepted < len(ids) - 1 and drawn[accepted].token_id == ids[accepted + 1]:
                 accepted += 1
-            keep = base + accepted + 1
-            if keep < entry.num_tokens:
-                cache, _ = ex.truncate_kv(cache_id, keep)
-        return out, rows, accepted, cache
+            keep = cache.num_tokens - len(ids) + accepted + 1
+            if keep < cache.num_tokens:
+                cache, _ = host.executor.truncate_kv(cache.cache_id, keep)
+        return res, accepted, cache
 
     async def truncate_kv(self, req: pb.TruncateKvRequest, owner: str = "") -> pb.TruncateKvResponse:
         host = self.models.get(req.model_id)
@@ -426,8 +360,8 @@ class Operations:
         self.checks.check_length(host, seq, "input.shape")
         dtype = {tpb.DATA_TYPE_FP16: "fp16", tpb.DATA_TYPE_BF16: "bf16"}.get(req.logits_dtype, "fp32")
         width = host.info.vocab_size if host.supports_generation else host.info.hidden_size
-        self.checks.check_step(host, [(seq, 0)] * batch, batch * seq, "input",
-                               batch * seq * width * (4 if dtype == "fp32" else 2))
+        self.checks.plan(host, [StepRow(None, [0] * seq, Want.ALL) for _ in range(batch)], "input",
+                         response_bytes=batch * seq * width * (4 if dtype == "fp32" else 2))
         ids = np.frombuffer(t.data, dtype=np_dtype.newbyteorder("<")).reshape(batch, seq)
         bad = np.flatnonzero((ids < 0) | (ids >= host.vocab_size))
         if bad.size:

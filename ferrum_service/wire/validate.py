@@ -4,12 +4,10 @@
 in range). This module checks a request against the state of the model it names: the caches it
 touches are live and belong to this model, positions match what a cache holds, sequences fit the
 model's length limit, the model can generate at all, a batch names each cache once. It also builds
-the executor-interface inputs from those checks, and sums what a step will add to the KV budget so
-that it is admitted (all or nothing) before the step runs, and checks what the step itself will
-cost (positions computed with padding, transient memory, response size) against the per-step
-ceilings in ``host.limits``: a request over one can never run, so it is INVALID_ARGUMENT. Not here:
-the executor's own row and token limits per step (``max_batch_size``, ``max_batch_tokens``), which
-the executor checks when the step runs and answers RESOURCE_EXHAUSTED with a retry hint.
+the executor-interface inputs from those checks; the step they make is a
+:class:`~ferrum_service.core.steps.StepPlan`, checked once against the model's per-step ceilings
+(:meth:`RequestChecks.plan`: a step over one can never run, so it is INVALID_ARGUMENT) and admitted
+for KV, all or nothing, before it runs (:func:`admit`).
 
 Caches belong to the caller that created them when calls are authenticated (``callers.py``):
 another caller's cache is NOT_FOUND, exactly as an unknown one.
@@ -27,16 +25,14 @@ from ferrum_client.prefix_keys import caller_salt
 from ..core import errors
 from ..core.callers import current_caller, current_origin
 from ..core.kv_registry import CacheEntry
-from ..core.steps import StepRow
-from ..core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
+from ..core.steps import StepPlan, StepRow
+from ..core.types import DecodeInput, LogitsPolicy, PrefillInput, UnifiedItem
 from ..hosting.cache_quota import CacheQuota
 from ..hosting.constraint_compile import CompilePool, check_shape
-from .convert import check_token, check_tokens, logits_policy, pb, struct_to_dict
+from .convert import check_token, check_tokens, logits_policy, pb
 
 #: Longest ``cache_salt`` accepted (it is hashed into every block key of the cache).
 MAX_CACHE_SALT_BYTES = 1024
-
-_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 if TYPE_CHECKING:
     from ..hosting.host import ModelHost
@@ -151,44 +147,14 @@ class RequestChecks:
         return check_tokens(ids, host.vocab_size, field, allow_empty=allow_empty, max_len=self.token_limit(host))
 
     @staticmethod
-    def check_step(host: "ModelHost", rows: list[tuple[int, int]], logits_rows: int, field: str,
-                   response_bytes: int = 0) -> None:
-        """INVALID_ARGUMENT when one forward over ``rows`` — (new tokens, cached tokens) per
-        sequence — would compute more positions (padding included) or need more transient memory
-        than the model's per-step ceilings, or when its response would exceed the message limit.
-        Such a request can never run; smaller or more even batches can."""
-        lim = host.limits
-        cost = host.executor.step_cost(rows, logits_rows)
-        if lim.max_step_tokens and cost.positions > lim.max_step_tokens:
-            raise errors.invalid(
-                f"{field}: this step would compute {cost.positions} token positions (rows padded to the longest); "
-                f"the limit per step is {lim.max_step_tokens}: send fewer rows, rows of similar length, or "
-                "split the prompt into chunks", field=field, positions=cost.positions, limit=lim.max_step_tokens)
-        if lim.max_step_bytes and cost.scratch_bytes > lim.max_step_bytes:
-            raise errors.invalid(
-                f"{field}: this step would need {cost.scratch_bytes} bytes of working memory; the limit per step "
-                f"is {lim.max_step_bytes}: send fewer rows or rows of similar length", field=field,
-                scratch_bytes=cost.scratch_bytes, limit=lim.max_step_bytes)
-        if lim.max_response_bytes and response_bytes > lim.max_response_bytes:
-            raise errors.invalid(
-                f"{field}: the response would hold {response_bytes} bytes of logits; the message limit is "
-                f"{lim.max_response_bytes}: ask for fewer full-logits rows (or top-k log-probabilities)",
-                field=field, response_bytes=response_bytes, limit=lim.max_response_bytes)
-
-    def check_prefill_step(self, host: "ModelHost", inputs: list[PrefillInput], field: str) -> None:
-        """:meth:`check_step` for prompts (a cache they extend counts as context)."""
-        reg = host.executor.registry
-        rows = [(len(i.token_ids), reg.get(i.cache_id).num_tokens if i.cache_id else 0) for i in inputs]
-        logits_rows = sum(len(i.token_ids) if i.all_positions else 1 for i in inputs)
-        response = sum(self.row_bytes(host, i.policy) * (1 + (len(i.token_ids) if i.all_positions else 0))
-                       for i in inputs)
-        self.check_step(host, rows, logits_rows, field, response)
-
-    def check_decode_step(self, host: "ModelHost", inputs: list[DecodeInput], field: str) -> None:
-        """:meth:`check_step` for decode steps (one new token each)."""
-        reg = host.executor.registry
-        rows = [(1, reg.get(i.cache_id).num_tokens) for i in inputs]
-        self.check_step(host, rows, len(rows), field, sum(self.row_bytes(host, i.policy) for i in inputs))
+    def plan(host: "ModelHost", rows: list[StepRow], field: str, response_bytes: int | None = None) -> StepPlan:
+        """The step of ``rows``, checked against the model's per-step ceilings (INVALID_ARGUMENT:
+        positions computed with padding, transient memory, rows, response size; see
+        ``StepPlan.too_big``). ``response_bytes``: the answer's size when it is not the rows' own
+        outputs (the raw ``Forward``)."""
+        plan = StepPlan(rows, field)
+        plan.check(host.limits, host.executor, host.vocab_size, response_bytes)
+        return plan
 
     @staticmethod
     def check_text(host: "ModelHost", texts: list[str], field: str) -> None:
@@ -198,13 +164,6 @@ class RequestChecks:
         if limit and n > limit:
             raise errors.invalid(f"{field}: {n} bytes of text; the limit is {limit}", field=field,
                                  limit=limit, requested=n)
-
-    @staticmethod
-    def row_bytes(host: "ModelHost", policy: LogitsPolicy) -> int:
-        """Bytes one output row of ``policy`` puts in a response (full logits dominate)."""
-        if policy.mode == OutputMode.FULL_LOGITS:
-            return host.vocab_size * _DTYPE_BYTES.get(policy.logits_dtype, 4)
-        return 16 + 16 * policy.top_logprobs
 
     @staticmethod
     def check_length(host: "ModelHost", total: int, field: str) -> None:
@@ -282,8 +241,8 @@ class RequestChecks:
             entry.check_adapter(name, field)
         return name
 
-    def prefill_input(self, host: "ModelHost", msg: pb.PrefillInput, field: str) -> PrefillInput:
-        """A checked prompt: ids, its cache (if it extends one), the length it may reach."""
+    def prompt_row(self, host: "ModelHost", msg: pb.PrefillInput, field: str) -> StepRow:
+        """A checked prompt as a step row: ids, the cache it extends (if any), the length it may reach."""
         ids = self.tokens(host, msg.token_ids, f"{field}.token_ids")
         policy = self.policy(host, msg.logits, f"{field}.logits")
         entry = self.live_entry(host, msg.cache_id, f"{field}.cache_id") if msg.cache_id else None
@@ -291,97 +250,54 @@ class RequestChecks:
         total = max(prior + len(ids), msg.reserve_tokens)
         self.check_length(host, total, f"{field}.reserve_tokens" if msg.reserve_tokens > prior + len(ids)
                           else f"{field}.token_ids")
-        return PrefillInput(
+        return StepRow.prompt(PrefillInput(
             token_ids=ids,
             cache_id=msg.cache_id,
             policy=policy,
             reserve_tokens=int(msg.reserve_tokens),
             all_positions=msg.all_positions,
-            metadata=struct_to_dict(msg.metadata),
-            request_id=msg.request_id,
             cache_salt=self.salt(msg.cache_salt, f"{field}.cache_salt"),
             bypass_prefix_cache=msg.bypass_prefix_cache,
             adapter=self.adapter(host, msg.adapter, f"{field}.adapter", entry),
-        )
+        ), entry)
 
-    def decode_input(self, host: "ModelHost", msg: pb.DecodeInput, field: str) -> DecodeInput:
-        """A checked decode step: a live cache, a token, the position it must be at."""
+    def decode_row(self, host: "ModelHost", msg: pb.DecodeInput, field: str) -> StepRow:
+        """A checked decode step as a step row: a live cache, a token, the position it must be at."""
         entry = self.live_entry(host, msg.cache_id, f"{field}.cache_id")
         check_token(msg.token_id, host.vocab_size, f"{field}.token_id")
         policy = self.policy(host, msg.logits, f"{field}.logits")
-        if msg.HasField("position") and msg.position != entry.num_tokens:
-            raise errors.failed_precondition(
-                f"{field}.position = {msg.position} but cache {msg.cache_id!r} holds {entry.num_tokens} tokens",
-                field=f"{field}.position",
-                num_tokens=entry.num_tokens,
-            )
         self.check_length(host, entry.num_tokens + 1, f"{field}.cache_id")
-        return DecodeInput(cache_id=msg.cache_id, token_id=msg.token_id, policy=policy,
-                           position=entry.num_tokens, metadata=struct_to_dict(msg.metadata))
+        return StepRow.decode(DecodeInput(cache_id=msg.cache_id, token_id=msg.token_id, policy=policy,
+                                          position=msg.position if msg.HasField("position") else None),
+                              entry, field)
 
-    def unified_item(self, host: "ModelHost", m: pb.UnifiedBatchItem, field: str) -> UnifiedItem:
-        """A checked unified-batch item (a prompt chunk or a decode step of one sequence)."""
+    def unified_row(self, host: "ModelHost", m: pb.UnifiedBatchItem, field: str) -> StepRow:
+        """A checked unified-batch item (a prompt chunk or a decode step of one sequence) as a step row."""
         q = self.tokens(host, m.q_tokens, f"{field}.q_tokens")
         entry = self.live_entry(host, m.cache_id, f"{field}.cache_id") if m.cache_id else None
-        n = entry.num_tokens if entry else 0
-        if m.pos_offset != n:
-            raise errors.failed_precondition(
-                f"{field}.pos_offset = {m.pos_offset} but the cache holds {n} tokens", field=f"{field}.pos_offset",
-                num_tokens=n,
-            )
-        self.check_length(host, n + len(q), f"{field}.q_tokens")
-        return UnifiedItem(
+        self.check_length(host, (entry.num_tokens if entry else 0) + len(q), f"{field}.q_tokens")
+        return StepRow.unified(UnifiedItem(
             seq_id=m.seq_id, q_tokens=q, cache_id=m.cache_id, pos_offset=int(m.pos_offset),
             is_final_chunk=m.is_final_chunk, policy=self.policy(host, m.logits, f"{field}.logits"),
-            metadata=struct_to_dict(m.metadata), cache_salt=self.salt(m.cache_salt, f"{field}.cache_salt"),
-            bypass_prefix_cache=m.bypass_prefix_cache, adapter=self.adapter(host, m.adapter, f"{field}.adapter", entry),
-        )
+            cache_salt=self.salt(m.cache_salt, f"{field}.cache_salt"), bypass_prefix_cache=m.bypass_prefix_cache,
+            adapter=self.adapter(host, m.adapter, f"{field}.adapter", entry)), entry, field)
 
 
 # ---- KV admission ---------------------------------------------------------------------------------
-def admit(host: "ModelHost", field: str, *, grow: Iterable[tuple[CacheEntry, int]] = (),
-          new: Iterable[StepRow] = ()) -> None:
-    """Admit one step's KV growth, all or nothing, before any work: ``grow`` lists live caches and
-    the length each will reach, ``new`` the caches the step creates (their tokens, reservation and
-    prefix-cache options). RESOURCE_EXHAUSTED (with RetryInfo) when the executor's KV budget, or
-    the active-cache limit, does not allow all of it now."""
+def admit(host: "ModelHost", plan: StepPlan | None = None, *, field: str = "",
+          grow: Iterable[tuple[CacheEntry, int]] = ()) -> None:
+    """Admit a step's KV growth, all or nothing, before any work: ``plan``'s rows, or ``grow``
+    (live caches and the length each will reach: a ``Generate`` on a caller's cache reserves its
+    whole output). RESOURCE_EXHAUSTED (with RetryInfo) when the executor's KV budget, or the
+    active-cache limit, does not allow all of it now."""
     try:
-        host.executor.admit_kv(list(grow), list(new), field)
+        if plan is not None:
+            plan.admit(host.executor)
+        else:
+            host.executor.admit_kv(list(grow), [], field)
     except errors.FerrumError as e:
         host.hint_retry(e)
         raise
 
 
-def admit_prefills(host: "ModelHost", inputs: list[PrefillInput], field: str = "inputs") -> None:
-    """Admission for prompts: those extending a cache grow it by their tokens; new ones hold their
-    tokens or their reservation, whichever is larger (less what the prefix cache holds)."""
-    reg = host.executor.registry
-    grow, new = [], []
-    for i in inputs:
-        if i.cache_id:
-            e = reg.get(i.cache_id)
-            grow.append((e, e.num_tokens + len(i.token_ids)))
-        else:
-            want = "all" if i.all_positions else "last"
-            new.append(StepRow(None, list(i.token_ids), want, reserve=int(i.reserve_tokens or 0),
-                                salt=i.cache_salt, bypass=i.bypass_prefix_cache, adapter=i.adapter))
-    admit(host, field, grow=grow, new=new)
-
-
-def admit_decodes(host: "ModelHost", inputs: list[DecodeInput], field: str = "inputs") -> None:
-    """Admission for decode steps: one token each."""
-    reg = host.executor.registry
-    admit(host, field, grow=[(e, e.num_tokens + 1) for e in (reg.get(i.cache_id) for i in inputs)])
-
-
-def admit_unified(host: "ModelHost", items: list[UnifiedItem], field: str = "items") -> None:
-    """Admission for a unified batch: each item's cache grows to ``pos_offset + len(q_tokens)``."""
-    reg = host.executor.registry
-    admit(host, field,
-          grow=[(reg.get(i.cache_id), i.pos_offset + len(i.q_tokens)) for i in items if i.cache_id],
-          new=[StepRow(None, list(i.q_tokens), "last", salt=i.cache_salt, bypass=i.bypass_prefix_cache,
-                        adapter=i.adapter)
-               for i in items if not i.cache_id])
-
-
-__all__ = ["RequestChecks", "admit", "admit_decodes", "admit_prefills", "admit_unified"]
+__all__ = ["RequestChecks", "admit"]
