@@ -80,6 +80,9 @@ class StepRow:
     drafts: int = 0  # a decode row's trailing draft tokens, verified in this forward (speculation.py)
     cached: int = 0  # leading tokens taken from the prefix cache (set by the executor, or the batcher's estimate)
 
+    def __post_init__(self) -> None:
+        self.want = Want(self.want)  # "last" and Want.LAST alike
+
     @property
     def past(self) -> int:
         """Tokens the row's cache holds before the step (a new row: its prefix-cache hit)."""
