@@ -48,19 +48,19 @@ def test_a_stalled_model_is_not_serving_until_a_step_completes(tiny_llama_dir, m
     mock = ConfigurableModelExecutor.with_token_sequence(1000, [7], model_id="mock")
     with InProcessServer([_tiny(tiny_llama_dir), mock], stall_timeout=0.4) as srv, Client(srv.target) as c:
         ex = srv.models.get("tiny").executor
-        real = ex.prefill
+        real = ex.execute
         release = threading.Event()
 
-        def hung(inp):  # a step that does not finish until the test lets it
+        def hung(plan):  # a step that does not finish until the test lets it
             release.wait(20)
-            return real(inp)
+            return real(plan)
 
         for svc in ("tiny", "mock", ""):
             assert _health(c, svc) == SERVING
         c.prefill("tiny", [5, 6])  # steps complete: still serving after the timeout
         time.sleep(0.6)
         assert _health(c, "tiny") == SERVING
-        monkeypatch.setattr(ex, "prefill", hung)
+        monkeypatch.setattr(ex, "execute", hung)
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(c.prefill, "tiny", [5, 6, 7])
             took = _wait_for(c, "tiny", NOT_SERVING, 5)
@@ -79,14 +79,14 @@ def test_a_stalled_model_is_not_serving_until_a_step_completes(tiny_llama_dir, m
 def test_retry_info_follows_the_measured_service_rate(tiny_llama_dir, monkeypatch):  # noqa: F811
     with InProcessServer([_tiny(tiny_llama_dir)], max_queue=2) as srv, Client(srv.target) as c:
         ex = srv.models.get("tiny").executor
-        real = ex.prefill
+        real = ex.execute
         step_s = 0.25
 
-        def slow(inp):  # each step takes ~step_s: about 4 steps per second
+        def slow(plan):  # each step takes ~step_s: about 4 steps per second
             time.sleep(step_s)
-            return real(inp)
+            return real(plan)
 
-        monkeypatch.setattr(ex, "prefill", slow)
+        monkeypatch.setattr(ex, "execute", slow)
         ids = [c.prefill("tiny", [5, 6]).output.cache.cache_id for _ in range(3)]  # the rate is measured
         with ThreadPoolExecutor(8) as pool:
             futs = [pool.submit(c.prefill, "tiny", [5, 6, k]) for k in range(8)]

@@ -298,8 +298,8 @@ def test_constrained_prompt_in_chunks_equals_the_prompt_whole(server, monkeypatc
     chunks = []
     real = batcher_mod._Pending.chunk
 
-    def spy(self, size):
-        out = real(self, size)
+    def spy(self, size, reg):
+        out = real(self, size, reg)
         chunks.append(out[1])
         return out
 
