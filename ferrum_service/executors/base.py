@@ -24,6 +24,7 @@ import torch
 
 from ..core import errors
 from ..core.kv_registry import CacheEntry, CacheRegistry
+from ..core.modes import ExecutorState
 from ..core.types import (
     AdmissionLimits,
     CacheHandle,
@@ -151,7 +152,7 @@ class ModelExecutor(abc.ABC):
 
     def __init__(self) -> None:
         self.stats = OperationStats()
-        self.state = "ready"
+        self.state = ExecutorState.READY
 
     # ---- metadata ------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -167,7 +168,7 @@ class ModelExecutor(abc.ABC):
         s = self.stats.snapshot()
         st = ExecutorStatus(
             state=self.state,
-            is_ready=self.state in ("ready", "busy"),
+            is_ready=ExecutorState(self.state).is_ready,
             current_batch_size=s["current_batch_size"],
             prefill_operations=s["prefill_ops"],
             decode_operations=s["decode_ops"],
@@ -388,7 +389,7 @@ class ModelExecutor(abc.ABC):
         for entry in self.registry.entries():
             if self.release_cache(entry.cache_id)[0]:
                 n += 1
-        self.state = "shutdown"
+        self.state = ExecutorState.SHUTDOWN
         return n
 
     # ---- tokenization ---------------------------------------------------------------------------

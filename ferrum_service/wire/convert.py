@@ -19,6 +19,7 @@ from google.protobuf import any_pb2, duration_pb2, json_format, struct_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from ..core import errors
+from ..core.modes import ExecutorState
 from ..core.sampling import RowResult
 from ..core.types import (
     CacheHandle,
@@ -73,11 +74,11 @@ _ATTENTION = {
     "sliding_window": tpb.ATTENTION_TYPE_SLIDING_WINDOW,
 }
 _STATES = {
-    "initializing": tpb.EXECUTOR_STATE_INITIALIZING,
-    "ready": tpb.EXECUTOR_STATE_READY,
-    "busy": tpb.EXECUTOR_STATE_BUSY,
-    "error": tpb.EXECUTOR_STATE_ERROR,
-    "shutdown": tpb.EXECUTOR_STATE_SHUTDOWN,
+    ExecutorState.INITIALIZING: tpb.EXECUTOR_STATE_INITIALIZING,
+    ExecutorState.READY: tpb.EXECUTOR_STATE_READY,
+    ExecutorState.BUSY: tpb.EXECUTOR_STATE_BUSY,
+    ExecutorState.ERROR: tpb.EXECUTOR_STATE_ERROR,
+    ExecutorState.SHUTDOWN: tpb.EXECUTOR_STATE_SHUTDOWN,
 }
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from ..core.callers import CallerActivity
+from ..core.modes import ExecutorState
 from ..hosting.periodic import Periodic
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class LeaseReaper:
         now = time.monotonic() if now is None else now
         out = []
         for host in self.models:
-            if host.executor.state == "shutdown":
+            if host.executor.state == ExecutorState.SHUTDOWN:
                 continue
             for entry in host.executor.registry.entries():
                 if entry.owner or host.is_busy(entry.cache_id):
