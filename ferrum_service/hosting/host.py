@@ -28,6 +28,7 @@ import grpc
 from ..core import errors
 from ..core.guided import mask_rows, overlapping, prepare_masks, refuse_broken
 from ..core.sampling import RowResult, process_rows
+from ..core.settings import default
 from ..core.speculation import sample_verified
 from ..core.types import DecodeInput, PrefillInput
 from ..executors.base import ModelExecutor
@@ -50,9 +51,9 @@ class StepLimits:
     """Per-step ceilings every request is checked against before any work (``validate.py``)."""
 
     max_step_tokens: int = 0  # positions one forward may compute, padding included (0 = none)
-    max_step_bytes: int = 2 * 1024**3  # transient memory one forward may need (0 = none)
-    max_response_bytes: int = 64 * 1024 * 1024  # one response (the message size limit)
-    max_text_bytes: int = 1024 * 1024  # text one request asks to tokenize or template
+    max_step_bytes: int = default("max_step_bytes")  # transient memory one forward may need (0 = none)
+    max_response_bytes: int = default("max_message_bytes")  # one response (the message size limit)
+    max_text_bytes: int = default("max_text_bytes")  # text one request asks to tokenize or template
 
 
 @dataclass
@@ -68,7 +69,7 @@ class Timed:
 class ModelHost:
     """One model served by the server."""
 
-    def __init__(self, model_id: str, executor: ModelExecutor, *, max_batch: int = 64, max_queue: int = 0,
+    def __init__(self, model_id: str, executor: ModelExecutor, *, max_batch: int = default("max_batch"), max_queue: int = 0,
                  worker: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
         """``worker``: the single-thread pool the executor was loaded on (see :func:`new_worker`);
         default a new one."""

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 
 from ..core import errors
+from ..core.settings import default
 
 KINDS = {"created": 1, "extended": 2, "truncated": 3, "released": 4, "reclaimed": 5, "evicted": 6, "forked": 7}
 
@@ -188,8 +189,9 @@ class KvEventHub:
     """Sequence numbers, the replay buffer and the live subscribers."""
 
     def __init__(self, replay: int = 65536, subscriber_buffer: int = 8192, *, per_caller: bool = False,
-                 replay_bytes: int = 64 * 1024 * 1024, max_subscribers: int = 128,
-                 max_subscribers_per_caller: int = 16) -> None:
+                 replay_bytes: int = default("kv_event_replay_bytes"),
+                 max_subscribers: int = default("max_kv_event_subscribers"),
+                 max_subscribers_per_caller: int = default("max_kv_event_subscribers_per_caller")) -> None:
         """``per_caller``: callers are told apart (bearer tokens or mutual TLS): each subscriber
         sees only its own events, and block events carry no token ids. ``replay_bytes``: bound on
         the replay buffer's estimated bytes (0 = events only); ``max_subscribers`` /

@@ -50,6 +50,7 @@ from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 
 from ..core import errors
 from ..core.callers import current_caller
+from ..core.settings import default
 from ..executors.base import KvLayout
 from ..hosting.kv_peers import KvPeers
 from .convert import handle_pb, pb, tpb
@@ -67,7 +68,7 @@ _PB_NAMES = {v: k for k, v in _DTYPE_PB.items()}
 # Export reads a whole layer's range at once; bound that read (bytes of K+V of one layer).
 _MAX_LAYER_READ_BYTES = 256 << 20
 #: Seconds a staged import may wait for its next chunk before it is dropped (default).
-DEFAULT_IMPORT_IDLE_S = 30.0
+DEFAULT_IMPORT_IDLE_S = default("kv_import_idle_timeout")
 # An executor's state bytes beyond its K/V (positions, sequence ids, headers): per token, and once.
 _STATE_BYTES_PER_TOKEN = 64
 _STATE_OVERHEAD_BYTES = 1 << 20

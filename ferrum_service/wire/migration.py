@@ -42,6 +42,7 @@ from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 
 from ..core import errors
 from ..core.callers import current_caller
+from ..core.settings import default
 from .convert import check_tokens, pb, sampling_params
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("ferrum_service.wire.migration")
 
 #: Seconds B holds a migrated stream for its caller's resume.
-DEFAULT_RESUME_S = 30.0
+DEFAULT_RESUME_S = default("migration_resume_s")
 #: Streams parked for a resume at once (each holds its KV): further hand-offs are RESOURCE_EXHAUSTED.
 MAX_PARKED = 256
 #: Seconds A waits for B to take a stream (pull included) before the stream goes on at A.
