@@ -19,7 +19,7 @@ from ferrum_client._proto.ferrum.executor.v1 import types_pb2 as tpb
 
 from ferrum_service.cli import build_parser, main, resolve_serve_settings
 from ferrum_service.core import settings
-from ferrum_service.core.modes import ExecutorState, Role
+from ferrum_service.core.modes import BlockEvent, CacheEvent, ExecutorState, Role
 from ferrum_service.core.settings import SETTINGS, STANDARD_ENV, SettingError
 
 from .support.servers import REPO, ServerProcess
@@ -259,6 +259,14 @@ def test_mode_enums_are_the_contracts_values():
     assert {f"EXECUTOR_STATE_{s.name}" for s in ExecutorState} == {
         v.name for v in tpb.ExecutorState.DESCRIPTOR.values} - {"EXECUTOR_STATE_UNSPECIFIED"}
     assert [s for s in ExecutorState if s.is_ready] == [ExecutorState.READY, ExecutorState.BUSY]
+    from ferrum_service.hosting.kv_events import KINDS, TERMINAL
+
+    assert {e: pb.KvEventKind.Value(f"KV_EVENT_KIND_{e.name}") for e in CacheEvent} == KINDS
+    assert TERMINAL == {CacheEvent.RELEASED, CacheEvent.RECLAIMED, CacheEvent.EVICTED}
+    # a member prints as its value (log fields, metric labels, messages) and equals the plain string
+    for member in (Role.DECODE, ExecutorState.SHUTDOWN, CacheEvent.RECLAIMED, BlockEvent.STORED):
+        assert str(member) == f"{member}" == member.value and member == member.value
+        assert {member.value: 1}[member] == 1
 
 
 # ---- end to end: environment-only settings reach a real server ----------------------------------------

@@ -1,8 +1,8 @@
-"""Modes passed around as values: a server's role and an executor's state.
+"""Modes passed around as values: a server's role, an executor's state, cache and block events.
 
-They are ``str`` enums, so a member equals its wire / config value (``Role.DECODE == "decode"``),
-hashes like it, and reads or compares against plain strings the way the strings did before. The
-step plan's logits mode is ``steps.Want``.
+They are ``StrEnum``s: a member equals its wire / config value (``Role.DECODE == "decode"``),
+hashes like it and prints as it (in logs, labels and messages), so code that still passes the
+plain strings keeps working. The step plan's logits mode is ``steps.Want``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     """What a server is deployed for (``--role``; ``ServerRole`` in the contract)."""
 
     BOTH = "both"  # prefills and decodes
@@ -26,7 +26,7 @@ class Role(str, enum.Enum):
             raise ValueError(f"role must be {', '.join(r.value for r in cls)}, not {value!r}") from None
 
 
-class ExecutorState(str, enum.Enum):
+class ExecutorState(enum.StrEnum):
     """An executor's lifecycle (``ExecutorStatus.state``; ``ExecutorState`` in the contract)."""
 
     INITIALIZING = "initializing"
@@ -41,4 +41,29 @@ class ExecutorState(str, enum.Enum):
         return self in (ExecutorState.READY, ExecutorState.BUSY)
 
 
-__all__ = ["ExecutorState", "Role"]
+class CacheEvent(enum.StrEnum):
+    """What happened to a cache (the registry's events; ``KvEventKind`` in the contract). The last
+    three end the cache, and are the reasons ``release_cache`` takes."""
+
+    CREATED = "created"
+    EXTENDED = "extended"
+    TRUNCATED = "truncated"
+    FORKED = "forked"  # created as a copy of another cache
+    RELEASED = "released"  # its owner let it go (Release, a finished stream)
+    RECLAIMED = "reclaimed"  # the server freed it: its owner left, its lease expired, its step was orphaned
+    EVICTED = "evicted"  # the executor dropped it for room
+
+    @property
+    def ends_cache(self) -> bool:
+        return self in (CacheEvent.RELEASED, CacheEvent.RECLAIMED, CacheEvent.EVICTED)
+
+
+class BlockEvent(enum.StrEnum):
+    """What happened to prefix-cache blocks (``KvBlockStored`` / ``KvBlockRemoved`` / cleared)."""
+
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"  # the model's whole prefix index went
+
+
+__all__ = ["BlockEvent", "CacheEvent", "ExecutorState", "Role"]

@@ -24,7 +24,7 @@ import torch
 
 from ..core import errors
 from ..core.kv_registry import CacheEntry, CacheRegistry
-from ..core.modes import ExecutorState
+from ..core.modes import CacheEvent, ExecutorState
 from ..core.types import (
     AdmissionLimits,
     CacheHandle,
@@ -327,7 +327,7 @@ class ModelExecutor(abc.ABC):
         need = sum(reg.growth(e, n) for e, n in grow) + sum(max(len(i.tokens), i.reserve) for i in new)
         reg.admit(need, field, new_caches=len(new))
 
-    def release_cache(self, cache_id: str, reason: str = "released") -> tuple[bool, int, int]:
+    def release_cache(self, cache_id: str, reason: CacheEvent = CacheEvent.RELEASED) -> tuple[bool, int, int]:
         """``release_cache()``: (released, freed_bytes, freed_tokens); idempotent."""
         entry = self.registry.release(cache_id, reason=reason)
         if entry is None:

@@ -50,6 +50,7 @@ from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 
 from ..core import errors
 from ..core.callers import current_caller
+from ..core.modes import CacheEvent
 from ..core.settings import default
 from ..executors.base import KvLayout
 from ..hosting.kv_peers import KvPeers
@@ -375,7 +376,7 @@ class KvTransfer:
                     errors.ErrorKind.SERIALIZATION,
                     f"the stream ended after {count} of {h.num_chunks or '?'} chunks ({len(missing)} layers "
                     "incomplete); nothing was imported", code=grpc.StatusCode.DATA_LOSS, field="chunk")
-            orphan = (lambda v: host.release_soon(v[0].cache_id, "reclaimed"))
+            orphan = (lambda v: host.release_soon(v[0].cache_id, CacheEvent.RECLAIMED))
             entry, cached = (await host.call(ex.import_commit, staged, admit=False, on_orphan=orphan)).value
         except BaseException as exc:
             for f in writes:
@@ -430,7 +431,7 @@ class KvTransfer:
                 ex.import_write_state(staged, b"".join(parts))
                 return ex.import_commit(staged)
 
-            orphan = (lambda v: host.release_soon(v[0].cache_id, "reclaimed"))
+            orphan = (lambda v: host.release_soon(v[0].cache_id, CacheEvent.RECLAIMED))
             entry, cached = (await host.call(load, admit=False, on_orphan=orphan)).value
         except BaseException as exc:
             aborted = self._abort_after_writes(host, staged)

@@ -28,7 +28,7 @@ from grpc_status import rpc_status
 from .. import __version__
 from ..core import errors
 from ..core.callers import CallerActivity, current_caller, current_origin, enter_call
-from ..core.modes import ExecutorState, Role
+from ..core.modes import CacheEvent, ExecutorState, Role
 from ..core.settings import default
 from ..hosting.kv_events import KvEventHub, SubscriberDropped
 from ..hosting.models import ModelSet
@@ -451,7 +451,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                 if code == "OK" and context.cancelled():  # the call ended (cancel, deadline) while its
                     code = "CANCELLED"                     # request stream merely looked finished
                     self.metrics.cancelled_streams.inc()
-                freed = self.streams.release_owned(owner, reason="reclaimed")
+                freed = self.streams.release_owned(owner, reason=CacheEvent.RECLAIMED)
                 self.metrics.observe("Session", code, time.perf_counter() - t0)
                 tracing.end(span, code)
                 log.info("session closed", owner=owner, steps=steps, released_caches=freed, code=code)
