@@ -208,7 +208,8 @@ def test_bad_values_are_refused_naming_where_they_came_from(clean_env, tmp_path)
     clean_env.delenv("FERRUM_ROLE")
     cfg = tmp_path / "c.yaml"
     for text, where in (("port: [1]\n", "port in"), ("grace_period: true\n", "grace_period in"),
-                        ("max_batch: 2.5\n", "max_batch in"), ("kv_peer: 3\n", "kv_peer in")):
+                        ("max_batch: 2.5\n", "max_batch in"), ("kv_peer: 3\n", "kv_peer in"),
+                        ("tls_cert: [a.pem]\n", "tls_cert in"), ("log_level: true\n", "log_level in")):
         cfg.write_text(text)
         with pytest.raises(SettingError, match=where):
             _resolve("--config", str(cfg))

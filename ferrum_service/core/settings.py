@@ -103,6 +103,8 @@ class Setting:
                 raise ValueError("expected a number")
             if t is int and isinstance(value, float) and not value.is_integer():
                 raise ValueError("expected an integer")
+            if t is str and (isinstance(value, bool) or not isinstance(value, (str, int, float))):
+                raise ValueError("expected a string")
             return t(value)
         except (TypeError, ValueError) as e:
             why = f"one of {', '.join(self.choices)}" if self.choices else f"a value of type {t.__name__}"
