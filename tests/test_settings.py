@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import pathlib
 import re
 import subprocess
 import sys

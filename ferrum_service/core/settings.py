@@ -4,9 +4,9 @@ YAML key and help.
 The ``serve`` and ``generate`` flags (``cli.py``), the YAML config file (``--config``), the
 defaults of ``server.ServerConfig`` and of the parts it configures, and the environment variables
 read deep in the package (``FERRUM_GUIDED_OVERLAP``, ``FERRUM_MODEL_CACHE``, the standard
-``OTEL_*``) all come from :data:`SETTINGS`; no other module reads ``os.environ``
-(``tests/test_settings.py`` checks both). ``docs/settings.md`` is generated from it:
-``python -m ferrum_service.core.settings > docs/settings.md``.
+``OTEL_*``) all come from :data:`SETTINGS`; no other module of the server reads ``os.environ``
+(``tests/test_settings.py`` checks both; ``ferrum_service.testing`` is not the server).
+``docs/settings.md`` is generated from it: ``python -m ferrum_service.core.settings > docs/settings.md``.
 
 A setting's value: its flag > its environment variable > its key in the config file > its default
 (:func:`resolve`). An empty environment variable counts as unset. A list setting takes a
