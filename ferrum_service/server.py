@@ -23,14 +23,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from .core.callers import CallerActivity
+from .core.modes import Role
+from .core.settings import default
 from .hosting.batcher import ContinuousBatcher
-from .hosting.cache_quota import DEFAULT_MAX_CACHES, DEFAULT_MAX_CACHES_PER_CALLER, CacheQuota, cap_model
-from .hosting.constraint_compile import DEFAULT_MAX_COMPILE_SECONDS, CompilePool
+from .hosting.cache_quota import CacheQuota, cap_model
+from .hosting.constraint_compile import CompilePool
 from .hosting.host import ModelHost
 from .hosting.kv_events import KvEventHub
 from .hosting.kv_peers import KvPeers
 from .hosting.models import ModelSet
-from .hosting.progress import DEFAULT_STALL_TIMEOUT_S, StallWatch
+from .hosting.progress import StallWatch
 from .wire import tracing
 from .wire.auth import AuthInterceptor, is_admin_call
 from .wire.leases import LeaseReaper
@@ -50,58 +52,53 @@ SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["ModelExecutor"].full_na
 
 @dataclass
 class ServerConfig:
-    """Network and policy settings of one server (the CLI's flags)."""
+    """Network and policy settings of one server: the CLI's ``serve`` settings, whose defaults
+    (and meaning) are in ``core/settings.py``, plus what the CLI reads from files."""
 
-    host: str = "0.0.0.0"
-    port: int = 50051
-    metrics_port: int = 9090
-    max_message_bytes: int = 64 * 1024 * 1024
-    grace_period: float = 20.0
-    reflection: bool = True
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    auth_tokens: list[str] = field(default_factory=list)
-    admin_tokens: list[str] = field(default_factory=list)
-    max_batch: int = 64
-    cache_ttl: float = 600.0  # seconds an ownerless cache may sit idle before it is reclaimed (0 = never)
-    # seconds after which the ownerless caches of an origin (caller@host) that made no call that
-    # long are reclaimed, before cache_ttl (0 = off; capped at cache_ttl); see leases.py
-    origin_idle_ttl: float = 60.0
-    max_queue: int = 256  # steps that may wait for one model's worker (0 = unbounded)
-    speculation_draft_tokens: int = 0  # Generate's default server-side speculation (0 = off; speculation.py)
-    open_admin_rpcs: bool = False  # Warmup/Shutdown for any caller when no admin token is configured
-    max_step_bytes: int = 2 * 1024**3  # transient memory one forward may need (0 = no limit)
-    max_text_bytes: int = 1024 * 1024  # text one request may ask to tokenize
-    role: str = "both"  # both | prefill | decode (see ServerRole in the contract)
-    kv_peers: list[str] = field(default_factory=list)  # HOST:PORT servers ImportKv may pull from (kv_peers.py)
-    kv_peer_tokens: list[str] = field(default_factory=list)  # first: sent to peers; all: accepted from peers
-    kv_peer_ca: str | None = None  # PEM CA bundle for the pull channel (TLS)
-    kv_peer_cert: str | None = None  # PEM client certificate for the pull channel (mutual TLS)
-    kv_peer_key: str | None = None
-    kv_import_idle_timeout: float = 30.0  # seconds a staged import may wait for its next chunk (0 = no limit)
-    otlp_endpoint: str | None = None  # OpenTelemetry traces to this OTLP/gRPC endpoint (see tracing.py)
-    # KV events (kv_events.py): replay buffer bytes (estimated), and open subscriptions in all / per caller
-    kv_event_replay_bytes: int = 64 * 1024 * 1024
-    max_kv_event_subscribers: int = 128
-    max_kv_event_subscribers_per_caller: int = 16
-    # live migration (migration.py): the peer a drain moves running streams to ("" = none: a drain
-    # waits for them), this server's address as peers reach it ("" = HOST:PORT when HOST is a
-    # concrete address), and how long a stream moved here waits for its caller's resume
-    drain_to: str = ""
-    advertise_address: str = ""
-    migration_resume_s: float = 30.0
+    host: str = default("host")
+    port: int = default("port")
+    metrics_port: int = default("metrics_port")
+    max_message_bytes: int = default("max_message_bytes")
+    grace_period: float = default("grace_period")
+    reflection: bool = default("reflection")
+    tls_cert: str | None = default("tls_cert")
+    tls_key: str | None = default("tls_key")
+    tls_client_ca: str | None = default("tls_client_ca")
+    auth_tokens: list[str] = field(default_factory=list)  # read from --auth-token-file / FERRUM_AUTH_TOKEN
+    admin_tokens: list[str] = field(default_factory=list)  # read from --admin-token-file / FERRUM_ADMIN_TOKEN
+    max_batch: int = default("max_batch")
+    cache_ttl: float = default("cache_ttl")
+    origin_idle_ttl: float = default("origin_idle_ttl")  # capped at cache_ttl; see leases.py
+    max_queue: int = default("max_queue")
+    speculation_draft_tokens: int = default("speculation_draft_tokens")  # speculation.py
+    open_admin_rpcs: bool = default("open_admin_rpcs")
+    max_step_bytes: int = default("max_step_bytes")
+    max_text_bytes: int = default("max_text_bytes")
+    role: Role = default("role")  # a plain string is taken too (Server checks it)
+    kv_peers: list[str] = field(default_factory=list)  # --kv-peer: servers ImportKv may pull from (kv_peers.py)
+    kv_peer_tokens: list[str] = field(default_factory=list)  # --kv-peer-token-file: first sent, all accepted
+    kv_peer_ca: str | None = default("kv_peer_ca")
+    kv_peer_cert: str | None = default("kv_peer_cert")
+    kv_peer_key: str | None = default("kv_peer_key")
+    kv_import_idle_timeout: float = default("kv_import_idle_timeout")
+    otlp_endpoint: str | None = default("otlp_endpoint")  # see tracing.py
+    kv_event_replay_bytes: int = default("kv_event_replay_bytes")  # kv_events.py
+    max_kv_event_subscribers: int = default("max_kv_event_subscribers")
+    max_kv_event_subscribers_per_caller: int = default("max_kv_event_subscribers_per_caller")
+    drain_to: str = default("drain_to")  # live migration (migration.py)
+    advertise_address: str = default("advertise_address")
+    migration_resume_s: float = default("migration_resume_s")
+    # bounded work (docs/operating.md, "Multi-tenant deployment: bounded work")
+    max_caches: int = default("max_caches")
+    max_caches_per_caller: int = default("max_caches_per_caller")
+    max_compile_seconds: float = default("max_compile_seconds")
+    stall_timeout: float = default("stall_timeout")
 
     @property
     def per_caller(self) -> bool:
         """Callers are told apart (bearer tokens or mutual TLS): caches, events and adapter
         details are per caller (callers.py)."""
         return bool(self.auth_tokens or self.tls_client_ca)
-    # bounded work (docs/operating.md, "Multi-tenant deployment: bounded work")
-    max_caches: int = DEFAULT_MAX_CACHES  # live caches per model (0 = the executor's own limit only)
-    max_caches_per_caller: int = DEFAULT_MAX_CACHES_PER_CALLER  # live caches per caller and model (0 = no cap)
-    max_compile_seconds: float = DEFAULT_MAX_COMPILE_SECONDS  # longest constraint compile (0 = the deadline only)
-    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # work queued, no step done this long: NOT_SERVING (0 = off)
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -162,13 +159,12 @@ class Server:
             prefix = getattr(host.executor, "prefix", None)
             if prefix is not None:
                 prefix.on_event = lambda kind, data, hub=self.events, m=host.model_id: hub.publish_block(kind, m, data)
-        if cfg.role not in ("both", "prefill", "decode"):
-            raise ValueError(f"role must be both, prefill or decode, not {cfg.role!r}")
+        self.role = role = Role.parse(cfg.role)
         if cfg.kv_import_idle_timeout < 0:
             raise ValueError("kv_import_idle_timeout must be >= 0 (0 = no limit)")
         self.kv_peers = KvPeers(cfg.kv_peers, cfg.kv_peer_tokens, ca=cfg.kv_peer_ca, cert=cfg.kv_peer_cert,
                                 key=cfg.kv_peer_key, max_message_bytes=cfg.max_message_bytes)
-        checks = RequestChecks(models, cfg.role)
+        checks = RequestChecks(models, role)
         checks.on_adopt = lambda e, hub=self.events: hub.adopt(e.model_id, e.cache_id, e.tenant)
         checks.compiler = CompilePool(max_seconds=cfg.max_compile_seconds)
         checks.quota = CacheQuota(cfg.max_caches_per_caller)
@@ -178,7 +174,7 @@ class Server:
                                               draining=lambda: self.draining,
                                               tokens_checked=bool(cfg.auth_tokens),
                                               admin_open=bool(cfg.admin_tokens) or cfg.open_admin_rpcs,
-                                              activity=self.activity, role=cfg.role,
+                                              activity=self.activity, role=role,
                                               max_message_bytes=cfg.max_message_bytes, kv_peers=self.kv_peers,
                                               import_idle_s=cfg.kv_import_idle_timeout,
                                               resume_s=cfg.migration_resume_s)
@@ -260,7 +256,7 @@ class Server:
                  auth=bool(self.cfg.auth_tokens), mtls=bool(self.cfg.tls_client_ca),
                  metrics_port=self.cfg.metrics_port or None, cache_ttl_s=self.cfg.cache_ttl or None,
                  origin_idle_ttl_s=self.leases.origin_idle_ttl or None, max_queue=self.cfg.max_queue or None,
-                 role=self.cfg.role, kv_peers=sorted(self.kv_peers.targets) or None)
+                 role=self.role.value, kv_peers=sorted(self.kv_peers.targets) or None)
 
     async def _start_drain_by_migration(self) -> None:
         """No new work from now on (migration.py): health NOT_SERVING, ``ModelLoad.draining``."""
@@ -322,7 +318,7 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def host_models(executors, max_batch: int = 64, max_queue: int = 0, workers=None) -> ModelSet:
+def host_models(executors, max_batch: int = default("max_batch"), max_queue: int = 0, workers=None) -> ModelSet:
     """A ModelSet from executor instances (ids from their ``info()``); ``workers[i]``: the worker
     executor ``i`` was loaded on (see ``host.new_worker``), else a new one."""
     models = ModelSet()

@@ -107,15 +107,16 @@ def _configmap_configs():
 
 @pytest.mark.parametrize("config_text", list(_configmap_configs()))
 def test_k8s_configmaps_load_in_the_server(config_text: str, tmp_path: Path, monkeypatch):
-    from ferrum_service.cli import SERVE_FLAGS, build_parser, resolve_serve_settings
+    from ferrum_service.cli import build_parser, resolve_serve_settings
+    from ferrum_service.core.settings import SETTINGS
 
-    for name in SERVE_FLAGS:
-        monkeypatch.delenv("FERRUM_" + name.upper(), raising=False)
-    monkeypatch.delenv("FERRUM_MODEL", raising=False)
+    for st in SETTINGS:
+        if st.env:
+            monkeypatch.delenv(st.env, raising=False)
     cfg = tmp_path / "config.yaml"
     cfg.write_text(config_text)
     raw = yaml.safe_load(config_text)
-    known = set(SERVE_FLAGS) | {"models", "reflection", "trust_remote_code"}
+    known = {st.yaml for st in SETTINGS if st.yaml}
     assert set(raw) <= known, set(raw) - known
     st = resolve_serve_settings(build_parser().parse_args(["serve", "--config", str(cfg)]))
     assert st["port"] == 50051

@@ -224,13 +224,13 @@ def test_masks_during_the_forward_equal_masks_after_it(server, monkeypatch):
         prepared.append(p is not None)
         return p
 
-    monkeypatch.setattr(guided, "OVERLAP", "1")
+    monkeypatch.setenv("FERRUM_GUIDED_OVERLAP", "1")
     monkeypatch.setattr("ferrum_service.hosting.host.prepare_masks", counting)
     # One at a time (same batches), each prompt computed whole: a prompt partly served from the
     # prefix cache (kept or evicted by the module's earlier tests) is computed in a smaller batch,
     # whose float sums differ in the last bits, and a seeded sample at a near-tie can flip.
     on = [_generate(c, cons, seed=s, max_tokens=40, bypass=True) for s in range(3)]
-    monkeypatch.setattr(guided, "OVERLAP", "0")
+    monkeypatch.setenv("FERRUM_GUIDED_OVERLAP", "0")
     off = [_generate(c, cons, seed=s, max_tokens=40, bypass=True) for s in range(3)]
     assert on == off
     assert sum(prepared) > 10  # most decode steps had their masks prepared during the forward

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ import torch
 
 from . import errors
 from .kv_registry import CacheEntry
+from .settings import from_env
 from .types import ConstraintSpec, LogitsPolicy
 
 
@@ -222,14 +222,15 @@ def _fill(st: GuideState, tokens: Sequence[int], bitmask: torch.Tensor, j: int) 
     return ""
 
 
-#: Compute masks during the forward (``prepare_masks``): "auto" (models on CUDA), or forced "1" / "0".
-OVERLAP = os.environ.get("FERRUM_GUIDED_OVERLAP", "auto")
 _pool: ThreadPoolExecutor | None = None
 
 
 def overlapping(executor: Any) -> bool:
-    """Whether this model's masks are computed during the forward (see ``OVERLAP``)."""
-    return OVERLAP == "1" or (OVERLAP != "0" and str(executor.info().device).startswith("cuda"))
+    """Whether this model's masks are computed during the forward (``prepare_masks``): the
+    ``guided_overlap`` setting (``FERRUM_GUIDED_OVERLAP``, read at each call): "auto" for models on
+    CUDA, or forced "1" / "0"."""
+    mode = from_env("guided_overlap")
+    return mode == "1" or (mode != "0" and str(executor.info().device).startswith("cuda"))
 
 
 @dataclass

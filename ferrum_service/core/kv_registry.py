@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import errors
+from .modes import CacheEvent
 from .types import CacheHandle
 
 
@@ -86,7 +87,7 @@ class CacheRegistry:
         per_request_tokens: int | None = None,
         max_active: int = 0,
         id_prefix: str = "kv",
-        on_event: Callable[[str, CacheEntry], None] | None = None,
+        on_event: Callable[[CacheEvent, CacheEntry], None] | None = None,
         token_admission: bool = True,
     ) -> None:
         """``token_admission=False``: the executor admits KV itself (a paged pool where blocks are
@@ -240,7 +241,7 @@ class CacheRegistry:
 
     # ---- mutation ----------------------------------------------------------------------------
     def create(self, tokens: list[int], *, reserve_tokens: int = 0, owner: str = "", field: str = "input",
-               event: str = "created") -> CacheEntry:
+               event: CacheEvent = CacheEvent.CREATED) -> CacheEntry:
         """Admit and register a new cache holding ``tokens`` (``event``: created | forked)."""
         need = max(len(tokens), reserve_tokens)
         with self._lock:
@@ -262,7 +263,7 @@ class CacheRegistry:
             entry.tokens.extend(tokens)
             self._account(entry, len(tokens), before)
         entry.last_access = time.monotonic()
-        self._emit("extended", entry)
+        self._emit(CacheEvent.EXTENDED, entry)
 
     def truncate(self, entry: CacheEntry, new_len: int) -> int:
         with self._lock:
@@ -271,7 +272,7 @@ class CacheRegistry:
             del entry.tokens[new_len:]
             self._account(entry, -removed, before)
         entry.last_access = time.monotonic()
-        self._emit("truncated", entry)
+        self._emit(CacheEvent.TRUNCATED, entry)
         return removed
 
     def set_reserved(self, entry: CacheEntry, reserved_total: int) -> None:
@@ -287,7 +288,7 @@ class CacheRegistry:
             self._budget_held += entry.footprint - footprint_before
             self.peak_tokens = max(self.peak_tokens, self._tokens_held)
 
-    def release(self, cache_id: str, *, reason: str = "released") -> CacheEntry | None:
+    def release(self, cache_id: str, *, reason: CacheEvent = CacheEvent.RELEASED) -> CacheEntry | None:
         """Forget a cache; None when it is not live. ``reason``: released | reclaimed | evicted."""
         with self._lock:
             entry = self._caches.pop(cache_id, None)
@@ -298,13 +299,13 @@ class CacheRegistry:
             self._released[cache_id] = None
             while len(self._released) > 65536:
                 self._released.popitem(last=False)
-            if reason == "reclaimed":
+            if reason == CacheEvent.RECLAIMED:
                 self.reclaimed_total += 1
             else:
                 self.released_total += 1
         self._emit(reason, entry)
         return entry
 
-    def _emit(self, kind: str, entry: CacheEntry) -> None:
+    def _emit(self, kind: CacheEvent, entry: CacheEntry) -> None:
         if self.on_event is not None:
             self.on_event(kind, entry)

@@ -29,6 +29,7 @@ from . import errors
 from .guided import mask_rows, overlapping, prepare_masks, refuse_broken
 from .kv_registry import CacheEntry
 from .sampling import RowResult, process_rows
+from .settings import default
 from .speculation import sample_verified
 from .types import CacheHandle, DecodeInput, LogitsPolicy, OutputMode, PrefillInput, StepCost, UnifiedItem
 
@@ -48,7 +49,7 @@ class ModelExecutor(Protocol):
     def execute(self, plan: "StepPlan") -> list["RowOutput"]: ...
 
 
-class Want(str, enum.Enum):
+class Want(enum.StrEnum):
     """Which logits rows a step row returns."""
 
     NONE = "none"  # none: a prompt chunk in the middle of a prompt, or a caller who wants no output
@@ -56,7 +57,7 @@ class Want(str, enum.Enum):
     ALL = "all"  # one row after each token fed (all positions, verification of drafts)
 
 
-class RowKind(str, enum.Enum):
+class RowKind(enum.StrEnum):
     """What a row is, for the model's counters and for how its logits rows are read."""
 
     PROMPT = "prompt"  # a prompt or a chunk of one (Prefill, a unified prompt chunk)
@@ -143,9 +144,9 @@ class StepLimits:
     """The per-step ceilings every step is checked against (request time and batcher alike)."""
 
     max_step_tokens: int = 0  # positions one forward may compute, padding included (0 = none)
-    max_step_bytes: int = 2 * 1024**3  # transient memory one forward may need (0 = none)
-    max_response_bytes: int = 64 * 1024 * 1024  # one response (the message size limit)
-    max_text_bytes: int = 1024 * 1024  # text one request asks to tokenize or template
+    max_step_bytes: int = default("max_step_bytes")  # transient memory one forward may need (0 = none)
+    max_response_bytes: int = default("max_message_bytes")  # one response (the message size limit)
+    max_text_bytes: int = default("max_text_bytes")  # text one request asks to tokenize or template
     max_rows: int = 0  # sequences in one forward (the executor's batch size; 0 = none)
 
 

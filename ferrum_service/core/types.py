@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .modes import ExecutorState
+
 
 class OutputMode(enum.IntEnum):
     """Mirrors the proto's ``OutputMode``."""
@@ -233,7 +235,7 @@ class ExecutorMemoryUsage:
 
 @dataclass
 class ExecutorStatus:
-    state: str = "ready"  # initializing | ready | busy | error | shutdown
+    state: ExecutorState = ExecutorState.READY
     is_ready: bool = True
     current_batch_size: int = 0
     prefill_operations: int = 0

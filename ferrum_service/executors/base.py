@@ -24,6 +24,7 @@ import torch
 
 from ..core import errors
 from ..core.kv_registry import CacheEntry, CacheRegistry
+from ..core.modes import CacheEvent, ExecutorState
 from ..core.steps import RowKind, RowOutput, StepPlan, StepRow, Want
 from ..core.types import (
     AdmissionLimits,
@@ -153,7 +154,7 @@ class ModelExecutor(abc.ABC):
 
     def __init__(self) -> None:
         self.stats = OperationStats()
-        self.state = "ready"
+        self.state = ExecutorState.READY
 
     # ---- metadata ------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -169,7 +170,7 @@ class ModelExecutor(abc.ABC):
         s = self.stats.snapshot()
         st = ExecutorStatus(
             state=self.state,
-            is_ready=self.state in ("ready", "busy"),
+            is_ready=ExecutorState(self.state).is_ready,
             current_batch_size=s["current_batch_size"],
             prefill_operations=s["prefill_ops"],
             decode_operations=s["decode_ops"],
@@ -354,7 +355,7 @@ class ModelExecutor(abc.ABC):
         need = sum(reg.growth(e, n) for e, n in grow) + sum(max(len(i.tokens), i.reserve) for i in new)
         reg.admit(need, field, new_caches=len(new))
 
-    def release_cache(self, cache_id: str, reason: str = "released") -> tuple[bool, int, int]:
+    def release_cache(self, cache_id: str, reason: CacheEvent = CacheEvent.RELEASED) -> tuple[bool, int, int]:
         """``release_cache()``: (released, freed_bytes, freed_tokens); idempotent."""
         entry = self.registry.release(cache_id, reason=reason)
         if entry is None:
@@ -416,7 +417,7 @@ class ModelExecutor(abc.ABC):
         for entry in self.registry.entries():
             if self.release_cache(entry.cache_id)[0]:
                 n += 1
-        self.state = "shutdown"
+        self.state = ExecutorState.SHUTDOWN
         return n
 
     # ---- tokenization ---------------------------------------------------------------------------

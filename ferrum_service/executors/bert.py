@@ -27,6 +27,7 @@ import torch
 
 from ..core import errors
 from ..core.kv_registry import CacheEntry, CacheRegistry
+from ..core.modes import CacheEvent
 from ..core.types import (
     CacheHandle,
     DecodeInput,
@@ -336,7 +337,7 @@ class BertModelExecutor(ModelExecutor):
     def _make_room(self) -> None:
         while len(self.registry) >= self.max_retained_handles:
             oldest = min(self.registry.entries(), key=lambda e: e.last_access)
-            self.release_cache(oldest.cache_id, reason="reclaimed")
+            self.release_cache(oldest.cache_id, reason=CacheEvent.RECLAIMED)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, logits_dtype: str = "fp32") -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 
 from ferrum_client.prefix_keys import ALGORITHM, EXTRA_KEYS, SEED, block_key, chain_root
 
+from ..core.modes import BlockEvent
 from .prefix_cache import PrefixStats
 
 #: Tokens per keyed block (the recipe's block size for this executor family).
@@ -106,7 +107,7 @@ class SequencePrefixIndex:
                 stored.append(parent)
         if stored:
             # One event per commit: keys of other holders in between are re-announced harmlessly.
-            self._emit("stored", {"block_hashes": keys[first:], "parent_block_hash": first_parent,
+            self._emit(BlockEvent.STORED, {"block_hashes": keys[first:], "parent_block_hash": first_parent,
                                   "token_ids": list(tokens[first * BLOCK:len(keys) * BLOCK]), "block_size": BLOCK,
                                   "cache_id": cache_id})
 
@@ -153,7 +154,7 @@ class SequencePrefixIndex:
         self.keys.clear()
         self.roots.clear()
         if had:
-            self._emit("cleared", {})
+            self._emit(BlockEvent.CLEARED, {})
         return seqs
 
     # ---- internals -------------------------------------------------------------------------------
@@ -162,9 +163,9 @@ class SequencePrefixIndex:
         for k in gone:
             del self.index[k]
         if gone:
-            self._emit("removed", {"block_hashes": gone})
+            self._emit(BlockEvent.REMOVED, {"block_hashes": gone})
 
-    def _emit(self, kind: str, data: dict) -> None:
+    def _emit(self, kind: BlockEvent, data: dict) -> None:
         if self.on_event is not None:
             self.on_event(kind, data)
 

@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 from ferrum_client.prefix_keys import ALGORITHM, EXTRA_KEYS, SEED, block_key, chain_root
 
+from ..core.modes import BlockEvent
 from .paged_kv import BlockPool
 
 BlockEventSink = Callable[[str, dict], None]
@@ -256,7 +257,7 @@ class PrefixCache:
         self.key_of.clear()
         self.adapter_of.clear()
         if had:
-            self._emit("cleared", {})
+            self._emit(BlockEvent.CLEARED, {})
 
     def check(self) -> None:
         """Invariants (tests call this): free + in use + evictable = total, and the index agrees."""
@@ -289,16 +290,16 @@ class PrefixCache:
                 self.index.pop(k, None)
                 keys.append(k)
         if keys:
-            self._emit("removed", {"block_hashes": keys})
+            self._emit(BlockEvent.REMOVED, {"block_hashes": keys})
 
     def _stored(self, seq: SeqBlocks, tokens: Sequence[int], first: int, parent: bytes, end: int,
                 cache_id: str) -> None:
         bs = self.block_size
-        self._emit("stored", {"block_hashes": seq.keys[first:end], "parent_block_hash": parent,
+        self._emit(BlockEvent.STORED, {"block_hashes": seq.keys[first:end], "parent_block_hash": parent,
                               "token_ids": list(tokens[first * bs:end * bs]), "block_size": bs,
                               "adapter": seq.adapter, "cache_id": cache_id})
 
-    def _emit(self, kind: str, data: dict) -> None:
+    def _emit(self, kind: BlockEvent, data: dict) -> None:
         if self.on_event is not None:
             self.on_event(kind, data)
 

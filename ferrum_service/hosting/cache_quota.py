@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Iterator
 
 from ..core import errors
 from ..core.callers import current_caller
+from ..core.settings import default
 
 if TYPE_CHECKING:
     from .host import ModelHost
 
 #: Default ``--max-caches`` (live caches per model) and ``--max-caches-per-caller``.
-DEFAULT_MAX_CACHES = 2048
-DEFAULT_MAX_CACHES_PER_CALLER = 512
+DEFAULT_MAX_CACHES = default("max_caches")
+DEFAULT_MAX_CACHES_PER_CALLER = default("max_caches_per_caller")
 #: Least retry delay for a caller at its own cap: only its own releases make room, so retrying
 #: at the service rate (tens of ms on an idle model) would only spin.
 QUOTA_RETRY_MS = 1000

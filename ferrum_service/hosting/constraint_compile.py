@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from ..core import errors
 from ..core.callers import current_deadline
+from ..core.settings import default
 from ..core.types import ConstraintSpec, SamplingParams
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ MAX_CONSTRAINTS_PER_REQUEST = 8
 COMPILE_THREADS = 2
 COMPILE_QUEUE = 2
 #: The server's longest compile (``--max-compile-seconds``).
-DEFAULT_MAX_COMPILE_SECONDS = 10.0
+DEFAULT_MAX_COMPILE_SECONDS = default("max_compile_seconds")
 
 
 def check_shape(spec: ConstraintSpec, field: str) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Protocol
 import grpc
 
 from ..core import errors
+from ..core.settings import default
 from ..core.steps import StepLimits, StepPlan, run
 from ..executors.base import ModelExecutor
 from .progress import Progress
@@ -62,7 +63,7 @@ class Timed:
 class ModelHost:
     """One model served by the server."""
 
-    def __init__(self, model_id: str, executor: ModelExecutor, *, max_batch: int = 64, max_queue: int = 0,
+    def __init__(self, model_id: str, executor: ModelExecutor, *, max_batch: int = default("max_batch"), max_queue: int = 0,
                  worker: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
         """``worker``: the single-thread pool the executor was loaded on (see :func:`new_worker`);
         default a new one."""

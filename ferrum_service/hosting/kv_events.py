@@ -37,12 +37,16 @@ import time
 from dataclasses import dataclass
 
 from ..core import errors
+from ..core.modes import BlockEvent, CacheEvent
+from ..core.settings import default
 
-KINDS = {"created": 1, "extended": 2, "truncated": 3, "released": 4, "reclaimed": 5, "evicted": 6, "forked": 7}
+#: A cache event's number in the contract's ``KvEventKind``.
+KINDS = {CacheEvent.CREATED: 1, CacheEvent.EXTENDED: 2, CacheEvent.TRUNCATED: 3, CacheEvent.RELEASED: 4,
+         CacheEvent.RECLAIMED: 5, CacheEvent.EVICTED: 6, CacheEvent.FORKED: 7}
 
 
 #: Cache events that end a cache.
-TERMINAL = frozenset({"released", "reclaimed", "evicted"})
+TERMINAL = frozenset(e for e in CacheEvent if e.ends_cache)
 
 #: Longest a subscriber holds an event whose owner is not known yet (seconds).
 PENDING_OWNER_S = 2.0
@@ -66,7 +70,7 @@ class KvEventRecord:
     cache_id: str
     num_tokens: int
     time_unix_ns: int
-    block_kind: str = ""  # "stored" | "removed" | "cleared" for a block event ("" = a cache event)
+    block_kind: BlockEvent | str = ""  # for a block event ("" = a cache event)
     block: dict | None = None  # the block event's fields (KvBlockStored / KvBlockRemoved)
     owner: Owner | None = None  # whose event it is (None: everybody's)
 
@@ -188,8 +192,9 @@ class KvEventHub:
     """Sequence numbers, the replay buffer and the live subscribers."""
 
     def __init__(self, replay: int = 65536, subscriber_buffer: int = 8192, *, per_caller: bool = False,
-                 replay_bytes: int = 64 * 1024 * 1024, max_subscribers: int = 128,
-                 max_subscribers_per_caller: int = 16) -> None:
+                 replay_bytes: int = default("kv_event_replay_bytes"),
+                 max_subscribers: int = default("max_kv_event_subscribers"),
+                 max_subscribers_per_caller: int = default("max_kv_event_subscribers_per_caller")) -> None:
         """``per_caller``: callers are told apart (bearer tokens or mutual TLS): each subscriber
         sees only its own events, and block events carry no token ids. ``replay_bytes``: bound on
         the replay buffer's estimated bytes (0 = events only); ``max_subscribers`` /
@@ -213,7 +218,7 @@ class KvEventHub:
         """The last sequence number assigned."""
         return self._seq
 
-    def publish(self, kind: str, model_id: str, cache_id: str, num_tokens: int, tenant: str = "") -> None:
+    def publish(self, kind: CacheEvent, model_id: str, cache_id: str, num_tokens: int, tenant: str = "") -> None:
         """A cache event (``kind``: a key of :data:`KINDS`; ``tenant``: the cache's, "" if not
         recorded yet)."""
         with self._lock:
@@ -227,7 +232,7 @@ class KvEventHub:
             self._append(KvEventRecord(self._seq + 1, KINDS[kind], model_id, cache_id, num_tokens, time.time_ns(),
                                        owner=owner))
 
-    def publish_block(self, kind: str, model_id: str, data: dict) -> None:
+    def publish_block(self, kind: BlockEvent, model_id: str, data: dict) -> None:
         """A prefix-cache block event (``kind``: stored | removed | cleared). ``data["cache_id"]``
         (stored): the cache whose step stored the blocks (not sent to subscribers)."""
         data = dict(data)
@@ -240,12 +245,12 @@ class KvEventHub:
                 return
             if "token_ids" in data:
                 data["token_ids"] = ()
-            if kind == "stored":
+            if kind == BlockEvent.STORED:
                 owner = self._owners.get((model_id, storer)) or Owner("")
                 for k in data.get("block_hashes") or ():
                     self._key_owner[(model_id, k)] = owner
                 self._append(KvEventRecord(self._seq + 1, 0, model_id, "", 0, time.time_ns(), kind, data, owner))
-            elif kind == "removed":
+            elif kind == BlockEvent.REMOVED:
                 groups: dict[int, tuple[Owner, list[bytes]]] = {}
                 for k in data.get("block_hashes") or ():
                     o = self._key_owner.pop((model_id, k), None) or Owner("")

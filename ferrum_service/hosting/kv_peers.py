@@ -44,6 +44,7 @@ import grpc
 import structlog
 
 from ..core import errors
+from ..core.settings import default
 
 log = structlog.get_logger("ferrum_service.hosting.kv_peers")
 
@@ -97,7 +98,7 @@ class KvPeers:
     """The operator's peer list and pull credentials (one per server)."""
 
     def __init__(self, peers=(), tokens=(), *, ca: str | None = None, cert: str | None = None,
-                 key: str | None = None, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+                 key: str | None = None, max_message_bytes: int = default("max_message_bytes")) -> None:
         """``peers``: HOST:PORT targets (ValueError for anything else); ``tokens``: the peer tokens
         (the first is sent to peers, all are accepted from them); ``ca`` / ``cert`` / ``key``: PEM
         files for TLS to peers (any of them turns TLS on for every pull)."""

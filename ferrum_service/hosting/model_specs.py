@@ -28,9 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.settings import default
+
 EXECUTOR_KINDS = ("stub", "configurable", "hf-causal-lm", "llama-cpp", "bert")
 PRESETS = ("smollm2", "smollm2-llama", "smollm2-hf", "minilm")
-DEFAULT_MODELS = ("smollm2", "minilm")
+DEFAULT_MODELS = default("model")  # --model's default (core/settings.py)
 
 
 @dataclass

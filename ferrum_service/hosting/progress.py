@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterable
 
 import structlog
 
+from ..core.modes import ExecutorState
+from ..core.settings import default
 from .periodic import Periodic
 
 log = structlog.get_logger("ferrum_service.hosting.progress")
@@ -37,7 +39,7 @@ MAX_RETRY_MS = 10_000
 IDLE_RETRY_MS = 100
 #: Default ``--stall-timeout``: seconds with work queued and no step completed before a model
 #: reports NOT_SERVING (0 = never).
-DEFAULT_STALL_TIMEOUT_S = 120.0
+DEFAULT_STALL_TIMEOUT_S = default("stall_timeout")
 
 
 class Progress:
@@ -108,7 +110,7 @@ class StallWatch:
     async def check(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for host in self.models:
-            if host.executor.state == "shutdown":
+            if host.executor.state == ExecutorState.SHUTDOWN:
                 if host.model_id in self.stalled:  # shut down while stalled: "" no longer waits for it
                     self.stalled.discard(host.model_id)
                     await self.set_health(host.model_id, False)

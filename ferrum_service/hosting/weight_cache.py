@@ -28,6 +28,8 @@ from pathlib import Path
 
 import structlog
 
+from ..core.settings import env, from_env
+
 log = structlog.get_logger(__name__)
 
 #: llama.cpp's ``LLAMA_FTYPE_*`` values for the formats a copy can be made in.
@@ -36,13 +38,13 @@ FTYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
 
 def cache_dir() -> Path:
     """The folder derived weight files live in (see the module docstring)."""
-    env = os.environ.get("FERRUM_MODEL_CACHE")
-    if env:
-        return Path(env).expanduser()
+    chosen = from_env("model_cache")  # FERRUM_MODEL_CACHE
+    if chosen:
+        return Path(chosen).expanduser()
     venv = Path(sys.prefix) / "var" / "ferrum-models"
     if _writable(venv) or venv.is_dir():
         return venv
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    base = Path(env("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "ferrum-service" / "models"
 
 

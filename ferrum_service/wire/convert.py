@@ -19,6 +19,7 @@ from google.protobuf import any_pb2, duration_pb2, json_format, struct_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from ..core import errors
+from ..core.modes import BlockEvent, ExecutorState
 from ..core.sampling import RowResult
 from ..core.types import (
     CacheHandle,
@@ -73,11 +74,11 @@ _ATTENTION = {
     "sliding_window": tpb.ATTENTION_TYPE_SLIDING_WINDOW,
 }
 _STATES = {
-    "initializing": tpb.EXECUTOR_STATE_INITIALIZING,
-    "ready": tpb.EXECUTOR_STATE_READY,
-    "busy": tpb.EXECUTOR_STATE_BUSY,
-    "error": tpb.EXECUTOR_STATE_ERROR,
-    "shutdown": tpb.EXECUTOR_STATE_SHUTDOWN,
+    ExecutorState.INITIALIZING: tpb.EXECUTOR_STATE_INITIALIZING,
+    ExecutorState.READY: tpb.EXECUTOR_STATE_READY,
+    ExecutorState.BUSY: tpb.EXECUTOR_STATE_BUSY,
+    ExecutorState.ERROR: tpb.EXECUTOR_STATE_ERROR,
+    ExecutorState.SHUTDOWN: tpb.EXECUTOR_STATE_SHUTDOWN,
 }
 
 
@@ -431,11 +432,11 @@ def block_event_pb(ev) -> pb.KvBlockEvent:
     """A prefix-cache block event (``kv_events.KvEventRecord`` with ``block_kind``)."""
     m = pb.KvBlockEvent(seq=ev.seq, model_id=ev.model_id, time_unix_ns=ev.time_unix_ns)
     d = ev.block or {}
-    if ev.block_kind == "stored":
+    if ev.block_kind == BlockEvent.STORED:
         m.stored.CopyFrom(pb.KvBlockStored(block_hashes=d["block_hashes"], parent_block_hash=d["parent_block_hash"],
                                            token_ids=d["token_ids"], block_size=d["block_size"],
                                            adapter=d.get("adapter", "")))
-    elif ev.block_kind == "removed":
+    elif ev.block_kind == BlockEvent.REMOVED:
         m.removed.CopyFrom(pb.KvBlockRemoved(block_hashes=d["block_hashes"]))
     else:
         m.cleared.CopyFrom(pb.KvBlocksCleared())

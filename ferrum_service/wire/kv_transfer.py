@@ -50,6 +50,8 @@ from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 
 from ..core import errors
 from ..core.callers import current_caller
+from ..core.modes import CacheEvent
+from ..core.settings import default
 from ..executors.base import KvLayout
 from ..hosting.kv_peers import KvPeers
 from .convert import handle_pb, pb, tpb
@@ -67,7 +69,7 @@ _PB_NAMES = {v: k for k, v in _DTYPE_PB.items()}
 # Export reads a whole layer's range at once; bound that read (bytes of K+V of one layer).
 _MAX_LAYER_READ_BYTES = 256 << 20
 #: Seconds a staged import may wait for its next chunk before it is dropped (default).
-DEFAULT_IMPORT_IDLE_S = 30.0
+DEFAULT_IMPORT_IDLE_S = default("kv_import_idle_timeout")
 # An executor's state bytes beyond its K/V (positions, sequence ids, headers): per token, and once.
 _STATE_BYTES_PER_TOKEN = 64
 _STATE_OVERHEAD_BYTES = 1 << 20
@@ -374,7 +376,7 @@ class KvTransfer:
                     errors.ErrorKind.SERIALIZATION,
                     f"the stream ended after {count} of {h.num_chunks or '?'} chunks ({len(missing)} layers "
                     "incomplete); nothing was imported", code=grpc.StatusCode.DATA_LOSS, field="chunk")
-            orphan = (lambda v: host.release_soon(v[0].cache_id, "reclaimed"))
+            orphan = (lambda v: host.release_soon(v[0].cache_id, CacheEvent.RECLAIMED))
             entry, cached = (await host.call(ex.import_commit, staged, admit=False, on_orphan=orphan)).value
         except BaseException as exc:
             for f in writes:
@@ -429,7 +431,7 @@ class KvTransfer:
                 ex.import_write_state(staged, b"".join(parts))
                 return ex.import_commit(staged)
 
-            orphan = (lambda v: host.release_soon(v[0].cache_id, "reclaimed"))
+            orphan = (lambda v: host.release_soon(v[0].cache_id, CacheEvent.RECLAIMED))
             entry, cached = (await host.call(load, admit=False, on_orphan=orphan)).value
         except BaseException as exc:
             aborted = self._abort_after_writes(host, staged)

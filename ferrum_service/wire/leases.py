@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from ..core.callers import CallerActivity
+from ..core.modes import CacheEvent, ExecutorState
 from ..hosting.periodic import Periodic
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class LeaseReaper:
         now = time.monotonic() if now is None else now
         out = []
         for host in self.models:
-            if host.executor.state == "shutdown":
+            if host.executor.state == ExecutorState.SHUTDOWN:
                 continue
             for entry in host.executor.registry.entries():
                 if entry.owner or host.is_busy(entry.cache_id):
@@ -111,7 +112,7 @@ class LeaseReaper:
             try:
                 with host.hold([cid], "cache_id"):
                     released, freed_bytes, tokens = (
-                        await host.call(host.executor.release_cache, cid, "reclaimed")).value
+                        await host.call(host.executor.release_cache, cid, CacheEvent.RECLAIMED)).value
             except Exception as e:  # noqa: BLE001 - busy or shut down: try again next sweep
                 log.debug("lease reclaim skipped", model_id=host.model_id, cache_id=cid, error=str(e))
                 continue

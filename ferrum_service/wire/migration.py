@@ -42,6 +42,8 @@ from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 
 from ..core import errors
 from ..core.callers import current_caller
+from ..core.modes import CacheEvent
+from ..core.settings import default
 from .convert import check_tokens, pb, sampling_params
 
 if TYPE_CHECKING:
@@ -54,7 +56,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("ferrum_service.wire.migration")
 
 #: Seconds B holds a migrated stream for its caller's resume.
-DEFAULT_RESUME_S = 30.0
+DEFAULT_RESUME_S = default("migration_resume_s")
 #: Streams parked for a resume at once (each holds its KV): further hand-offs are RESOURCE_EXHAUSTED.
 MAX_PARKED = 256
 #: Seconds A waits for B to take a stream (pull included) before the stream goes on at A.
@@ -220,7 +222,7 @@ class Migrations:
         cache_id = imp.cache.cache_id
         entry = host.executor.registry.get(cache_id)
         if entry.num_tokens != n_cache or (len(gen) > 1 and list(entry.tokens[-(len(gen) - 1):]) != gen[:-1]):
-            host.release_soon(cache_id, "reclaimed")
+            host.release_soon(cache_id, CacheEvent.RECLAIMED)
             raise errors.failed_precondition(
                 f"the pulled cache holds {entry.num_tokens} tokens that are not the stream's prompt and generated "
                 f"tokens ({n_cache})", field="source.cache_id")
@@ -239,7 +241,7 @@ class Migrations:
         p = self.parked.pop(token, None)
         if p is not None:
             log.info("migrated stream not resumed; dropped", cache_id=p.cache_id)
-            self.models.get(p.model_id).release_soon(p.cache_id, "reclaimed")
+            self.models.get(p.model_id).release_soon(p.cache_id, CacheEvent.RECLAIMED)
 
     def take(self, token: str, model_id: str) -> Parked:
         """The parked stream of ``token`` for the current caller (single use); NOT_FOUND for any

@@ -28,6 +28,8 @@ from grpc_status import rpc_status
 from .. import __version__
 from ..core import errors
 from ..core.callers import CallerActivity, current_caller, current_origin, enter_call
+from ..core.modes import CacheEvent, ExecutorState, Role
+from ..core.settings import default
 from ..hosting.kv_events import KvEventHub, SubscriberDropped
 from ..hosting.models import ModelSet
 from . import tracing
@@ -56,7 +58,7 @@ from .streams import StreamRegistry
 
 log = structlog.get_logger("ferrum_service.wire.servicer")
 
-_ROLES = {"both": pb.SERVER_ROLE_BOTH, "prefill": pb.SERVER_ROLE_PREFILL, "decode": pb.SERVER_ROLE_DECODE}
+_ROLES = {Role.BOTH: pb.SERVER_ROLE_BOTH, Role.PREFILL: pb.SERVER_ROLE_PREFILL, Role.DECODE: pb.SERVER_ROLE_DECODE}
 
 #: What a server that drains by migration still answers (reads, its caches' export to peers, moves).
 _WHILE_MIGRATING = {"Info", "Capabilities", "Status", "KvCapacity", "AdmissionLimits", "KvSlotCapacity",
@@ -89,7 +91,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
     def __init__(self, models: ModelSet, ops: Operations, streams: StreamRegistry, events: KvEventHub,
                  metrics: Metrics, *, draining: Callable[[], bool] = lambda: False, tokens_checked: bool = False,
                  admin_open: bool = False, activity: CallerActivity | None = None,
-                 role: str = "both", max_message_bytes: int = 64 * 1024 * 1024, kv_peers=None,
+                 role: Role = Role.BOTH, max_message_bytes: int = default("max_message_bytes"), kv_peers=None,
                  import_idle_s: float | None = None, advertise: str = "", resume_s: float | None = None) -> None:
         """``tokens_checked``: bearer tokens are verified (they then name the caller that owns a
         cache); ``admin_open``: Warmup / Shutdown may be called (admin tokens guard them, or the
@@ -104,7 +106,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         self.events = events
         self.metrics = metrics
         self.draining = draining
-        self.role = role
+        self.role = Role.parse(role)
         self.kv = KvTransfer(models, ops.checks, max_message_bytes=max_message_bytes, metrics=metrics, peers=kv_peers,
                              **({} if import_idle_s is None else {"import_idle_s": import_idle_s}))
         self.migrations = Migrations(models, ops.checks, self.kv, self.kv.peers, streams, advertise,
@@ -260,7 +262,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             hosts = self.models.select(request.model_id)
             freed = 0
             for h in hosts:
-                if h.executor.state != "shutdown":
+                if h.executor.state != ExecutorState.SHUTDOWN:
                     freed += (await h.call(h.executor.shutdown)).value
                     self.on_model_shutdown(h.model_id)
             return pb.ShutdownResponse(model_ids=[h.model_id for h in hosts], released_caches=freed)
@@ -449,7 +451,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                 if code == "OK" and context.cancelled():  # the call ended (cancel, deadline) while its
                     code = "CANCELLED"                     # request stream merely looked finished
                     self.metrics.cancelled_streams.inc()
-                freed = self.streams.release_owned(owner, reason="reclaimed")
+                freed = self.streams.release_owned(owner, reason=CacheEvent.RECLAIMED)
                 self.metrics.observe("Session", code, time.perf_counter() - t0)
                 tracing.end(span, code)
                 log.info("session closed", owner=owner, steps=steps, released_caches=freed, code=code)

@@ -18,6 +18,7 @@ import structlog
 
 from ..core import errors
 from ..core.callers import current_caller, current_origin
+from ..core.modes import CacheEvent
 
 if TYPE_CHECKING:
     from ..core.callers import CallerActivity
@@ -93,7 +94,7 @@ class StreamRegistry:
             self.generations.pop(owner, None)
             state.answer_move(errors.failed_precondition("the stream ended before it could move"))
 
-    def release_owned(self, owner: str, reason: str = "released") -> int:
+    def release_owned(self, owner: str, reason: CacheEvent = CacheEvent.RELEASED) -> int:
         """Free every cache a stream created (it ended); returns how many."""
         n = 0
         for host in self.models:

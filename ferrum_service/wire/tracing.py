@@ -25,9 +25,10 @@ never detach a context in the wrong place.
 from __future__ import annotations
 
 import contextvars
-import os
 import time
 from typing import Any
+
+from ..core.settings import env
 
 _tracer: Any = None  # an opentelemetry Tracer while tracing is on
 _propagator: Any = None
@@ -42,10 +43,9 @@ _EPOCH_OFFSET = time.time_ns() - time.perf_counter_ns()
 def configure(endpoint: str | None = None, *, provider: Any = None, service_name: str = "ferrum-service") -> bool:
     """Turn tracing on when asked to (see the module doc); returns whether it is on."""
     global _tracer, _propagator, _provider
-    env = os.environ
-    wanted = provider is not None or bool(endpoint) or env.get("OTEL_TRACES_EXPORTER", "") == "otlp" or bool(
-        env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-    if not wanted or env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+    wanted = provider is not None or bool(endpoint) or env("OTEL_TRACES_EXPORTER") == "otlp" or bool(
+        env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    if not wanted or (env("OTEL_SDK_DISABLED") or "").lower() == "true":
         return False
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -55,8 +55,8 @@ def configure(endpoint: str | None = None, *, provider: Any = None, service_name
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        provider = TracerProvider(resource=Resource.create({"service.name": env.get("OTEL_SERVICE_NAME",
-                                                                                    service_name)}))
+        name = env("OTEL_SERVICE_NAME") or service_name
+        provider = TracerProvider(resource=Resource.create({"service.name": name}))
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint) if endpoint
                                                        else OTLPSpanExporter()))
     _provider = provider

@@ -25,6 +25,7 @@ from ferrum_client.prefix_keys import caller_salt
 from ..core import errors
 from ..core.callers import current_caller, current_origin
 from ..core.kv_registry import CacheEntry
+from ..core.modes import Role
 from ..core.steps import StepPlan, StepRow
 from ..core.types import DecodeInput, LogitsPolicy, PrefillInput, UnifiedItem
 from ..hosting.cache_quota import CacheQuota
@@ -42,23 +43,23 @@ if TYPE_CHECKING:
 class RequestChecks:
     """Checks of requests against the hosted models (one instance per server)."""
 
-    def __init__(self, models: "ModelSet", role: str = "both") -> None:
+    def __init__(self, models: "ModelSet", role: Role = Role.BOTH) -> None:
         self.models = models
-        self.role = role  # both | prefill | decode (the server's --role)
+        self.role = Role.parse(role)  # the server's --role
         self.compiler = CompilePool()  # structured-output constraints (the server sets its limits)
         self.quota = CacheQuota()  # live caches per caller (the server sets the cap)
 
     # ---- roles ------------------------------------------------------------------------------------
     def check_new_prompt(self, rpc: str) -> None:
         """A decode-role server computes no new prompts (they are imported: ImportKv)."""
-        if self.role == "decode":
+        if self.role == Role.DECODE:
             raise errors.failed_precondition(
                 f"{rpc}: this server has role decode; new prompts are computed on prefill servers and their "
                 "caches imported here (ImportKv); continue a cache by its cache_id", field="role")
 
     def check_decode_role(self, rpc: str) -> None:
         """A prefill-role server runs no decode steps (caches are exported: ExportKv)."""
-        if self.role == "prefill":
+        if self.role == Role.PREFILL:
             raise errors.failed_precondition(
                 f"{rpc}: this server has role prefill; decode on a decode server after handing the cache "
                 "over (ImportKv with a source)", field="role")

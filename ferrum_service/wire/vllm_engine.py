@@ -33,6 +33,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from .. import __version__
 from ..core import errors
 from ..core.callers import enter_call
+from ..core.modes import ExecutorState
 from .convert import check_tokens, pb, tpb
 from .generate import generate
 from .metrics import kv_usage, requests_of
@@ -238,7 +239,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             return vpb.HealthCheckResponse(healthy=False, message="this server hosts no model")
         if self.s.draining():
             return vpb.HealthCheckResponse(healthy=False, message="the server is shutting down")
-        if self.host.executor.state == "shutdown":
+        if self.host.executor.state == ExecutorState.SHUTDOWN:
             return vpb.HealthCheckResponse(healthy=False, message=f"model {self.host.model_id!r} is shut down")
         return vpb.HealthCheckResponse(healthy=True, message="Health")
 

@@ -36,6 +36,7 @@ import structlog
 from smg_grpc_proto.generated import common_pb2 as cpb
 
 from ..core import errors
+from ..core.modes import BlockEvent
 from ..hosting.kv_events import KvEventHub, KvEventRecord, SubscriberDropped
 
 log = structlog.get_logger("ferrum_service.wire.vllm_kv_events")
@@ -52,7 +53,7 @@ def batch_pb(seq: int, ev: KvEventRecord) -> cpb.KvEventBatch:
     """One block event as a ``KvEventBatch`` numbered ``seq``."""
     batch = cpb.KvEventBatch(sequence_number=seq, timestamp=ev.time_unix_ns / 1e9)
     d = ev.block or {}
-    if ev.block_kind == "stored":
+    if ev.block_kind == BlockEvent.STORED:
         bs = int(d.get("block_size") or 0)
         keys = list(d.get("block_hashes") or [])
         tokens = list(d.get("token_ids") or [])
@@ -66,7 +67,7 @@ def batch_pb(seq: int, ev: KvEventRecord) -> cpb.KvEventBatch:
             if d.get("adapter"):
                 stored.lora_name = d["adapter"]
             batch.events.add(event_id=seq, stored=stored)
-    elif ev.block_kind == "removed":
+    elif ev.block_kind == BlockEvent.REMOVED:
         batch.events.add(event_id=seq, removed=cpb.KvBlocksRemoved(
             block_hashes=[block_hash(k) for k in d.get("block_hashes") or []], tier=cpb.KV_CACHE_TIER_DEVICE,
             locality=cpb.KV_CACHE_LOCALITY_LOCAL))
