@@ -16,6 +16,7 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
+	"sync"
 	"time"
 
 	pb "github.com/ferrum-service/ferrum-service/clients/go/gen/ferrum/executor/v1"
@@ -33,6 +34,10 @@ type Client struct {
 	health         healthpb.HealthClient
 	defaultTimeout time.Duration
 	token          string
+	// kept to open the same kind of connection to another server (a migrated stream's new home)
+	opts     []Option
+	mu       sync.Mutex
+	siblings map[string]*Client
 }
 
 type dialConfig struct {
@@ -86,11 +91,20 @@ func Dial(target string, opts ...Option) (*Client, error) {
 		return nil, fmt.Errorf("ferrum: dial %s: %w", target, err)
 	}
 	return &Client{conn: conn, rpc: pb.NewModelExecutorClient(conn), health: healthpb.NewHealthClient(conn),
-		defaultTimeout: cfg.defaultTimeout, token: cfg.token}, nil
+		defaultTimeout: cfg.defaultTimeout, token: cfg.token, opts: append([]Option(nil), opts...)}, nil
 }
 
-// Close closes the connection.
-func (c *Client) Close() error { return c.conn.Close() }
+// Close closes the connection (and those opened to follow migrated streams).
+func (c *Client) Close() error {
+	c.mu.Lock()
+	sib := c.siblings
+	c.siblings = nil
+	c.mu.Unlock()
+	for _, s := range sib {
+		_ = s.Close()
+	}
+	return c.conn.Close()
+}
 
 // Raw is the generated stub, for RPCs and fields this package does not wrap. Calls made through it
 // carry no bearer token and no default deadline.

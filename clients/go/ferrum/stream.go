@@ -26,11 +26,22 @@ func TextPrompt(text string) *pb.GenerateRequest_Text { return &pb.GenerateReque
 // cancelling ctx, cancels the call, and the server stops before its next step and frees the cache.
 // A failure ends the sequence with a non-nil error (an *Error).
 //
+// A stream the server moves to a peer (a Migrated event: MigrateStreams, or a drain) is followed
+// there with this client's credentials and resumed by its token: the events go on as one stream,
+// without the Migrated event and the peer's Started event (see FollowMigrations, OnMigrated).
+//
 //	for ev, err := range c.Generate(ctx, req) { ... }
-func (c *Client) Generate(ctx context.Context, req *pb.GenerateRequest) iter.Seq2[*pb.GenerateResponse, error] {
-	return serverStream(c.ctx(ctx), func(ctx context.Context) (receiver[*pb.GenerateResponse], error) {
-		return c.rpc.Generate(ctx, req)
-	})
+func (c *Client) Generate(ctx context.Context, req *pb.GenerateRequest, opts ...StreamOption) iter.Seq2[*pb.GenerateResponse, error] {
+	cfg := streamConfig{follow: true}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	if !cfg.follow {
+		return serverStream(c.ctx(ctx), func(ctx context.Context) (receiver[*pb.GenerateResponse], error) {
+			return c.rpc.Generate(ctx, req)
+		})
+	}
+	return c.followGenerate(ctx, req, cfg)
 }
 
 // receiver is what a server-streaming call returns: one message per Recv, io.EOF at the end.
@@ -75,6 +86,11 @@ type GenerateResult struct {
 	Finished   *pb.GenerateFinished
 	Samples    [][]int32
 	FinishedBy []*pb.GenerateFinished
+	// Migrations are the servers the stream moved to and was followed to, in order.
+	Migrations []string
+	// Migrated is the Migrated event of a stream that moved while FollowMigrations(false) was
+	// given (the stream ended there; resume it with its token), else nil.
+	Migrated *pb.GenerateMigrated
 }
 
 func (r *GenerateResult) sample(i uint32) {
@@ -85,9 +101,10 @@ func (r *GenerateResult) sample(i uint32) {
 }
 
 // GenerateAll runs Generate to the end and collects its events.
-func (c *Client) GenerateAll(ctx context.Context, req *pb.GenerateRequest) (*GenerateResult, error) {
+func (c *Client) GenerateAll(ctx context.Context, req *pb.GenerateRequest, opts ...StreamOption) (*GenerateResult, error) {
 	res := &GenerateResult{}
-	for ev, err := range c.Generate(ctx, req) {
+	opts = append(opts, OnMigrated(func(m *pb.GenerateMigrated) { res.Migrations = append(res.Migrations, m.GetTarget()) }))
+	for ev, err := range c.Generate(ctx, req, opts...) {
 		if err != nil {
 			return res, err
 		}
@@ -108,6 +125,8 @@ func (c *Client) GenerateAll(ctx context.Context, req *pb.GenerateRequest) (*Gen
 			if i == 0 {
 				res.Finished = e.Finished
 			}
+		case *pb.GenerateResponse_Migrated:
+			res.Migrated = e.Migrated
 		}
 	}
 	return res, nil

@@ -4,6 +4,8 @@
 //! Errors are `tonic::Status` (use [`crate::error::status_to_ferrum`] for ferrum's kinds, or
 //! [`crate::error::error_reason`] for the ErrorInfo reason).
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tonic::transport::{Channel, Endpoint};
@@ -12,13 +14,10 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
+pub use crate::migration::{Connector, GenerateStream, MAX_MIGRATION_HOPS};
 use crate::proto;
 use crate::proto::model_executor_client::ModelExecutorClient;
 use crate::session::Session;
-
-/// The stream of a `Generate` call: `started`, one `token` per generated token, `finished`.
-/// Dropping it cancels the call, which stops the server's loop and frees its cache.
-pub type GenerateStream = tonic::Streaming<proto::GenerateResponse>;
 
 /// Logits-policy shortcuts.
 pub mod policy {
@@ -99,9 +98,11 @@ pub struct GenerateResult {
     pub samples: Vec<Vec<i32>>,
     /// The finished event per `sample_index`.
     pub finished: Vec<Option<proto::GenerateFinished>>,
-    /// The stream moved to another server (live migration): where, and the token to resume it
-    /// with (`Generate` with `resume_token` on `target`). This client does not follow it itself.
+    /// With `with_follow_migrations(false)`: the `migrated` event that ended the stream (resume
+    /// it with `Generate` and `resume_token` on `target`). None when the stream was followed.
     pub migrated: Option<proto::GenerateMigrated>,
+    /// The servers the stream moved to and was followed to, in order.
+    pub migrations: Vec<String>,
 }
 
 impl GenerateResult {
@@ -148,6 +149,12 @@ pub struct Client {
     /// "authorization: Bearer <token>" on every call.
     authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
     target: String,
+    /// Opens a channel of the same kind to the server a stream moved to.
+    connector: Option<Connector>,
+    follow_migrations: bool,
+    /// Clients of the servers streams moved to, by `host:port`: shared by this client's clones,
+    /// closed when the last of them is dropped.
+    followers: Arc<Mutex<HashMap<String, Client>>>,
 }
 
 impl Client {
@@ -155,13 +162,12 @@ impl Client {
     /// by default ([`Client::with_timeout`]); streams none ([`Client::with_stream_timeout`]).
     pub async fn connect(endpoint: impl Into<String>) -> Result<Self, tonic::transport::Error> {
         let endpoint = endpoint.into();
-        let channel = Endpoint::from_shared(endpoint.clone())?
-            .connect_timeout(Duration::from_secs(10))
-            .tcp_nodelay(true)
-            .connect()
-            .await?;
+        let channel = dial(endpoint.clone()).await?;
         let target = endpoint_target(&endpoint);
-        Ok(Self::from_channel(channel).with_target(target))
+        // a stream that moves is followed with a channel like this one: the same scheme and settings
+        let scheme = endpoint.split_once("://").map_or("http", |(s, _)| s).to_string();
+        let connector = Connector::new(move |t: String| dial(format!("{scheme}://{t}")));
+        Ok(Self::from_channel(channel).with_target(target).with_connector(connector))
     }
 
     /// Over an existing channel (TLS, interceptors and such are the caller's business).
@@ -176,7 +182,25 @@ impl Client {
             stream_timeout: None,
             authorization: None,
             target: String::new(),
+            connector: None,
+            follow_migrations: true,
+            followers: Arc::default(),
         }
+    }
+
+    /// How to open a channel to another server (`host:port`) when a `Generate` stream moves
+    /// there: [`Client::connect`] sets one; a client over a TLS or intercepted channel
+    /// ([`Client::from_channel`]) passes one that builds the same kind of channel.
+    pub fn with_connector(mut self, connector: Connector) -> Self {
+        self.connector = Some(connector);
+        self
+    }
+
+    /// Whether `Generate` streams follow `migrated` events (default true); false passes the event
+    /// on as the stream's last one (the caller resumes it with `resume_token` on `target`).
+    pub fn with_follow_migrations(mut self, follow: bool) -> Self {
+        self.follow_migrations = follow;
+        self
     }
 
     /// Send "authorization: Bearer `token`" with every call (the server's `--auth-token-file`).
@@ -422,16 +446,71 @@ impl Client {
     // ---- generate ----
 
     /// Start a server-side generation; the result is a `Stream` of events (see [`GenerateStream`]).
-    /// `request.model_id` is filled from the client when empty.
+    /// `request.model_id` is filled from the client when empty. A stream moved to another server
+    /// is followed there (see [`Client::with_follow_migrations`], [`Client::with_connector`]).
     pub async fn generate(&self, mut request: proto::GenerateRequest) -> Result<GenerateStream, Status> {
         if request.model_id.is_empty() {
             request.model_id = self.model_id.clone();
         }
+        let model_id = request.model_id.clone();
+        let call = self.generate_call(request).await?;
+        Ok(GenerateStream::new(call, self.follow_migrations.then(|| (self.clone(), model_id))))
+    }
+
+    async fn generate_call(&self, request: proto::GenerateRequest) -> Result<tonic::Streaming<proto::GenerateResponse>, Status> {
         let mut r = self.stream_req(request);
         if let Some(t) = self.stream_timeout {
             r.set_timeout(t);
         }
         Ok(self.stub.clone().generate(r).await?.into_inner())
+    }
+
+    /// The `Generate` call that resumes a moved stream on its target, through a client like this
+    /// one (same connector, token and deadlines), kept among this client's followers.
+    pub(crate) async fn resume_moved(&self, moved: &proto::GenerateMigrated, model_id: String) -> Result<tonic::Streaming<proto::GenerateResponse>, Status> {
+        let peer = self.follower(&moved.target).await?;
+        peer.generate_call(proto::GenerateRequest { model_id, resume_token: moved.resume_token.clone(), ..Default::default() })
+            .await
+    }
+
+    async fn follower(&self, target: &str) -> Result<Client, Status> {
+        if let Some(c) = self.followers.lock().unwrap_or_else(|e| e.into_inner()).get(target) {
+            return Ok(c.clone());
+        }
+        let connector = self.connector.clone().ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "the stream moved to {target}: this client has no connector to reach it (Client::with_connector)"
+            ))
+        })?;
+        let channel = connector
+            .open(target.to_string())
+            .await
+            .map_err(|e| Status::unavailable(format!("following the stream to {target}: {e}")))?;
+        let mut c = Client::from_channel(channel).with_target(target);
+        c.model_id = self.model_id.clone();
+        c.timeout = self.timeout;
+        c.stream_timeout = self.stream_timeout;
+        c.authorization = self.authorization.clone();
+        c.connector = self.connector.clone();
+        // c keeps followers of its own (empty): the stream's root client follows every hop itself
+        let mut map = self.followers.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(map.entry(target.to_string()).or_insert(c).clone())
+    }
+
+    /// `MigrateStreams`: move the running `Generate` streams of this client's model (every model's
+    /// when it has none), or only those with `request_id` (empty = all), to `target` (`host:port`,
+    /// one of the server's KV peers) without losing or repeating a token: each ends here with a
+    /// `migrated` event its caller follows ([`GenerateStream`] does). One `StreamMigration` per
+    /// stream, moved or refused (a refused one goes on here). `drain` also stops new work. An
+    /// admin RPC.
+    pub async fn migrate_streams(&self, target: &str, request_id: &str, drain: bool) -> Result<proto::MigrateStreamsResponse, Status> {
+        let m = proto::MigrateStreamsRequest {
+            model_id: self.model_id.clone(),
+            request_id: request_id.to_string(),
+            target: target.to_string(),
+            drain,
+        };
+        Ok(self.stub.clone().migrate_streams(self.req(m)).await?.into_inner())
     }
 
     /// A generation from a prompt (`prompt` None = continue `opts.cache_id`).
@@ -464,7 +543,7 @@ impl Client {
     pub async fn generate_all(&self, prompt: Option<proto::generate_request::Prompt>, opts: GenerateOptions) -> Result<GenerateResult, Status> {
         let mut stream = self.generate_with(prompt, opts).await?;
         let mut out = GenerateResult::default();
-        while let Some(ev) = next_message(&mut stream).await? {
+        while let Some(ev) = stream.message().await? {
             match ev.event {
                 Some(proto::generate_response::Event::Started(s)) => out.started = Some(s),
                 Some(proto::generate_response::Event::Token(t)) => {
@@ -485,6 +564,7 @@ impl Client {
                 None => {}
             }
         }
+        out.migrations = stream.migrations().to_vec();
         Ok(out)
     }
 
@@ -656,6 +736,11 @@ impl Client {
 /// The next message of a server stream (None at its end).
 pub async fn next_message<T>(s: &mut tonic::Streaming<T>) -> Result<Option<T>, Status> {
     s.message().await
+}
+
+/// A channel to `endpoint` with the client's connect settings.
+async fn dial(endpoint: String) -> Result<Channel, tonic::transport::Error> {
+    Endpoint::from_shared(endpoint)?.connect_timeout(Duration::from_secs(10)).tcp_nodelay(true).connect().await
 }
 
 /// `host:port` of an endpoint URL (`http://127.0.0.1:50051` → `127.0.0.1:50051`).

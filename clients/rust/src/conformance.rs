@@ -581,8 +581,8 @@ impl Runner {
                         }
                     }
                     Some(proto::generate_response::Event::Migrated(m)) => {
-                        // the scenario migrates nothing: a moved stream is a failed step here
-                        return Err(Fail::Bad(format!("the stream migrated to {} (this runner does not follow)", m.target)));
+                        // the scenario migrates nothing (and the client follows moves itself): a failed step
+                        return Err(Fail::Bad(format!("the stream migrated to {} (passed on, not followed)", m.target)));
                     }
                     None => {}
                 },

@@ -133,6 +133,7 @@ pub mod error;
 pub mod executor;
 pub mod handoff;
 pub mod kv;
+pub mod migration;
 pub mod prefix_keys;
 pub mod prefix_mirror;
 pub mod prefix_state;
@@ -149,6 +150,7 @@ pub mod proto {
 }
 
 pub use client::{constraint, policy, Client, ExportedKv, GenerateOptions, GenerateResult, GenerateStream, ImportOptions};
+pub use migration::{Connector, MAX_MIGRATION_HOPS};
 pub use handoff::{handoff, prefill_and_handoff, Handoff, HandoffMode};
 pub use prefix_mirror::{BlockEventFollower, PrefixMirror};
 pub use prefix_state::PrefixStats;

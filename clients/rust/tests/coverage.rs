@@ -8,9 +8,8 @@ const SESSION: &str = include_str!("../src/session.rs");
 /// RPCs whose helpers have other names.
 const RENAMED: &[(&str, &[&str])] = &[("ImportKv", &["import_kv", "pull_kv"]), ("Abort", &["abort_request", "abort_cache"])];
 /// RPCs deliberately without a helper (the same list as tests/client_api_allowlist.json):
-/// AcceptMigration is called by one server on another, never by a caller; MigrateStreams, the
-/// operator RPC of live migration, is in the Python client only so far.
-const DELIBERATE_GAPS: &[&str] = &["AcceptMigration", "MigrateStreams"];
+/// AcceptMigration is called by one server on another, never by a caller.
+const DELIBERATE_GAPS: &[&str] = &["AcceptMigration"];
 
 fn snake(s: &str) -> String {
     let mut out = String::new();

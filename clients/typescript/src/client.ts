@@ -18,6 +18,7 @@ import {
   credentials as grpcCredentials,
   Metadata,
   ServiceError,
+  status as grpcStatus,
 } from "@grpc/grpc-js";
 import { BinaryReader, BinaryWriter } from "@bufbuild/protobuf/wire";
 import * as pb from "./gen/ferrum/executor/v1/executor";
@@ -43,6 +44,19 @@ export interface CallOpts {
   timeoutMs?: number;
   /** Aborting it cancels the call. */
   signal?: AbortSignal;
+}
+
+/** Servers `generate` follows one stream through at most (`migrated` events); one more move
+ * ends it with ABORTED. */
+export const MAX_MIGRATION_HOPS = 16;
+
+/** Options of `generate` / `generateAll`. */
+export interface GenerateCallOpts extends CallOpts {
+  /** Follow a `migrated` event to its target and resume there, as one stream (default true);
+   * false passes the event on as the stream's last one. */
+  followMigrations?: boolean;
+  /** Called with each `migrated` event that is followed, before the stream resumes on its target. */
+  onMigrated?: (m: pb.GenerateMigrated) => void;
 }
 
 /** Options of a step request; those that do not apply to a step are ignored. */
@@ -172,6 +186,11 @@ export interface GenerateResult {
   finishedSamples: pb.GenerateFinished[];
   /** Text pieces per sample (with `streamText`). */
   texts: string[];
+  /** The servers the stream moved to and was followed to, in order. */
+  migrations: string[];
+  /** With `followMigrations: false`: the `migrated` event that ended the stream (resume it with
+   * `resumeToken` on `target`). */
+  migrated?: pb.GenerateMigrated;
 }
 
 /** The request `forkCache` sends (also a Session step). */
@@ -282,8 +301,12 @@ export class FerrumClient {
   readonly target: string;
   private readonly token?: string;
   private readonly defaultTimeoutMs: number;
+  /** Kept to open the same kind of connection to another server (a migrated stream's new home). */
+  private readonly options: ClientOptions;
+  private readonly siblings = new Map<string, FerrumClient>();
 
   constructor(target: string, opts: ClientOptions = {}) {
+    this.options = opts;
     const creds = opts.credentials
       ?? (opts.tls ? grpcCredentials.createSsl(opts.tls.rootCerts ?? null, opts.tls.privateKey ?? null, opts.tls.certChain ?? null)
         : grpcCredentials.createInsecure());
@@ -297,8 +320,21 @@ export class FerrumClient {
     this.defaultTimeoutMs = opts.defaultTimeoutMs ?? 60_000;
   }
 
+  /** Close the channel (and those opened to follow migrated streams). */
   close(): void {
+    for (const s of this.siblings.values()) s.close();
+    this.siblings.clear();
     this.raw.close();
+  }
+
+  /** A client like this one (same credentials and options) to `target`, kept until this one closes. */
+  private sibling(target: string): FerrumClient {
+    let s = this.siblings.get(target);
+    if (!s) {
+      s = new FerrumClient(target, this.options);
+      this.siblings.set(target, s);
+    }
+    return s;
   }
 
   private metadata(): Metadata {
@@ -647,26 +683,68 @@ export class FerrumClient {
    * A generation with the decode loop on the server, as an async iterator of events (started,
    * one token event per token, finished). Leaving the `for await` loop early (break, throw) or
    * aborting `signal` cancels the call; the server then stops and frees the cache.
+   *
+   * A stream the server moves to a peer (a `migrated` event: `migrateStreams`, or a drain) is
+   * followed there with this client's credentials and resumed by its token: the events go on as
+   * one stream, without the `migrated` event and the peer's `started` event (`followMigrations:
+   * false` passes `migrated` on instead; `onMigrated` sees each move). `timeoutMs` bounds the
+   * whole stream, moves included.
    */
-  async *generate(req: GenerateArgs, o: CallOpts = {}): AsyncGenerator<pb.GenerateResponse> {
+  async *generate(req: GenerateArgs, o: GenerateCallOpts = {}): AsyncGenerator<pb.GenerateResponse> {
     const opts: Partial<CallOptions> = o.timeoutMs ? { deadline: Date.now() + o.timeoutMs } : {};
-    const call = this.raw.generate(pb.GenerateRequest.fromPartial(req as pb.GenerateRequest), this.metadata(), opts);
-    const onAbort = () => call.cancel();
-    o.signal?.addEventListener("abort", onAbort, { once: true });
-    try {
-      for await (const ev of call as AsyncIterable<pb.GenerateResponse>) yield ev;
-    } catch (e) {
-      throw FerrumError.fromServiceError(e as ServiceError);
-    } finally {
-      o.signal?.removeEventListener("abort", onAbort);
-      call.cancel();
+    const follow = o.followMigrations ?? true;
+    let request = pb.GenerateRequest.fromPartial(req as pb.GenerateRequest);
+    const modelId = request.modelId;
+    let client: FerrumClient = this;
+    for (let hops = 0; ; hops++) {
+      const call = client.raw.generate(request, client.metadata(), opts);
+      const onAbort = () => call.cancel();
+      if (o.signal?.aborted) call.cancel();
+      o.signal?.addEventListener("abort", onAbort, { once: true });
+      let moved: pb.GenerateMigrated | undefined;
+      try {
+        for await (const ev of call as AsyncIterable<pb.GenerateResponse>) {
+          if (follow && ev.event?.$case === "migrated") {
+            moved = ev.event.migrated;
+            break;
+          }
+          if (hops > 0 && ev.event?.$case === "started") continue; // the caller saw the first one
+          yield ev;
+        }
+      } catch (e) {
+        throw e instanceof FerrumError ? e : FerrumError.fromServiceError(e as ServiceError);
+      } finally {
+        o.signal?.removeEventListener("abort", onAbort);
+        call.cancel();
+      }
+      if (!moved) return;
+      if (hops >= MAX_MIGRATION_HOPS) {
+        throw new FerrumError(grpcStatus.ABORTED, `the stream moved more than ${MAX_MIGRATION_HOPS} times`);
+      }
+      o.onMigrated?.(moved);
+      client = this.sibling(moved.target);
+      request = pb.GenerateRequest.fromPartial({ modelId, resumeToken: moved.resumeToken });
     }
   }
 
+  /** Move running Generate streams (every one, or those of `modelId` / `requestId`) to `target`
+   * (host:port, one of this server's KV peers) without losing or repeating a token: each ends
+   * here with a `migrated` event its caller follows (`generate` does). One `StreamMigration` per
+   * stream, moved or refused (a refused one goes on here). `drain` also stops new work. Admin RPC. */
+  migrateStreams(target: string, o: CallOpts & { modelId?: string; requestId?: string; drain?: boolean } = {}):
+    Promise<pb.MigrateStreamsResponse> {
+    return this.unary(this.raw.migrateStreams, pb.MigrateStreamsRequest.fromPartial({ target, modelId: o.modelId ?? "",
+      requestId: o.requestId ?? "", drain: o.drain ?? false }), o);
+  }
+
   /** Run a generation to the end: the started event, each sample's tokens and finished event. */
-  async generateAll(req: GenerateArgs, o: CallOpts = {}): Promise<GenerateResult> {
-    const res: GenerateResult = { tokens: [], samples: [], finishedSamples: [], texts: [] };
-    for await (const ev of this.generate(req, o)) {
+  async generateAll(req: GenerateArgs, o: GenerateCallOpts = {}): Promise<GenerateResult> {
+    const res: GenerateResult = { tokens: [], samples: [], finishedSamples: [], texts: [], migrations: [] };
+    const onMigrated = (m: pb.GenerateMigrated) => {
+      res.migrations.push(m.target);
+      o.onMigrated?.(m);
+    };
+    for await (const ev of this.generate(req, { ...o, onMigrated })) {
       const e = ev.event;
       if (e?.$case === "started") res.started = e.started;
       else if (e?.$case === "token") {
@@ -675,6 +753,7 @@ export class FerrumClient {
         res.samples[i].push(e.token.tokenId);
         res.texts[i] += e.token.text;
       } else if (e?.$case === "finished") res.finishedSamples[e.finished.sampleIndex] = e.finished;
+      else if (e?.$case === "migrated") res.migrated = e.migrated;
     }
     res.tokens = res.samples[0] ?? [];
     res.finished = res.finishedSamples[0];

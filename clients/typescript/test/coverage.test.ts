@@ -10,9 +10,8 @@ import { repoRoot } from "../src/testserver";
 /** RPCs whose helper has another name (or several). */
 const RENAMED: Record<string, string[]> = { ImportKv: ["importKv", "pullKv"], Session: ["session"] };
 /** RPCs deliberately without a helper (the same list as tests/client_api_allowlist.json):
- * AcceptMigration is called by one server on another, never by a caller; MigrateStreams, the
- * operator RPC of live migration, is in the Python client only so far. */
-const DELIBERATE_GAPS: string[] = ["AcceptMigration", "MigrateStreams"];
+ * AcceptMigration is called by one server on another, never by a caller. */
+const DELIBERATE_GAPS: string[] = ["AcceptMigration"];
 /** Session step kinds (SessionRequest.step) each have a Session method. */
 const SESSION_STEPS = ["prefill", "batchPrefill", "decode", "batchDecode", "unifiedDecode", "forwardVerify",
   "truncateKv", "releaseCache", "forkCache"];
