@@ -169,3 +169,26 @@ def test_adaptive_chunks_keep_every_stream_exact(tiny_llama_dir):  # noqa: F811
         joined = [t for t, d in steps if t and d]
         assert joined and max(joined) <= 4, steps  # the prompts joined the decodes 4 tokens at a time
         assert srv.live_caches()["tiny"] == 0
+
+
+def test_a_failure_while_planning_fails_the_streams_instead_of_stranding_them(tiny_llama_dir, monkeypatch):  # noqa: F811
+    """An error raised while the batcher plans a step (here: the prefix lookup of a new prompt)
+    ends the queued streams with an error; the batcher keeps serving the next ones."""
+    import grpc
+
+    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+
+    ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=4096)
+    with InProcessServer([ex]) as srv, Client(srv.target) as c:
+        real = ex.cached_prefix
+
+        def broken(inp):
+            raise RuntimeError("lookup failed")
+
+        monkeypatch.setattr(ex, "cached_prefix", broken)
+        with pytest.raises(Exception) as e:
+            c.generate("tiny", token_ids=[3, 4, 5], max_tokens=4, timeout=30).tokens()
+        assert getattr(e.value, "code", None) == grpc.StatusCode.INTERNAL or "lookup failed" in str(e.value)
+        monkeypatch.setattr(ex, "cached_prefix", real)
+        assert len(c.generate("tiny", token_ids=[3, 4, 5], max_tokens=4, ignore_eos=True).tokens()) == 4
+        assert srv.live_caches()["tiny"] == 0

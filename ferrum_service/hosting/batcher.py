@@ -254,7 +254,11 @@ class ContinuousBatcher:
     async def _drain(self) -> None:
         while self._decode_queue or self._prefill_queue:
             await self._gather_stragglers()
-            batch = self._next_batch()
+            try:
+                batch = self._next_batch()
+            except Exception as e:  # noqa: BLE001 - a bug here must fail the streams, not strand them
+                self._fail_queued(e)
+                continue
             self._expected = {p.inp.cache_id for p in batch.decodes}
             if not batch.rows:
                 continue
@@ -284,6 +288,13 @@ class ContinuousBatcher:
             # step before this task decides the queue is empty and ends.
             await self._gather_stragglers()
         self._expected = set()
+
+    def _fail_queued(self, e: BaseException) -> None:
+        """Fail every queued step with ``e`` (and free what its prompts' first chunks made)."""
+        queued, self._decode_queue, prompts, self._prefill_queue = self._decode_queue, [], self._prefill_queue, []
+        for p in queued + prompts:
+            p.fail(e)
+        self._forget_prompts(prompts)
 
     async def _isolate(self, batch: "_Batch") -> None:
         """After a failed step (all or nothing: nothing of it was applied), fail only the stream
