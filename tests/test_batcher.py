@@ -108,3 +108,87 @@ def test_a_long_prompt_joins_running_streams_a_chunk_at_a_time(tiny_llama_dir): 
         joined = [(t, d) for t, d in steps if t and d]
         assert joined and all(t <= 16 for t, _ in joined), steps  # prompts joined decodes in chunks
         assert srv.live_caches()["tiny"] == 0
+
+
+def test_the_prompt_budget_follows_the_measured_costs(tiny_executor):
+    """While streams decode, a step takes the prompt tokens that keep it within
+    ``tail_step_factor`` decode steps (from the measured costs), within [min, cap]; alone, or
+    before anything is measured, the fixed cap."""
+    from ferrum_service.hosting.batcher import ContinuousBatcher
+    from ferrum_service.hosting.host import ModelHost
+
+    b = ContinuousBatcher(ModelHost("tiny", tiny_executor))
+    assert b.prompt_budget(True) == b.prefill_tokens_per_step  # nothing measured yet
+    b.decode_step_s, b.prompt_token_s = 0.100, 0.002
+    assert b.prompt_budget(True) == 50  # (2 - 1) x 100 ms of prompt work at 2 ms a token
+    assert b.prompt_budget(False) == b.prefill_tokens_per_step  # no stream to protect
+    b.prompt_token_s = 0.05
+    assert b.prompt_budget(True) == b.min_prompt_tokens
+    b.prompt_token_s = 1e-6
+    assert b.prompt_budget(True) == b.prefill_tokens_per_step
+    b.tail_step_factor = 0  # fixed budget
+    b.prompt_token_s = 0.05
+    assert b.prompt_budget(True) == b.prefill_tokens_per_step
+
+
+def test_adaptive_chunks_keep_every_stream_exact(tiny_llama_dir):  # noqa: F811
+    """A prompt budget driven down to a few tokens per step by the costs: a 100-token prompt
+    arriving while streams run joins them in chunks of that size, and every stream — greedy and
+    seeded — equals the same request run alone. (On this tiny model a prompt token costs next to
+    nothing, so the costs are set — and frozen — after the reference runs measured them.)"""
+    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+
+    ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=8192,
+                                      prefix_cache=False)
+    with InProcessServer([ex]) as srv, Client(srv.target) as c:
+        host = srv.models.get("tiny")
+        b = host.batcher
+        reqs = [dict(token_ids=[3, 4, 5], max_tokens=60), dict(token_ids=[6, 7], max_tokens=60),
+                dict(token_ids=[(11 * i) % 500 + 1 for i in range(100)], max_tokens=6),
+                dict(token_ids=[(7 * i) % 500 + 1 for i in range(50)], max_tokens=6, temperature=0.9, seed=5)]
+        alone = [c.generate("tiny", ignore_eos=True, **r).tokens() for r in reqs]
+        assert b.decode_step_s > 0 and b.prompt_token_s is not None  # measured by the runs above
+        b.cost_smoothing = 0.0  # keep the costs below from now on
+        b.decode_step_s, b.prompt_token_s, b.min_prompt_tokens = 0.1, 0.1, 4  # a token costs a whole step
+        steps = []
+        real_step = host.step
+
+        def spy(plan, **kw):
+            steps.append((sum(r.computed for r in plan.rows if r.kind is RowKind.PROMPT),
+                          sum(1 for r in plan.rows if r.kind is RowKind.DECODE)))
+            return real_step(plan, **kw)
+
+        host.step = spy
+        streams = [c.generate("tiny", ignore_eos=True, **r) for r in reqs[:2]]
+        first = [next(iter(s)) for s in streams]
+        assert all(ev.WhichOneof("event") == "started" for ev in first)
+        late = [c.generate("tiny", ignore_eos=True, **r) for r in reqs[2:]]
+        late_got = [s.tokens() for s in late]
+        got = [[ev.token.token_id for ev in s if ev.WhichOneof("event") == "token"] for s in streams]
+        assert got == alone[:2] and late_got == alone[2:]
+        joined = [t for t, d in steps if t and d]
+        assert joined and max(joined) <= 4, steps  # the prompts joined the decodes 4 tokens at a time
+        assert srv.live_caches()["tiny"] == 0
+
+
+def test_a_failure_while_planning_fails_the_streams_instead_of_stranding_them(tiny_llama_dir, monkeypatch):  # noqa: F811
+    """An error raised while the batcher plans a step (here: the prefix lookup of a new prompt)
+    ends the queued streams with an error; the batcher keeps serving the next ones."""
+    import grpc
+
+    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+
+    ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=4096)
+    with InProcessServer([ex]) as srv, Client(srv.target) as c:
+        real = ex.cached_prefix
+
+        def broken(inp):
+            raise RuntimeError("lookup failed")
+
+        monkeypatch.setattr(ex, "cached_prefix", broken)
+        with pytest.raises(Exception) as e:
+            c.generate("tiny", token_ids=[3, 4, 5], max_tokens=4, timeout=30).tokens()
+        assert getattr(e.value, "code", None) == grpc.StatusCode.INTERNAL or "lookup failed" in str(e.value)
+        monkeypatch.setattr(ex, "cached_prefix", real)
+        assert len(c.generate("tiny", token_ids=[3, 4, 5], max_tokens=4, ignore_eos=True).tokens()) == 4
+        assert srv.live_caches()["tiny"] == 0

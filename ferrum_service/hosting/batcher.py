@@ -2,8 +2,10 @@
 
 Every running stream's next decode step (:meth:`ContinuousBatcher.decode`) and new streams' prompts
 (:meth:`ContinuousBatcher.prefill`) go into one queue per model. Each step takes every queued decode
-step and prompt tokens up to :attr:`ContinuousBatcher.prefill_tokens_per_step` (chunked prefill: a
-longer prompt joins step after step, a chunk at a time, continuing the cache its first chunk made),
+step and prompt tokens up to a budget (chunked prefill: a longer prompt joins step after step, a
+chunk at a time, continuing the cache its first chunk made): at most
+:attr:`ContinuousBatcher.prefill_tokens_per_step`, and while streams decode, what the measured costs
+say keeps the step within :attr:`ContinuousBatcher.tail_step_factor` decode steps (adaptive),
 and runs them as one forward on the model's worker: one :class:`~ferrum_service.core.steps.StepPlan`
 whose rows are the prompts' chunks and the decode steps, up to ``max_batch`` rows, within the
 model's per-step ceilings (``StepPlan.fits``). So running streams keep their
@@ -69,6 +71,15 @@ class ContinuousBatcher:
     prefill_tokens_per_step = 512
     #: Longest wait (seconds) for streams of the previous batch to resubmit before a batch runs.
     straggler_wait_s = 0.005
+    #: Adaptive prompt budget: while streams are decoding, the prompt tokens a step takes are sized
+    #: from the measured costs so that the step lasts about this many times a decode-only step
+    #: (within [:attr:`min_prompt_tokens`, :attr:`prefill_tokens_per_step`]); a burst of arriving
+    #: prompts then stretches the running streams' inter-token latency by this factor at most,
+    #: instead of by a whole budget of prefill. 0 = a fixed budget of :attr:`prefill_tokens_per_step`.
+    tail_step_factor = 2.0
+    min_prompt_tokens = 16
+    #: Weight of the newest measurement in the cost averages.
+    cost_smoothing = 0.25
 
     def __init__(self, host: "ModelHost") -> None:
         self.host = host
@@ -80,6 +91,8 @@ class ContinuousBatcher:
         self._expected: set[str] = set()
         self.mixed_steps = 0  # steps that joined new prompts with running decodes (diagnostics)
         self._prompt_alone_next = False  # a prompt too costly to join the decodes goes first, alone
+        self.decode_step_s: float | None = None  # measured: a decode-only step's forward (moving average)
+        self.prompt_token_s: float | None = None  # measured: forward time per computed prompt token
         host.attach(self)
 
     @property
@@ -170,13 +183,14 @@ class ContinuousBatcher:
             batch.rebuild_decodes(reg)
         tokens = 0
         room = max_batch - len(batch.decodes)
+        per_step = self.prompt_budget(bool(batch.decodes))
         while self._prefill_queue and len(batch.prompts) < room:
             p = self._prefill_queue[0]
             if p.fut.cancelled():
                 self._forget_prompt(self._prefill_queue.pop(0))
                 continue
             left = len(p.inp.token_ids) - p.done
-            budget = self.prefill_tokens_per_step - tokens
+            budget = per_step - tokens
             if budget <= 0:
                 break
             # A new prompt's first chunk also takes the tokens the prefix cache holds: they cost
@@ -195,6 +209,30 @@ class ContinuousBatcher:
             if not last:
                 break  # the rest of this prompt goes in the next steps, ahead of later prompts
         return batch
+
+    def prompt_budget(self, decoding: bool) -> int:
+        """Prompt tokens the next step may compute: :attr:`prefill_tokens_per_step`, or, while
+        streams are decoding and both costs are measured, what keeps the step within
+        :attr:`tail_step_factor` decode steps."""
+        cap = self.prefill_tokens_per_step
+        if not (decoding and self.tail_step_factor and self.decode_step_s and self.prompt_token_s):
+            return cap
+        fit = int((self.tail_step_factor - 1.0) * self.decode_step_s / self.prompt_token_s)
+        return max(min(self.min_prompt_tokens, cap), min(cap, fit))
+
+    def _measure(self, batch: "_Batch", seconds: float) -> None:
+        """Update the measured costs from a step's forward time: decode-only steps give the decode
+        step's cost; a step with prompt tokens gives their cost per token (less the decode part)."""
+        a = self.cost_smoothing
+        computed = sum(r.computed for r in batch.prompt_rows)
+        if not batch.prompts:
+            self.decode_step_s = seconds if self.decode_step_s is None else (1 - a) * self.decode_step_s + a * seconds
+            return
+        if computed < self.min_prompt_tokens or (batch.decodes and self.decode_step_s is None):
+            return  # too few tokens to tell their cost from the step's own
+        # A forward's fixed part (reading the weights) is about a decode step's cost.
+        per = max(0.0, seconds - (self.decode_step_s or 0.0)) / computed
+        self.prompt_token_s = per if self.prompt_token_s is None else (1 - a) * self.prompt_token_s + a * per
 
     def _drop_cancelled_prompts(self) -> None:
         for p in self._prefill_queue:
@@ -216,7 +254,11 @@ class ContinuousBatcher:
     async def _drain(self) -> None:
         while self._decode_queue or self._prefill_queue:
             await self._gather_stragglers()
-            batch = self._next_batch()
+            try:
+                batch = self._next_batch()
+            except Exception as e:  # noqa: BLE001 - a bug here must fail the streams, not strand them
+                self._fail_queued(e)
+                continue
             self._expected = {p.inp.cache_id for p in batch.decodes}
             if not batch.rows:
                 continue
@@ -236,6 +278,7 @@ class ContinuousBatcher:
                 continue
             if batch.prompts and batch.decodes:
                 self.mixed_steps += 1
+            self._measure(batch, result.forward_s)
             n = len(batch.prompts)
             for k, (p, last) in enumerate(zip(batch.prompts, batch.last)):
                 self._advance(p, batch.rows[k], last, result.outputs[k], result.rows[k])
@@ -245,6 +288,13 @@ class ContinuousBatcher:
             # step before this task decides the queue is empty and ends.
             await self._gather_stragglers()
         self._expected = set()
+
+    def _fail_queued(self, e: BaseException) -> None:
+        """Fail every queued step with ``e`` (and free what its prompts' first chunks made)."""
+        queued, self._decode_queue, prompts, self._prefill_queue = self._decode_queue, [], self._prefill_queue, []
+        for p in queued + prompts:
+            p.fail(e)
+        self._forget_prompts(prompts)
 
     async def _isolate(self, batch: "_Batch") -> None:
         """After a failed step (all or nothing: nothing of it was applied), fail only the stream
