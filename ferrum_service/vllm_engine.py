@@ -33,6 +33,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from . import __version__, errors
 from .callers import enter_call
 from .convert import check_tokens, pb, tpb
+from .generate import DEFAULT_MAX_TOKENS as DEFAULT_GENERATE_MAX_TOKENS
 from .generate import generate
 from .metrics import kv_usage, requests_of
 from .tokenizer_bundle import tokenizer_zip
@@ -45,10 +46,12 @@ if TYPE_CHECKING:
 log = structlog.get_logger("ferrum_service.vllm_engine")
 
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
-#: ``max_tokens`` when the request leaves it unset (vLLM: the rest of the context). Capped, because
-#: ``Generate`` reserves KV for prompt + max_tokens up front: a whole context per request would
-#: leave room for one request at a time on a worker whose KV budget is one context.
-DEFAULT_MAX_TOKENS = 1024
+#: Output tokens reserved up front for a request that leaves ``max_tokens`` unset (which, as in
+#: vLLM, means the rest of the model's context): as many as the contract's ``Generate`` reserves
+#: by default. Reserving the whole context would admit one such request at a time on a worker whose
+#: KV budget is one context; past the reservation the cache grows step by step, and a step the KV
+#: budget cannot admit ends the output with finish reason "length" (``generate(reserve_output=)``).
+UNSET_MAX_TOKENS_RESERVE = DEFAULT_GENERATE_MAX_TOKENS
 CHUNK_BYTES = 64 * 1024  # GetTokenizer chunk (the size SMG's client expects)
 _FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop",
            pb.FINISH_REASON_CANCELLED: "abort", pb.FINISH_REASON_ERROR: "error"}
@@ -134,8 +137,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if sp.max_tokens < 1:
                 raise errors.invalid("max_tokens must be >= 1", field="sampling_params.max_tokens")
             max_tokens = sp.max_tokens
-        else:
-            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, ctx - len(ids)))
+        else:  # the rest of the context (a registry's per-request ceiling may make it shorter)
+            limit = host.executor.registry.sequence_limit(ctx)
+            max_tokens = limit - len(ids) if limit else UNSET_MAX_TOKENS_RESERVE
+            if max_tokens < 1:
+                raise errors.invalid(f"the prompt's {len(ids)} tokens leave no room in this model's {limit}-token "
+                                     "context", field="tokenized.input_ids", limit=limit)
         req = pb.GenerateRequest(model_id=host.model_id, request_id=v.request_id, sampling=_sampling(sp),
                                  n=max(1, sp.n))
         req.token_ids.token_ids.extend(ids)
@@ -163,7 +170,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         lps: dict[int, vpb.OutputLogProbs] = {}
         last: dict[int, pb.TokenEvent] = {}
         done: list[vpb.GenerateResponse] = []
-        async for ev in generate(self.models, self.s.ops.checks, req, owner, state):
+        grow = 0 if v.sampling_params.HasField("max_tokens") else UNSET_MAX_TOKENS_RESERVE
+        async for ev in generate(self.models, self.s.ops.checks, req, owner, state, reserve_output=grow):
             kind = ev.WhichOneof("event")
             if kind == "started":
                 prompt_tokens, cached = ev.started.prompt_tokens, ev.started.cached_tokens

@@ -495,3 +495,107 @@ def test_flood_of_streams_and_aborts_leaves_nothing(engine, server):
     assert outcomes.count("done") >= 16 and set(outcomes) <= {"done", "dropped", "CANCELLED"}, outcomes
     assert wait_no_live_caches(server, timeout=30) == {"tiny": 0}
     assert _gen(engine, max_tokens=2, temperature=0.0)[0].complete.completion_tokens == 2
+
+
+# ---- max_tokens unset: the rest of the context, KV reserved as the contract's Generate does ------
+def test_unset_max_tokens_runs_to_the_end_of_the_context(engine, server):
+    """vLLM's meaning of an unset max_tokens: the rest of the model's context."""
+    ctx = server.models.get("tiny").info.max_sequence_length
+    out = _gen(engine, stream=True, temperature=0.0, ignore_eos=True, timeout=120)
+    chunks = [o for o in out if o.WhichOneof("response") == "chunk"]
+    assert len(chunks) == ctx - len(PROMPT)
+    assert out[-1].complete.finish_reason == "length"
+    assert server.live_caches() == {"tiny": 0}
+    with pytest.raises(grpc.RpcError) as e:  # a prompt that fills the context leaves no room
+        _gen(engine, ids=[5] * ctx, temperature=0.0)
+    assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def small_kv(tiny_llama_dir):  # noqa: F811
+    """A worker whose KV budget (512 tokens) is half the model's 1024-token context (so one
+    sequence may hold at most 512: the registry's per-request ceiling)."""
+    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+
+    ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=512,
+                                      prefix_cache=False)
+    with InProcessServer([ex]) as srv:
+        with grpc.insecure_channel(srv.target) as ch:
+            yield srv, vllm_engine_pb2_grpc.VllmEngineStub(ch)
+
+
+def _drain(it) -> tuple[str, int]:
+    """A stream's finish reason and token count."""
+    n, reason = 0, ""
+    for o in it:
+        if o.WhichOneof("response") == "chunk":
+            n += len(o.chunk.token_ids)
+        else:
+            reason = o.complete.finish_reason
+    return reason, n
+
+
+def test_unset_max_tokens_streams_share_a_budget_of_one_sequence(small_kv):
+    """Two unbounded streams at once on a budget one sequence can fill: both are admitted (each
+    reserves its prompt + what Generate reserves, not the 504 tokens it may reach), they grow past
+    their reservations, one of them is cut where the KV runs out with finish reason "length", the
+    other reaches the per-sequence ceiling; nothing is left. Then one alone runs to the ceiling."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ferrum_service.generate import DEFAULT_MAX_TOKENS
+
+    srv, eng = small_kv
+    total = srv.models.get("tiny").executor.registry.total_tokens
+    ids = PROMPT[:8]
+    rest = total - len(ids)
+    assert 2 * (len(ids) + DEFAULT_MAX_TOKENS) <= total < 2 * total - 2 * len(ids)
+
+    def start(rid: str):
+        req = vpb.GenerateRequest(request_id=rid, tokenized=vpb.TokenizedInput(input_ids=ids), stream=True,
+                                  sampling_params=vpb.SamplingParams(ignore_eos=True, temperature=0.0))
+        it = eng.Generate(req, timeout=120)
+        assert next(it).WhichOneof("response") == "chunk"
+        return it
+
+    a = start("share-a")
+    b = start("share-b")  # admitted while a holds its reservation
+    with ThreadPoolExecutor(2) as pool:
+        (ra, na), (rb, nb) = pool.map(_drain, [a, b])
+    na, nb = na + 1, nb + 1  # the first chunks read in start()
+    assert (ra, rb) == ("length", "length")
+    assert max(na, nb) == rest and min(na, nb) < rest, (na, nb)  # the longer one outlived the other
+    assert len(ids) + DEFAULT_MAX_TOKENS < len(ids) + min(na, nb), (na, nb)  # it grew past its reservation
+    assert wait_no_live_caches(srv) == {"tiny": 0}
+    assert _drain(eng.Generate(vpb.GenerateRequest(
+        request_id="alone", tokenized=vpb.TokenizedInput(input_ids=ids),
+        sampling_params=vpb.SamplingParams(ignore_eos=True, temperature=0.0)), timeout=120))[0] == "length"
+    out = _gen(eng, ids=ids, temperature=0.0, ignore_eos=True)
+    assert out[-1].complete.completion_tokens == rest and out[-1].complete.finish_reason == "length"
+    # max_tokens given still reserves all of it up front: a second such stream is refused at once
+    big = start("big")
+    with pytest.raises(grpc.RpcError) as e:
+        _gen(eng, ids=ids, max_tokens=rest, temperature=0.0)
+    assert _code(e) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    big.cancel()
+    assert wait_no_live_caches(srv) == {"tiny": 0}
+
+
+def test_unset_max_tokens_abort_and_disconnect(small_kv):
+    """An unbounded stream (one that grows instead of holding its whole reservation) aborted, or
+    dropped by its client, frees its cache."""
+    srv, eng = small_kv
+    req = vpb.GenerateRequest(request_id="unbounded-gone", tokenized=vpb.TokenizedInput(input_ids=PROMPT[:8]),
+                              stream=True, sampling_params=vpb.SamplingParams(ignore_eos=True, temperature=0.0))
+    it = eng.Generate(req, timeout=60)
+    next(it)
+    it.cancel()
+    assert wait_no_live_caches(srv) == {"tiny": 0}
+    req.request_id = "unbounded-abort"
+    it = eng.Generate(req, timeout=60)
+    next(it)
+    eng.Abort(vpb.AbortRequest(request_ids=["unbounded-abort"]))
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in it:
+            pass
+    assert _code(e) == grpc.StatusCode.CANCELLED
+    assert wait_no_live_caches(srv) == {"tiny": 0}
