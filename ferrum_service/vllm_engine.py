@@ -232,8 +232,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 ids = out_ids.get(i, [])
                 c = vpb.GenerateComplete(finish_reason=_FINISH.get(f.finish_reason, "stop"),
                                          prompt_tokens=prompt_tokens, cached_tokens=cached, index=i)
-                if offer and f.HasField("cache"):
-                    c.kv_transfer_params_json = self.pd.offer(self.host, f.cache.cache_id, prompt_tokens).to_json()
+                if offer and f.HasField("cache") and prompt_tokens > 1:
+                    handoff = await self.pd.offer(self.host, f.cache.cache_id, prompt_tokens)
+                    c.kv_transfer_params_json = handoff.to_json()
                 if f.finish_reason == pb.FINISH_REASON_STOP:
                     if ids and ids[-1] in stop_ids:
                         c.matched_token_id = ids[-1]

@@ -8,11 +8,11 @@ For a worker that names no vLLM KV connector in ``GetServerInfo`` (ours name non
 the decode request's ``kv_transfer_params_json`` (when ``n`` <= 1). That relay carries our handoff:
 
 1. A ``--role prefill`` server answering such a prefill leg (``max_tokens`` 1, ``n`` 1) keeps the
-   prompt's cache and returns ``{"ferrum_kv": {"source": HOST:PORT, "model_id", "cache_id",
+   prompt's cache, cut to all but the prompt's last token, and returns ``{"ferrum_kv": {"source": HOST:PORT, "model_id", "cache_id",
    "num_tokens"}}`` (its ``--advertise-address``). The cache is freed once it has been exported,
    or after :data:`HANDOFF_TTL_S` if no decode worker pulls it (a decode leg that never comes).
-2. A decode worker given those parameters pulls the prompt's first ``num_tokens - 1`` tokens of
-   K/V from the source with ``ImportKv`` (the server-side pull: the source must be one of its
+2. A decode worker given those parameters pulls that cache (the prompt's first ``num_tokens - 1``
+   tokens of K/V) from the source with ``ImportKv`` (the server-side pull: the source must be one of its
    ``--kv-peer``s, dialled with its own peer credentials on the caller's behalf), checks that the
    imported tokens are the request's prompt, and decodes on that cache: it computes only the last
    prompt token (whose logits give the first output token), as vLLM's own connectors do.
@@ -116,8 +116,12 @@ class PdHandoffs:
         return (self.s.role == "prefill" and bool(self.s.migrations.advertise) and sp.HasField("max_tokens")
                 and sp.max_tokens == 1 and sp.n <= 1)
 
-    def offer(self, host: "ModelHost", cache_id: str, num_tokens: int) -> Handoff:
-        """Keep ``cache_id`` for one pull (at most ``ttl_s``) and name it."""
+    async def offer(self, host: "ModelHost", cache_id: str, num_tokens: int) -> Handoff:
+        """Keep ``cache_id`` (the prompt's ``num_tokens``) for one pull, at most ``ttl_s``, and
+        name it. It is cut to the prompt's first ``num_tokens - 1`` tokens, what the decode worker
+        takes: an executor that exports only whole caches (llama.cpp) can then hand it over too."""
+        with host.hold([cache_id], "cache_id"):
+            await host.call(host.executor.truncate_kv, cache_id, num_tokens - 1, admit=False)
         timer = asyncio.get_running_loop().call_later(self.ttl_s, self._drop, cache_id, "expired")
         self._offered[cache_id] = (host, timer)
         return Handoff(self.s.migrations.advertise, host.model_id, cache_id, num_tokens)
@@ -162,7 +166,7 @@ class PdHandoffs:
             log.warning("kv handoff not used; computing the prompt", reason=why, source=h.source)
             return ""
         req = pb.ImportKvRequest(model_id=host.model_id, reserve_tokens=reserve, source=pb.KvSource(
-            target=h.source, cache_id=h.cache_id, model_id=h.model_id, to_token=len(ids) - 1))
+            target=h.source, cache_id=h.cache_id, model_id=h.model_id))
 
         async def one():
             yield req
