@@ -111,6 +111,7 @@ func TestHelmRendered(t *testing.T) {
 		{"no-metrics.yaml", Expect{}},
 		{"roles.yaml", Expect{Metrics: true, Roles: true}},
 		{"gateway.yaml", Expect{Metrics: true, Gateway: true}},
+		{"gateway-roles.yaml", Expect{Metrics: true, Roles: true, Gateway: true}},
 	}
 	for _, c := range cases {
 		t.Run(strings.TrimSuffix(c.file, ".yaml"), func(t *testing.T) {
@@ -221,20 +222,32 @@ func TestGatewayBrokenFails(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	pd, err := os.ReadFile(filepath.Join(dir, "gateway-roles.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
 	cases := []struct{ name, from, to, want string }{
 		{"selector misses the workers", `"app.kubernetes.io/component=model-executor"`, `"app.kubernetes.io/component=nothing"`, "does not match the pods"},
+		// SMG's PD mode over the two roles (gateway-roles.yaml)
+		{"pd: prefill selector finds the decode pods", `"ferrum.io/role=prefill"`, `"ferrum.io/role=decode"`, "--prefill-selector"},
+		{"pd: prefill advertises no pod address", `"$(POD_IP):50051"`, `"localhost:50051"`, "must advertise"},
+		{"pd: decode names no peer", "- --kv-peer\n", "- --kv-peers\n", "--kv-peer"},
 		{"no watch on pods", `verbs: ["get", "list", "watch"]`, `verbs: ["get", "list"]`, "get, list and watch pods"},
 		{"wrong discovery port", "- --service-discovery-port\n            - \"50051\"", "- --service-discovery-port\n            - \"80\"", "gRPC port"},
 		{"wrong backend", "- --backend\n            - vllm", "- --backend\n            - sglang", "--backend must be vllm"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			bad := strings.Replace(string(good), c.from, c.to, 1)
-			if bad == string(good) {
+			src, want := good, Expect{Metrics: true, Gateway: true}
+			if strings.HasPrefix(c.name, "pd:") {
+				src, want = pd, Expect{Metrics: true, Gateway: true, Roles: true}
+			}
+			bad := strings.Replace(string(src), c.from, c.to, 1)
+			if bad == string(src) {
 				t.Fatalf("the rendering has no %q to break", c.from)
 			}
 			objs := decodeOK(t, "helm:gateway-broken.yaml", []byte(bad))
-			errs := Check(objs, Expect{Metrics: true, Gateway: true})
+			errs := Check(objs, want)
 			found := false
 			for _, e := range errs {
 				if strings.Contains(e.Error(), c.want) {
