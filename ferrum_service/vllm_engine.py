@@ -179,7 +179,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if imported:  # the stream computes the last prompt token only, on the pulled cache
                 req.cache_id = imported
                 del req.token_ids.token_ids[:-1]
-        offer = not imported and handoff is None and self.pd.offers(v)
+        offer = not imported and handoff is None and self.pd.offers(host, v)
         req.keep_cache = offer
         kept = ""
         started = False
@@ -234,7 +234,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                          prompt_tokens=prompt_tokens, cached_tokens=cached, index=i)
                 if offer and f.HasField("cache") and prompt_tokens > 1:
                     handoff = await self.pd.offer(self.host, f.cache.cache_id, prompt_tokens)
-                    c.kv_transfer_params_json = handoff.to_json()
+                    if handoff is not None:
+                        c.kv_transfer_params_json = handoff.to_json()
                 if f.finish_reason == pb.FINISH_REASON_STOP:
                     if ids and ids[-1] in stop_ids:
                         c.matched_token_id = ids[-1]

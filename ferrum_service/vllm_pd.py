@@ -109,19 +109,26 @@ class PdHandoffs:
         servicer.kv.on_exported = self._exported
 
     # ---- prefill side ---------------------------------------------------------------------------
-    def offers(self, v) -> bool:
+    def offers(self, host: "ModelHost", v) -> bool:
         """Whether this request is a PD prefill leg whose cache this server keeps for a decode
-        worker: a ``--role prefill`` server with an address peers reach, one token, one sample."""
+        worker: a ``--role prefill`` server with an address peers reach and a model that exports
+        KV, one token, one sample."""
         sp = v.sampling_params
-        return (self.s.role == "prefill" and bool(self.s.migrations.advertise) and sp.HasField("max_tokens")
-                and sp.max_tokens == 1 and sp.n <= 1)
+        return (self.s.role == "prefill" and bool(self.s.migrations.advertise)
+                and host.capabilities.supports_kv_transfer and sp.HasField("max_tokens") and sp.max_tokens == 1
+                and sp.n <= 1)
 
-    async def offer(self, host: "ModelHost", cache_id: str, num_tokens: int) -> Handoff:
+    async def offer(self, host: "ModelHost", cache_id: str, num_tokens: int) -> Handoff | None:
         """Keep ``cache_id`` (the prompt's ``num_tokens``) for one pull, at most ``ttl_s``, and
         name it. It is cut to the prompt's first ``num_tokens - 1`` tokens, what the decode worker
-        takes: an executor that exports only whole caches (llama.cpp) can then hand it over too."""
-        with host.hold([cache_id], "cache_id"):
-            await host.call(host.executor.truncate_kv, cache_id, num_tokens - 1, admit=False)
+        takes: an executor that exports only whole caches (llama.cpp) can then hand it over too.
+        None (the cache is not kept: the caller frees it) when it cannot be cut."""
+        try:
+            with host.hold([cache_id], "cache_id"):
+                await host.call(host.executor.truncate_kv, cache_id, num_tokens - 1, admit=False)
+        except errors.FerrumError as e:
+            log.warning("handoff cache not offered", cache_id=cache_id, code=e.code.name, message=e.message)
+            return None
         timer = asyncio.get_running_loop().call_later(self.ttl_s, self._drop, cache_id, "expired")
         self._offered[cache_id] = (host, timer)
         return Handoff(self.s.migrations.advertise, host.model_id, cache_id, num_tokens)

@@ -755,3 +755,16 @@ def test_pd_handoff_of_another_caller_is_not_pulled(tiny_llama_dir):  # noqa: F8
         c2 = list(deng.Generate(leg, metadata=_auth("alice"), timeout=60))[-1].complete
         assert c2.cached_tokens == len(PD_PROMPT) - 1 and list(c2.output_ids) == list(c.output_ids)
         assert wait_no_live_caches(pre) == {"tiny": 0} and wait_no_live_caches(dec) == {"tiny": 0}
+
+
+def test_pd_prefill_leg_on_a_model_that_cannot_export_keeps_nothing():
+    from ferrum_service.executors import ConfigurableModelExecutor
+
+    ex = ConfigurableModelExecutor.with_token_sequence(1000, [7], model_id="mock")
+    assert not ex.capabilities().supports_kv_transfer
+    with InProcessServer([ex], role="prefill") as srv, grpc.insecure_channel(srv.target) as ch:
+        eng = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+        out = list(eng.Generate(_req([1, 2, 3, 4], max_tokens=1, n=1, ignore_eos=True), timeout=30))
+        assert out[-1].complete.completion_tokens == 1
+        assert not out[-1].complete.HasField("kv_transfer_params_json")
+        assert wait_no_live_caches(srv) == {"mock": 0}
