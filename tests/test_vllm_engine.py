@@ -1,7 +1,8 @@
 """``vllm.grpc.engine.VllmEngine`` (vLLM's engine protocol, from the published smg-grpc-proto
 stubs) on a real server with the tiny random Llama and BERT: every RPC against the contract's own
 answers for the same request, the refusals, aborts and disconnects leaving no cache, the KV
-events' numbering and blocks, and the tokenizer bundle."""
+events' numbering and blocks, the tokenizer bundle, an unset max_tokens on a small KV budget, and
+SMG's two prefill/decode legs with the KV handoff between a prefill and a decode server."""
 
 from __future__ import annotations
 
