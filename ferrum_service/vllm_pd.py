@@ -8,14 +8,15 @@ For a worker that names no vLLM KV connector in ``GetServerInfo`` (ours name non
 the decode request's ``kv_transfer_params_json`` (when ``n`` <= 1). That relay carries our handoff:
 
 1. A ``--role prefill`` server answering such a prefill leg (``max_tokens`` 1, ``n`` 1) keeps the
-   prompt's cache, cut to all but the prompt's last token, and returns ``{"ferrum_kv": {"source": HOST:PORT, "model_id", "cache_id",
-   "num_tokens"}}`` (its ``--advertise-address``). The cache is freed once it has been exported,
-   or after :data:`HANDOFF_TTL_S` if no decode worker pulls it (a decode leg that never comes).
+   prompt's cache, cut to all but the prompt's last token, and returns ``{"ferrum_kv": {"source":
+   HOST:PORT, "model_id", "cache_id", "num_tokens"}}`` (``source``: its ``--advertise-address``).
+   The cache is freed once it has been exported, or after :data:`HANDOFF_TTL_S` if no decode
+   worker pulls it (a decode leg that never comes).
 2. A decode worker given those parameters pulls that cache (the prompt's first ``num_tokens - 1``
-   tokens of K/V) from the source with ``ImportKv`` (the server-side pull: the source must be one of its
-   ``--kv-peer``s, dialled with its own peer credentials on the caller's behalf), checks that the
-   imported tokens are the request's prompt, and decodes on that cache: it computes only the last
-   prompt token (whose logits give the first output token), as vLLM's own connectors do.
+   tokens of K/V) from the source with ``ImportKv`` (the server-side pull: the source must be one
+   of its ``--kv-peer``s, dialled with its own peer credentials on the caller's behalf), checks
+   that the imported tokens are the request's prompt, and decodes on that cache: it computes only
+   the last prompt token (whose logits give the first output token), as vLLM's connectors do.
 
 When the pull cannot be done (the source is not a configured peer, is unreachable, the cache is
 gone or another caller's, the tokens differ, the K/V are of other weights) the decode worker logs
@@ -68,7 +69,8 @@ def parse(v) -> Handoff | None:
     field = "kv_transfer_params_json"
     if v.HasField("kv_transfer_params"):
         raise errors.invalid("kv_transfer_params: vLLM's Mooncake bootstrap address is not a ferrum-service "
-                             "handoff (ferrum-service hands KV over with ExportKv/ImportKv)", field="kv_transfer_params")
+                             "handoff (ferrum-service hands KV over with ExportKv/ImportKv)",
+                             field="kv_transfer_params")
     if not v.HasField(field):
         return None
     raw = v.kv_transfer_params_json
