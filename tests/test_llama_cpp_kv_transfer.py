@@ -13,6 +13,7 @@ from ferrum_client import Client, messages as m, pb
 
 from .support.servers import InProcessServer
 from .support.packaged import smollm2_gguf_path
+from .support.waits import wait_for
 
 pytest.importorskip("llama_cpp")
 
@@ -98,3 +99,37 @@ def test_llama_cpp_import_refused_when_full():
         _empty(b)
         ca.release_cache(M, src.cache.cache_id)
     _empty(a)
+
+
+def test_llama_cpp_vllm_pd_handoff():
+    """SMG's two PD legs (vLLM engine protocol) on llama.cpp, which exports whole caches only: the
+    prefill keeps the prompt's state cut to all but its last token, the decode worker pulls it
+    whole and answers what a worker computing the prompt answers."""
+    import json
+
+    from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+
+    rng = random.Random(1)
+    p = [rng.randrange(100, 20000) for _ in range(40)]
+
+    def req(**kw):
+        params = kw.pop("params", None)
+        r = vpb.GenerateRequest(request_id="pd", tokenized=vpb.TokenizedInput(input_ids=p),
+                                sampling_params=vpb.SamplingParams(temperature=0.0, ignore_eos=True, **kw))
+        if params:
+            r.kv_transfer_params_json = params
+        return r
+
+    a, b = _llc(), _llc()
+    with InProcessServer([a], role="prefill") as sa, InProcessServer([b], role="decode", kv_peers=[sa.target]) as sb, \
+            grpc.insecure_channel(sa.target) as cha, grpc.insecure_channel(sb.target) as chb:
+        ea, eb = vllm_engine_pb2_grpc.VllmEngineStub(cha), vllm_engine_pb2_grpc.VllmEngineStub(chb)
+        want = list(list(eb.Generate(req(max_tokens=5), timeout=120))[-1].complete.output_ids)  # computed on b
+        params = list(ea.Generate(req(max_tokens=1, n=1), timeout=120))[-1].complete.kv_transfer_params_json
+        assert json.loads(params)["ferrum_kv"]["num_tokens"] == len(p)
+        c = list(eb.Generate(req(max_tokens=5, params=params), timeout=120))[-1].complete
+        assert c.cached_tokens == len(p) - 1 and list(c.output_ids) == want
+        for ex in (a, b):
+            wait_for(lambda ex=ex: len(ex.registry), lambda n: n == 0, 20, 0.05)
+            _empty(ex)

@@ -1,7 +1,8 @@
 """SMG (the Shepherd Model Gateway, ``smg`` from PyPI in its own venv) in front of ferrum-service
 workers speaking vLLM's engine protocol, checked through SMG's OpenAI API: models, chat completions
 (plain, streamed, JSON schema, n, stop strings), completions, a client that goes away mid-stream,
-cache-aware routing of a shared prefix, a worker killed; SmolLM2 answering correctly through two
+cache-aware routing of a shared prefix, a worker killed; PD mode with the KV handed from a prefill
+worker to a decode worker; SmolLM2 answering correctly through two
 workers; embeddings from a MiniLM worker.
 
 The plumbing runs on two tiny random Llama workers (fast); the answers that must be right on the
@@ -208,6 +209,61 @@ def test_worker_killed_the_other_answers(fleet):
     assert ok >= 5, "requests after a worker died failed"
     st, body = gw.post("/v1/chat/completions", _chat("last", max_tokens=2, temperature=0, ignore_eos=True))
     assert st == 200, body
+
+
+# ---- PD mode ---------------------------------------------------------------------------------------
+def _live(w) -> int:
+    with Client(w.target) as c:
+        return len(c.stub.ListCaches(pb.ListCachesRequest(model_id="tiny")).caches)
+
+
+def test_pd_mode_hands_the_prompt_kv_to_the_decode_worker(venv, tiny_dir):
+    """SMG's PD mode (``--pd-disaggregation``) over a ``--role prefill`` worker and a ``--role
+    decode`` worker that lists it as ``--kv-peer``: SMG relays the prefill's kv_transfer_params to
+    the decode leg, which pulls the prompt's KV and computes no prompt (its prefix-cache lookups,
+    made for every prompt it computes, do not move; the prefill's count the whole prompt). The
+    answer is the one a worker computing the prompt itself gives; no cache is left on either."""
+    spec = f"hf-causal-lm,id=tiny,path={tiny_dir},device=cpu"
+    pre = ServerProcess("--model", spec, "--kv-budget-tokens", "8192", "--role", "prefill")
+    dec = None
+    gws = []
+    try:
+        pre.start()
+        dec = ServerProcess("--model", spec, "--kv-budget-tokens", "8192", "--role", "decode", "--kv-peer",
+                            pre.target)
+        dec.start()
+        gws.append(Gateway(venv, [pre.target], policy="round_robin", decode=[dec.target]).start("tiny"))
+        req = _chat("tell me about " + "the handoff " * 30, max_tokens=8, temperature=0, ignore_eos=True)
+        q_pre, q_dec = _prefix_queried(pre), _prefix_queried(dec)
+        st, body = gws[0].post("/v1/chat/completions", req)
+        assert st == 200, body
+        n = body["usage"]["prompt_tokens"]
+        assert n > 100 and body["choices"][0]["finish_reason"] == "length"
+        assert _prefix_queried(dec) == q_dec, "the decode worker computed the prompt"
+        assert _prefix_queried(pre) - q_pre == n
+        events = list(gws[0].stream("/v1/chat/completions", {**req, "stream": True}))
+        assert events[-1] == "[DONE]"
+        streamed = "".join((json.loads(e)["choices"] or [{}])[0].get("delta", {}).get("content") or ""
+                           for e in events[:-1])
+        assert streamed == body["choices"][0]["message"]["content"]
+        assert _prefix_queried(dec) == q_dec
+        assert wait_for(lambda: (_live(pre), _live(dec)), lambda v: v == (0, 0), 20, 0.1) == (0, 0)
+        # the same request on the decode worker computing the prompt itself (plain mode)
+        gws.append(Gateway(venv, [dec.target], policy="round_robin").start("tiny"))
+        st, plain = gws[1].post("/v1/chat/completions", req)
+        assert st == 200 and _prefix_queried(dec) > q_dec
+        assert plain["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]
+    finally:
+        for g in gws:
+            g.stop()
+        for w in (pre, dec):
+            if w is not None:
+                w.stop()
+
+
+def _prefix_queried(w) -> int:
+    with Client(w.target) as c:
+        return c.stub.Loads(pb.LoadsRequest(model_id="tiny")).loads[0].prefix_queried_tokens
 
 
 # ---- real models -----------------------------------------------------------------------------------

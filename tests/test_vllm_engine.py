@@ -1,7 +1,8 @@
 """``vllm.grpc.engine.VllmEngine`` (vLLM's engine protocol, from the published smg-grpc-proto
 stubs) on a real server with the tiny random Llama and BERT: every RPC against the contract's own
 answers for the same request, the refusals, aborts and disconnects leaving no cache, the KV
-events' numbering and blocks, and the tokenizer bundle."""
+events' numbering and blocks, the tokenizer bundle, an unset max_tokens on a small KV budget, and
+SMG's two prefill/decode legs with the KV handoff between a prefill and a decode server."""
 
 from __future__ import annotations
 
@@ -495,3 +496,276 @@ def test_flood_of_streams_and_aborts_leaves_nothing(engine, server):
     assert outcomes.count("done") >= 16 and set(outcomes) <= {"done", "dropped", "CANCELLED"}, outcomes
     assert wait_no_live_caches(server, timeout=30) == {"tiny": 0}
     assert _gen(engine, max_tokens=2, temperature=0.0)[0].complete.completion_tokens == 2
+
+
+# ---- max_tokens unset: the rest of the context, KV reserved as the contract's Generate does ------
+def test_unset_max_tokens_runs_to_the_end_of_the_context(engine, server):
+    """vLLM's meaning of an unset max_tokens: the rest of the model's context."""
+    ctx = server.models.get("tiny").info.max_sequence_length
+    out = _gen(engine, stream=True, temperature=0.0, ignore_eos=True, timeout=120)
+    chunks = [o for o in out if o.WhichOneof("response") == "chunk"]
+    assert len(chunks) == ctx - len(PROMPT)
+    assert out[-1].complete.finish_reason == "length"
+    assert server.live_caches() == {"tiny": 0}
+    with pytest.raises(grpc.RpcError) as e:  # a prompt that fills the context leaves no room
+        _gen(engine, ids=[5] * ctx, temperature=0.0)
+    assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def small_kv(tiny_llama_dir):  # noqa: F811
+    """A worker whose KV budget (512 tokens) is half the model's 1024-token context (so one
+    sequence may hold at most 512: the registry's per-request ceiling)."""
+    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+
+    ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=512,
+                                      prefix_cache=False)
+    with InProcessServer([ex]) as srv:
+        with grpc.insecure_channel(srv.target) as ch:
+            yield srv, vllm_engine_pb2_grpc.VllmEngineStub(ch)
+
+
+def _drain(it) -> tuple[str, int]:
+    """A stream's finish reason and token count."""
+    n, reason = 0, ""
+    for o in it:
+        if o.WhichOneof("response") == "chunk":
+            n += len(o.chunk.token_ids)
+        else:
+            reason = o.complete.finish_reason
+    return reason, n
+
+
+def test_unset_max_tokens_streams_share_a_budget_of_one_sequence(small_kv):
+    """Two unbounded streams at once on a budget one sequence can fill: both are admitted (each
+    reserves its prompt + what Generate reserves, not the 504 tokens it may reach), they grow past
+    their reservations, one of them is cut where the KV runs out with finish reason "length", the
+    other reaches the per-sequence ceiling; nothing is left. Then one alone runs to the ceiling."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ferrum_service.wire.generate import DEFAULT_MAX_TOKENS
+
+    srv, eng = small_kv
+    total = srv.models.get("tiny").executor.registry.total_tokens
+    ids = PROMPT[:8]
+    rest = total - len(ids)
+    assert 2 * (len(ids) + DEFAULT_MAX_TOKENS) <= total < 2 * total - 2 * len(ids)
+
+    def start(rid: str):
+        req = vpb.GenerateRequest(request_id=rid, tokenized=vpb.TokenizedInput(input_ids=ids), stream=True,
+                                  sampling_params=vpb.SamplingParams(ignore_eos=True, temperature=0.0))
+        it = eng.Generate(req, timeout=120)
+        assert next(it).WhichOneof("response") == "chunk"
+        return it
+
+    a = start("share-a")
+    b = start("share-b")  # admitted while a holds its reservation
+    with ThreadPoolExecutor(2) as pool:
+        (ra, na), (rb, nb) = pool.map(_drain, [a, b])
+    na, nb = na + 1, nb + 1  # the first chunks read in start()
+    assert (ra, rb) == ("length", "length")
+    assert max(na, nb) == rest and min(na, nb) < rest, (na, nb)  # the longer one outlived the other
+    assert len(ids) + DEFAULT_MAX_TOKENS < len(ids) + min(na, nb), (na, nb)  # it grew past its reservation
+    assert wait_no_live_caches(srv) == {"tiny": 0}
+    assert _drain(eng.Generate(vpb.GenerateRequest(
+        request_id="alone", tokenized=vpb.TokenizedInput(input_ids=ids),
+        sampling_params=vpb.SamplingParams(ignore_eos=True, temperature=0.0)), timeout=120))[0] == "length"
+    out = _gen(eng, ids=ids, temperature=0.0, ignore_eos=True)
+    assert out[-1].complete.completion_tokens == rest and out[-1].complete.finish_reason == "length"
+    # max_tokens given still reserves all of it up front: a second such stream is refused at once
+    big = start("big")
+    with pytest.raises(grpc.RpcError) as e:
+        _gen(eng, ids=ids, max_tokens=rest, temperature=0.0)
+    assert _code(e) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    big.cancel()
+    assert wait_no_live_caches(srv) == {"tiny": 0}
+
+
+def test_unset_max_tokens_abort_and_disconnect(small_kv):
+    """An unbounded stream (one that grows instead of holding its whole reservation) aborted, or
+    dropped by its client, frees its cache."""
+    srv, eng = small_kv
+    req = vpb.GenerateRequest(request_id="unbounded-gone", tokenized=vpb.TokenizedInput(input_ids=PROMPT[:8]),
+                              stream=True, sampling_params=vpb.SamplingParams(ignore_eos=True, temperature=0.0))
+    it = eng.Generate(req, timeout=60)
+    next(it)
+    it.cancel()
+    assert wait_no_live_caches(srv) == {"tiny": 0}
+    req.request_id = "unbounded-abort"
+    it = eng.Generate(req, timeout=60)
+    next(it)
+    eng.Abort(vpb.AbortRequest(request_ids=["unbounded-abort"]))
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in it:
+            pass
+    assert _code(e) == grpc.StatusCode.CANCELLED
+    assert wait_no_live_caches(srv) == {"tiny": 0}
+
+
+# ---- PD: SMG's prefill leg, then its decode leg with the relayed kv_transfer_params ---------------
+PD_PROMPT = list(range(60, 110))  # 50 tokens: three full blocks and a partial one
+
+
+@pytest.fixture(scope="module")
+def pd_pair(tiny_llama_dir):  # noqa: F811
+    """A --role prefill server and a --role decode server that lists it as a KV peer."""
+    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+
+    def ex():
+        return HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=8192)
+
+    with InProcessServer([ex()], role="prefill") as pre:
+        with InProcessServer([ex()], role="decode", kv_peers=[pre.target]) as dec:
+            with grpc.insecure_channel(pre.target) as pc, grpc.insecure_channel(dec.target) as dc:
+                yield pre, dec, vllm_engine_pb2_grpc.VllmEngineStub(pc), vllm_engine_pb2_grpc.VllmEngineStub(dc)
+
+
+def _req(ids, rid="pd", stream=False, params=None, **sp) -> vpb.GenerateRequest:
+    r = vpb.GenerateRequest(request_id=rid, tokenized=vpb.TokenizedInput(input_ids=ids), stream=stream,
+                            sampling_params=vpb.SamplingParams(**sp))
+    if params is not None:
+        r.kv_transfer_params_json = params
+    return r
+
+
+def _prefill_leg(eng, ids, rid="pd") -> str:
+    """SMG's prefill leg (max_tokens 1, n 1, not streamed, EOS ignored): the params it relays."""
+    out = list(eng.Generate(_req(ids, rid, max_tokens=1, n=1, ignore_eos=True, temperature=0.0), timeout=60))
+    assert len(out) == 1 and out[0].complete.completion_tokens == 1
+    return out[0].complete.kv_transfer_params_json
+
+
+def _queried(srv) -> int:
+    """Prompt tokens the server looked up in its prefix cache: every new prompt it computes."""
+    with Client(srv.target) as c:
+        return c.stub.Loads(pb.LoadsRequest(model_id="tiny")).loads[0].prefix_queried_tokens
+
+
+def test_pd_handoff_the_decode_worker_computes_no_prompt(engine, pd_pair):
+    pre, dec, peng, deng = pd_pair
+    want = list(_gen(engine, ids=PD_PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)[0].complete.output_ids)
+    for stream in (False, True):
+        params = _prefill_leg(peng, PD_PROMPT, rid=f"pd-{stream}")
+        h = json.loads(params)["ferrum_kv"]
+        assert h["source"] == pre.target and h["num_tokens"] == len(PD_PROMPT) and h["model_id"] == "tiny"
+        assert pre.live_caches() == {"tiny": 1}  # kept for the decode worker
+        q0, p0 = _queried(dec), _queried(pre)
+        out = list(deng.Generate(_req(PD_PROMPT, f"pd-{stream}", stream=stream, params=params, max_tokens=8,
+                                      temperature=0.0, ignore_eos=True), timeout=60))
+        c = out[-1].complete
+        got = [t for o in out[:-1] for t in o.chunk.token_ids] if stream else list(c.output_ids)
+        assert got == want  # the pulled K/V give the same greedy answer as computing the prompt
+        assert c.prompt_tokens == len(PD_PROMPT) and c.cached_tokens == len(PD_PROMPT) - 1
+        assert _queried(dec) == q0  # no new prompt computed on the decode worker (only the last token)
+        assert _queried(pre) == p0
+        assert wait_no_live_caches(pre) == {"tiny": 0}  # freed once pulled
+        assert wait_no_live_caches(dec) == {"tiny": 0}
+
+
+def test_pd_handoff_that_cannot_be_pulled_computes_the_prompt(engine, server, pd_pair):
+    """A source that is not a configured peer (never dialled), a cache that is gone, a handoff of
+    another prompt, of another length: the decode worker computes the prompt and answers the same."""
+    pre, dec, peng, deng = pd_pair
+    other = [t + 200 for t in PD_PROMPT]
+    want = list(_gen(engine, ids=PD_PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True)[0].complete.output_ids)
+    good = json.loads(_prefill_leg(peng, other, rid="other"))["ferrum_kv"]  # a live handoff, of another prompt
+    cases = {
+        "not a peer": {**good, "source": server.target},
+        "gone": {**good, "cache_id": "no-such-cache"},
+        "another prompt": good,
+        "another length": {**good, "num_tokens": len(PD_PROMPT) + 1},
+        "another model": {**good, "model_id": "other"},
+    }
+    for name, h in cases.items():
+        q0 = _queried(dec)
+        out = list(deng.Generate(_req(PD_PROMPT, name, params=json.dumps({"ferrum_kv": h}), max_tokens=4,
+                                      temperature=0.0, ignore_eos=True), timeout=60))
+        c = out[-1].complete
+        assert list(c.output_ids) == want, name
+        assert _queried(dec) == q0 + len(PD_PROMPT), name  # computed here
+        assert wait_no_live_caches(dec) == {"tiny": 0}, name
+    assert wait_no_live_caches(pre) == {"tiny": 0}  # "another prompt" pulled (and dropped) the handoff
+
+
+def test_pd_handoff_nobody_pulls_expires(pd_pair):
+    pre, _dec, peng, _deng = pd_pair
+    pd = pre.server.vllm.pd
+    ttl, pd.ttl_s = pd.ttl_s, 0.5
+    try:
+        _prefill_leg(peng, PD_PROMPT, rid="orphan")
+        assert pre.live_caches() == {"tiny": 1} and pd.offered == 1
+        assert wait_no_live_caches(pre, timeout=10) == {"tiny": 0} and pd.offered == 0
+    finally:
+        pd.ttl_s = ttl
+    # a plain request (not a prefill leg: max_tokens 2) keeps nothing on a prefill server
+    out = list(peng.Generate(_req(PD_PROMPT, max_tokens=2, temperature=0.0, ignore_eos=True), timeout=60))
+    assert not out[-1].complete.HasField("kv_transfer_params_json")
+    assert pre.live_caches() == {"tiny": 0}
+
+
+@pytest.mark.parametrize("params", [
+    "not json", "[1, 2]", '{"do_remote_prefill": true, "remote_engine_id": "x", "remote_block_ids": [1]}',
+    '{"ferrum_kv": 1}', '{"ferrum_kv": {"source": "h:1", "model_id": "tiny", "cache_id": "c"}}',
+    '{"ferrum_kv": {"source": "h:1", "model_id": "tiny", "cache_id": "c", "num_tokens": true}}',
+    '{"ferrum_kv": {"source": "", "model_id": "tiny", "cache_id": "c", "num_tokens": 5}}',
+    '{"ferrum_kv": {"source": "h:1", "model_id": "tiny", "cache_id": "c", "num_tokens": 0}}',
+    '{"ferrum_kv": {"source": "' + "h" * 5000 + '", "model_id": "t", "cache_id": "c", "num_tokens": 5}}',
+])
+def test_pd_bad_transfer_params_are_invalid_argument(pd_pair, params):
+    pre, dec, _peng, deng = pd_pair
+    with pytest.raises(grpc.RpcError) as e:
+        list(deng.Generate(_req(PD_PROMPT, params=params, max_tokens=2), timeout=30))
+    assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT
+    assert "kv_transfer_params" in e.value.details()
+    assert dec.live_caches() == {"tiny": 0}
+
+
+def test_pd_legacy_and_n_samples_are_refused(pd_pair):
+    _pre, dec, _peng, deng = pd_pair
+    ours = json.dumps({"ferrum_kv": {"source": "h:1", "model_id": "tiny", "cache_id": "c", "num_tokens": 50}})
+    for req in [_req(PD_PROMPT, params=ours, max_tokens=2, n=2),
+                vpb.GenerateRequest(request_id="m", tokenized=vpb.TokenizedInput(input_ids=PD_PROMPT),
+                                    kv_transfer_params=vpb.KvTransferParams(remote_host="h", remote_port=1),
+                                    sampling_params=vpb.SamplingParams(max_tokens=2))]:
+        with pytest.raises(grpc.RpcError) as e:
+            list(deng.Generate(req, timeout=30))
+        assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT
+    assert dec.live_caches() == {"tiny": 0}
+
+
+def test_pd_handoff_of_another_caller_is_not_pulled(tiny_llama_dir):  # noqa: F811
+    """With bearer tokens, bob's decode leg naming alice's handoff cannot pull it (the pull runs
+    on bob's behalf: NOT_FOUND there), so it computes the prompt; alice's handoff stays for alice."""
+    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+
+    def ex():
+        return HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=4096)
+
+    auth = {"auth_tokens": ["alice", "bob"], "kv_peer_tokens": ["peer"]}
+    with InProcessServer([ex()], role="prefill", **auth) as pre, \
+            InProcessServer([ex()], role="decode", kv_peers=[pre.target], **auth) as dec, \
+            grpc.insecure_channel(pre.target) as pc, grpc.insecure_channel(dec.target) as dc:
+        peng, deng = vllm_engine_pb2_grpc.VllmEngineStub(pc), vllm_engine_pb2_grpc.VllmEngineStub(dc)
+        out = list(peng.Generate(_req(PD_PROMPT, max_tokens=1, n=1, ignore_eos=True, temperature=0.0),
+                                 metadata=_auth("alice"), timeout=60))
+        params = out[0].complete.kv_transfer_params_json
+        leg = _req(PD_PROMPT, params=params, max_tokens=3, temperature=0.0, ignore_eos=True)
+        c = list(deng.Generate(leg, metadata=_auth("bob"), timeout=60))[-1].complete
+        assert c.cached_tokens == 0 and c.completion_tokens == 3  # computed on the decode worker
+        assert pre.live_caches() == {"tiny": 1}  # alice's handoff is still there
+        c2 = list(deng.Generate(leg, metadata=_auth("alice"), timeout=60))[-1].complete
+        assert c2.cached_tokens == len(PD_PROMPT) - 1 and list(c2.output_ids) == list(c.output_ids)
+        assert wait_no_live_caches(pre) == {"tiny": 0} and wait_no_live_caches(dec) == {"tiny": 0}
+
+
+def test_pd_prefill_leg_on_a_model_that_cannot_export_keeps_nothing():
+    from ferrum_service.executors import ConfigurableModelExecutor
+
+    ex = ConfigurableModelExecutor.with_token_sequence(1000, [7], model_id="mock")
+    assert not ex.capabilities().supports_kv_transfer
+    with InProcessServer([ex], role="prefill") as srv, grpc.insecure_channel(srv.target) as ch:
+        eng = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+        out = list(eng.Generate(_req([1, 2, 3, 4], max_tokens=1, n=1, ignore_eos=True), timeout=30))
+        assert out[-1].complete.completion_tokens == 1
+        assert not out[-1].complete.HasField("kv_transfer_params_json")
+        assert wait_no_live_caches(srv) == {"mock": 0}

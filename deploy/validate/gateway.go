@@ -51,22 +51,36 @@ func checkGateway(g *appsv1.Deployment, workers []*appsv1.Deployment, objs []Obj
 	if _, ok := flag("--service-discovery"); !ok {
 		fail("--service-discovery is missing")
 	}
-	// The selector: the values after --selector up to the next flag.
-	selector := map[string]string{}
-	for i, a := range c.Args {
-		if a != "--selector" {
-			continue
-		}
-		for _, kv := range c.Args[i+1:] {
-			if len(kv) > 1 && kv[:2] == "--" {
-				break
-			}
-			k, v, ok := cut(kv, "=")
-			if !ok {
-				fail("--selector entry %q is not key=value", kv)
+	// A selector: the values after its flag up to the next flag.
+	selectorArg := func(name string) map[string]string {
+		sel := map[string]string{}
+		for i, a := range c.Args {
+			if a != name {
 				continue
 			}
-			selector[k] = v
+			for _, kv := range c.Args[i+1:] {
+				if len(kv) > 1 && kv[:2] == "--" {
+					break
+				}
+				k, v, ok := cut(kv, "=")
+				if !ok {
+					fail("%s entry %q is not key=value", name, kv)
+					continue
+				}
+				sel[k] = v
+			}
+		}
+		return sel
+	}
+	selector := selectorArg("--selector")
+	if _, pd := flag("--pd-disaggregation"); pd {
+		// SMG's PD mode: one selector per role, each finding that role's pods and not the other's.
+		errs = append(errs, checkPDRoles(g.Name, selectorArg, workers)...)
+		selector = map[string]string{}
+		for k, v := range selectorArg("--prefill-selector") {
+			if selectorArg("--decode-selector")[k] == v {
+				selector[k] = v // what both selectors share: it must find every worker (below)
+			}
 		}
 	}
 	if len(selector) == 0 {
@@ -78,7 +92,7 @@ func checkGateway(g *appsv1.Deployment, workers []*appsv1.Deployment, objs []Obj
 	}
 	for _, w := range workers {
 		if !ws.Matches(labels.Set(w.Spec.Template.Labels)) {
-			fail("--selector %v does not match the pods of worker Deployment %s", selector, w.Name)
+			fail("selector %v does not match the pods of worker Deployment %s", selector, w.Name)
 		}
 		wsel, _ := metav1.LabelSelectorAsSelector(w.Spec.Selector)
 		if wsel != nil && !wsel.Empty() && wsel.Matches(podLabels) {
@@ -95,7 +109,7 @@ func checkGateway(g *appsv1.Deployment, workers []*appsv1.Deployment, objs []Obj
 		}
 	}
 	if ws.Matches(podLabels) {
-		fail("--selector matches the gateway's own pods")
+		fail("selector %v matches the gateway's own pods", selector)
 	}
 	if v, _ := flag("--service-discovery-namespace"); v == "" || v != g.Namespace && g.Namespace != "" {
 		fail("--service-discovery-namespace must be the release namespace, got %q", v)
@@ -230,4 +244,85 @@ func cut(s, sep string) (string, string, bool) {
 		}
 	}
 	return s, "", false
+}
+
+// checkPDRoles: in SMG's PD mode (--pd-disaggregation) the --prefill-selector finds exactly the
+// prefill workers (--role prefill) and the --decode-selector exactly the decode workers; a prefill
+// pod advertises the address decode pods pull its KV from ($(POD_IP) from status.podIP, on its gRPC
+// port) and a decode pod names its KV peers (--kv-peer).
+func checkPDRoles(name string, selectorArg func(string) map[string]string, workers []*appsv1.Deployment) []error {
+	var errs []error
+	fail := func(format string, a ...any) {
+		errs = append(errs, fmt.Errorf("gateway %s: "+format, append([]any{name}, a...)...))
+	}
+	roleOf := func(w *appsv1.Deployment) string {
+		if len(w.Spec.Template.Spec.Containers) != 1 {
+			return ""
+		}
+		args := w.Spec.Template.Spec.Containers[0].Args
+		for i, a := range args {
+			if a == "--role" && i+1 < len(args) {
+				return args[i+1]
+			}
+		}
+		return ""
+	}
+	for _, role := range []string{"prefill", "decode"} {
+		sel := selectorArg("--" + role + "-selector")
+		if len(sel) == 0 {
+			fail("--%s-selector names no labels", role)
+			continue
+		}
+		found := 0
+		for _, w := range workers {
+			match := labels.SelectorFromSet(sel).Matches(labels.Set(w.Spec.Template.Labels))
+			switch r := roleOf(w); {
+			case r == role && !match:
+				fail("--%s-selector %v does not match the pods of %s worker Deployment %s", role, sel, r, w.Name)
+			case r != role && match:
+				fail("--%s-selector %v matches the pods of worker Deployment %s (role %q)", role, sel, w.Name, r)
+			case match:
+				found++
+			}
+		}
+		if found == 0 {
+			fail("no --role %s worker Deployment for --%s-selector", role, role)
+		}
+	}
+	for _, w := range workers {
+		if len(w.Spec.Template.Spec.Containers) != 1 {
+			continue
+		}
+		c := w.Spec.Template.Spec.Containers[0]
+		switch roleOf(w) {
+		case "prefill":
+			grpc := int32(0)
+			for _, p := range c.Ports {
+				if p.Name == "grpc" {
+					grpc = p.ContainerPort
+				}
+			}
+			adv := ""
+			for i, a := range c.Args {
+				if a == "--advertise-address" && i+1 < len(c.Args) {
+					adv = c.Args[i+1]
+				}
+			}
+			podIP := false
+			for _, e := range c.Env {
+				if e.Name == "POD_IP" && e.ValueFrom != nil && e.ValueFrom.FieldRef != nil &&
+					e.ValueFrom.FieldRef.FieldPath == "status.podIP" {
+					podIP = true
+				}
+			}
+			if adv != fmt.Sprintf("$(POD_IP):%d", grpc) || !podIP {
+				fail("prefill worker %s must advertise $(POD_IP):%d (POD_IP from status.podIP), got %q", w.Name, grpc, adv)
+			}
+		case "decode":
+			if !argsContain(c.Args, "--kv-peer") {
+				fail("decode worker %s names no --kv-peer to pull prompts' KV from", w.Name)
+			}
+		}
+	}
+	return errs
 }

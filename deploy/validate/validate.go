@@ -25,6 +25,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 	kjson "sigs.k8s.io/json"
 	kustomizetypes "sigs.k8s.io/kustomize/api/types"
 	"sigs.k8s.io/yaml"
@@ -93,6 +94,8 @@ func newTyped(apiVersion, kind string) any {
 		return &rbacv1.Role{}
 	case "rbac.authorization.k8s.io/v1/RoleBinding":
 		return &rbacv1.RoleBinding{}
+	case "inference.networking.k8s.io/v1/InferencePool":
+		return &infv1.InferencePool{}
 	case "monitoring.coreos.com/v1/ServiceMonitor":
 		return &monitoringv1.ServiceMonitor{}
 	case "kustomize.config.k8s.io/v1beta1/Kustomization", "kustomize.config.k8s.io/v1alpha1/Component":

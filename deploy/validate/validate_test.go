@@ -1,11 +1,13 @@
 package validate
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	appsv1 "k8s.io/api/apps/v1"
 	"sigs.k8s.io/kustomize/api/krusty"
 	"sigs.k8s.io/kustomize/kyaml/filesys"
 )
@@ -109,6 +111,7 @@ func TestHelmRendered(t *testing.T) {
 		{"no-metrics.yaml", Expect{}},
 		{"roles.yaml", Expect{Metrics: true, Roles: true}},
 		{"gateway.yaml", Expect{Metrics: true, Gateway: true}},
+		{"gateway-roles.yaml", Expect{Metrics: true, Roles: true, Gateway: true}},
 	}
 	for _, c := range cases {
 		t.Run(strings.TrimSuffix(c.file, ".yaml"), func(t *testing.T) {
@@ -219,20 +222,32 @@ func TestGatewayBrokenFails(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	pd, err := os.ReadFile(filepath.Join(dir, "gateway-roles.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
 	cases := []struct{ name, from, to, want string }{
 		{"selector misses the workers", `"app.kubernetes.io/component=model-executor"`, `"app.kubernetes.io/component=nothing"`, "does not match the pods"},
+		// SMG's PD mode over the two roles (gateway-roles.yaml)
+		{"pd: prefill selector finds the decode pods", `"ferrum.io/role=prefill"`, `"ferrum.io/role=decode"`, "--prefill-selector"},
+		{"pd: prefill advertises no pod address", `"$(POD_IP):50051"`, `"localhost:50051"`, "must advertise"},
+		{"pd: decode names no peer", "- --kv-peer\n", "- --kv-peers\n", "--kv-peer"},
 		{"no watch on pods", `verbs: ["get", "list", "watch"]`, `verbs: ["get", "list"]`, "get, list and watch pods"},
 		{"wrong discovery port", "- --service-discovery-port\n            - \"50051\"", "- --service-discovery-port\n            - \"80\"", "gRPC port"},
 		{"wrong backend", "- --backend\n            - vllm", "- --backend\n            - sglang", "--backend must be vllm"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			bad := strings.Replace(string(good), c.from, c.to, 1)
-			if bad == string(good) {
+			src, want := good, Expect{Metrics: true, Gateway: true}
+			if strings.HasPrefix(c.name, "pd:") {
+				src, want = pd, Expect{Metrics: true, Gateway: true, Roles: true}
+			}
+			bad := strings.Replace(string(src), c.from, c.to, 1)
+			if bad == string(src) {
 				t.Fatalf("the rendering has no %q to break", c.from)
 			}
 			objs := decodeOK(t, "helm:gateway-broken.yaml", []byte(bad))
-			errs := Check(objs, Expect{Metrics: true, Gateway: true})
+			errs := Check(objs, want)
 			found := false
 			for _, e := range errs {
 				if strings.Contains(e.Error(), c.want) {
@@ -241,6 +256,75 @@ func TestGatewayBrokenFails(t *testing.T) {
 			}
 			if !found {
 				t.Fatalf("no error mentions %q: %v", c.want, errs)
+			}
+			t.Logf("rejected as expected: %v", errs[0])
+		})
+	}
+}
+
+// deploy/llm-d: the InferencePool and its endpoint picker, decoded strictly (the pool into
+// gateway-api-inference-extension's api/v1 type) and checked against the worker Deployments of the
+// plain manifests and, when rendered, of the Helm chart (release ferrum-service); then broken
+// variants, each of which must be refused.
+func TestLlmdInferencePool(t *testing.T) {
+	file := filepath.Join(root, "deploy", "llm-d", "inferencepool.yaml")
+	data, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	workersOf := func(objs []Object) []*appsv1.Deployment {
+		var out []*appsv1.Deployment
+		for _, o := range objs {
+			if d, ok := o.Obj.(*appsv1.Deployment); ok {
+				out = append(out, d)
+			}
+		}
+		return out
+	}
+	workers := workersOf(decodeOK(t, "kustomize:cpu", build(t, k8sDir("base"))))
+	if dir := os.Getenv("FERRUM_RENDERED"); dir != "" {
+		for _, f := range []string{"default.yaml", "gpu.yaml", "roles.yaml"} {
+			rendered, err := os.ReadFile(filepath.Join(dir, f))
+			if err != nil {
+				t.Fatal(err)
+			}
+			workers = append(workers, workersOf(decodeOK(t, "helm:"+f, rendered))...)
+		}
+	}
+	objs := decodeOK(t, file, data)
+	for _, e := range CheckInferencePool(objs, workers) {
+		t.Error(e)
+	}
+	t.Logf("%d objects validated against %d worker Deployments: %s", len(objs), len(workers), Summary(objs))
+
+	broken := []struct{ name, from, to, want string }{
+		{"http-app-protocol", "appProtocol: kubernetes.io/h2c", "appProtocol: http", "appProtocol"},
+		{"wrong-target-port", "- number: 50051", "- number: 8000", "targetPorts"},
+		{"misspelt-field", "targetPorts:", "targetPort:", "targetPort"},
+		{"selector-misses-workers", "app.kubernetes.io/component: model-executor", "app.kubernetes.io/component: worker", "does not match"},
+		{"openai-parser", "- type: vllmgrpc-parser", "- type: openai-parser", "vllmgrpc-parser"},
+		{"undeclared-plugin", "- pluginRef: prefix-cache-scorer", "- pluginRef: prefix-scorer", "does not declare"},
+		{"metrics-on-grpc-port", "port: 9090\n      - type: core-metrics-extractor", "port: 50051\n      - type: core-metrics-extractor", "metrics port"},
+		{"epp-ref-port", "number: 9002", "number: 9009", "port 9009"},
+		{"pool-name", "- --pool-name\n            - ferrum-service", "- --pool-name\n            - other", "--pool-name"},
+		{"no-pod-rbac", "resources: [\"pods\"]", "resources: [\"services\"]", "ServiceAccount"},
+	}
+	for _, b := range broken {
+		t.Run("broken-"+b.name, func(t *testing.T) {
+			if !strings.Contains(string(data), b.from) {
+				t.Fatalf("the manifest no longer has %q", b.from)
+			}
+			bad := strings.Replace(string(data), b.from, b.to, 1)
+			objs, errs := DecodeAll(b.name, []byte(bad))
+			if len(errs) == 0 {
+				errs = CheckInferencePool(objs, workers)
+			}
+			if len(errs) == 0 {
+				t.Fatal("accepted")
+			}
+			all := fmt.Sprint(errs)
+			if !strings.Contains(all, b.want) {
+				t.Fatalf("refused, but not for %q: %v", b.want, all)
 			}
 			t.Logf("rejected as expected: %v", errs[0])
 		})

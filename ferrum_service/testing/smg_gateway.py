@@ -32,14 +32,24 @@ def gateway_venv() -> Path:
 
 
 class Gateway:
-    """``smg launch --backend vllm --worker-urls grpc://...`` on free ports until ``stop()``."""
+    """``smg launch --backend vllm --worker-urls grpc://...`` on free ports until ``stop()``; with
+    ``decode`` workers, SMG's prefill/decode mode (``workers`` are then the prefill workers)."""
 
-    def __init__(self, venv: Path, workers: list[str], policy: str = "cache_aware", extra: list[str] = ()) -> None:
+    def __init__(self, venv: Path, workers: list[str], policy: str = "cache_aware", extra: list[str] = (),
+                 decode: list[str] = ()) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
         self.log_path = Path(tempfile.gettempdir()) / f"ferrum-test-smg-{self.port}.log"
-        self.cmd = [str(venv / "bin" / "smg"), "launch", "--backend", "vllm", "--worker-urls",
-                    *[f"grpc://{w}" for w in workers], "--host", "127.0.0.1", "--port", str(self.port),
+        if decode:
+            urls = ["--pd-disaggregation"]
+            for w in workers:
+                urls += ["--prefill", f"grpc://{w}"]
+            for w in decode:
+                urls += ["--decode", f"grpc://{w}"]
+        else:
+            urls = ["--worker-urls", *[f"grpc://{w}" for w in workers]]
+        self.cmd = [str(venv / "bin" / "smg"), "launch", "--backend", "vllm", *urls,
+                    "--host", "127.0.0.1", "--port", str(self.port),
                     "--prometheus-port", str(self.metrics_port), "--policy", policy, "--log-level", "info", *extra]
         self.proc: subprocess.Popen | None = None
 

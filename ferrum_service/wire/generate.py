@@ -126,12 +126,23 @@ class _Sample:
 
 
 async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRequest, owner: str,
-                   state: StreamState, migrations: "Migrations | None" = None) -> AsyncIterator[pb.GenerateResponse]:
+                   state: StreamState, migrations: "Migrations | None" = None, *,
+                   reserve_output: int = 0, adopt_cache: bool = False) -> AsyncIterator[pb.GenerateResponse]:
     """Run one generation; yields ``GenerateResponse`` events. ``state.aborted`` (``Abort``) stops
     it at the next step with CANCELLED; ``state.move_to`` moves it to a peer at the next step
-    boundary (``migration.py``). With ``req.resume_token``, a stream a peer moved here goes on."""
+    boundary (``migration.py``). With ``req.resume_token``, a stream a peer moved here goes on.
+
+    KV for the prompt and all of ``stop.max_tokens`` is reserved up front, so a stream never runs
+    out mid-way. With ``reserve_output`` > 0 (and below ``max_tokens``), only the prompt and that
+    many output tokens are reserved; past them each step grows the cache by what it writes, and a
+    step the KV budget cannot admit ends the stream with ``FINISH_REASON_LENGTH`` (its output is
+    as long as the worker's KV allowed; the cache is freed as at any end).
+
+    With ``adopt_cache``, the stream takes ``req.cache_id`` over (a cache imported for it): it is
+    freed when the stream ends, as a cache the stream made."""
     if not req.resume_token:
-        async for ev in _generate(models, checks, req, owner, state, migrations, None):
+        async for ev in _generate(models, checks, req, owner, state, migrations, None, reserve_output,
+                                  adopt_cache):
             yield ev
         return
     if migrations is None:
@@ -146,8 +157,8 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
 
 
 async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRequest, owner: str,
-                    state: StreamState, migrations: "Migrations | None", parked: "Parked | None"
-                    ) -> AsyncIterator[pb.GenerateResponse]:
+                    state: StreamState, migrations: "Migrations | None", parked: "Parked | None",
+                    reserve_output: int = 0, adopt_cache: bool = False) -> AsyncIterator[pb.GenerateResponse]:
     t_start = time.perf_counter_ns()
     state.unmovable = "the stream has not sent its first token yet"
     host = models.get(req.model_id)
@@ -188,6 +199,9 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
     resumed = len(parked.generated) if parked is not None else 0
     total = prior + len(prompt) + max_tokens - resumed + (1 if resumed else 0)
     checks.check_length(host, total, "stop.max_tokens")
+    # What is reserved up front (all of it unless the caller lets the cache grow: see generate())
+    grows = 0 < reserve_output < max_tokens - resumed
+    reserve = prior + len(prompt) + reserve_output if grows else total
     if prompt:
         checks.plan(host, [StepRow(entry, prompt, Want.LAST, policy)], "token_ids" if req.token_ids.token_ids else "prompt")
     await checks.compile(host, [(sp, "sampling.constraint")])
@@ -201,6 +215,8 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
     finished = [0]  # GenerateFinished events yielded (all n of them: the stream ended normally)
     prompt_count = parked.prompt_tokens if parked is not None else prior + len(prompt)
     try:
+        if adopt_cache and cache_id and parked is None:  # handed to this stream: freed at its end
+            created.append(cache_id)
         if parked is not None:  # the migrated cache is this stream's now: freed at its end
             created.append(cache_id)
             parked.adopted = True
@@ -217,11 +233,11 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
                 cached = 0
                 if prompt:
                     inp = PrefillInput(token_ids=prompt, cache_id=cache_id, policy=policy,
-                                       reserve_tokens=total if not cache_id else 0, request_id=req.request_id,
+                                       reserve_tokens=reserve if not cache_id else 0, request_id=req.request_id,
                                        cache_salt=salt, bypass_prefix_cache=req.bypass_prefix_cache,
                                        adapter=adapter)
                     if cache_id:
-                        admit(host, field="stop.max_tokens", grow=[(reg.get(cache_id), total)])
+                        admit(host, field="stop.max_tokens", grow=[(reg.get(cache_id), reserve)])
                     out, row = await host.batcher.prefill(inp)
                     cached = out.cached
                     if not cache_id:
@@ -231,7 +247,7 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
                         checks.adopt(reg.get(cache_id), "" if req.keep_cache else owner)
                     handle = out.cache
                 else:
-                    admit(host, field="stop.max_tokens", grow=[(reg.get(cache_id), total)])
+                    admit(host, field="stop.max_tokens", grow=[(reg.get(cache_id), reserve)])
                     row = await host.batcher.decode(
                         DecodeInput(cache_id=cache_id, token_id=req.last_token_id, policy=policy)
                     )
@@ -244,7 +260,7 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
                         for t in parked.generated:
                             s0.detok.push(t)
                 if n > 1:
-                    samples += await _fork_samples(host, checks, samples[0], prompt, n, total, owner, req, created,
+                    samples += await _fork_samples(host, checks, samples[0], prompt, n, reserve, owner, req, created,
                                                    detokenizer, salt, adapter)
             yield pb.GenerateResponse(started=pb.GenerateStarted(
                 cache=handle_pb(handle), prompt_tokens=prompt_count, request_id=req.request_id, cached_tokens=cached,
@@ -286,7 +302,7 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
                 if spec is not None:
                     s.drafter = speculation.NgramDrafter(spec, reg.get(s.cache_id).tokens)
                 async for ev in _decode_loop(host, req, state, s, pipeline, max_tokens, stop_ids, eos_ids,
-                                             mover if not state.unmovable else None):
+                                             mover if not state.unmovable else None, grows):
                     yield ev
                 if not pipeline:
                     await _drop_unfed(host, s, prior + (len(prompt) if prompt else 1))
@@ -359,9 +375,12 @@ async def _fork_samples(host, checks, first: _Sample, prompt: list[int], n: int,
 
 
 async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool, max_tokens: int,
-                       stop_ids: set[int], eos_ids: set[int], mover=None) -> AsyncIterator[pb.GenerateResponse]:
+                       stop_ids: set[int], eos_ids: set[int], mover=None, grows: bool = False
+                       ) -> AsyncIterator[pb.GenerateResponse]:
     """One sample's tokens, one ``TokenEvent`` each, until a stop condition (``s.finish``) or a
-    move (``mover``, asked for by ``state.move_to``: at a step boundary, with no step queued)."""
+    move (``mover``, asked for by ``state.move_to``: at a step boundary, with no step queued).
+    With ``grows`` (the cache was not reserved for all of ``max_tokens``), a step the KV budget
+    cannot admit ends the sample with ``FINISH_REASON_LENGTH``."""
     row = s.row
     pending: asyncio.Task | None = None
     try:
@@ -414,10 +433,17 @@ async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool
                     s.migrated = True
                     yield pb.GenerateResponse(migrated=moved)
                     return
-            if pending is not None:
-                row, pending = await pending, None
-            else:
-                row = await host.batcher.decode(nxt)
+            try:
+                if pending is not None:
+                    row, pending = await pending, None
+                else:
+                    row = await host.batcher.decode(nxt)
+            except errors.FerrumError as e:
+                pending = None
+                if not grows or e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                s.finish = pb.FINISH_REASON_LENGTH  # the KV this worker has left ends the output
+                return
     finally:
         if pending is not None:  # the stream ended with a step queued: drop it
             pending.cancel()

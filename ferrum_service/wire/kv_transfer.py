@@ -42,7 +42,7 @@ import collections
 import concurrent.futures
 import time
 import zlib
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -103,6 +103,9 @@ class KvTransfer:
         # writes (its abort) runs after them.
         self._io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer")
         self._aborts: set[asyncio.Task] = set()
+        #: Called with (model id, cache id) once an export has sent its last chunk (the vLLM
+        #: protocol's PD handoff frees a prefill's cache after its one pull: ``vllm_pd.py``).
+        self.on_exported: Callable[[str, str], None] | None = None
 
     @staticmethod
     def _require(host) -> None:
@@ -202,6 +205,8 @@ class KvTransfer:
                     if self.metrics is not None:
                         self.metrics.kv_transfer_bytes.labels(host.model_id, "export").inc(
                             sum(len(x.chunk.key) + len(x.chunk.value) for x in msgs))
+                if self.on_exported is not None:
+                    self.on_exported(host.model_id, req.cache_id)
             finally:
                 if not nxt.done():
                     nxt.cancel()
@@ -229,6 +234,8 @@ class KvTransfer:
                                                            checksum=checksum(piece, b"")))
             if self.metrics is not None:
                 self.metrics.kv_transfer_bytes.labels(host.model_id, "export").inc(len(blob))
+            if self.on_exported is not None:
+                self.on_exported(host.model_id, req.cache_id)
 
     # ---- import ---------------------------------------------------------------------------------
     async def import_(self, requests: AsyncIterator[pb.ImportKvRequest], metadata) -> pb.ImportKvResponse:

@@ -11,9 +11,10 @@ of the BERT executor, ``Abort`` the stream registry's abort, ``GetTokenizer``
 model on this protocol (it has no model field): the first hosted model that generates, else the
 first one. Errors leave with the status the vLLM servicer answers: what a request asks that our
 executors cannot do (frequency / presence penalties, logit_bias, min_tokens, prompt logprobs,
-structural tags, multimodal inputs, vLLM's KV-connector parameters, a DP rank) is
+structural tags, multimodal inputs, vLLM's own KV-connector parameters, a DP rank) is
 INVALID_ARGUMENT naming the field, as vLLM refuses a parameter its engine rejects; profiling is
-UNIMPLEMENTED. docs/operating.md ("The vLLM engine protocol") has the full mapping.
+UNIMPLEMENTED. SMG's prefill/decode mode hands KV over through our ``ExportKv`` / ``ImportKv``
+(:mod:`.vllm_pd`). docs/operating.md ("The vLLM engine protocol") has the full mapping.
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ from ..core import errors
 from ..core.callers import enter_call
 from ..core.modes import ExecutorState
 from .convert import check_tokens, pb, tpb
+from .generate import DEFAULT_MAX_TOKENS as DEFAULT_GENERATE_MAX_TOKENS
 from .generate import generate
 from .metrics import kv_usage, requests_of
 from .tokenizer_bundle import tokenizer_zip
 from .vllm_kv_events import BlockEventRelay
+from .vllm_pd import PdHandoffs
+from .vllm_pd import parse as parse_handoff
 
 if TYPE_CHECKING:
     from ..hosting.host import ModelHost
@@ -47,10 +51,12 @@ if TYPE_CHECKING:
 log = structlog.get_logger("ferrum_service.wire.vllm_engine")
 
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
-#: ``max_tokens`` when the request leaves it unset (vLLM: the rest of the context). Capped, because
-#: ``Generate`` reserves KV for prompt + max_tokens up front: a whole context per request would
-#: leave room for one request at a time on a worker whose KV budget is one context.
-DEFAULT_MAX_TOKENS = 1024
+#: Output tokens reserved up front for a request that leaves ``max_tokens`` unset (which, as in
+#: vLLM, means the rest of the model's context): as many as the contract's ``Generate`` reserves
+#: by default. Reserving the whole context would admit one such request at a time on a worker whose
+#: KV budget is one context; past the reservation the cache grows step by step, and a step the KV
+#: budget cannot admit ends the output with finish reason "length" (``generate(reserve_output=)``).
+UNSET_MAX_TOKENS_RESERVE = DEFAULT_GENERATE_MAX_TOKENS
 CHUNK_BYTES = 64 * 1024  # GetTokenizer chunk (the size SMG's client expects)
 _FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop",
            pb.FINISH_REASON_CANCELLED: "abort", pb.FINISH_REASON_ERROR: "error"}
@@ -68,6 +74,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.started = time.time()
         self.last_request = 0.0
         self._tokenizer_zip: asyncio.Task | None = None
+        self.pd = PdHandoffs(executor_servicer)  # SMG's PD mode: vllm_pd.py
 
     @property
     def host(self) -> "ModelHost":
@@ -82,6 +89,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             self.relay.start()
 
     async def close(self) -> None:
+        self.pd.close()
         await self.relay.close()
 
     # ---- Generate ---------------------------------------------------------------------------------
@@ -95,7 +103,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             try:
                 async with self.s._answer("VllmEngine.Generate", context, request):
                     req, stop_ids = await self._request(request)
-                    async for out in self._responses(request, req, stop_ids, owner, state):
+                    handoff = parse_handoff(request)
+                    async for out in self._responses(request, req, stop_ids, owner, state, handoff,
+                                                     context.invocation_metadata()):
                         if out.WhichOneof("response") == "chunk":
                             tokens += len(out.chunk.token_ids)
                         yield out
@@ -136,8 +146,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if sp.max_tokens < 1:
                 raise errors.invalid("max_tokens must be >= 1", field="sampling_params.max_tokens")
             max_tokens = sp.max_tokens
-        else:
-            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, ctx - len(ids)))
+        else:  # the rest of the context (a registry's per-request ceiling may make it shorter)
+            limit = host.executor.registry.sequence_limit(ctx)
+            max_tokens = limit - len(ids) if limit else UNSET_MAX_TOKENS_RESERVE
+            if max_tokens < 1:
+                raise errors.invalid(f"the prompt's {len(ids)} tokens leave no room in this model's {limit}-token "
+                                     "context", field="tokenized.input_ids", limit=limit)
         req = pb.GenerateRequest(model_id=host.model_id, request_id=v.request_id, sampling=_sampling(sp),
                                  n=max(1, sp.n))
         req.token_ids.token_ids.extend(ids)
@@ -154,10 +168,39 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return req, set(stop_ids)
 
     async def _responses(self, v: vpb.GenerateRequest, req: pb.GenerateRequest, stop_ids: set[int], owner: str,
-                         state) -> AsyncIterator[vpb.GenerateResponse]:
+                         state, handoff=None, metadata=None) -> AsyncIterator[vpb.GenerateResponse]:
         """vLLM's answer: with ``stream`` a chunk per token and a Complete per sample when it ends
         (carrying the last chunk's token, as vLLM's delta outputs do); without, one Complete per
-        sample, all at the end, in sample order."""
+        sample, all at the end, in sample order. A PD prefill leg keeps its cache and names it in
+        ``kv_transfer_params_json``; a decode leg given one pulls it first (``vllm_pd.py``)."""
+        host = self.host
+        grow = 0 if v.sampling_params.HasField("max_tokens") else UNSET_MAX_TOKENS_RESERVE
+        imported = ""
+        if handoff is not None:
+            ids = list(req.token_ids.token_ids)
+            imported = await self.pd.pull(host, handoff, ids, len(ids) + (grow or req.stop.max_tokens), metadata)
+            if imported:  # the stream computes the last prompt token only, on the pulled cache
+                req.cache_id = imported
+                del req.token_ids.token_ids[:-1]
+        offer = not imported and handoff is None and self.pd.offers(host, v)
+        req.keep_cache = offer
+        kept = ""
+        started = False
+        try:
+            async for out in self._events(v, req, stop_ids, owner, state, grow, imported, offer):
+                if isinstance(out, str):
+                    started, kept = True, out
+                    continue
+                yield out
+        finally:
+            if imported and not started:  # refused before the stream took the pulled cache over
+                host.release_soon(imported, "reclaimed")
+            if offer and kept and not self.pd.is_offered(kept):  # a prefill leg that did not finish
+                host.release_soon(kept, "reclaimed")
+
+    async def _events(self, v: vpb.GenerateRequest, req: pb.GenerateRequest, stop_ids: set[int], owner: str,
+                      state, grow: int, imported: str, offer: bool):
+        """The responses of :meth:`_responses`, after a str: the stream's cache id once it started."""
         want_lp = v.sampling_params.HasField("logprobs")
         top = req.top_logprobs
         prompt_tokens = cached = 0
@@ -165,10 +208,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         lps: dict[int, vpb.OutputLogProbs] = {}
         last: dict[int, pb.TokenEvent] = {}
         done: list[vpb.GenerateResponse] = []
-        async for ev in generate(self.models, self.s.ops.checks, req, owner, state):
+        async for ev in generate(self.models, self.s.ops.checks, req, owner, state, reserve_output=grow,
+                                 adopt_cache=bool(imported)):
             kind = ev.WhichOneof("event")
             if kind == "started":
                 prompt_tokens, cached = ev.started.prompt_tokens, ev.started.cached_tokens
+                if imported:  # the pulled tokens were not computed here
+                    cached += prompt_tokens - 1
+                yield ev.started.cache.cache_id
             elif kind == "token":
                 t = ev.token
                 i = t.sample_index
@@ -188,6 +235,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 ids = out_ids.get(i, [])
                 c = vpb.GenerateComplete(finish_reason=_FINISH.get(f.finish_reason, "stop"),
                                          prompt_tokens=prompt_tokens, cached_tokens=cached, index=i)
+                if offer and f.HasField("cache") and prompt_tokens > 1:
+                    handoff = await self.pd.offer(self.host, f.cache.cache_id, prompt_tokens)
+                    if handoff is not None:
+                        c.kv_transfer_params_json = handoff.to_json()
                 if f.finish_reason == pb.FINISH_REASON_STOP:
                     if ids and ids[-1] in stop_ids:
                         c.matched_token_id = ids[-1]
@@ -356,8 +407,6 @@ def _refuse_unsupported(v: vpb.GenerateRequest) -> None:
         (sp.WhichOneof("constraint") == "structural_tag", "sampling_params.structural_tag", "structural tags"),
         (v.HasField("mm_inputs") or len(v.extra_mm_inputs) > 0 or v.HasField("media_refs"), "mm_inputs",
          "multimodal inputs"),
-        (v.HasField("kv_transfer_params") or v.HasField("kv_transfer_params_json"), "kv_transfer_params",
-         "vLLM KV-connector transfer (ferrum-service hands KV over with ExportKv/ImportKv)"),
         (v.HasField("data_parallel_rank") and v.data_parallel_rank != 0, "data_parallel_rank",
          "data-parallel ranks (one rank per worker)"),
     ]
