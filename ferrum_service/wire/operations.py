@@ -361,7 +361,7 @@ class Operations:
         dtype = {tpb.DATA_TYPE_FP16: "fp16", tpb.DATA_TYPE_BF16: "bf16"}.get(req.logits_dtype, "fp32")
         width = host.info.vocab_size if host.supports_generation else host.info.hidden_size
         self.checks.plan(host, [StepRow(None, [0] * seq, Want.ALL) for _ in range(batch)], "input",
-                         response_bytes=batch * seq * width * (4 if dtype == "fp32" else 2))
+                         response_bytes=batch * seq * width * (4 if dtype == "fp32" else 2), raw=True)
         ids = np.frombuffer(t.data, dtype=np_dtype.newbyteorder("<")).reshape(batch, seq)
         bad = np.flatnonzero((ids < 0) | (ids >= host.vocab_size))
         if bad.size:

@@ -17,6 +17,7 @@ Every check raises a :class:`FerrumError` naming the field at fault.
 
 from __future__ import annotations
 
+import dataclasses
 import unicodedata
 from typing import TYPE_CHECKING, Callable, Iterable
 
@@ -148,13 +149,16 @@ class RequestChecks:
         return check_tokens(ids, host.vocab_size, field, allow_empty=allow_empty, max_len=self.token_limit(host))
 
     @staticmethod
-    def plan(host: "ModelHost", rows: list[StepRow], field: str, response_bytes: int | None = None) -> StepPlan:
+    def plan(host: "ModelHost", rows: list[StepRow], field: str, response_bytes: int | None = None,
+             *, raw: bool = False) -> StepPlan:
         """The step of ``rows``, checked against the model's per-step ceilings (INVALID_ARGUMENT:
         positions computed with padding, transient memory, rows, response size; see
         ``StepPlan.too_big``). ``response_bytes``: the answer's size when it is not the rows' own
-        outputs (the raw ``Forward``)."""
+        outputs. ``raw``: the rows are a raw ``Forward``'s batch (one tensor, not the executor's
+        sequences: its row limit does not apply)."""
         plan = StepPlan(rows, field)
-        plan.check(host.limits, host.executor, host.vocab_size, response_bytes)
+        limits = dataclasses.replace(host.limits, max_rows=0) if raw else host.limits
+        plan.check(limits, host.executor, host.vocab_size, response_bytes)
         return plan
 
     @staticmethod
