@@ -71,6 +71,8 @@ class ServerConfig:
     origin_idle_ttl: float = default("origin_idle_ttl")  # capped at cache_ttl; see leases.py
     max_queue: int = default("max_queue")
     speculation_draft_tokens: int = default("speculation_draft_tokens")  # speculation.py
+    prefill_chunk_tokens: int = default("prefill_chunk_tokens")  # batcher.py
+    prefill_tail_factor: float = default("prefill_tail_factor")  # batcher.py
     open_admin_rpcs: bool = default("open_admin_rpcs")
     max_step_bytes: int = default("max_step_bytes")
     max_text_bytes: int = default("max_text_bytes")
@@ -131,12 +133,16 @@ class Server:
             raise ValueError("max_queue must be >= 0 (0 = unbounded)")
         if cfg.speculation_draft_tokens < 0:
             raise ValueError("speculation_draft_tokens must be >= 0 (0 = off)")
+        if cfg.prefill_chunk_tokens < 1 or not (cfg.prefill_tail_factor == 0 or cfg.prefill_tail_factor > 1):
+            raise ValueError("prefill_chunk_tokens must be >= 1, prefill_tail_factor 0 (fixed chunks) or > 1")
         if min(cfg.max_caches, cfg.max_caches_per_caller, cfg.max_compile_seconds, cfg.stall_timeout) < 0:
             raise ValueError("max_caches, max_caches_per_caller, max_compile_seconds and stall_timeout must be >= 0")
         for host in models:
             cap_model(host, cfg.max_caches)
             host.max_queue = cfg.max_queue
             host.speculation_default = cfg.speculation_draft_tokens
+            host.batcher.prefill_tokens_per_step = cfg.prefill_chunk_tokens
+            host.batcher.tail_step_factor = cfg.prefill_tail_factor
             host.limits.max_step_bytes = cfg.max_step_bytes
             host.limits.max_response_bytes = cfg.max_message_bytes
             host.limits.max_text_bytes = cfg.max_text_bytes

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ..core import errors
 from ..core.kv_registry import CacheRegistry
 from ..core.sampling import RowResult
+from ..core.settings import default
 from ..core.steps import RowKind, RowOutput, StepPlan, StepRow, Want
 from ..core.types import DecodeInput, PrefillInput
 from .host import ModelHost
@@ -68,7 +69,7 @@ class ContinuousBatcher:
     #: Prompt tokens one batched step may take on top of the running streams' decode tokens. New
     #: prompts join the running batch (one forward for both) up to this many tokens per step, so a
     #: burst of new streams delays the running ones by a bounded amount per step.
-    prefill_tokens_per_step = 512
+    prefill_tokens_per_step = default("prefill_chunk_tokens")
     #: Longest wait (seconds) for streams of the previous batch to resubmit before a batch runs.
     straggler_wait_s = 0.005
     #: Adaptive prompt budget: while streams are decoding, the prompt tokens a step takes are sized
@@ -76,7 +77,7 @@ class ContinuousBatcher:
     #: (within [:attr:`min_prompt_tokens`, :attr:`prefill_tokens_per_step`]); a burst of arriving
     #: prompts then stretches the running streams' inter-token latency by this factor at most,
     #: instead of by a whole budget of prefill. 0 = a fixed budget of :attr:`prefill_tokens_per_step`.
-    tail_step_factor = 2.0
+    tail_step_factor = default("prefill_tail_factor")
     min_prompt_tokens = 16
     #: Weight of the newest measurement in the cost averages.
     cost_smoothing = 0.25
