@@ -225,7 +225,7 @@ def test_masks_during_the_forward_equal_masks_after_it(server, monkeypatch):
         return p
 
     monkeypatch.setenv("FERRUM_GUIDED_OVERLAP", "1")
-    monkeypatch.setattr("ferrum_service.hosting.host.prepare_masks", counting)
+    monkeypatch.setattr("ferrum_service.core.steps.prepare_masks", counting)
     # One at a time (same batches), each prompt computed whole: a prompt partly served from the
     # prefix cache (kept or evicted by the module's earlier tests) is computed in a smaller batch,
     # whose float sums differ in the last bits, and a seeded sample at a near-tie can flip.
