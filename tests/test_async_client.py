@@ -306,7 +306,7 @@ def test_async_session_steps_like_the_sync_session_and_frees_its_caches(fresh_se
 
 # ---- a real model: steps, tokenizer, forward, unified decode -------------------------------------
 def test_async_steps_on_a_tiny_model_match_the_sync_client(tiny_llama_dir):  # noqa: F811
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     lm = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=4096)
     prompt = [5, 17, 42]

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from ferrum_client import AsyncClient, Client, FerrumRpcError, messages as m, pb
-from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+from ferrum_service.executors.transformers import HfCausalLmExecutor
 from ferrum_service.testing.tiny_models import build_tiny_llama
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture

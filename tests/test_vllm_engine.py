@@ -30,7 +30,7 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):  # noqa: F811
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=8192)
     with InProcessServer([ex]) as srv:

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 from ferrum_client.prefix_keys import ALGORITHM, EXTRA_KEYS, SEED, block_key, chain_root
 
-from .prefix_cache import PrefixStats
+from ..base import PrefixStats
 
 #: Tokens per keyed block (the recipe's block size for this executor family).
 BLOCK = 16
