@@ -108,6 +108,9 @@ async def scenario(d) -> list:
     info = await d.call("info")
     assert [x.model_id for x in info.models] == ["mock", "eos", "perseq", "stub"]
     rec.append([(x.model_id, x.vocab_size) for x in info.models])
+    # any RPC by name with a request built by hand: the same answer as its helper
+    raw = await d.call("call", "Info", pb.InfoRequest(model_id="eos"), timeout=10)
+    assert [x.model_id for x in raw.models] == ["eos"] and raw.models[0] == info.models[1]
     caps = await d.call("capabilities", "mock")
     assert caps.max_batch_size == 256 and caps.supports_generation
     rec.append(caps)
