@@ -17,7 +17,7 @@ REPETITIVE_TEXT = (
 
 
 def load_smollm2(dtype: str = "auto"):
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
     from ferrum_service.hosting.packaged_models import smollm2_gguf
 
     d, f = smollm2_gguf()
@@ -119,7 +119,7 @@ def weight_bytes(model) -> int:
     """Bytes of weights read by one decode step: every parameter and int8 weight buffer once. The
     input embedding counts only when it is also the LM head (tied): a lookup alone reads one row
     per token."""
-    from ferrum_service.executors.int8_weights import Int8WeightOnlyLinear
+    from ferrum_service.executors.transformers.int8_weights import Int8WeightOnlyLinear
 
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings()

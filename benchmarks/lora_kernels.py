@@ -3,7 +3,7 @@ grouped per-row LoRA matmul, whichever measures better"): one decode step of 8 s
 (fp32, CPU), 2 sequences on each of 4 random rank-16 adapters on every linear layer, against the
 same step with no adapters, for three ways of applying them:
 
-- ``stacked`` (what the server does, ``executors/lora.py``): per module ``x @ A_cat``, a rank-column
+- ``stacked`` (what the server does, ``executors/transformers/lora.py``): per module ``x @ A_cat``, a rank-column
   mask, ``@ B_cat`` over the step's adapters stacked;
 - ``grouped``: per module and adapter, gather the adapter's rows, two matmuls, scatter them back
   (the same hooks with ``LoraStep.apply`` replaced for this measurement);
@@ -65,7 +65,7 @@ def _grouped_apply(self, name, x, y):
 class Ours:
     def __init__(self, adapters: Path) -> None:
         from ferrum_service.executors import lora
-        from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+        from ferrum_service.executors.transformers import HfCausalLmExecutor
         from ferrum_service.hosting.packaged_models import smollm2_gguf
 
         d, f = smollm2_gguf()

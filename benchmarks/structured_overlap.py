@@ -29,7 +29,7 @@ def _load(spec: str):
 
     d, f = smollm2_gguf()
     if spec == "hf":
-        from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+        from ferrum_service.executors.transformers import HfCausalLmExecutor
 
         return HfCausalLmExecutor.from_path(str(d / f), model_id="smollm2", device="cpu")
     from ferrum_service.executors.llama_cpp import LlamaCppExecutor

@@ -47,14 +47,14 @@ def tiny_bert_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_llama_dir):
     """A shared tiny-Llama executor on CPU (tests release the caches they create)."""
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     return HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=16384)
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
     from .support.packaged import smollm2_gguf
 
     d, f = smollm2_gguf()

@@ -108,6 +108,9 @@ async def scenario(d) -> list:
     info = await d.call("info")
     assert [x.model_id for x in info.models] == ["mock", "eos", "perseq", "stub"]
     rec.append([(x.model_id, x.vocab_size) for x in info.models])
+    # any RPC by name with a request built by hand: the same answer as its helper
+    raw = await d.call("call", "Info", pb.InfoRequest(model_id="eos"), timeout=10)
+    assert [x.model_id for x in raw.models] == ["eos"] and raw.models[0] == info.models[1]
     caps = await d.call("capabilities", "mock")
     assert caps.max_batch_size == 256 and caps.supports_generation
     rec.append(caps)
@@ -306,7 +309,7 @@ def test_async_session_steps_like_the_sync_session_and_frees_its_caches(fresh_se
 
 # ---- a real model: steps, tokenizer, forward, unified decode -------------------------------------
 def test_async_steps_on_a_tiny_model_match_the_sync_client(tiny_llama_dir):  # noqa: F811
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     lm = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=4096)
     prompt = [5, 17, 42]

@@ -20,7 +20,7 @@ from .support.servers import InProcessServer
 
 @pytest.fixture
 def tiny_executor(tiny_llama_dir):  # noqa: F811
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     return HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=4096)
 
@@ -60,7 +60,7 @@ def test_a_prompt_too_costly_to_join_the_decodes_runs_alone_next(tiny_executor):
 
 def test_streams_stay_exact_when_prompts_are_split_from_the_decodes(tiny_llama_dir):  # noqa: F811
     """A small per-step ceiling forces the split; every stream still equals the same prompt alone."""
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=8192,
                                       max_batch_tokens=64)
@@ -76,7 +76,7 @@ def test_a_long_prompt_joins_running_streams_a_chunk_at_a_time(tiny_llama_dir): 
     """With a 16-token prefill budget per step, a 100-token prompt arriving while streams run is
     taken in chunks continuing its cache (each step: the decodes + at most 16 prompt tokens), and
     every stream — greedy and seeded — equals the same request run alone."""
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     # Prefix caching off: the reference runs below would otherwise leave every prompt cached, and
     # a cached prompt joins in one chunk (test_prefix_cache_rpcs covers that).
@@ -136,7 +136,7 @@ def test_adaptive_chunks_keep_every_stream_exact(tiny_llama_dir):  # noqa: F811
     arriving while streams run joins them in chunks of that size, and every stream — greedy and
     seeded — equals the same request run alone. (On this tiny model a prompt token costs next to
     nothing, so the costs are set — and frozen — after the reference runs measured them.)"""
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=8192,
                                       prefix_cache=False)
@@ -176,7 +176,7 @@ def test_a_failure_while_planning_fails_the_streams_instead_of_stranding_them(ti
     ends the queued streams with an error; the batcher keeps serving the next ones."""
     import grpc
 
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=4096)
     with InProcessServer([ex]) as srv, Client(srv.target) as c:

@@ -66,7 +66,7 @@ def test_default_serves_an_f16_copy_with_a_memory_sized_budget(default_server):
         cap = c.kv_capacity(M)
         # 16 sequences of 2,048 tokens fit on a machine with the memory this one has (10% of
         # MemAvailable at load; the floor is 8,192 tokens where memory is short).
-        from ferrum_service.executors.llama_cpp import available_memory_bytes
+        from ferrum_service.executors.llama_cpp.backend import available_memory_bytes
 
         if (available_memory_bytes() or 0) > 12 * 2**30:
             assert cap.total_tokens >= 16 * 2048, cap

@@ -361,7 +361,7 @@ async def _ok():
 
 @pytest.fixture(scope="module")
 def fuzz(tiny_llama_dir):  # noqa: F811
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     executors = [
         ConfigurableModelExecutor.with_token_sequence(1000, [10, 20, 30], model_id="mock", kv_budget_tokens=20_000),

@@ -661,7 +661,7 @@ VALID_KINDS = {"Prefill", "BatchPrefill", "Decode", "BatchDecode", "ForwardVerif
 
 def test_stateful_fuzz_tiny_real_model(tiny_llama_dir):  # noqa: F811
     """The tiny real Llama (paged KV, 1,024 positions, a 4,096-token budget: long prompts exhaust it)."""
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=4096)
     with InProcessServer([ex], cache_ttl=0) as srv:

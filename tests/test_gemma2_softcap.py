@@ -40,7 +40,7 @@ def reference(gemma2_dir):
 
 
 def _executor(d):
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     return HfCausalLmExecutor.from_path(d, model_id="g2", device="cpu", kv_budget_tokens=2048)
 

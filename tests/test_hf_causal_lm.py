@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ferrum_service.core.errors import ErrorKind, FerrumError
-from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+from ferrum_service.executors.transformers import HfCausalLmExecutor
 from ferrum_service.core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
 
 from .conftest_models import ForwardCounter, smollm2, tiny_llama, tiny_llama_dir  # noqa: F401
@@ -399,7 +399,7 @@ def test_int8_weight_only_layers_match_their_dequantised_weights(tiny_llama_dir,
     """``dtype="int8"``: every linear layer holds int8 weights + per-row scales, the fused CPU kernel
     computes exactly x @ dequantised(W).T (to bf16 rounding), and the paged cache is consistent
     with a full forward of the quantised model itself."""
-    from ferrum_service.executors.int8_weights import Int8WeightOnlyLinear
+    from ferrum_service.executors.transformers.int8_weights import Int8WeightOnlyLinear
 
     q = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny-int8", device="cpu", dtype="int8",
                                      kv_budget_tokens=512)

@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from ferrum_client import Client, FerrumRpcError, pb
-from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+from ferrum_service.executors.transformers import HfCausalLmExecutor
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .lora_fixtures import adapters  # noqa: F401 - fixture
@@ -349,7 +349,7 @@ def test_hub_owners_of_block_events_and_pending_caches(monkeypatch):
 
     from ferrum_client.prefix_keys import chain_root
     from ferrum_service.hosting import kv_events
-    from ferrum_service.executors.llama_prefix import SequencePrefixIndex
+    from ferrum_service.executors.llama_cpp.prefix import SequencePrefixIndex
 
     monkeypatch.setattr(kv_events, "PENDING_OWNER_S", 0.2)
 

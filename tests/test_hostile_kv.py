@@ -21,7 +21,7 @@ import pytest
 from ferrum_client import Client, FerrumRpcError, messages as m, pb, tpb
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 from ferrum_client.prefix_keys import block_keys, caller_salt, chain_root, token_caller
-from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+from ferrum_service.executors.transformers import HfCausalLmExecutor
 from ferrum_service.hosting.kv_peers import CALLER_HEADER, MAX_CHANNELS
 from ferrum_service.core.types import DecodeInput, PrefillInput
 

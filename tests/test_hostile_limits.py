@@ -35,7 +35,7 @@ INV, X = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def _tiny(path, **kw):
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     return HfCausalLmExecutor.from_path(path, model_id="tiny", device="cpu", kv_budget_tokens=kw.pop("budget", 4096),
                                         **kw)

@@ -141,7 +141,7 @@ def test_hostile_unary_request_is_refused_before_work(hostile_server, name, buil
         with PeakRss(hostile_server.pid) as rss:
             t0 = time.perf_counter()
             with pytest.raises(FerrumRpcError) as e:
-                c._call(rpc, req)
+                c.call(rpc, req)
             took = time.perf_counter() - t0
         assert e.value.code == code, e.value.message
         assert text in e.value.message
@@ -178,7 +178,7 @@ def test_one_long_row_with_31_short_rows_costs_its_real_tokens(hostile_server):
     now runs packed: 1,031 positions, bounded memory, every row served."""
     with Client(hostile_server.target) as c:
         with PeakRss(hostile_server.pid) as rss:
-            r = c._call("BatchPrefill", _long_row_plus_short_rows("tiny"))
+            r = c.call("BatchPrefill", _long_row_plus_short_rows("tiny"))
         assert [o.cache.num_tokens for o in r.outputs] == [1000] + [1] * 31
         assert rss.growth < 64 * 1024 * 1024, f"RSS grew {rss.growth / 2**20:.0f} MiB"
         print(f"1,000 + 31 x 1 rows: served, peak RSS +{rss.growth / 2**20:.1f} MiB")
@@ -219,9 +219,9 @@ def test_retry_ids_are_per_caller(tmp_path):
                        "counter=per_sequence", "--auth-token-file", str(tmp_path / "tokens")) as srv, \
             Client(srv.target, token="alice-secret") as alice, Client(srv.target, token="bob-secret") as bob:
         req = pb.PrefillRequest(model_id="mock", input=m.prefill_input([1]), client_step_id="step-1")
-        a = alice._call("Prefill", req).output.cache.cache_id
-        assert alice._call("Prefill", req).output.cache.cache_id == a  # alice's retry replays
-        b = bob._call("Prefill", req).output.cache.cache_id
+        a = alice.call("Prefill", req).output.cache.cache_id
+        assert alice.call("Prefill", req).output.cache.cache_id == a  # alice's retry replays
+        b = bob.call("Prefill", req).output.cache.cache_id
         assert b != a  # bob's step ran on its own
         assert [x.cache_id for x in bob.list_caches().caches] == [b]
         alice.release_cache("mock", a)
@@ -236,7 +236,7 @@ def _export(c: Client, cid: str) -> tuple[pb.KvTransferHeader, list]:
 
 def _import(c: Client, header, chunks, **kw):
     reqs = [pb.ImportKvRequest(model_id="tiny", header=header, **kw)] + [pb.ImportKvRequest(chunk=x) for x in chunks]
-    return c._call("ImportKv", iter(reqs))
+    return c.call("ImportKv", iter(reqs))
 
 
 def _edited(msg, **fields):
@@ -260,17 +260,17 @@ def test_hostile_fork_export_import_and_events(hostile_server):
         header, chunks = _export(c, cid)
         S = pb.ForkCacheRequest
         cases = [
-            (lambda: c._call("ForkCache", S(model_id="tiny", cache_id=cid, keep_tokens=2**63)), C.OUT_OF_RANGE,
+            (lambda: c.call("ForkCache", S(model_id="tiny", cache_id=cid, keep_tokens=2**63)), C.OUT_OF_RANGE,
              "keep_tokens"),
-            (lambda: c._call("ForkCache", S(model_id="tiny", cache_id=cid, reserve_tokens=2**64 - 1)),
+            (lambda: c.call("ForkCache", S(model_id="tiny", cache_id=cid, reserve_tokens=2**64 - 1)),
              C.INVALID_ARGUMENT, "limit is 1024"),
-            (lambda: c._call("ForkCache", S(model_id="enc", cache_id=cid)), C.UNIMPLEMENTED, "encoder"),
-            (lambda: c._call("ForkCache", S(model_id="mock", cache_id=cid)), C.INVALID_ARGUMENT, "belongs to model"),
+            (lambda: c.call("ForkCache", S(model_id="enc", cache_id=cid)), C.UNIMPLEMENTED, "encoder"),
+            (lambda: c.call("ForkCache", S(model_id="mock", cache_id=cid)), C.INVALID_ARGUMENT, "belongs to model"),
             (lambda: list(c.export_kv("tiny", "hf-" + "1" * 32)), C.NOT_FOUND, "cache_id"),
             (lambda: list(c.export_kv("tiny", cid, 30, 2**64 - 1)), C.OUT_OF_RANGE, "token range"),
             (lambda: list(c.export_kv("mock", "mock-1")), C.UNIMPLEMENTED, "export or import"),
-            (lambda: c._call("ImportKv", iter([])), C.INVALID_ARGUMENT, "empty"),
-            (lambda: c._call("ImportKv", iter([pb.ImportKvRequest(model_id="tiny", chunk=chunks[0])])),
+            (lambda: c.call("ImportKv", iter([])), C.INVALID_ARGUMENT, "empty"),
+            (lambda: c.call("ImportKv", iter([pb.ImportKvRequest(model_id="tiny", chunk=chunks[0])])),
              C.INVALID_ARGUMENT, "header"),
             (lambda: _import(c, header, chunks, reserve_tokens=2**64 - 1), C.INVALID_ARGUMENT, "limit is 1024"),
             (lambda: _import(c, header, chunks, cache_salt="s" * 5000), C.INVALID_ARGUMENT, "cache_salt"),
@@ -393,7 +393,7 @@ def test_slow_and_huge_transfers_do_not_stall_other_callers(hostile_server):
 
         def importer():
             try:
-                c._call("ImportKv", stalled_stream())
+                c.call("ImportKv", stalled_stream())
                 stalled.append("OK")
             except FerrumRpcError as e:
                 stalled.append(e.code)
@@ -443,7 +443,7 @@ def test_new_rpcs_refuse_another_callers_ids(tmp_path, tiny_llama_dir):  # noqa:
         header, chunks = _export(alice, cid)
         for call in (lambda: bob.fork_cache("tiny", cid), lambda: list(bob.export_kv("tiny", cid)),
                      lambda: bob.decode("tiny", cid, 1),
-                     lambda: bob._call("ReserveKvSlots", pb.ReserveKvSlotsRequest(
+                     lambda: bob.call("ReserveKvSlots", pb.ReserveKvSlotsRequest(
                          model_id="tiny", requests=[tpb.KvSlotRequest(cache_id=cid, target_len=64)]))):
             with pytest.raises(FerrumRpcError) as e:
                 call()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ferrum_client import Client, messages as m, pb, tpb
-from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+from ferrum_service.executors.transformers import HfCausalLmExecutor
 from ferrum_service.testing.tiny_models import build_tiny_llama
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
@@ -385,7 +385,7 @@ def test_export_does_not_wait_for_the_sources_busy_worker(pair):
     with Client(sa.target) as ca, Client(sb.target) as cb:
         src = ca.prefill(M, prompt_ids(64)).output
         cb.release_cache(M, cb.pull_kv(M, sa.target, src.cache.cache_id).cache.cache_id)  # warm (fingerprints)
-        busy = sa.models.get(M)._pool.submit(time.sleep, 3.0)  # a long step on A's worker
+        busy = sa.models.get(M).submit(time.sleep, 3.0)  # a long step on A's worker
         t0 = time.perf_counter()
         r = cb.pull_kv(M, sa.target, src.cache.cache_id)
         assert time.perf_counter() - t0 < 2.0 and not busy.done()

@@ -1,4 +1,4 @@
-"""Prefix reuse on the llama.cpp executor (:mod:`ferrum_service.executors.llama_prefix`): a new
+"""Prefix reuse on the llama.cpp executor (:mod:`ferrum_service.executors.llama_cpp.prefix`): a new
 prompt copies (``llama_memory_seq_cp``) the cached full blocks another sequence holds, released
 sequences stay cached until their id or cells are needed, keys and events follow the contract's
 recipe. Results are compared with the same executor computing everything (bypass)."""

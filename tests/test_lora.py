@@ -12,7 +12,7 @@ import torch
 
 from ferrum_client.prefix_keys import block_keys
 from ferrum_service.core import errors
-from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+from ferrum_service.executors.transformers import HfCausalLmExecutor
 from ferrum_service.testing.tiny_adapters import build_lora_adapter
 from ferrum_service.testing.tiny_models import build_tiny_llama
 from ferrum_service.core.types import DecodeInput, KvSlotRequest, PrefillInput, UnifiedItem

@@ -16,7 +16,7 @@ import pytest
 from ferrum_client import Client, pb
 from ferrum_client.prefix_keys import block_keys, chain_root
 from ferrum_service.executors.configurable import ConfigurableModelExecutor
-from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+from ferrum_service.executors.transformers import HfCausalLmExecutor
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .lora_fixtures import adapters  # noqa: F401 - fixture

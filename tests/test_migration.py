@@ -19,7 +19,7 @@ import time
 import pytest
 
 from ferrum_client import AsyncClient, Client, FerrumRpcError, messages as m, pb
-from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+from ferrum_service.executors.transformers import HfCausalLmExecutor
 from ferrum_service.testing.tiny_models import build_tiny_llama
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
@@ -283,7 +283,7 @@ def test_hostile_calls(pair):
     with Client(a.target) as ca, Client(b.target) as cb:
         # AcceptMigration without a peer token: refused before anything is pulled
         with pytest.raises(FerrumRpcError) as e:
-            cb._call("AcceptMigration", pb.AcceptMigrationRequest(
+            cb.call("AcceptMigration", pb.AcceptMigrationRequest(
                 model_id=M, generated_token_ids=[1], source=pb.KvSource(target=a.target, cache_id="c")))
         assert e.value.code.name == "PERMISSION_DENIED"
         # a target that is not a peer, an empty one, a unix socket
@@ -352,13 +352,13 @@ def test_admin_and_peer_gates_under_auth(tiny_llama_dir):
         bad = pb.AcceptMigrationRequest(model_id=M, generated_token_ids=[1],
                                         source=pb.KvSource(target=a.target, cache_id="nope"))
         with pytest.raises(FerrumRpcError) as e:  # a caller's token is no peer token
-            user._call("AcceptMigration", bad)
+            user.call("AcceptMigration", bad)
         assert e.value.code.name == "PERMISSION_DENIED"
         with pytest.raises(FerrumRpcError) as e:  # a peer token opens AcceptMigration, not MigrateStreams
             peer.migrate_streams(a.target)
         assert e.value.code.name == "UNAUTHENTICATED"
         with pytest.raises(FerrumRpcError) as e:  # with the peer token: the bad cache id is NOT_FOUND at the source
-            peer._call("AcceptMigration", bad)
+            peer.call("AcceptMigration", bad)
         assert e.value.code.name == "NOT_FOUND"
         assert a.live_caches() == {M: 0}
 

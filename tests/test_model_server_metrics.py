@@ -38,7 +38,7 @@ def _one(samples: dict[str, float], prefix: str) -> tuple[str, float]:
 
 
 def test_llm_d_metrics(tiny_llama_dir, tmp_path):  # noqa: F811
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
     from ferrum_service.testing.tiny_adapters import build_lora_adapter
 
     ad = build_lora_adapter(tiny_llama_dir, tmp_path / "a1", seed=1)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
-from ferrum_service.executors.packed_attention import ATTN_NAME, build_step
+from ferrum_service.executors.transformers import HfCausalLmExecutor
+from ferrum_service.executors.transformers.packed_attention import ATTN_NAME, build_step
 from ferrum_service.core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
 
 from .conftest_models import ForwardCounter, tiny_llama, tiny_llama_dir  # noqa: F401

@@ -16,7 +16,7 @@ import torch
 
 from ferrum_client.prefix_keys import block_keys, chain_root
 from ferrum_service.core import errors
-from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+from ferrum_service.executors.transformers import HfCausalLmExecutor
 from ferrum_service.core.types import DecodeInput, PrefillInput, UnifiedItem
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture

@@ -13,7 +13,7 @@ from ferrum_client import Client, pb, tpb
 from ferrum_client.prefix_keys import block_keys, chain_root
 
 from ferrum_service.core.steps import RowKind
-from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+from ferrum_service.executors.transformers import HfCausalLmExecutor
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .support.prompts import prompt_ids

@@ -20,7 +20,7 @@ from .support.waits import wait_no_live_caches
 @pytest.fixture(scope="module")
 def tiny_server(tiny_llama_dir, tiny_bert_dir):  # noqa: F811
     from ferrum_service.executors.bert import BertModelExecutor
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     lm = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=8192)
     bert = BertModelExecutor.from_path(tiny_bert_dir, model_id="enc", device="cpu")

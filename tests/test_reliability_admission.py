@@ -141,7 +141,7 @@ def test_full_model_queue_is_refused_at_once_and_releases_still_pass():
 def test_real_model_under_kv_pressure_refuses_instead_of_allocating(tiny_llama_dir):  # noqa: F811
     """The tiny Llama with a 4-block (64-token) paged pool: prompts beyond it are refused, the
     pool never grows, and it is whole again after the releases."""
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=64)
     with InProcessServer([ex]) as srv, Client(srv.target) as c:

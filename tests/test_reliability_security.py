@@ -29,7 +29,7 @@ def _copy(src, dst):
 def test_checkpoint_code_never_runs_without_trust_remote_code(tiny_llama_dir, tmp_path):  # noqa: F811
     """A checkpoint whose config points at its own modelling code (``auto_map``): loading it
     without the opt-in runs none of that code."""
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     d = _copy(tiny_llama_dir, tmp_path / "evil")
     marker = tmp_path / "code-ran"
@@ -63,7 +63,7 @@ def test_pickled_weights_are_refused_unless_opted_in(tiny_llama_dir, tmp_path): 
     import safetensors.torch
     import torch
 
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     d = _copy(tiny_llama_dir, tmp_path / "pickled")
     sd = safetensors.torch.load_file(str(d / "model.safetensors"))

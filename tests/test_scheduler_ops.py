@@ -222,14 +222,14 @@ def test_dropped_subscriber_gets_resource_exhausted_with_resume_point():
 def test_retried_decode_step_advances_the_cache_once(client):
     cid = client.prefill("perseq", [1]).output.cache.cache_id
     req = pb.DecodeRequest(model_id="perseq", input=m.decode_input(cid, 7), client_step_id="step-1")
-    first = client._call("Decode", req)
-    again = client._call("Decode", req)
+    first = client.call("Decode", req)
+    again = client.call("Decode", req)
     assert first == again
     assert first.output.cache.num_tokens == 2
     assert client.kv_capacity("perseq").used_tokens == 2
     other = pb.DecodeRequest(model_id="perseq", input=m.decode_input(cid, 8), client_step_id="step-1")
     with pytest.raises(FerrumRpcError) as e:
-        client._call("Decode", other)
+        client.call("Decode", other)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.field == "client_step_id"
     # also on a Session stream
     with client.session() as s:

@@ -22,7 +22,7 @@ import torch
 
 from ferrum_client import Client, pb, tpb
 from ferrum_service.core import speculation
-from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+from ferrum_service.executors.transformers import HfCausalLmExecutor
 from ferrum_service.core.speculation import MAX_DRAFT_TOKENS, NgramDrafter, SpeculationConfig, sample_verified
 from ferrum_service.core.types import DecodeInput, LogitsPolicy, SamplingParams
 

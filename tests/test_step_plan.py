@@ -17,7 +17,7 @@ from ferrum_service.core import errors
 from ferrum_service.core.steps import RowKind, StepLimits, StepPlan, StepRow, Want, run
 from ferrum_service.core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, SamplingParams
 from ferrum_service.executors.configurable import ConfigurableModelExecutor
-from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+from ferrum_service.executors.transformers import HfCausalLmExecutor
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .support.servers import InProcessServer

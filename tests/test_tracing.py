@@ -28,7 +28,7 @@ def traced(tiny_llama_dir):  # noqa: F811
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from ferrum_service.wire import tracing
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

@@ -31,7 +31,7 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):  # noqa: F811
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=8192)
     with InProcessServer([ex]) as srv:
@@ -516,7 +516,7 @@ def test_unset_max_tokens_runs_to_the_end_of_the_context(engine, server):
 def small_kv(tiny_llama_dir):  # noqa: F811
     """A worker whose KV budget (512 tokens) is half the model's 1024-token context (so one
     sequence may hold at most 512: the registry's per-request ceiling)."""
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=512,
                                       prefix_cache=False)
@@ -609,7 +609,7 @@ PD_PROMPT = list(range(60, 110))  # 50 tokens: three full blocks and a partial o
 @pytest.fixture(scope="module")
 def pd_pair(tiny_llama_dir):  # noqa: F811
     """A --role prefill server and a --role decode server that lists it as a KV peer."""
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     def ex():
         return HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=8192)
@@ -736,7 +736,7 @@ def test_pd_legacy_and_n_samples_are_refused(pd_pair):
 def test_pd_handoff_of_another_caller_is_not_pulled(tiny_llama_dir):  # noqa: F811
     """With bearer tokens, bob's decode leg naming alice's handoff cannot pull it (the pull runs
     on bob's behalf: NOT_FOUND there), so it computes the prompt; alice's handoff stays for alice."""
-    from ferrum_service.executors.hf_causal_lm import HfCausalLmExecutor
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     def ex():
         return HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=4096)

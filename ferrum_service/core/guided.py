@@ -61,10 +61,11 @@ class GuideState:
         """The state for a fork of this cache: same constraint and start, a fresh matcher (it
         replays the fork's tokens at its next row)."""
         compiled = compiled if compiled is not None else self.compiled
-        return GuideState(self.spec, self.start, _matcher(compiled), compiled=compiled)
+        return GuideState(self.spec, self.start, new_matcher(compiled), compiled=compiled)
 
 
-def _matcher(compiled: Any) -> Any:
+def new_matcher(compiled: Any) -> Any:
+    """A fresh xgrammar matcher over a compiled constraint (rolls back any number of tokens)."""
     import xgrammar as xgr
 
     return xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
@@ -156,9 +157,10 @@ class Guides:
 
 
 def guides_of(executor: Any) -> Guides:
-    g = getattr(executor, "_guides", None)
+    """The executor's :class:`Guides` (its ``guides`` attribute, made on first use)."""
+    g = executor.guides
     if g is None:
-        g = executor._guides = Guides(executor)
+        g = executor.guides = Guides(executor)
     return g
 
 
@@ -296,7 +298,7 @@ def mask_rows(executor: Any, entries: Sequence[CacheEntry | None], rows: Sequenc
         entry, sp = entries[i], policies[i].sampling
         st = entry.guide
         if st is None or st.spec != sp.constraint or entry.num_tokens < st.start:
-            st = entry.guide = GuideState(sp.constraint, entry.num_tokens, _matcher(sp.compiled), compiled=sp.compiled)
+            st = entry.guide = GuideState(sp.constraint, entry.num_tokens, new_matcher(sp.compiled), compiled=sp.compiled)
         problems[i] = _fill(st, entry.tokens, bitmask, j)
         where[i] = (bitmask, j)
     for i, j in ready.items():
@@ -316,5 +318,5 @@ def refuse_broken(problems: Sequence[str], field: str) -> None:
         raise errors.failed_precondition(f"{field}: {first} (the cache holds it: truncate it to go on)", field=field)
 
 
-__all__ = ["GuideState", "Guides", "PreparedMasks", "guides_of", "mask_rows", "overlapping", "prepare_masks",
-           "refuse_broken", "sync"]
+__all__ = ["GuideState", "Guides", "PreparedMasks", "guides_of", "mask_rows", "new_matcher", "overlapping",
+           "prepare_masks", "refuse_broken", "sync"]

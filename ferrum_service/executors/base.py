@@ -67,6 +67,23 @@ class KvLayout:
     state_format: str = ""
 
 
+@dataclass
+class PrefixStats:
+    """Prefix-cache counters since start (reported by ``CacheMetrics``, ``Loads`` and Prometheus)."""
+
+    queried_tokens: int = 0  # prompt tokens of new sequences that looked the cache up
+    hit_tokens: int = 0  # of those, tokens taken from the cache instead of computed
+    lookups: int = 0
+    hits: int = 0  # lookups that took at least one block
+    evicted_blocks: int = 0
+    cow_copies: int = 0
+    forks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
 class Tokenizer(Protocol):
     """What the server needs of a tokenizer (a transformers tokenizer fits)."""
 
@@ -151,6 +168,13 @@ class ModelExecutor(abc.ABC):
     registry: CacheRegistry
     #: The LoRA adapters registered on this model (``lora.AdapterSet``); None = it serves none.
     adapters: Any = None
+    #: The executor's prefix cache, None = it keeps none. The server reads ``stats``
+    #: (:class:`PrefixStats`), ``cached_blocks``, ``evictable``, ``used_blocks`` and sets
+    #: ``on_event`` (its block events); a paged one also has ``pool`` (its blocks and bytes).
+    prefix: Any = None
+    #: Structured-output compiled constraints of this model (``core.guided.Guides``), made by
+    #: ``core.guided.guides_of`` on first use; None until then.
+    guides: Any = None
 
     def __init__(self) -> None:
         self.stats = OperationStats()
@@ -317,8 +341,18 @@ class ModelExecutor(abc.ABC):
 
     # ---- KV transfer between servers (ExportKv / ImportKv; see ``kv_transfer.py``) ------------
     def kv_layout(self) -> "KvLayout":
-        """What this executor's K/V are (model fingerprint, dtype, shape). Default unsupported."""
+        """What this executor's K/V are (model fingerprint, dtype, shape); may take long the first
+        time (the fingerprint reads every weight): call it on the worker. Default unsupported."""
         raise errors.unsupported(f"KV transfer (ExportKv / ImportKv) is not supported by the {self.kind} executor")
+
+    def known_kv_layout(self) -> "KvLayout | None":
+        """:meth:`kv_layout` once it has been computed, else None; no work, safe from any thread."""
+        return None
+
+    def export_kv_state(self, cache_id: str) -> bytes:
+        """The whole sequence as the executor serialises it (``KvLayout.state_format`` non-empty,
+        e.g. llama.cpp's sequence state), instead of per-layer K/V. Default unsupported."""
+        raise errors.unsupported(f"ExportKv of a sequence state is not supported by the {self.kind} executor")
 
     def export_kv_layer(self, cache_id: str, start: int, end: int, layer: int) -> tuple[bytes, bytes]:
         """K and V bytes of tokens [start, end) of one layer (``[n, kv_heads, head_dim]``, row-major)."""
@@ -333,7 +367,13 @@ class ModelExecutor(abc.ABC):
         raise errors.unsupported(f"ImportKv is not supported by the {self.kind} executor")
 
     def import_write(self, staged: Any, layer: int, start: int, end: int, key: bytes, value: bytes) -> None:
+        """Write tokens [start, end) of one layer's K and V into a staged import."""
         raise errors.unsupported(f"ImportKv is not supported by the {self.kind} executor")
+
+    def import_write_state(self, staged: Any, data: bytes) -> None:
+        """Append ``data`` (a part of a sequence state, see :meth:`export_kv_state`) to a staged
+        import; it is loaded at :meth:`import_commit`."""
+        raise errors.unsupported(f"ImportKv of a sequence state is not supported by the {self.kind} executor")
 
     def import_commit(self, staged: Any) -> tuple[CacheEntry, int]:
         """The staged import as a live cache: (its entry, full blocks it added to the prefix cache)."""
@@ -401,6 +441,16 @@ class ModelExecutor(abc.ABC):
     def adapter_bindings(self) -> "collections.Counter[str]":
         """Live caches per adapter they are bound to ("" = the base model), in one pass."""
         return collections.Counter(e.adapter for e in self.registry.entries())
+
+    def live_sequences(self) -> int | None:
+        """Native sequence slots held by live caches (llama.cpp sequence ids), for leak checks;
+        None when the executor has no such slots."""
+        return None
+
+    def kv_cells_used(self) -> int | None:
+        """KV positions the native runtime holds for live caches (read from it: call on the
+        worker, between steps); None when the executor has no native KV books."""
+        return None
 
     def warmup(self) -> None:
         """``warmup()``; nothing by default."""

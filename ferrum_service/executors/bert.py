@@ -43,8 +43,15 @@ from ..core.types import (
     VerifyOutput,
 )
 from .base import ModelExecutor
-from .checkpoint_files import require_safe_weights
-from .torch_device import DTYPES, device_name, dtype_name, resolve_device, resolve_dtype
+from .transformers.loading import (
+    DTYPES,
+    device_name,
+    dtype_name,
+    load_tokenizer,
+    require_safe_weights,
+    resolve_device,
+    resolve_dtype,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -182,7 +189,7 @@ class BertModelExecutor(ModelExecutor):
         ``pooling`` / ``normalize`` default to what the sentence-transformers files ask for.
         Pickled weights (``*.bin``) load only with ``allow_pickle=True``.
         """
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoModel
 
         p = Path(path).expanduser()
         if not (p / "config.json").is_file():
@@ -196,11 +203,7 @@ class BertModelExecutor(ModelExecutor):
         t0 = time.perf_counter()
         model = AutoModel.from_pretrained(p, dtype=torch_dtype, trust_remote_code=trust_remote_code,
                                           **safe_kwargs).to(dev)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code)
-        except Exception as e:
-            log.warning("no tokenizer loaded", path=str(p), error=str(e))
-            tokenizer = None
+        tokenizer = load_tokenizer(p, trust_remote_code)
         ex = cls(
             model,
             tokenizer,

@@ -101,6 +101,12 @@ class ModelHost:
             return fn()
         return self._pool.submit(fn).result(timeout)
 
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """Queue ``fn(*args)`` on the model's worker behind the work already queued, outside the
+        step accounting of :meth:`call` (clean-up such as dropping a failed import). RuntimeError
+        once the worker is shut down."""
+        return self._pool.submit(fn, *args)
+
     @property
     def waiting(self) -> int:
         """Steps queued behind the one the worker is running (new Generate prompts included)."""

@@ -5,7 +5,7 @@ each change. Events carry the cache's absolute length, so a mirror that applies 
 or applies events on top of a snapshot that already contains them, stays correct.
 
 Prefix-cache block events (``stored`` / ``removed`` / ``cleared``, see
-``executors/prefix_cache.py``) share the sequence and the replay buffer; only subscribers that
+``executors/transformers/prefix_cache.py``) share the sequence and the replay buffer; only subscribers that
 asked for them (``include_block_events``) receive them.
 
 Subscribers get a bounded queue each: compute never waits for them. A subscriber whose queue

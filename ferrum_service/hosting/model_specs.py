@@ -148,7 +148,7 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         kw["prefix_cache"] = _flag(o.get("prefix_cache", prefix_cache))
         return LlamaCppExecutor(str(path), model_id=mid, device=dev, **kw)
     if kind in ("hf-causal-lm", "smollm2-hf"):
-        from ..executors.hf_causal_lm import HfCausalLmExecutor
+        from ..executors.transformers import HfCausalLmExecutor
 
         path, gguf = o.get("path"), o.get("gguf_file")
         if kind == "smollm2-hf" and not path:

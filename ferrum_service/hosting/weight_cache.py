@@ -134,9 +134,9 @@ def _quantize(src: Path, dst: Path, ftype: int) -> None:
 
     import llama_cpp.llama_cpp as L
 
-    from ..executors.llama_cpp import _init_backend
+    from ..executors.llama_cpp.backend import init_backend
 
-    _init_backend(L)  # its log callback keeps llama.cpp's per-tensor lines out of ours
+    init_backend(L)  # its log callback keeps llama.cpp's per-tensor lines out of ours
     params = L.llama_model_quantize_default_params()
     params.ftype = ftype
     params.allow_requantize = True

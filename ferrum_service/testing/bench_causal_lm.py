@@ -54,7 +54,7 @@ def run(ex, *, batches: list[int], steps: int, prompt_len: int, repeats: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..executors.hf_causal_lm import HfCausalLmExecutor
+    from ..executors.transformers import HfCausalLmExecutor
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--path")

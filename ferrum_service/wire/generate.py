@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 import grpc
 
 from ..core import errors, speculation
-from ..core.guided import GuideState, _matcher
+from ..core.guided import GuideState, new_matcher
 from ..core.steps import StepRow, Want
 from ..core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 from . import tracing
@@ -223,7 +223,7 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
             entry = reg.get(cache_id)
             entry.owner = owner
             if sp.constraint is not None:  # the matcher replays the cache's tokens from the constraint's start
-                entry.guide = GuideState(sp.constraint, parked.constraint_start, _matcher(sp.compiled),
+                entry.guide = GuideState(sp.constraint, parked.constraint_start, new_matcher(sp.compiled),
                                          compiled=sp.compiled)
         # A migrated stream's cache is not held for the whole stream (it may move on again).
         with host.hold([cache_id] if parked is None else [], "cache_id"):

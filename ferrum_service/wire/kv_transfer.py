@@ -132,7 +132,7 @@ class KvTransfer:
     async def _layout(self, host) -> KvLayout:
         """The model's KV layout: on the worker the first time (the fingerprint reads every
         weight), from the executor's memo afterwards (never behind queued steps)."""
-        memo = getattr(host.executor, "_kv_layout", None)
+        memo = host.executor.known_kv_layout()
         return memo if memo is not None else (await host.call(host.executor.kv_layout)).value
 
     async def export(self, req: pb.ExportKvRequest, metadata=None) -> AsyncIterator[pb.ExportKvResponse]:
@@ -474,7 +474,7 @@ class KvTransfer:
                 if ex.inline:
                     ex.import_abort(staged)
                 else:
-                    await loop.run_in_executor(host._pool, ex.import_abort, staged)
+                    await asyncio.wrap_future(host.submit(ex.import_abort, staged), loop=loop)
             except RuntimeError:  # the worker is gone (shutdown): the pool goes with it
                 pass
 

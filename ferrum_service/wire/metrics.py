@@ -78,7 +78,7 @@ class Metrics:
                 blocks.labels(mid).set_function(
                     lambda reg=reg: sum(-(-e.num_tokens // reg.block_size) for e in reg.entries()))
             queue.labels(mid).set_function(lambda host=host: host.running)
-        llama = [h for h in models if hasattr(h.executor, "live_sequences") and hasattr(h.executor, "kv_cells_used")]
+        llama = [h for h in models if h.executor.live_sequences() is not None]
         if llama:  # the llama.cpp executor's own books, for leak checks beside the registry's
             seqs = Gauge("ferrum_llama_cpp_sequence_ids_in_use", "llama.cpp sequence ids held by live caches",
                          ["model"], registry=r)

@@ -59,7 +59,7 @@ def books(host) -> dict[str, int]:
                 # every id exactly once: free, held by one live cache, or kept by the prefix cache
                 "pool_intact": sorted(list(ex._free_seq) + held + list(ex.prefix.evictable)) == list(range(ex.n_seq))}
 
-    return host._pool.submit(read).result(30)
+    return host.submit(read).result(30)
 
 
 def assert_books(host, *, idle: bool = False) -> dict[str, int]:

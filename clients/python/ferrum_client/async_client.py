@@ -19,7 +19,7 @@ from .errors import FerrumRpcError
 
 def _async_unary(spec: rq.Unary):
     async def method(self, *args, timeout=None, **kwargs):
-        return spec.result(await self._call(spec.rpc, spec.build(*args, **kwargs), timeout))
+        return spec.result(await self.call(spec.rpc, spec.build(*args, **kwargs), timeout))
     return method
 
 
@@ -60,7 +60,9 @@ class AsyncClient(Connection):
         self._siblings.clear()
         await self.channel.close()
 
-    async def _call(self, name: str, request, timeout: float | None = None):
+    async def call(self, name: str, request, timeout: float | None = None):
+        """Any unary RPC by its contract name with a request built by the caller (``timeout`` in
+        seconds; default the client's): the response, or :class:`FerrumRpcError`."""
         try:
             return await getattr(self.stub, name)(request, timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as e:

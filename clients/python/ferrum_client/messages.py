@@ -10,7 +10,8 @@ import numpy as np
 from ._proto.ferrum.executor.v1 import executor_pb2 as pb
 from ._proto.ferrum.executor.v1 import types_pb2 as tpb
 
-_DTYPES = {"fp32": tpb.DATA_TYPE_FP32, "fp16": tpb.DATA_TYPE_FP16, "bf16": tpb.DATA_TYPE_BF16}
+#: Logits dtype names -> the contract's ``DataType``.
+DTYPES = {"fp32": tpb.DATA_TYPE_FP32, "fp16": tpb.DATA_TYPE_FP16, "bf16": tpb.DATA_TYPE_BF16}
 
 
 def constraint(*, json_schema: str | dict | None = None, regex: str | None = None, ebnf_grammar: str | None = None,
@@ -59,7 +60,7 @@ def sampled(params: tpb.SamplingParams, top_logprobs: int = 0) -> tpb.LogitsPoli
 
 def full_logits(dtype: str = "fp32") -> tpb.LogitsPolicy:
     """The whole logits row, in fp32 / fp16 / bf16."""
-    return tpb.LogitsPolicy(mode=tpb.OUTPUT_MODE_FULL_LOGITS, logits_dtype=_DTYPES[dtype])
+    return tpb.LogitsPolicy(mode=tpb.OUTPUT_MODE_FULL_LOGITS, logits_dtype=DTYPES[dtype])
 
 
 def top_logprobs(k: int) -> tpb.LogitsPolicy:

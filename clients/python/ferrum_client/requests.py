@@ -123,7 +123,7 @@ def unified_decode(model_id: str, items: Sequence[pb.UnifiedBatchItem]) -> pb.Un
 def forward(model_id: str, input_ids, logits_dtype: str = "fp32") -> pb.ForwardRequest:
     """``ForwardRequest`` for token ids ``[batch, seq]`` (any integer array); logits in
     ``fp32`` / ``fp16`` / ``bf16``."""
-    return pb.ForwardRequest(model_id=model_id, input=m.ids_tensor(input_ids), logits_dtype=m._DTYPES[logits_dtype])
+    return pb.ForwardRequest(model_id=model_id, input=m.ids_tensor(input_ids), logits_dtype=m.DTYPES[logits_dtype])
 
 
 def forward_verify(model_id: str, cache_id: str, token_ids: Sequence[int], accept_greedy_prefix: bool = False,

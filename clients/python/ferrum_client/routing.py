@@ -550,7 +550,7 @@ def _prefill(session: RoutedSession, model_id: str, inp: pb.PrefillInput) -> pb.
     if not r.up:
         raise ReplicaLost(r.target, session.session_id, r.last_error)
     try:
-        return r.client._call("Prefill", pb.PrefillRequest(model_id=model_id, input=inp)).output
+        return r.client.call("Prefill", pb.PrefillRequest(model_id=model_id, input=inp)).output
     except FerrumRpcError as e:
         if e.code in _REPLICA_DOWN_CODES:
             session.router.mark_down(r.target, f"Prefill: {e.code.name}: {e.message}")

@@ -20,7 +20,7 @@ from .errors import FerrumRpcError
 
 def _sync_unary(spec: rq.Unary):
     def method(self, *args, timeout=None, **kwargs):
-        return spec.result(self._call(spec.rpc, spec.build(*args, **kwargs), timeout))
+        return spec.result(self.call(spec.rpc, spec.build(*args, **kwargs), timeout))
     return method
 
 
@@ -48,7 +48,9 @@ class Client(Connection):
         self._siblings.clear()
         self.channel.close()
 
-    def _call(self, name: str, request, timeout: float | None = None):
+    def call(self, name: str, request, timeout: float | None = None):
+        """Any unary RPC by its contract name with a request built by the caller (``timeout`` in
+        seconds; default the client's): the response, or :class:`FerrumRpcError`."""
         try:
             return getattr(self.stub, name)(request, timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as e:

@@ -33,27 +33,11 @@ from typing import Callable, Sequence
 
 from ferrum_client.prefix_keys import ALGORITHM, EXTRA_KEYS, SEED, block_key, chain_root
 
-from ..core.modes import BlockEvent
+from ...core.modes import BlockEvent
+from ..base import PrefixStats
 from .paged_kv import BlockPool
 
 BlockEventSink = Callable[[str, dict], None]
-
-
-@dataclass
-class PrefixStats:
-    """Counters since start (reported by ``CacheMetrics``, ``Loads`` and Prometheus)."""
-
-    queried_tokens: int = 0  # prompt tokens of new sequences that looked the cache up
-    hit_tokens: int = 0  # of those, tokens taken from the cache instead of computed
-    lookups: int = 0
-    hits: int = 0  # lookups that took at least one block
-    evicted_blocks: int = 0
-    cow_copies: int = 0
-    forks: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 @dataclass

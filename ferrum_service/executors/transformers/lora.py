@@ -44,7 +44,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from ..core import errors
+from ...core import errors
 
 #: Adapter names: what requests may put in their ``adapter`` field.
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")

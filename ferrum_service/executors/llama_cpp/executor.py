@@ -7,7 +7,7 @@ KV layout
 One llama.cpp context holds one *unified* KV buffer of ``n_ctx`` cells shared by every sequence
 (``kv_unified``); each live cache owns one llama.cpp sequence id (recycled on release) and its cells
 are found by llama.cpp wherever they are free, so the KV budget is exactly ``n_ctx`` tokens (sized
-from memory by default: :func:`default_kv_tokens`; llama.cpp allocates and clears it at load) and the
+from memory by default: :func:`.backend.default_kv_tokens`; llama.cpp allocates and clears it at load) and the
 :class:`~ferrum_service.core.kv_registry.CacheRegistry` books it: a step that needs more tokens than are
 free is refused with RESOURCE_EXHAUSTED before anything is decoded, and a step that fails inside
 ``llama_decode`` is rolled back (``llama_memory_seq_rm`` of the positions it added).
@@ -17,12 +17,13 @@ sequences, decode steps, unified items and a verify's N+1 tokens, with logits re
 the positions whose rows are wanted. TruncateKv and ReleaseCache are ``llama_memory_seq_rm``.
 
 Logits rows come back as torch tensors and go through the project's sampler like every executor's.
-Tokenizer and chat template come from the GGUF file (:mod:`.llama_cpp_tokenizer`).
+Tokenizer and chat template come from the GGUF file (:mod:`.tokenizer`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -32,10 +33,10 @@ import numpy as np
 import structlog
 import torch
 
-from ..core import errors
-from ..core.kv_registry import CacheEntry, CacheRegistry
-from ..core.steps import StepRow, Want
-from ..core.types import (
+from ...core import errors
+from ...core.kv_registry import CacheEntry, CacheRegistry
+from ...core.steps import StepRow, Want
+from ...core.types import (
     AdmissionLimits,
     CacheHandle,
     ExecutorCapabilities,
@@ -48,87 +49,12 @@ from ..core.types import (
     ModelInfo,
     PrefillInput,
 )
-from .base import KvLayout
-from .item_steps import ItemStepExecutor
-from .llama_prefix import SequencePrefixIndex
+from ..base import KvLayout
+from ..item_steps import ItemStepExecutor
+from .backend import ARCH_TYPES, DEFAULT_N_CTX, DEFAULT_N_SEQ, default_kv_tokens, init_backend, lib, meta
+from .prefix import SequencePrefixIndex
 
 log = structlog.get_logger(__name__)
-
-#: The least KV cells (tokens over all sequences) a default budget gives.
-DEFAULT_N_CTX = 8192
-#: The default KV budget: this fraction of the memory available at load (``MemAvailable``), at
-#: most what ``n_seq`` sequences of the model's training context need.
-DEFAULT_KV_MEMORY_FRACTION = 0.10
-#: Sequence ids (live caches) when none is configured.
-DEFAULT_N_SEQ = 64
-
-_ARCH_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen", "qwen3": "qwen", "phi3": "phi",
-               "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma"}
-
-
-def _lib():
-    import llama_cpp.llama_cpp as L
-
-    return L
-
-
-_backend_ready = False
-
-
-_log_cb = None
-
-
-def _init_backend(L) -> None:
-    """Initialise llama.cpp once; its log goes to structlog, errors only (it logs every tensor)."""
-    global _backend_ready, _log_cb
-    if _backend_ready:
-        return
-
-    def on_log(level: int, text: bytes, _user: object) -> None:
-        # ggml_log_level: 3 = WARN, 4 = ERROR (5 = CONT continues the previous line: dropped).
-        if level not in (3, 4):
-            return
-        message = text.decode("utf-8", errors="replace").rstrip()
-        if "possible training context overflow" in message:
-            # n_ctx is the budget over all sequences of the unified buffer; each sequence is held
-            # to the training context by the registry (max_sequence_length), so this cannot happen.
-            return
-        (log.error if level == 4 else log.warning)("llama.cpp", message=message)
-
-    _log_cb = L.llama_log_callback(on_log)  # kept referenced: llama.cpp holds the pointer
-    L.llama_log_set(_log_cb, None)
-    L.llama_backend_init()
-    _backend_ready = True
-
-
-def available_memory_bytes() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo`` (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def default_kv_tokens(bytes_per_token: int, n_seq: int, train_ctx: int) -> int:
-    """The default KV budget in tokens: :data:`DEFAULT_KV_MEMORY_FRACTION` of the available
-    memory, at most ``n_seq`` sequences of ``train_ctx`` tokens, at least :data:`DEFAULT_N_CTX`
-    (or one training context, if smaller)."""
-    avail = available_memory_bytes()
-    ceiling = n_seq * train_ctx
-    floor = min(DEFAULT_N_CTX, ceiling)
-    if avail is None:
-        return floor
-    return max(floor, min(ceiling, int(avail * DEFAULT_KV_MEMORY_FRACTION) // bytes_per_token))
-
-
-def _meta(L, model, key: str) -> str:
-    buf = ctypes.create_string_buffer(1024)
-    n = L.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
-    return buf.value.decode("utf-8", errors="replace") if n >= 0 else ""
 
 
 class LlamaCppExecutor(ItemStepExecutor):
@@ -147,13 +73,14 @@ class LlamaCppExecutor(ItemStepExecutor):
         (default: all cores); ``device``: auto | cpu | cuda (auto offloads every layer when the
         llama.cpp build supports a GPU); ``n_seq``: most live caches (llama.cpp sequence ids);
         ``flash_attn``: None = llama.cpp's choice (auto); ``prefix_cache``: reuse the KV of earlier
-        prompts' full blocks (:mod:`.llama_prefix`)."""
+        prompts' full blocks (:mod:`.prefix`)."""
         super().__init__()
-        L = self._L = _lib()
+        self._kv_layout: KvLayout | None = None
+        L = self._L = lib()
         p = Path(path).expanduser()
         if not p.is_file():
             raise errors.FerrumError(errors.ErrorKind.CONFIG, f"GGUF file {str(path)!r} not found")
-        _init_backend(L)
+        init_backend(L)
         self.model_id = model_id or p.stem
         self.source = str(p)
         t0 = time.perf_counter()
@@ -214,7 +141,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         self.prefix = SequencePrefixIndex(self.model_id or p.stem, enabled=prefix_cache,
                                           wipe=lambda s: L.llama_memory_seq_rm(self._mem, s, -1, -1))
 
-        from .llama_cpp_tokenizer import GgufTokenizer
+        from .tokenizer import GgufTokenizer
 
         self._tokenizer = GgufTokenizer(m)
         self.vocab_size = self._tokenizer.vocab_size
@@ -236,10 +163,10 @@ class LlamaCppExecutor(ItemStepExecutor):
 
     def _build_info(self) -> ModelInfo:
         L = self._L
-        arch = _meta(L, self._model, "general.architecture")
+        arch = meta(L, self._model, "general.architecture")
         return ModelInfo(
             model_id=self.model_id,
-            model_type=_ARCH_TYPES.get(arch, "custom"),
+            model_type=ARCH_TYPES.get(arch, "custom"),
             model_type_detail=arch,
             num_parameters=int(L.llama_model_n_params(self._model)),
             hidden_size=self.n_embd,
@@ -248,7 +175,7 @@ class LlamaCppExecutor(ItemStepExecutor):
             num_kv_heads=self.n_head_kv,
             vocab_size=self.vocab_size,
             max_sequence_length=self.max_sequence_length,
-            dtype=_meta(L, self._model, "general.file_type") or "gguf",
+            dtype=meta(L, self._model, "general.file_type") or "gguf",
             device=self.device_name,
             metadata={
                 "architecture": arch,
@@ -344,7 +271,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         if self.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down")
         if b * n > self.n_batch:
-            raise errors.exhausted(f"input_ids: {b * n} tokens in one step; this executor's limit is {self.n_batch}",
+            raise errors.invalid(f"input_ids: {b * n} tokens in one step; this executor's limit is {self.n_batch}",
                                    field="input_ids", limit=self.n_batch)
         self.registry.check_sequence_length(n, "input_ids", self.max_sequence_length)
         self.registry.admit(b * n, "input_ids")
@@ -354,7 +281,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         self._make_room(b * n)
         seqs = [self._take_seq() for _ in range(b)]
         try:
-            rows = self._decode_batch([StepRow(None, ids[i].tolist(), "all") for i in range(b)], [(s, 0) for s in seqs])
+            rows = self._decode_batch([StepRow(None, ids[i].tolist(), Want.ALL) for i in range(b)], [(s, 0) for s in seqs])
         finally:
             for s in seqs:
                 self._L.llama_memory_seq_rm(self._mem, s, -1, -1)
@@ -447,9 +374,7 @@ class LlamaCppExecutor(ItemStepExecutor):
     def kv_layout(self) -> KvLayout:
         """The sequence state is llama.cpp's own bytes (f16 K/V of every layer, positions); the
         fingerprint is the SHA-256 of the executor kind and the GGUF file. Computed once."""
-        if getattr(self, "_kv_layout", None) is None:
-            import hashlib
-
+        if self._kv_layout is None:
             h = hashlib.sha256(f"{self.kind}\n".encode())
             with open(self.source, "rb") as f:
                 for block in iter(lambda: f.read(1 << 22), b""):
@@ -458,6 +383,9 @@ class LlamaCppExecutor(ItemStepExecutor):
                 model_id=self.model_id, fingerprint=h.hexdigest(), dtype="fp16", num_layers=self.n_layer,
                 num_kv_heads=self.n_head_kv, head_dim=self.head_dim, v_head_dim=self.head_dim, executor=self.kind,
                 element_size=2, state_format=self.STATE_FORMAT)
+        return self._kv_layout
+
+    def known_kv_layout(self) -> KvLayout | None:
         return self._kv_layout
 
     def export_kv_state(self, cache_id: str) -> bytes:
@@ -595,9 +523,9 @@ class LlamaCppExecutor(ItemStepExecutor):
         """One tiny prefill + decode (allocates llama.cpp's compute buffers)."""
         if self.registry.free_tokens < 2 or not self._free_seq:
             return
-        ((entry, _),) = self._step([StepRow(None, [0], "last")], "warmup")
+        ((entry, _),) = self._step([StepRow(None, [0], Want.LAST)], "warmup")
         try:
-            self._step([StepRow(entry, [0], "last")], "warmup")
+            self._step([StepRow(entry, [0], Want.LAST)], "warmup")
         finally:
             self.release_cache(entry.cache_id)
 
@@ -618,7 +546,7 @@ class LlamaCppExecutor(ItemStepExecutor):
             raise errors.unavailable(f"model {self.model_id!r} is shut down")
         n_tokens = sum(len(it.tokens) for it in items)
         if n_tokens > self.n_batch:
-            raise errors.exhausted(f"{field}: {n_tokens} tokens in one step; this executor's limit is {self.n_batch}",
+            raise errors.invalid(f"{field}: {n_tokens} tokens in one step; this executor's limit is {self.n_batch}",
                                    field=field, limit=self.n_batch)
         seen: set[str] = set()
         need_tokens = new_caches = 0
@@ -639,7 +567,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         self.registry.admit(need_tokens, field, new_caches=new_caches)
         pc = self.prefix
         # Per item: (sequence to copy a cached prefix from, tokens taken, their keys, chain root).
-        hits = [pc.match(it.tokens if not it.bypass and it.want != "all" else [], it.salt)
+        hits = [pc.match(it.tokens if not it.bypass and it.want != Want.ALL else [], it.salt)
                 if it.entry is None else (None, 0, [], b"") for it in items]
         sources = {src for src, *_ in hits if src is not None}
         if new_caches > len(self._free_seq) + sum(1 for s in pc.evictable if s not in sources):
@@ -662,7 +590,7 @@ class LlamaCppExecutor(ItemStepExecutor):
                         self._L.llama_memory_seq_cp(self._mem, src, e.payload, 0, take)
                         pc.touch(src)
                     it.cached = past = take
-                    if it.want != "all" and not it.bypass:
+                    if it.want != Want.ALL and not it.bypass:
                         pc.stats.lookups += 1
                         pc.stats.queried_tokens += len(it.tokens)
                         pc.stats.hit_tokens += take
@@ -695,7 +623,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         n = sum(len(it.tokens) for it in items)
         tok, pos, out = self._b_tok, self._b_pos, self._b_out
         out[:n] = 0
-        rows: list[tuple[str, int, int]] = []  # (want, first batch index, count)
+        rows: list[tuple[Want, int, int]] = []  # (want, first batch index, count)
         i = 0
         for it, (seq, past) in zip(items, placed):
             k = len(it.tokens)
@@ -704,9 +632,9 @@ class LlamaCppExecutor(ItemStepExecutor):
             sid = b.seq_id
             for j in range(i, i + k):
                 sid[j][0] = seq
-            if it.want == "all":
+            if it.want == Want.ALL:
                 out[i:i + k] = 1
-            elif it.want == "last":
+            elif it.want == Want.LAST:
                 out[i + k - 1] = 1
             rows.append((it.want, i, k))
             i += k
@@ -719,10 +647,10 @@ class LlamaCppExecutor(ItemStepExecutor):
         V = self.vocab_size
         result: list[torch.Tensor | None] = []
         for want, start, k in rows:
-            if want == "none":
+            if want == Want.NONE:
                 result.append(None)
                 continue
-            if want == "last":
+            if want == Want.LAST:
                 row = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, start + k - 1), shape=(V,))
                 result.append(torch.from_numpy(row.copy()))
                 continue

@@ -13,7 +13,8 @@ tokens' K/V; the cache scatters them into their slots (``index_copy_``: only the
 written) and hands them back unchanged. Reading the past is attention's job
 (:mod:`.packed_attention`), which reads each row's own blocks in place.
 
-See the module docstring of ``hf_causal_lm`` for why this layout was chosen and what it costs.
+See the package docstring (:mod:`ferrum_service.executors.transformers`) for why this layout was
+chosen and what it costs.
 """
 
 from __future__ import annotations
@@ -134,6 +135,12 @@ class BlockPool:
         """Copy block ``src``'s K/V into block ``dst`` in every layer (copy-on-write)."""
         for t in (*self.k, *self.v):
             t[dst].copy_(t[src])
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes as stored (row-major, native little-endian), copied to the host."""
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(torch.uint8).cpu().numpy().tobytes()
 
 
 class PagedWriteCache(Cache):

@@ -25,8 +25,8 @@ from typing import Callable, Sequence
 
 from ferrum_client.prefix_keys import ALGORITHM, EXTRA_KEYS, SEED, block_key, chain_root
 
-from ..core.modes import BlockEvent
-from .prefix_cache import PrefixStats
+from ...core.modes import BlockEvent
+from ..base import PrefixStats
 
 #: Tokens per keyed block (the recipe's block size for this executor family).
 BLOCK = 16
