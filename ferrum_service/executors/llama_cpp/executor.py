@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import structlog
 import torch
 
@@ -52,6 +51,7 @@ from ...core.types import (
 from ..base import KvLayout
 from ..item_steps import ItemStepExecutor
 from .backend import ARCH_TYPES, DEFAULT_N_CTX, DEFAULT_N_SEQ, default_kv_tokens, init_backend, lib, meta
+from .batch import DecodeBatch
 from .prefix import SequencePrefixIndex
 
 log = structlog.get_logger(__name__)
@@ -128,15 +128,6 @@ class LlamaCppExecutor(ItemStepExecutor):
         self._mem = L.llama_get_memory(self._ctx)
         self.n_ctx = int(L.llama_n_ctx(self._ctx))
         self.n_batch = int(L.llama_n_batch(self._ctx))
-        self._batch = L.llama_batch_init(self.n_batch, 0, 1)
-        # numpy views of the batch's arrays, made once (a view per step costs more than a decode's
-        # own Python work at B=1).
-        b = self._batch
-        self._b_tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
-        self._b_pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
-        self._b_nsq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))
-        self._b_out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
-        self._b_nsq[:] = 1
         self._free_seq = list(range(self.n_seq - 1, -1, -1))  # pop() hands out the lowest id first
         self.prefix = SequencePrefixIndex(self.model_id or p.stem, enabled=prefix_cache,
                                           wipe=lambda s: L.llama_memory_seq_rm(self._mem, s, -1, -1))
@@ -145,6 +136,7 @@ class LlamaCppExecutor(ItemStepExecutor):
 
         self._tokenizer = GgufTokenizer(m)
         self.vocab_size = self._tokenizer.vocab_size
+        self._decode = DecodeBatch(L, self._ctx, self.n_batch, self.vocab_size)
         self.max_sequence_length = min(self.n_ctx, self.n_ctx_train or self.n_ctx)
         self.registry = CacheRegistry(self.model_id, total_tokens=self.n_ctx, block_size=1, bytes_per_token=bpt,
                                       per_request_tokens=self.n_ctx if self.n_ctx < self.max_sequence_length else None,
@@ -281,7 +273,8 @@ class LlamaCppExecutor(ItemStepExecutor):
         self._make_room(b * n)
         seqs = [self._take_seq() for _ in range(b)]
         try:
-            rows = self._decode_batch([StepRow(None, ids[i].tolist(), Want.ALL) for i in range(b)], [(s, 0) for s in seqs])
+            rows = self._decode.decode([StepRow(None, ids[i].tolist(), Want.ALL) for i in range(b)],
+                                       [(s, 0) for s in seqs])
         finally:
             for s in seqs:
                 self._L.llama_memory_seq_rm(self._mem, s, -1, -1)
@@ -532,13 +525,12 @@ class LlamaCppExecutor(ItemStepExecutor):
     def __del__(self) -> None:  # pragma: no cover - interpreter teardown order varies
         try:
             L = self._L
-            L.llama_batch_free(self._batch)
+            self._decode.free()
             L.llama_free(self._ctx)
             L.llama_model_free(self._model)
         except Exception:
             pass
 
-    # ---- items ---------------------------------------------------------------------------------
     # ---- the one decode ------------------------------------------------------------------------
     def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
         """Admit, run one ``llama_decode`` over all items, commit; undo everything on failure."""
@@ -603,7 +595,7 @@ class LlamaCppExecutor(ItemStepExecutor):
                     work.append(it)
                 entries.append(e)
                 placed.append((e.payload, past))
-            logits = self._decode_batch(work, placed)
+            logits = self._decode.decode(work, placed)
         except BaseException:
             for seq, past in placed:
                 self._L.llama_memory_seq_rm(self._mem, seq, past, -1)
@@ -617,44 +609,3 @@ class LlamaCppExecutor(ItemStepExecutor):
         # Status counters are recorded by the server around each step (operations.py, host.py), as for
         # every executor; recording here too counted each llama.cpp step twice.
         return list(zip(entries, logits))
-
-    def _decode_batch(self, items: list[StepRow], placed: list[tuple[int, int]]) -> list[torch.Tensor | None]:
-        L, b = self._L, self._batch
-        n = sum(len(it.tokens) for it in items)
-        tok, pos, out = self._b_tok, self._b_pos, self._b_out
-        out[:n] = 0
-        rows: list[tuple[Want, int, int]] = []  # (want, first batch index, count)
-        i = 0
-        for it, (seq, past) in zip(items, placed):
-            k = len(it.tokens)
-            tok[i:i + k] = it.tokens
-            pos[i:i + k] = np.arange(past, past + k)
-            sid = b.seq_id
-            for j in range(i, i + k):
-                sid[j][0] = seq
-            if it.want == Want.ALL:
-                out[i:i + k] = 1
-            elif it.want == Want.LAST:
-                out[i + k - 1] = 1
-            rows.append((it.want, i, k))
-            i += k
-        b.n_tokens = n
-        rc = L.llama_decode(self._ctx, b)
-        if rc == 1:
-            raise errors.exhausted("llama.cpp found no free KV cells for the step", needed=n)
-        if rc != 0:
-            raise errors.FerrumError(errors.ErrorKind.BACKEND, f"llama_decode failed with code {rc}")
-        V = self.vocab_size
-        result: list[torch.Tensor | None] = []
-        for want, start, k in rows:
-            if want == Want.NONE:
-                result.append(None)
-                continue
-            if want == Want.LAST:
-                row = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, start + k - 1), shape=(V,))
-                result.append(torch.from_numpy(row.copy()))
-                continue
-            arr = np.stack([np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, j), shape=(V,))
-                            for j in range(start, start + k)])
-            result.append(torch.from_numpy(arr))
-        return result
