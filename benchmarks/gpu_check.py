@@ -27,15 +27,18 @@ def _measure(ex, batch: int, prompt_len: int, steps: int, sync) -> dict:
 
     vocab = ex.info().vocab_size
     prompts = [[(97 * (i + 1) * (j + 3)) % (vocab - 10) + 5 for j in range(prompt_len)] for i in range(batch)]
+    per_step = max(1, ex.admission_limits().maximum_scheduled_tokens // prompt_len)  # rows one forward takes
+    caches, toks = [], []
     sync()
     t0 = time.perf_counter()
-    res = run(ex, StepPlan([StepRow.prompt(PrefillInput(token_ids=p, bypass_prefix_cache=True,
-                                                        reserve_tokens=prompt_len + steps + 1), None)
-                            for p in prompts]))
+    for i in range(0, batch, per_step):
+        res = run(ex, StepPlan([StepRow.prompt(PrefillInput(token_ids=p, bypass_prefix_cache=True,
+                                                            reserve_tokens=prompt_len + steps + 1), None)
+                                for p in prompts[i:i + per_step]]))
+        caches += [o.cache.cache_id for o in res.outputs]
+        toks += [r.token_id for r in res.rows]
     sync()
     prefill_s = time.perf_counter() - t0
-    caches = [o.cache.cache_id for o in res.outputs]
-    toks = [r.token_id for r in res.rows]
     out = [list(toks)]
     times = []
     reg = ex.registry

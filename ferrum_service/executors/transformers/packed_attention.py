@@ -272,7 +272,7 @@ def _packed_attention(step: PackedStep, layer: int, q, k, v, scaling, softcap: f
         if n == 1:
             # The G query heads of one K/V head become G queries of that head (no K/V expansion).
             o = _sdpa(q[:, :, s].view(1, hkv, g, d), kr, vr, scale=scaling, softcap=softcap)
-            out[s] = o.view(hq, dv)
+            out[s] = o.reshape(hq, dv)  # CUDA's SDPA may return it strided (a view would fail there)
         else:
             o = _sdpa(q[:, :, s : s + n], kr, vr, attn_mask=r.mask, scale=scaling, enable_gqa=g > 1, softcap=softcap)
             out[s : s + n] = o[0].transpose(0, 1)
