@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--profile", action="store_true", help="profile B=1 decode steps on CUDA (top ops)")
     a = ap.parse_args()
     import torch
 
@@ -94,6 +95,15 @@ def main() -> None:
         same = sum(x == y for gs, cs in zip(g, c) for x, y in zip(gs, cs)) / sum(len(gs) for gs in g)
         rec.setdefault("same_tokens", {})[b] = same
         print(f"  B={b}: greedy tokens equal on both devices: {same:.1%} (bf16 vs fp32)")
+    if a.profile:  # where a B=1 decode step's time goes on CUDA
+        from torch.profiler import ProfilerActivity, profile
+
+        ex, sync = sides["cuda bf16"]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            _measure(ex, 1, 64, 6, sync)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
+        print(table)
+        Path(a.out, "gpu_profile.txt").write_text(table)
     for ex, _ in sides.values():
         assert ex.kv_capacity().used_bytes == 0
     for name in sides:
