@@ -96,6 +96,10 @@ class HfCausalLmExecutor(ItemStepExecutor):
         self.source = source
         param = next(model.parameters())
         self.device = param.device
+        if self.device.type == "cuda":
+            # The model's own attention (a prompt's fresh forward) off cuDNN's SDPA too: it builds
+            # a graph for every new shape (see packed_attention._CUDA_SDPA).
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.dtype = param.dtype
         self.config = model.config
         self.block_size = block_size

@@ -48,6 +48,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 #: The name registered in transformers' attention and mask interfaces.
 ATTN_NAME = "ferrum_paged"
@@ -212,12 +213,22 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     return _packed_attention(step, module.layer_idx, query, key, value, scaling, kwargs.get("softcap")), None
 
 
+_CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _sdpa(q, k, v, *, attn_mask=None, is_causal: bool = False, scale=None, enable_gqa: bool = False,
           softcap: float | None = None):
     """``F.scaled_dot_product_attention``, or, with ``softcap`` (Gemma 2's attention-logit
     soft-capping: ``scores = softcap * tanh(scores / softcap)`` before the mask and softmax, as in
     transformers' eager attention), the same computed step by step in fp32."""
     if not softcap:
+        if q.is_cuda:
+            # Not cuDNN's kernel: it builds a graph per new shape, and a decode row's context grows
+            # every step (measured on an H200: 1.5 ms of CPU per call, 59 ms per B=1 step of a
+            # 30-layer model; benchmarks/gpu_check.py).
+            with sdpa_kernel(_CUDA_SDPA):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                                      scale=scale, enable_gqa=enable_gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
     if enable_gqa and k.shape[-3] != q.shape[-3]:
