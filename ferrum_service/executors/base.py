@@ -306,6 +306,12 @@ class ModelExecutor(abc.ABC):
     def import_write(self, staged: Any, layer: int, start: int, end: int, key: bytes, value: bytes) -> None:
         raise errors.unsupported(f"ImportKv is not supported by the {self.kind} executor")
 
+    def import_extend(self, staged: Any, tokens: list[int]) -> None:
+        """Append ``tokens`` to a staged (uncommitted) import, inside what :meth:`import_begin`
+        admitted (OUT_OF_RANGE beyond it): :meth:`import_write` may then write their K/V. How a
+        migration's tail follows its pre-copy (``migration.py``). Default unsupported."""
+        raise errors.unsupported(f"extending a staged import is not supported by the {self.kind} executor")
+
     def import_commit(self, staged: Any) -> tuple[CacheEntry, int]:
         """The staged import as a live cache: (its entry, full blocks it added to the prefix cache)."""
         raise errors.unsupported(f"ImportKv is not supported by the {self.kind} executor")

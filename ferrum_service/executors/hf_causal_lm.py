@@ -862,6 +862,17 @@ class HfCausalLmExecutor(ItemStepExecutor):
                 src = torch.frombuffer(data, dtype=torch.uint8).view(self.pool.dtype).view(n, h, d)
             pool.view(-1, h, d).index_copy_(0, slots, src.to(self.device))
 
+    def import_extend(self, staged: "_StagedImport", tokens: list[int]) -> None:
+        """Append ``tokens`` to the staged import: their slots are in the blocks it took at
+        :meth:`import_begin` (its reservation), so nothing is allocated here."""
+        if staged.blocks is None:
+            raise errors.FerrumError(errors.ErrorKind.INTERNAL, "the import was aborted")
+        n = len(staged.tokens) + len(tokens)
+        if n > staged.staged or n > len(staged.blocks) * self.block_size:
+            raise errors.out_of_range(f"the staged import holds room for {staged.staged} tokens, not {n}",
+                                      field="header.to_token", limit=staged.staged)
+        staged.tokens.extend(tokens)
+
     def import_commit(self, staged: "_StagedImport") -> tuple[CacheEntry, int]:
         """Register the staged blocks as a new cache holding the imported tokens, then key its full
         blocks into the prefix cache (block events, as for a computed prompt)."""
