@@ -85,6 +85,8 @@ SERVE_FLAGS = {
                           "--host is a concrete address); needed to move streams to peers"),
     "migration_resume_s": (float, 30.0, "seconds a stream moved here waits for its caller's resume before it is "
                            "dropped"),
+    "migration_precopy_tokens": (int, 256, "a stream whose cache holds this many tokens has its KV pre-copied to "
+                                 "the target while it decodes on, so that its pause moves only the tail (0 = never)"),
 }
 
 
@@ -275,7 +277,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_peer_ca=st["kv_peer_ca"], kv_peer_cert=st["kv_peer_cert"], kv_peer_key=st["kv_peer_key"],
         kv_import_idle_timeout=st["kv_import_idle_timeout"],
         drain_to=st["drain_to"] or "", advertise_address=st["advertise_address"] or "",
-        migration_resume_s=st["migration_resume_s"],
+        migration_resume_s=st["migration_resume_s"], migration_precopy_tokens=st["migration_precopy_tokens"],
         max_caches=st["max_caches"], max_caches_per_caller=st["max_caches_per_caller"],
         max_compile_seconds=st["max_compile_seconds"], stall_timeout=st["stall_timeout"],
     )

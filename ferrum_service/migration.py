@@ -208,14 +208,18 @@ class StreamMover:
 
     def close(self) -> None:
         """The stream ended (or its move was called off) with a pre-copy no move will finish: have
-        the target drop it (a pull under way is cancelled, which drops it there too)."""
+        the target drop it, once it answered if its pull is still under way (cancelling the call
+        could lose an answer the target already gave, and leave the staged KV to its deadline)."""
         task, self.task = self.task, None
         if task is None:
             return
-        if not task.done():
-            task.cancel()
-        elif not task.cancelled() and task.exception() is None:
-            self.migrations.abandon(task.result(), self.host.model_id, self.state.cache_id, self.state.tenant)
+        m, model_id, cache_id, caller = self.migrations, self.host.model_id, self.state.cache_id, self.state.tenant
+
+        def abandon(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is None:
+                m.abandon(t.result(), model_id, cache_id, caller)
+
+        task.add_done_callback(abandon)
 
 
 class Migrations:

@@ -90,6 +90,7 @@ class ServerConfig:
     drain_to: str = ""
     advertise_address: str = ""
     migration_resume_s: float = 30.0
+    migration_precopy_tokens: int = 256  # pre-copy a moving stream's KV from this many cached tokens (0 = never)
 
     @property
     def per_caller(self) -> bool:
@@ -182,6 +183,7 @@ class Server:
                                               import_idle_s=cfg.kv_import_idle_timeout,
                                               resume_s=cfg.migration_resume_s)
         self.servicer.start_drain_by_migration = self._start_drain_by_migration
+        self.servicer.migrations.precopy_tokens = cfg.migration_precopy_tokens
         self.servicer.on_model_shutdown = self._model_down
         self.servicer.is_admin = lambda metadata: is_admin_call(metadata, cfg.admin_tokens, cfg.open_admin_rpcs)
         interceptors = []
