@@ -17,14 +17,15 @@ the same in the imported cache; the constraint's matcher replays the cache's tok
 
 Pre-copy (the pause without the bulk of the KV): when the stream's cache holds at least
 ``precopy_tokens`` tokens (tensor layouts only), A first asks B for a pre-copy
-(``AcceptMigration{precopy}``, source range [0, k) with k the cache's length then) and goes on
+(``AcceptMigration{precopy}``, source range [0, k) with k the cache's full blocks then) and goes on
 decoding while B pulls those k tokens into a staged import (``KvTransfer.stage_pull``: admitted with
 the stream's whole reservation, private, no cache, not resumable, dropped after ``resume_s``). At
 the first step boundary after B answered, A pauses as above and asks B to finish
 (``AcceptMigration{precopy_id}``, source from token k): B pulls only the tail, the tokens decoded
 meanwhile (``extend_pull``: the executor's ``import_extend`` then the usual writes), commits and
-parks. A's cache only grows while B reads [0, k) (a decode writes past its last token; ``ExportKv``
-holds the cache, so nothing frees it under the read). A pre-copy B holds is used once, by the
+parks. Nothing writes A's full blocks while B reads them (a decode writes past the cache's last
+token, and copies on write only the block it writes into; ``ExportKv`` holds the cache, so nothing
+frees it under the read). A pre-copy B holds is used once, by the
 caller and source it was made for; a stream that ends on A (or a move called off) with a pre-copy
 made sends ``abandon`` (and B drops it after ``resume_s`` anyway); a pre-copy that B refuses, or a
 finish that fails, leaves the stream on A and nothing on B.
@@ -174,11 +175,15 @@ class StreamMover:
             return False
         if self.task is None:
             n, prompt, start = self._decode_state(s)
-            if not self.migrations.can_precopy(self.host, n):
+            # Full blocks only: the stream's next writes (and a copy-on-write of the block they go
+            # to) never touch them while the target reads them.
+            bs = max(1, int(getattr(self.host.executor, "block_size", 1) or 1))
+            upto = n - n % bs
+            if not upto or not self.migrations.can_precopy(self.host, n):
                 return True
             self.target = st.move_to
             self.task = asyncio.ensure_future(self.migrations.precopy(
-                self.host, self.req, s.cache_id, list(s.out_ids), prompt, start, st.tenant, st.move_to, n))
+                self.host, self.req, s.cache_id, list(s.out_ids), prompt, start, st.tenant, st.move_to, upto))
             self.task.add_done_callback(lambda t: t.cancelled() or t.exception())
             return False
         return self.task.done()
