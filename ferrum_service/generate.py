@@ -179,6 +179,8 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
                              checks.live_entry(host, req.cache_id, "cache_id") if req.cache_id else None)
     if req.cache_id:
         prior = checks.live_entry(host, req.cache_id, "cache_id").num_tokens
+        if parked is not None:  # B may have fed the last token already (Parked.first)
+            prior = parked.cache_tokens
         if not prompt and not req.HasField("last_token_id"):
             raise errors.invalid("cache_id without a prompt needs last_token_id", field="last_token_id")
     if req.HasField("last_token_id"):
@@ -204,7 +206,7 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
             parked.adopted = True
             entry = reg.get(cache_id)
             entry.owner = owner
-            if sp.constraint is not None:  # the matcher replays the cache's tokens from the constraint's start
+            if sp.constraint is not None and entry.guide is None:  # replays the cache from the constraint's start
                 entry.guide = GuideState(sp.constraint, parked.constraint_start, _matcher(sp.compiled),
                                          compiled=sp.compiled)
         # A migrated stream's cache is not held for the whole stream (it may move on again).
@@ -230,9 +232,12 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
                     handle = out.cache
                 else:
                     admit(host, "stop.max_tokens", grow=[(reg.get(cache_id), total)])
-                    row = await host.batcher.decode(
-                        DecodeInput(cache_id=cache_id, token_id=req.last_token_id, policy=policy)
-                    )
+                    if parked is not None and parked.first is not None:  # run when B took the stream
+                        row = await parked.first
+                    else:
+                        row = await host.batcher.decode(
+                            DecodeInput(cache_id=cache_id, token_id=req.last_token_id, policy=policy)
+                        )
                     handle = host.executor.handle(reg.get(cache_id))
                 samples = [_Sample(0, cache_id, row, policy, detokenizer())]
                 if parked is not None:  # the tokens sent before the move (stop sequences, text)

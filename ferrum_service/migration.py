@@ -9,7 +9,8 @@ options), the tokens generated so far and where its constraint started. B pulls 
 from A through the ordinary server pull (``ImportKv`` with a ``source``: checksummed, all or
 nothing, admitted up front with the stream's remaining budget reserved), and parks it under a
 fresh resume token. Only then does A end the stream with ``GenerateMigrated{target, resume_token}``
-and free its cache; the client calls ``Generate{resume_token}`` on B, which feeds the last token
+and free its cache; the client calls ``Generate{resume_token}`` on B, which sends the token of
+the step feeding the last token (run as soon as B parked the stream, while the caller reconnects)
 and goes on. Nothing of the sampler needs moving: a seeded draw at position ``p`` uses
 ``seed + p`` and the repetition penalty reads the cache's tokens (``sampling.py``), and both are
 the same in the imported cache; the constraint's matcher replays the cache's tokens from its start
@@ -60,7 +61,9 @@ from . import errors
 from .callers import current_caller
 from .convert import check_tokens, pb, sampling_params
 from .executors.base import ModelExecutor
+from .guided import GuideState, _matcher
 from .kv_peers import normalize_target
+from .types import DecodeInput, LogitsPolicy, OutputMode
 
 if TYPE_CHECKING:
     from .kv_peers import KvPeers
@@ -101,6 +104,10 @@ class Parked:
     expires: float
     timer: asyncio.TimerHandle | None = None
     adopted: bool = False  # a resumed stream took the cache (and frees it at its end)
+    cache_tokens: int = 0  # what the cache held when it was parked
+    # The step that feeds the last token, run when the stream was parked (its row: the first token
+    # the resumed stream sends), so that it does not wait on the caller's reconnection.
+    first: "asyncio.Future | None" = None
 
     def resume_request(self) -> pb.GenerateRequest:
         """The stream's request as this server continues it: its cache, the last token fed first."""
@@ -243,8 +250,10 @@ class Migrations:
         self.draining = False  # MigrateStreams(drain) or --drain-to: no new work
         self.max_parked = MAX_PARKED
         self.precopy_tokens = DEFAULT_PRECOPY_TOKENS  # 0 = never pre-copy
+        self.first_step = True  # run a parked stream's first step before its caller is back
         self.precopies: dict[str, PreCopy] = {}
         self.max_precopies = MAX_PRECOPIES
+        self._staging = 0  # pre-copies being pulled
         self._tasks: set[asyncio.Task] = set()  # abandons in flight
 
     # ---- the moving side (A) --------------------------------------------------------------------
@@ -430,17 +439,23 @@ class Migrations:
 
     async def _precopy(self, req: pb.AcceptMigrationRequest, caller: str) -> pb.AcceptMigrationResponse:
         """Stage tokens [0, source.to_token) of the stream's cache under a new pre-copy id."""
-        if len(self.precopies) >= self.max_precopies:
+        if len(self.precopies) + self._staging >= self.max_precopies:
             raise errors.exhausted(f"{self.max_precopies} pre-copies are already staged here")
         host, orig, gen, sp, n_cache, reserve = self._checked(req)
         upto = int(req.source.to_token)
         if not 0 < upto <= n_cache:
             raise errors.invalid(f"a pre-copy stages tokens [0, source.to_token) of the {n_cache} the cache holds",
                                  field="source.to_token")
-        src = pb.KvSource()
-        src.CopyFrom(req.source)
-        src.target = await self.peers.check(src.target)
-        st = await self.kv.stage_pull(host, src, reserve, orig.cache_salt)
+        self._staging += 1
+        try:
+            # compiled now: a cache hit in the pause
+            await self.checks.compile(host, [(sp, "request.sampling.constraint")])
+            src = pb.KvSource()
+            src.CopyFrom(req.source)
+            src.target = await self.peers.check(src.target)
+            st = await self.kv.stage_pull(host, src, reserve, orig.cache_salt)
+        finally:
+            self._staging -= 1
         pid = secrets.token_urlsafe(24)
         pre = PreCopy(host.model_id, caller, (src.target, src.cache_id), reserve, orig.cache_salt, orig.adapter, st)
         # The tokens after the prompt must be the stream's generated ones.
@@ -523,13 +538,27 @@ class Migrations:
         token = secrets.token_urlsafe(24)
         loop = asyncio.get_running_loop()
         p = Parked(host.model_id, cache_id, caller, orig, gen, int(req.prompt_tokens), int(req.constraint_start),
-                   time.monotonic() + self.resume_s)
+                   time.monotonic() + self.resume_s, cache_tokens=n_cache)
         p.timer = loop.call_later(self.resume_s, self._expire, token)
         self.parked[token] = p
+        if self.first_step:
+            p.first = loop.create_task(self._first_step(host, p, sp))
+            p.first.add_done_callback(lambda t: t.cancelled() or t.exception())
         log.info("migrated stream parked", model_id=host.model_id, cache_id=cache_id, generated=len(gen),
                  imported_tokens=pulled, imported_bytes=nbytes, precopied=len(pre.staged.tokens) - pulled if pre else 0)
         return pb.AcceptMigrationResponse(resume_token=token, imported_tokens=pulled, imported_bytes=nbytes,
                                           resume_deadline_ms=int(self.resume_s * 1000))
+
+    @staticmethod
+    async def _first_step(host, p: Parked, sp):
+        """Feed the stream's last token now, as its resume would (same policy, the constraint's
+        matcher from its start): a seeded draw depends on the position only, so the token is the
+        one the resume would draw; the resume sends this row first (``generate.py``)."""
+        entry = host.executor.registry.get(p.cache_id)
+        if sp.constraint is not None:
+            entry.guide = GuideState(sp.constraint, p.constraint_start, _matcher(sp.compiled), compiled=sp.compiled)
+        policy = LogitsPolicy(mode=OutputMode.SAMPLED_TOKEN, sampling=sp, top_logprobs=int(p.request.top_logprobs))
+        return await host.batcher.decode(DecodeInput(cache_id=p.cache_id, token_id=p.generated[-1], policy=policy))
 
     def _expire(self, token: str) -> None:
         p = self.parked.pop(token, None)

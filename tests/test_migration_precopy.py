@@ -151,8 +151,11 @@ def test_precopied_move_equals_unmoved_and_pauses_on_the_tail(pair, mode):
 
 
 def test_below_the_threshold_the_whole_cache_moves_at_the_pause(pair):
+    """No pre-copy below ``precopy_tokens``; and B without its early first step (the resume
+    feeds the last token itself): the same tokens either way."""
     a, b = pair
     a.server.servicer.migrations.precopy_tokens = 1000
+    b.server.servicer.migrations.first_step = False
     prompt = _prompt(24, seed=32)
     with Client(a.target) as ca:
         ref = ca.generate(M, token_ids=prompt, max_tokens=40, ignore_eos=True).tokens()
@@ -274,7 +277,8 @@ def test_precopy_hostile_calls_deadline_and_abandon(pair):
                 return e.value.code().name
 
             assert code(wrong, req()) == "PERMISSION_DENIED"
-            assert code(call, req(source=pb.KvSource(target=a.target, cache_id=cache, to_token=41))) == "INVALID_ARGUMENT"
+            too_far = pb.KvSource(target=a.target, cache_id=cache, to_token=41)
+            assert code(call, req(source=too_far)) == "INVALID_ARGUMENT"
             assert code(call, req(source=pb.KvSource(target=a.target, cache_id=cache, from_token=1,
                                                      to_token=40))) == "INVALID_ARGUMENT"
             assert code(call, req(source=pb.KvSource(target=a.target, cache_id="nope", to_token=40))) == "NOT_FOUND"
