@@ -18,9 +18,10 @@ order that rotates run by run:
   context (prompt + the 8 tokens) again, prefix cache bypassed, to its first token.
 
 What the pause is made of is reported too: A's hand-off (``StreamMigration.handoff_ms``: the
-``AcceptMigration`` call, B's pull of the tail and its commit), B's inter-token latency (its first
-step after the resume is one decode step), the tokens pre-copied and pulled in the pause, and A's
-inter-token latency. Drift: the reference workload of ``llama_cpp_rows`` is timed before and after
+``AcceptMigration`` call, B's pull of the tail and its commit), B's inter-token latency (B runs the
+stream's first step as soon as it holds it, while the client reconnects, so at most what is left of
+that step adds to the pause), the tokens pre-copied and pulled in the pause, and A's inter-token
+latency. Drift: the reference workload of ``llama_cpp_rows`` is timed before and after
 the whole measurement; drift > 15 % flags the rows ``busy`` (do not publish a busy row). Target:
 pause p50 < 100 ms on this machine.
 """
