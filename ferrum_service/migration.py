@@ -178,6 +178,8 @@ class StreamMover:
         st = self.state
         if self.task is not None and st.move_to != self.target:  # the move was called off meanwhile
             self.close()
+            st.answer_move(errors.FerrumError(errors.ErrorKind.CANCELLED, "the move was called off during its "
+                                              "pre-copy", code=grpc.StatusCode.DEADLINE_EXCEEDED))
         if not st.move_to:
             return False
         if self.task is None:

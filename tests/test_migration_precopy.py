@@ -239,6 +239,63 @@ def test_failed_finish_drops_the_precopy(pair):
     _nothing_on(b, timeout=0.5)  # dropped before the refusal was answered
 
 
+def test_precopy_pull_breaking_off_leaves_nothing_on_b(pair):
+    """A's export dies in the middle of the pre-copy (as when A goes down then): B keeps nothing
+    and the stream, still alive at A, finishes there, whole."""
+    a, b = pair
+    kv = a.server.servicer.kv
+    real = kv.export
+
+    async def breaking(req, metadata=None):
+        n = 0
+        async for msg in real(req, metadata):
+            yield msg
+            n += 1
+            if req.to_token and n == 2:  # the pre-copy's range
+                raise RuntimeError("the exporting server went away")
+
+    kv.export = breaking
+    prompt = _prompt(40, seed=38)
+    with Client(a.target) as ca:
+        ref = ca.generate(M, token_ids=prompt, max_tokens=40, ignore_eos=True).tokens()
+        _slow(a, 0.01, gate=8)
+        toks, _, _, res, stream = _stream(ca, prompt, move=lambda: ca.migrate_streams(b.target), at=8, max_tokens=40)
+        _fast(a)
+        assert toks == ref and not stream.migrations
+        assert res.migrated == 0 and res.streams[0].error_code == "UNAVAILABLE", res
+    assert a.live_caches() == {M: 0}
+    _nothing_on(b, timeout=0.5)
+
+
+def test_move_called_off_during_its_precopy(pair):
+    """``MigrateStreams`` gives up (DEADLINE_EXCEEDED) while B still pulls the pre-copy: the stream
+    goes on at A, whole, and the pre-copy B then finishes is abandoned."""
+    a, b = pair
+    kv = b.server.servicer.kv
+    real = kv.stage_pull
+    staged = []
+
+    async def slow(host, src, reserve, salt):
+        await asyncio.sleep(0.6)
+        st = await real(host, src, reserve, salt)
+        staged.append(len(st.tokens))
+        return st
+
+    kv.stage_pull = slow
+    prompt = _prompt(40, seed=39)
+    with Client(a.target) as ca:
+        ref = ca.generate(M, token_ids=prompt, max_tokens=80, ignore_eos=True).tokens()
+        _slow(a, 0.02, gate=8)
+        migrations = a.server.servicer.migrations
+        toks, _, _, res, stream = _stream(
+            ca, prompt, move=lambda: a.run(migrations.migrate(b.target, wait_s=0.2)), at=8, max_tokens=80)
+        _fast(a)
+        assert toks == ref and not stream.migrations
+        assert [r.error_code for r in res] == ["DEADLINE_EXCEEDED"] and staged == [48]
+    assert a.live_caches() == {M: 0}
+    _nothing_on(b)
+
+
 def _peer_stub(srv, caller: str = "", token: str = "tok-peer"):
     ch = grpc.insecure_channel(srv.target)
     md = (("authorization", f"Bearer {token}"),) + (((CALLER_HEADER, caller),) if caller else ())
