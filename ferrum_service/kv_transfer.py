@@ -421,6 +421,7 @@ class KvTransfer:
                                      "no pre-copy", field="precopy")
         if src.from_token:
             raise errors.invalid("a pre-copy starts at token 0: source.from_token must be 0", field="source.from_token")
+        self.checks.salt(salt, "cache_salt")  # refused before anything is dialled
         header, chunks, call = await self._pull(host, src)
         try:
             tokens = self._check_header(host, layout, header)
@@ -455,16 +456,15 @@ class KvTransfer:
         header, chunks, call = await self._pull(host, src)
         try:
             tokens = self._check_header(host, layout, header, start)
-            if header.adapter != st.adapter:
-                raise errors.failed_precondition("the tail's K/V were computed with another adapter than the "
-                                                 "staged tokens'", field="header.adapter")
+            if header.adapter != st.adapter or header.caller_supplied == st.trusted:
+                raise errors.failed_precondition("the tail's K/V were computed with another adapter (or by "
+                                                 "another party) than the staged tokens'", field="header.adapter")
             host.executor.import_extend(st.staged, tokens)  # the import's own state: nothing else reads it
             count, nbytes = await self._write_chunks(host, layout, st.staged, header, self._idle_bounded(chunks),
                                                      start)
         finally:
             call.cancel()
         st.tokens.extend(tokens)
-        st.trusted = st.trusted and not header.caller_supplied
         st.nbytes += nbytes
         return len(tokens), nbytes
 
@@ -619,7 +619,7 @@ class StagedKv:
         self.staged = staged  # the executor's staged import
         self.tokens = tokens
         self.adapter = adapter
-        self.trusted = trusted  # every part came from a peer that computed it
+        self.trusted = trusted  # a peer computed the K/V (its tail must say the same)
         self.nbytes = nbytes
         self.t0 = t0
         self.committed = self.aborted = False
