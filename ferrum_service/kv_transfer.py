@@ -20,6 +20,12 @@ Import, all or nothing:
    A stream that ends early is DATA_LOSS; whatever way it fails (or the caller goes away), the
    staged blocks go back to the pool and no cache exists.
 
+Staged pulls (a migration's pre-copy, ``migration.py``): ``stage_pull`` runs steps 1-2 of a
+server pull of tokens [0, k) and stops before 3 (the staged blocks stay private: no cache, no
+prefix key); ``extend_pull`` later pulls [k, n) of the same cache and appends it (the executor's
+``import_extend``, inside the reservation taken at step 1); ``commit_staged`` is step 3;
+``abort_staged`` gives the blocks back.
+
 Server pull: with ``source`` set, this server calls ``ExportKv`` on ``source.target`` itself and
 feeds the stream through the same steps. Only peers the operator configured are dialled, with this
 server's own credentials, on the caller's behalf (``kv_peers.py``).
