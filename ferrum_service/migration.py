@@ -397,6 +397,11 @@ class Migrations:
             await self._drop(self._take_precopy(req, caller))
             return pb.AcceptMigrationResponse()
         if self.draining:
+            if req.precopy_id:  # no move will finish it here
+                try:
+                    await self._drop(self._take_precopy(req, caller))
+                except errors.FerrumError:
+                    pass  # not this caller's: left alone
             raise errors.unavailable("this server drains; it takes no migrated streams")
         if req.precopy:
             if req.precopy_id:

@@ -60,7 +60,8 @@ _ROLES = {"both": pb.SERVER_ROLE_BOTH, "prefill": pb.SERVER_ROLE_PREFILL, "decod
 #: What a server that drains by migration still answers (reads, its caches' export to peers, moves).
 _WHILE_MIGRATING = {"Info", "Capabilities", "Status", "KvCapacity", "AdmissionLimits", "KvSlotCapacity",
                     "CacheMetrics", "LoraMetrics", "Loads", "ListCaches", "ListAdapters", "ExportKv", "Abort",
-                    "ReleaseCache", "MigrateStreams", "Tokenize", "Detokenize", "ApplyChatTemplate", "Shutdown"}
+                    "ReleaseCache", "MigrateStreams", "Tokenize", "Detokenize", "ApplyChatTemplate", "Shutdown",
+                    "AcceptMigration"}  # refuses new streams itself, but drops pre-copies (migration.py)
 
 #: Most token ids one Detokenize call may carry.
 MAX_DETOKENIZE_IDS = 1 << 18
