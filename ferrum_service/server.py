@@ -90,6 +90,7 @@ class ServerConfig:
     drain_to: str = default("drain_to")  # live migration (migration.py)
     advertise_address: str = default("advertise_address")
     migration_resume_s: float = default("migration_resume_s")
+    migration_precopy_tokens: int = default("migration_precopy_tokens")  # migration.py
     # bounded work (docs/operating.md, "Multi-tenant deployment: bounded work")
     max_caches: int = default("max_caches")
     max_caches_per_caller: int = default("max_caches_per_caller")
@@ -185,6 +186,7 @@ class Server:
                                               import_idle_s=cfg.kv_import_idle_timeout,
                                               resume_s=cfg.migration_resume_s)
         self.servicer.start_drain_by_migration = self._start_drain_by_migration
+        self.servicer.migrations.precopy_tokens = cfg.migration_precopy_tokens
         self.servicer.on_model_shutdown = self._model_down
         self.servicer.is_admin = lambda metadata: is_admin_call(metadata, cfg.admin_tokens, cfg.open_admin_rpcs)
         interceptors = []

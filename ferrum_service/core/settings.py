@@ -224,6 +224,8 @@ SETTINGS: tuple[Setting, ...] = (
        "is a concrete address); needed to move streams to peers"),
     _s("migration_resume_s", float, 30.0, "seconds a stream moved here waits for its caller's resume before it is "
        "dropped"),
+    _s("migration_precopy_tokens", int, 256, "a stream whose cache holds this many tokens has its KV pre-copied to "
+       "the target while it decodes on, so that its pause moves only the tail (0 = never)"),
     # ---- observability ---------------------------------------------------------------------------
     _s("log_format", str, "auto", "json | console | auto"),
     _s("log_level", str, "info", "debug | info | warning | error"),

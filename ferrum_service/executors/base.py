@@ -375,6 +375,12 @@ class ModelExecutor(abc.ABC):
         import; it is loaded at :meth:`import_commit`."""
         raise errors.unsupported(f"ImportKv of a sequence state is not supported by the {self.kind} executor")
 
+    def import_extend(self, staged: Any, tokens: list[int]) -> None:
+        """Append ``tokens`` to a staged (uncommitted) import, inside what :meth:`import_begin`
+        admitted (OUT_OF_RANGE beyond it): :meth:`import_write` may then write their K/V. How a
+        migration's tail follows its pre-copy (``migration.py``). Default unsupported."""
+        raise errors.unsupported(f"extending a staged import is not supported by the {self.kind} executor")
+
     def import_commit(self, staged: Any) -> tuple[CacheEntry, int]:
         """The staged import as a live cache: (its entry, full blocks it added to the prefix cache)."""
         raise errors.unsupported(f"ImportKv is not supported by the {self.kind} executor")

@@ -192,6 +192,8 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
     prior = entry.num_tokens if entry is not None else 0
     adapter = checks.adapter(host, req.adapter, "adapter", entry)
     if entry is not None:
+        if parked is not None:  # B may have fed the last token already (Parked.first)
+            prior = parked.cache_tokens
         if not prompt and not req.HasField("last_token_id"):
             raise errors.invalid("cache_id without a prompt needs last_token_id", field="last_token_id")
     if req.HasField("last_token_id"):
@@ -222,7 +224,7 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
             parked.adopted = True
             entry = reg.get(cache_id)
             entry.owner = owner
-            if sp.constraint is not None:  # the matcher replays the cache's tokens from the constraint's start
+            if sp.constraint is not None and entry.guide is None:  # replays the cache from the constraint's start
                 entry.guide = GuideState(sp.constraint, parked.constraint_start, new_matcher(sp.compiled),
                                          compiled=sp.compiled)
         # A migrated stream's cache is not held for the whole stream (it may move on again).
@@ -248,9 +250,12 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
                     handle = out.cache
                 else:
                     admit(host, field="stop.max_tokens", grow=[(reg.get(cache_id), reserve)])
-                    row = await host.batcher.decode(
-                        DecodeInput(cache_id=cache_id, token_id=req.last_token_id, policy=policy)
-                    )
+                    if parked is not None and parked.first is not None:  # run when B took the stream
+                        row = await parked.first
+                    else:
+                        row = await host.batcher.decode(
+                            DecodeInput(cache_id=cache_id, token_id=req.last_token_id, policy=policy)
+                        )
                     handle = host.executor.handle(reg.get(cache_id))
                 samples = [_Sample(0, cache_id, row, policy, detokenizer())]
                 if parked is not None:  # the tokens sent before the move (stop sequences, text)
@@ -279,30 +284,13 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
             # caller never sees would leave an extra token in it).
             pipeline = bool(created) and not req.keep_cache
 
-            async def mover(s: _Sample) -> pb.GenerateMigrated | None:
-                """Hand the paused stream to ``state.move_to``; None (and it goes on here) if refused."""
-                t0 = time.perf_counter_ns()
-                try:
-                    entry = reg.get(s.cache_id)
-                    start = entry.guide.start if entry.guide is not None and sp.constraint is not None else 0
-                    moved = await migrations.hand_off(host, req, s.cache_id, list(s.out_ids),
-                                                      entry.num_tokens - (len(s.out_ids) - 1), start, state.tenant,
-                                                      state.move_to)
-                except errors.FerrumError as e:
-                    state.answer_move(e)
-                    return None
-                except Exception as e:  # noqa: BLE001 - whatever failed, the stream goes on here
-                    state.answer_move(errors.FerrumError(errors.ErrorKind.INTERNAL, f"the hand-off failed: {e!r}",
-                                                         code=grpc.StatusCode.INTERNAL))
-                    return None
-                state.answer_move((time.perf_counter_ns() - t0) / 1e6)
-                return moved
+            mover = None if state.unmovable else migrations.mover(host, req, state, sp.constraint is not None)
 
             async def run(s: _Sample) -> AsyncIterator[pb.GenerateResponse]:
                 if spec is not None:
                     s.drafter = speculation.NgramDrafter(spec, reg.get(s.cache_id).tokens)
-                async for ev in _decode_loop(host, req, state, s, pipeline, max_tokens, stop_ids, eos_ids,
-                                             mover if not state.unmovable else None, grows):
+                async for ev in _decode_loop(host, req, state, s, pipeline, max_tokens, stop_ids, eos_ids, mover,
+                                             grows):
                     yield ev
                 if not pipeline:
                     await _drop_unfed(host, s, prior + (len(prompt) if prompt else 1))
@@ -419,7 +407,7 @@ async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool
                     # each draft token may become one more output token: never past max_tokens
                     draft = s.drafter.propose(max_tokens - s.generated - 1)
             nxt = DecodeInput(cache_id=s.cache_id, token_id=token, policy=s.policy, draft=draft)
-            moving = mover is not None and bool(state.move_to)
+            moving = mover is not None and s.finish == pb.FINISH_REASON_UNSPECIFIED and mover.pause_now(s)
             if pipeline and s.finish == pb.FINISH_REASON_UNSPECIFIED and not moving:
                 pending = asyncio.ensure_future(host.batcher.decode(nxt))
             for ev in events:
@@ -428,7 +416,7 @@ async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool
                 return
             state.check_aborted()
             if moving and pending is None:
-                moved = await mover(s)
+                moved = await mover.hand_off(s)
                 if moved is not None:
                     s.migrated = True
                     yield pb.GenerateResponse(migrated=moved)
@@ -448,6 +436,8 @@ async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool
         if pending is not None:  # the stream ended with a step queued: drop it
             pending.cancel()
             pending.add_done_callback(lambda t: t.cancelled() or t.exception())
+        if mover is not None:  # a pre-copy no move finished is dropped at the target
+            mover.close()
 
 
 async def _drop_unfed(host, s: _Sample, start: int) -> None:

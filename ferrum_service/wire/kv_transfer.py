@@ -20,6 +20,12 @@ Import, all or nothing:
    A stream that ends early is DATA_LOSS; whatever way it fails (or the caller goes away), the
    staged blocks go back to the pool and no cache exists.
 
+Staged pulls (a migration's pre-copy, ``migration.py``): ``stage_pull`` runs steps 1-2 of a
+server pull of tokens [0, k) and stops before 3 (the staged blocks stay private: no cache, no
+prefix key); ``extend_pull`` later pulls [k, n) of the same cache and appends it (the executor's
+``import_extend``, inside the reservation taken at step 1); ``commit_staged`` is step 3;
+``abort_staged`` gives the blocks back.
+
 Server pull: with ``source`` set, this server calls ``ExportKv`` on ``source.target`` itself and
 feeds the stream through the same steps. Only peers the operator configured are dialled, with this
 server's own credentials, on the caller's behalf (``kv_peers.py``).
@@ -296,7 +302,7 @@ class KvTransfer:
                 raise errors.invalid("every message after the first must carry a chunk", field="chunk")
             yield m.chunk
 
-    def _check_header(self, host, layout: KvLayout, h: pb.KvTransferHeader) -> list[int]:
+    def _check_header(self, host, layout: KvLayout, h: pb.KvTransferHeader, start: int = 0) -> list[int]:
         if h.model_id != host.model_id:
             raise errors.failed_precondition(
                 f"the K/V are of model {h.model_id!r}; this import is into {host.model_id!r}", field="header.model_id")
@@ -324,11 +330,13 @@ class KvTransfer:
         if h.checksum_algorithm not in ("", CHECKSUM):
             raise errors.failed_precondition(f"checksum {h.checksum_algorithm!r} is not supported (crc32 is)",
                                              field="header.checksum_algorithm")
-        if h.from_token != 0:
-            raise errors.invalid("a new cache starts at token 0: from_token must be 0", field="header.from_token")
+        if h.from_token != start:
+            raise errors.invalid("a new cache starts at token 0: from_token must be 0" if not start else
+                                 f"the staged import holds {start} tokens: from_token must be {start}",
+                                 field="header.from_token")
         n = int(h.to_token)
-        if n < 1 or len(h.token_ids) != n or (h.positions and list(h.positions) != list(range(n))):
-            raise errors.invalid(f"the header must list {n} token ids (and positions 0..{n - 1})",
+        if n <= start or len(h.token_ids) != n - start or (h.positions and list(h.positions) != list(range(start, n))):
+            raise errors.invalid(f"the header must list {n - start} token ids (and positions {start}..{n - 1})",
                                  field="header.token_ids")
         if h.num_layers and h.num_chunks < h.num_layers and not layout.state_format:
             raise errors.invalid("num_chunks is below one chunk per layer", field="header.num_chunks")
@@ -342,17 +350,35 @@ class KvTransfer:
         tokens = self._check_header(host, layout, h)
         if reserve:
             self.checks.check_length(host, reserve, "reserve_tokens")
-        k_tok = layout.num_kv_heads * layout.head_dim * layout.element_size
-        v_tok = layout.num_kv_heads * layout.v_head_dim * layout.element_size
         n = len(tokens)
-        loop = asyncio.get_running_loop()
         staged = (await host.call(ex.import_begin, tokens, reserve, salt, h.adapter,
                                   h.adapter_digest)).value  # admission
         if layout.state_format:
             return await self._import_state(host, h, chunks, staged, n, t0, trusted)
+        try:
+            count, nbytes = await self._write_chunks(host, layout, staged, h, chunks, 0)
+            orphan = (lambda v: host.release_soon(v[0].cache_id, CacheEvent.RECLAIMED))
+            entry, cached = (await host.call(ex.import_commit, staged, admit=False, on_orphan=orphan)).value
+        except BaseException as exc:
+            await self._abort_on(exc, host, staged)
+            raise
+        self._imported(host, entry, t0, trusted, tokens=n, chunks=count, bytes=nbytes, cached_blocks=cached)
+        return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
+                                   cached_blocks=cached, transfer_ns=time.perf_counter_ns() - t0)
+
+    async def _write_chunks(self, host, layout: KvLayout, staged, h: pb.KvTransferHeader, chunks,
+                            start: int) -> tuple[int, int]:
+        """Check the chunks of tokens [start, h.to_token) and write them into ``staged`` (on the
+        transfer thread, a few behind the reading); (chunks, bytes) once every layer is covered.
+        Whatever is raised, no write of this call is still running after it (the caller aborts)."""
+        ex = host.executor
+        n = int(h.to_token)
+        k_tok = layout.num_kv_heads * layout.head_dim * layout.element_size
+        v_tok = layout.num_kv_heads * layout.v_head_dim * layout.element_size
+        loop = asyncio.get_running_loop()
         writes: collections.deque[asyncio.Future] = collections.deque()
         try:
-            written = [0] * layout.num_layers
+            written = [start] * layout.num_layers
             count = 0
             nbytes = 0
             async for c in chunks:
@@ -364,7 +390,7 @@ class KvTransfer:
                 s, e = int(c.token_start), int(c.token_end)
                 if s != written[c.layer] or not s < e <= n:
                     raise errors.invalid(f"{where}: tokens [{s}, {e}) of layer {c.layer}; expected a range starting "
-                                         f"at {written[c.layer]} inside [0, {n})", field="chunk.token_start")
+                                         f"at {written[c.layer]} inside [{start}, {n})", field="chunk.token_start")
                 if len(c.key) != (e - s) * k_tok or len(c.value) != (e - s) * v_tok:
                     raise errors.invalid(f"{where}: {len(c.key)} + {len(c.value)} bytes; {e - s} tokens need "
                                          f"{(e - s) * k_tok} + {(e - s) * v_tok}", field="chunk.key")
@@ -383,19 +409,101 @@ class KvTransfer:
                     errors.ErrorKind.SERIALIZATION,
                     f"the stream ended after {count} of {h.num_chunks or '?'} chunks ({len(missing)} layers "
                     "incomplete); nothing was imported", code=grpc.StatusCode.DATA_LOSS, field="chunk")
-            orphan = (lambda v: host.release_soon(v[0].cache_id, CacheEvent.RECLAIMED))
-            entry, cached = (await host.call(ex.import_commit, staged, admit=False, on_orphan=orphan)).value
-        except BaseException as exc:
+            return count, nbytes
+        except BaseException:
             for f in writes:
                 f.add_done_callback(lambda f: f.cancelled() or f.exception())
-            aborted = self._abort_after_writes(host, staged)
-            if not isinstance(exc, asyncio.CancelledError):
-                # A refusal answers once the blocks are back; a cancelled call cannot wait for that.
-                await asyncio.shield(aborted)
             raise
-        self._imported(host, entry, t0, trusted, tokens=n, chunks=count, bytes=nbytes, cached_blocks=cached)
-        return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
-                                   cached_blocks=cached, transfer_ns=time.perf_counter_ns() - t0)
+
+    async def _abort_on(self, exc: BaseException, host, staged) -> None:
+        aborted = self._abort_after_writes(host, staged)
+        if not isinstance(exc, asyncio.CancelledError):
+            # A refusal answers once the blocks are back; a cancelled call cannot wait for that.
+            await asyncio.shield(aborted)
+
+    # ---- staged pulls (a migration's pre-copy, then its tail: ``migration.py``) -------------------
+    async def stage_pull(self, host, src: pb.KvSource, reserve: int, salt: str) -> "StagedKv":
+        """Pull tokens [0, src.to_token) of a peer's cache into a staged import that is NOT
+        committed: admitted (``reserve`` tokens) and written as an import's, held privately (no
+        cache, no prefix key) until :meth:`extend_pull` / :meth:`commit_staged` or
+        :meth:`abort_staged`. Per-layer tensor layouts only."""
+        t0 = time.perf_counter_ns()
+        self._require(host)
+        layout = await self._layout(host)
+        if layout.state_format:
+            raise errors.unsupported(f"model {host.model_id!r} ({layout.executor}) moves whole caches only: "
+                                     "no pre-copy", field="precopy")
+        if src.from_token:
+            raise errors.invalid("a pre-copy starts at token 0: source.from_token must be 0", field="source.from_token")
+        self.checks.salt(salt, "cache_salt")  # refused before anything is dialled
+        header, chunks, call = await self._pull(host, src)
+        try:
+            tokens = self._check_header(host, layout, header)
+            if reserve:
+                self.checks.check_length(host, reserve, "reserve_tokens")
+            trusted = not header.caller_supplied
+            salt = self.checks.salt(salt, "cache_salt", shared=trusted)
+            staged = (await host.call(host.executor.import_begin, tokens, reserve, salt, header.adapter,
+                                      header.adapter_digest)).value
+            try:
+                count, nbytes = await self._write_chunks(host, layout, staged, header, self._idle_bounded(chunks), 0)
+            except BaseException as exc:
+                await self._abort_on(exc, host, staged)
+                raise
+        finally:
+            call.cancel()
+        st = StagedKv(host, staged, list(tokens), header.adapter, trusted, nbytes, t0)
+        log.info("kv staged", model_id=host.model_id, tokens=len(tokens), bytes=nbytes, chunks=count,
+                 ms=round((time.perf_counter_ns() - t0) / 1e6, 1))
+        return st
+
+    async def extend_pull(self, st: "StagedKv", src: pb.KvSource) -> tuple[int, int]:
+        """Pull tokens [src.from_token, src.to_token or the end) of the same peer cache and append
+        them to the staged import ``st`` (from_token must be where it ends); (tokens, bytes).
+        On failure the caller aborts ``st``."""
+        host = st.host
+        layout = await self._layout(host)
+        start = len(st.tokens)
+        if src.from_token != start:
+            raise errors.invalid(f"the staged import holds {start} tokens: source.from_token must be {start}",
+                                 field="source.from_token")
+        header, chunks, call = await self._pull(host, src)
+        try:
+            tokens = self._check_header(host, layout, header, start)
+            if header.adapter != st.adapter or header.caller_supplied == st.trusted:
+                raise errors.failed_precondition("the tail's K/V were computed with another adapter (or by "
+                                                 "another party) than the staged tokens'", field="header.adapter")
+            host.executor.import_extend(st.staged, tokens)  # the import's own state: nothing else reads it
+            count, nbytes = await self._write_chunks(host, layout, st.staged, header, self._idle_bounded(chunks),
+                                                     start)
+        finally:
+            call.cancel()
+        st.tokens.extend(tokens)
+        st.nbytes += nbytes
+        return len(tokens), nbytes
+
+    async def commit_staged(self, st: "StagedKv"):
+        """The staged import as a live cache of the current caller (its entry); aborted if that fails."""
+        host = st.host
+        orphan = (lambda v: host.release_soon(v[0].cache_id, CacheEvent.RECLAIMED))
+        try:
+            entry, cached = (await host.call(host.executor.import_commit, st.staged, admit=False,
+                                             on_orphan=orphan)).value
+        except BaseException as exc:
+            await self._abort_on(exc, host, st.staged)
+            raise
+        st.committed = True
+        self._imported(host, entry, st.t0, st.trusted, tokens=len(st.tokens), bytes=st.nbytes, cached_blocks=cached,
+                       staged=True)
+        return entry
+
+    def abort_staged(self, st: "StagedKv") -> asyncio.Task | None:
+        """Give a staged import's KV back (after any write of it still queued): the task doing it,
+        None once committed or aborted."""
+        if st.committed or st.aborted:
+            return None
+        st.aborted = True
+        return self._abort_after_writes(st.host, st.staged)
 
     async def _import_state(self, host, h: pb.KvTransferHeader, chunks, staged, n: int, t0: int, trusted: bool):
         """An executor's own serialisation (``header.state_format``): checked chunk by chunk,
@@ -441,9 +549,7 @@ class KvTransfer:
             orphan = (lambda v: host.release_soon(v[0].cache_id, CacheEvent.RECLAIMED))
             entry, cached = (await host.call(load, admit=False, on_orphan=orphan)).value
         except BaseException as exc:
-            aborted = self._abort_after_writes(host, staged)
-            if not isinstance(exc, asyncio.CancelledError):
-                await asyncio.shield(aborted)
+            await self._abort_on(exc, host, staged)
             raise
         self._imported(host, entry, t0, trusted, tokens=n, chunks=count, bytes=nbytes, format=h.state_format)
         return pb.ImportKvResponse(cache=handle_pb(ex.handle(entry)), imported_tokens=n, bytes=nbytes, chunks=count,
@@ -519,6 +625,20 @@ class KvTransfer:
         self._io.shutdown(wait=False)
 
 
+class StagedKv:
+    """A pulled import staged but not committed (``KvTransfer.stage_pull``)."""
+
+    def __init__(self, host, staged, tokens: list[int], adapter: str, trusted: bool, nbytes: int, t0: int) -> None:
+        self.host = host
+        self.staged = staged  # the executor's staged import
+        self.tokens = tokens
+        self.adapter = adapter
+        self.trusted = trusted  # a peer computed the K/V (its tail must say the same)
+        self.nbytes = nbytes
+        self.t0 = t0
+        self.committed = self.aborted = False
+
+
 def _verify_and_write(ex, staged, c: pb.KvChunk, where: str) -> None:
     """On the KV-transfer thread: the chunk's checksum (DATA_LOSS), then its write into the
     import's staged (private) blocks."""
@@ -530,4 +650,4 @@ def _verify_and_write(ex, staged, c: pb.KvChunk, where: str) -> None:
     ex.import_write(staged, c.layer, int(c.token_start), int(c.token_end), c.key, c.value)
 
 
-__all__ = ["KvTransfer", "checksum", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["KvTransfer", "StagedKv", "checksum", "DEFAULT_CHUNK_BYTES"]

@@ -9,11 +9,27 @@ options), the tokens generated so far and where its constraint started. B pulls 
 from A through the ordinary server pull (``ImportKv`` with a ``source``: checksummed, all or
 nothing, admitted up front with the stream's remaining budget reserved), and parks it under a
 fresh resume token. Only then does A end the stream with ``GenerateMigrated{target, resume_token}``
-and free its cache; the client calls ``Generate{resume_token}`` on B, which feeds the last token
+and free its cache; the client calls ``Generate{resume_token}`` on B, which sends the token of
+the step feeding the last token (run as soon as B parked the stream, while the caller reconnects)
 and goes on. Nothing of the sampler needs moving: a seeded draw at position ``p`` uses
 ``seed + p`` and the repetition penalty reads the cache's tokens (``sampling.py``), and both are
 the same in the imported cache; the constraint's matcher replays the cache's tokens from its start
 (``guided.py``).
+
+Pre-copy (the pause without the bulk of the KV): when the stream's cache holds at least
+``precopy_tokens`` tokens (tensor layouts only), A first asks B for a pre-copy
+(``AcceptMigration{precopy}``, source range [0, k) with k the cache's full blocks then) and goes on
+decoding while B pulls those k tokens into a staged import (``KvTransfer.stage_pull``: admitted with
+the stream's whole reservation, private, no cache, not resumable, dropped after ``resume_s``). At
+the first step boundary after B answered, A pauses as above and asks B to finish
+(``AcceptMigration{precopy_id}``, source from token k): B pulls only the tail, the tokens decoded
+meanwhile (``extend_pull``: the executor's ``import_extend`` then the usual writes), commits and
+parks. Nothing writes A's full blocks while B reads them (a decode writes past the cache's last
+token, and copies on write only the block it writes into; ``ExportKv`` holds the cache, so nothing
+frees it under the read). A pre-copy B holds is used once, by the
+caller and source it was made for; a stream that ends on A (or a move called off) with a pre-copy
+made sends ``abandon`` (and B drops it after ``resume_s`` anyway); a pre-copy that B refuses, or a
+finish that fails, leaves the stream on A and nothing on B.
 
 Failure: any refusal by B (no room, another model or fingerprint, adapter missing, not a peer,
 a pull that breaks off) reaches A before it sent anything, and the stream goes on at A. An
@@ -42,14 +58,18 @@ from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 
 from ..core import errors
 from ..core.callers import current_caller
+from ..core.guided import GuideState, new_matcher
 from ..core.modes import CacheEvent
 from ..core.settings import default
+from ..core.types import DecodeInput, LogitsPolicy, OutputMode
+from ..executors.base import ModelExecutor
+from ..hosting.kv_peers import normalize_target
 from .convert import check_tokens, pb, sampling_params
 
 if TYPE_CHECKING:
     from ..hosting.kv_peers import KvPeers
     from ..hosting.models import ModelSet
-    from .kv_transfer import KvTransfer
+    from .kv_transfer import KvTransfer, StagedKv
     from .streams import StreamRegistry
     from .validate import RequestChecks
 
@@ -63,6 +83,12 @@ MAX_PARKED = 256
 HANDOFF_TIMEOUT_S = 60.0
 #: Seconds ``MigrateStreams`` waits for its streams to reach a step boundary and be handed off.
 MIGRATE_WAIT_S = 120.0
+#: A stream whose cache holds this many tokens is pre-copied to its target before it pauses.
+DEFAULT_PRECOPY_TOKENS = 256
+#: Pre-copies B stages at once (each holds a stream's reserved KV): further ones are RESOURCE_EXHAUSTED.
+MAX_PRECOPIES = 64
+#: Seconds A waits for B to answer an ``abandon``.
+ABANDON_TIMEOUT_S = 10.0
 
 
 @dataclasses.dataclass
@@ -79,6 +105,10 @@ class Parked:
     expires: float
     timer: asyncio.TimerHandle | None = None
     adopted: bool = False  # a resumed stream took the cache (and frees it at its end)
+    cache_tokens: int = 0  # what the cache held when it was parked
+    # The step that feeds the last token, run when the stream was parked (its row: the first token
+    # the resumed stream sends), so that it does not wait on the caller's reconnection.
+    first: "asyncio.Future | None" = None
 
     def resume_request(self) -> pb.GenerateRequest:
         """The stream's request as this server continues it: its cache, the last token fed first."""
@@ -86,6 +116,125 @@ class Parked:
         r.CopyFrom(self.request)
         r.cache_id, r.last_token_id = self.cache_id, self.generated[-1]
         return r
+
+
+@dataclasses.dataclass
+class PreCopy:
+    """A pre-copy B staged for a move still to come (no cache until the move finishes it)."""
+
+    model_id: str
+    caller: str
+    source: tuple[str, str]  # (A as B dialled it, the stream's cache there)
+    reserve: int
+    salt: str
+    adapter: str
+    staged: "StagedKv"
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclasses.dataclass
+class PreCopied:
+    """A's view of a pre-copy its target holds."""
+
+    target: str
+    precopy_id: str
+    tokens: int
+    nbytes: int
+
+
+@dataclasses.dataclass
+class MoveReport:
+    """A move's outcome on A (``StreamMigration``)."""
+
+    handoff_ms: float
+    precopied_tokens: int = 0
+    paused_tokens: int = 0
+    paused_bytes: int = 0
+
+
+class StreamMover:
+    """The moving side (A) of one stream, consulted by its decode loop at each step boundary.
+    Asked to move (``state.move_to``), it has the target pre-copy the stream's KV while the stream
+    goes on (when :meth:`Migrations.can_precopy`), and pauses it once the pre-copy is answered (at
+    once without one); :meth:`hand_off` then moves it with only the tail left to pull."""
+
+    def __init__(self, migrations: "Migrations", host, req: pb.GenerateRequest, state, constrained: bool) -> None:
+        self.migrations = migrations
+        self.host = host
+        self.req = req
+        self.state = state
+        self.constrained = constrained
+        self.task: asyncio.Task | None = None  # the pre-copy (a PreCopied, or the refusal)
+        self.target = ""
+
+    def _decode_state(self, s) -> tuple[int, int, int]:
+        """(tokens the cache holds, the prompt's length, where the constraint started)."""
+        entry = self.host.executor.registry.get(s.cache_id)
+        start = entry.guide.start if entry.guide is not None and self.constrained else 0
+        return entry.num_tokens, entry.num_tokens - (len(s.out_ids) - 1), start
+
+    def pause_now(self, s) -> bool:
+        """Whether the stream pauses at this boundary (no step of it queued) for :meth:`hand_off`;
+        starts the pre-copy the first time a move is asked for."""
+        st = self.state
+        if self.task is not None and st.move_to != self.target:  # the move was called off meanwhile
+            self.close()
+            st.answer_move(errors.FerrumError(errors.ErrorKind.CANCELLED, "the move was called off during its "
+                                              "pre-copy", code=grpc.StatusCode.DEADLINE_EXCEEDED))
+        if not st.move_to:
+            return False
+        if self.task is None:
+            n, prompt, start = self._decode_state(s)
+            # Full blocks only: the stream's next writes (and a copy-on-write of the block they go
+            # to) never touch them while the target reads them.
+            bs = max(1, int(getattr(self.host.executor, "block_size", 1) or 1))
+            upto = n - n % bs
+            if not upto or not self.migrations.can_precopy(self.host, n):
+                return True
+            self.target = st.move_to
+            self.task = asyncio.ensure_future(self.migrations.precopy(
+                self.host, self.req, s.cache_id, list(s.out_ids), prompt, start, st.tenant, st.move_to, upto))
+            self.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            return False
+        return self.task.done()
+
+    async def hand_off(self, s) -> pb.GenerateMigrated | None:
+        """Hand the paused stream over; None (the move answered with the refusal) if it stays here."""
+        t0 = time.perf_counter_ns()
+        st = self.state
+        try:
+            pre = None
+            if self.task is not None:
+                task, self.task = self.task, None
+                pre = task.result()  # a refused pre-copy is the move's refusal
+            _n, prompt, start = self._decode_state(s)
+            moved, rep = await self.migrations.hand_off(self.host, self.req, s.cache_id, list(s.out_ids), prompt,
+                                                        start, st.tenant, st.move_to, pre)
+        except errors.FerrumError as e:
+            st.answer_move(e)
+            return None
+        except Exception as e:  # noqa: BLE001 - whatever failed, the stream goes on here
+            st.answer_move(errors.FerrumError(errors.ErrorKind.INTERNAL, f"the hand-off failed: {e!r}",
+                                              code=grpc.StatusCode.INTERNAL))
+            return None
+        rep.handoff_ms = (time.perf_counter_ns() - t0) / 1e6
+        st.answer_move(rep)
+        return moved
+
+    def close(self) -> None:
+        """The stream ended (or its move was called off) with a pre-copy no move will finish: have
+        the target drop it, once it answered if its pull is still under way (cancelling the call
+        could lose an answer the target already gave, and leave the staged KV to its deadline)."""
+        task, self.task = self.task, None
+        if task is None:
+            return
+        m, model_id, cache_id, caller = self.migrations, self.host.model_id, self.state.cache_id, self.state.tenant
+
+        def abandon(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is None:
+                m.abandon(t.result(), model_id, cache_id, caller)
+
+        task.add_done_callback(abandon)
 
 
 class Migrations:
@@ -103,6 +252,12 @@ class Migrations:
         self.parked: dict[str, Parked] = {}
         self.draining = False  # MigrateStreams(drain) or --drain-to: no new work
         self.max_parked = MAX_PARKED
+        self.precopy_tokens = DEFAULT_PRECOPY_TOKENS  # 0 = never pre-copy
+        self.first_step = True  # run a parked stream's first step before its caller is back
+        self.precopies: dict[str, PreCopy] = {}
+        self.max_precopies = MAX_PRECOPIES
+        self._staging = 0  # pre-copies being pulled
+        self._tasks: set[asyncio.Task] = set()  # abandons in flight
 
     # ---- the moving side (A) --------------------------------------------------------------------
     async def migrate(self, target: str, *, model_id: str = "", request_id: str = "",
@@ -142,39 +297,95 @@ class Migrations:
                 e = fut.result()
                 res.error_code, res.error_message = e.code.name, e.message
             else:
+                rep = fut.result()
+                rep = rep if isinstance(rep, MoveReport) else MoveReport(float(rep))
                 res.migrated = True
-                res.handoff_ms = int(fut.result())
+                res.handoff_ms, res.precopied_tokens = int(rep.handoff_ms), rep.precopied_tokens
+                res.paused_tokens, res.paused_bytes = rep.paused_tokens, rep.paused_bytes
             out.append(res)
         log.info("streams migrated", target=t, migrated=sum(r.migrated for r in out),
                  refused=sum(not r.migrated for r in out))
         return out
 
-    async def hand_off(self, host, req: pb.GenerateRequest, cache_id: str, generated: list[int],
-                       prompt_tokens: int, constraint_start: int, caller: str, target: str) -> pb.GenerateMigrated:
-        """Give one paused stream to ``target`` (its ``AcceptMigration``); the refusal as a
-        FerrumError (the stream then goes on here)."""
+    def mover(self, host, req: pb.GenerateRequest, state, constrained: bool) -> StreamMover:
+        """The moving side of one stream (its decode loop consults it)."""
+        return StreamMover(self, host, req, state, constrained)
+
+    def can_precopy(self, host, cache_tokens: int) -> bool:
+        """Whether a stream of ``host`` with a cache of ``cache_tokens`` tokens is pre-copied
+        before it pauses (per-layer tensor KV only: a whole-state backend moves in one piece)."""
+        ex = host.executor
+        return (self.precopy_tokens > 0 and cache_tokens >= self.precopy_tokens and bool(self.advertise)
+                and host.capabilities.supports_kv_transfer
+                and type(ex).import_extend is not ModelExecutor.import_extend)
+
+    async def _accept_call(self, target: str, msg: pb.AcceptMigrationRequest, caller: str, what: str,
+                           timeout: float = HANDOFF_TIMEOUT_S) -> tuple[str, pb.AcceptMigrationResponse]:
         t = await self.peers.check(target)
         if not self.advertise:
             raise errors.failed_precondition("this server has no address peers can pull from (--advertise-address)")
+        msg.source.target = self.advertise
+        stub = executor_pb2_grpc.ModelExecutorStub(self.peers.channel(t, False))
+        try:
+            return t, await stub.AcceptMigration(msg, metadata=self.peers.metadata(caller), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            log.warning("migration refused", target=t, what=what, cache_id=msg.source.cache_id, code=e.code().name,
+                        details=e.details())
+            raise errors.FerrumError(
+                errors.ErrorKind.NETWORK, f"peer {t} did not take the stream ({what}: {e.code().name}: "
+                f"{e.details()}); it goes on here",
+                code=e.code() if e.code() != grpc.StatusCode.OK else grpc.StatusCode.UNKNOWN, field="target") from None
+
+    @staticmethod
+    def _message(host, req: pb.GenerateRequest, cache_id: str, generated: list[int], prompt_tokens: int,
+                 constraint_start: int) -> pb.AcceptMigrationRequest:
         orig = pb.GenerateRequest()
         orig.CopyFrom(req)
         for f in ("token_ids", "text", "chat", "cache_id", "last_token_id", "resume_token"):
             orig.ClearField(f)
-        msg = pb.AcceptMigrationRequest(
+        return pb.AcceptMigrationRequest(
             model_id=host.model_id, request=orig, generated_token_ids=generated, prompt_tokens=prompt_tokens,
-            constraint_start=constraint_start,
-            source=pb.KvSource(target=self.advertise, cache_id=cache_id, model_id=host.model_id))
-        stub = executor_pb2_grpc.ModelExecutorStub(self.peers.channel(t, False))
-        try:
-            resp = await stub.AcceptMigration(msg, metadata=self.peers.metadata(caller), timeout=HANDOFF_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            log.warning("migration refused", target=t, cache_id=cache_id, code=e.code().name, details=e.details())
-            raise errors.FerrumError(
-                errors.ErrorKind.NETWORK, f"peer {t} did not take the stream ({e.code().name}: {e.details()}); "
-                "it goes on here", code=e.code() if e.code() != grpc.StatusCode.OK else grpc.StatusCode.UNKNOWN,
-                field="target") from None
+            constraint_start=constraint_start, source=pb.KvSource(cache_id=cache_id, model_id=host.model_id))
+
+    async def precopy(self, host, req: pb.GenerateRequest, cache_id: str, generated: list[int], prompt_tokens: int,
+                      constraint_start: int, caller: str, target: str, upto: int) -> PreCopied:
+        """Have ``target`` stage tokens [0, ``upto``) of the stream's cache while it goes on here;
+        the refusal as a FerrumError."""
+        msg = self._message(host, req, cache_id, generated, prompt_tokens, constraint_start)
+        msg.precopy, msg.source.to_token = True, upto
+        t, resp = await self._accept_call(target, msg, caller, "pre-copy")
+        return PreCopied(t, resp.precopy_id, resp.imported_tokens, resp.imported_bytes)
+
+    def abandon(self, pre: PreCopied, model_id: str, cache_id: str, caller: str) -> None:
+        """Tell the target to drop a pre-copy no move will finish (in the background; B drops it
+        after its deadline anyway)."""
+        msg = pb.AcceptMigrationRequest(model_id=model_id, precopy_id=pre.precopy_id, abandon=True,
+                                        source=pb.KvSource(cache_id=cache_id, model_id=model_id))
+
+        async def run() -> None:
+            try:
+                await self._accept_call(pre.target, msg, caller, "abandon", ABANDON_TIMEOUT_S)
+            except errors.FerrumError:
+                pass  # logged; the deadline drops it
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def hand_off(self, host, req: pb.GenerateRequest, cache_id: str, generated: list[int],
+                       prompt_tokens: int, constraint_start: int, caller: str, target: str,
+                       pre: PreCopied | None = None) -> tuple[pb.GenerateMigrated, MoveReport]:
+        """Give one paused stream to ``target`` (its ``AcceptMigration``; with ``pre``, B pulls
+        only the tail after that pre-copy); the refusal as a FerrumError (the stream then goes on
+        here). The report's ``handoff_ms`` is left for the caller to fill in."""
+        msg = self._message(host, req, cache_id, generated, prompt_tokens, constraint_start)
+        if pre is not None:
+            msg.precopy_id, msg.source.from_token = pre.precopy_id, pre.tokens
+            target = pre.target
+        t, resp = await self._accept_call(target, msg, caller, "move")
+        rep = MoveReport(0.0, pre.tokens if pre is not None else 0, resp.imported_tokens, resp.imported_bytes)
         return pb.GenerateMigrated(target=t, resume_token=resp.resume_token, generated_tokens=len(generated),
-                                   resume_deadline_ms=resp.resume_deadline_ms)
+                                   resume_deadline_ms=resp.resume_deadline_ms), rep
 
     # ---- the taking side (B) --------------------------------------------------------------------
     async def accept(self, req: pb.AcceptMigrationRequest, metadata) -> pb.AcceptMigrationResponse:
@@ -183,8 +394,31 @@ class Migrations:
             raise errors.permission_denied(
                 "AcceptMigration is for KV peers: authenticate with one of this server's KV peer tokens")
         current_caller.set(caller)
+        if req.abandon:
+            await self._drop(self._take_precopy(req, caller))
+            return pb.AcceptMigrationResponse()
         if self.draining:
+            if req.precopy_id:  # no move will finish it here
+                try:
+                    await self._drop(self._take_precopy(req, caller))
+                except errors.FerrumError:
+                    pass  # not this caller's: left alone
             raise errors.unavailable("this server drains; it takes no migrated streams")
+        if req.precopy:
+            if req.precopy_id:
+                raise errors.invalid("give either precopy or precopy_id", field="precopy_id")
+            return await self._precopy(req, caller)
+        pre = self._take_precopy(req, caller) if req.precopy_id else None
+        try:
+            return await self._accept(req, caller, pre)
+        except BaseException as exc:  # used once: a finish that fails drops the staged KV
+            if pre is not None:
+                await self._drop(pre, exc)
+            raise
+
+    def _checked(self, req: pb.AcceptMigrationRequest):
+        """The stream's request checked as this server would run it: (host, request, generated
+        tokens, tokens its cache holds, tokens to reserve)."""
         if len(self.parked) >= self.max_parked:
             raise errors.exhausted(f"{self.max_parked} migrated streams already wait for their callers")
         self.checks.check_decode_role("AcceptMigration")  # a prefill server decodes no stream
@@ -206,20 +440,103 @@ class Migrations:
             raise errors.failed_precondition("stop.stop_sequences needs a tokenizer", field="request.stop")
         if orig.adapter:
             self.checks.adapter(host, orig.adapter, "request.adapter")
-        await self.checks.compile(host, [(sp, "request.sampling.constraint")])
         n_cache = int(req.prompt_tokens) + len(gen) - 1
         reserve = int(req.prompt_tokens) + max_tokens
         self.checks.check_length(host, reserve, "request.stop.max_tokens")
+        return host, orig, gen, sp, n_cache, reserve
+
+    async def _precopy(self, req: pb.AcceptMigrationRequest, caller: str) -> pb.AcceptMigrationResponse:
+        """Stage tokens [0, source.to_token) of the stream's cache under a new pre-copy id."""
+        if len(self.precopies) + self._staging >= self.max_precopies:
+            raise errors.exhausted(f"{self.max_precopies} pre-copies are already staged here")
+        host, orig, gen, sp, n_cache, reserve = self._checked(req)
+        upto = int(req.source.to_token)
+        if not 0 < upto <= n_cache:
+            raise errors.invalid(f"a pre-copy stages tokens [0, source.to_token) of the {n_cache} the cache holds",
+                                 field="source.to_token")
+        self._staging += 1
+        try:
+            # compiled now: a cache hit in the pause
+            await self.checks.compile(host, [(sp, "request.sampling.constraint")])
+            src = pb.KvSource()
+            src.CopyFrom(req.source)
+            src.target = await self.peers.check(src.target)
+            st = await self.kv.stage_pull(host, src, reserve, orig.cache_salt)
+        finally:
+            self._staging -= 1
+        pid = secrets.token_urlsafe(24)
+        pre = PreCopy(host.model_id, caller, (src.target, src.cache_id), reserve, orig.cache_salt, orig.adapter, st)
+        # The tokens after the prompt must be the stream's generated ones.
+        done = upto - int(req.prompt_tokens)
+        if len(st.tokens) != upto or (done > 0 and st.tokens[-done:] != gen[:done]):
+            await self._drop(pre)
+            raise errors.failed_precondition(f"the pulled {len(st.tokens)} tokens are not the stream's first {upto}",
+                                             field="source.cache_id")
+        pre.timer = asyncio.get_running_loop().call_later(self.resume_s, self._expire_precopy, pid)
+        self.precopies[pid] = pre
+        log.info("migration pre-copy staged", model_id=host.model_id, tokens=upto, bytes=st.nbytes)
+        return pb.AcceptMigrationResponse(precopy_id=pid, imported_tokens=upto, imported_bytes=st.nbytes,
+                                          resume_deadline_ms=int(self.resume_s * 1000))
+
+    def _take_precopy(self, req: pb.AcceptMigrationRequest, caller: str) -> PreCopy:
+        """The pre-copy ``req.precopy_id`` names, taken out of the table (used once); NOT_FOUND
+        unless it is this caller's, of this model, from this source."""
+        p = self.precopies.get(req.precopy_id)
+        source = (normalize_target(req.source.target) or "", req.source.cache_id)
+        if (p is None or not hmac.compare_digest(p.caller.encode(), caller.encode())
+                or (req.model_id and req.model_id != p.model_id) or source != p.source):
+            raise errors.not_found("precopy_id: no pre-copy of this caller's stream is staged under that id",
+                                   field="precopy_id")
+        del self.precopies[req.precopy_id]
+        if p.timer is not None:
+            p.timer.cancel()
+        return p
+
+    def _drop(self, p: PreCopy, exc: BaseException | None = None) -> asyncio.Future:
+        """Give a pre-copy's staged KV back; awaitable until it is back (a cancelled call does
+        not wait: the abort runs on its own)."""
+        if p.timer is not None:
+            p.timer.cancel()
+        task = self.kv.abort_staged(p.staged)
+        if isinstance(exc, asyncio.CancelledError):
+            task = None
+        return asyncio.shield(task) if task is not None else _done()
+
+    def _expire_precopy(self, pid: str) -> None:
+        p = self.precopies.pop(pid, None)
+        if p is not None:
+            log.info("migration pre-copy not finished in time; dropped", model_id=p.model_id)
+            self._drop(p)
+
+    async def _accept(self, req: pb.AcceptMigrationRequest, caller: str,
+                      pre: PreCopy | None) -> pb.AcceptMigrationResponse:
+        host, orig, gen, sp, n_cache, reserve = self._checked(req)
+        await self.checks.compile(host, [(sp, "request.sampling.constraint")])
         src = pb.KvSource()
         src.CopyFrom(req.source)
-        src.from_token, src.to_token = 0, 0
+        if pre is None:
+            src.from_token, src.to_token = 0, 0
 
-        async def one():
-            yield pb.ImportKvRequest(model_id=host.model_id, reserve_tokens=reserve, cache_salt=orig.cache_salt,
-                                     source=src)
+            async def one():
+                yield pb.ImportKvRequest(model_id=host.model_id, reserve_tokens=reserve, cache_salt=orig.cache_salt,
+                                         source=src)
 
-        imp = await self.kv.import_(one(), None)
-        cache_id = imp.cache.cache_id
+            imp = await self.kv.import_(one(), None)
+            cache_id, pulled, nbytes = imp.cache.cache_id, imp.imported_tokens, imp.bytes
+        else:
+            if (reserve, orig.cache_salt, orig.adapter) != (pre.reserve, pre.salt, pre.adapter):
+                raise errors.failed_precondition("the stream's budget, salt or adapter differ from its pre-copy's",
+                                                 field="precopy_id")
+            held = len(pre.staged.tokens)
+            if src.from_token != held or held > n_cache:
+                raise errors.invalid(f"the pre-copy holds {held} of the cache's {n_cache} tokens: source.from_token "
+                                     f"must be {held}", field="source.from_token")
+            src.target, src.to_token = pre.source[0], 0
+            if held < n_cache:
+                pulled, nbytes = await self.kv.extend_pull(pre.staged, src)
+            else:
+                pulled = nbytes = 0  # nothing was decoded since the pre-copy
+            cache_id = (await self.kv.commit_staged(pre.staged)).cache_id
         entry = host.executor.registry.get(cache_id)
         if entry.num_tokens != n_cache or (len(gen) > 1 and list(entry.tokens[-(len(gen) - 1):]) != gen[:-1]):
             host.release_soon(cache_id, CacheEvent.RECLAIMED)
@@ -229,13 +546,27 @@ class Migrations:
         token = secrets.token_urlsafe(24)
         loop = asyncio.get_running_loop()
         p = Parked(host.model_id, cache_id, caller, orig, gen, int(req.prompt_tokens), int(req.constraint_start),
-                   time.monotonic() + self.resume_s)
+                   time.monotonic() + self.resume_s, cache_tokens=n_cache)
         p.timer = loop.call_later(self.resume_s, self._expire, token)
         self.parked[token] = p
+        if self.first_step:
+            p.first = loop.create_task(self._first_step(host, p, sp))
+            p.first.add_done_callback(lambda t: t.cancelled() or t.exception())
         log.info("migrated stream parked", model_id=host.model_id, cache_id=cache_id, generated=len(gen),
-                 imported_tokens=imp.imported_tokens)
-        return pb.AcceptMigrationResponse(resume_token=token, imported_tokens=imp.imported_tokens,
+                 imported_tokens=pulled, imported_bytes=nbytes, precopied=len(pre.staged.tokens) - pulled if pre else 0)
+        return pb.AcceptMigrationResponse(resume_token=token, imported_tokens=pulled, imported_bytes=nbytes,
                                           resume_deadline_ms=int(self.resume_s * 1000))
+
+    @staticmethod
+    async def _first_step(host, p: Parked, sp):
+        """Feed the stream's last token now, as its resume would (same policy, the constraint's
+        matcher from its start): a seeded draw depends on the position only, so the token is the
+        one the resume would draw; the resume sends this row first (``generate.py``)."""
+        entry = host.executor.registry.get(p.cache_id)
+        if sp.constraint is not None:
+            entry.guide = GuideState(sp.constraint, p.constraint_start, new_matcher(sp.compiled), compiled=sp.compiled)
+        policy = LogitsPolicy(mode=OutputMode.SAMPLED_TOKEN, sampling=sp, top_logprobs=int(p.request.top_logprobs))
+        return await host.batcher.decode(DecodeInput(cache_id=p.cache_id, token_id=p.generated[-1], policy=policy))
 
     def _expire(self, token: str) -> None:
         p = self.parked.pop(token, None)
@@ -259,8 +590,16 @@ class Migrations:
     def close(self) -> None:
         for token in list(self.parked):
             self._expire(token)
+        for pid in list(self.precopies):
+            self._expire_precopy(pid)
+
+
+def _done() -> asyncio.Future:
+    f = asyncio.get_running_loop().create_future()
+    f.set_result(None)
+    return f
 
 
 DEFAULT_MAX_TOKENS = 128  # as generate.DEFAULT_MAX_TOKENS (imported there; kept here to avoid a cycle)
 
-__all__ = ["Migrations", "Parked", "DEFAULT_RESUME_S"]
+__all__ = ["Migrations", "MoveReport", "Parked", "PreCopy", "StreamMover", "DEFAULT_RESUME_S"]

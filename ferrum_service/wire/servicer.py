@@ -63,7 +63,8 @@ _ROLES = {Role.BOTH: pb.SERVER_ROLE_BOTH, Role.PREFILL: pb.SERVER_ROLE_PREFILL, 
 #: What a server that drains by migration still answers (reads, its caches' export to peers, moves).
 _WHILE_MIGRATING = {"Info", "Capabilities", "Status", "KvCapacity", "AdmissionLimits", "KvSlotCapacity",
                     "CacheMetrics", "LoraMetrics", "Loads", "ListCaches", "ListAdapters", "ExportKv", "Abort",
-                    "ReleaseCache", "MigrateStreams", "Tokenize", "Detokenize", "ApplyChatTemplate", "Shutdown"}
+                    "ReleaseCache", "MigrateStreams", "Tokenize", "Detokenize", "ApplyChatTemplate", "Shutdown",
+                    "AcceptMigration"}  # refuses new streams itself, but drops pre-copies (migration.py)
 
 #: Most token ids one Detokenize call may carry.
 MAX_DETOKENIZE_IDS = 1 << 18

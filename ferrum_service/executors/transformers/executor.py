@@ -526,6 +526,10 @@ class HfCausalLmExecutor(ItemStepExecutor):
         """Write one chunk (tokens [start, end) of ``layer``) into the staged blocks."""
         self.kv.write_import(staged, layer, start, end, key, value)
 
+    def import_extend(self, staged: StagedImport, tokens: list[int]) -> None:
+        """Append ``tokens`` to the staged import (a migration's tail after its pre-copy)."""
+        self.kv.extend_import(staged, tokens)
+
     def import_commit(self, staged: StagedImport) -> tuple[CacheEntry, int]:
         """Register the staged blocks as a new cache holding the imported tokens, then key its full
         blocks into the prefix cache (block events, as for a computed prompt)."""

@@ -351,6 +351,17 @@ class KvManager:
         return StagedImport(list(tokens), int(reserve_tokens or 0), cache_salt, blocks, adapter, total)
 
     @torch.inference_mode()
+    def extend_import(self, staged: StagedImport, tokens: list[int]) -> None:
+        """Append ``tokens`` to the staged import: their slots are in the blocks it took at
+        :meth:`stage_import` (its reservation), so nothing is allocated here (OUT_OF_RANGE past it)."""
+        if staged.blocks is None:
+            raise errors.FerrumError(errors.ErrorKind.INTERNAL, "the import was aborted")
+        n = len(staged.tokens) + len(tokens)
+        if n > staged.staged or n > len(staged.blocks) * self.pool.block_size:
+            raise errors.out_of_range(f"the staged import holds room for {staged.staged} tokens, not {n}",
+                                      field="header.to_token", limit=staged.staged)
+        staged.tokens.extend(tokens)
+
     def write_import(self, staged: StagedImport, layer: int, start: int, end: int, key: bytes, value: bytes) -> None:
         """Write one chunk (tokens [start, end) of ``layer``) into the staged blocks."""
         if staged.blocks is None:

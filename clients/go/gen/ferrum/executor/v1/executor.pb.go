@@ -4602,9 +4602,15 @@ type StreamMigration struct {
 	ErrorCode    string `protobuf:"bytes,4,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
 	ErrorMessage string `protobuf:"bytes,5,opt,name=error_message,json=errorMessage,proto3" json:"error_message,omitempty"`
 	// Milliseconds from the stream's last token here to the target holding it.
-	HandoffMs     uint32 `protobuf:"varint,6,opt,name=handoff_ms,json=handoffMs,proto3" json:"handoff_ms,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	HandoffMs uint32 `protobuf:"varint,6,opt,name=handoff_ms,json=handoffMs,proto3" json:"handoff_ms,omitempty"`
+	// Tokens of KV the target pulled ahead of the pause, while the stream kept decoding here (a
+	// pre-copy; 0 when the move was made without one), and tokens / bytes it pulled during the
+	// pause (the tail since the pre-copy, or the whole cache without one).
+	PrecopiedTokens uint32 `protobuf:"varint,7,opt,name=precopied_tokens,json=precopiedTokens,proto3" json:"precopied_tokens,omitempty"`
+	PausedTokens    uint32 `protobuf:"varint,8,opt,name=paused_tokens,json=pausedTokens,proto3" json:"paused_tokens,omitempty"`
+	PausedBytes     uint64 `protobuf:"varint,9,opt,name=paused_bytes,json=pausedBytes,proto3" json:"paused_bytes,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *StreamMigration) Reset() {
@@ -4675,6 +4681,27 @@ func (x *StreamMigration) GetErrorMessage() string {
 func (x *StreamMigration) GetHandoffMs() uint32 {
 	if x != nil {
 		return x.HandoffMs
+	}
+	return 0
+}
+
+func (x *StreamMigration) GetPrecopiedTokens() uint32 {
+	if x != nil {
+		return x.PrecopiedTokens
+	}
+	return 0
+}
+
+func (x *StreamMigration) GetPausedTokens() uint32 {
+	if x != nil {
+		return x.PausedTokens
+	}
+	return 0
+}
+
+func (x *StreamMigration) GetPausedBytes() uint64 {
+	if x != nil {
+		return x.PausedBytes
 	}
 	return 0
 }
@@ -4756,8 +4783,21 @@ type AcceptMigrationRequest struct {
 	// Where the structured-output constraint started in the cache (its matcher replays the tokens
 	// from there); 0 without a constraint.
 	ConstraintStart uint32 `protobuf:"varint,6,opt,name=constraint_start,json=constraintStart,proto3" json:"constraint_start,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Pre-copy (optional; it shortens the pause): this server only stages tokens
+	// [0, source.to_token) of the cache, pulled while the stream goes on decoding at the caller.
+	// The staged KV (and the stream's reservation) are held privately under the answered
+	// `precopy_id`: no cache, nothing resumable. It is dropped unless a move finishes it within
+	// `resume_deadline_ms`. The other fields are checked as for a move.
+	Precopy bool `protobuf:"varint,7,opt,name=precopy,proto3" json:"precopy,omitempty"`
+	// The pre-copy this move finishes: this server pulls only the tail, tokens
+	// [source.from_token, end) (from_token = where the pre-copy ended), appends it to the staged KV
+	// and parks the stream as a move without a pre-copy would. A pre-copy is used once, by the
+	// caller and source it was made for (any other: NOT_FOUND); a finish that fails drops it.
+	PrecopyId string `protobuf:"bytes,8,opt,name=precopy_id,json=precopyId,proto3" json:"precopy_id,omitempty"`
+	// With `precopy_id`: only drop that pre-copy (the stream ended first, or the move was called off).
+	Abandon       bool `protobuf:"varint,9,opt,name=abandon,proto3" json:"abandon,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *AcceptMigrationRequest) Reset() {
@@ -4832,13 +4872,41 @@ func (x *AcceptMigrationRequest) GetConstraintStart() uint32 {
 	return 0
 }
 
+func (x *AcceptMigrationRequest) GetPrecopy() bool {
+	if x != nil {
+		return x.Precopy
+	}
+	return false
+}
+
+func (x *AcceptMigrationRequest) GetPrecopyId() string {
+	if x != nil {
+		return x.PrecopyId
+	}
+	return ""
+}
+
+func (x *AcceptMigrationRequest) GetAbandon() bool {
+	if x != nil {
+		return x.Abandon
+	}
+	return false
+}
+
 type AcceptMigrationResponse struct {
-	state            protoimpl.MessageState `protogen:"open.v1"`
-	ResumeToken      string                 `protobuf:"bytes,1,opt,name=resume_token,json=resumeToken,proto3" json:"resume_token,omitempty"`
-	ImportedTokens   uint32                 `protobuf:"varint,2,opt,name=imported_tokens,json=importedTokens,proto3" json:"imported_tokens,omitempty"`
-	ResumeDeadlineMs uint32                 `protobuf:"varint,3,opt,name=resume_deadline_ms,json=resumeDeadlineMs,proto3" json:"resume_deadline_ms,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Empty for a pre-copy.
+	ResumeToken string `protobuf:"bytes,1,opt,name=resume_token,json=resumeToken,proto3" json:"resume_token,omitempty"`
+	// Tokens this call pulled (a pre-copy's, or the tail after one, or the whole cache).
+	ImportedTokens uint32 `protobuf:"varint,2,opt,name=imported_tokens,json=importedTokens,proto3" json:"imported_tokens,omitempty"`
+	// How long the stream (or the pre-copy) is held.
+	ResumeDeadlineMs uint32 `protobuf:"varint,3,opt,name=resume_deadline_ms,json=resumeDeadlineMs,proto3" json:"resume_deadline_ms,omitempty"`
+	// The pre-copy's id (`AcceptMigrationRequest.precopy`).
+	PrecopyId string `protobuf:"bytes,4,opt,name=precopy_id,json=precopyId,proto3" json:"precopy_id,omitempty"`
+	// KV bytes this call pulled.
+	ImportedBytes uint64 `protobuf:"varint,5,opt,name=imported_bytes,json=importedBytes,proto3" json:"imported_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *AcceptMigrationResponse) Reset() {
@@ -4888,6 +4956,20 @@ func (x *AcceptMigrationResponse) GetImportedTokens() uint32 {
 func (x *AcceptMigrationResponse) GetResumeDeadlineMs() uint32 {
 	if x != nil {
 		return x.ResumeDeadlineMs
+	}
+	return 0
+}
+
+func (x *AcceptMigrationResponse) GetPrecopyId() string {
+	if x != nil {
+		return x.PrecopyId
+	}
+	return ""
+}
+
+func (x *AcceptMigrationResponse) GetImportedBytes() uint64 {
+	if x != nil {
+		return x.ImportedBytes
 	}
 	return 0
 }
@@ -8083,7 +8165,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\n" +
 	"request_id\x18\x02 \x01(\tR\trequestId\x12\x16\n" +
 	"\x06target\x18\x03 \x01(\tR\x06target\x12\x14\n" +
-	"\x05drain\x18\x04 \x01(\bR\x05drain\"\xca\x01\n" +
+	"\x05drain\x18\x04 \x01(\bR\x05drain\"\xbd\x02\n" +
 	"\x0fStreamMigration\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x19\n" +
@@ -8093,22 +8175,32 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"error_code\x18\x04 \x01(\tR\terrorCode\x12#\n" +
 	"\rerror_message\x18\x05 \x01(\tR\ferrorMessage\x12\x1d\n" +
 	"\n" +
-	"handoff_ms\x18\x06 \x01(\rR\thandoffMs\"\x8d\x01\n" +
+	"handoff_ms\x18\x06 \x01(\rR\thandoffMs\x12)\n" +
+	"\x10precopied_tokens\x18\a \x01(\rR\x0fprecopiedTokens\x12#\n" +
+	"\rpaused_tokens\x18\b \x01(\rR\fpausedTokens\x12!\n" +
+	"\fpaused_bytes\x18\t \x01(\x04R\vpausedBytes\"\x8d\x01\n" +
 	"\x16MigrateStreamsResponse\x12=\n" +
 	"\astreams\x18\x01 \x03(\v2#.ferrum.executor.v1.StreamMigrationR\astreams\x12\x1a\n" +
 	"\bmigrated\x18\x02 \x01(\rR\bmigrated\x12\x18\n" +
-	"\arefused\x18\x03 \x01(\rR\arefused\"\xa8\x02\n" +
+	"\arefused\x18\x03 \x01(\rR\arefused\"\xfb\x02\n" +
 	"\x16AcceptMigrationRequest\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x124\n" +
 	"\x06source\x18\x02 \x01(\v2\x1c.ferrum.executor.v1.KvSourceR\x06source\x12=\n" +
 	"\arequest\x18\x03 \x01(\v2#.ferrum.executor.v1.GenerateRequestR\arequest\x12.\n" +
 	"\x13generated_token_ids\x18\x04 \x03(\x05R\x11generatedTokenIds\x12#\n" +
 	"\rprompt_tokens\x18\x05 \x01(\rR\fpromptTokens\x12)\n" +
-	"\x10constraint_start\x18\x06 \x01(\rR\x0fconstraintStart\"\x93\x01\n" +
+	"\x10constraint_start\x18\x06 \x01(\rR\x0fconstraintStart\x12\x18\n" +
+	"\aprecopy\x18\a \x01(\bR\aprecopy\x12\x1d\n" +
+	"\n" +
+	"precopy_id\x18\b \x01(\tR\tprecopyId\x12\x18\n" +
+	"\aabandon\x18\t \x01(\bR\aabandon\"\xd9\x01\n" +
 	"\x17AcceptMigrationResponse\x12!\n" +
 	"\fresume_token\x18\x01 \x01(\tR\vresumeToken\x12'\n" +
 	"\x0fimported_tokens\x18\x02 \x01(\rR\x0eimportedTokens\x12,\n" +
-	"\x12resume_deadline_ms\x18\x03 \x01(\rR\x10resumeDeadlineMs\"\xd2\x05\n" +
+	"\x12resume_deadline_ms\x18\x03 \x01(\rR\x10resumeDeadlineMs\x12\x1d\n" +
+	"\n" +
+	"precopy_id\x18\x04 \x01(\tR\tprecopyId\x12%\n" +
+	"\x0eimported_bytes\x18\x05 \x01(\x04R\rimportedBytes\"\xd2\x05\n" +
 	"\x0eSessionRequest\x12\x17\n" +
 	"\astep_id\x18\x01 \x01(\x04R\x06stepId\x12>\n" +
 	"\aprefill\x18\x02 \x01(\v2\".ferrum.executor.v1.PrefillRequestH\x00R\aprefill\x12N\n" +

@@ -733,20 +733,26 @@ class MigrateStreamsRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., request_id: _Optional[str] = ..., target: _Optional[str] = ..., drain: _Optional[bool] = ...) -> None: ...
 
 class StreamMigration(_message.Message):
-    __slots__ = ("request_id", "model_id", "migrated", "error_code", "error_message", "handoff_ms")
+    __slots__ = ("request_id", "model_id", "migrated", "error_code", "error_message", "handoff_ms", "precopied_tokens", "paused_tokens", "paused_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MIGRATED_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
+    PRECOPIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     migrated: bool
     error_code: str
     error_message: str
     handoff_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., migrated: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., handoff_ms: _Optional[int] = ...) -> None: ...
+    precopied_tokens: int
+    paused_tokens: int
+    paused_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., migrated: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., handoff_ms: _Optional[int] = ..., precopied_tokens: _Optional[int] = ..., paused_tokens: _Optional[int] = ..., paused_bytes: _Optional[int] = ...) -> None: ...
 
 class MigrateStreamsResponse(_message.Message):
     __slots__ = ("streams", "migrated", "refused")
@@ -759,30 +765,40 @@ class MigrateStreamsResponse(_message.Message):
     def __init__(self, streams: _Optional[_Iterable[_Union[StreamMigration, _Mapping]]] = ..., migrated: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class AcceptMigrationRequest(_message.Message):
-    __slots__ = ("model_id", "source", "request", "generated_token_ids", "prompt_tokens", "constraint_start")
+    __slots__ = ("model_id", "source", "request", "generated_token_ids", "prompt_tokens", "constraint_start", "precopy", "precopy_id", "abandon")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_START_FIELD_NUMBER: _ClassVar[int]
+    PRECOPY_FIELD_NUMBER: _ClassVar[int]
+    PRECOPY_ID_FIELD_NUMBER: _ClassVar[int]
+    ABANDON_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     source: KvSource
     request: GenerateRequest
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_tokens: int
     constraint_start: int
-    def __init__(self, model_id: _Optional[str] = ..., source: _Optional[_Union[KvSource, _Mapping]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., constraint_start: _Optional[int] = ...) -> None: ...
+    precopy: bool
+    precopy_id: str
+    abandon: bool
+    def __init__(self, model_id: _Optional[str] = ..., source: _Optional[_Union[KvSource, _Mapping]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., constraint_start: _Optional[int] = ..., precopy: _Optional[bool] = ..., precopy_id: _Optional[str] = ..., abandon: _Optional[bool] = ...) -> None: ...
 
 class AcceptMigrationResponse(_message.Message):
-    __slots__ = ("resume_token", "imported_tokens", "resume_deadline_ms")
+    __slots__ = ("resume_token", "imported_tokens", "resume_deadline_ms", "precopy_id", "imported_bytes")
     RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     IMPORTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUME_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    PRECOPY_ID_FIELD_NUMBER: _ClassVar[int]
+    IMPORTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     resume_token: str
     imported_tokens: int
     resume_deadline_ms: int
-    def __init__(self, resume_token: _Optional[str] = ..., imported_tokens: _Optional[int] = ..., resume_deadline_ms: _Optional[int] = ...) -> None: ...
+    precopy_id: str
+    imported_bytes: int
+    def __init__(self, resume_token: _Optional[str] = ..., imported_tokens: _Optional[int] = ..., resume_deadline_ms: _Optional[int] = ..., precopy_id: _Optional[str] = ..., imported_bytes: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("step_id", "prefill", "batch_prefill", "decode", "batch_decode", "unified_decode", "forward_verify", "truncate_kv", "release_cache", "fork_cache")

@@ -1072,6 +1072,14 @@ export interface StreamMigration {
   errorMessage: string;
   /** Milliseconds from the stream's last token here to the target holding it. */
   handoffMs: number;
+  /**
+   * Tokens of KV the target pulled ahead of the pause, while the stream kept decoding here (a
+   * pre-copy; 0 when the move was made without one), and tokens / bytes it pulled during the
+   * pause (the tail since the pre-copy, or the whole cache without one).
+   */
+  precopiedTokens: number;
+  pausedTokens: number;
+  pausedBytes: number;
 }
 
 export interface MigrateStreamsResponse {
@@ -1106,12 +1114,36 @@ export interface AcceptMigrationRequest {
    * from there); 0 without a constraint.
    */
   constraintStart: number;
+  /**
+   * Pre-copy (optional; it shortens the pause): this server only stages tokens
+   * [0, source.to_token) of the cache, pulled while the stream goes on decoding at the caller.
+   * The staged KV (and the stream's reservation) are held privately under the answered
+   * `precopy_id`: no cache, nothing resumable. It is dropped unless a move finishes it within
+   * `resume_deadline_ms`. The other fields are checked as for a move.
+   */
+  precopy: boolean;
+  /**
+   * The pre-copy this move finishes: this server pulls only the tail, tokens
+   * [source.from_token, end) (from_token = where the pre-copy ended), appends it to the staged KV
+   * and parks the stream as a move without a pre-copy would. A pre-copy is used once, by the
+   * caller and source it was made for (any other: NOT_FOUND); a finish that fails drops it.
+   */
+  precopyId: string;
+  /** With `precopy_id`: only drop that pre-copy (the stream ended first, or the move was called off). */
+  abandon: boolean;
 }
 
 export interface AcceptMigrationResponse {
+  /** Empty for a pre-copy. */
   resumeToken: string;
+  /** Tokens this call pulled (a pre-copy's, or the tail after one, or the whole cache). */
   importedTokens: number;
+  /** How long the stream (or the pre-copy) is held. */
   resumeDeadlineMs: number;
+  /** The pre-copy's id (`AcceptMigrationRequest.precopy`). */
+  precopyId: string;
+  /** KV bytes this call pulled. */
+  importedBytes: number;
 }
 
 export interface SessionRequest {
@@ -9171,7 +9203,17 @@ export const MigrateStreamsRequest: MessageFns<MigrateStreamsRequest> = {
 };
 
 function createBaseStreamMigration(): StreamMigration {
-  return { requestId: "", modelId: "", migrated: false, errorCode: "", errorMessage: "", handoffMs: 0 };
+  return {
+    requestId: "",
+    modelId: "",
+    migrated: false,
+    errorCode: "",
+    errorMessage: "",
+    handoffMs: 0,
+    precopiedTokens: 0,
+    pausedTokens: 0,
+    pausedBytes: 0,
+  };
 }
 
 export const StreamMigration: MessageFns<StreamMigration> = {
@@ -9193,6 +9235,15 @@ export const StreamMigration: MessageFns<StreamMigration> = {
     }
     if (message.handoffMs !== 0) {
       writer.uint32(48).uint32(message.handoffMs);
+    }
+    if (message.precopiedTokens !== 0) {
+      writer.uint32(56).uint32(message.precopiedTokens);
+    }
+    if (message.pausedTokens !== 0) {
+      writer.uint32(64).uint32(message.pausedTokens);
+    }
+    if (message.pausedBytes !== 0) {
+      writer.uint32(72).uint64(message.pausedBytes);
     }
     return writer;
   },
@@ -9258,6 +9309,30 @@ export const StreamMigration: MessageFns<StreamMigration> = {
             message.handoffMs = reader.uint32();
             continue;
           }
+          case 7: {
+            if (tag !== 56) {
+              break;
+            }
+
+            message.precopiedTokens = reader.uint32();
+            continue;
+          }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.pausedTokens = reader.uint32();
+            continue;
+          }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.pausedBytes = longToNumber(reader.uint64());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -9298,6 +9373,21 @@ export const StreamMigration: MessageFns<StreamMigration> = {
         : isSet(object.handoff_ms)
         ? globalThis.Number(object.handoff_ms)
         : 0,
+      precopiedTokens: isSet(object.precopiedTokens)
+        ? globalThis.Number(object.precopiedTokens)
+        : isSet(object.precopied_tokens)
+        ? globalThis.Number(object.precopied_tokens)
+        : 0,
+      pausedTokens: isSet(object.pausedTokens)
+        ? globalThis.Number(object.pausedTokens)
+        : isSet(object.paused_tokens)
+        ? globalThis.Number(object.paused_tokens)
+        : 0,
+      pausedBytes: isSet(object.pausedBytes)
+        ? globalThis.Number(object.pausedBytes)
+        : isSet(object.paused_bytes)
+        ? globalThis.Number(object.paused_bytes)
+        : 0,
     };
   },
 
@@ -9321,6 +9411,15 @@ export const StreamMigration: MessageFns<StreamMigration> = {
     if (message.handoffMs !== 0) {
       obj.handoffMs = Math.round(message.handoffMs);
     }
+    if (message.precopiedTokens !== 0) {
+      obj.precopiedTokens = Math.round(message.precopiedTokens);
+    }
+    if (message.pausedTokens !== 0) {
+      obj.pausedTokens = Math.round(message.pausedTokens);
+    }
+    if (message.pausedBytes !== 0) {
+      obj.pausedBytes = Math.round(message.pausedBytes);
+    }
     return obj;
   },
 
@@ -9335,6 +9434,9 @@ export const StreamMigration: MessageFns<StreamMigration> = {
     message.errorCode = object.errorCode ?? "";
     message.errorMessage = object.errorMessage ?? "";
     message.handoffMs = object.handoffMs ?? 0;
+    message.precopiedTokens = object.precopiedTokens ?? 0;
+    message.pausedTokens = object.pausedTokens ?? 0;
+    message.pausedBytes = object.pausedBytes ?? 0;
     return message;
   },
 };
@@ -9450,6 +9552,9 @@ function createBaseAcceptMigrationRequest(): AcceptMigrationRequest {
     generatedTokenIds: [],
     promptTokens: 0,
     constraintStart: 0,
+    precopy: false,
+    precopyId: "",
+    abandon: false,
   };
 }
 
@@ -9476,6 +9581,15 @@ export const AcceptMigrationRequest: MessageFns<AcceptMigrationRequest> = {
     }
     if (message.constraintStart !== 0) {
       writer.uint32(48).uint32(message.constraintStart);
+    }
+    if (message.precopy !== false) {
+      writer.uint32(56).bool(message.precopy);
+    }
+    if (message.precopyId !== "") {
+      writer.uint32(66).string(message.precopyId);
+    }
+    if (message.abandon !== false) {
+      writer.uint32(72).bool(message.abandon);
     }
     return writer;
   },
@@ -9551,6 +9665,30 @@ export const AcceptMigrationRequest: MessageFns<AcceptMigrationRequest> = {
             message.constraintStart = reader.uint32();
             continue;
           }
+          case 7: {
+            if (tag !== 56) {
+              break;
+            }
+
+            message.precopy = reader.bool();
+            continue;
+          }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.precopyId = reader.string();
+            continue;
+          }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.abandon = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -9587,6 +9725,13 @@ export const AcceptMigrationRequest: MessageFns<AcceptMigrationRequest> = {
         : isSet(object.constraint_start)
         ? globalThis.Number(object.constraint_start)
         : 0,
+      precopy: isSet(object.precopy) ? globalThis.Boolean(object.precopy) : false,
+      precopyId: isSet(object.precopyId)
+        ? globalThis.String(object.precopyId)
+        : isSet(object.precopy_id)
+        ? globalThis.String(object.precopy_id)
+        : "",
+      abandon: isSet(object.abandon) ? globalThis.Boolean(object.abandon) : false,
     };
   },
 
@@ -9610,6 +9755,15 @@ export const AcceptMigrationRequest: MessageFns<AcceptMigrationRequest> = {
     if (message.constraintStart !== 0) {
       obj.constraintStart = Math.round(message.constraintStart);
     }
+    if (message.precopy !== false) {
+      obj.precopy = message.precopy;
+    }
+    if (message.precopyId !== "") {
+      obj.precopyId = message.precopyId;
+    }
+    if (message.abandon !== false) {
+      obj.abandon = message.abandon;
+    }
     return obj;
   },
 
@@ -9628,12 +9782,15 @@ export const AcceptMigrationRequest: MessageFns<AcceptMigrationRequest> = {
     message.generatedTokenIds = object.generatedTokenIds?.map((e) => e) || [];
     message.promptTokens = object.promptTokens ?? 0;
     message.constraintStart = object.constraintStart ?? 0;
+    message.precopy = object.precopy ?? false;
+    message.precopyId = object.precopyId ?? "";
+    message.abandon = object.abandon ?? false;
     return message;
   },
 };
 
 function createBaseAcceptMigrationResponse(): AcceptMigrationResponse {
-  return { resumeToken: "", importedTokens: 0, resumeDeadlineMs: 0 };
+  return { resumeToken: "", importedTokens: 0, resumeDeadlineMs: 0, precopyId: "", importedBytes: 0 };
 }
 
 export const AcceptMigrationResponse: MessageFns<AcceptMigrationResponse> = {
@@ -9646,6 +9803,12 @@ export const AcceptMigrationResponse: MessageFns<AcceptMigrationResponse> = {
     }
     if (message.resumeDeadlineMs !== 0) {
       writer.uint32(24).uint32(message.resumeDeadlineMs);
+    }
+    if (message.precopyId !== "") {
+      writer.uint32(34).string(message.precopyId);
+    }
+    if (message.importedBytes !== 0) {
+      writer.uint32(40).uint64(message.importedBytes);
     }
     return writer;
   },
@@ -9687,6 +9850,22 @@ export const AcceptMigrationResponse: MessageFns<AcceptMigrationResponse> = {
             message.resumeDeadlineMs = reader.uint32();
             continue;
           }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.precopyId = reader.string();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.importedBytes = longToNumber(reader.uint64());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -9716,6 +9895,16 @@ export const AcceptMigrationResponse: MessageFns<AcceptMigrationResponse> = {
         : isSet(object.resume_deadline_ms)
         ? globalThis.Number(object.resume_deadline_ms)
         : 0,
+      precopyId: isSet(object.precopyId)
+        ? globalThis.String(object.precopyId)
+        : isSet(object.precopy_id)
+        ? globalThis.String(object.precopy_id)
+        : "",
+      importedBytes: isSet(object.importedBytes)
+        ? globalThis.Number(object.importedBytes)
+        : isSet(object.imported_bytes)
+        ? globalThis.Number(object.imported_bytes)
+        : 0,
     };
   },
 
@@ -9730,6 +9919,12 @@ export const AcceptMigrationResponse: MessageFns<AcceptMigrationResponse> = {
     if (message.resumeDeadlineMs !== 0) {
       obj.resumeDeadlineMs = Math.round(message.resumeDeadlineMs);
     }
+    if (message.precopyId !== "") {
+      obj.precopyId = message.precopyId;
+    }
+    if (message.importedBytes !== 0) {
+      obj.importedBytes = Math.round(message.importedBytes);
+    }
     return obj;
   },
 
@@ -9741,6 +9936,8 @@ export const AcceptMigrationResponse: MessageFns<AcceptMigrationResponse> = {
     message.resumeToken = object.resumeToken ?? "";
     message.importedTokens = object.importedTokens ?? 0;
     message.resumeDeadlineMs = object.resumeDeadlineMs ?? 0;
+    message.precopyId = object.precopyId ?? "";
+    message.importedBytes = object.importedBytes ?? 0;
     return message;
   },
 };
