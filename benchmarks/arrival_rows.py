@@ -5,8 +5,8 @@
 
 Two ``serve`` processes on the same model: one with ``--prefill-tail-factor 0`` (every step may take
 a fixed 512-token chunk of arriving prompts beside the running streams: the old batcher) and one
-with the default adaptive budget (a step takes the prompt tokens that keep it within two decode
-steps, from the measured costs). The workload: ``--streams`` Generate streams whose fresh
+with ``--prefill-tail-factor 2`` (``--factor``): a step takes the prompt tokens that keep it within
+two decode steps of its rows, from the measured costs (``hosting/step_costs.py``). The workload: ``--streams`` Generate streams whose fresh
 ``--prompt``-token prompts arrive ``--gap-ms`` apart, ``--tokens`` tokens each (greedy,
 ``ignore_eos``, prefix cache bypassed). Per side: inter-token latency p50 / p99 over every stream,
 TTFT p50, aggregate tok/s. The sides alternate run by run (the side that goes first swaps every
@@ -61,8 +61,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=40000, help="prompt ids are drawn below this")
+    ap.add_argument("--factor", type=float, default=2.0, help="the adaptive side's --prefill-tail-factor")
     a = ap.parse_args()
-    sides = {"fixed": ("--prefill-tail-factor", "0"), "adaptive": ()}
+    sides = {"fixed": ("--prefill-tail-factor", "0"),
+             "adaptive": ("--prefill-tail-factor", str(a.factor))}
     servers = {k: Server(a.model, extra=("--max-batch", str(max(64, a.streams)), *extra), name=f"arrival-{k}").start()
                for k, extra in sides.items()}
     try:
@@ -74,10 +76,10 @@ def main() -> None:
             for k in (("fixed", "adaptive") if r % 2 == 0 else ("adaptive", "fixed")):
                 recs[k].append(asyncio.run(_workload(servers[k].target, "", a.streams, a.gap_ms / 1e3, a.prompt,
                                                      a.tokens, 1000 * r + (k == "fixed"), a.vocab)))
-        after = reference_workload()
     finally:
         for s in servers.values():
             s.stop()
+    after = reference_workload()  # with the servers gone (llama.cpp's threads spin a while after a step)
     drift = abs(after - before) / before
     agg = {k: {m: median([x[m] for x in v]) for m in ("itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "tok_s")}
            for k, v in recs.items()}
@@ -96,7 +98,7 @@ def main() -> None:
     rows = [row(name, round(tail["adaptive"], 2), round(tail["fixed"], 2), round(tail["adaptive"], 2), "≤ 3",
                 target_value=3.0, lower_is_better=True, drift=round(drift, 3), unit="p99/p50",
                 ms={k: {m: round(x, 1) for m, x in v.items()} for k, v in agg.items()},
-                note="ours = adaptive budget (--prefill-tail-factor 2), peer = --prefill-tail-factor 0; "
+                note=f"ours = adaptive budget (--prefill-tail-factor {a.factor:g}), peer = --prefill-tail-factor 0; "
                      "ratio = ours; sides alternated, medians of the rounds")]
     write_rows("arrival", rows, {"args": vars(a), "runs": recs, "drift": drift})
 

@@ -112,23 +112,42 @@ def test_a_long_prompt_joins_running_streams_a_chunk_at_a_time(tiny_llama_dir): 
 
 def test_the_prompt_budget_follows_the_measured_costs(tiny_executor):
     """While streams decode, a step takes the prompt tokens that keep it within
-    ``tail_step_factor`` decode steps (from the measured costs), within [min, cap]; alone, or
-    before anything is measured, the fixed cap."""
+    ``tail_step_factor`` decode steps of that many rows (from the fitted costs), within [min,
+    cap]; with no stream decoding, or before the costs are measured, the fixed cap."""
     from ferrum_service.hosting.batcher import ContinuousBatcher
     from ferrum_service.hosting.host import ModelHost
 
     b = ContinuousBatcher(ModelHost("tiny", tiny_executor))
-    assert b.prompt_budget(True) == b.prefill_tokens_per_step  # nothing measured yet
-    b.decode_step_s, b.prompt_token_s = 0.100, 0.002
-    assert b.prompt_budget(True) == 50  # (2 - 1) x 100 ms of prompt work at 2 ms a token
-    assert b.prompt_budget(False) == b.prefill_tokens_per_step  # no stream to protect
-    b.prompt_token_s = 0.05
-    assert b.prompt_budget(True) == b.min_prompt_tokens
-    b.prompt_token_s = 1e-6
-    assert b.prompt_budget(True) == b.prefill_tokens_per_step
+    b.tail_step_factor = 2.0
+    assert b.prompt_budget(8) == b.prefill_tokens_per_step  # nothing measured yet
+    # steps of 20 ms + 2.5 ms per decode row + 2 ms per prompt token, at varied sizes
+    for rows, tokens in [(0, 100), (4, 0), (8, 0), (16, 0), (8, 40), (2, 200), (32, 0), (0, 300), (16, 64)]:
+        b.costs.add(rows, tokens, 0.020 + 0.0025 * rows + 0.002 * tokens)
+    assert b.costs.fit() == pytest.approx((0.020, 0.0025, 0.002))
+    assert b.prompt_budget(32) == 50  # (2 - 1) x (20 + 32 x 2.5) ms of prompt work at 2 ms a token
+    assert b.prompt_budget(8) == 20  # fewer streams: a cheaper decode step, a smaller chunk
+    assert b.prompt_budget(0) == b.prefill_tokens_per_step  # no stream to protect
+    b.costs.set(0.1, 0.0, 0.05)
+    assert b.prompt_budget(8) == b.min_prompt_tokens
+    b.costs.set(0.1, 0.0, 1e-6)
+    assert b.prompt_budget(8) == b.prefill_tokens_per_step
     b.tail_step_factor = 0  # fixed budget
-    b.prompt_token_s = 0.05
-    assert b.prompt_budget(True) == b.prefill_tokens_per_step
+    b.costs.set(0.1, 0.0, 0.05)
+    assert b.prompt_budget(8) == b.prefill_tokens_per_step
+
+
+def test_the_cost_fit_waits_for_varied_steps():
+    from ferrum_service.hosting.step_costs import StepCostModel
+
+    m = StepCostModel(min_steps=4)
+    for _ in range(10):
+        m.add(8, 0, 0.05)  # decode-only steps alone cannot tell a prompt token's cost
+    assert m.fit() is None and m.token_s() is None
+    m.add(8, 100, 0.25)
+    assert m.token_s() == pytest.approx(0.002)
+    for _ in range(70):  # the window holds decode steps only again: the last fit stays
+        m.add(8, 0, 0.05)
+    assert m.token_s() == pytest.approx(0.002)
 
 
 def test_adaptive_chunks_keep_every_stream_exact(tiny_llama_dir):  # noqa: F811
@@ -147,9 +166,8 @@ def test_adaptive_chunks_keep_every_stream_exact(tiny_llama_dir):  # noqa: F811
                 dict(token_ids=[(11 * i) % 500 + 1 for i in range(100)], max_tokens=6),
                 dict(token_ids=[(7 * i) % 500 + 1 for i in range(50)], max_tokens=6, temperature=0.9, seed=5)]
         alone = [c.generate("tiny", ignore_eos=True, **r).tokens() for r in reqs]
-        assert b.decode_step_s > 0 and b.prompt_token_s is not None  # measured by the runs above
-        b.cost_smoothing = 0.0  # keep the costs below from now on
-        b.decode_step_s, b.prompt_token_s, b.min_prompt_tokens = 0.1, 0.1, 4  # a token costs a whole step
+        b.tail_step_factor, b.min_prompt_tokens = 2.0, 4
+        b.costs.set(0.1, 0.0, 0.1)  # a prompt token costs a whole decode step: the minimum chunk, 4
         steps = []
         real_step = host.step
 

@@ -177,9 +177,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("max_batch", int, 64, "most Generate streams batched into one decode step"),
     _s("prefill_chunk_tokens", int, 512, "most prompt tokens one batched Generate step computes beside the running "
        "streams' decodes (chunked prefill; a prompt alone goes whole)"),
-    _s("prefill_tail_factor", float, 2.0, "while Generate streams decode, a step takes the prompt tokens that keep it "
-       "within this many decode steps, from the measured costs (at least 16, at most --prefill-chunk-tokens; "
-       "0 = always --prefill-chunk-tokens)"),
+    _s("prefill_tail_factor", float, 0.0, "adaptive prompt chunks: while Generate streams decode, a step takes the "
+       "prompt tokens that keep it within this many decode steps, from the measured costs (at least 16, at most "
+       "--prefill-chunk-tokens); 0 = always --prefill-chunk-tokens. 2 halved the ITL tail of arriving prompts "
+       "and doubled their TTFT (benchmarks/arrival_rows.py)"),
     _s("speculation_draft_tokens", int, 0, "server-side n-gram speculation for Generate requests that set no "
        "`speculation` option: draft tokens per step (0 = off; at most 16)"),
     _s("grace_period", float, 20.0, "seconds in-flight streams get on SIGTERM"),

@@ -27,6 +27,7 @@ from ..core.settings import default
 from ..core.steps import RowKind, RowOutput, StepPlan, StepRow, Want
 from ..core.types import DecodeInput, PrefillInput
 from .host import ModelHost
+from .step_costs import StepCostModel
 
 
 @dataclass
@@ -79,8 +80,6 @@ class ContinuousBatcher:
     #: instead of by a whole budget of prefill. 0 = a fixed budget of :attr:`prefill_tokens_per_step`.
     tail_step_factor = default("prefill_tail_factor")
     min_prompt_tokens = 16
-    #: Weight of the newest measurement in the cost averages.
-    cost_smoothing = 0.25
 
     def __init__(self, host: "ModelHost") -> None:
         self.host = host
@@ -92,8 +91,7 @@ class ContinuousBatcher:
         self._expected: set[str] = set()
         self.mixed_steps = 0  # steps that joined new prompts with running decodes (diagnostics)
         self._prompt_alone_next = False  # a prompt too costly to join the decodes goes first, alone
-        self.decode_step_s: float | None = None  # measured: a decode-only step's forward (moving average)
-        self.prompt_token_s: float | None = None  # measured: forward time per computed prompt token
+        self.costs = StepCostModel()  # measured: what a step's decode rows and prompt tokens cost
         host.attach(self)
 
     @property
@@ -184,7 +182,7 @@ class ContinuousBatcher:
             batch.rebuild_decodes(reg)
         tokens = 0
         room = max_batch - len(batch.decodes)
-        per_step = self.prompt_budget(bool(batch.decodes))
+        per_step = self.prompt_budget(len(batch.decodes))
         while self._prefill_queue and len(batch.prompts) < room:
             p = self._prefill_queue[0]
             if p.fut.cancelled():
@@ -211,29 +209,22 @@ class ContinuousBatcher:
                 break  # the rest of this prompt goes in the next steps, ahead of later prompts
         return batch
 
-    def prompt_budget(self, decoding: bool) -> int:
+    def prompt_budget(self, decode_rows: int) -> int:
         """Prompt tokens the next step may compute: :attr:`prefill_tokens_per_step`, or, while
-        streams are decoding and both costs are measured, what keeps the step within
-        :attr:`tail_step_factor` decode steps."""
+        ``decode_rows`` streams are decoding and the costs are measured, what keeps the step within
+        :attr:`tail_step_factor` decode steps of those rows."""
         cap = self.prefill_tokens_per_step
-        if not (decoding and self.tail_step_factor and self.decode_step_s and self.prompt_token_s):
+        if not (decode_rows and self.tail_step_factor):
             return cap
-        fit = int((self.tail_step_factor - 1.0) * self.decode_step_s / self.prompt_token_s)
+        decode_s, token_s = self.costs.decode_s(decode_rows), self.costs.token_s()
+        if decode_s is None or token_s is None:
+            return cap
+        fit = int((self.tail_step_factor - 1.0) * decode_s / token_s + 1e-6)  # (not 49.999... for 50)
         return max(min(self.min_prompt_tokens, cap), min(cap, fit))
 
     def _measure(self, batch: "_Batch", seconds: float) -> None:
-        """Update the measured costs from a step's forward time: decode-only steps give the decode
-        step's cost; a step with prompt tokens gives their cost per token (less the decode part)."""
-        a = self.cost_smoothing
-        computed = sum(r.computed for r in batch.prompt_rows)
-        if not batch.prompts:
-            self.decode_step_s = seconds if self.decode_step_s is None else (1 - a) * self.decode_step_s + a * seconds
-            return
-        if computed < self.min_prompt_tokens or (batch.decodes and self.decode_step_s is None):
-            return  # too few tokens to tell their cost from the step's own
-        # A forward's fixed part (reading the weights) is about a decode step's cost.
-        per = max(0.0, seconds - (self.decode_step_s or 0.0)) / computed
-        self.prompt_token_s = per if self.prompt_token_s is None else (1 - a) * self.prompt_token_s + a * per
+        """Record a step's forward time against its decode rows and computed prompt tokens."""
+        self.costs.add(len(batch.decodes), sum(r.computed for r in batch.prompt_rows), seconds)
 
     def _drop_cancelled_prompts(self) -> None:
         for p in self._prefill_queue:
