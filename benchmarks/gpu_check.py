@@ -8,17 +8,18 @@ each, in one process and through the server's own step path (``core.steps.run`` 
 ``StepPlan``, as Decode / BatchDecode and Generate's batcher run it): a 512-token prefill per row,
 then ``--steps`` batched decode steps at B = 1, 8 and 32, timed per step (CUDA synchronised). The
 two devices' greedy tokens over the same steps are compared (bf16 vs fp32: the share of equal
-tokens is reported, not asserted). Prints a Markdown table and writes ``gpu_check.json``.
+tokens is reported, not asserted). Prints a Markdown table and writes ``gpu_check.json`` (the results schema) into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from .schema import row, write_rows
 
 
 def _measure(ex, batch: int, prompt_len: int, steps: int, sync) -> dict:
@@ -109,7 +110,23 @@ def main() -> None:
     for name in sides:
         for r in rec["rows"][name]:
             r.pop("tokens")
-    Path(a.out, "gpu_check.json").write_text(json.dumps(rec, indent=1))
+    write_rows("gpu_check", to_rows(rec), rec, folder=Path(a.out))
+
+
+def to_rows(rec: dict, date: str | None = None) -> list[dict]:
+    """The results rows of one check (``rec``: the device, torch, per side the B = 1 / 8 / 32
+    measurements): CUDA decode tok/s ÷ the CPU's, per batch size. Reported only: no target."""
+    rows = []
+    for g, c in zip(rec["rows"]["cuda bf16"], rec["rows"]["cpu fp32"]):
+        b = g["batch"]
+        rows.append(row(f"transformers executor, SmolLM2-shaped random weights, decode through steps.run, B={b}: "
+                        f"{rec['device']} bf16 ÷ its host's CPU fp32 (tok/s)", round(g["tok_s"], 1),
+                        round(c["tok_s"], 1), round(g["tok_s"] / c["tok_s"], 2), date=date, unit="tok/s",
+                        prefill_ms={"cuda": round(g["prefill_ms"], 1), "cpu": round(c["prefill_ms"], 1)},
+                        same_tokens=rec.get("same_tokens", {}).get(str(b), rec.get("same_tokens", {}).get(b)),
+                        note="a lent GPU machine (16 CPU cores); 512-token prompts, 32 decode steps, median step; "
+                             "no drift probe there"))
+    return rows
 
 
 if __name__ == "__main__":
