@@ -18,14 +18,15 @@ one by one so that one bad stream does not fail the others.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 
 from ..core import errors
 from ..core.kv_registry import CacheRegistry
 from ..core.sampling import RowResult
 from ..core.settings import default
-from ..core.steps import RowKind, RowOutput, StepPlan, StepRow, Want
-from ..core.types import DecodeInput, PrefillInput
+from ..core.steps import RowOutput, StepPlan, StepRow
+from ..core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 from .host import ModelHost
 from .step_costs import StepCostModel
 
@@ -53,15 +54,17 @@ class _Pending:
         ids = list(inp.token_ids[self.done:self.done + size])
         last = self.done + len(ids) >= len(inp.token_ids)
         cache_id = self.created or inp.cache_id
-        want = Want.NONE
-        if last and inp.policy.needs_logits:
-            want = Want.ALL if inp.all_positions else Want.LAST
-        row = StepRow(reg.get(cache_id) if cache_id else None, ids, want, inp.policy if last else None,
-                      RowKind.PROMPT, reserve=inp.reserve_tokens if not self.done else 0, salt=inp.cache_salt,
-                      bypass=inp.bypass_prefix_cache, adapter=inp.adapter)
+        part = dataclasses.replace(inp, token_ids=ids, cache_id=cache_id,
+                                   reserve_tokens=inp.reserve_tokens if not self.done else 0,
+                                   policy=inp.policy if last else _NO_OUTPUT)
+        row = StepRow.prompt(part, reg.get(cache_id) if cache_id else None)
         if row.entry is None:
             row.cached = self.cached
         return row, last
+
+
+#: The policy of a chunk in the middle of a prompt: no logits, nothing sampled.
+_NO_OUTPUT = LogitsPolicy(mode=OutputMode.NONE)
 
 
 class ContinuousBatcher:
