@@ -23,6 +23,7 @@ from ferrum_service.executors.transformers import HfCausalLmExecutor
 from ferrum_service.testing.tiny_models import build_tiny_llama
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
+from .support.faults import break_export
 from .support.servers import InProcessServer, ServerProcess
 
 BS = 16
@@ -446,18 +447,7 @@ def test_export_breaking_off_mid_pull_leaves_nothing_on_b(pair):
     """A's ExportKv dies after the header and one chunk (as when A goes down mid-transfer): B
     keeps nothing (no cache, no staged block), and the stream, still alive here, goes on at A."""
     a, b = pair
-    kv = a.server.servicer.kv
-    real = kv.export
-
-    async def breaking(req, metadata=None):
-        n = 0
-        async for msg in real(req, metadata):
-            yield msg
-            n += 1
-            if n == 2:
-                raise RuntimeError("the exporting server went away")
-
-    kv.export = breaking
+    break_export(a.server)
     _refused(a, b.target, "UNAVAILABLE")
     assert b.live_caches() == {M: 0}
     assert b.models.get(M).executor.registry.staged_tokens == 0

@@ -24,6 +24,7 @@ from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 from ferrum_service.hosting.kv_peers import CALLER_HEADER
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
+from .support.faults import break_export
 from .support.servers import InProcessServer, ServerProcess
 from .test_migration import PEER, M, _executor, _fast, _prompt, _slow
 
@@ -213,18 +214,7 @@ def test_failed_finish_drops_the_precopy(pair):
     """A's export of the tail breaks off (as when A goes down during the pause): the move is
     refused, the stream finishes on A, whole, and B drops the pre-copy it staged."""
     a, b = pair
-    kv = a.server.servicer.kv
-    real = kv.export
-
-    async def breaking(req, metadata=None):
-        n = 0
-        async for msg in real(req, metadata):
-            yield msg
-            n += 1
-            if req.from_token and n == 2:
-                raise RuntimeError("the exporting server went away")
-
-    kv.export = breaking
+    break_export(a.server, lambda req: req.from_token > 0)  # the tail's pull
     prompt = _prompt(40, seed=35)
     with Client(a.target) as ca:
         ref = ca.generate(M, token_ids=prompt, max_tokens=40, ignore_eos=True).tokens()
@@ -243,18 +233,7 @@ def test_precopy_pull_breaking_off_leaves_nothing_on_b(pair):
     """A's export dies in the middle of the pre-copy (as when A goes down then): B keeps nothing
     and the stream, still alive at A, finishes there, whole."""
     a, b = pair
-    kv = a.server.servicer.kv
-    real = kv.export
-
-    async def breaking(req, metadata=None):
-        n = 0
-        async for msg in real(req, metadata):
-            yield msg
-            n += 1
-            if req.to_token and n == 2:  # the pre-copy's range
-                raise RuntimeError("the exporting server went away")
-
-    kv.export = breaking
+    break_export(a.server, lambda req: req.to_token > 0)  # the pre-copy's range
     prompt = _prompt(40, seed=38)
     with Client(a.target) as ca:
         ref = ca.generate(M, token_ids=prompt, max_tokens=40, ignore_eos=True).tokens()
