@@ -59,12 +59,34 @@ def _measure(ex, batch: int, prompt_len: int, steps: int, sync) -> dict:
             "tokens": out}
 
 
+def _serve(ex, prompt_len: int) -> dict:
+    """8 concurrent greedy ``Generate`` streams of 32 tokens through a real server (loopback gRPC)
+    on ``ex``: aggregate tok/s and each stream's tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ferrum_client import Client
+    from tests.support.servers import InProcessServer
+
+    vocab = ex.info().vocab_size
+    prompts = [[(31 * (i + 2) * (j + 7)) % (vocab - 10) + 5 for j in range(prompt_len)] for i in range(8)]
+    with InProcessServer([ex]) as srv, Client(srv.target) as c:
+        c.generate("", token_ids=prompts[0][:16], max_tokens=4).tokens()  # warm
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            toks = list(pool.map(lambda p: c.generate("", token_ids=p, max_tokens=32, ignore_eos=True,
+                                                      bypass_prefix_cache=True).tokens(), prompts))
+        wall = time.perf_counter() - t0
+        assert srv.live_caches() == {ex.info().model_id: 0}
+    return {"tok_s": sum(len(t) for t in toks) / wall, "tokens": toks}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--profile", action="store_true", help="profile B=1 decode steps on CUDA (top ops)")
+    ap.add_argument("--serve", action="store_true", help="also 8 Generate streams through a real server per side")
     a = ap.parse_args()
     import torch
 
@@ -96,6 +118,13 @@ def main() -> None:
         same = sum(x == y for gs, cs in zip(g, c) for x, y in zip(gs, cs)) / sum(len(gs) for gs in g)
         rec.setdefault("same_tokens", {})[b] = same
         print(f"  B={b}: greedy tokens equal on both devices: {same:.1%} (bf16 vs fp32)")
+    if a.serve:  # the whole server on CUDA: 8 greedy Generate streams over gRPC, beside the CPU's
+        rec["serve"] = {name: _serve(ex, a.prompt) for name, (ex, _) in sides.items()}
+        g, c = rec["serve"]["cuda bf16"], rec["serve"]["cpu fp32"]
+        same = sum(x == y for gs, cs in zip(g.pop("tokens"), c.pop("tokens")) for x, y in zip(gs, cs))
+        rec["serve"]["same_tokens"] = same / (8 * 32)
+        print(f"Generate over gRPC, 8 greedy streams x 32 tokens: CUDA {g['tok_s']:.0f} tok/s, CPU {c['tok_s']:.0f} "
+              f"tok/s; equal tokens {rec['serve']['same_tokens']:.1%}")
     if a.profile:  # where a B=1 decode step's time goes on CUDA
         from torch.profiler import ProfilerActivity, profile
 
