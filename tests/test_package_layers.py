@@ -102,3 +102,12 @@ def test_every_module_sits_in_a_layer():
 def test_module_size(path: pathlib.Path):
     n = len(path.read_text().splitlines())
     assert n <= MAX_MODULE_LINES, f"{path.relative_to(PACKAGE)} has {n} lines (at most {MAX_MODULE_LINES})"
+
+
+def test_the_readme_map_names_every_module():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    block = readme[readme.index("## Development"):]
+    block = block[: block.index("\n## ", 1)] if "\n## " in block[1:] else block
+    unnamed = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                     if p.name != "__init__.py" and p.stem not in block)
+    assert not unnamed, f"modules the README's development map does not name: {unnamed}"
