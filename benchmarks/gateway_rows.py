@@ -4,7 +4,7 @@ the same worker's own ``Generate`` called directly, side by side in one run.
 
     .venv/bin/python -m benchmarks.gateway_rows [--quick] [--threads N] [--executor llama-cpp|hf]
 
-Rows, at 1 and 8 concurrent requests of the same prompt (the 37-token chat prompt of
+Rows, at 1, 8 and 32 concurrent requests of the same prompt (the 37-token chat prompt of
 ``engine_rows``: its ids to ``Generate``, its text, special tokens included, to SMG's
 ``/v1/completions``, which takes no token ids; the gateway's prompt token count is recorded), greedy, every request ``max_tokens``
 long (EOS ignored on both sides): end-to-end aggregate tok/s through SMG ÷ the same number of
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
             raw["gateway_prompt"] = text
             generate_streams(srv.target, "smollm2", PROMPT, 1, 4)  # warm-up, both paths
             gateway_streams(gw.port, "smollm2", text, 1, 4)
-            for b in (1, 8):
+            for b in (1, 8, 32):
                 r, drift = timed_row(lambda: paired(gw.port, srv.target, "smollm2", text, b, n, runs))
                 raw[f"b{b}"] = r
                 x = row(f"SMG gateway, {b} concurrent ÷ {b} Generate streams ({a.executor})", r["gateway_tok_s"],
