@@ -73,6 +73,74 @@ def gateway_streams(port: int, model: str, prompt: str, b: int, max_tokens: int)
             "e2e_tok_s": total / wall, "ttft_p50_ms": 1e3 * pct([f for _, f in recs], 50)}
 
 
+_WORDS = ("river stone light paper garden window market silver engine forest winter number yellow doctor "
+          "planet letter bridge summer violin island pocket button ladder copper mirror candle rocket tunnel "
+          "orange pencil wizard harbor desert meadow falcon castle jacket puzzle lantern").split()
+
+
+def _shared_prefix_requests(seed: int, prefixes: int, per_prefix: int, words: int) -> list[str]:
+    """``prefixes`` long random texts of ``words`` words, each followed by ``per_prefix`` short
+    distinct questions: the requests in order, a prefix's requests one after another."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(prefixes):
+        head = " ".join(rng.choice(_WORDS) for _ in range(words))
+        out += [f"{head}\nQuestion {q}: name the {q + 1}th word." for q in range(per_prefix)]
+    return out
+
+
+def routing_ttft(port: int, model: str, texts: list[str]) -> list[float]:
+    """TTFT (ms) of each request sent one after another through the gateway (4 tokens each)."""
+    ttfts = []
+    for t in texts:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        body = {"model": model, "prompt": t, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
+        sent = time.perf_counter()
+        c.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"gateway: HTTP {r.status}: {r.read()[:300]!r}")
+        first = None
+        for line in iter(r.readline, b""):
+            line = line.strip()
+            if first is None and line.startswith(b"data:") and line != b"data: [DONE]":
+                ev = json.loads(line[5:])
+                if ev.get("choices") and ev["choices"][0].get("text"):
+                    first = time.perf_counter() - sent
+        c.close()
+        ttfts.append(1e3 * first if first is not None else float("nan"))
+    return ttfts
+
+
+def routing_row(venv, spec: str, threads: int, rounds: int) -> tuple[dict, dict]:
+    """Cache-aware vs round-robin routing over two workers on a shared-prefix workload (6 long
+    prefixes x 3 questions, sent one at a time, fresh texts every round): TTFT p50 of each policy
+    (SMG's own routing; the workers' prefix caches do the rest). Round-robin sends a prefix's three
+    requests to both workers (two compute it), cache-aware to the one that holds it (one does). The policies alternate round by
+    round; the ratio is round-robin ÷ cache-aware (target >= 2)."""
+    from ferrum_service.testing.smg_gateway import Gateway
+
+    res: dict[str, list[float]] = {"cache_aware": [], "round_robin": []}
+    with Server(spec, threads=threads, name="server-routing-a") as w1, \
+            Server(spec, threads=threads, name="server-routing-b") as w2:
+        gws = {pol: Gateway(venv, [w1.target, w2.target], policy=pol).start("smollm2", timeout=300)
+               for pol in res}
+        try:
+            for pol, gw in gws.items():  # warm both workers through each gateway
+                routing_ttft(gw.port, "smollm2", _shared_prefix_requests(999 + len(pol), 1, 2, 20))
+            for r in range(rounds):
+                for pol in (("cache_aware", "round_robin") if r % 2 == 0 else ("round_robin", "cache_aware")):
+                    res[pol] += routing_ttft(gws[pol].port, "smollm2",
+                                             _shared_prefix_requests(100 * r + len(pol), 6, 3, 450))
+        finally:
+            for gw in gws.values():
+                gw.stop()
+    p50 = {k: pct(v, 50) for k, v in res.items()}
+    return p50, res
+
+
 def paired(port: int, target: str, model: str, text: str, b: int, n: int, runs: int) -> dict:
     gw, gen = [], []
     for _ in range(runs):
@@ -125,6 +193,19 @@ def main(argv=None) -> int:
                       f"{'busy' if x['busy'] else ''} |", flush=True)
         finally:
             gw.stop()
+    wthreads = max(1, a.threads // 2)  # two workers share the machine
+    wspec = (f"smollm2-llama,id=smollm2,threads={wthreads}" if a.executor == "llama-cpp" else "smollm2-hf,id=smollm2")
+    (p50, ttfts), drift = timed_row(lambda: routing_row(venv, wspec, wthreads, 1 if a.quick else 2))
+    raw["routing"] = ttfts
+    x = row(f"SMG cache-aware ÷ round-robin routing over two workers, shared-prefix requests ({a.executor}): "
+            "TTFT p50", round(p50["cache_aware"], 1), round(p50["round_robin"], 1),
+            p50["round_robin"] / p50["cache_aware"], "≥ 2", target_value=2.0, drift=drift, unit="ms",
+            mean_ms={k: round(sum(v) / len(v), 1) for k, v in ttfts.items()},
+            note="6 prefixes of ~450 words x 3 questions, one request at a time, fresh texts per round, "
+                 "policies alternated; ratio = round-robin TTFT ÷ cache-aware TTFT")
+    rows.append(x)
+    print(f"| {x['name']} | {x['ours']:.0f} ms | {x['peer']:.0f} ms | {x['ratio']:.2f} | {x['target']} | | "
+          f"{100 * drift:.0f} % | {'busy' if x['busy'] else ''} |", flush=True)
     write_rows("gateway_rows", rows, raw)
     return 0
 
