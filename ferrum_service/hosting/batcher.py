@@ -368,10 +368,15 @@ class _Batch:
 
     def add_decode(self, p: _Pending, reg: CacheRegistry) -> None:
         self.decodes.append(p)
-        self.decode_rows.append(StepRow.decode(p.inp, reg.get(p.inp.cache_id), "inputs"))
+        self.decode_rows.append(self._decode_row(p, reg))
 
     def rebuild_decodes(self, reg: CacheRegistry) -> None:
-        self.decode_rows = [StepRow.decode(p.inp, reg.get(p.inp.cache_id), "inputs") for p in self.decodes]
+        """The decode rows again, after their streams' inputs changed (drafts dropped)."""
+        self.decode_rows = [self._decode_row(p, reg) for p in self.decodes]
+
+    @staticmethod
+    def _decode_row(p: _Pending, reg: CacheRegistry) -> StepRow:
+        return StepRow.decode(p.inp, reg.get(p.inp.cache_id), "inputs")
 
 
 __all__ = ["ContinuousBatcher"]

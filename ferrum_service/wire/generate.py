@@ -19,7 +19,7 @@ import grpc
 
 from ..core import errors, speculation
 from ..core.guided import GuideState, new_matcher
-from ..core.steps import StepRow, Want
+from ..core.steps import StepRow
 from ..core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 from . import tracing
 from .convert import check_token, check_tokens, handle_pb, pb, sampling_params
@@ -204,8 +204,12 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
     # What is reserved up front (all of it unless the caller lets the cache grow: see generate())
     grows = 0 < reserve_output < max_tokens - resumed
     reserve = prior + len(prompt) + reserve_output if grows else total
+    # the prompt's step: its cost checked now, run by the batcher below
+    inp = PrefillInput(token_ids=prompt, cache_id=req.cache_id, policy=policy,
+                       reserve_tokens=reserve if not req.cache_id else 0, request_id=req.request_id,
+                       cache_salt=salt, bypass_prefix_cache=req.bypass_prefix_cache, adapter=adapter)
     if prompt:
-        checks.plan(host, [StepRow(entry, prompt, Want.LAST, policy)], "token_ids" if req.token_ids.token_ids else "prompt")
+        checks.plan(host, [StepRow.prompt(inp, entry)], "token_ids" if req.token_ids.token_ids else "prompt")
     await checks.compile(host, [(sp, "sampling.constraint")])
 
     def detokenizer():
@@ -234,10 +238,6 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
                 # --- prefill (or feed the caller's last token into its cache) ---
                 cached = 0
                 if prompt:
-                    inp = PrefillInput(token_ids=prompt, cache_id=cache_id, policy=policy,
-                                       reserve_tokens=reserve if not cache_id else 0, request_id=req.request_id,
-                                       cache_salt=salt, bypass_prefix_cache=req.bypass_prefix_cache,
-                                       adapter=adapter)
                     if cache_id:
                         admit(host, field="stop.max_tokens", grow=[(reg.get(cache_id), reserve)])
                     out, row = await host.batcher.prefill(inp)
