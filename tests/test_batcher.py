@@ -148,6 +148,21 @@ def test_the_cost_fit_waits_for_varied_steps():
     for _ in range(70):  # the window holds decode steps only again: the last fit stays
         m.add(8, 0, 0.05)
     assert m.token_s() == pytest.approx(0.002)
+    m = StepCostModel(min_steps=4)
+    for rows in range(6):  # every step carries the same chunk: still no telling a token's cost
+        m.add(rows, 512, 0.02 + 0.001 * rows + 0.002 * 512)
+    assert m.fit() is None
+
+
+def test_the_cost_fit_needs_no_decode_only_step():
+    """A burst of arriving prompts: every step carries prompt tokens beside a growing number of
+    running streams; the costs are fitted from those steps alone (no decode-only step yet)."""
+    from ferrum_service.hosting.step_costs import StepCostModel
+
+    m = StepCostModel(min_steps=4)
+    for rows, tokens in [(0, 200), (0, 512), (1, 512), (3, 512), (6, 130), (8, 512)]:
+        m.add(rows, tokens, 0.020 + 0.0025 * rows + 0.002 * tokens)
+    assert m.fit() == pytest.approx((0.020, 0.0025, 0.002))
 
 
 def test_adaptive_chunks_keep_every_stream_exact(tiny_llama_dir):  # noqa: F811

@@ -21,6 +21,8 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass
 
+import structlog
+
 from ..core import errors
 from ..core.kv_registry import CacheRegistry
 from ..core.sampling import RowResult
@@ -29,6 +31,8 @@ from ..core.steps import RowOutput, StepPlan, StepRow
 from ..core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 from .host import ModelHost
 from .step_costs import StepCostModel
+
+log = structlog.get_logger("ferrum_service.hosting.batcher")
 
 
 @dataclass
@@ -226,8 +230,16 @@ class ContinuousBatcher:
         return max(min(self.min_prompt_tokens, cap), min(cap, fit))
 
     def _measure(self, batch: "_Batch", seconds: float) -> None:
-        """Record a step's forward time against its decode rows and computed prompt tokens."""
-        self.costs.add(len(batch.decodes), sum(r.computed for r in batch.prompt_rows), seconds)
+        """Record a step's forward time against its decode rows and computed prompt tokens (and
+        log it at debug level with what the cost model expected: ``--log-level debug`` shows why a
+        step ran long)."""
+        rows, tokens = len(batch.decodes), sum(r.computed for r in batch.prompt_rows)
+        decode_s, token_s = self.costs.decode_s(rows), self.costs.token_s()
+        log.debug("batched step", model_id=self.host.model_id, decode_rows=rows, prompt_tokens=tokens,
+                  forward_ms=round(seconds * 1e3, 2),
+                  expected_ms=None if decode_s is None else round((decode_s + token_s * tokens) * 1e3, 2),
+                  decode_only_ms=None if decode_s is None else round(decode_s * 1e3, 2))
+        self.costs.add(rows, tokens, seconds)
 
     def _drop_cancelled_prompts(self) -> None:
         for p in self._prefill_queue:

@@ -37,15 +37,20 @@ class StepCostModel:
         self._fit, self.frozen = (fixed_s, row_s, token_s), True
 
     def fit(self) -> tuple[float, float, float] | None:
-        """(seconds per forward, per decode row, per prompt token), or None until enough varied
-        steps (some with prompt tokens, some without) are measured. A window that cannot be
+        """(seconds per forward, per decode row, per prompt token), or None until enough steps are
+        measured whose prompt tokens vary apart from their decode rows. A window that cannot be
         fitted (only decode steps lately) keeps the last fit it could."""
         if self._fit is not None or self.frozen:
             return self._fit
         obs = list(self._steps)
-        if len(obs) < self.min_steps or len({t > 0 for _, t, _ in obs}) < 2:
+        if len(obs) < self.min_steps:
             return self._last
         x = np.array([[1.0, r, t] for r, t, _ in obs])
+        # The prompt tokens must vary apart from the rows: decode-only steps, or every step with the
+        # same chunk, cannot tell a prompt token's cost. Steps that all carry prompts can (a burst
+        # of arriving prompts has no decode-only step until it has been taken in).
+        if np.linalg.matrix_rank(x) <= np.linalg.matrix_rank(x[:, :2]):
+            return self._last
         y = np.array([s for _, _, s in obs])
         a, b, c = (float(v) for v in np.linalg.lstsq(x, y, rcond=None)[0])
         if c <= 0:
