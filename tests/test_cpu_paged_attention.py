@@ -88,6 +88,26 @@ def test_op_equals_dense_attention(dtype, hq, hkv, d):
     assert (out[row].float() - sd.float()).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_op_splits_long_rows_across_threads_and_merges_them(dtype):
+    """Fewer rows than threads: a row's blocks are split into runs attended apart and merged
+    (including splits left empty by a short row); the result is the dense one."""
+    bs, hq, hkv, d = 16, 9, 3, 64
+    kp, vp = _pool(60, bs, hkv, d, dtype, seed=7)
+    perm = (torch.randperm(60, generator=torch.Generator().manual_seed(8)) + 1).tolist()
+    tables = _tables([perm[:40], perm[40:43]])
+    lengths = torch.tensor([40 * bs - 3, 33], dtype=torch.int32)
+    q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(9)).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # 2 rows, 4 threads: 4 splits per row
+    try:
+        out = cpa.paged_decode(q, kp, vp, tables, lengths)
+    finally:
+        torch.set_num_threads(threads)
+    ref = _reference(q, kp, vp, tables, lengths, d ** -0.5)
+    assert (out.double() - ref).abs().max().item() < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_op_ignores_table_entries_past_each_length_and_reads_no_other_block():
     """Entries past a row's length (padding) are never read: poisoning the rest of the pool with
     NaN changes nothing."""

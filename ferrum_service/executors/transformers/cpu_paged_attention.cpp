@@ -1,10 +1,9 @@
 // One-token (decode) attention over a paged KV pool, read in place, for CPUs.
 //
 // Built at run time by cpu_paged_attention.py (torch.utils.cpp_extension.load); see its docstring
-// for the layout. One work item = one (row, K/V head): the G query heads sharing that K/V head are
-// scored together, so every K and V vector of the row's blocks is read from memory exactly once per
-// step (grouped-query attention folded), with an online softmax (running max and sum per query
-// head), so nothing but the output is written.
+// for the layout. The G query heads sharing a K/V head are scored together, so every K and V vector
+// of a row's blocks is read from memory exactly once per call (grouped-query attention folded),
+// with an online softmax (running max and sum per query head): nothing but the output is written.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -14,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -60,75 +60,137 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
-// D / DV > 0: head sizes known at compile time (fully unrolled, accumulators in registers);
-// 0: taken from the arguments.
+// Prefetch a block's bytes (it sits anywhere in the pool, so the hardware prefetcher cannot guess it).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
+// D / DV > 0: head sizes known at compile time (fully unrolled); 0: taken from the arguments.
+//
+// Work item = (row, split): a split is a run of the row's blocks (rows are split only when there
+// are fewer rows than threads), and it walks its blocks in order, all K/V heads of a block
+// together, so the block's K (and then V) bytes are read once, sequentially, while the next
+// block is prefetched. Per query head a split keeps a running max m, sum l and output acc; the
+// splits of a row are merged at the end (m, l rescaled to the row's max).
 template <typename T, int D_, int DV_>
 void decode_kernel(const float* q, const T* kp, const T* vp, const int32_t* tables, const int32_t* lengths,
                    float* out, int64_t rows, int64_t hkv, int64_t g, int64_t d_rt, int64_t dv_rt, int64_t bs,
                    int64_t max_blocks, float scale, int64_t k_block_stride, int64_t k_tok_stride,
-                   int64_t v_block_stride, int64_t v_tok_stride) {
+                   int64_t v_block_stride, int64_t v_tok_stride, int64_t splits) {
   const int64_t d = D_ ? D_ : d_rt, dv = DV_ ? DV_ : dv_rt;
   const int64_t hq = hkv * g;
-  at::parallel_for(0, rows * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(g * bs), m(g), l(g), acc(g * dv), qs(g * d), kbuf(d), vbuf(dv);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<float> pm(rows * splits * hq, neg_inf), pl(rows * splits * hq, 0.f), pacc(rows * splits * hq * dv, 0.f);
+  at::parallel_for(0, rows * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(g * bs), qs(hq * d), kbuf(bs * d), vbuf(bs * dv);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / hkv, h = item % hkv;
-      const float* qh = q + (r * hq + h * g) * d;
-      for (int64_t i = 0; i < g * d; ++i) qs[i] = qh[i] * scale;
-      float* oh = out + (r * hq + h * g) * dv;
+      const int64_t r = item / splits, sp = item % splits;
       const int64_t len = lengths[r];
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t nblocks = (len + bs - 1) / bs;
-      for (int64_t bi = 0; bi < nblocks; ++bi) {
+      const int64_t per = (nblocks + splits - 1) / splits;
+      const int64_t b0 = sp * per, b1 = std::min(nblocks, b0 + per);
+      if (b0 >= b1) continue;
+      float* m = pm.data() + item * hq;
+      float* l = pl.data() + item * hq;
+      float* acc = pacc.data() + item * hq * dv;
+      const float* qr = q + r * hq * d;
+      for (int64_t i = 0; i < hq * d; ++i) qs[i] = qr[i] * scale;
+      for (int64_t bi = b0; bi < b1; ++bi) {
         const int64_t blk = tables[r * max_blocks + bi];
         const int64_t ntok = std::min(bs, len - bi * bs);
-        const T* kb = kp + blk * k_block_stride + h * d;
-        const T* vb = vp + blk * v_block_stride + h * dv;
-        for (int64_t t = 0; t < ntok; ++t) {
-          const float* __restrict kr = as_float<T>(kb + t * k_tok_stride, kbuf.data(), d);
-          for (int64_t j = 0; j < g; ++j) {
-            const float* __restrict qj = qs.data() + j * d;
-            float s = 0.f;
+        if (bi + 1 < b1) {
+          const int64_t nxt = tables[r * max_blocks + bi + 1];
+          const int64_t nt = std::min(bs, len - (bi + 1) * bs);
+          prefetch_bytes(kp + nxt * k_block_stride, nt * k_tok_stride * int64_t(sizeof(T)));
+          prefetch_bytes(vp + nxt * v_block_stride, nt * v_tok_stride * int64_t(sizeof(T)));
+        }
+        for (int64_t h = 0; h < hkv; ++h) {
+          const T* kb = kp + blk * k_block_stride + h * d;
+          const T* vb = vp + blk * v_block_stride + h * dv;
+          // K as fp32 rows: the pool's own memory, or (bf16) converted once into kbuf.
+          const float* kf;
+          int64_t kstride;
+          if constexpr (std::is_same<T, float>::value) {
+            kf = kb;
+            kstride = k_tok_stride;
+          } else {
+            for (int64_t t = 0; t < ntok; ++t) as_float<T>(kb + t * k_tok_stride, kbuf.data() + t * d, d);
+            kf = kbuf.data();
+            kstride = d;
+          }
+          for (int64_t j = 0; j < g; ++j) {  // one query head's q stays in registers over the block
+            const float* __restrict qj = qs.data() + (h * g + j) * d;
+            for (int64_t t = 0; t < ntok; ++t) {
+              const float* __restrict kr = kf + t * kstride;
+              float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t i = 0; i < d; ++i) s += qj[i] * kr[i];
-            scores[j * bs + t] = s;
+              for (int64_t i = 0; i < d; ++i) s += qj[i] * kr[i];
+              scores[j * bs + t] = s;
+            }
           }
-        }
-        for (int64_t j = 0; j < g; ++j) {
-          float* __restrict s = scores.data() + j * bs;
-          float bm = m[j];
-          for (int64_t t = 0; t < ntok; ++t) bm = std::max(bm, s[t]);
-          const float corr = m[j] == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpos(m[j] - bm);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < ntok; ++t) {
-            s[t] = exp_nonpos(s[t] - bm);
-            sum += s[t];
-          }
-          l[j] = l[j] * corr + sum;
-          m[j] = bm;
-          if (corr != 1.f) {
-            float* __restrict a = acc.data() + j * dv;
-#pragma omp simd
-            for (int64_t i = 0; i < dv; ++i) a[i] *= corr;
-          }
-        }
-        for (int64_t t = 0; t < ntok; ++t) {
-          const float* __restrict vr = as_float<T>(vb + t * v_tok_stride, vbuf.data(), dv);
           for (int64_t j = 0; j < g; ++j) {
-            const float p = scores[j * bs + t];
-            float* __restrict a = acc.data() + j * dv;
+            const int64_t qh = h * g + j;
+            float* __restrict s = scores.data() + j * bs;
+            float bm = m[qh];
+            for (int64_t t = 0; t < ntok; ++t) bm = std::max(bm, s[t]);
+            const float corr = m[qh] == neg_inf ? 0.f : exp_nonpos(m[qh] - bm);
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < ntok; ++t) {
+              s[t] = exp_nonpos(s[t] - bm);
+              sum += s[t];
+            }
+            l[qh] = l[qh] * corr + sum;
+            m[qh] = bm;
+            if (corr != 1.f) {
+              float* __restrict a = acc + qh * dv;
 #pragma omp simd
-            for (int64_t i = 0; i < dv; ++i) a[i] += p * vr[i];
+              for (int64_t i = 0; i < dv; ++i) a[i] *= corr;
+            }
+          }
+          const float* vf;
+          int64_t vstride;
+          if constexpr (std::is_same<T, float>::value) {
+            vf = vb;
+            vstride = v_tok_stride;
+          } else {
+            for (int64_t t = 0; t < ntok; ++t) as_float<T>(vb + t * v_tok_stride, vbuf.data() + t * dv, dv);
+            vf = vbuf.data();
+            vstride = dv;
+          }
+          for (int64_t j = 0; j < g; ++j) {  // one query head's output stays in registers over the block
+            const float* __restrict p = scores.data() + j * bs;
+            float* __restrict a = acc + (h * g + j) * dv;
+            for (int64_t t = 0; t < ntok; ++t) {
+              const float* __restrict vr = vf + t * vstride;
+              const float pt = p[t];
+#pragma omp simd
+              for (int64_t i = 0; i < dv; ++i) a[i] += pt * vr[i];
+            }
           }
         }
       }
-      for (int64_t j = 0; j < g; ++j) {
-        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-        for (int64_t i = 0; i < dv; ++i) oh[j * dv + i] = acc[j * dv + i] * inv;
+    }
+  });
+  at::parallel_for(0, rows * hq, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / hq, qh = item % hq;
+      float mx = neg_inf;
+      for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, pm[(r * splits + sp) * hq + qh]);
+      float* o = out + item * dv;
+      std::fill(o, o + dv, 0.f);
+      float total = 0.f;
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const int64_t at = (r * splits + sp) * hq + qh;
+        if (pl[at] == 0.f) continue;  // an empty split
+        const float w = exp_nonpos(pm[at] - mx);
+        total += pl[at] * w;
+        const float* a = pacc.data() + at * dv;
+        for (int64_t i = 0; i < dv; ++i) o[i] += w * a[i];
       }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      for (int64_t i = 0; i < dv; ++i) o[i] *= inv;
     }
   });
 }
@@ -136,13 +198,13 @@ void decode_kernel(const float* q, const T* kp, const T* vp, const int32_t* tabl
 template <typename T>
 void dispatch(const float* q, const T* kp, const T* vp, const int32_t* tab, const int32_t* len, float* out,
               int64_t rows, int64_t hkv, int64_t g, int64_t d, int64_t dv, int64_t bs, int64_t max_blocks, float sc,
-              int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1) {
+              int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1, int64_t sp) {
   if (d == 64 && dv == 64) {
-    decode_kernel<T, 64, 64>(q, kp, vp, tab, len, out, rows, hkv, g, d, dv, bs, max_blocks, sc, ks0, ks1, vs0, vs1);
+    decode_kernel<T, 64, 64>(q, kp, vp, tab, len, out, rows, hkv, g, d, dv, bs, max_blocks, sc, ks0, ks1, vs0, vs1, sp);
   } else if (d == 128 && dv == 128) {
-    decode_kernel<T, 128, 128>(q, kp, vp, tab, len, out, rows, hkv, g, d, dv, bs, max_blocks, sc, ks0, ks1, vs0, vs1);
+    decode_kernel<T, 128, 128>(q, kp, vp, tab, len, out, rows, hkv, g, d, dv, bs, max_blocks, sc, ks0, ks1, vs0, vs1, sp);
   } else {
-    decode_kernel<T, 0, 0>(q, kp, vp, tab, len, out, rows, hkv, g, d, dv, bs, max_blocks, sc, ks0, ks1, vs0, vs1);
+    decode_kernel<T, 0, 0>(q, kp, vp, tab, len, out, rows, hkv, g, d, dv, bs, max_blocks, sc, ks0, ks1, vs0, vs1, sp);
   }
 }
 
@@ -181,16 +243,22 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
     }
   }
   auto out = torch::empty({rows, hq, dv}, q.options());
+  // Split rows over their blocks only when there are fewer rows than about twice the threads.
+  int64_t longest = 1;
+  for (int64_t r = 0; r < rows; ++r) longest = std::max<int64_t>(longest, (len[r] + bs - 1) / bs);
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + rows - 1) / std::max<int64_t>(rows, 1),
+                                                                 (longest + 7) / 8));
   const float sc = static_cast<float>(scale);
   if (k_pool.scalar_type() == at::kFloat) {
     dispatch<float>(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), tab, len,
                          out.data_ptr<float>(), rows, hkv, hq / hkv, d, dv, bs, max_blocks, sc, k_pool.stride(0),
-                         k_pool.stride(1), v_pool.stride(0), v_pool.stride(1));
+                         k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), splits);
   } else if (k_pool.scalar_type() == at::kBFloat16) {
     dispatch<uint16_t>(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
                             reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), tab, len,
                             out.data_ptr<float>(), rows, hkv, hq / hkv, d, dv, bs, max_blocks, sc, k_pool.stride(0),
-                            k_pool.stride(1), v_pool.stride(0), v_pool.stride(1));
+                            k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), splits);
   } else {
     TORCH_CHECK(false, "pool dtype must be float32 or bfloat16");
   }

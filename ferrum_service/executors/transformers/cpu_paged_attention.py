@@ -6,9 +6,12 @@ holds the same prompt. torch's SDPA needs the row's K/V as one strided tensor, s
 one contiguous run of block ids (scattered rows, n samples sharing a prompt's blocks) had to be
 copied out per layer before attending, and SDPA for one-token queries reads at a fraction of the
 machine's bandwidth. This op reads each row's blocks straight from the pool through its block table,
-once per step: one work item per (row, K/V head) over ``at::parallel_for``, the ``G`` query heads of
-that K/V head scored together (grouped-query attention folded, no K/V expansion), with an online
-softmax (no score matrix, no copy). Pool dtypes: float32 and bfloat16 (accumulation in fp32).
+once per layer: work items over ``at::parallel_for`` are rows (split into runs of blocks, merged at
+the end, only when there are fewer rows than about twice the threads); a row walks its blocks in
+order, every K/V head of a block together (the block's bytes read once, sequentially, the next
+block prefetched), the ``G`` query heads of a K/V head scored together (grouped-query attention
+folded, no K/V expansion), with an online softmax (no score matrix, no copy). Pool dtypes: float32
+and bfloat16 (accumulation in fp32).
 
 Build. The source (``cpu_paged_attention.cpp`` beside this module) is compiled once with
 ``torch.utils.cpp_extension.load`` (``-O3 -fopenmp -march=native``; needs a C++ compiler and
@@ -24,7 +27,6 @@ the side-by-side benchmark.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import platform
 import shutil
@@ -33,11 +35,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 
 _SOURCE = Path(__file__).with_suffix(".cpp")
+_CFLAGS = ("-O3", "-fopenmp", "-march=native")
 _lock = threading.Lock()
 _module: Any = None
 _error: str | None = None
@@ -55,10 +59,11 @@ def _cpu_flags() -> str:
 
 
 def build_key() -> str:
-    """What the cached build depends on: the source, torch, Python, the CPU (``-march=native``)."""
+    """What the cached build depends on: the source and flags, torch, Python, the CPU (``-march=native``)."""
     h = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(), platform.machine().encode(),
-                 _cpu_flags().encode()):
+    parts = (_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(), sys.version.encode(),
+             platform.machine().encode(), _cpu_flags().encode())
+    for part in parts:
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
@@ -97,7 +102,7 @@ def load() -> Any:
             d = build_dir()
             d.mkdir(parents=True, exist_ok=True)
             _module = cpp_load(name=d.name, sources=[str(_SOURCE)], build_directory=str(d),
-                               extra_cflags=["-O3", "-fopenmp", "-march=native"], extra_ldflags=["-fopenmp"],
+                               extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"],
                                verbose=False)
     return _module
 
@@ -116,7 +121,7 @@ def available() -> bool:
         return True
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the previous path
         _error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        log.warning("CPU paged-attention op unavailable (%s); decode attention copies blocks per layer", _error)
+        log.warning("cpu paged-attention op unavailable: decode attention copies blocks per layer", error=_error)
         return False
 
 

@@ -16,7 +16,11 @@ registers one under :data:`ATTN_NAME` in transformers' attention and mask interf
       fresh row (no past):  SDPA(q_r, k_new_r, v_new_r, causal)              reads only the new K/V
       row with a past:      SDPA(q_r, K_pool[blocks_r][:L_r], V_pool[...])   reads only its own blocks
 
-  except that one-token rows (decodes) of similar lengths (padding waste at most
+  except that on CPU every one-token row (decode) with a past, scattered, contiguous or sharing
+  blocks with other rows, is attended by one call of the C++ op of :mod:`.cpu_paged_attention`
+  per layer, which reads each row's blocks in place through its block table (no copy; ``G``
+  query heads per K/V head read each block once). Without the op (no compiler, switched off,
+  CUDA, an fp16 pool, logit soft-capping), one-token rows of similar lengths (padding waste at most
   :data:`GROUP_MAX_PADDING`) are attended in one batched call over a copy of exactly their blocks,
   padded to the group's longest with the null block and masked by length: on a CPU with few K/V
   heads one call per row leaves cores idle and pays a parallel region per row, which costs more
@@ -196,8 +200,8 @@ def _build_op_step(pool: Any, rows: list[tuple[list[int], int, int]], device: to
         step.gather_index = torch.tensor(gather, dtype=torch.long, device=device)
     if ones:
         nbmax = max(out[k].num_blocks for k in ones)
-        step.op_table = torch.tensor([rows[k][0][: out[k].num_blocks] + [0] * (nbmax - out[k].num_blocks) for k in ones],
-                                     dtype=torch.int32, device=device)
+        table = [rows[k][0][: out[k].num_blocks] + [0] * (nbmax - out[k].num_blocks) for k in ones]
+        step.op_table = torch.tensor(table, dtype=torch.int32, device=device)
         step.op_lengths = torch.tensor([out[k].length for k in ones], dtype=torch.int32, device=device)
         step.group_pos = torch.tensor([out[k].start for k in ones], dtype=torch.long, device=device)
     return step
