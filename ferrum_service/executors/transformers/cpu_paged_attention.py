@@ -32,6 +32,7 @@ import platform
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +102,11 @@ def load() -> Any:
 
             d = build_dir()
             d.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
             _module = cpp_load(name=d.name, sources=[str(_SOURCE)], build_directory=str(d),
                                extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"],
                                verbose=False)
+            log.info("cpu paged-attention op ready", build_dir=str(d), seconds=round(time.perf_counter() - t0, 2))
     return _module
 
 
