@@ -17,7 +17,6 @@ from ferrum_service.executors.transformers import HfCausalLmExecutor
 from ferrum_service.executors.transformers import cpu_paged_attention as cpa
 from ferrum_service.executors.transformers.packed_attention import build_step
 
-from .conftest_models import tiny_llama_dir  # noqa: F401
 from .support.prompts import prompt_ids
 
 pytestmark = pytest.mark.skipif(cpa.toolchain_missing() is not None,
