@@ -76,17 +76,18 @@ def test_build_step_reads_contiguous_rows_in_place_and_gathers_only_scattered_on
     assert step.gather_index.tolist() == blocks[scattered][:3]
     assert [(r.start, r.n) for r in step.rows] == [(0, 2), (2, 2), (4, 7)]
     assert step.rows[0].mask.shape == (2, 42) and step.group_index is None
-    # One-token rows of similar lengths share one call over exactly their blocks (padded to the
-    # group's longest with the null block 0); a much longer row keeps them apart.
+    # Without the CPU op (tests/test_cpu_paged_attention.py covers it), one-token rows of similar
+    # lengths share one call over exactly their blocks (padded to the group's longest with the null
+    # block 0); a much longer row keeps them apart.
     short = ex.prefill(PrefillInput(token_ids=prompt_ids(20, 5, lo=5, hi=512), policy=NONE)).cache.cache_id
     step = build_step(ex.pool, [(blocks[contiguous], 40, 1), (blocks[scattered], 40, 1),
-                                (ex.registry.get(short).payload.blocks, 20, 1)], ex.device)
+                                (ex.registry.get(short).payload.blocks, 20, 1)], ex.device, paged_op=False)
     assert step.group_index.tolist() == blocks[contiguous][:3] + blocks[scattered][:3] + ex.registry.get(
         short).payload.blocks[:2] + [0]
     assert step.group_mask.sum(-1).flatten().tolist() == [41, 41, 21] and step.gather_index is None
     long = ex.prefill(PrefillInput(token_ids=prompt_ids(200, 6, lo=5, hi=512), policy=NONE)).cache.cache_id
     step = build_step(ex.pool, [(blocks[contiguous], 40, 1), (ex.registry.get(long).payload.blocks, 200, 1)],
-                      ex.device)
+                      ex.device, paged_op=False)
     assert step.group_index is None  # too unequal: row by row
 
 

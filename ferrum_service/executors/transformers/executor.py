@@ -43,7 +43,7 @@ from .forward import PagedForward, Row
 from .kv_manager import KvManager, StagedImport
 from .loading import DTYPES, device_name, dtype_name, load_causal_lm
 from .lora import AdapterSet, AdapterWeights
-from .packed_attention import base_implementation, install
+from .packed_attention import base_implementation, install, use_paged_op
 from .paged_kv import BlockPool
 from .prefix_cache import PrefixCache, SeqBlocks
 
@@ -147,6 +147,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         self.kv = KvManager(self.pool, self.prefix, self.registry, model_id=model_id,
                             max_sequence_length=self.max_sequence_length)
         self.forward_rows = PagedForward(model, self.pool, self.adapters)
+        use_paged_op(self.pool, self.device)  # CPU: build (first time, then cached) or load the op now
         self._pad_id = model_facts.pad_id(self.config, tokenizer, self.vocab_size)
         self._kv_layout: KvLayout | None = None
         self._info = self._build_info()

@@ -48,6 +48,8 @@ class PagedForward:
         self.adapters = adapters
         self.device = pool.device
         self.block_size = pool.block_size
+        # The CPU paged-attention op computes plain softmax attention (no logit soft-capping).
+        self.paged_op_ok = not getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
 
     def __call__(self, rows: list[Row]) -> list[torch.Tensor | None]:
         """One model call over ``rows``: per row its logits (``[vocab]``, ``[n, vocab]`` for
@@ -116,7 +118,8 @@ class PagedForward:
             else:
                 spans.append((len(keep), 0))
             start += n
-        step = build_step(self.pool, [(r.blocks, r.past, len(r.tokens)) for r in rows], dev)
+        step = build_step(self.pool, [(r.blocks, r.past, len(r.tokens)) for r in rows], dev,
+                          paged_op=None if self.paged_op_ok else False)
         cache = PagedWriteCache(self.pool, slots=torch.tensor(slots, dtype=torch.long, device=dev), kv_length=start)
         lora = self._lora_step(rows)
         with packed_step(step), lora_step(lora):

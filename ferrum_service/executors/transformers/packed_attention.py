@@ -16,7 +16,11 @@ registers one under :data:`ATTN_NAME` in transformers' attention and mask interf
       fresh row (no past):  SDPA(q_r, k_new_r, v_new_r, causal)              reads only the new K/V
       row with a past:      SDPA(q_r, K_pool[blocks_r][:L_r], V_pool[...])   reads only its own blocks
 
-  except that one-token rows (decodes) of similar lengths (padding waste at most
+  except that on CPU every one-token row (decode) with a past, scattered, contiguous or sharing
+  blocks with other rows, is attended by one call of the C++ op of :mod:`.cpu_paged_attention`
+  per layer, which reads each row's blocks in place through its block table (no copy; ``G``
+  query heads per K/V head read each block once). Without the op (no compiler, switched off,
+  CUDA, an fp16 pool, logit soft-capping), one-token rows of similar lengths (padding waste at most
   :data:`GROUP_MAX_PADDING`) are attended in one batched call over a copy of exactly their blocks,
   padded to the group's longest with the null block and masked by length: on a CPU with few K/V
   heads one call per row leaves cores idle and pays a parallel region per row, which costs more
@@ -90,6 +94,9 @@ class PackedStep:
     group_pos: torch.Tensor | None = None  # their token positions in the packed input
     group_index: torch.Tensor | None = None  # [rows * max_blocks] their blocks, padded with the null block
     group_mask: torch.Tensor | None = None  # [rows, 1, 1, max_blocks * block_size] True = a real token
+    # or, with the CPU op (:mod:`.cpu_paged_attention`), every one-token row read in place:
+    op_table: torch.Tensor | None = None  # [rows, max_blocks] int32 block ids, padded with the null block
+    op_lengths: torch.Tensor | None = None  # [rows] int32 context lengths (the new token included)
 
 
 #: One-token rows are attended in one batched call over a copy of exactly their blocks (padded to
@@ -98,8 +105,25 @@ class PackedStep:
 GROUP_MAX_PADDING = 0.25
 
 
-def build_step(pool: Any, rows: list[tuple[list[int], int, int]], device: torch.device) -> PackedStep:
-    """Lay out a packed step. ``rows``: (block table, past, new tokens) per row, in packed order."""
+def use_paged_op(pool: Any, device: torch.device) -> bool:
+    """Whether one-token rows go through the CPU op: a CPU pool of fp32 / bf16 and the op built
+    (and not switched off, :func:`.cpu_paged_attention.set_enabled`)."""
+    if torch.device(device).type != "cpu" or pool.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    from . import cpu_paged_attention
+
+    return cpu_paged_attention.available()
+
+
+def build_step(pool: Any, rows: list[tuple[list[int], int, int]], device: torch.device,
+               paged_op: bool | None = None) -> PackedStep:
+    """Lay out a packed step. ``rows``: (block table, past, new tokens) per row, in packed order.
+    ``paged_op``: attend one-token rows with the CPU op (None: :func:`use_paged_op`; callers pass
+    False for attention the op does not compute, e.g. logit soft-capping)."""
+    if paged_op is None:
+        paged_op = use_paged_op(pool, device)
+    if paged_op:
+        return _build_op_step(pool, rows, device)
     bs = pool.block_size
     out: list[PackedRow] = []
     gather: list[int] = []
@@ -142,6 +166,44 @@ def build_step(pool: Any, rows: list[tuple[list[int], int, int]], device: torch.
                 if not r.grouped and r.run_start is None and r.past > 0:
                     r.gather_offset, offset = offset, offset + r.num_blocks
     step.gather_index = torch.tensor(gather, dtype=torch.long, device=device) if gather else None
+    return step
+
+
+def _build_op_step(pool: Any, rows: list[tuple[list[int], int, int]], device: torch.device) -> PackedStep:
+    """:func:`build_step` with every one-token row (scattered, contiguous or sharing blocks) read
+    in place by the CPU op through its block table; longer rows as in :func:`build_step`."""
+    bs = pool.block_size
+    out: list[PackedRow] = []
+    gather: list[int] = []
+    ones: list[int] = []
+    start = 0
+    for k, (blocks, past, n) in enumerate(rows):
+        nb = -(-(past + n) // bs)
+        r = PackedRow(start=start, n=n, past=past, num_blocks=nb)
+        if past > 0 and n == 1:
+            r.grouped = True
+            ones.append(k)
+        elif past > 0:
+            used = blocks[:nb]
+            if used == list(range(used[0], used[0] + nb)):
+                r.run_start = used[0]
+            else:
+                r.gather_offset = len(gather)
+                gather += used
+            i = torch.arange(n, device=device).view(n, 1)
+            j = torch.arange(past + n, device=device).view(1, past + n)
+            r.mask = j <= i + past
+        out.append(r)
+        start += n
+    step = PackedStep(pool=pool, rows=out, gather_index=None)
+    if gather:
+        step.gather_index = torch.tensor(gather, dtype=torch.long, device=device)
+    if ones:
+        nbmax = max(out[k].num_blocks for k in ones)
+        table = [rows[k][0][: out[k].num_blocks] + [0] * (nbmax - out[k].num_blocks) for k in ones]
+        step.op_table = torch.tensor(table, dtype=torch.int32, device=device)
+        step.op_lengths = torch.tensor([out[k].length for k in ones], dtype=torch.int32, device=device)
+        step.group_pos = torch.tensor([out[k].start for k in ones], dtype=torch.long, device=device)
     return step
 
 
@@ -254,7 +316,16 @@ def _packed_attention(step: PackedStep, layer: int, q, k, v, scaling, softcap: f
     if step.gather_index is not None:
         gk, gv = pk.index_select(0, step.gather_index), pv.index_select(0, step.gather_index)
     out = q.new_empty((t, hq, dv))
-    if step.group_index is not None:
+    if step.op_table is not None:
+        from .cpu_paged_attention import paged_decode
+
+        m = step.op_table.shape[0]
+        qg = q[0].transpose(0, 1) if m == t else q[0].index_select(1, step.group_pos).transpose(0, 1)
+        og = paged_decode(qg, pk, pv, step.op_table, step.op_lengths, scaling)
+        if m == t:  # a pure decode step: rows in packed order
+            return og.unsqueeze(0)
+        out.index_copy_(0, step.group_pos, og)
+    elif step.group_index is not None:
         m = step.group_mask.shape[0]
         kg = pk.index_select(0, step.group_index).view(m, -1, hkv, d).transpose(1, 2)
         vg = pv.index_select(0, step.group_index).view(m, -1, hkv, dv).transpose(1, 2)
