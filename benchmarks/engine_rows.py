@@ -20,6 +20,41 @@ flagged ``busy``. The example is built in the debug profile by default (the carg
 Rust tests use); ``--release`` builds it optimised (another ~15 minutes on 2 cores the first time),
 which is what a deployed engine runs: only the engine's own bookkeeping and the client run there,
 the model runs in the server.
+
+Where an engine step's time goes (issue 30): ``engine_bench`` prints the executor's step clock
+(``RemoteModelExecutor::step_clock``) as ``step_ms``, per step: the client's work before / after
+the call, the round trip, the server's ``StepTimings`` (total = queued + forward + other, where
+"other" is request checks, plan, admission, response), the wire (round trip − server total:
+gRPC, (de)serialisation, loopback) and the engine's own time between steps. The row keeps the
+medians (``extra.step_ms``) and the run prints them. ``--unary`` sends the engine's steps as unary
+``UnifiedDecode`` calls instead of steps of one ``Session`` stream (the default since issue 30).
+
+Measured on the busy 2-core box (short runs, release engine; a 1-thread server to keep llama.cpp's
+forward stable under the other agents' load), ms per step, session / unary:
+
+* B=1: round trip 34.6-36.2 = server 33.9-35.7 (forward 33.4-34.9, of which ``llama_decode`` 32.2
+  and greedy sampling 0.3-0.6; queued 0.1-0.4; other 0.37-0.39) + wire 0.56-0.69 on the stream
+  (1.05-1.87 unary); client 0.01; engine between steps 0.25-0.27 (0.75-1.0 in the debug build).
+  ``Generate``: 33.9-34.3 ms per token with a 31.8-32.8 ms forward. Engine ÷ Generate tok/s
+  0.96-1.02 there.
+* B=8: every step carries all 8 rows (7.76 on average, the prompts' step included); round trip
+  79.3-79.7 = server 78.5-78.9 (forward 77.7-78.2, other 0.59-0.62) + wire 0.85; between steps
+  0.4-0.5. ``Generate`` 74.9-79.3 ms per step. Ratio 0.97-1.02.
+
+What bounded the row before (0.76 / 0.61): ferrum's engine reserves every new sequence
+(``ReserveKvSlots`` makes an empty cache) before its first step, and the llama.cpp executor gave
+the prefix cache only to caches created by the step itself, so every engine prompt was computed
+whole (8 × 37 tokens at B=8 where ``Generate`` computes 8 × 5 after its cached 32) and held its own
+prompt cells, which every later decode step's attention then covered; at B=8 the 8 engine requests
+did not even get identical greedy tokens. An empty reserved cache now takes its prompt's cached
+prefix on its first chunk (``tests/test_llama_cpp_prefix.py``). What is left per step at B=1 is
+about 1 ms more than ``Generate``'s own per-token overhead: the wire (~0.6-0.9 ms on the stream)
+and the server's per-request bookkeeping (~0.4 ms, spread over checks, plan, admission and
+response: no single cut), so with a ~8 ms forward (2 threads on a quiet box) the B=1 ratio is
+bounded near 0.9; moving it further means fewer round trips per token (the server running several
+engine steps per request, e.g. a decode-only step that repeats while the engine has nothing to
+change), not cheaper ones. The transformers executor (``--executor hf``) still computes whole
+prompts for reserved caches (its paged pool matches prefixes for new caches only).
 """
 
 from __future__ import annotations
