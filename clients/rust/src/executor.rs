@@ -775,6 +775,20 @@ impl RemoteModelExecutor {
         let Ok(mut guard) = self.shared.session.try_lock() else {
             return self.client.unified_decode_response(items).await;
         };
+        // A step whose caller went away (its future dropped) left its answer on the stream: read
+        // it first, so this step gets its own answer (a stream that cannot give it is replaced).
+        if let Some(s) = guard.as_mut() {
+            while s.in_flight() > 0 && !s.is_over() {
+                let stale = match self.opts.timeout {
+                    Some(t) => tokio::time::timeout(t, s.recv()).await.ok(),
+                    None => Some(s.recv().await),
+                };
+                if !matches!(stale, Some(Ok(_))) {
+                    *guard = None;
+                    break;
+                }
+            }
+        }
         if guard.as_ref().is_none_or(|s| s.is_over()) {
             *guard = Some(self.client.session().await?);
         }

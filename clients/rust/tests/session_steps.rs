@@ -169,6 +169,31 @@ async fn concurrent_steps_share_the_stream_or_go_unary_with_the_same_tokens() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_dropped_mid_flight_does_not_hand_its_answer_to_the_next() {
+    let server = tiny_server(&[]).await;
+    let client = server.client().await.with_model("tiny");
+    let exec = RemoteModelExecutor::connect(server.endpoint.clone(), opts(true)).await.unwrap();
+    let want = sequence(&exec, &engine_handle(), 3).await;
+    let a = engine_handle();
+    exec.reserve_kv_slots(&[KvSlotRequest { cache_id: a.cache_id(), target_len: 16, admission_target_len: None }]).unwrap();
+    // The caller gives up while the step is on the stream (sent, not answered): its answer stays
+    // on the stream, and the next steps (another sequence) must still get their own answers.
+    let gave_up =
+        tokio::time::timeout(std::time::Duration::from_micros(200), step(&exec, vec![item(&a, &PROMPT, 0)])).await;
+    assert!(gave_up.is_err(), "the step was answered within 200 µs");
+    let n = exec.session_unified_steps();
+    let b = engine_handle();
+    assert_eq!(sequence(&exec, &b, 3).await, want);
+    assert_eq!(exec.session_unified_steps(), n + 3, "on the same kind of path");
+    for h in [&a, &b] {
+        exec.release_cache(&h.cache_id());
+    }
+    drop(exec);
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(live_caches(&client).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_callers_cache_is_not_found_on_the_stream() {
     let dir = std::env::temp_dir().join(format!("ferrum-rust-session-steps-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
