@@ -40,6 +40,10 @@ forward stable under the other agents' load), ms per step, session / unary:
 * B=8: every step carries all 8 rows (7.76 on average, the prompts' step included); round trip
   79.3-79.7 = server 78.5-78.9 (forward 77.7-78.2, other 0.59-0.62) + wire 0.85; between steps
   0.4-0.5. ``Generate`` 74.9-79.3 ms per step. Ratio 0.97-1.02.
+* The command itself (``--quick --release``, 2 threads, drift 0-3 %, forward ~19 ms at B=1 and
+  ~43 ms at B=8 on the shared box): B=1 0.92-1.06, B=8 1.02-1.03 on the stream; ``--unary`` 0.99 /
+  1.00 in the same minutes (wire 1.2-1.4 ms against 0.76-1.08 on the stream: within the noise of
+  one short run); same tokens at both.
 
 What bounded the row before (0.76 / 0.61): ferrum's engine reserves every new sequence
 (``ReserveKvSlots`` makes an empty cache) before its first step, and the llama.cpp executor gave
