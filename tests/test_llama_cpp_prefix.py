@@ -100,6 +100,49 @@ def test_retired_cells_give_way_to_a_long_prompt(llc):
     _same(b.logits, _fresh(llc, prompt_ids(400, 6, **SMOLLM2)))  # computed on clean cells, and again after eviction
 
 
+def test_a_reserved_empty_cache_takes_the_cached_prefix(llc):
+    """Issue 30: ferrum's engine reserves a new sequence (an empty cache, ``ReserveKvSlots``) before
+    its first unified step; that first chunk takes the prompt's cached blocks like a new cache,
+    under its own salt, with the same logits as computing everything; a failed first step leaves
+    the cache empty (no copied cells, its old root)."""
+    from ferrum_service.core.types import KvSlotRequest, UnifiedItem
+
+    p = prompt_ids(40, 8, **SMOLLM2)
+    llc.release_cache(llc.prefill(PrefillInput(p)).cache.cache_id)  # retired: blocks 0-1 cached
+
+    def reserved(name, salt=""):
+        (a,) = llc.reserve_kv_slots([KvSlotRequest(cache_id=name, target_len=48, new_sequence=True, salt=salt)]).allocations
+        return a.created_cache_id
+
+    c = reserved("engine-a")
+    (u,) = llc.unified_decode([UnifiedItem(seq_id="engine-a", q_tokens=p, cache_id=c)])
+    assert u.cached_tokens == 32 and u.cache.num_tokens == 40
+    _same(u.logits, _fresh(llc, p))
+    (d,) = llc.unified_decode([UnifiedItem(seq_id="engine-a", q_tokens=[5], cache_id=c, pos_offset=40)])
+    _same(d.logits, _fresh(llc, p + [5]))
+    # another salt (another key space): no hit; bypass: no hit
+    other = reserved("engine-b")
+    (u2,) = llc.unified_decode([UnifiedItem(seq_id="engine-b", q_tokens=p, cache_id=other, cache_salt="x")])
+    assert u2.cached_tokens == 0
+    byp = reserved("engine-c")
+    (u3,) = llc.unified_decode([UnifiedItem(seq_id="engine-c", q_tokens=p, cache_id=byp, bypass_prefix_cache=True)])
+    assert u3.cached_tokens == 0
+    for x in (c, other, byp):
+        llc.release_cache(x)
+    # a first step that fails (a token llama.cpp refuses) leaves the empty cache as it was
+    e = reserved("engine-d")
+    seq = llc.registry.get(e).payload
+    cells = llc.kv_cells_used()
+    with pytest.raises(Exception):
+        llc.unified_decode([UnifiedItem(seq_id="engine-d", q_tokens=p[:-1] + [10**6], cache_id=e)])
+    assert llc.registry.get(e).num_tokens == 0 and llc.kv_cells_used() == cells and not llc.prefix.keys.get(seq)
+    assert llc._L.llama_memory_seq_pos_max(llc._mem, seq) == -1  # the copied cells are not its any more
+    (u4,) = llc.unified_decode([UnifiedItem(seq_id="engine-d", q_tokens=p, cache_id=e)])
+    assert u4.cached_tokens == 32
+    _same(u4.logits, _fresh(llc, p))
+    llc.release_cache(e)
+
+
 def test_truncating_a_source_shortens_later_hits(llc):
     p = prompt_ids(64, 7, **SMOLLM2)
     a = llc.prefill(PrefillInput(p))

@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! cargo run --example engine_bench -- --endpoint http://127.0.0.1:50051 --model smollm2 \
-//!     --prompt 1,9690,198 --concurrency 8 --max-tokens 32 [--runs 1]
+//!     --prompt 1,9690,198 --concurrency 8 --max-tokens 32 [--runs 1] [--unary]
 //! ```
 
 #[path = "../tests/common/engine_rig.rs"]
@@ -56,8 +56,13 @@ async fn main() {
     // (MASK = none | ones: GreedyArgmax without / with an all-allowed token mask), to split the
     // engine's own cost from the round trips'.
     let raw = arg(&args, "--raw");
+    // --unary: one unary UnifiedDecode per step instead of steps on one Session stream.
+    let unary = args.iter().any(|a| a == "--unary");
     let exec = Arc::new(
-        RemoteModelExecutor::connect(endpoint, RemoteExecutorOptions { model_id: model.clone(), ..Default::default() })
+        RemoteModelExecutor::connect(
+            endpoint,
+            RemoteExecutorOptions { model_id: model.clone(), session_steps: !unary, ..Default::default() },
+        )
             .await
             .expect("connect"),
     );
@@ -77,6 +82,8 @@ async fn main() {
 
     for _ in 0..runs {
         let before = exec.rpc_counts();
+        let clock0 = exec.step_clock();
+        let on_stream0 = exec.session_unified_steps();
         let t0 = Instant::now();
         let tasks: Vec<_> = (0..b)
             .map(|_| {
@@ -93,6 +100,7 @@ async fn main() {
         let wall = t0.elapsed().as_secs_f64();
         exec.flush_releases().await;
         let n = delta(before, exec.rpc_counts());
+        let clock = exec.step_clock().since(&clock0);
         let total: usize = tokens.iter().map(|t| t.len()).sum();
         println!(
             "{}",
@@ -107,6 +115,8 @@ async fn main() {
                 "rpc_per_token": n.total() as f64 / total as f64,
                 "same_tokens": tokens.iter().all(|t| t == &tokens[0]),
                 "tokens0": tokens[0],
+                "step_ms": clock.per_step_ms(),
+                "session_steps": exec.session_unified_steps() - on_stream0,
             })
         );
     }

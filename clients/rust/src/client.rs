@@ -345,8 +345,12 @@ impl Client {
         Ok(self.stub.clone().batch_decode(self.req(m)).await?.into_inner().outputs)
     }
     pub async fn unified_decode(&self, items: Vec<proto::UnifiedBatchItem>) -> Result<Vec<proto::UnifiedItemResult>, Status> {
+        Ok(self.unified_decode_response(items).await?.results)
+    }
+    /// `UnifiedDecode`, the whole response (results and the server's `StepTimings`).
+    pub async fn unified_decode_response(&self, items: Vec<proto::UnifiedBatchItem>) -> Result<proto::UnifiedDecodeResponse, Status> {
         let m = proto::UnifiedDecodeRequest { model_id: self.model_id.clone(), items, ..Default::default() };
-        Ok(self.stub.clone().unified_decode(self.req(m)).await?.into_inner().results)
+        Ok(self.stub.clone().unified_decode(self.req(m)).await?.into_inner())
     }
     /// Speculative verification of `tokens` = [last accepted, draft...] on `cache_id`.
     pub async fn forward_verify(

@@ -57,6 +57,14 @@ pub struct RemoteExecutorOptions {
     /// frees the draft caches of ferrum's speculative engine, which never calls `release_cache`
     /// on its draft executor (see README, "How ferrum's engine uses this client").
     pub release_on_drop: bool,
+    /// Send `unified_decode` steps as steps of one `Session` stream (opened at the first step,
+    /// kept for the executor's life) instead of one unary `UnifiedDecode` each: no call set-up
+    /// per step on either side. Only steps whose items all name a cache the server already holds
+    /// go on the stream (ferrum's engine reserves every new sequence first), so no cache is ever
+    /// owned by the stream and its end frees nothing. A step the stream could not take (it had
+    /// ended) goes unary; one lost with the stream fails with the stream's status and the next
+    /// step opens a new stream. A concurrent step while one is on the stream goes unary.
+    pub session_steps: bool,
 }
 
 impl Default for RemoteExecutorOptions {
@@ -69,6 +77,7 @@ impl Default for RemoteExecutorOptions {
             reserve_ahead_tokens: 16,
             status_refresh: Duration::from_secs(1),
             release_on_drop: true,
+            session_steps: true,
         }
     }
 }
@@ -105,6 +114,13 @@ struct Shared {
     rpc: RpcCounters,
     /// Prefix-hit counters and the prompts of the caches created here (engine clones).
     prefix: crate::prefix_state::PrefixState,
+    /// Where `unified_decode` steps spend their time (client, wire, server; see `step_clock`).
+    clock: crate::step_clock::StepClock,
+    /// The `Session` stream `unified_decode` steps go on (`session_steps`); None until the first
+    /// step, and again after the stream failed.
+    session: tokio::sync::Mutex<Option<crate::Session>>,
+    /// `unified_decode` steps sent on the stream.
+    session_steps: AtomicU64,
 }
 
 /// Step RPCs sent by a [`RemoteModelExecutor`] (see [`RemoteModelExecutor::rpc_counts`]).
@@ -331,6 +347,9 @@ impl RemoteModelExecutor {
                 no_paged_admission: false.into(),
                 rpc: RpcCounters::default(),
                 prefix: Default::default(),
+                clock: Default::default(),
+                session: tokio::sync::Mutex::new(None),
+                session_steps: AtomicU64::new(0),
             }),
             client,
             opts,
@@ -376,6 +395,12 @@ impl RemoteModelExecutor {
             reserve_kv_slots: g(&r.reserve_kv_slots),
             release_cache: g(&r.release_cache) + self.release_queue_stats().0,
         }
+    }
+
+    /// Where the `unified_decode` steps sent so far spent their time: client work, the round
+    /// trip, the server's `StepTimings`, and the caller's time between steps (sums).
+    pub fn step_clock(&self) -> crate::StepTimes {
+        self.shared.clock.snapshot()
     }
 
     /// `reserve_kv_slots` calls answered without an RPC: every request was already covered by
@@ -740,6 +765,142 @@ impl RemoteModelExecutor {
     }
 }
 
+impl RemoteModelExecutor {
+    /// One `UnifiedDecode`: on the `Session` stream when [`RemoteExecutorOptions::session_steps`]
+    /// allows it (see there), else unary.
+    async fn send_unified(&self, items: Vec<proto::UnifiedBatchItem>) -> std::result::Result<proto::UnifiedDecodeResponse, tonic::Status> {
+        if !self.opts.session_steps || items.iter().any(|i| i.cache_id.is_empty()) {
+            return self.client.unified_decode_response(items).await;
+        }
+        let Ok(mut guard) = self.shared.session.try_lock() else {
+            return self.client.unified_decode_response(items).await;
+        };
+        // A step whose caller went away (its future dropped) left its answer on the stream: read
+        // it first, so this step gets its own answer (a stream that cannot give it is replaced).
+        if let Some(s) = guard.as_mut() {
+            while s.in_flight() > 0 && !s.is_over() {
+                let stale = match self.opts.timeout {
+                    Some(t) => tokio::time::timeout(t, s.recv()).await.ok(),
+                    None => Some(s.recv().await),
+                };
+                if !matches!(stale, Some(Ok(_))) {
+                    *guard = None;
+                    break;
+                }
+            }
+        }
+        if guard.as_ref().is_none_or(|s| s.is_over()) {
+            *guard = Some(self.client.session().await?);
+        }
+        let s = guard.as_mut().expect("opened above");
+        let req = proto::UnifiedDecodeRequest { model_id: self.client.model_id().to_string(), items, ..Default::default() };
+        let id = match s.send(req.clone()) {
+            Ok(id) => id,
+            Err(_) => {
+                // the stream had ended before this step: it never reached the server
+                *guard = None;
+                drop(guard);
+                return self.client.unified_decode_response(req.items).await;
+            }
+        };
+        bump(&self.shared.session_steps);
+        let answer = match self.opts.timeout {
+            Some(t) => tokio::time::timeout(t, s.recv()).await.map_err(|_| {
+                tonic::Status::deadline_exceeded(format!("UnifiedDecode on the Session stream: no answer in {t:?}"))
+            }),
+            None => Ok(s.recv().await),
+        };
+        match answer {
+            Ok(Ok((got, _))) if got != id => {
+                *guard = None;
+                Err(tonic::Status::internal(format!("the Session answered step {got} to step {id}")))
+            }
+            Ok(Ok((_, Ok(result)))) => result
+                .into_unified_decode()
+                .ok_or_else(|| tonic::Status::internal("the Session answered another kind of result to UnifiedDecode")),
+            Ok(Ok((_, Err(step_failed)))) => Err(step_failed),
+            Ok(Err(stream_failed)) => {
+                *guard = None;
+                Err(stream_failed)
+            }
+            Err(timed_out) => {
+                *guard = None; // dropping the stream cancels it (it owns no cache)
+                Err(timed_out)
+            }
+        }
+    }
+
+    /// `unified_decode` steps sent on the `Session` stream (see
+    /// [`RemoteExecutorOptions::session_steps`]); the rest of [`RpcCounts::unified_decode`] went unary.
+    pub fn session_unified_steps(&self) -> u64 {
+        self.shared.session_steps.load(Ordering::Relaxed)
+    }
+
+    /// The RPC half of `unified_decode` (`t0`: when the call started, for the step clock).
+    async fn unified_decode_rpc(&self, batch: &UnifiedBatch, t0: Instant) -> Result<Vec<Option<Vec<f32>>>> {
+        self.materialize_clones(batch.items.iter().map(|it| it.kv_cache.clone()).collect()).await?;
+        let mut items = Vec::with_capacity(batch.items.len());
+        let mut fulls = Vec::with_capacity(batch.items.len());
+        for it in &batch.items {
+            let known = self
+                .known_cache(&it.kv_cache)
+                .or_else(|| self.shared.aliases.lock().unwrap().get(&it.seq_id).cloned());
+            let pol = self.policy(&it.logits_policy, forces_full(&it.metadata));
+            fulls.push(is_full(&pol));
+            items.push(proto::UnifiedBatchItem {
+                seq_id: it.seq_id.clone(),
+                q_tokens: it.q_tokens.iter().map(|&t| t.min(i32::MAX as u32) as i32).collect(),
+                cache_id: known.unwrap_or_default(),
+                pos_offset: it.pos_offset as u64,
+                is_final_chunk: it.is_final_chunk,
+                logits: Some(if it.is_final_chunk { pol } else { policy::none() }),
+                metadata: convert::json_map_to_struct(&it.metadata),
+                adapter: convert::lora_adapter_from_metadata(&it.metadata)?,
+                cache_salt: it.metadata.get("ferrum_cache_salt").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
+                bypass_prefix_cache: it.metadata.get("ferrum_bypass_prefix_cache").and_then(|v| v.as_bool()).unwrap_or(false),
+                ..Default::default()
+            });
+        }
+        let ids: Vec<String> = items.iter().map(|i| i.cache_id.clone()).filter(|s| !s.is_empty()).collect();
+        self.wait_released(&ids).await;
+        bump(&self.shared.rpc.unified_decode);
+        let sent = Instant::now();
+        let resp = self.send_unified(items.clone()).await.map_err(st)?;
+        let answered = Instant::now();
+        let results = resp.results;
+        if results.len() != batch.items.len() {
+            return Err(FerrumError::internal(format!(
+                "UnifiedDecode returned {} results for {} items",
+                results.len(),
+                batch.items.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(results.len());
+        for ((it, sent), (r, full)) in batch.items.iter().zip(&items).zip(results.iter().zip(fulls)) {
+            let server_id = r.cache.as_ref().map(|c| c.cache_id.as_str()).unwrap_or("");
+            if sent.cache_id.is_empty() {
+                self.shared.prefix.note_new_cache(sent.q_tokens.len(), r.cached_tokens);
+            }
+            self.shared.prefix.note_tokens(server_id, &sent.q_tokens, sent.cache_id.is_empty());
+            if sent.cache_id.is_empty() {
+                if let Some(c) = &r.cache {
+                    self.note_minted(&c.cache_id);
+                    let mut a = self.shared.aliases.lock().unwrap();
+                    a.insert(it.seq_id.clone(), c.cache_id.clone());
+                    self.shared.prefix.note_name(&it.seq_id, &c.cache_id);
+                    if it.kv_cache.cache_id() != it.seq_id {
+                        a.insert(it.kv_cache.cache_id(), c.cache_id.clone());
+                        self.shared.prefix.note_name(&it.kv_cache.cache_id(), &c.cache_id);
+                    }
+                }
+            }
+            out.push(if it.is_final_chunk { Some(output_row(r.output.as_ref(), full)?) } else { None });
+        }
+        self.shared.clock.record(batch.items.len(), t0, sent, answered, resp.timings.as_ref());
+        Ok(out)
+    }
+}
+
 #[async_trait]
 impl ModelExecutor for RemoteModelExecutor {
     /// Read from the server at connect time (`Info`); the trait returns a reference.
@@ -963,62 +1124,12 @@ impl ModelExecutor for RemoteModelExecutor {
         if batch.items.is_empty() {
             return Ok(Vec::new());
         }
-        self.materialize_clones(batch.items.iter().map(|it| it.kv_cache.clone()).collect()).await?;
-        let mut items = Vec::with_capacity(batch.items.len());
-        let mut fulls = Vec::with_capacity(batch.items.len());
-        for it in &batch.items {
-            let known = self
-                .known_cache(&it.kv_cache)
-                .or_else(|| self.shared.aliases.lock().unwrap().get(&it.seq_id).cloned());
-            let pol = self.policy(&it.logits_policy, forces_full(&it.metadata));
-            fulls.push(is_full(&pol));
-            items.push(proto::UnifiedBatchItem {
-                seq_id: it.seq_id.clone(),
-                q_tokens: it.q_tokens.iter().map(|&t| t.min(i32::MAX as u32) as i32).collect(),
-                cache_id: known.unwrap_or_default(),
-                pos_offset: it.pos_offset as u64,
-                is_final_chunk: it.is_final_chunk,
-                logits: Some(if it.is_final_chunk { pol } else { policy::none() }),
-                metadata: convert::json_map_to_struct(&it.metadata),
-                adapter: convert::lora_adapter_from_metadata(&it.metadata)?,
-                cache_salt: it.metadata.get("ferrum_cache_salt").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
-                bypass_prefix_cache: it.metadata.get("ferrum_bypass_prefix_cache").and_then(|v| v.as_bool()).unwrap_or(false),
-                ..Default::default()
-            });
+        let t0 = self.shared.clock.start();
+        let out = self.unified_decode_rpc(batch, t0).await;
+        if out.is_err() {
+            self.shared.clock.forget_end();
         }
-        let ids: Vec<String> = items.iter().map(|i| i.cache_id.clone()).filter(|s| !s.is_empty()).collect();
-        self.wait_released(&ids).await;
-        bump(&self.shared.rpc.unified_decode);
-        let results = self.client.unified_decode(items.clone()).await.map_err(st)?;
-        if results.len() != batch.items.len() {
-            return Err(FerrumError::internal(format!(
-                "UnifiedDecode returned {} results for {} items",
-                results.len(),
-                batch.items.len()
-            )));
-        }
-        let mut out = Vec::with_capacity(results.len());
-        for ((it, sent), (r, full)) in batch.items.iter().zip(&items).zip(results.iter().zip(fulls)) {
-            let server_id = r.cache.as_ref().map(|c| c.cache_id.as_str()).unwrap_or("");
-            if sent.cache_id.is_empty() {
-                self.shared.prefix.note_new_cache(sent.q_tokens.len(), r.cached_tokens);
-            }
-            self.shared.prefix.note_tokens(server_id, &sent.q_tokens, sent.cache_id.is_empty());
-            if sent.cache_id.is_empty() {
-                if let Some(c) = &r.cache {
-                    self.note_minted(&c.cache_id);
-                    let mut a = self.shared.aliases.lock().unwrap();
-                    a.insert(it.seq_id.clone(), c.cache_id.clone());
-                    self.shared.prefix.note_name(&it.seq_id, &c.cache_id);
-                    if it.kv_cache.cache_id() != it.seq_id {
-                        a.insert(it.kv_cache.cache_id(), c.cache_id.clone());
-                        self.shared.prefix.note_name(&it.kv_cache.cache_id(), &c.cache_id);
-                    }
-                }
-            }
-            out.push(if it.is_final_chunk { Some(output_row(r.output.as_ref(), full)?) } else { None });
-        }
-        Ok(out)
+        out
     }
 
     /// `Forward`: token ids (f32 tensor) → INT32 on the wire; the output comes back as f32.

@@ -139,6 +139,7 @@ pub mod prefix_mirror;
 pub mod prefix_state;
 pub mod router;
 pub mod session;
+pub mod step_clock;
 pub mod tensor;
 pub mod testing;
 
@@ -159,6 +160,7 @@ pub use error::{error_reason, status_to_ferrum, step_error_to_status};
 pub use executor::{logits_policy_to_proto, RemoteExecutorOptions, RemoteModelExecutor, RpcCounts};
 pub use kv::RemoteKvCacheHandle;
 pub use session::{Session, Step, StepResult};
+pub use step_clock::StepTimes;
 pub use tensor::{HostTensor, HostTensorFactory};
 
 pub use ferrum_interfaces;

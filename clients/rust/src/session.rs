@@ -225,6 +225,11 @@ impl Session {
         self.in_flight
     }
 
+    /// Whether the stream is over (failed, cancelled or ended): every later call fails.
+    pub fn is_over(&self) -> bool {
+        self.broken || matches!(self.responses, Responses::Ended(_))
+    }
+
     /// Queue a step without waiting; returns its step id (1, 2, 3, ...). Its result comes from
     /// [`Session::recv`], after the results of the steps sent before it. Fails only when the
     /// stream is over (failed, cancelled or past its deadline); [`Session::recv`] then returns the

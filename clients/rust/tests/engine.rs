@@ -150,6 +150,8 @@ async fn engine_over_remote_tiny_llama_batches_prefills_through_unified_decode()
     // Reservations 16 tokens ahead (the default): later steps are covered without an RPC.
     assert!(exec.local_reservations() > 0 && n.reserve_kv_slots < n.unified_decode);
     assert_eq!((n.prefill, n.batch_prefill), (0, 0), "every prefill went through UnifiedDecode");
+    // Every sequence is reserved before its first step: every step went on the Session stream.
+    assert_eq!(exec.session_unified_steps(), n.unified_decode, "the engine's steps on one stream");
     assert_no_caches_left(&exec, &client).await;
 }
 

@@ -558,9 +558,12 @@ class LlamaCppExecutor(ItemStepExecutor):
             self.registry.check_sequence_length(total, field, self.max_sequence_length)
         self.registry.admit(need_tokens, field, new_caches=new_caches)
         pc = self.prefix
+        # A new cache, or an empty one (made by ReserveKvSlots, which ferrum's engine calls before a
+        # sequence's first step), takes its prompt's cached prefix; its first chunk picks its salt.
+        fresh = [it.entry is None or it.entry.num_tokens == 0 for it in items]
         # Per item: (sequence to copy a cached prefix from, tokens taken, their keys, chain root).
         hits = [pc.match(it.tokens if not it.bypass and it.want != Want.ALL else [], it.salt)
-                if it.entry is None else (None, 0, [], b"") for it in items]
+                if new else (None, 0, [], b"") for it, new in zip(items, fresh)]
         sources = {src for src, *_ in hits if src is not None}
         if new_caches > len(self._free_seq) + sum(1 for s in pc.evictable if s not in sources):
             raise errors.exhausted(f"{field}: {new_caches} new sequences but only {len(self._free_seq)} of "
@@ -568,15 +571,23 @@ class LlamaCppExecutor(ItemStepExecutor):
         self._make_room(need_tokens, sources)
 
         created: list[CacheEntry] = []
-        placed: list[tuple[int, int]] = []  # (seq id, first position written) for rollback
+        placed: list[tuple[int, int]] = []  # (seq id, first position written)
+        undo: list[tuple[int, int]] = []  # (seq id, first position to remove) for rollback
+        emptied: list[tuple[int, bytes | None]] = []  # empty caches' (seq id, chain root) before the step
         entries: list[CacheEntry] = []
         work: list[StepRow] = []  # what is decoded: a new sequence's tokens after its prefix hit
         try:
-            for it, (src, take, keys, root) in zip(items, hits):
-                if it.entry is None:
-                    e = self.registry.create(it.tokens, reserve_tokens=it.reserve, field=field)
-                    created.append(e)
-                    e.payload = self._take_seq(sources)
+            for it, (src, take, keys, root), new in zip(items, hits, fresh):
+                if new:
+                    if it.entry is None:
+                        e = self.registry.create(it.tokens, reserve_tokens=it.reserve, field=field)
+                        created.append(e)
+                        e.payload = self._take_seq(sources)
+                    else:
+                        e = it.entry
+                        emptied.append((e.payload, pc.roots.get(e.payload)))
+                        if it.reserve > e.reserved_total:
+                            self.registry.set_reserved(e, it.reserve)
                     pc.start(e.payload, root, keys)
                     if src is not None:
                         self._L.llama_memory_seq_cp(self._mem, src, e.payload, 0, take)
@@ -588,17 +599,21 @@ class LlamaCppExecutor(ItemStepExecutor):
                         pc.stats.hit_tokens += take
                         pc.stats.hits += take > 0
                     work.append(StepRow(e, it.tokens[take:], it.want))
+                    undo.append((e.payload, past if it.entry is None else 0))
                 else:
                     e, past = it.entry, it.entry.num_tokens
                     if it.reserve > e.reserved_total:
                         self.registry.set_reserved(e, it.reserve)
                     work.append(it)
+                    undo.append((e.payload, past))
                 entries.append(e)
                 placed.append((e.payload, past))
             logits = self._decode.decode(work, placed)
         except BaseException:
-            for seq, past in placed:
+            for seq, past in undo:
                 self._L.llama_memory_seq_rm(self._mem, seq, past, -1)
+            for seq, root in emptied:
+                pc.start(seq, root if root is not None else pc.match([], "")[3], [])
             for e in created:
                 self.release_cache(e.cache_id, reason="released")
             raise
