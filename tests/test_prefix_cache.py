@@ -137,6 +137,51 @@ def test_unified_items_take_prefix_hits(ex, ref):
     ref.release_cache(r.cache.cache_id)
 
 
+def test_a_reserved_empty_cache_takes_the_cached_prefix(ex, ref):
+    """Issue 30: ferrum's engine reserves each new sequence (an empty cache, ``ReserveKvSlots``)
+    before its first unified step; that first chunk takes the prompt's cached blocks like a new
+    cache (under the step's salt), with the logits of computing everything, and lets go of the
+    private blocks the hits replace; a failed first step leaves the cache as it was."""
+    from ferrum_service.core.types import KvSlotRequest
+
+    p = prompt_ids(40, 5)
+    ex.release_cache(ex.prefill(PrefillInput(p)).cache.cache_id)  # blocks 0-1 cached, evictable
+
+    def reserved(name: str) -> str:
+        (a,) = ex.reserve_kv_slots([KvSlotRequest(cache_id=name, target_len=64, new_sequence=True)]).allocations
+        return a.created_cache_id
+
+    r = ref.prefill(PrefillInput(p))
+    c = reserved("engine-a")
+    held = ex.pool.num_blocks - ex.prefix.available_blocks
+    (u,) = ex.unified_decode([UnifiedItem("engine-a", p, cache_id=c, is_final_chunk=True)])
+    assert u.cached_tokens == 32 and u.cache.num_tokens == 40
+    _same(u.logits, r.logits)
+    # its two hit blocks replaced two private ones: the same blocks held, not two more
+    assert ex.pool.num_blocks - ex.prefix.available_blocks == held
+    (d,) = ex.unified_decode([UnifiedItem("engine-a", [5], cache_id=c, pos_offset=40, is_final_chunk=True)])
+    _same(d.logits, ref.decode(DecodeInput(r.cache.cache_id, 5)).logits)
+    ref.release_cache(r.cache.cache_id)
+    # another salt (another key space), or bypass: no hit
+    (u2,) = ex.unified_decode([UnifiedItem("engine-b", p, cache_id=reserved("engine-b"), cache_salt="x",
+                                           is_final_chunk=True)])
+    (u3,) = ex.unified_decode([UnifiedItem("engine-c", p, cache_id=reserved("engine-c"), bypass_prefix_cache=True,
+                                           is_final_chunk=True)])
+    assert u2.cached_tokens == 0 and u3.cached_tokens == 0
+    # a first step that fails (a token past the vocabulary) leaves the empty cache as it was
+    e = reserved("engine-d")
+    blocks = list(ex.registry.get(e).payload.blocks)
+    free = ex.prefix.available_blocks
+    with pytest.raises(Exception):
+        ex.unified_decode([UnifiedItem("engine-d", p[:-1] + [10**6], cache_id=e, is_final_chunk=True)])
+    seq = ex.registry.get(e).payload
+    assert ex.registry.get(e).num_tokens == 0 and seq.blocks == blocks and not seq.keys
+    assert ex.prefix.available_blocks == free
+    (u4,) = ex.unified_decode([UnifiedItem("engine-d", p, cache_id=e, is_final_chunk=True)])
+    assert u4.cached_tokens == 32
+    _same(u4.logits, u.logits)
+
+
 def test_fork_diverges_independently(ex, ref):
     p = prompt_ids(40)
     a = ex.prefill(PrefillInput(p))

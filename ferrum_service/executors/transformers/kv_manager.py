@@ -19,6 +19,7 @@ It runs on the model's worker (one step at a time); nothing here computes.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,9 @@ class StepKv:
     new_tokens: list[list[int]] = field(default_factory=list)
     created: list[CacheEntry] = field(default_factory=list)
     grown: list[tuple[CacheEntry, int, int]] = field(default_factory=list)  # (entry, blocks, reserved) before
+    # Empty reserved caches that took a prefix hit: (entry, its blocks and keys before). The private
+    # blocks the hit replaced are let go at commit, so a rollback can put the table back as it was.
+    swapped: list[tuple[CacheEntry, SeqBlocks]] = field(default_factory=list)
 
     def blocks(self, i: int) -> list[int]:
         """Row ``i``'s block table."""
@@ -89,14 +93,27 @@ class KvManager:
 
         A new sequence looks its prompt up unless it bypasses the cache or wants every position's
         logits; at least its last token is computed, so a prompt that is all cached recomputes
-        that token into a copy of its last block. A continuing sequence needs blocks for its
-        growth plus a copy of each block it writes into that is shared or cached."""
+        that token into a copy of its last block. An empty cache (made by ``ReserveKvSlots``,
+        which ferrum's engine calls before a sequence's first step) looks its prompt up the same
+        way, under its own salt and adapter; the hit blocks replace its first private ones. A
+        continuing sequence needs blocks for its growth plus a copy of each block it writes into
+        that is shared or cached."""
         pc, pool, bs = self.prefix, self.pool, self.block_size
         need = 0
         revived: set[int] = set()
         hits: list[tuple[list[int], list[bytes], bytes]] = []
         for it in items:
-            if it.entry is None:
+            if self.takes_prefix(it):
+                seq = it.entry.payload
+                root = pc.root(it.salt, seq.adapter)  # the step's salt picks the key space, as for a new cache
+                hb, hk = pc.match(it.tokens, root)
+                hb, hk = hb[:len(seq.blocks)], hk[:len(seq.blocks)]  # within what it reserved
+                it.cached = min(len(hb) * bs, len(it.tokens) - 1)
+                cow = 1 if it.cached < len(hb) * bs else 0
+                need += max(0, pool.blocks_for(max(len(it.tokens), it.reserve)) - len(seq.blocks)) + cow
+                revived.update(b for b in hb if b in pc.evictable)
+                hits.append((hb, hk, root))
+            elif it.entry is None:
                 root = pc.root(it.salt, it.adapter)
                 hb: list[int] = []
                 hk: list[bytes] = []
@@ -115,6 +132,12 @@ class KvManager:
                 need += sum(1 for i in written if pc.must_copy(blocks[i]))
                 hits.append(([], [], b""))
         return need, revived, hits
+
+    def takes_prefix(self, it: StepRow) -> bool:
+        """Whether ``it`` is the first step of an empty reserved cache that looks its prompt up."""
+        e = it.entry
+        return (e is not None and e.num_tokens == 0 and isinstance(e.payload, SeqBlocks) and self.prefix.enabled
+                and not it.bypass and it.want != Want.ALL and len(it.tokens) > 1)
 
     def admit(self, need_blocks: int, field: str, *, new_caches: int = 0, revived: int = 0) -> None:
         """RESOURCE_EXHAUSTED unless ``need_blocks`` new blocks can be had (free, or evicted from the
@@ -164,6 +187,13 @@ class KvManager:
                     e.payload = SeqBlocks(list(hb), list(hk), root, it.salt, it.adapter)
                     if it.want != Want.ALL and not it.bypass:
                         self._record_lookup(len(it.tokens), it.cached)
+                elif self.takes_prefix(it):
+                    seq = it.entry.payload
+                    step.swapped.append((it.entry, dataclasses.replace(seq, blocks=list(seq.blocks))))
+                    pc.take(hb)
+                    seq.blocks[:len(hb)] = hb
+                    seq.keys, seq.root, seq.salt = list(hk), root, it.salt
+                    self._record_lookup(len(it.tokens), it.cached)
             fresh = iter(step.created)
             for it in items:
                 if it.entry is None:
@@ -171,6 +201,14 @@ class KvManager:
                     seq, past, new = e.payload, it.cached, it.tokens[it.cached:]
                     total = pool.blocks_for(max(len(it.tokens), it.reserve))
                     seq.blocks.extend(pc.allocate(total - len(seq.blocks), seq.blocks[-1] if seq.blocks else None))
+                elif self.takes_prefix(it):
+                    e, past, new = it.entry, it.cached, it.tokens[it.cached:]
+                    seq = e.payload
+                    step.grown.append((e, len(seq.blocks), e.reserved_total))
+                    target = max(len(it.tokens), it.reserve)
+                    seq.blocks.extend(pc.allocate(max(0, pool.blocks_for(target) - len(seq.blocks)),
+                                                  seq.blocks[-1] if seq.blocks else None))
+                    self.registry.set_reserved(e, max(e.reserved_total, it.reserve))
                 else:
                     e, past, new = it.entry, it.entry.num_tokens, it.tokens
                     seq = e.payload
@@ -201,9 +239,15 @@ class KvManager:
                 self.prefix.release(extra)
                 del e.payload.blocks[n_blocks:]
             self.registry.set_reserved(e, reserved)
+        for e, before in reversed(step.swapped):
+            hits = [b for b, was in zip(e.payload.blocks, before.blocks) if b != was]  # the hits, or their copies
+            self.prefix.release(hits)
+            e.payload = before
 
     def commit(self, items: list[StepRow], step: StepKv) -> None:
         """The step's forward ran: live caches take their new tokens, full blocks are keyed."""
+        for e, before in step.swapped:  # the private blocks the hits replaced
+            self.prefix.release([was for b, was in zip(e.payload.blocks, before.blocks) if b != was])
         for it, e in zip(items, step.entries):
             if it.entry is not None:
                 self.registry.extend(e, it.tokens)
