@@ -6,7 +6,7 @@ do their work here — the metadata RPCs read the executor directly, ``Loads`` s
 and KV capacity per model, ``ListCaches`` filters caches by caller, the tokenizer RPCs run the
 tokenizer on a thread, Warmup, Shutdown and the LoRA admin RPCs check admin rights, and ``SubscribeKvEvents`` and
 ``Session`` run their stream loops here.
-One guard (:meth:`ModelExecutorServicer._answer`) refuses work while the server drains and turns
+One guard (:meth:`ModelExecutorServicer.answer`) refuses work while the server drains and turns
 every error into a gRPC status (``convert.status_of``: ErrorInfo always; BadRequest naming the
 field; RetryInfo for RESOURCE_EXHAUSTED / UNAVAILABLE); an unexpected exception is logged with its
 traceback and answered INTERNAL. A Session step's error travels in band as a ``StepError``.
@@ -119,9 +119,10 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             raise errors.unavailable("the server is shutting down; retry on another replica")
 
     @contextlib.asynccontextmanager
-    async def _answer(self, rpc: str, context: grpc.aio.ServicerContext, request=None):
+    async def answer(self, rpc: str, context: grpc.aio.ServicerContext, request=None):
         """Run an RPC's body: refused while draining; errors leave as statuses; the call is timed,
-        counted under the code it ended with, and traced (when tracing is on)."""
+        counted under the code it ended with, and traced (when tracing is on). Every service this
+        server hosts runs its RPCs under it (the vLLM engine service too)."""
         t0 = time.perf_counter()
         outcome = _Outcome()
         enter_call(context, self.activity, tokens_checked=self.tokens_checked)
@@ -146,9 +147,10 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             self.metrics.observe(rpc, outcome.code, time.perf_counter() - t0)
             tracing.end(span, outcome.code)
 
-    async def _unary(self, rpc: str, context: grpc.aio.ServicerContext, fn: Callable[[], Awaitable[Any]],
-                     request=None):
-        async with self._answer(rpc, context, request):
+    async def unary(self, rpc: str, context: grpc.aio.ServicerContext, fn: Callable[[], Awaitable[Any]],
+                    request=None):
+        """A unary RPC: ``fn()``'s answer under :meth:`answer`."""
+        async with self.answer(rpc, context, request):
             return await fn()
 
     def _log_refusal(self, rpc: str, e: errors.FerrumError) -> None:
@@ -165,13 +167,13 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             return pb.InfoResponse(models=[model_info_pb(h.executor.info()) for h in hosts],
                                    server_version=__version__, contract_version="ferrum.executor.v1",
                                    role=_ROLES[self.role])
-        return await self._unary("Info", context, run)
+        return await self.unary("Info", context, run)
 
     async def Capabilities(self, request, context):
         async def run():
             h = self.models.get(request.model_id)
             return pb.CapabilitiesResponse(model_id=h.model_id, capabilities=capabilities_pb(h.capabilities))
-        return await self._unary("Capabilities", context, run)
+        return await self.unary("Capabilities", context, run)
 
     async def Status(self, request, context):
         async def run():
@@ -185,13 +187,13 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                 p95_decode_latency_ms=s["p95_decode_ms"], throughput_tps=s["throughput_tps"],
             )
             return pb.StatusResponse(model_id=h.model_id, status=status_pb(st), metrics=metrics)
-        return await self._unary("Status", context, run)
+        return await self.unary("Status", context, run)
 
     async def KvCapacity(self, request, context):
         async def run():
             h = self.models.get(request.model_id)
             return pb.KvCapacityResponse(model_id=h.model_id, capacity=kv_capacity_pb(h.executor.kv_capacity()))
-        return await self._unary("KvCapacity", context, run)
+        return await self.unary("KvCapacity", context, run)
 
     async def AdmissionLimits(self, request, context):
         async def run():
@@ -203,10 +205,10 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     maximum_active_sequences=lim.maximum_active_sequences,
                     maximum_scheduled_tokens=lim.maximum_scheduled_tokens))
             return resp
-        return await self._unary("AdmissionLimits", context, run)
+        return await self.unary("AdmissionLimits", context, run)
 
     async def ReserveKvSlots(self, request, context):
-        return await self._unary("ReserveKvSlots", context, lambda: self.ops.reserve_kv_slots(request))
+        return await self.unary("ReserveKvSlots", context, lambda: self.ops.reserve_kv_slots(request))
 
     async def KvSlotCapacity(self, request, context):
         async def run():
@@ -217,7 +219,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                 resp.snapshot.CopyFrom(tpb.KvSlotCapacitySnapshot(
                     block_size=snap.block_size, total_blocks=snap.total_blocks, free_blocks=snap.free_blocks))
             return resp
-        return await self._unary("KvSlotCapacity", context, run)
+        return await self.unary("KvSlotCapacity", context, run)
 
     async def CacheMetrics(self, request, context):
         async def run():
@@ -227,7 +229,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             if m is not None:
                 resp.metrics.CopyFrom(dict_to_struct(m))
             return resp
-        return await self._unary("CacheMetrics", context, run)
+        return await self.unary("CacheMetrics", context, run)
 
     async def LoraMetrics(self, request, context):
         async def run():
@@ -237,7 +239,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             if m is not None:
                 resp.metrics.CopyFrom(dict_to_struct(m))
             return resp
-        return await self._unary("LoraMetrics", context, run)
+        return await self.unary("LoraMetrics", context, run)
 
     def _check_admin(self, rpc: str) -> None:
         """Admin RPCs are closed unless admin tokens guard them (the auth interceptor checks the
@@ -255,7 +257,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             for h in hosts:
                 await h.call(h.executor.warmup)
             return pb.WarmupResponse(model_ids=[h.model_id for h in hosts], duration_ns=time.perf_counter_ns() - t0)
-        return await self._unary("Warmup", context, run)
+        return await self.unary("Warmup", context, run)
 
     async def Shutdown(self, request, context):
         async def run():
@@ -267,7 +269,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     freed += (await h.call(h.executor.shutdown)).value
                     self.on_model_shutdown(h.model_id)
             return pb.ShutdownResponse(model_ids=[h.model_id for h in hosts], released_caches=freed)
-        return await self._unary("Shutdown", context, run)
+        return await self.unary("Shutdown", context, run)
 
     # ---- LoRA adapters ----------------------------------------------------------------------------
     async def LoadAdapter(self, request, context):
@@ -280,7 +282,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             adapter, loaded = t.value
             return pb.LoadAdapterResponse(adapter=adapter_pb(h, adapter, h.executor.adapter_bindings()),
                                           loaded=loaded, load_ns=t.forward_ns)
-        return await self._unary("LoadAdapter", context, run)
+        return await self.unary("LoadAdapter", context, run)
 
     async def UnloadAdapter(self, request, context):
         async def run():
@@ -288,7 +290,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             h = self.models.get(request.model_id)
             unloaded, dropped = (await h.call(h.executor.unload_adapter, request.name)).value
             return pb.UnloadAdapterResponse(unloaded=unloaded, dropped_blocks=dropped)
-        return await self._unary("UnloadAdapter", context, run)
+        return await self.unary("UnloadAdapter", context, run)
 
     #: Whether a call (its metadata) may use the admin RPCs; the server sets it (auth.is_admin_call).
     is_admin: Callable[[Any], bool] = staticmethod(lambda metadata: False)
@@ -317,7 +319,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                                 info.steps = 0
                         out.append(info)
             return pb.ListAdaptersResponse(adapters=out)
-        return await self._unary("ListAdapters", context, run)
+        return await self.unary("ListAdapters", context, run)
 
     def on_model_shutdown(self, model_id: str) -> None:
         """Hook: the server flips the model's health to NOT_SERVING."""
@@ -338,7 +340,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             self.ops.checks.check_text(h, [request.text], "text")
             ids = await asyncio.to_thread(tok.encode, request.text, add_special_tokens=request.add_special_tokens)
             return pb.TokenizeResponse(token_ids=ids)
-        return await self._unary("Tokenize", context, run)
+        return await self.unary("Tokenize", context, run)
 
     async def Detokenize(self, request, context):
         async def run():
@@ -347,7 +349,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                                max_len=MAX_DETOKENIZE_IDS)
             text = await asyncio.to_thread(tok.decode, ids, skip_special_tokens=request.skip_special_tokens)
             return pb.DetokenizeResponse(text=text)
-        return await self._unary("Detokenize", context, run)
+        return await self.unary("Detokenize", context, run)
 
     async def ApplyChatTemplate(self, request, context):
         async def run():
@@ -363,38 +365,38 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
 
             text, ids = await asyncio.to_thread(render)
             return pb.ApplyChatTemplateResponse(text=text, token_ids=ids)
-        return await self._unary("ApplyChatTemplate", context, run)
+        return await self.unary("ApplyChatTemplate", context, run)
 
     # ---- steps ----------------------------------------------------------------------------------
     async def Prefill(self, request, context):
-        return await self._unary("Prefill", context, lambda: self.ops.run_step("prefill", request), request)
+        return await self.unary("Prefill", context, lambda: self.ops.run_step("prefill", request), request)
 
     async def BatchPrefill(self, request, context):
-        return await self._unary("BatchPrefill", context, lambda: self.ops.run_step("batch_prefill", request), request)
+        return await self.unary("BatchPrefill", context, lambda: self.ops.run_step("batch_prefill", request), request)
 
     async def Decode(self, request, context):
-        return await self._unary("Decode", context, lambda: self.ops.run_step("decode", request), request)
+        return await self.unary("Decode", context, lambda: self.ops.run_step("decode", request), request)
 
     async def BatchDecode(self, request, context):
-        return await self._unary("BatchDecode", context, lambda: self.ops.run_step("batch_decode", request), request)
+        return await self.unary("BatchDecode", context, lambda: self.ops.run_step("batch_decode", request), request)
 
     async def UnifiedDecode(self, request, context):
-        return await self._unary("UnifiedDecode", context, lambda: self.ops.run_step("unified_decode", request), request)
+        return await self.unary("UnifiedDecode", context, lambda: self.ops.run_step("unified_decode", request), request)
 
     async def ForwardVerify(self, request, context):
-        return await self._unary("ForwardVerify", context, lambda: self.ops.run_step("forward_verify", request), request)
+        return await self.unary("ForwardVerify", context, lambda: self.ops.run_step("forward_verify", request), request)
 
     async def TruncateKv(self, request, context):
-        return await self._unary("TruncateKv", context, lambda: self.ops.run_step("truncate_kv", request), request)
+        return await self.unary("TruncateKv", context, lambda: self.ops.run_step("truncate_kv", request), request)
 
     async def ReleaseCache(self, request, context):
-        return await self._unary("ReleaseCache", context, lambda: self.ops.run_step("release_cache", request), request)
+        return await self.unary("ReleaseCache", context, lambda: self.ops.run_step("release_cache", request), request)
 
     async def ForkCache(self, request, context):
-        return await self._unary("ForkCache", context, lambda: self.ops.run_step("fork_cache", request), request)
+        return await self.unary("ForkCache", context, lambda: self.ops.run_step("fork_cache", request), request)
 
     async def Forward(self, request, context):
-        return await self._unary("Forward", context, lambda: self.ops.forward(request), request)
+        return await self.unary("Forward", context, lambda: self.ops.forward(request), request)
 
     # ---- streams --------------------------------------------------------------------------------
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
@@ -403,7 +405,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         tokens = 0
         with self.streams.running(), self.streams.generation(owner) as state:
             try:
-                async with self._answer("Generate", context, request):
+                async with self.answer("Generate", context, request):
                     if request.resume_token:  # a resumed stream is no new prompt
                         self.ops.checks.check_decode_role("Generate")
                     else:
@@ -519,7 +521,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     draining=self.migrations.draining or self.draining(),
                 )
             return resp
-        return await self._unary("Loads", context, run)
+        return await self.unary("Loads", context, run)
 
     async def ListCaches(self, request, context):
         async def run():
@@ -534,7 +536,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     if e.tenant == caller:
                         resp.caches.append(handle_pb(h.executor.handle(e)))
             return resp
-        return await self._unary("ListCaches", context, run)
+        return await self.unary("ListCaches", context, run)
 
     async def SubscribeKvEvents(self, request, context):
         """Cache (and block) events; under per-caller auth only the caller's own (kv_events.py)."""
@@ -578,14 +580,14 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
     async def ExportKv(self, request, context):
         enter_call(context, self.activity, tokens_checked=self.tokens_checked)  # the origin is active while it runs
         with self.streams.running():
-            async with self._answer("ExportKv", context, request):
+            async with self.answer("ExportKv", context, request):
                 async for msg in self.kv.export(request, context.invocation_metadata()):
                     yield msg
 
     async def ImportKv(self, request_iterator, context):
         enter_call(context, self.activity, tokens_checked=self.tokens_checked)  # the origin is active while it runs
         with self.streams.running():
-            async with self._answer("ImportKv", context):
+            async with self.answer("ImportKv", context):
                 return await self.kv.import_(request_iterator, context.invocation_metadata())
 
     # ---- live migration (migration.py) ----------------------------------------------------------------
@@ -600,12 +602,12 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             out = await self.migrations.migrate(target, model_id=request.model_id, request_id=request.request_id)
             return pb.MigrateStreamsResponse(streams=out, migrated=sum(r.migrated for r in out),
                                              refused=sum(not r.migrated for r in out))
-        return await self._unary("MigrateStreams", context, run)
+        return await self.unary("MigrateStreams", context, run)
 
     async def AcceptMigration(self, request, context):
         async def run():
             return await self.migrations.accept(request, context.invocation_metadata())
-        return await self._unary("AcceptMigration", context, run)
+        return await self.unary("AcceptMigration", context, run)
 
     async def start_drain_by_migration(self) -> None:
         """Hook: the server stops taking new work (health NOT_SERVING); ``server.py`` sets it."""
@@ -621,4 +623,4 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             log.info("abort", target=which, value=getattr(request, which), aborted_streams=aborted,
                      released_cache=released)
             return pb.AbortResponse(aborted_streams=aborted, released_cache=released)
-        return await self._unary("Abort", context, run)
+        return await self.unary("Abort", context, run)

@@ -101,7 +101,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         tokens = 0
         with streams.running(), streams.generation(owner) as state:
             try:
-                async with self.s._answer("VllmEngine.Generate", context, request):
+                async with self.s.answer("VllmEngine.Generate", context, request):
                     req, stop_ids = await self._request(request)
                     handoff = parse_handoff(request)
                     async for out in self._responses(request, req, stop_ids, owner, state, handoff,
@@ -282,7 +282,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 raise errors.FerrumError(errors.ErrorKind.INTERNAL, f"embedding dtype {emb.dtype} is not FP32")
             vec = np.frombuffer(emb.data, dtype="<f4")
             return vpb.EmbedResponse(embedding=vec.tolist(), prompt_tokens=len(ids), embedding_dim=int(vec.size))
-        return await self.s._unary("VllmEngine.Embed", context, run, request)
+        return await self.s.unary("VllmEngine.Embed", context, run, request)
 
     # ---- management -------------------------------------------------------------------------------
     async def HealthCheck(self, request, context):
@@ -302,7 +302,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     n += (await self.s.streams.abort(None, request_id=rid))[0]
             log.info("abort", rpc="VllmEngine.Abort", request_ids=list(request.request_ids)[:16], aborted_streams=n)
             return vpb.AbortResponse()
-        return await self.s._unary("VllmEngine.Abort", context, run)
+        return await self.s.unary("VllmEngine.Abort", context, run)
 
     async def GetModelInfo(self, request, context):
         async def run():
@@ -317,7 +317,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 eos_token_ids=list(info.eos_token_ids),
                 bos_token_id=max(0, int(getattr(tok, "bos_token_id", None) or 0)),
                 pad_token_id=max(0, int(getattr(tok, "pad_token_id", None) or 0)))
-        return await self.s._unary("VllmEngine.GetModelInfo", context, run)
+        return await self.s.unary("VllmEngine.GetModelInfo", context, run)
 
     async def GetServerInfo(self, request, context):
         async def run():
@@ -327,7 +327,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 last_receive_timestamp=self.last_request, uptime_seconds=time.time() - self.started,
                 server_type="ferrum-service", data_parallel_size=1, block_size=self._block_size(),
                 model_dtype=h.info.dtype, kv_cache_dtype=h.info.dtype, max_num_seqs=h.max_batch)
-        return await self.s._unary("VllmEngine.GetServerInfo", context, run)
+        return await self.s.unary("VllmEngine.GetServerInfo", context, run)
 
     async def GetLoads(self, request, context):
         async def run():
@@ -345,10 +345,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 utilization=min(1.0, gens / h.max_batch) if h.max_batch else 0.0)
             return vpb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(),
                                         version=f"ferrum-service {__version__}", dp_rank_count=1, loads=[load])
-        return await self.s._unary("VllmEngine.GetLoads", context, run)
+        return await self.s.unary("VllmEngine.GetLoads", context, run)
 
     async def GetTokenizer(self, request, context) -> AsyncIterator[cpb.GetTokenizerChunk]:
-        async with self.s._answer("VllmEngine.GetTokenizer", context):
+        async with self.s.answer("VllmEngine.GetTokenizer", context):
             if self._tokenizer_zip is None or (self._tokenizer_zip.done() and self._tokenizer_zip.exception()):
                 self._tokenizer_zip = asyncio.ensure_future(asyncio.to_thread(tokenizer_zip, self.host.executor))
             data = await asyncio.shield(self._tokenizer_zip)
@@ -359,7 +359,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def SubscribeKvEvents(self, request, context) -> AsyncIterator[cpb.KvEventBatch]:
         # Not an active stream: the drain does not wait for subscribers (grpc.stop ends them).
-        async with self.s._answer("VllmEngine.SubscribeKvEvents", context):
+        async with self.s.answer("VllmEngine.SubscribeKvEvents", context):
             nxt = self.relay.cursor(int(request.start_sequence_number))
             # Headers now: SMG takes a subscription whose headers do not come within 2 s for a dead
             # worker, and an idle worker may send no batch for a long time.
@@ -383,7 +383,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             ok = (await h.call(h.executor.clear_prefix_cache)).value
             return cpb.FlushCacheResponse(success=True, message="prefix cache flushed" if ok
                                           else f"model {h.model_id!r} keeps no prefix cache")
-        return await self.s._unary("VllmEngine.FlushCache", context, run)
+        return await self.s.unary("VllmEngine.FlushCache", context, run)
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _generations(self) -> int:
