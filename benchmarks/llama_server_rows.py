@@ -65,11 +65,12 @@ class LlamaServer:
     """``llama-server`` as a subprocess on a free loopback port (log in ``results/NAME.log``)."""
 
     def __init__(self, binary: Path, gguf: str, *, threads: int, slots: int, ctx: int, name: str = "llama-server",
-                 extra: tuple[str, ...] = ()) -> None:
+                 extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.args = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
                      "-tb", str(threads), "-np", str(slots), "-c", str(ctx), "--cont-batching", *extra]
         self.log_path = REPO / "benchmarks" / "results" / f"{name}.log"
+        self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "LlamaServer":
@@ -81,7 +82,8 @@ class LlamaServer:
     def start(self, timeout: float = 180.0) -> "LlamaServer":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir())
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                     cwd=tempfile.gettempdir(), env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -130,6 +132,9 @@ class LlamaServer:
                 stamps.append(now)
                 ids.append(int(t))
             if ev.get("stop"):
+                # tokens held back (an incomplete UTF-8 character) and not listed: they came now
+                n = int(ev.get("tokens_predicted") or (ev.get("timings") or {}).get("predicted_n") or 0)
+                stamps += [now] * max(0, n - len(stamps))
                 break
         c.close()
         return {"sent": sent, "stamps": stamps, "tokens": ids}
@@ -143,7 +148,8 @@ def _summary(recs: list[dict], tokens: int) -> dict:
     return {"tok_s": sum(len(r["stamps"]) for r in recs) / (t1 - t0),
             "ttft_p50_ms": 1e3 * median([r["stamps"][0] - r["sent"] for r in recs if r["stamps"]]),
             "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
-            "complete": all(len(r["stamps"]) == tokens for r in recs)}
+            "complete": all(len(r["stamps"]) == tokens for r in recs),
+            "counts": sorted({len(r["stamps"]) for r in recs})}
 
 
 def _decode_rate(rec: dict) -> float:
@@ -198,6 +204,11 @@ def fresh_prompts(rng: random.Random, n: int, length: int, vocab: int = 40000) -
     return [[1] + [rng.randrange(100, vocab) for _ in range(length - 1)] for _ in range(n)]
 
 
+def _env(spec: str) -> dict[str, str]:
+    """``NAME=VALUE,...`` as a mapping."""
+    return dict(kv.split("=", 1) for kv in spec.split(",") if kv.strip())
+
+
 def default_gguf() -> str:
     """The default preset's file: the F16 copy of the packaged SmolLM2 GGUF (made if missing)."""
     from ferrum_service.hosting.packaged_models import smollm2_gguf
@@ -220,6 +231,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ours-flags", default="--prefill-tail-factor 2",
                     help="extra `serve` flags for our side (its best settings)")
     ap.add_argument("--peer-flags", default="", help="extra llama-server flags")
+    ap.add_argument("--ours-env", default="",
+                    help="environment of our server, NAME=VALUE,... (e.g. GOMP_SPINCOUNT=1000: OpenMP workers "
+                         "sleep sooner; 4-7x faster B=1 on a 2-core machine under load 4-5, slower when quiet)")
+    ap.add_argument("--peer-env", default="", help="environment of llama-server, NAME=VALUE,...")
     ap.add_argument("--only", choices=["b1", "arrival"], default=None)
     ap.add_argument("--quick", action="store_true", help="1 round, 48 B=1 tokens, 8 streams (a check, not a row)")
     ap.add_argument("--seed", type=int, default=None, help="prompt seed (default: the clock: fresh prompts every run)")
@@ -236,8 +251,11 @@ def main(argv=None) -> int:
     ours_spec = f"llama-cpp,id=llc,path={gguf},threads={th},n_ctx={max(ctx, 8192)}"
     ours = Server(ours_spec, threads=th, extra=("--max-batch", str(max(64, a.streams)), *shlex.split(a.ours_flags)),
                   name="llama-server-rows-ours")
-    peer = LlamaServer(binary, gguf, threads=th, slots=a.streams, ctx=ctx, extra=tuple(shlex.split(a.peer_flags)))
+    ours.env.update(_env(a.ours_env))
+    peer = LlamaServer(binary, gguf, threads=th, slots=a.streams, ctx=ctx, extra=tuple(shlex.split(a.peer_flags)),
+                       env=_env(a.peer_env))
     raw["ours_server"], raw["peer_server"] = ours_spec + " " + a.ours_flags, " ".join(peer.args[1:])
+    raw["ours_env"], raw["peer_env"] = a.ours_env, a.peer_env
     b1: dict[str, list[dict]] = {"ours": [], "peer": []}
     arr: dict[str, list[dict]] = {"ours": [], "peer": []}
     try:
@@ -266,7 +284,8 @@ def main(argv=None) -> int:
     raw.update(b1=b1, arrival=arr, drift=drift, reference_s=[before, after])
     rows = []
     note = (f"same GGUF ({Path(gguf).name}) on both sides, {th} threads, greedy; ours: Generate over gRPC "
-            f"({a.ours_flags or 'defaults'}), peer: llama-server /completion (stream); sides alternated, "
+            f"({a.ours_flags or 'defaults'}; env {a.ours_env or 'as is'}), peer: llama-server /completion (stream; "
+            f"env {a.peer_env or 'as is'}); sides alternated, "
             f"{a.rounds} round(s), medians")
     print(f"| row | ours | llama-server | ratio | target | drift {drift:.0%}{' BUSY' if drift > DRIFT_LIMIT else ''} |")
     print("|---|---|---|---|---|---|")
