@@ -24,8 +24,10 @@ Rows:
 
 The sides alternate round by round (the side that goes first swaps every round; fresh prompts each
 run); medians over the rounds. The reference workload (``llama_cpp_rows.reference_workload``) is
-timed before the first round and after both servers stopped: drift > ``DRIFT_LIMIT`` flags every
-row ``busy`` (re-run it, do not publish).
+timed before the first round, between rounds and after both servers stopped; drift = (slowest −
+fastest) ÷ fastest probe, and drift > ``DRIFT_LIMIT`` flags every row ``busy`` (re-run it, do not
+publish). Each row's ``extra.runs`` keeps every run: on a shared 2-core machine one run in four can
+be 5-20x off while the probes stay flat, so compare the runs before trusting a median.
 """
 
 from __future__ import annotations
@@ -264,8 +266,10 @@ def main(argv=None) -> int:
         # warm-up: first-call allocations and graphs on both sides
         ours_run(ours.target, "llc", fresh_prompts(rng, 2, 32), 8, 0.0)
         peer_run(peer, fresh_prompts(rng, 2, 32), 8, 0.0)
-        before = reference_workload()
+        probes = [reference_workload()]
         for r in range(a.rounds):
+            if r:
+                probes.append(reference_workload())  # between rounds too: a burst mid-run shows
             for side in (("ours", "peer") if r % 2 == 0 else ("peer", "ours")):
                 if a.only != "arrival":
                     rec = (ours_run(ours.target, "llc", [B1_PROMPT], a.b1_tokens, 0.0) if side == "ours"
@@ -279,9 +283,9 @@ def main(argv=None) -> int:
     finally:
         ours.stop()
         peer.stop()
-    after = reference_workload()
-    drift = abs(after - before) / before
-    raw.update(b1=b1, arrival=arr, drift=drift, reference_s=[before, after])
+    probes.append(reference_workload())
+    drift = (max(probes) - min(probes)) / min(probes)
+    raw.update(b1=b1, arrival=arr, drift=drift, reference_s=probes)
     rows = []
     note = (f"same GGUF ({Path(gguf).name}) on both sides, {th} threads, greedy; ours: Generate over gRPC "
             f"({a.ours_flags or 'defaults'}; env {a.ours_env or 'as is'}), peer: llama-server /completion (stream; "
@@ -310,7 +314,8 @@ def main(argv=None) -> int:
         o, p = agg["ours"], agg["peer"]
         rows.append(row(f"{what}: aggregate tok/s ÷ llama-server", round(o["tok_s"], 1), round(p["tok_s"], 1),
                         round(o["tok_s"] / p["tok_s"], 3), "≥ 1.0", target_value=1.0, drift=round(drift, 3),
-                        unit="tok/s", ms=ms, all_complete=complete, note=note))
+                        unit="tok/s", ms=ms, all_complete=complete, note=note,
+                        runs={k: [round(x["tok_s"], 1) for x in v] for k, v in arr.items()}))
         rows.append(row(f"{what}: TTFT p50 ÷ llama-server's", round(o["ttft_p50_ms"]), round(p["ttft_p50_ms"]),
                         round(o["ttft_p50_ms"] / p["ttft_p50_ms"], 3), "≤ 1.0", target_value=1.0,
                         lower_is_better=True, drift=round(drift, 3), unit="ms", note=note))
