@@ -392,3 +392,40 @@ def test_hub_owners_of_block_events_and_pending_caches(monkeypatch):
     assert all(not (e.block or {}).get("token_ids") for e in a_events + b_events)
     assert not hub._key_owner  # every indexed key's owner was forgotten with its key
 
+
+
+def test_block_only_subscription_is_not_woken_for_cache_events():
+    """A subscription for block events only (``cache_events=False``, the vLLM-protocol relay's)
+    never gets the per-step cache events, and the hub does not even schedule a call on its loop
+    for them (one wake-up of the event loop per decode step, for nothing); other subscribers
+    still get every event, and a block event still reaches it."""
+    import asyncio
+
+    from ferrum_service.hosting import kv_events
+
+    async def scenario():
+        hub = kv_events.KvEventHub()
+        blocks, _, _ = hub.subscribe("m", None, blocks=True, capped=False, cache_events=False)
+        every, _, _ = hub.subscribe("m", None, blocks=True)
+        other_model, _, _ = hub.subscribe("n", None, blocks=True)
+        scheduled: list = []
+        for sub in (blocks, every, other_model):  # what the hub hands each subscriber's loop
+            sub._offer = lambda ev, sub=sub, real=sub._offer: (scheduled.append(sub), real(ev))[1]
+        for k in range(50):  # from another thread, as the worker publishes them
+            await asyncio.to_thread(hub.publish, "extended", "m", "c1", 10 + k)
+        await asyncio.to_thread(hub.publish_block, "cleared", "m", {})
+        got = {}
+        for name, sub in (("blocks", blocks), ("every", every), ("other", other_model)):
+            got[name] = []
+            try:
+                while True:
+                    got[name].append(await asyncio.wait_for(sub.next(), 0.2))
+            except asyncio.TimeoutError:
+                pass
+        return got, scheduled, (blocks, every, other_model)
+
+    got, scheduled, (blocks, every, other_model) = asyncio.run(scenario())
+    assert [e.block_kind for e in got["blocks"]] == ["cleared"]
+    assert len(got["every"]) == 51 and got["every"][-1].block_kind == "cleared"
+    assert got["other"] == []
+    assert scheduled.count(blocks) == 1 and scheduled.count(every) == 51 and scheduled.count(other_model) == 0

@@ -96,6 +96,10 @@ class ContinuousBatcher:
         # Streams of the last batch that have not resubmitted (or ended) yet; the next batch waits a
         # little for them (see ``_gather_stragglers``).
         self._expected: set[str] = set()
+        # While the loop waits for stragglers: the streams still missing, and the future that wakes
+        # it when the last of them queues (no polling of the event loop meanwhile).
+        self._missing: set[str] = set()
+        self._all_back: asyncio.Future | None = None
         self.mixed_steps = 0  # steps that joined new prompts with running decodes (diagnostics)
         self._prompt_alone_next = False  # a prompt too costly to join the decodes goes first, alone
         self.costs = StepCostModel()  # measured: what a step's decode rows and prompt tokens cost
@@ -109,15 +113,21 @@ class ContinuousBatcher:
     def forget(self, cache_id: str) -> None:
         """A stream's cache is gone: the next step does not wait for it."""
         self._expected.discard(cache_id)
+        self._arrived(cache_id)
 
     # ---- what streams call ------------------------------------------------------------------------
     async def decode(self, inp: DecodeInput) -> RowResult:
         """One decode step + sampling, batched with whatever other streams run right now (the
         repetition-penalty history is the cache's tokens)."""
+        return await self.queue_decode(inp)
+
+    def queue_decode(self, inp: DecodeInput) -> asyncio.Future:
+        """:meth:`decode`, queued now: the future of its result (cancel it to drop the step)."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._decode_queue.append(_Pending(inp, fut))
+        self._arrived(inp.cache_id)
         self._kick()
-        return await fut
+        return fut
 
     async def prefill(self, inp: PrefillInput) -> tuple[RowOutput, RowResult]:
         """A stream's prompt (+ sampling of its first token), run in the same forward as the running
@@ -141,23 +151,39 @@ class ContinuousBatcher:
             self._task = asyncio.create_task(self._drain())
 
     async def _gather_stragglers(self) -> None:
-        """Yield loop turns until every stream of the previous batch has queued its next step (or
-        ended), at most :attr:`straggler_wait_s`.
+        """Wait until every stream of the previous batch has queued its next step (or ended), at
+        most :attr:`straggler_wait_s` (woken by the last one to queue: :meth:`_arrived`).
 
         Without this wait a batch is cut as soon as the first few streams of the previous batch are
         back (the others are still sending their token event), so B streams split into two or
         more forwards per token — each costing nearly a full weight read on a memory-bound model.
         """
         await asyncio.sleep(0)
-        if not self._expected:
+        if not self._expected or len(self._decode_queue) >= self.host.max_batch:
+            return
+        missing = self._expected - {p.inp.cache_id for p in self._decode_queue}
+        if not missing:
             return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.straggler_wait_s
-        while loop.time() < deadline and len(self._decode_queue) < self.host.max_batch:
-            queued = {p.inp.cache_id for p in self._decode_queue}
-            if self._expected <= queued:
-                break
-            await asyncio.sleep(0)
+        self._missing, self._all_back = missing, loop.create_future()
+        timer = loop.call_later(self.straggler_wait_s, self._wake_up)
+        try:
+            await self._all_back
+        finally:
+            timer.cancel()
+            self._missing, self._all_back = set(), None
+
+    def _arrived(self, cache_id: str) -> None:
+        """A stream the loop waits for queued its step (or ended): wake it when none is missing."""
+        if self._all_back is None:
+            return
+        self._missing.discard(cache_id)
+        if not self._missing or len(self._decode_queue) >= self.host.max_batch:
+            self._wake_up()
+
+    def _wake_up(self) -> None:
+        if self._all_back is not None and not self._all_back.done():
+            self._all_back.set_result(None)
 
     def _next_batch(self) -> "_Batch":
         """Up to ``max_batch`` rows: every queued decode step first, then new prompts (oldest
@@ -259,8 +285,11 @@ class ContinuousBatcher:
         return StepPlan(rows).fits(self.host.limits, self.host.executor)
 
     async def _drain(self) -> None:
+        gathered = False  # the end of the last step already waited for its streams
         while self._decode_queue or self._prefill_queue:
-            await self._gather_stragglers()
+            if not gathered:
+                await self._gather_stragglers()
+            gathered = False
             try:
                 batch = self._next_batch()
             except Exception as e:  # noqa: BLE001 - a bug here must fail the streams, not strand them
@@ -294,6 +323,7 @@ class ContinuousBatcher:
             # The streams resume on later loop turns; give them the chance to queue their next
             # step before this task decides the queue is empty and ends.
             await self._gather_stragglers()
+            gathered = True
         self._expected = set()
 
     def _fail_queued(self, e: BaseException) -> None:

@@ -99,6 +99,7 @@ class Subscription:
         self.hub = hub
         self.model_id = model_id
         self.blocks = blocks
+        self.cache_events = True  # cache events too (the block-event relay takes block events only)
         self.capped = True  # counted against the subscriber caps (the server's own relay is not)
         self.caller = caller  # whose events it gets (when the hub tells callers apart)
         self.key = key  # what the per-caller subscriber cap counts it under
@@ -181,7 +182,10 @@ class Subscription:
         return ev.owner.tenant == self.caller
 
     def wants(self, ev: KvEventRecord) -> bool:
-        return (not self.model_id or ev.model_id == self.model_id) and (self.blocks or not ev.block_kind)
+        """Whether the event is of the kind and model subscribed to (read on the publishing thread:
+        fixed at subscription)."""
+        return (not self.model_id or ev.model_id == self.model_id) and (
+            self.blocks if ev.block_kind else self.cache_events)
 
     def close(self) -> None:
         with self.hub._lock:
@@ -303,6 +307,8 @@ class KvEventHub:
         buf.append(ev)
         self._replay_held += size
         for sub in list(self._subs):
+            if not sub.wants(ev):  # filtered here: no wake-up of its loop per decode step for nothing
+                continue
             try:
                 sub.loop.call_soon_threadsafe(sub._offer, ev)
             except RuntimeError:  # the subscriber's loop is closed
@@ -314,16 +320,19 @@ class KvEventHub:
         return self._replay_held
 
     def subscribe(self, model_id: str, from_seq: int | None, blocks: bool = False, caller: str = "",
-                  key: str | None = None, capped: bool = True) -> tuple[Subscription, int | None, int]:
+                  key: str | None = None, capped: bool = True, cache_events: bool = True
+                  ) -> tuple[Subscription, int | None, int]:
         """A new subscription (``blocks``: with block events; ``caller``: whose events it gets when
         the hub tells callers apart; ``key``: what the per-caller cap counts, default ``caller``;
-        ``capped=False``: the server's own, e.g. the vLLM-protocol relay, outside the caps).
+        ``capped=False``: the server's own, e.g. the vLLM-protocol relay, outside the caps;
+        ``cache_events=False``: block events only).
         Returns (subscription, oldest available seq if ``from_seq`` is gone else None, next seq).
         Replayed events are queued before live ones, in order. RESOURCE_EXHAUSTED past a
         subscriber cap."""
         key = caller if key is None else key
         sub = Subscription(self, model_id, self.subscriber_buffer, blocks, caller, key)
         sub.capped = capped
+        sub.cache_events = cache_events
         with self._lock:
             callers = [s for s in self._subs if s.capped]
             if capped and self.max_subscribers and len(callers) >= self.max_subscribers:

@@ -410,6 +410,10 @@ async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool
             moving = mover is not None and s.finish == pb.FINISH_REASON_UNSPECIFIED and mover.pause_now(s)
             if pipeline and s.finish == pb.FINISH_REASON_UNSPECIFIED and not moving:
                 pending = asyncio.ensure_future(host.batcher.decode(nxt))
+                # two loop turns: the step is queued, then the batcher starts it (it waits for this
+                # stream), so the send below overlaps the forward instead of delaying it
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
             for ev in events:
                 yield pb.GenerateResponse(token=ev)
             if s.finish != pb.FINISH_REASON_UNSPECIFIED:

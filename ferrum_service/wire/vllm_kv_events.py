@@ -102,7 +102,8 @@ class BlockEventRelay:
     async def _pump(self) -> None:
         from_seq = 1
         while True:
-            sub, gone, _ = self.hub.subscribe(self.model_id, from_seq, blocks=True, capped=False)
+            sub, gone, _ = self.hub.subscribe(self.model_id, from_seq, blocks=True, capped=False,
+                                                cache_events=False)
             try:
                 if gone is not None:  # the hub no longer holds what we have not relayed yet
                     if self.seq:
