@@ -240,8 +240,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("token", str, None, "bearer token", command="generate"),
 )
 
-#: Environment variables of other standards that the package reads itself (OpenTelemetry's are
-#: also read by its exporter, which reads more of them).
+#: Environment variables the package reads that are not settings: other standards' (OpenTelemetry's
+#: are also read by its exporter, which reads more of them) and the build tooling's.
 STANDARD_ENV: dict[str, str] = {
     "OTEL_TRACES_EXPORTER": "`otlp` turns tracing on (as --otlp-endpoint does)",
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "set: tracing on, to this endpoint",
@@ -249,6 +249,10 @@ STANDARD_ENV: dict[str, str] = {
     "OTEL_SDK_DISABLED": "`true`: tracing off whatever else says",
     "OTEL_SERVICE_NAME": "the traces' service name (default ferrum-service)",
     "XDG_CACHE_HOME": "where FERRUM_MODEL_CACHE's default lies when the venv is not writable",
+    "FERRUM_CACHE_DIR": "where the CPU paged-attention op is built once and kept (`torch-ext/` in it; "
+                        "default ~/.cache/ferrum-service)",
+    "CXX": "the C++ compiler that builds the CPU paged-attention op (default `c++`; none: the op is off, "
+           "one warning)",
 }
 
 _BY_NAME = {s.name: s for s in SETTINGS}

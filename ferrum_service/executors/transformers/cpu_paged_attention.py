@@ -27,7 +27,6 @@ the side-by-side benchmark.
 from __future__ import annotations
 
 import hashlib
-import os
 import platform
 import shutil
 import sys
@@ -38,6 +37,8 @@ from typing import Any
 
 import structlog
 import torch
+
+from ...core import settings
 
 log = structlog.get_logger(__name__)
 
@@ -72,7 +73,7 @@ def build_key() -> str:
 
 def build_dir() -> Path:
     """Where the op is built and cached."""
-    root = Path(os.environ.get("FERRUM_CACHE_DIR") or Path.home() / ".cache" / "ferrum-service")
+    root = Path(settings.env("FERRUM_CACHE_DIR") or Path.home() / ".cache" / "ferrum-service")
     return root / "torch-ext" / f"ferrum_paged_decode_{build_key()}"
 
 
@@ -80,7 +81,7 @@ def toolchain_missing() -> str | None:
     """Why the op cannot be built here (no C++ compiler, no ninja), or None."""
     from torch.utils.cpp_extension import is_ninja_available
 
-    cxx = os.environ.get("CXX") or "c++"
+    cxx = settings.env("CXX") or "c++"
     if shutil.which(cxx) is None:
         return f"no C++ compiler ({cxx!r} not on PATH)"
     if not is_ninja_available():
