@@ -132,16 +132,7 @@ def build_step(pool: Any, rows: list[tuple[list[int], int, int]], device: torch.
         nb = -(-(past + n) // bs)
         r = PackedRow(start=start, n=n, past=past, num_blocks=nb)
         if past > 0:
-            used = blocks[:nb]
-            if used == list(range(used[0], used[0] + nb)):
-                r.run_start = used[0]
-            else:
-                r.gather_offset = len(gather)
-                gather += used
-            if n > 1:
-                i = torch.arange(n, device=device).view(n, 1)
-                j = torch.arange(past + n, device=device).view(1, past + n)
-                r.mask = j <= i + past
+            _read_past(r, blocks[:nb], gather, device)
         out.append(r)
         start += n
     step = PackedStep(pool=pool, rows=out, gather_index=None)
@@ -169,6 +160,21 @@ def build_step(pool: Any, rows: list[tuple[list[int], int, int]], device: torch.
     return step
 
 
+def _read_past(r: PackedRow, used: list[int], gather: list[int], device: torch.device) -> None:
+    """How row ``r`` reads its past blocks ``used``: in place when they are one contiguous run,
+    else from the step's gather buffer (appended to ``gather``); a row of several tokens also gets
+    its causal mask."""
+    if used == list(range(used[0], used[0] + len(used))):
+        r.run_start = used[0]
+    else:
+        r.gather_offset = len(gather)
+        gather += used
+    if r.n > 1:
+        i = torch.arange(r.n, device=device).view(r.n, 1)
+        j = torch.arange(r.past + r.n, device=device).view(1, r.past + r.n)
+        r.mask = j <= i + r.past
+
+
 def _build_op_step(pool: Any, rows: list[tuple[list[int], int, int]], device: torch.device) -> PackedStep:
     """:func:`build_step` with every one-token row (scattered, contiguous or sharing blocks) read
     in place by the CPU op through its block table; longer rows as in :func:`build_step`."""
@@ -184,15 +190,7 @@ def _build_op_step(pool: Any, rows: list[tuple[list[int], int, int]], device: to
             r.grouped = True
             ones.append(k)
         elif past > 0:
-            used = blocks[:nb]
-            if used == list(range(used[0], used[0] + nb)):
-                r.run_start = used[0]
-            else:
-                r.gather_offset = len(gather)
-                gather += used
-            i = torch.arange(n, device=device).view(n, 1)
-            j = torch.arange(past + n, device=device).view(1, past + n)
-            r.mask = j <= i + past
+            _read_past(r, blocks[:nb], gather, device)
         out.append(r)
         start += n
     step = PackedStep(pool=pool, rows=out, gather_index=None)
