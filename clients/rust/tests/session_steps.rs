@@ -177,11 +177,14 @@ async fn a_step_dropped_mid_flight_does_not_hand_its_answer_to_the_next() {
     let a = engine_handle();
     exec.reserve_kv_slots(&[KvSlotRequest { cache_id: a.cache_id(), target_len: 16, admission_target_len: None }]).unwrap();
     // The caller gives up while the step is on the stream (sent, not answered): its answer stays
-    // on the stream, and the next steps (another sequence) must still get their own answers.
-    let gave_up =
-        tokio::time::timeout(std::time::Duration::from_micros(200), step(&exec, vec![item(&a, &PROMPT, 0)])).await;
-    assert!(gave_up.is_err(), "the step was answered within 200 µs");
+    // on the stream, and the next steps (another sequence) must still get their own answers. A zero
+    // timeout polls the step once (tokio polls the future before its deadline): the step is sent on
+    // that poll and cannot be answered within it, so the drop is mid-flight whatever the timing.
     let n = exec.session_unified_steps();
+    let gave_up = tokio::time::timeout(std::time::Duration::ZERO, step(&exec, vec![item(&a, &PROMPT, 0)])).await;
+    assert!(gave_up.is_err(), "the step was answered on its first poll");
+    assert_eq!(exec.session_unified_steps(), n + 1, "the step went on the stream before its caller gave up");
+    let n = n + 1;
     let b = engine_handle();
     assert_eq!(sequence(&exec, &b, 3).await, want);
     assert_eq!(exec.session_unified_steps(), n + 3, "on the same kind of path");
