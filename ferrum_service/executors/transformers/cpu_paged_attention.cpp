@@ -41,6 +41,21 @@ inline const float* as_float<uint16_t>(const uint16_t* src, float* buf, int64_t 
   return buf;
 }
 
+// A block's `ntok` K or V rows of `width` as fp32 rows: the pool's own memory with its token stride
+// (fp32 pool), or converted once into `buf` with stride `width` (bf16 pool). Sets `stride`.
+template <typename T>
+inline const float* block_rows_fp32(const T* src, int64_t tok_stride, int64_t ntok, int64_t width,
+                                    std::vector<float>& buf, int64_t& stride) {
+  if constexpr (std::is_same<T, float>::value) {
+    stride = tok_stride;
+    return src;
+  } else {
+    for (int64_t t = 0; t < ntok; ++t) as_float<T>(src + t * tok_stride, buf.data() + t * width, width);
+    stride = width;
+    return buf.data();
+  }
+}
+
 // exp(x) for x <= 0 (softmax after subtracting the max), vectorisable: 2^n · p(r) with
 // r = x - n·ln2 in [-ln2/2, ln2/2] and a degree-6 polynomial (relative error ~2e-7); x < -87 -> 0.
 inline float exp_nonpos(float x) {
@@ -108,17 +123,8 @@ void decode_kernel(const float* q, const T* kp, const T* vp, const int32_t* tabl
         for (int64_t h = 0; h < hkv; ++h) {
           const T* kb = kp + blk * k_block_stride + h * d;
           const T* vb = vp + blk * v_block_stride + h * dv;
-          // K as fp32 rows: the pool's own memory, or (bf16) converted once into kbuf.
-          const float* kf;
           int64_t kstride;
-          if constexpr (std::is_same<T, float>::value) {
-            kf = kb;
-            kstride = k_tok_stride;
-          } else {
-            for (int64_t t = 0; t < ntok; ++t) as_float<T>(kb + t * k_tok_stride, kbuf.data() + t * d, d);
-            kf = kbuf.data();
-            kstride = d;
-          }
+          const float* kf = block_rows_fp32<T>(kb, k_tok_stride, ntok, d, kbuf, kstride);
           for (int64_t j = 0; j < g; ++j) {  // one query head's q stays in registers over the block
             const float* __restrict qj = qs.data() + (h * g + j) * d;
             for (int64_t t = 0; t < ntok; ++t) {
@@ -149,16 +155,8 @@ void decode_kernel(const float* q, const T* kp, const T* vp, const int32_t* tabl
               for (int64_t i = 0; i < dv; ++i) a[i] *= corr;
             }
           }
-          const float* vf;
           int64_t vstride;
-          if constexpr (std::is_same<T, float>::value) {
-            vf = vb;
-            vstride = v_tok_stride;
-          } else {
-            for (int64_t t = 0; t < ntok; ++t) as_float<T>(vb + t * v_tok_stride, vbuf.data() + t * dv, dv);
-            vf = vbuf.data();
-            vstride = dv;
-          }
+          const float* vf = block_rows_fp32<T>(vb, v_tok_stride, ntok, dv, vbuf, vstride);
           for (int64_t j = 0; j < g; ++j) {  // one query head's output stays in registers over the block
             const float* __restrict p = scores.data() + j * bs;
             float* __restrict a = acc + (h * g + j) * dv;
