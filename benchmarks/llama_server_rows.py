@@ -46,6 +46,8 @@ import threading
 import time
 from pathlib import Path
 
+from ferrum_service.testing.sse import sse_payloads
+
 from .common import REPO, Server, free_port, median, pct
 from .llama_cpp_rows import reference_workload
 from .schema import DRIFT_LIMIT, row, write_rows
@@ -114,22 +116,13 @@ class LlamaServer:
     def stream(self, prompt: list[int], tokens: int, delay_s: float = 0.0) -> dict:
         """One streamed ``/completion`` (greedy, ``ignore_eos``): send time and one stamp per token."""
         time.sleep(delay_s)
-        body = json.dumps({"prompt": prompt, "n_predict": tokens, "ignore_eos": True, "stream": True,
-                           "temperature": 0.0, "top_k": 1, "cache_prompt": False, "return_tokens": True})
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        body = {"prompt": prompt, "n_predict": tokens, "ignore_eos": True, "stream": True,
+                "temperature": 0.0, "top_k": 1, "cache_prompt": False, "return_tokens": True}
         sent, stamps, ids = time.perf_counter(), [], []
-        c.request("POST", "/completion", body=body, headers={"Content-Type": "application/json"})
-        resp = c.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"llama-server answered {resp.status}: {resp.read()[:300]!r}")
-        while True:
-            line = resp.readline()
-            if not line:
-                break
-            if not line.startswith(b"data: "):
-                continue
+        events = sse_payloads(self.port, "/completion", body, timeout=600)
+        for payload in events:
             now = time.perf_counter()
-            ev = json.loads(line[6:])
+            ev = json.loads(payload)
             for t in ev.get("tokens") or []:
                 stamps.append(now)
                 ids.append(int(t))
@@ -138,7 +131,7 @@ class LlamaServer:
                 n = int(ev.get("tokens_predicted") or (ev.get("timings") or {}).get("predicted_n") or 0)
                 stamps += [now] * max(0, n - len(stamps))
                 break
-        c.close()
+        events.close()
         return {"sent": sent, "stamps": stamps, "tokens": ids}
 
 

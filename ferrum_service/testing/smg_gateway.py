@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ferrum_service.testing.server_process import free_port
+from ferrum_service.testing.sse import sse_payloads
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,21 +119,7 @@ class Gateway:
     def stream(self, path: str, body: dict, timeout: float = 120.0) -> Iterator[str]:
         """The ``data:`` payloads of an SSE response, as they come; closing the generator closes
         the connection (a client that goes away)."""
-        c = self._conn(timeout)
-        try:
-            c.request("POST", path, json.dumps(body), {"content-type": "application/json"})
-            r = c.getresponse()
-            if r.status != 200:
-                raise RuntimeError(f"{path}: HTTP {r.status}: {r.read()[:500]!r}")
-            while True:
-                line = r.readline()
-                if not line:
-                    return
-                line = line.strip()
-                if line.startswith(b"data:"):
-                    yield line[5:].strip().decode()
-        finally:
-            c.close()
+        yield from sse_payloads(self.port, path, body, timeout)
 
 
 def _body(raw: bytes) -> dict | str:
