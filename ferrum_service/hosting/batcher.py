@@ -119,15 +119,11 @@ class ContinuousBatcher:
     async def decode(self, inp: DecodeInput) -> RowResult:
         """One decode step + sampling, batched with whatever other streams run right now (the
         repetition-penalty history is the cache's tokens)."""
-        return await self.queue_decode(inp)
-
-    def queue_decode(self, inp: DecodeInput) -> asyncio.Future:
-        """:meth:`decode`, queued now: the future of its result (cancel it to drop the step)."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._decode_queue.append(_Pending(inp, fut))
         self._arrived(inp.cache_id)
         self._kick()
-        return fut
+        return await fut
 
     async def prefill(self, inp: PrefillInput) -> tuple[RowOutput, RowResult]:
         """A stream's prompt (+ sampling of its first token), run in the same forward as the running
