@@ -20,7 +20,7 @@ import grpc
 import structlog
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2, executor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from .core.callers import CallerActivity
 from .core.modes import Role
@@ -36,6 +36,7 @@ from .hosting.progress import StallWatch
 from .wire import tracing
 from .wire.auth import AuthInterceptor, is_admin_call
 from .wire.leases import LeaseReaper
+from .wire.limits import guarded
 from .wire.metrics import Metrics
 from .wire.operations import Operations
 from .wire.reflection import enable_reflection
@@ -44,6 +45,7 @@ from .wire.streams import StreamRegistry
 from .wire.validate import RequestChecks
 from .wire.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
 from .wire.vllm_engine import VllmEngineServicer
+from .wire.vllm_limits import VLLM_LIMITS
 
 log = structlog.get_logger("ferrum_service.server")
 
@@ -193,10 +195,16 @@ class Server:
         if cfg.auth_tokens or cfg.admin_tokens:
             interceptors.append(AuthInterceptor(cfg.auth_tokens, cfg.admin_tokens, peer_tokens=cfg.kv_peer_tokens))
         self.grpc = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
-        executor_pb2_grpc.add_ModelExecutorServicer_to_server(self.servicer, self.grpc)
+        # Every request is checked against the declared size limits before its handler runs (limits.py).
+        refused = self.servicer.refused
+        executor_pb2_grpc.add_ModelExecutorServicer_to_server(
+            guarded(self.servicer, executor_pb2.DESCRIPTOR.services_by_name["ModelExecutor"], on_refusal=refused),
+            self.grpc)
         # vLLM's engine protocol on the same port, for gateways that drive vLLM workers (vllm_engine.py)
         self.vllm = VllmEngineServicer(self.servicer)
-        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm, self.grpc)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+            guarded(self.vllm, vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"], VLLM_LIMITS,
+                    rpc_prefix="VllmEngine.", on_refusal=refused), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         if cfg.reflection:
             enable_reflection(self.grpc, (SERVICE_NAME, VLLM_SERVICE_NAME,

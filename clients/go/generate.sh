@@ -22,5 +22,6 @@ install protoc-gen-go-grpc google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.6.2 
 base=$(mkdir -p "${1:-$here}" && cd "${1:-$here}" && pwd)
 rm -rf "$base/gen"
 cd "$here"
-PATH="$bin:$PATH" "$bin/buf" generate "$root/protos" --template buf.gen.yaml -o "$base"
+PATH="$bin:$PATH" "$bin/buf" generate "$root/protos" --template buf.gen.yaml -o "$base" \
+  --exclude-path "$root/protos/buf"
 echo "[go] generated $(find "$base/gen" -name '*.go' | wc -l) files into $base/gen" >&2

@@ -16,7 +16,16 @@ fi
 base=$(mkdir -p "${1:-$here}" && cd "${1:-$here}" && pwd)
 rm -rf "$base/src/gen"
 cd "$here"
-PATH="$here/node_modules/.bin:$PATH" "$bin/buf" generate "$root/protos" --template buf.gen.yaml -o "$base"
+PATH="$here/node_modules/.bin:$PATH" "$bin/buf" generate "$root/protos" --template buf.gen.yaml -o "$base" \
+  --exclude-path "$root/protos/buf"
+# protovalidate's annotations (protos/buf/validate, vendored) need no TypeScript code, but ts-proto
+# emits every imported file: drop it, and the google.protobuf files only it imports (tsc would fail
+# if anything still imported them).
+rm -rf "$base/src/gen/buf"
+for f in "$base"/src/gen/google/protobuf/*.ts; do
+  name=$(basename "$f" .ts)
+  grep -rqE "from \"[./]*google/protobuf/$name\"" "$base/src/gen" --include='*.ts' || rm -f "$f"
+done
 # ts-proto's forceLong=number throws on 64-bit values past 2^53, and int64 epoch nanoseconds
 # (KvEvent.time_unix_ns, ...) are past it: convert with Number() instead (exact to 2^53, rounded beyond).
 for f in $(grep -l 'Value is larger than Number.MAX_SAFE_INTEGER' -r "$base/src/gen"); do

@@ -22,8 +22,11 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Iterator
 
+from ferrum_client._proto.ferrum.executor.v1 import executor_pb2 as pb
+
 from ..core import errors
 from ..core.callers import current_caller
+from ..core.request_limits import limit_of
 from ..core.settings import default
 
 if TYPE_CHECKING:
@@ -35,8 +38,8 @@ DEFAULT_MAX_CACHES_PER_CALLER = default("max_caches_per_caller")
 #: Least retry delay for a caller at its own cap: only its own releases make room, so retrying
 #: at the service rate (tens of ms on an idle model) would only spin.
 QUOTA_RETRY_MS = 1000
-#: Most requests one ``ReserveKvSlots`` call may carry.
-MAX_SLOT_REQUESTS = 1024
+#: Most requests one ``ReserveKvSlots`` call may carry (declared in the contract).
+MAX_SLOT_REQUESTS = limit_of(pb.ReserveKvSlotsRequest, "requests")
 
 
 def cap_model(host: "ModelHost", max_caches: int) -> None:

@@ -34,8 +34,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ferrum_client._proto.ferrum.executor.v1 import types_pb2 as tpb
+
 from ..core import errors
 from ..core.callers import current_deadline
+from ..core.request_limits import limit_of
 from ..core.settings import default
 from ..core.types import ConstraintSpec, SamplingParams
 
@@ -48,8 +51,8 @@ MAX_JSON_DEPTH = 64
 MAX_SCHEMA_PROPERTIES = 1024
 #: Deepest nesting of ( [ { in a regex or grammar (outside quoted strings and escapes).
 MAX_PATTERN_DEPTH = 64
-#: Most entries in one choice list.
-MAX_CHOICES = 4096
+#: Most entries in one choice list (declared in the contract).
+MAX_CHOICES = limit_of(tpb.ChoiceList, "choices")
 #: Most distinct constraints one request may compile (a batch naming one schema N times is one).
 MAX_CONSTRAINTS_PER_REQUEST = 8
 #: Threads compiling at once, and compiles that may wait for one (server-wide).

@@ -20,6 +20,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from ..core import errors
 from ..core.modes import BlockEvent, ExecutorState
+from ..core.request_limits import limit_of
 from ..core.sampling import RowResult
 from ..core.types import (
     CacheHandle,
@@ -34,8 +35,9 @@ from ..core.types import (
 )
 
 MAX_TOP_LOGPROBS = 64
-#: Longest structured-output constraint (schema, regex, grammar, all choices), in bytes.
-MAX_CONSTRAINT_BYTES = 64 * 1024
+#: Longest structured-output constraint (schema, regex, grammar, all choices), in bytes (declared in the
+#: contract, per string; here also for all choices together).
+MAX_CONSTRAINT_BYTES = limit_of(tpb.OutputConstraint, "json_schema")
 
 _DTYPE_TO_PB = {
     "fp32": tpb.DATA_TYPE_FP32,

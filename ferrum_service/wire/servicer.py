@@ -29,6 +29,7 @@ from .. import __version__
 from ..core import errors
 from ..core.callers import CallerActivity, current_caller, current_origin, enter_call
 from ..core.modes import CacheEvent, ExecutorState, Role
+from ..core.request_limits import limit_of
 from ..core.settings import default
 from ..hosting.kv_events import KvEventHub, SubscriberDropped
 from ..hosting.models import ModelSet
@@ -66,8 +67,8 @@ _WHILE_MIGRATING = {"Info", "Capabilities", "Status", "KvCapacity", "AdmissionLi
                     "ReleaseCache", "MigrateStreams", "Tokenize", "Detokenize", "ApplyChatTemplate", "Shutdown",
                     "AcceptMigration"}  # refuses new streams itself, but drops pre-copies (migration.py)
 
-#: Most token ids one Detokenize call may carry.
-MAX_DETOKENIZE_IDS = 1 << 18
+#: Most token ids one Detokenize call may carry (declared in the contract).
+MAX_DETOKENIZE_IDS = limit_of(pb.DetokenizeRequest, "token_ids")
 
 
 def _ids(request) -> dict:
@@ -152,6 +153,12 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         """A unary RPC: ``fn()``'s answer under :meth:`answer`."""
         async with self.answer(rpc, context, request):
             return await fn()
+
+    def refused(self, rpc: str, e: errors.FerrumError, seconds: float) -> None:
+        """A call refused before its handler ran (a request over a declared limit, ``limits.py``):
+        logged and counted as the guard counts the others."""
+        self._log_refusal(rpc, e)
+        self.metrics.observe(rpc, e.code.name, seconds)
 
     def _log_refusal(self, rpc: str, e: errors.FerrumError) -> None:
         lvl = log.warning if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else log.info

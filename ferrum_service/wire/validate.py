@@ -27,14 +27,15 @@ from ..core import errors
 from ..core.callers import current_caller, current_origin
 from ..core.kv_registry import CacheEntry
 from ..core.modes import Role
+from ..core.request_limits import limit_of
 from ..core.steps import StepPlan, StepRow
 from ..core.types import DecodeInput, LogitsPolicy, PrefillInput, UnifiedItem
 from ..hosting.cache_quota import CacheQuota
 from ..hosting.constraint_compile import CompilePool, check_shape
 from .convert import check_token, check_tokens, logits_policy, pb
 
-#: Longest ``cache_salt`` accepted (it is hashed into every block key of the cache).
-MAX_CACHE_SALT_BYTES = 1024
+#: Longest ``cache_salt`` accepted (it is hashed into every block key of the cache; declared in the contract).
+MAX_CACHE_SALT_BYTES = limit_of(pb.PrefillInput, "cache_salt")
 
 if TYPE_CHECKING:
     from ..hosting.host import ModelHost

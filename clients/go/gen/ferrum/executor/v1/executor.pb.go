@@ -28,6 +28,7 @@
 package executorv1
 
 import (
+	_ "buf.build/gen/go/bufbuild/protovalidate/protocolbuffers/go/buf/validate"
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	structpb "google.golang.org/protobuf/types/known/structpb"
@@ -7860,112 +7861,117 @@ var File_ferrum_executor_v1_executor_proto protoreflect.FileDescriptor
 
 const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\n" +
-	"!ferrum/executor/v1/executor.proto\x12\x12ferrum.executor.v1\x1a\x1eferrum/executor/v1/types.proto\x1a\x1cgoogle/protobuf/struct.proto\"(\n" +
-	"\vInfoRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"\xcb\x01\n" +
+	"!ferrum/executor/v1/executor.proto\x12\x12ferrum.executor.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1eferrum/executor/v1/types.proto\x1a\x1cgoogle/protobuf/struct.proto\"2\n" +
+	"\vInfoRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\"\xcb\x01\n" +
 	"\fInfoResponse\x125\n" +
 	"\x06models\x18\x01 \x03(\v2\x1d.ferrum.executor.v1.ModelInfoR\x06models\x12%\n" +
 	"\x0eserver_version\x18\x02 \x01(\tR\rserverVersion\x12)\n" +
 	"\x10contract_version\x18\x03 \x01(\tR\x0fcontractVersion\x122\n" +
-	"\x04role\x18\x04 \x01(\x0e2\x1e.ferrum.executor.v1.ServerRoleR\x04role\"0\n" +
-	"\x13CapabilitiesRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"\x7f\n" +
+	"\x04role\x18\x04 \x01(\x0e2\x1e.ferrum.executor.v1.ServerRoleR\x04role\":\n" +
+	"\x13CapabilitiesRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\"\x7f\n" +
 	"\x14CapabilitiesResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12L\n" +
-	"\fcapabilities\x18\x02 \x01(\v2(.ferrum.executor.v1.ExecutorCapabilitiesR\fcapabilities\"*\n" +
-	"\rStatusRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"\xa6\x01\n" +
+	"\fcapabilities\x18\x02 \x01(\v2(.ferrum.executor.v1.ExecutorCapabilitiesR\fcapabilities\"4\n" +
+	"\rStatusRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\"\xa6\x01\n" +
 	"\x0eStatusResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12:\n" +
 	"\x06status\x18\x02 \x01(\v2\".ferrum.executor.v1.ExecutorStatusR\x06status\x12=\n" +
-	"\ametrics\x18\x03 \x01(\v2#.ferrum.executor.v1.ExecutorMetricsR\ametrics\".\n" +
-	"\x11KvCapacityRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"k\n" +
+	"\ametrics\x18\x03 \x01(\v2#.ferrum.executor.v1.ExecutorMetricsR\ametrics\"8\n" +
+	"\x11KvCapacityRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\"k\n" +
 	"\x12KvCapacityResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12:\n" +
-	"\bcapacity\x18\x02 \x01(\v2\x1e.ferrum.executor.v1.KvCapacityR\bcapacity\"3\n" +
-	"\x16AdmissionLimitsRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"\x89\x01\n" +
+	"\bcapacity\x18\x02 \x01(\v2\x1e.ferrum.executor.v1.KvCapacityR\bcapacity\"=\n" +
+	"\x16AdmissionLimitsRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\"\x89\x01\n" +
 	"\x17AdmissionLimitsResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12H\n" +
 	"\x06limits\x18\x02 \x01(\v2+.ferrum.executor.v1.ExecutorAdmissionLimitsH\x00R\x06limits\x88\x01\x01B\t\n" +
-	"\a_limits\"\x89\x03\n" +
-	"\fPrefillInput\x12\x1b\n" +
-	"\ttoken_ids\x18\x01 \x03(\x05R\btokenIds\x12\x19\n" +
-	"\bcache_id\x18\x02 \x01(\tR\acacheId\x128\n" +
+	"\a_limits\"\x8b\x04\n" +
+	"\fPrefillInput\x12'\n" +
+	"\ttoken_ids\x18\x01 \x03(\x05B\n" +
+	"\xbaH\a\x92\x01\x04\x10\x80\x80@R\btokenIds\x12#\n" +
+	"\bcache_id\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\acacheId\x128\n" +
 	"\x06logits\x18\x03 \x01(\v2 .ferrum.executor.v1.LogitsPolicyR\x06logits\x12%\n" +
 	"\x0ereserve_tokens\x18\x04 \x01(\x04R\rreserveTokens\x12#\n" +
-	"\rall_positions\x18\x05 \x01(\bR\fallPositions\x123\n" +
-	"\bmetadata\x18\x06 \x01(\v2\x17.google.protobuf.StructR\bmetadata\x12\x1d\n" +
+	"\rall_positions\x18\x05 \x01(\bR\fallPositions\x12\x80\x01\n" +
+	"\bmetadata\x18\x06 \x01(\v2\x17.google.protobuf.StructBK\xbaHH\xba\x01E\n" +
+	"\x11metadata.max_keys\x12\x1emetadata holds at most 64 keys\x1a\x10size(this) <= 64R\bmetadata\x12'\n" +
 	"\n" +
-	"request_id\x18\a \x01(\tR\trequestId\x12\x1d\n" +
+	"request_id\x18\a \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\trequestId\x12'\n" +
 	"\n" +
-	"cache_salt\x18\b \x01(\tR\tcacheSalt\x12.\n" +
-	"\x13bypass_prefix_cache\x18\t \x01(\bR\x11bypassPrefixCache\x12\x18\n" +
+	"cache_salt\x18\b \x01(\tB\b\xbaH\x05r\x03(\x80\bR\tcacheSalt\x12.\n" +
+	"\x13bypass_prefix_cache\x18\t \x01(\bR\x11bypassPrefixCache\x12\"\n" +
 	"\aadapter\x18\n" +
-	" \x01(\tR\aadapter\"\xa1\x02\n" +
+	" \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\aadapter\"\xa1\x02\n" +
 	"\rPrefillOutput\x127\n" +
 	"\x05cache\x18\x01 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x128\n" +
 	"\x06output\x18\x02 \x01(\v2 .ferrum.executor.v1.LogitsOutputR\x06output\x12>\n" +
 	"\tpositions\x18\x03 \x03(\v2 .ferrum.executor.v1.LogitsOutputR\tpositions\x128\n" +
 	"\tembedding\x18\x04 \x01(\v2\x1a.ferrum.executor.v1.TensorR\tembedding\x12#\n" +
-	"\rcached_tokens\x18\x05 \x01(\x04R\fcachedTokens\"\x89\x01\n" +
-	"\x0ePrefillRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x126\n" +
-	"\x05input\x18\x02 \x01(\v2 .ferrum.executor.v1.PrefillInputR\x05input\x12$\n" +
-	"\x0eclient_step_id\x18\x0f \x01(\tR\fclientStepId\"\x87\x01\n" +
+	"\rcached_tokens\x18\x05 \x01(\x04R\fcachedTokens\"\x9d\x01\n" +
+	"\x0ePrefillRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x126\n" +
+	"\x05input\x18\x02 \x01(\v2 .ferrum.executor.v1.PrefillInputR\x05input\x12.\n" +
+	"\x0eclient_step_id\x18\x0f \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\fclientStepId\"\x87\x01\n" +
 	"\x0fPrefillResponse\x129\n" +
 	"\x06output\x18\x01 \x01(\v2!.ferrum.executor.v1.PrefillOutputR\x06output\x129\n" +
-	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\x90\x01\n" +
-	"\x13BatchPrefillRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x128\n" +
-	"\x06inputs\x18\x02 \x03(\v2 .ferrum.executor.v1.PrefillInputR\x06inputs\x12$\n" +
-	"\x0eclient_step_id\x18\x0f \x01(\tR\fclientStepId\"\x8e\x01\n" +
+	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\xaf\x01\n" +
+	"\x13BatchPrefillRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12C\n" +
+	"\x06inputs\x18\x02 \x03(\v2 .ferrum.executor.v1.PrefillInputB\t\xbaH\x06\x92\x01\x03\x10\x80\bR\x06inputs\x12.\n" +
+	"\x0eclient_step_id\x18\x0f \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\fclientStepId\"\x8e\x01\n" +
 	"\x14BatchPrefillResponse\x12;\n" +
 	"\aoutputs\x18\x01 \x03(\v2!.ferrum.executor.v1.PrefillOutputR\aoutputs\x129\n" +
-	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\xe0\x01\n" +
-	"\vDecodeInput\x12\x19\n" +
-	"\bcache_id\x18\x01 \x01(\tR\acacheId\x12\x19\n" +
+	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\xb8\x02\n" +
+	"\vDecodeInput\x12#\n" +
+	"\bcache_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\acacheId\x12\x19\n" +
 	"\btoken_id\x18\x02 \x01(\x05R\atokenId\x128\n" +
 	"\x06logits\x18\x03 \x01(\v2 .ferrum.executor.v1.LogitsPolicyR\x06logits\x12\x1f\n" +
-	"\bposition\x18\x04 \x01(\x04H\x00R\bposition\x88\x01\x01\x123\n" +
-	"\bmetadata\x18\x05 \x01(\v2\x17.google.protobuf.StructR\bmetadataB\v\n" +
+	"\bposition\x18\x04 \x01(\x04H\x00R\bposition\x88\x01\x01\x12\x80\x01\n" +
+	"\bmetadata\x18\x05 \x01(\v2\x17.google.protobuf.StructBK\xbaHH\xba\x01E\n" +
+	"\x11metadata.max_keys\x12\x1emetadata holds at most 64 keys\x1a\x10size(this) <= 64R\bmetadataB\v\n" +
 	"\t_position\"\x81\x01\n" +
 	"\fDecodeOutput\x127\n" +
 	"\x05cache\x18\x01 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x128\n" +
-	"\x06output\x18\x02 \x01(\v2 .ferrum.executor.v1.LogitsOutputR\x06output\"\x87\x01\n" +
-	"\rDecodeRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x125\n" +
-	"\x05input\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.DecodeInputR\x05input\x12$\n" +
-	"\x0eclient_step_id\x18\x0f \x01(\tR\fclientStepId\"\x85\x01\n" +
+	"\x06output\x18\x02 \x01(\v2 .ferrum.executor.v1.LogitsOutputR\x06output\"\x9b\x01\n" +
+	"\rDecodeRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x125\n" +
+	"\x05input\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.DecodeInputR\x05input\x12.\n" +
+	"\x0eclient_step_id\x18\x0f \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\fclientStepId\"\x85\x01\n" +
 	"\x0eDecodeResponse\x128\n" +
 	"\x06output\x18\x01 \x01(\v2 .ferrum.executor.v1.DecodeOutputR\x06output\x129\n" +
-	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\x8e\x01\n" +
-	"\x12BatchDecodeRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x127\n" +
-	"\x06inputs\x18\x02 \x03(\v2\x1f.ferrum.executor.v1.DecodeInputR\x06inputs\x12$\n" +
-	"\x0eclient_step_id\x18\x0f \x01(\tR\fclientStepId\"\x8c\x01\n" +
+	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\xad\x01\n" +
+	"\x12BatchDecodeRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12B\n" +
+	"\x06inputs\x18\x02 \x03(\v2\x1f.ferrum.executor.v1.DecodeInputB\t\xbaH\x06\x92\x01\x03\x10\x80\bR\x06inputs\x12.\n" +
+	"\x0eclient_step_id\x18\x0f \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\fclientStepId\"\x8c\x01\n" +
 	"\x13BatchDecodeResponse\x12:\n" +
 	"\aoutputs\x18\x01 \x03(\v2 .ferrum.executor.v1.DecodeOutputR\aoutputs\x129\n" +
-	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\xfc\x02\n" +
-	"\x10UnifiedBatchItem\x12\x15\n" +
-	"\x06seq_id\x18\x01 \x01(\tR\x05seqId\x12\x19\n" +
-	"\bq_tokens\x18\x02 \x03(\x05R\aqTokens\x12\x19\n" +
-	"\bcache_id\x18\x03 \x01(\tR\acacheId\x12\x1d\n" +
+	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\xfe\x03\n" +
+	"\x10UnifiedBatchItem\x12\x1f\n" +
+	"\x06seq_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\x05seqId\x12%\n" +
+	"\bq_tokens\x18\x02 \x03(\x05B\n" +
+	"\xbaH\a\x92\x01\x04\x10\x80\x80@R\aqTokens\x12#\n" +
+	"\bcache_id\x18\x03 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\acacheId\x12\x1d\n" +
 	"\n" +
 	"pos_offset\x18\x04 \x01(\x04R\tposOffset\x12$\n" +
 	"\x0eis_final_chunk\x18\x05 \x01(\bR\fisFinalChunk\x128\n" +
-	"\x06logits\x18\x06 \x01(\v2 .ferrum.executor.v1.LogitsPolicyR\x06logits\x123\n" +
-	"\bmetadata\x18\a \x01(\v2\x17.google.protobuf.StructR\bmetadata\x12\x1d\n" +
+	"\x06logits\x18\x06 \x01(\v2 .ferrum.executor.v1.LogitsPolicyR\x06logits\x12\x80\x01\n" +
+	"\bmetadata\x18\a \x01(\v2\x17.google.protobuf.StructBK\xbaHH\xba\x01E\n" +
+	"\x11metadata.max_keys\x12\x1emetadata holds at most 64 keys\x1a\x10size(this) <= 64R\bmetadata\x12'\n" +
 	"\n" +
-	"cache_salt\x18\b \x01(\tR\tcacheSalt\x12.\n" +
-	"\x13bypass_prefix_cache\x18\t \x01(\bR\x11bypassPrefixCache\x12\x18\n" +
+	"cache_salt\x18\b \x01(\tB\b\xbaH\x05r\x03(\x80\bR\tcacheSalt\x12.\n" +
+	"\x13bypass_prefix_cache\x18\t \x01(\bR\x11bypassPrefixCache\x12\"\n" +
 	"\aadapter\x18\n" +
-	" \x01(\tR\aadapter\"\x93\x01\n" +
-	"\x14UnifiedDecodeRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12:\n" +
-	"\x05items\x18\x02 \x03(\v2$.ferrum.executor.v1.UnifiedBatchItemR\x05items\x12$\n" +
-	"\x0eclient_step_id\x18\x0f \x01(\tR\fclientStepId\"\xd2\x01\n" +
+	" \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\aadapter\"\xb2\x01\n" +
+	"\x14UnifiedDecodeRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12E\n" +
+	"\x05items\x18\x02 \x03(\v2$.ferrum.executor.v1.UnifiedBatchItemB\t\xbaH\x06\x92\x01\x03\x10\x80\bR\x05items\x12.\n" +
+	"\x0eclient_step_id\x18\x0f \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\fclientStepId\"\xd2\x01\n" +
 	"\x11UnifiedItemResult\x12\x15\n" +
 	"\x06seq_id\x18\x01 \x01(\tR\x05seqId\x127\n" +
 	"\x05cache\x18\x02 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x12=\n" +
@@ -7974,146 +7980,153 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\a_output\"\x93\x01\n" +
 	"\x15UnifiedDecodeResponse\x12?\n" +
 	"\aresults\x18\x01 \x03(\v2%.ferrum.executor.v1.UnifiedItemResultR\aresults\x129\n" +
-	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\x9e\x01\n" +
-	"\x0eForwardRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x120\n" +
+	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\xa8\x01\n" +
+	"\x0eForwardRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x120\n" +
 	"\x05input\x18\x02 \x01(\v2\x1a.ferrum.executor.v1.TensorR\x05input\x12?\n" +
 	"\flogits_dtype\x18\x03 \x01(\x0e2\x1c.ferrum.executor.v1.DataTypeR\vlogitsDtype\"\x80\x01\n" +
 	"\x0fForwardResponse\x122\n" +
 	"\x06output\x18\x01 \x01(\v2\x1a.ferrum.executor.v1.TensorR\x06output\x129\n" +
-	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\xfb\x01\n" +
-	"\x14ForwardVerifyRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x19\n" +
-	"\bcache_id\x18\x02 \x01(\tR\acacheId\x12\x1b\n" +
-	"\ttoken_ids\x18\x03 \x03(\x05R\btokenIds\x128\n" +
+	"\atimings\x18\x02 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\xa5\x02\n" +
+	"\x14ForwardVerifyRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12#\n" +
+	"\bcache_id\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\acacheId\x12'\n" +
+	"\ttoken_ids\x18\x03 \x03(\x05B\n" +
+	"\xbaH\a\x92\x01\x04\x10\x80\x80@R\btokenIds\x128\n" +
 	"\x06logits\x18\x04 \x01(\v2 .ferrum.executor.v1.LogitsPolicyR\x06logits\x120\n" +
-	"\x14accept_greedy_prefix\x18\x05 \x01(\bR\x12acceptGreedyPrefix\x12$\n" +
-	"\x0eclient_step_id\x18\x0f \x01(\tR\fclientStepId\"\xb4\x02\n" +
+	"\x14accept_greedy_prefix\x18\x05 \x01(\bR\x12acceptGreedyPrefix\x12.\n" +
+	"\x0eclient_step_id\x18\x0f \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\fclientStepId\"\xb4\x02\n" +
 	"\x15ForwardVerifyResponse\x12:\n" +
 	"\aoutputs\x18\x01 \x03(\v2 .ferrum.executor.v1.LogitsOutputR\aoutputs\x127\n" +
 	"\x05cache\x18\x02 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x12\x19\n" +
 	"\bbase_len\x18\x03 \x01(\x04R\abaseLen\x12'\n" +
 	"\x0faccepted_drafts\x18\x04 \x01(\rR\x0eacceptedDrafts\x12'\n" +
 	"\x0faccepted_tokens\x18\x05 \x03(\x05R\x0eacceptedTokens\x129\n" +
-	"\atimings\x18\x06 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\x88\x01\n" +
-	"\x11TruncateKvRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x19\n" +
-	"\bcache_id\x18\x02 \x01(\tR\acacheId\x12\x17\n" +
-	"\anew_len\x18\x03 \x01(\x03R\x06newLen\x12$\n" +
-	"\x0eclient_step_id\x18\x0f \x01(\tR\fclientStepId\"t\n" +
+	"\atimings\x18\x06 \x01(\v2\x1f.ferrum.executor.v1.StepTimingsR\atimings\"\xa6\x01\n" +
+	"\x11TruncateKvRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12#\n" +
+	"\bcache_id\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\acacheId\x12\x17\n" +
+	"\anew_len\x18\x03 \x01(\x03R\x06newLen\x12.\n" +
+	"\x0eclient_step_id\x18\x0f \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\fclientStepId\"t\n" +
 	"\x12TruncateKvResponse\x127\n" +
 	"\x05cache\x18\x01 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x12%\n" +
-	"\x0eremoved_tokens\x18\x02 \x01(\x04R\rremovedTokens\"q\n" +
-	"\x13ReleaseCacheRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x19\n" +
-	"\bcache_id\x18\x02 \x01(\tR\acacheId\x12$\n" +
-	"\x0eclient_step_id\x18\x0f \x01(\tR\fclientStepId\"v\n" +
+	"\x0eremoved_tokens\x18\x02 \x01(\x04R\rremovedTokens\"\x8f\x01\n" +
+	"\x13ReleaseCacheRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12#\n" +
+	"\bcache_id\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\acacheId\x12.\n" +
+	"\x0eclient_step_id\x18\x0f \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\fclientStepId\"v\n" +
 	"\x14ReleaseCacheResponse\x12\x1a\n" +
 	"\breleased\x18\x01 \x01(\bR\breleased\x12\x1f\n" +
 	"\vfreed_bytes\x18\x02 \x01(\x04R\n" +
 	"freedBytes\x12!\n" +
-	"\ffreed_tokens\x18\x03 \x01(\x04R\vfreedTokens\"\xcb\x01\n" +
-	"\x10ForkCacheRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x19\n" +
-	"\bcache_id\x18\x02 \x01(\tR\acacheId\x12$\n" +
+	"\ffreed_tokens\x18\x03 \x01(\x04R\vfreedTokens\"\xe9\x01\n" +
+	"\x10ForkCacheRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12#\n" +
+	"\bcache_id\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\acacheId\x12$\n" +
 	"\vkeep_tokens\x18\x03 \x01(\x04H\x00R\n" +
 	"keepTokens\x88\x01\x01\x12%\n" +
-	"\x0ereserve_tokens\x18\x04 \x01(\x04R\rreserveTokens\x12$\n" +
-	"\x0eclient_step_id\x18\x0f \x01(\tR\fclientStepIdB\x0e\n" +
+	"\x0ereserve_tokens\x18\x04 \x01(\x04R\rreserveTokens\x12.\n" +
+	"\x0eclient_step_id\x18\x0f \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\fclientStepIdB\x0e\n" +
 	"\f_keep_tokens\"q\n" +
 	"\x11ForkCacheResponse\x127\n" +
 	"\x05cache\x18\x01 \x01(\v2!.ferrum.executor.v1.KvCacheHandleR\x05cache\x12#\n" +
-	"\rshared_blocks\x18\x02 \x01(\rR\fsharedBlocks\"q\n" +
-	"\x15ReserveKvSlotsRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12=\n" +
-	"\brequests\x18\x02 \x03(\v2!.ferrum.executor.v1.KvSlotRequestR\brequests\"v\n" +
+	"\rshared_blocks\x18\x02 \x01(\rR\fsharedBlocks\"\x86\x01\n" +
+	"\x15ReserveKvSlotsRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12H\n" +
+	"\brequests\x18\x02 \x03(\v2!.ferrum.executor.v1.KvSlotRequestB\t\xbaH\x06\x92\x01\x03\x10\x80\bR\brequests\"v\n" +
 	"\x16ReserveKvSlotsResponse\x12L\n" +
 	"\vreservation\x18\x01 \x01(\v2%.ferrum.executor.v1.KvSlotReservationH\x00R\vreservation\x88\x01\x01B\x0e\n" +
-	"\f_reservation\"2\n" +
-	"\x15KvSlotCapacityRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"r\n" +
+	"\f_reservation\"<\n" +
+	"\x15KvSlotCapacityRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\"r\n" +
 	"\x16KvSlotCapacityResponse\x12K\n" +
 	"\bsnapshot\x18\x01 \x01(\v2*.ferrum.executor.v1.KvSlotCapacitySnapshotH\x00R\bsnapshot\x88\x01\x01B\v\n" +
-	"\t_snapshot\"0\n" +
-	"\x13CacheMetricsRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"Z\n" +
+	"\t_snapshot\":\n" +
+	"\x13CacheMetricsRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\"Z\n" +
 	"\x14CacheMetricsResponse\x126\n" +
 	"\ametrics\x18\x01 \x01(\v2\x17.google.protobuf.StructH\x00R\ametrics\x88\x01\x01B\n" +
 	"\n" +
-	"\b_metrics\"/\n" +
-	"\x12LoraMetricsRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"Y\n" +
+	"\b_metrics\"9\n" +
+	"\x12LoraMetricsRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\"Y\n" +
 	"\x13LoraMetricsResponse\x126\n" +
 	"\ametrics\x18\x01 \x01(\v2\x17.google.protobuf.StructH\x00R\ametrics\x88\x01\x01B\n" +
 	"\n" +
-	"\b_metrics\"*\n" +
-	"\rWarmupRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"N\n" +
+	"\b_metrics\"4\n" +
+	"\rWarmupRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\"N\n" +
 	"\x0eWarmupResponse\x12\x1b\n" +
 	"\tmodel_ids\x18\x01 \x03(\tR\bmodelIds\x12\x1f\n" +
 	"\vduration_ns\x18\x02 \x01(\x04R\n" +
-	"durationNs\",\n" +
-	"\x0fShutdownRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"X\n" +
+	"durationNs\"6\n" +
+	"\x0fShutdownRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\"X\n" +
 	"\x10ShutdownResponse\x12\x1b\n" +
 	"\tmodel_ids\x18\x01 \x03(\tR\bmodelIds\x12'\n" +
-	"\x0freleased_caches\x18\x02 \x01(\x04R\x0ereleasedCaches\"n\n" +
-	"\x0fTokenizeRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x12\n" +
-	"\x04text\x18\x02 \x01(\tR\x04text\x12,\n" +
+	"\x0freleased_caches\x18\x02 \x01(\x04R\x0ereleasedCaches\"\x84\x01\n" +
+	"\x0fTokenizeRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12\x1e\n" +
+	"\x04text\x18\x02 \x01(\tB\n" +
+	"\xbaH\ar\x05\x18\x80\x80\x80\bR\x04text\x12,\n" +
 	"\x12add_special_tokens\x18\x03 \x01(\bR\x10addSpecialTokens\"/\n" +
 	"\x10TokenizeResponse\x12\x1b\n" +
-	"\ttoken_ids\x18\x01 \x03(\x05R\btokenIds\"{\n" +
-	"\x11DetokenizeRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
-	"\ttoken_ids\x18\x02 \x03(\x05R\btokenIds\x12.\n" +
+	"\ttoken_ids\x18\x01 \x03(\x05R\btokenIds\"\x91\x01\n" +
+	"\x11DetokenizeRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12'\n" +
+	"\ttoken_ids\x18\x02 \x03(\x05B\n" +
+	"\xbaH\a\x92\x01\x04\x10\x80\x80\x10R\btokenIds\x12.\n" +
 	"\x13skip_special_tokens\x18\x03 \x01(\bR\x11skipSpecialTokens\"(\n" +
 	"\x12DetokenizeResponse\x12\x12\n" +
-	"\x04text\x18\x01 \x01(\tR\x04text\";\n" +
-	"\vChatMessage\x12\x12\n" +
-	"\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n" +
-	"\acontent\x18\x02 \x01(\tR\acontent\"\xa6\x01\n" +
-	"\x18ApplyChatTemplateRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12;\n" +
-	"\bmessages\x18\x02 \x03(\v2\x1f.ferrum.executor.v1.ChatMessageR\bmessages\x122\n" +
+	"\x04text\x18\x01 \x01(\tR\x04text\"Q\n" +
+	"\vChatMessage\x12\x1c\n" +
+	"\x04role\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\x04role\x12$\n" +
+	"\acontent\x18\x02 \x01(\tB\n" +
+	"\xbaH\ar\x05\x18\x80\x80\x80\bR\acontent\"\xbb\x01\n" +
+	"\x18ApplyChatTemplateRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12F\n" +
+	"\bmessages\x18\x02 \x03(\v2\x1f.ferrum.executor.v1.ChatMessageB\t\xbaH\x06\x92\x01\x03\x10\x80 R\bmessages\x122\n" +
 	"\x15add_generation_prompt\x18\x03 \x01(\bR\x13addGenerationPrompt\"L\n" +
 	"\x19ApplyChatTemplateResponse\x12\x12\n" +
 	"\x04text\x18\x01 \x01(\tR\x04text\x12\x1b\n" +
-	"\ttoken_ids\x18\x02 \x03(\x05R\btokenIds\"'\n" +
-	"\bTokenIds\x12\x1b\n" +
-	"\ttoken_ids\x18\x01 \x03(\x05R\btokenIds\"K\n" +
-	"\fChatMessages\x12;\n" +
-	"\bmessages\x18\x01 \x03(\v2\x1f.ferrum.executor.v1.ChatMessageR\bmessages\"\x9b\x01\n" +
+	"\ttoken_ids\x18\x02 \x03(\x05R\btokenIds\"3\n" +
+	"\bTokenIds\x12'\n" +
+	"\ttoken_ids\x18\x01 \x03(\x05B\n" +
+	"\xbaH\a\x92\x01\x04\x10\x80\x80@R\btokenIds\"V\n" +
+	"\fChatMessages\x12F\n" +
+	"\bmessages\x18\x01 \x03(\v2\x1f.ferrum.executor.v1.ChatMessageB\t\xbaH\x06\x92\x01\x03\x10\x80 R\bmessages\"\xb8\x01\n" +
 	"\x0eStopConditions\x12\x1d\n" +
 	"\n" +
-	"max_tokens\x18\x01 \x01(\rR\tmaxTokens\x12$\n" +
-	"\x0estop_token_ids\x18\x02 \x03(\x05R\fstopTokenIds\x12\x1d\n" +
+	"max_tokens\x18\x01 \x01(\rR\tmaxTokens\x12/\n" +
+	"\x0estop_token_ids\x18\x02 \x03(\x05B\t\xbaH\x06\x92\x01\x03\x10\x80\bR\fstopTokenIds\x12\x1d\n" +
 	"\n" +
-	"ignore_eos\x18\x03 \x01(\bR\tignoreEos\x12%\n" +
-	"\x0estop_sequences\x18\x04 \x03(\tR\rstopSequences\"\xf5\x05\n" +
-	"\x0fGenerateRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12;\n" +
-	"\ttoken_ids\x18\x02 \x01(\v2\x1c.ferrum.executor.v1.TokenIdsH\x00R\btokenIds\x12\x14\n" +
-	"\x04text\x18\x03 \x01(\tH\x00R\x04text\x126\n" +
-	"\x04chat\x18\x04 \x01(\v2 .ferrum.executor.v1.ChatMessagesH\x00R\x04chat\x12\x19\n" +
-	"\bcache_id\x18\x05 \x01(\tR\acacheId\x12'\n" +
+	"ignore_eos\x18\x03 \x01(\bR\tignoreEos\x127\n" +
+	"\x0estop_sequences\x18\x04 \x03(\tB\x10\xbaH\r\x92\x01\n" +
+	"\x10\x80\x02\"\x05r\x03\x18\x80\bR\rstopSequences\"\xbd\x06\n" +
+	"\x0fGenerateRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12;\n" +
+	"\ttoken_ids\x18\x02 \x01(\v2\x1c.ferrum.executor.v1.TokenIdsH\x00R\btokenIds\x12 \n" +
+	"\x04text\x18\x03 \x01(\tB\n" +
+	"\xbaH\ar\x05\x18\x80\x80\x80\bH\x00R\x04text\x126\n" +
+	"\x04chat\x18\x04 \x01(\v2 .ferrum.executor.v1.ChatMessagesH\x00R\x04chat\x12#\n" +
+	"\bcache_id\x18\x05 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\acacheId\x12'\n" +
 	"\rlast_token_id\x18\x06 \x01(\x05H\x01R\vlastTokenId\x88\x01\x01\x12>\n" +
 	"\bsampling\x18\a \x01(\v2\".ferrum.executor.v1.SamplingParamsR\bsampling\x126\n" +
 	"\x04stop\x18\b \x01(\v2\".ferrum.executor.v1.StopConditionsR\x04stop\x12!\n" +
 	"\ftop_logprobs\x18\t \x01(\rR\vtopLogprobs\x12\x1d\n" +
 	"\n" +
 	"keep_cache\x18\n" +
-	" \x01(\bR\tkeepCache\x12\x1d\n" +
+	" \x01(\bR\tkeepCache\x12'\n" +
 	"\n" +
-	"request_id\x18\v \x01(\tR\trequestId\x12\x1f\n" +
+	"request_id\x18\v \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\trequestId\x12\x1f\n" +
 	"\vstream_text\x18\f \x01(\bR\n" +
-	"streamText\x12\x1d\n" +
+	"streamText\x12'\n" +
 	"\n" +
-	"cache_salt\x18\r \x01(\tR\tcacheSalt\x12.\n" +
+	"cache_salt\x18\r \x01(\tB\b\xbaH\x05r\x03(\x80\bR\tcacheSalt\x12.\n" +
 	"\x13bypass_prefix_cache\x18\x0e \x01(\bR\x11bypassPrefixCache\x12\f\n" +
-	"\x01n\x18\x0f \x01(\rR\x01n\x12\x18\n" +
-	"\aadapter\x18\x10 \x01(\tR\aadapter\x12!\n" +
-	"\fresume_token\x18\x11 \x01(\tR\vresumeToken\x12H\n" +
+	"\x01n\x18\x0f \x01(\rR\x01n\x12\"\n" +
+	"\aadapter\x18\x10 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\aadapter\x12+\n" +
+	"\fresume_token\x18\x11 \x01(\tB\b\xbaH\x05r\x03\x18\x80\bR\vresumeToken\x12H\n" +
 	"\vspeculation\x18\x12 \x01(\v2&.ferrum.executor.v1.SpeculationOptionsR\vspeculationB\b\n" +
 	"\x06promptB\x10\n" +
 	"\x0e_last_token_id\"\x94\x01\n" +
@@ -8159,12 +8172,12 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x06target\x18\x01 \x01(\tR\x06target\x12!\n" +
 	"\fresume_token\x18\x02 \x01(\tR\vresumeToken\x12)\n" +
 	"\x10generated_tokens\x18\x03 \x01(\rR\x0fgeneratedTokens\x12,\n" +
-	"\x12resume_deadline_ms\x18\x04 \x01(\rR\x10resumeDeadlineMs\"\x7f\n" +
-	"\x15MigrateStreamsRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1d\n" +
+	"\x12resume_deadline_ms\x18\x04 \x01(\rR\x10resumeDeadlineMs\"\x9d\x01\n" +
+	"\x15MigrateStreamsRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12'\n" +
 	"\n" +
-	"request_id\x18\x02 \x01(\tR\trequestId\x12\x16\n" +
-	"\x06target\x18\x03 \x01(\tR\x06target\x12\x14\n" +
+	"request_id\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\trequestId\x12 \n" +
+	"\x06target\x18\x03 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x04R\x06target\x12\x14\n" +
 	"\x05drain\x18\x04 \x01(\bR\x05drain\"\xbd\x02\n" +
 	"\x0fStreamMigration\x12\x1d\n" +
 	"\n" +
@@ -8182,17 +8195,18 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x16MigrateStreamsResponse\x12=\n" +
 	"\astreams\x18\x01 \x03(\v2#.ferrum.executor.v1.StreamMigrationR\astreams\x12\x1a\n" +
 	"\bmigrated\x18\x02 \x01(\rR\bmigrated\x12\x18\n" +
-	"\arefused\x18\x03 \x01(\rR\arefused\"\xfb\x02\n" +
-	"\x16AcceptMigrationRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x124\n" +
+	"\arefused\x18\x03 \x01(\rR\arefused\"\x9b\x03\n" +
+	"\x16AcceptMigrationRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x124\n" +
 	"\x06source\x18\x02 \x01(\v2\x1c.ferrum.executor.v1.KvSourceR\x06source\x12=\n" +
-	"\arequest\x18\x03 \x01(\v2#.ferrum.executor.v1.GenerateRequestR\arequest\x12.\n" +
-	"\x13generated_token_ids\x18\x04 \x03(\x05R\x11generatedTokenIds\x12#\n" +
+	"\arequest\x18\x03 \x01(\v2#.ferrum.executor.v1.GenerateRequestR\arequest\x12:\n" +
+	"\x13generated_token_ids\x18\x04 \x03(\x05B\n" +
+	"\xbaH\a\x92\x01\x04\x10\x80\x80@R\x11generatedTokenIds\x12#\n" +
 	"\rprompt_tokens\x18\x05 \x01(\rR\fpromptTokens\x12)\n" +
 	"\x10constraint_start\x18\x06 \x01(\rR\x0fconstraintStart\x12\x18\n" +
-	"\aprecopy\x18\a \x01(\bR\aprecopy\x12\x1d\n" +
+	"\aprecopy\x18\a \x01(\bR\aprecopy\x12'\n" +
 	"\n" +
-	"precopy_id\x18\b \x01(\tR\tprecopyId\x12\x18\n" +
+	"precopy_id\x18\b \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\tprecopyId\x12\x18\n" +
 	"\aabandon\x18\t \x01(\bR\aabandon\"\xd9\x01\n" +
 	"\x17AcceptMigrationResponse\x12!\n" +
 	"\fresume_token\x18\x01 \x01(\tR\vresumeToken\x12'\n" +
@@ -8231,9 +8245,9 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"fork_cache\x18\n" +
 	" \x01(\v2%.ferrum.executor.v1.ForkCacheResponseH\x00R\tforkCache\x125\n" +
 	"\x05error\x18\x0f \x01(\v2\x1d.ferrum.executor.v1.StepErrorH\x00R\x05errorB\b\n" +
-	"\x06result\")\n" +
-	"\fLoadsRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"T\n" +
+	"\x06result\"3\n" +
+	"\fLoadsRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\"T\n" +
 	"\x0eLatencySummary\x12\x15\n" +
 	"\x06p50_ns\x18\x01 \x01(\x04R\x05p50Ns\x12\x15\n" +
 	"\x06p99_ns\x18\x02 \x01(\x04R\x05p99Ns\x12\x14\n" +
@@ -8264,9 +8278,9 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\rLoadsResponse\x123\n" +
 	"\x05loads\x18\x01 \x03(\v2\x1d.ferrum.executor.v1.ModelLoadR\x05loads\x12 \n" +
 	"\fkv_event_seq\x18\x02 \x01(\x04R\n" +
-	"kvEventSeq\".\n" +
-	"\x11ListCachesRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"k\n" +
+	"kvEventSeq\"8\n" +
+	"\x11ListCachesRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\"k\n" +
 	"\x12ListCachesResponse\x129\n" +
 	"\x06caches\x18\x01 \x03(\v2!.ferrum.executor.v1.KvCacheHandleR\x06caches\x12\x1a\n" +
 	"\tas_of_seq\x18\x02 \x01(\x04R\aasOfSeq\"\xc7\x01\n" +
@@ -8278,9 +8292,9 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\n" +
 	"num_tokens\x18\x05 \x01(\x04R\tnumTokens\x12 \n" +
 	"\ftime_unix_ns\x18\x06 \x01(\x03R\n" +
-	"timeUnixNs\"\x94\x01\n" +
-	"\x18SubscribeKvEventsRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1e\n" +
+	"timeUnixNs\"\x9e\x01\n" +
+	"\x18SubscribeKvEventsRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12\x1e\n" +
 	"\bfrom_seq\x18\x02 \x01(\x04H\x00R\afromSeq\x88\x01\x01\x120\n" +
 	"\x14include_block_events\x18\x03 \x01(\bR\x12includeBlockEventsB\v\n" +
 	"\t_from_seq\"\xb4\x01\n" +
@@ -8312,26 +8326,26 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x0fresync_required\x18\x02 \x01(\v2\".ferrum.executor.v1.ResyncRequiredH\x00R\x0eresyncRequired\x12C\n" +
 	"\vblock_event\x18\x03 \x01(\v2 .ferrum.executor.v1.KvBlockEventH\x00R\n" +
 	"blockEventB\t\n" +
-	"\amessage\"q\n" +
-	"\fAbortRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1f\n" +
+	"\amessage\"\x8f\x01\n" +
+	"\fAbortRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12)\n" +
 	"\n" +
-	"request_id\x18\x02 \x01(\tH\x00R\trequestId\x12\x1b\n" +
-	"\bcache_id\x18\x03 \x01(\tH\x00R\acacheIdB\b\n" +
+	"request_id\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02H\x00R\trequestId\x12%\n" +
+	"\bcache_id\x18\x03 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02H\x00R\acacheIdB\b\n" +
 	"\x06target\"_\n" +
 	"\rAbortResponse\x12'\n" +
 	"\x0faborted_streams\x18\x01 \x01(\rR\x0eabortedStreams\x12%\n" +
-	"\x0ereleased_cache\x18\x02 \x01(\bR\rreleasedCache\"\xa9\x01\n" +
-	"\x0fExportKvRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x19\n" +
-	"\bcache_id\x18\x02 \x01(\tR\acacheId\x12\x1d\n" +
+	"\x0ereleased_cache\x18\x02 \x01(\bR\rreleasedCache\"\xbd\x01\n" +
+	"\x0fExportKvRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12#\n" +
+	"\bcache_id\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\acacheId\x12\x1d\n" +
 	"\n" +
 	"from_token\x18\x03 \x01(\x04R\tfromToken\x12\x19\n" +
 	"\bto_token\x18\x04 \x01(\x04R\atoToken\x12&\n" +
-	"\x0fmax_chunk_bytes\x18\x05 \x01(\rR\rmaxChunkBytes\"\x8f\x05\n" +
-	"\x10KvTransferHeader\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12 \n" +
-	"\vfingerprint\x18\x02 \x01(\tR\vfingerprint\x127\n" +
+	"\x0fmax_chunk_bytes\x18\x05 \x01(\rR\rmaxChunkBytes\"\xed\x05\n" +
+	"\x10KvTransferHeader\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12*\n" +
+	"\vfingerprint\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\vfingerprint\x127\n" +
 	"\bkv_dtype\x18\x03 \x01(\x0e2\x1c.ferrum.executor.v1.DataTypeR\akvDtype\x12\x1d\n" +
 	"\n" +
 	"num_layers\x18\x04 \x01(\rR\tnumLayers\x12 \n" +
@@ -8339,9 +8353,11 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"numKvHeads\x12\x19\n" +
 	"\bhead_dim\x18\x06 \x01(\rR\aheadDim\x12\x1c\n" +
 	"\n" +
-	"v_head_dim\x18\a \x01(\rR\bvHeadDim\x12\x1b\n" +
-	"\ttoken_ids\x18\b \x03(\x05R\btokenIds\x12\x1c\n" +
-	"\tpositions\x18\t \x03(\x04R\tpositions\x12\x1d\n" +
+	"v_head_dim\x18\a \x01(\rR\bvHeadDim\x12'\n" +
+	"\ttoken_ids\x18\b \x03(\x05B\n" +
+	"\xbaH\a\x92\x01\x04\x10\x80\x80@R\btokenIds\x12(\n" +
+	"\tpositions\x18\t \x03(\x04B\n" +
+	"\xbaH\a\x92\x01\x04\x10\x80\x80@R\tpositions\x12\x1d\n" +
 	"\n" +
 	"from_token\x18\n" +
 	" \x01(\x04R\tfromToken\x12\x19\n" +
@@ -8349,43 +8365,45 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\n" +
 	"num_chunks\x18\f \x01(\rR\tnumChunks\x12\x1f\n" +
 	"\vtotal_bytes\x18\r \x01(\x04R\n" +
-	"totalBytes\x12\x1a\n" +
-	"\bexecutor\x18\x0e \x01(\tR\bexecutor\x12-\n" +
-	"\x12checksum_algorithm\x18\x0f \x01(\tR\x11checksumAlgorithm\x12!\n" +
-	"\fstate_format\x18\x10 \x01(\tR\vstateFormat\x12\x18\n" +
-	"\aadapter\x18\x11 \x01(\tR\aadapter\x12%\n" +
-	"\x0eadapter_digest\x18\x12 \x01(\tR\radapterDigest\x12'\n" +
-	"\x0fcaller_supplied\x18\x13 \x01(\bR\x0ecallerSupplied\"\xb7\x01\n" +
+	"totalBytes\x12$\n" +
+	"\bexecutor\x18\x0e \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\bexecutor\x127\n" +
+	"\x12checksum_algorithm\x18\x0f \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\x11checksumAlgorithm\x12+\n" +
+	"\fstate_format\x18\x10 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\vstateFormat\x12\"\n" +
+	"\aadapter\x18\x11 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\aadapter\x12/\n" +
+	"\x0eadapter_digest\x18\x12 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\radapterDigest\x12'\n" +
+	"\x0fcaller_supplied\x18\x13 \x01(\bR\x0ecallerSupplied\"\xcf\x01\n" +
 	"\aKvChunk\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\rR\x05index\x12\x14\n" +
 	"\x05layer\x18\x02 \x01(\rR\x05layer\x12\x1f\n" +
 	"\vtoken_start\x18\x03 \x01(\x04R\n" +
 	"tokenStart\x12\x1b\n" +
-	"\ttoken_end\x18\x04 \x01(\x04R\btokenEnd\x12\x10\n" +
-	"\x03key\x18\x05 \x01(\fR\x03key\x12\x14\n" +
-	"\x05value\x18\x06 \x01(\fR\x05value\x12\x1a\n" +
+	"\ttoken_end\x18\x04 \x01(\x04R\btokenEnd\x12\x1c\n" +
+	"\x03key\x18\x05 \x01(\fB\n" +
+	"\xbaH\az\x05\x18\x80\x80\x80 R\x03key\x12 \n" +
+	"\x05value\x18\x06 \x01(\fB\n" +
+	"\xbaH\az\x05\x18\x80\x80\x80 R\x05value\x12\x1a\n" +
 	"\bchecksum\x18\a \x01(\rR\bchecksum\"\x92\x01\n" +
 	"\x10ExportKvResponse\x12>\n" +
 	"\x06header\x18\x01 \x01(\v2$.ferrum.executor.v1.KvTransferHeaderH\x00R\x06header\x123\n" +
 	"\x05chunk\x18\x02 \x01(\v2\x1b.ferrum.executor.v1.KvChunkH\x00R\x05chunkB\t\n" +
-	"\amessage\"\xcc\x01\n" +
-	"\bKvSource\x12\x16\n" +
-	"\x06target\x18\x01 \x01(\tR\x06target\x12\x19\n" +
-	"\bcache_id\x18\x02 \x01(\tR\acacheId\x12\x19\n" +
-	"\bmodel_id\x18\x03 \x01(\tR\amodelId\x12\x1d\n" +
+	"\amessage\"\xea\x01\n" +
+	"\bKvSource\x12 \n" +
+	"\x06target\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x04R\x06target\x12#\n" +
+	"\bcache_id\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\acacheId\x12#\n" +
+	"\bmodel_id\x18\x03 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12\x1d\n" +
 	"\n" +
 	"from_token\x18\x04 \x01(\x04R\tfromToken\x12\x19\n" +
 	"\bto_token\x18\x05 \x01(\x04R\atoToken\x12\x10\n" +
 	"\x03tls\x18\x06 \x01(\bR\x03tls\x12&\n" +
-	"\x0fmax_chunk_bytes\x18\a \x01(\rR\rmaxChunkBytes\"\xc4\x02\n" +
-	"\x0fImportKvRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12%\n" +
-	"\x0ereserve_tokens\x18\x02 \x01(\x04R\rreserveTokens\x12\x1d\n" +
+	"\x0fmax_chunk_bytes\x18\a \x01(\rR\rmaxChunkBytes\"\xe2\x02\n" +
+	"\x0fImportKvRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12%\n" +
+	"\x0ereserve_tokens\x18\x02 \x01(\x04R\rreserveTokens\x12'\n" +
 	"\n" +
-	"cache_salt\x18\x03 \x01(\tR\tcacheSalt\x124\n" +
-	"\x06source\x18\x04 \x01(\v2\x1c.ferrum.executor.v1.KvSourceR\x06source\x12\x1d\n" +
+	"cache_salt\x18\x03 \x01(\tB\b\xbaH\x05r\x03(\x80\bR\tcacheSalt\x124\n" +
+	"\x06source\x18\x04 \x01(\v2\x1c.ferrum.executor.v1.KvSourceR\x06source\x12'\n" +
 	"\n" +
-	"request_id\x18\x05 \x01(\tR\trequestId\x12>\n" +
+	"request_id\x18\x05 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\trequestId\x12>\n" +
 	"\x06header\x18\x06 \x01(\v2$.ferrum.executor.v1.KvTransferHeaderH\x00R\x06header\x123\n" +
 	"\x05chunk\x18\a \x01(\v2\x1b.ferrum.executor.v1.KvChunkH\x00R\x05chunkB\x06\n" +
 	"\x04data\"\xe8\x01\n" +
@@ -8396,23 +8414,23 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x06chunks\x18\x04 \x01(\rR\x06chunks\x12#\n" +
 	"\rcached_blocks\x18\x05 \x01(\rR\fcachedBlocks\x12\x1f\n" +
 	"\vtransfer_ns\x18\x06 \x01(\x04R\n" +
-	"transferNs\"W\n" +
-	"\x12LoadAdapterRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x12\n" +
-	"\x04name\x18\x02 \x01(\tR\x04name\x12\x12\n" +
-	"\x04path\x18\x03 \x01(\tR\x04path\"\x81\x01\n" +
+	"transferNs\"u\n" +
+	"\x12LoadAdapterRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12\x1c\n" +
+	"\x04name\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\x04name\x12\x1c\n" +
+	"\x04path\x18\x03 \x01(\tB\b\xbaH\x05r\x03\x18\x80 R\x04path\"\x81\x01\n" +
 	"\x13LoadAdapterResponse\x129\n" +
 	"\aadapter\x18\x01 \x01(\v2\x1f.ferrum.executor.v1.AdapterInfoR\aadapter\x12\x16\n" +
 	"\x06loaded\x18\x02 \x01(\bR\x06loaded\x12\x17\n" +
-	"\aload_ns\x18\x03 \x01(\x04R\x06loadNs\"E\n" +
-	"\x14UnloadAdapterRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x12\n" +
-	"\x04name\x18\x02 \x01(\tR\x04name\"Z\n" +
+	"\aload_ns\x18\x03 \x01(\x04R\x06loadNs\"Y\n" +
+	"\x14UnloadAdapterRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12\x1c\n" +
+	"\x04name\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\x04name\"Z\n" +
 	"\x15UnloadAdapterResponse\x12\x1a\n" +
 	"\bunloaded\x18\x01 \x01(\bR\bunloaded\x12%\n" +
-	"\x0edropped_blocks\x18\x02 \x01(\rR\rdroppedBlocks\"0\n" +
-	"\x13ListAdaptersRequest\x12\x19\n" +
-	"\bmodel_id\x18\x01 \x01(\tR\amodelId\"S\n" +
+	"\x0edropped_blocks\x18\x02 \x01(\rR\rdroppedBlocks\":\n" +
+	"\x13ListAdaptersRequest\x12#\n" +
+	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\"S\n" +
 	"\x14ListAdaptersResponse\x12;\n" +
 	"\badapters\x18\x01 \x03(\v2\x1f.ferrum.executor.v1.AdapterInfoR\badapters\"\xbd\x02\n" +
 	"\vAdapterInfo\x12\x19\n" +

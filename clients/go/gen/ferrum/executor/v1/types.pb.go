@@ -24,6 +24,7 @@
 package executorv1
 
 import (
+	_ "buf.build/gen/go/bufbuild/protovalidate/protocolbuffers/go/buf/validate"
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	structpb "google.golang.org/protobuf/types/known/structpb"
@@ -2869,11 +2870,12 @@ var File_ferrum_executor_v1_types_proto protoreflect.FileDescriptor
 
 const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\n" +
-	"\x1eferrum/executor/v1/types.proto\x12\x12ferrum.executor.v1\x1a\x1cgoogle/protobuf/struct.proto\"f\n" +
+	"\x1eferrum/executor/v1/types.proto\x12\x12ferrum.executor.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1cgoogle/protobuf/struct.proto\"|\n" +
 	"\x06Tensor\x122\n" +
-	"\x05dtype\x18\x01 \x01(\x0e2\x1c.ferrum.executor.v1.DataTypeR\x05dtype\x12\x14\n" +
-	"\x05shape\x18\x02 \x03(\x03R\x05shape\x12\x12\n" +
-	"\x04data\x18\x03 \x01(\fR\x04data\"\xb0\x06\n" +
+	"\x05dtype\x18\x01 \x01(\x0e2\x1c.ferrum.executor.v1.DataTypeR\x05dtype\x12\x1e\n" +
+	"\x05shape\x18\x02 \x03(\x03B\b\xbaH\x05\x92\x01\x02\x10\bR\x05shape\x12\x1e\n" +
+	"\x04data\x18\x03 \x01(\fB\n" +
+	"\xbaH\az\x05\x18\x80\x80\x80 R\x04data\"\xb0\x06\n" +
 	"\tModelInfo\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12<\n" +
 	"\n" +
@@ -3016,9 +3018,9 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\x13_per_request_tokens\"\x8d\x01\n" +
 	"\x17ExecutorAdmissionLimits\x128\n" +
 	"\x18maximum_active_sequences\x18\x01 \x01(\rR\x16maximumActiveSequences\x128\n" +
-	"\x18maximum_scheduled_tokens\x18\x02 \x01(\x04R\x16maximumScheduledTokens\"\xbc\x01\n" +
-	"\rKvSlotRequest\x12\x19\n" +
-	"\bcache_id\x18\x01 \x01(\tR\acacheId\x12\x1d\n" +
+	"\x18maximum_scheduled_tokens\x18\x02 \x01(\x04R\x16maximumScheduledTokens\"\xc6\x01\n" +
+	"\rKvSlotRequest\x12#\n" +
+	"\bcache_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\acacheId\x12\x1d\n" +
 	"\n" +
 	"target_len\x18\x02 \x01(\x04R\ttargetLen\x125\n" +
 	"\x14admission_target_len\x18\x03 \x01(\x04H\x00R\x12admissionTargetLen\x88\x01\x01\x12!\n" +
@@ -3043,34 +3045,35 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"block_size\x18\x01 \x01(\x04R\tblockSize\x12!\n" +
 	"\ftotal_blocks\x18\x02 \x01(\x04R\vtotalBlocks\x12\x1f\n" +
 	"\vfree_blocks\x18\x03 \x01(\x04R\n" +
-	"freeBlocks\"\xfe\x02\n" +
+	"freeBlocks\"\x95\x03\n" +
 	"\x0eSamplingParams\x12 \n" +
 	"\vtemperature\x18\x01 \x01(\x02R\vtemperature\x12\x13\n" +
 	"\x05top_k\x18\x02 \x01(\rR\x04topK\x12\x18\n" +
 	"\x05top_p\x18\x03 \x01(\x02H\x00R\x04topP\x88\x01\x01\x12\x13\n" +
 	"\x05min_p\x18\x04 \x01(\x02R\x04minP\x122\n" +
-	"\x12repetition_penalty\x18\x05 \x01(\x02H\x01R\x11repetitionPenalty\x88\x01\x01\x12*\n" +
-	"\x11penalty_token_ids\x18\x06 \x03(\x05R\x0fpenaltyTokenIds\x12\x17\n" +
-	"\x04seed\x18\a \x01(\x04H\x02R\x04seed\x88\x01\x01\x12\x1d\n" +
+	"\x12repetition_penalty\x18\x05 \x01(\x02H\x01R\x11repetitionPenalty\x88\x01\x01\x126\n" +
+	"\x11penalty_token_ids\x18\x06 \x03(\x05B\n" +
+	"\xbaH\a\x92\x01\x04\x10\x80\x80\x10R\x0fpenaltyTokenIds\x12\x17\n" +
+	"\x04seed\x18\a \x01(\x04H\x02R\x04seed\x88\x01\x01\x12(\n" +
 	"\n" +
-	"token_mask\x18\b \x01(\fR\ttokenMask\x12D\n" +
+	"token_mask\x18\b \x01(\fB\t\xbaH\x06z\x04\x18\x80\x80\x10R\ttokenMask\x12D\n" +
 	"\n" +
 	"constraint\x18\t \x01(\v2$.ferrum.executor.v1.OutputConstraintR\n" +
 	"constraintB\b\n" +
 	"\x06_top_pB\x15\n" +
 	"\x13_repetition_penaltyB\a\n" +
-	"\x05_seed\"\xd9\x01\n" +
-	"\x10OutputConstraint\x12!\n" +
-	"\vjson_schema\x18\x01 \x01(\tH\x00R\n" +
-	"jsonSchema\x12\x16\n" +
-	"\x05regex\x18\x02 \x01(\tH\x00R\x05regex\x12#\n" +
-	"\febnf_grammar\x18\x03 \x01(\tH\x00R\vebnfGrammar\x128\n" +
-	"\x06choice\x18\x04 \x01(\v2\x1e.ferrum.executor.v1.ChoiceListH\x00R\x06choice\x12#\n" +
-	"\flark_grammar\x18\x05 \x01(\tH\x00R\vlarkGrammarB\x06\n" +
-	"\x04kind\"&\n" +
+	"\x05_seed\"\x85\x02\n" +
+	"\x10OutputConstraint\x12,\n" +
+	"\vjson_schema\x18\x01 \x01(\tB\t\xbaH\x06r\x04(\x80\x80\x04H\x00R\n" +
+	"jsonSchema\x12!\n" +
+	"\x05regex\x18\x02 \x01(\tB\t\xbaH\x06r\x04(\x80\x80\x04H\x00R\x05regex\x12.\n" +
+	"\febnf_grammar\x18\x03 \x01(\tB\t\xbaH\x06r\x04(\x80\x80\x04H\x00R\vebnfGrammar\x128\n" +
+	"\x06choice\x18\x04 \x01(\v2\x1e.ferrum.executor.v1.ChoiceListH\x00R\x06choice\x12.\n" +
+	"\flark_grammar\x18\x05 \x01(\tB\t\xbaH\x06r\x04(\x80\x80\x04H\x00R\vlarkGrammarB\x06\n" +
+	"\x04kind\"9\n" +
 	"\n" +
-	"ChoiceList\x12\x18\n" +
-	"\achoices\x18\x01 \x03(\tR\achoices\"\xe6\x01\n" +
+	"ChoiceList\x12+\n" +
+	"\achoices\x18\x01 \x03(\tB\x11\xbaH\x0e\x92\x01\v\x10\x80 \"\x06r\x04(\x80\x80\x04R\achoices\"\xe6\x01\n" +
 	"\fLogitsPolicy\x122\n" +
 	"\x04mode\x18\x01 \x01(\x0e2\x1e.ferrum.executor.v1.OutputModeR\x04mode\x12>\n" +
 	"\bsampling\x18\x02 \x01(\v2\".ferrum.executor.v1.SamplingParamsR\bsampling\x12!\n" +

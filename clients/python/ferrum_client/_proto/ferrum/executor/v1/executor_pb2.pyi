@@ -1,3 +1,4 @@
+from ferrum_client._proto.buf.validate import validate_pb2 as _validate_pb2
 from ferrum_client._proto.ferrum.executor.v1 import types_pb2 as _types_pb2
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
