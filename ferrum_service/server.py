@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import grpc
 import structlog
-from ferrum_client._proto.ferrum.executor.v1 import executor_pb2, executor_pb2_grpc
+from ferrum_client._proto.ferrum.executor.v1 import executor_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2
 
 from .core.callers import CallerActivity
 from .core.modes import Role
@@ -36,7 +36,7 @@ from .hosting.progress import StallWatch
 from .wire import tracing
 from .wire.auth import AuthInterceptor, is_admin_call
 from .wire.leases import LeaseReaper
-from .wire.limits import guarded
+from .wire.limits import add_guarded
 from .wire.metrics import Metrics
 from .wire.operations import Operations
 from .wire.reflection import enable_reflection
@@ -197,14 +197,12 @@ class Server:
         self.grpc = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
         # Every request is checked against the declared size limits before its handler runs (limits.py).
         refused = self.servicer.refused
-        executor_pb2_grpc.add_ModelExecutorServicer_to_server(
-            guarded(self.servicer, executor_pb2.DESCRIPTOR.services_by_name["ModelExecutor"], on_refusal=refused),
-            self.grpc)
+        add_guarded(self.grpc, self.servicer, executor_pb2.DESCRIPTOR.services_by_name["ModelExecutor"],
+                    on_refusal=refused)
         # vLLM's engine protocol on the same port, for gateways that drive vLLM workers (vllm_engine.py)
         self.vllm = VllmEngineServicer(self.servicer)
-        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-            guarded(self.vllm, vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"], VLLM_LIMITS,
-                    rpc_prefix="VllmEngine.", on_refusal=refused), self.grpc)
+        add_guarded(self.grpc, self.vllm, vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"], VLLM_LIMITS,
+                    rpc_prefix="VllmEngine.", on_refusal=refused)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         if cfg.reflection:
             enable_reflection(self.grpc, (SERVICE_NAME, VLLM_SERVICE_NAME,

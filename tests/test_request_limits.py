@@ -7,7 +7,8 @@
   server-streaming, client-streaming and bidi RPCs of both services, before any conversion (an
   over-long id list that also holds an id outside the vocabulary is refused for its length).
 * A ~60 MiB request (under the 64 MiB message limit) is refused while another caller's ``Loads``
-  every 50 ms never takes more than 0.5 s.
+  every 50 ms never takes more than 0.5 s: longer than its bounds allow, it is never parsed (30M
+  empty request ids cost ~2 s of parsing on the event loop otherwise).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from ferrum_client import FerrumRpcError, pb, tpb
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
-from ferrum_service.core.request_limits import declared, limit_of, unbounded_fields
+from ferrum_service.core.request_limits import declared, limit_of, max_encoded_bytes, unbounded_fields
 from ferrum_service.core.settings import default
 from ferrum_service.executors import StubModelExecutor
 from ferrum_service.wire.vllm_limits import VLLM_LIMITS
@@ -59,6 +60,28 @@ def test_the_bounds_come_from_the_contract():
     assert VLLM_LIMITS["vllm.grpc.engine.TokenizedInput"]["input_ids"].count == limit_of(pb.TokenIds, "token_ids")
     assert VLLM_LIMITS["vllm.grpc.engine.SamplingParams"]["stop"] == \
         declared(pb.StopConditions.DESCRIPTOR.fields_by_name["stop_sequences"])
+
+
+def test_a_request_at_every_bound_fits_the_encoding_bound():
+    """Nothing within its bounds is refused unparsed: requests filled to every bound (4-byte
+    characters, the largest varints) encode within ``max_encoded_bytes``."""
+    big = "\U0001F600"
+    reqs = [
+        (vpb.AbortRequest(request_ids=[big * 256] * 1024), VLLM_LIMITS),
+        (pb.DetokenizeRequest(model_id=big * 256, token_ids=[-1] * (1 << 18)), {}),
+        (pb.ReserveKvSlotsRequest(model_id=big * 256, requests=[tpb.KvSlotRequest(
+            cache_id=big * 256, target_len=2**64 - 1, admission_target_len=2**64 - 1, new_sequence=True)] * 1024), {}),
+    ]
+    d = pb.DecodeRequest(model_id=big * 256, client_step_id=big * 256)
+    d.input.cache_id, d.input.token_id, d.input.position = big * 256, -1, 2**64 - 1
+    sp = d.input.logits.sampling
+    sp.penalty_token_ids.extend([-1] * (1 << 18))
+    sp.token_mask = b"\xff" * (1 << 18)
+    sp.constraint.choice.choices.extend(["x" * 1024] * 4096)
+    d.input.metadata.update({f"{i:064d}": "v" * 200 for i in range(64)})
+    reqs.append((d, {}))
+    for req, table in reqs:
+        assert req.ByteSize() <= max_encoded_bytes(req.DESCRIPTOR, table), req.DESCRIPTOR.name
 
 
 # ---- refusals on a real server ----------------------------------------------------------------------
@@ -179,18 +202,22 @@ def test_the_message_limit_is_64_mib():
     assert default("max_message_bytes") == 64 << 20
 
 
-@pytest.mark.parametrize("rpc", ["vllm-abort", "detokenize"])
+#: ~60 MiB requests (under the 64 MiB message limit) and the field each is refused for ("": the
+#: whole request, longer than its bounds allow, refused unparsed).
+FLOODS = {
+    "vllm-abort-ids": ("", lambda: vpb.AbortRequest(request_ids=["abcdefgh"] * 6_000_000)),
+    "vllm-abort-empty-ids": ("", lambda: vpb.AbortRequest(request_ids=[""] * 30_000_000)),
+    "detokenize": ("", lambda: pb.DetokenizeRequest(model_id="stub", token_ids=[1 << 21] * 15_000_000)),
+}
+
+
+@pytest.mark.parametrize("rpc", list(FLOODS))
 def test_a_64_mib_request_is_refused_without_stalling_another_caller(server, channel, stub, engine, rpc):
-    """~60 MiB of ids (under the 64 MiB message limit): refused INVALID_ARGUMENT while another
-    caller's ``Loads`` every 50 ms is answered within 0.5 s each."""
-    if rpc == "vllm-abort":
-        req = vpb.AbortRequest()
-        req.request_ids.extend(["abcdefgh"] * 6_000_000)  # 10 bytes each on the wire
-        send, field = engine.Abort, "request_ids"
-    else:
-        req = pb.DetokenizeRequest(model_id="stub")
-        req.token_ids.extend([1 << 21] * 15_000_000)  # 4 bytes each (a varint)
-        send, field = stub.Detokenize, "token_ids"
+    """A ~60 MiB request is refused INVALID_ARGUMENT while another caller's ``Loads`` every 50 ms
+    is answered within 0.5 s each."""
+    field, make = FLOODS[rpc]
+    req = make()
+    send = {"vllm": engine.Abort, "detokenize": stub.Detokenize}[rpc.split("-")[0]]
     assert 56 << 20 < req.ByteSize() < 64 << 20
     worst = [0.0]
     stop = threading.Event()
@@ -217,5 +244,6 @@ def test_a_64_mib_request_is_refused_without_stalling_another_caller(server, cha
         time.sleep(0.3)
         stop.set()
         t.join(15)
+    print(f"{rpc}: worst Loads {worst[0] * 1e3:.0f} ms")
     assert worst[0] < 0.5, f"another caller's Loads took {worst[0]:.3f} s"
     assert outcome is not None and outcome.code == INV and outcome.field == field, outcome

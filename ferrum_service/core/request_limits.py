@@ -143,6 +143,60 @@ def unbounded_fields(root: Descriptor, table: Table = {}) -> list[str]:  # noqa:
     return missing
 
 
+# ---- the largest encoding within the bounds ------------------------------------------------------
+#: Encoded bytes a bounded ``google.protobuf.Struct`` field may take (its key count is declared; its
+#: nested values are not, and the server never reads them): the proto comment says so too.
+STRUCT_BYTES = 64 * 1024
+_HEAD = 10  # a field's tag and length prefix, at most
+_FIXED = {FieldDescriptor.TYPE_DOUBLE: 8, FieldDescriptor.TYPE_FIXED64: 8, FieldDescriptor.TYPE_SFIXED64: 8,
+          FieldDescriptor.TYPE_FLOAT: 4, FieldDescriptor.TYPE_FIXED32: 4, FieldDescriptor.TYPE_SFIXED32: 4,
+          FieldDescriptor.TYPE_BOOL: 1}
+
+
+def max_encoded_bytes(desc: Descriptor, table: Table = {}, _seen: frozenset = frozenset()) -> int | None:  # noqa: B006
+    """The most bytes a message of ``desc`` within every declared bound can take on the wire (an
+    over-estimate), or None when something in it is unbounded. A request longer than this is over
+    some bound, so it can be refused before it is parsed: parsing tens of millions of tiny items
+    costs seconds of the event loop before any check could look at them."""
+    if desc.full_name in _seen:
+        return None
+    seen = _seen | {desc.full_name}
+    total = 0
+    for f in desc.fields:
+        b = declared(f, table)
+        if _is_map(f):
+            key, val = (f.message_type.fields_by_name[k] for k in ("key", "value"))
+            one = _value_bytes(key, Bound(chars=b.key_chars), table, seen)
+            two = _value_bytes(val, b, table, seen)
+            if not b.count or one is None or two is None:
+                return None
+            total += b.count * (_HEAD + one + two)
+            continue
+        one = _value_bytes(f, b, table, seen)
+        if one is None or (_repeated(f) and not b.count):
+            return None
+        if not _repeated(f):
+            total += _HEAD + one
+        elif f.message_type is None and f.type not in (_STRING, _BYTES):  # packed: one head
+            total += _HEAD + b.count * one
+        else:
+            total += b.count * (_HEAD + one)
+    return total
+
+
+def _value_bytes(f: FieldDescriptor, b: Bound, table: Table, seen: frozenset) -> int | None:
+    """The most bytes one value of ``f`` takes (without its tag)."""
+    if f.type == _STRING:
+        return (b.bytes or 4 * b.chars) or None
+    if f.type == _BYTES:
+        return b.bytes or None
+    if f.message_type is not None:
+        if _opaque(f.message_type):
+            return STRUCT_BYTES if f.message_type.full_name == "google.protobuf.Struct" and b.count else None
+        return max_encoded_bytes(f.message_type, table, seen)
+    return _FIXED.get(f.type, 10)
+
+
 # ---- the checks -----------------------------------------------------------------------------------
 class _Over(Exception):
     """A value over its bound; ``path`` grows outward as the check unwinds (only on failure)."""
@@ -277,4 +331,5 @@ def _refusing(inner: Check) -> Check:
     return check
 
 
-__all__ = ["Bound", "Check", "Table", "compile_checks", "declared", "limit_of", "unbounded_fields"]
+__all__ = ["STRUCT_BYTES", "Bound", "Check", "Table", "compile_checks", "declared", "limit_of",
+           "max_encoded_bytes", "unbounded_fields"]

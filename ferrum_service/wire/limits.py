@@ -2,10 +2,10 @@
 
 The limits are declared once (``buf.validate`` annotations in the contract's ``.proto`` files; the
 table of :mod:`.vllm_limits` for vLLM's protocol) and compiled into ``len()`` checks at start-up
-(``core/request_limits.py``). :func:`guarded` wraps a servicer so that each method, unary or
-streaming, checks each request message before its handler sees it; one over a bound ends the call
-with INVALID_ARGUMENT naming the field path and its limit (a refused message of a request stream
-ends the stream).
+(``core/request_limits.py``). :func:`add_guarded` registers a servicer so that each method,
+unary or streaming, checks each request message before its handler sees it; one over a bound ends
+the call with INVALID_ARGUMENT naming the field path and its limit (a refused message of a request
+stream ends the stream). A request longer than the most its bounds allow is refused unparsed.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import inspect
 import time
 from typing import Callable
 
+import grpc
 from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message_factory import GetMessageClass
 from grpc_status import rpc_status
 
 from ..core import errors
-from ..core.request_limits import Check, Table, compile_checks
+from ..core.request_limits import Check, Table, compile_checks, max_encoded_bytes
 from .convert import status_of
 
 
@@ -26,23 +28,62 @@ from .convert import status_of
 Refused = Callable[[str, errors.FerrumError, float], None]
 
 
-def guarded(servicer, service: ServiceDescriptor, table: Table = {}, *, rpc_prefix: str = "",  # noqa: B006
-            on_refusal: Refused | None = None):
-    """A stand-in for ``servicer`` to register with gRPC: each method of ``service`` checks its
-    request (each message of a request stream) against the declared bounds (``table`` adds bounds
-    the descriptors lack) before the handler runs, and ends the call with the check's
-    INVALID_ARGUMENT status. ``on_refusal(rpc, error, seconds)`` counts and logs a refusal (the
-    RPC's name is ``rpc_prefix`` + the method's)."""
+#: Requests up to this size are always parsed (a parse this small costs at most tens of ms, and
+#: leaves room for fields a newer client adds to a message we think empty).
+PARSE_FREE_BYTES = 1 << 20
+
+
+class Oversized:
+    """Stands in for a request longer than any within its declared bounds: never parsed."""
+
+    __slots__ = ("name", "size", "most")
+
+    def __init__(self, name: str, size: int, most: int) -> None:
+        self.name, self.size, self.most = name, size, most
+
+    def error(self) -> errors.FerrumError:
+        return errors.invalid(f"the {self.name} is {self.size} bytes; within its declared limits it is at most "
+                              f"{self.most} bytes", limit=self.most, requested=self.size)
+
+
+def _parser(cls, most: int | None):
+    """``cls.FromString``, or one that answers :class:`Oversized` for a request past ``most``
+    bytes without parsing it (tens of millions of tiny items cost seconds of the event loop)."""
+    if most is None:
+        return cls.FromString
+    limit, name, parse = max(most, PARSE_FREE_BYTES), cls.DESCRIPTOR.name, cls.FromString
+
+    def parse_bounded(raw: bytes):
+        return Oversized(name, len(raw), limit) if len(raw) > limit else parse(raw)
+    return parse_bounded
+
+
+_HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def add_guarded(server, servicer, service: ServiceDescriptor, table: Table = {}, *,  # noqa: B006
+                rpc_prefix: str = "", on_refusal: Refused | None = None) -> None:
+    """Register ``servicer`` for ``service`` on ``server`` (as the generated ``add_..._to_server``
+    does) with every method guarded: a request longer than the most its declared bounds allow is
+    refused unparsed; every other is checked against the bounds (``table`` adds bounds the
+    descriptors lack) before the handler runs. A refusal ends the call INVALID_ARGUMENT naming the
+    field and its limit; ``on_refusal(rpc, error, seconds)`` counts and logs it (the RPC's name is
+    ``rpc_prefix`` + the method's). A refused message of a request stream ends the stream."""
     checks = compile_checks(service, table)
-    methods = {}
-    for method in service.methods:
-        fn = getattr(servicer, method.name)
-        check = checks.get(method.name)
-        if check is not None:
-            fn = _wrap(fn, check, rpc_prefix + method.name, method.client_streaming, method.server_streaming,
-                       on_refusal)
-        methods[method.name] = fn
-    return type(f"Guarded{type(servicer).__name__}", (), {k: staticmethod(v) for k, v in methods.items()})()
+    handlers = {}
+    for m in service.methods:
+        fn = _wrap(getattr(servicer, m.name), checks.get(m.name, _nothing), rpc_prefix + m.name,
+                   m.client_streaming, m.server_streaming, on_refusal)
+        handlers[m.name] = _HANDLERS[m.client_streaming, m.server_streaming](
+            fn, request_deserializer=_parser(GetMessageClass(m.input_type), max_encoded_bytes(m.input_type, table)),
+            response_serializer=GetMessageClass(m.output_type).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _nothing(request) -> None:
+    """The check of a request without bounded fields."""
 
 
 async def _refuse(context, rpc: str, e: errors.FerrumError, t0: float, on_refusal: Refused | None) -> None:
@@ -57,6 +98,8 @@ def _wrap(fn, check: Check, rpc: str, client_streaming: bool, server_streaming: 
         """Return when ``request`` is within its bounds; else end the call (AbortError)."""
         t0 = time.perf_counter()
         try:
+            if request.__class__ is Oversized:
+                raise request.error()
             check(request)
         except errors.FerrumError as e:
             await _refuse(context, rpc, e, t0, on_refusal)
@@ -104,4 +147,4 @@ def _wrap(fn, check: Check, rpc: str, client_streaming: bool, server_streaming: 
     return unary_unary_sync
 
 
-__all__ = ["guarded"]
+__all__ = ["PARSE_FREE_BYTES", "Oversized", "add_guarded"]

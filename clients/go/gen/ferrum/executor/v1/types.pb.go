@@ -2870,10 +2870,11 @@ var File_ferrum_executor_v1_types_proto protoreflect.FileDescriptor
 
 const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\n" +
-	"\x1eferrum/executor/v1/types.proto\x12\x12ferrum.executor.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1cgoogle/protobuf/struct.proto\"|\n" +
+	"\x1eferrum/executor/v1/types.proto\x12\x12ferrum.executor.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1cgoogle/protobuf/struct.proto\"~\n" +
 	"\x06Tensor\x122\n" +
-	"\x05dtype\x18\x01 \x01(\x0e2\x1c.ferrum.executor.v1.DataTypeR\x05dtype\x12\x1e\n" +
-	"\x05shape\x18\x02 \x03(\x03B\b\xbaH\x05\x92\x01\x02\x10\bR\x05shape\x12\x1e\n" +
+	"\x05dtype\x18\x01 \x01(\x0e2\x1c.ferrum.executor.v1.DataTypeR\x05dtype\x12 \n" +
+	"\x05shape\x18\x02 \x03(\x03B\n" +
+	"\xbaH\x05\x92\x01\x02\x10\b\x10\x01R\x05shape\x12\x1e\n" +
 	"\x04data\x18\x03 \x01(\fB\n" +
 	"\xbaH\az\x05\x18\x80\x80\x80 R\x04data\"\xb0\x06\n" +
 	"\tModelInfo\x12\x19\n" +
@@ -3045,15 +3046,14 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"block_size\x18\x01 \x01(\x04R\tblockSize\x12!\n" +
 	"\ftotal_blocks\x18\x02 \x01(\x04R\vtotalBlocks\x12\x1f\n" +
 	"\vfree_blocks\x18\x03 \x01(\x04R\n" +
-	"freeBlocks\"\x95\x03\n" +
+	"freeBlocks\"\x97\x03\n" +
 	"\x0eSamplingParams\x12 \n" +
 	"\vtemperature\x18\x01 \x01(\x02R\vtemperature\x12\x13\n" +
 	"\x05top_k\x18\x02 \x01(\rR\x04topK\x12\x18\n" +
 	"\x05top_p\x18\x03 \x01(\x02H\x00R\x04topP\x88\x01\x01\x12\x13\n" +
 	"\x05min_p\x18\x04 \x01(\x02R\x04minP\x122\n" +
-	"\x12repetition_penalty\x18\x05 \x01(\x02H\x01R\x11repetitionPenalty\x88\x01\x01\x126\n" +
-	"\x11penalty_token_ids\x18\x06 \x03(\x05B\n" +
-	"\xbaH\a\x92\x01\x04\x10\x80\x80\x10R\x0fpenaltyTokenIds\x12\x17\n" +
+	"\x12repetition_penalty\x18\x05 \x01(\x02H\x01R\x11repetitionPenalty\x88\x01\x01\x128\n" +
+	"\x11penalty_token_ids\x18\x06 \x03(\x05B\f\xbaH\a\x92\x01\x04\x10\x80\x80\x10\x10\x01R\x0fpenaltyTokenIds\x12\x17\n" +
 	"\x04seed\x18\a \x01(\x04H\x02R\x04seed\x88\x01\x01\x12(\n" +
 	"\n" +
 	"token_mask\x18\b \x01(\fB\t\xbaH\x06z\x04\x18\x80\x80\x10R\ttokenMask\x12D\n" +
@@ -3070,10 +3070,11 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\febnf_grammar\x18\x03 \x01(\tB\t\xbaH\x06r\x04(\x80\x80\x04H\x00R\vebnfGrammar\x128\n" +
 	"\x06choice\x18\x04 \x01(\v2\x1e.ferrum.executor.v1.ChoiceListH\x00R\x06choice\x12.\n" +
 	"\flark_grammar\x18\x05 \x01(\tB\t\xbaH\x06r\x04(\x80\x80\x04H\x00R\vlarkGrammarB\x06\n" +
-	"\x04kind\"9\n" +
+	"\x04kind\"8\n" +
 	"\n" +
-	"ChoiceList\x12+\n" +
-	"\achoices\x18\x01 \x03(\tB\x11\xbaH\x0e\x92\x01\v\x10\x80 \"\x06r\x04(\x80\x80\x04R\achoices\"\xe6\x01\n" +
+	"ChoiceList\x12*\n" +
+	"\achoices\x18\x01 \x03(\tB\x10\xbaH\r\x92\x01\n" +
+	"\x10\x80 \"\x05r\x03(\x80\bR\achoices\"\xe6\x01\n" +
 	"\fLogitsPolicy\x122\n" +
 	"\x04mode\x18\x01 \x01(\x0e2\x1e.ferrum.executor.v1.OutputModeR\x04mode\x12>\n" +
 	"\bsampling\x18\x02 \x01(\v2\".ferrum.executor.v1.SamplingParamsR\bsampling\x12!\n" +

@@ -68,6 +68,11 @@ import {
  * details; RESOURCE_EXHAUSTED also carries `google.rpc.RetryInfo`, and INVALID_ARGUMENT a
  * `google.rpc.BadRequest` naming the field.
  *
+ * Limits. Every repeated, map, string and bytes field of a request has a size bound, written
+ * beside it as a `buf.validate` (protovalidate) annotation. The server checks them before any
+ * work and answers INVALID_ARGUMENT naming the field path and its limit; a request longer than the
+ * most its bounds allow is refused unparsed. Clients may check the same annotations before sending.
+ *
  * Versioning. This package is v1: fields and RPCs are only ever added. `buf breaking` guards it.
  */
 
@@ -350,7 +355,11 @@ export interface PrefillInput {
   reserveTokens: number;
   /** Also return the policy's output for every position of the prompt (prompt scoring). */
   allPositions: boolean;
-  /** Free-form metadata (ferrum's `metadata`), passed to the executor. */
+  /**
+   * Free-form metadata (ferrum's `metadata`), passed to the executor.
+   * At most 64 keys; their values are never read by the server (a request's largest allowed
+   * encoding counts 64 KiB for it: docs/operating.md, "Request limits").
+   */
   metadata:
     | { [key: string]: any }
     | undefined;
@@ -458,7 +467,13 @@ export interface DecodeInput {
    * When set, the position the token is written at must equal it (the cache's `num_tokens`);
    * otherwise FAILED_PRECONDITION. A guard for schedulers that mirror positions.
    */
-  position?: number | undefined;
+  position?:
+    | number
+    | undefined;
+  /**
+   * At most 64 keys; their values are never read by the server (a request's largest allowed
+   * encoding counts 64 KiB for it: docs/operating.md, "Request limits").
+   */
   metadata: { [key: string]: any } | undefined;
 }
 
@@ -525,7 +540,13 @@ export interface UnifiedBatchItem {
    * the result has no `output` (ferrum returns `None`).
    */
   isFinalChunk: boolean;
-  logits: LogitsPolicy | undefined;
+  logits:
+    | LogitsPolicy
+    | undefined;
+  /**
+   * At most 64 keys; their values are never read by the server (a request's largest allowed
+   * encoding counts 64 KiB for it: docs/operating.md, "Request limits").
+   */
   metadata:
     | { [key: string]: any }
     | undefined;
