@@ -10,7 +10,8 @@ was the harm (H5) the server's peak RSS may not rise by 50 MB. Before the fixes 
 every flood below was accepted and worked through on the event loop or the model's worker.
 
 * H2: vLLM ``Abort`` with millions of ids (each id used to scan every running stream).
-* H3: stop strings by the million (each token used to scan all of them), native and vLLM.
+* H3: stop strings by the million (each token used to scan all of them), native and vLLM, and a
+  migrated stream's copy of them (AcceptMigration checks them before pulling anything).
 * H4: ``penalty_token_ids`` past the vocabulary (kept as a list, sorted in every batched step).
 * H5: vLLM ``tokenized.input_ids`` (Generate, Embed) and ``stop_token_ids`` read whole before any
   count check.
@@ -31,7 +32,7 @@ import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from ferrum_client import Client, pb, tpb
+from ferrum_client import Client, FerrumRpcError, pb, tpb
 
 from .conftest_models import tiny_bert_dir, tiny_llama_dir  # noqa: F401 - fixtures
 from .support.servers import ServerProcess
@@ -204,6 +205,27 @@ def test_vllm_stop_string_flood_is_refused(server, engine, alice):
     _flood("vLLM Generate with 1M stop strings", server, alice,
            lambda: list(engine.Generate(req, metadata=_auth("bob"), timeout=120)), "sampling_params.stop",
            "limit is 64")
+
+
+def test_a_migrated_stream_brings_no_more_stop_strings_or_ids(tiny_llama_dir):  # noqa: F811
+    """AcceptMigration (a peer's copy of a stream's request) is held to the same limits, before
+    anything is pulled from the source."""
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
+
+    from .support.servers import InProcessServer
+
+    ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=4096)
+    with InProcessServer([ex], kv_peers=["127.0.0.1:*"], kv_peer_tokens=["tok-peer"]) as srv, \
+            Client(srv.target, token="tok-peer") as peer:
+        for stop, field in ((pb.StopConditions(stop_sequences=["\x01\x02"] * 100_000), "request.stop.stop_sequences"),
+                            (pb.StopConditions(stop_token_ids=[5] * 100_000), "request.stop.stop_token_ids")):
+            req = pb.AcceptMigrationRequest(model_id="tiny", generated_token_ids=[1],
+                                            request=pb.GenerateRequest(model_id="tiny", stop=stop),
+                                            source=pb.KvSource(target=srv.target, cache_id="hf-" + "0" * 32))
+            with pytest.raises(FerrumRpcError) as e:
+                peer.call("AcceptMigration", req)
+            assert e.value.code == INV and field in str(e.value), e.value
+        assert srv.live_caches() == {"tiny": 0}
 
 
 def test_the_stop_string_that_matches_among_64_ends_the_output(bob):
