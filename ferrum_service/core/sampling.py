@@ -53,10 +53,21 @@ def encode_row(row: torch.Tensor, dtype: str) -> bytes:
     return arr.tobytes()
 
 
-def _apply_repetition_penalty(x: torch.Tensor, ids: list[int], penalty: float) -> torch.Tensor:
-    if penalty == 1.0 or not ids:
+def penalized_ids(ids) -> torch.Tensor:
+    """The distinct ids a repetition penalty applies to, as a CPU int64 tensor: a request's array
+    (already sorted and distinct, convert.penalty_token_ids) is used as it is, without a copy; a
+    history (a list, bounded by the context) is deduplicated here."""
+    if isinstance(ids, np.ndarray):
+        return torch.from_numpy(ids)
+    if isinstance(ids, torch.Tensor):
+        return ids
+    return torch.from_numpy(np.unique(np.asarray(ids, dtype=np.int64)))
+
+
+def _apply_repetition_penalty(x: torch.Tensor, ids, penalty: float) -> torch.Tensor:
+    if penalty == 1.0 or ids is None or len(ids) == 0:
         return x
-    idx = torch.tensor(sorted(set(ids)), device=x.device, dtype=torch.long)
+    idx = penalized_ids(ids).to(x.device)
     vals = x.index_select(0, idx)
     vals = torch.where(vals > 0, vals / penalty, vals * penalty)
     return x.index_copy(0, idx, vals)
@@ -122,16 +133,16 @@ def sample_rows(rows: torch.Tensor, policies: list[LogitsPolicy], histories: lis
             allowed[i] = False
             allowed[i, : len(m)] = torch.from_numpy(m != 0)
         x = x.masked_fill(~allowed.to(dev), float("-inf"))
-    r_idx: list[int] = []
-    c_idx: list[int] = []
+    r_idx: list[torch.Tensor] = []
+    c_idx: list[torch.Tensor] = []
     for i, (sp, hist) in enumerate(zip(sps, histories)):
         if sp.repetition_penalty != 1.0:
-            ids = sorted(set(sp.penalty_token_ids if sp.penalty_token_ids is not None else hist))
-            r_idx += [i] * len(ids)
-            c_idx += ids
+            ids = penalized_ids(sp.penalty_token_ids if sp.penalty_token_ids is not None else hist)
+            r_idx.append(torch.full((ids.numel(),), i, dtype=torch.long))
+            c_idx.append(ids)
     if r_idx:
-        r = torch.tensor(r_idx, dtype=torch.long, device=dev)
-        c = torch.tensor(c_idx, dtype=torch.long, device=dev)
+        r = torch.cat(r_idx).to(dev)
+        c = torch.cat(c_idx).to(dev)
         pen = torch.tensor([sps[i].repetition_penalty for i in range(b)], dtype=torch.float32, device=dev)[r]
         vals = x[r, c]
         x = x.clone()

@@ -166,7 +166,8 @@ def sample_verified(executor: Any, logits: list, policies: list, entries: "list[
     for row, pol, e, draft in zip(logits, policies, entries, drafts):
         n = e.num_tokens
         base = n - len(draft)  # the position the first drawn token takes
-        penalty = pol.sampling.repetition_penalty != 1.0
+        # the history is copied per position only when the penalty reads it (not given ids)
+        penalty = pol.sampling.repetition_penalty != 1.0 and pol.sampling.penalty_token_ids is None
         for j in range(len(draft) + 1):
             flat_logits.append(row[j])
             flat_pol.append(pol)

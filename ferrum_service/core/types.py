@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .modes import ExecutorState
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import numpy as np
 
 
 class OutputMode(enum.IntEnum):
@@ -46,7 +51,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    penalty_token_ids: list[int] | None = None  # None = the cache's whole history
+    # None = the cache's whole history. From a request: the sorted distinct ids as an int64 array,
+    # made once (convert.penalty_token_ids), so a step never sorts them again.
+    penalty_token_ids: np.ndarray | Sequence[int] | None = None
     seed: int | None = None
     token_mask: bytes | None = None  # one byte per token id; non-zero = allowed
     constraint: ConstraintSpec | None = None  # structured output (see guided.py)

@@ -96,6 +96,18 @@ def struct_to_dict(s: struct_pb2.Struct) -> dict:
 def check_tokens(ids, vocab_size: int, field: str, *, allow_empty: bool = False, max_len: int = 0) -> list[int]:
     """The ids as a list; INVALID_ARGUMENT when there are more than ``max_len`` (checked first, so
     an oversized request costs nothing more) or naming the first id outside the vocabulary."""
+    arr = _token_array(ids, vocab_size, field, allow_empty, max_len)
+    return arr.tolist() if arr.size else []
+
+
+def penalty_token_ids(ids, vocab_size: int, field: str) -> np.ndarray:
+    """``penalty_token_ids`` as the sorted distinct ids (int64), made once when the request starts
+    so no step sorts them again; INVALID_ARGUMENT when there are more ids than the vocabulary has
+    tokens (counted before any is read) or one lies outside it."""
+    return np.unique(_token_array(ids, vocab_size, field, False, vocab_size))
+
+
+def _token_array(ids, vocab_size: int, field: str, allow_empty: bool, max_len: int) -> np.ndarray:
     n = len(ids)
     if not n and not allow_empty:
         raise errors.invalid(f"{field} is empty: at least one token id is required", field=field)
@@ -103,7 +115,7 @@ def check_tokens(ids, vocab_size: int, field: str, *, allow_empty: bool = False,
         raise errors.invalid(f"{field} has {n} token ids; the limit is {max_len}", field=field,
                              limit=max_len, requested=n)
     if not n:
-        return []
+        return np.zeros(0, dtype=np.int64)
     arr = np.fromiter(ids, dtype=np.int64, count=n)
     bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
     if bad.size:
@@ -114,7 +126,7 @@ def check_tokens(ids, vocab_size: int, field: str, *, allow_empty: bool = False,
             vocab_size=vocab_size,
             token_id=t,
         )
-    return arr.tolist()
+    return arr
 
 
 def check_token(t: int, vocab_size: int, field: str) -> int:
@@ -142,7 +154,7 @@ def sampling_params(msg: tpb.SamplingParams, vocab_size: int, field: str) -> Sam
         )
     penalty_ids = None
     if msg.penalty_token_ids:
-        penalty_ids = check_tokens(msg.penalty_token_ids, vocab_size, f"{field}.penalty_token_ids")
+        penalty_ids = penalty_token_ids(msg.penalty_token_ids, vocab_size, f"{field}.penalty_token_ids")
     mask = bytes(msg.token_mask) or None
     if mask is not None and not any(mask[:vocab_size]):
         raise errors.invalid(f"{field}.token_mask allows no token of the vocabulary", field=f"{field}.token_mask")

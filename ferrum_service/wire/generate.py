@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 import grpc
 
 from ..core import errors, speculation
+from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, StopStrings, check_stop_sequences
 from ..core.guided import GuideState, new_matcher
 from ..core.steps import StepRow
 from ..core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
@@ -94,11 +95,6 @@ class IncrementalDetokenizer:
         return piece
 
 
-def _stop_sequence_in(text: str, piece: str, stops) -> bool:
-    """Whether a stop sequence ends inside ``text``'s last ``piece`` (earlier text held none)."""
-    return bool(piece) and any(s and s in text[-(len(piece) + len(s) - 1):] for s in stops)
-
-
 MAX_SAMPLES = 64
 # Sample i draws with seed ``seed + i * stride``. torch's CPU generator keeps only the low 32 bits
 # of a seed, and a draw at position p uses ``seed + p``: with this odd stride (2^32 / golden ratio)
@@ -110,12 +106,14 @@ _SAMPLE_SEED_STRIDE = 0x9E3779B9
 class _Sample:
     """One sample's decode loop: its cache, its policy, the tokens and text it produced."""
 
-    def __init__(self, index: int, cache_id: str, row, policy: LogitsPolicy, detok) -> None:
+    def __init__(self, index: int, cache_id: str, row, policy: LogitsPolicy, detok, stops: StopStrings | None
+                 ) -> None:
         self.index = index
         self.cache_id = cache_id
         self.row = row
         self.policy = policy
         self.detok = detok
+        self.stop_cursor = stops.cursor() if stops and detok is not None else None  # where its text stands
         self.out_ids: list[int] = []
         self.generated = 0
         self.finish = pb.FINISH_REASON_UNSPECIFIED
@@ -162,7 +160,7 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
     t_start = time.perf_counter_ns()
     state.unmovable = "the stream has not sent its first token yet"
     host = models.get(req.model_id)
-    state.model_id, state.request_id, state.cache_id = host.model_id, req.request_id, req.cache_id
+    state.bind(host.model_id, req.request_id, req.cache_id)
     checks.require_generation(host, "Generate")
     sp = sampling_params(req.sampling, host.vocab_size, "sampling")
     checks.guide(host, sp, "sampling.constraint")
@@ -181,9 +179,11 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
         spec = None  # decodes plainly (documented in the contract)
     policy = LogitsPolicy(mode=OutputMode.SAMPLED_TOKEN, sampling=sp, top_logprobs=int(req.top_logprobs))
     max_tokens = int(req.stop.max_tokens) or DEFAULT_MAX_TOKENS
-    stop_ids = set(check_tokens(req.stop.stop_token_ids, host.vocab_size, "stop.stop_token_ids", allow_empty=True))
+    stop_ids = set(check_tokens(req.stop.stop_token_ids, host.vocab_size, "stop.stop_token_ids", allow_empty=True,
+                                max_len=MAX_STOP_TOKEN_IDS))
     eos_ids = set() if req.stop.ignore_eos else set(host.info.eos_token_ids)
     tok = host.executor.tokenizer
+    check_stop_sequences(req.stop.stop_sequences, "stop.stop_sequences")
     if req.stop.stop_sequences and tok is None:
         raise errors.failed_precondition("stop.stop_sequences needs a tokenizer", field="stop.stop_sequences")
     prompt = await _prompt_tokens(host, checks, req)
@@ -211,6 +211,7 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
     if prompt:
         checks.plan(host, [StepRow.prompt(inp, entry)], "token_ids" if req.token_ids.token_ids else "prompt")
     await checks.compile(host, [(sp, "sampling.constraint")])
+    stops = StopStrings(req.stop.stop_sequences) if req.stop.stop_sequences else None  # compiled once
 
     def detokenizer():
         return IncrementalDetokenizer(tok) if tok is not None and (req.stream_text or req.stop.stop_sequences) else None
@@ -257,16 +258,18 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
                             DecodeInput(cache_id=cache_id, token_id=req.last_token_id, policy=policy)
                         )
                     handle = host.executor.handle(reg.get(cache_id))
-                samples = [_Sample(0, cache_id, row, policy, detokenizer())]
+                samples = [_Sample(0, cache_id, row, policy, detokenizer(), stops)]
                 if parked is not None:  # the tokens sent before the move (stop sequences, text)
                     s0 = samples[0]
                     s0.out_ids, s0.generated = list(parked.generated), resumed
                     if s0.detok is not None:
                         for t in parked.generated:
                             s0.detok.push(t)
+                    if s0.stop_cursor is not None:  # no stop string ended in it (the source went on)
+                        s0.stop_cursor.feed(s0.detok.text)
                 if n > 1:
                     samples += await _fork_samples(host, checks, samples[0], prompt, n, reserve, owner, req, created,
-                                                   detokenizer, salt, adapter)
+                                                   detokenizer, stops, salt, adapter)
             yield pb.GenerateResponse(started=pb.GenerateStarted(
                 cache=handle_pb(handle), prompt_tokens=prompt_count, request_id=req.request_id, cached_tokens=cached,
                 resumed_tokens=resumed))
@@ -317,7 +320,8 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
 
 
 async def _fork_samples(host, checks, first: _Sample, prompt: list[int], n: int, total: int, owner: str, req,
-                        created: list[str], detokenizer, salt: str, adapter: str) -> list[_Sample]:
+                        created: list[str], detokenizer, stops: StopStrings | None, salt: str, adapter: str
+                        ) -> list[_Sample]:
     """Samples 1..n-1: caches forked from the prompt's (all but its last token, shared blocks),
     then the last prompt token decoded into each with the sample's own seed, in one batched step."""
     reg = host.executor.registry
@@ -341,7 +345,7 @@ async def _fork_samples(host, checks, first: _Sample, prompt: list[int], n: int,
     for i, fork in enumerate(forks, start=1):
         seed = None if sp.seed is None else (sp.seed + i * _SAMPLE_SEED_STRIDE) % (1 << 63)
         policy = dataclasses.replace(first.policy, sampling=dataclasses.replace(sp, seed=seed))
-        samples.append(_Sample(i, fork, None, policy, detokenizer()))
+        samples.append(_Sample(i, fork, None, policy, detokenizer(), stops))
         if fork:
             steps.append(host.batcher.decode(DecodeInput(cache_id=fork, token_id=prompt[-1], policy=policy)))
         else:
@@ -389,7 +393,7 @@ async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool
                     s.finish = pb.FINISH_REASON_STOP
                 elif token in eos_ids:
                     s.finish = pb.FINISH_REASON_EOS
-                elif s.detok is not None and _stop_sequence_in(s.detok.text, piece, req.stop.stop_sequences):
+                elif s.stop_cursor is not None and s.stop_cursor.feed(piece) is not None:
                     s.finish = pb.FINISH_REASON_STOP
                 elif s.generated >= max_tokens:
                     s.finish = pb.FINISH_REASON_LENGTH

@@ -61,6 +61,7 @@ from ..core.callers import current_caller
 from ..core.guided import GuideState, new_matcher
 from ..core.modes import CacheEvent
 from ..core.settings import default
+from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, check_stop_sequences
 from ..core.types import DecodeInput, LogitsPolicy, OutputMode
 from ..executors.base import ModelExecutor
 from ..hosting.kv_peers import normalize_target
@@ -435,7 +436,9 @@ class Migrations:
             raise errors.invalid("the stream has no budget left", field="generated_token_ids")
         sp = sampling_params(orig.sampling, host.vocab_size, "request.sampling")
         self.checks.guide(host, sp, "request.sampling.constraint")
-        check_tokens(orig.stop.stop_token_ids, host.vocab_size, "request.stop.stop_token_ids", allow_empty=True)
+        check_tokens(orig.stop.stop_token_ids, host.vocab_size, "request.stop.stop_token_ids", allow_empty=True,
+                     max_len=MAX_STOP_TOKEN_IDS)
+        check_stop_sequences(orig.stop.stop_sequences, "request.stop.stop_sequences")
         if orig.stop.stop_sequences and host.executor.tokenizer is None:
             raise errors.failed_precondition("stop.stop_sequences needs a tokenizer", field="request.stop")
         if orig.adapter:

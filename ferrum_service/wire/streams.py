@@ -3,7 +3,8 @@
 A ``Session`` or ``Generate`` stream gets an owner name; caches created on it carry that owner and
 are freed when the stream ends, however it ends (``release_owned``). The server's drain waits for
 ``active`` streams. ``Abort`` finds running generations by request id or cache id, stops them at
-their next step, and releases a cache once no step holds it.
+their next step, and releases a cache once no step holds it. Generations are indexed by (caller,
+request id), so aborting a request id is one lookup however many streams run.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import structlog
 
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
     from ..hosting.models import ModelSet
 
 log = structlog.get_logger("ferrum_service.wire.streams")
+
+MAX_ABORT_REQUEST_IDS = 1024
+"""Most request ids one vLLM ``Abort`` may name (``request_ids``): counted before any is read, so a
+flood of ids is refused at once (INVALID_ARGUMENT naming the field and this limit)."""
 
 
 @dataclass
@@ -43,6 +48,16 @@ class StreamState:
     move_to: str = ""
     move_result: "asyncio.Future | None" = None
     unmovable: str = ""
+    # Set by StreamRegistry.generation: files the stream under a new request id (bind).
+    _index: "Callable[[StreamState, str], None] | None" = field(default=None, repr=False, compare=False)
+
+    def bind(self, model_id: str, request_id: str, cache_id: str) -> None:
+        """Name what the stream runs: its model, request id and cache (what ``Abort`` finds it by)."""
+        self.model_id, self.cache_id = model_id, cache_id
+        if self._index is not None:
+            self._index(self, request_id)
+        else:
+            self.request_id = request_id
 
     def answer_move(self, result) -> None:
         """Report a move's outcome to whoever asked for it (``MigrateStreams``)."""
@@ -64,6 +79,8 @@ class StreamRegistry:
         self.activity = activity  # origins count as active while their streams run (leases.py)
         self.active: set[asyncio.Task] = set()  # every running stream's task (the drain waits on them)
         self.generations: dict[str, StreamState] = {}
+        # (caller, request id) -> the generations carrying it, by owner
+        self._by_request: dict[tuple[str, str], dict[str, StreamState]] = {}
         self._ids = itertools.count(1)
 
     def new_owner(self, kind: str) -> str:
@@ -86,13 +103,33 @@ class StreamRegistry:
     @contextlib.contextmanager
     def generation(self, owner: str) -> Iterator[StreamState]:
         """Register a ``Generate`` stream (findable by ``Abort``) while the block runs."""
-        state = StreamState(owner, tenant=current_caller.get())
+        state = StreamState(owner, tenant=current_caller.get(), _index=self._file)
         self.generations[owner] = state
         try:
             yield state
         finally:
             self.generations.pop(owner, None)
+            self._unfile(state)
             state.answer_move(errors.failed_precondition("the stream ended before it could move"))
+
+    def _file(self, state: StreamState, request_id: str) -> None:
+        """Index ``state`` under ``request_id`` (instead of its previous one)."""
+        self._unfile(state)
+        state.request_id = request_id
+        if request_id and state.owner in self.generations:
+            self._by_request.setdefault((state.tenant, request_id), {})[state.owner] = state
+
+    def _unfile(self, state: StreamState) -> None:
+        key = (state.tenant, state.request_id)
+        group = self._by_request.get(key)
+        if group is not None:
+            group.pop(state.owner, None)
+            if not group:
+                del self._by_request[key]
+
+    def with_request_id(self, request_id: str) -> list[StreamState]:
+        """The current caller's generations that carry ``request_id``."""
+        return list(self._by_request.get((current_caller.get(), request_id), {}).values())
 
     def release_owned(self, owner: str, reason: CacheEvent = CacheEvent.RELEASED) -> int:
         """Free every cache a stream created (it ended); returns how many."""
@@ -111,20 +148,38 @@ class StreamRegistry:
         the current caller's streams and caches are touched. Idempotent. Returns (streams newly
         aborted, whether the cache was released)."""
         caller = current_caller.get()
+        found = self.with_request_id(request_id) if request_id else []
+        if cache_id:  # one id per call: a scan of the running streams
+            found += [st for st in self.generations.values() if st.tenant == caller and st.cache_id == cache_id]
         aborted = 0
-        for st in list(self.generations.values()):
-            if st.tenant != caller or (host is not None and st.model_id and st.model_id != host.model_id):
+        for st in found:
+            if host is not None and st.model_id and st.model_id != host.model_id:
                 continue
-            if (request_id and st.request_id == request_id) or (cache_id and st.cache_id == cache_id):
-                if not st.aborted:
-                    st.aborted = True
-                    aborted += 1
+            if not st.aborted:
+                st.aborted = True
+                aborted += 1
         released = False
         if cache_id:
             for h in [host] if host is not None else list(self.models):
                 if cache_id in h.executor.registry and h.executor.registry.get(cache_id).tenant == caller:
                     released = await self._release_when_idle(h, cache_id)
         return aborted, released
+
+    def abort_requests(self, request_ids: Sequence[str], field: str) -> int:
+        """Stop the current caller's generations that carry any of ``request_ids`` (vLLM's
+        ``Abort``): one lookup per id. INVALID_ARGUMENT naming ``field`` when there are more than
+        :data:`MAX_ABORT_REQUEST_IDS` ids, before any is read. Returns the streams newly aborted."""
+        n = len(request_ids)
+        if n > MAX_ABORT_REQUEST_IDS:
+            raise errors.invalid(f"{field} has {n} request ids; the limit is {MAX_ABORT_REQUEST_IDS}", field=field,
+                                 limit=MAX_ABORT_REQUEST_IDS, requested=n)
+        aborted = 0
+        for rid in request_ids:
+            for st in self.with_request_id(rid) if rid else ():
+                if not st.aborted:
+                    st.aborted = True
+                    aborted += 1
+        return aborted
 
     @staticmethod
     async def _release_when_idle(host: "ModelHost", cache_id: str, timeout: float = 10.0) -> bool:
@@ -139,4 +194,4 @@ class StreamRegistry:
             return (await host.call(host.executor.release_cache, cache_id)).value[0]
 
 
-__all__ = ["StreamRegistry", "StreamState"]
+__all__ = ["MAX_ABORT_REQUEST_IDS", "StreamRegistry", "StreamState"]

@@ -35,6 +35,7 @@ from .. import __version__
 from ..core import errors
 from ..core.callers import enter_call
 from ..core.modes import ExecutorState
+from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, check_stop_sequences
 from .convert import check_tokens, pb, tpb
 from .generate import DEFAULT_MAX_TOKENS as DEFAULT_GENERATE_MAX_TOKENS
 from .generate import generate
@@ -121,9 +122,18 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         host = self.host
         sp = v.sampling_params
         _refuse_unsupported(v)
+        ctx = host.info.max_sequence_length
+        keep = 0  # the prompt's last tokens kept (truncate_prompt_tokens; 0 = all)
+        if sp.HasField("truncate_prompt_tokens"):
+            k = sp.truncate_prompt_tokens
+            if k < -1 or k == 0:
+                raise errors.invalid(f"truncate_prompt_tokens = {k}: give -1 (the model's context) or >= 1",
+                                     field="sampling_params.truncate_prompt_tokens")
+            keep = ctx if k == -1 else k
         which = v.WhichOneof("input")
-        if which == "tokenized":
-            ids = check_tokens(v.tokenized.input_ids, host.vocab_size, "tokenized.input_ids")
+        if which == "tokenized":  # truncated, then counted, before any id is read
+            raw = v.tokenized.input_ids
+            ids = self.s.ops.checks.tokens(host, raw[-keep:] if keep else raw, "tokenized.input_ids")
         elif which == "text":
             tok = host.executor.tokenizer
             if tok is None:
@@ -131,15 +141,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                                  field="text")
             self.s.ops.checks.check_text(host, [v.text], "text")
             ids = list(await asyncio.to_thread(tok.encode, v.text, add_special_tokens=True))
+            if keep:
+                ids = ids[-keep:]
         else:
             raise errors.invalid("input is not set: send tokenized or text", field="input")
-        ctx = host.info.max_sequence_length
-        if sp.HasField("truncate_prompt_tokens"):
-            k = sp.truncate_prompt_tokens
-            if k < -1 or k == 0:
-                raise errors.invalid(f"truncate_prompt_tokens = {k}: give -1 (the model's context) or >= 1",
-                                     field="sampling_params.truncate_prompt_tokens")
-            ids = ids[-(ctx if k == -1 else k):]
         if not ids:
             raise errors.invalid("the prompt has no tokens", field="tokenized.input_ids")
         if sp.HasField("max_tokens"):
@@ -155,7 +160,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         req = pb.GenerateRequest(model_id=host.model_id, request_id=v.request_id, sampling=_sampling(sp),
                                  n=max(1, sp.n))
         req.token_ids.token_ids.extend(ids)
-        stop_ids = check_tokens(sp.stop_token_ids, host.vocab_size, "sampling_params.stop_token_ids", allow_empty=True)
+        stop_ids = check_tokens(sp.stop_token_ids, host.vocab_size, "sampling_params.stop_token_ids", allow_empty=True,
+                                max_len=MAX_STOP_TOKEN_IDS)
+        check_stop_sequences(sp.stop, "sampling_params.stop")
         req.stop.max_tokens = max_tokens
         req.stop.stop_token_ids.extend(stop_ids)
         req.stop.ignore_eos = sp.ignore_eos
@@ -272,7 +279,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                      field="tokenized")
             if not request.HasField("tokenized"):
                 raise errors.invalid("EmbedRequest requires tokenized input", field="tokenized")
-            ids = check_tokens(request.tokenized.input_ids, host.vocab_size, "tokenized.input_ids")
+            ids = self.s.ops.checks.tokens(host, request.tokenized.input_ids, "tokenized.input_ids")
             step = pb.PrefillRequest(model_id=host.model_id, input=pb.PrefillInput(token_ids=ids))
             owner = self.s.streams.new_owner("vllm-embed")
             resp = await self.s.ops.run_step("prefill", step, owner)
@@ -296,11 +303,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Abort(self, request, context):
         async def run():
-            n = 0
-            for rid in request.request_ids:
-                if rid:
-                    n += (await self.s.streams.abort(None, request_id=rid))[0]
-            log.info("abort", rpc="VllmEngine.Abort", request_ids=list(request.request_ids)[:16], aborted_streams=n)
+            n = self.s.streams.abort_requests(request.request_ids, "request_ids")
+            log.info("abort", rpc="VllmEngine.Abort", request_ids=list(request.request_ids[:16]), aborted_streams=n)
             return vpb.AbortResponse()
         return await self.s.unary("VllmEngine.Abort", context, run)
 
