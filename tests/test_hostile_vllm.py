@@ -23,6 +23,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .support.servers import InProcessServer
+from .support.vllm_calls import auth, gen_request, rpc_error
 from .support.waits import wait_no_live_caches, wait_until
 
 pytest.importorskip("transformers")
@@ -33,10 +34,7 @@ MAX_MESSAGE = 512 * 1024
 PROMPT = list(range(5, 45))
 
 
-def _auth(token: str):
-    return (("authorization", f"Bearer {token}"),)
-
-
+_auth = auth
 A, B, ADM = _auth(ALICE), _auth(BOB), _auth(ADMIN)
 
 
@@ -52,14 +50,10 @@ def server(tiny_llama_dir):  # noqa: F811
 
 
 def _req(ids=PROMPT, rid="r", stream=False, **sp) -> vpb.GenerateRequest:
-    return vpb.GenerateRequest(request_id=rid, tokenized=vpb.TokenizedInput(input_ids=ids), stream=stream,
-                               sampling_params=vpb.SamplingParams(**sp))
+    return gen_request(ids, rid, stream, **sp)
 
 
-def _code(fn) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as e:
-        fn()
-    return e.value
+_code = rpc_error
 
 
 def _loads_ms(eng, md=A) -> float:

@@ -26,6 +26,9 @@ from ferrum_client import Client, pb
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .support.servers import InProcessServer
+from .support.vllm_calls import auth as _auth
+from .support.vllm_calls import gen_request as _req
+from .support.vllm_calls import rpc_error as _rpc_error
 from .support.waits import wait_no_live_caches, wait_until
 
 pytest.importorskip("transformers")
@@ -35,26 +38,11 @@ ALICE, BOB, ADMIN = "tok-alice", "tok-bob", "tok-admin"
 BS = 16
 
 
-def _auth(token: str):
-    return (("authorization", f"Bearer {token}"),)
-
-
 def _executor(path, budget: int = 4096, prefix_cache: bool = False):
     from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     return HfCausalLmExecutor.from_path(path, model_id="tiny", device="cpu", kv_budget_tokens=budget,
                                         prefix_cache=prefix_cache)
-
-
-def _req(ids, rid="r", stream=False, **sp) -> vpb.GenerateRequest:
-    return vpb.GenerateRequest(request_id=rid, tokenized=vpb.TokenizedInput(input_ids=ids), stream=stream,
-                               sampling_params=vpb.SamplingParams(**sp))
-
-
-def _rpc_error(fn) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as e:
-        fn()
-    return e.value
 
 
 # ---- M7 ---------------------------------------------------------------------------------------------
