@@ -142,3 +142,32 @@ def test_an_import_that_trickles_is_dropped_at_the_total_deadline(tiny_llama_dir
         assert e.code == C.DEADLINE_EXCEEDED and "--kv-import-timeout" in e.message, e
         assert 1.8 < took < 5.0, took
         assert wait_until(lambda: reg.staged_imports == 0 and len(reg) == 1)
+
+
+def test_the_vllm_pd_pull_counts_against_the_callers_cap(tiny_llama_dir):  # noqa: F811
+    """SMG's PD decode leg pulls the prefill's cache with ImportKv: at alice's cap on the decode
+    worker (here 1, held by a cache she pushed there) the leg is RESOURCE_EXHAUSTED; before,
+    the pull made her a cache past it."""
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+
+    from .support.vllm_calls import auth, gen_request, rpc_error
+
+    common = {"auth_tokens": [ALICE, BOB], "kv_peer_tokens": [PEER]}
+    with InProcessServer([_executor(tiny_llama_dir)], role="prefill", **common) as pre, \
+            InProcessServer([_executor(tiny_llama_dir)], role="decode", kv_peers=[pre.target],
+                            max_caches_per_caller=1, **common) as dec, \
+            Client(dec.target, token=ALICE) as a, Client(pre.target, token=ALICE) as ap, \
+            grpc.insecure_channel(pre.target) as pc, grpc.insecure_channel(dec.target) as dc:
+        peng, deng = vllm_engine_pb2_grpc.VllmEngineStub(pc), vllm_engine_pb2_grpc.VllmEngineStub(dc)
+        _, msgs = _source(ap)
+        a.stub.ImportKv(iter(_push(msgs)), metadata=a.metadata, timeout=30)  # alice's one cache there
+        ids = list(range(40, 80))
+        leg = list(peng.Generate(gen_request(ids, max_tokens=1, ignore_eos=True, temperature=0.0),
+                                 metadata=auth(ALICE), timeout=60))
+        params = leg[-1].complete.kv_transfer_params_json
+        assert params
+        req = gen_request(ids, max_tokens=4, ignore_eos=True, temperature=0.0)
+        req.kv_transfer_params_json = params
+        e = rpc_error(lambda: list(deng.Generate(req, metadata=auth(ALICE), timeout=60)))
+        assert e.code() == C.RESOURCE_EXHAUSTED and "limit per caller is 1" in e.details(), e
+        assert len(dec.models.get(M).executor.registry) == 1

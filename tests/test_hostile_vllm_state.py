@@ -5,8 +5,9 @@ tiny transformers Llama (and the real event hub for the relay's bound).
 * M7: an unset ``max_tokens`` reserves the prompt + 128 tokens and grows; when another caller's
   reservation leaves it no room it ends with RESOURCE_EXHAUSTED naming how far it got, never a
   finish ``length`` that looks like the end of the context.
-* L4: a ``--role decode`` worker computes no new prompt (unless SMG's PD mode hands it one), a
-  ``--role prefill`` worker runs SMG's prefill legs only, as the contract's ``Generate``.
+* L4: a ``--role prefill`` worker runs SMG's prefill legs only, as the contract's ``Generate``
+  decodes nothing there; a ``--role decode`` worker keeps computing a prompt that comes without a
+  usable handoff (SMG 1.13's PD mode sends it such requests: docs/operating.md).
 * L11: a worker draining by migration answers ``HealthCheck`` unhealthy and ``is_paused``.
 * M3: the relay's log is bounded by ``--kv-event-replay-bytes`` and exists only once someone
   subscribes through this protocol.
@@ -80,15 +81,16 @@ def test_another_callers_reservation_never_silently_cuts_an_unset_max_tokens(tin
 
 # ---- L4 ---------------------------------------------------------------------------------------------
 def test_roles_hold_on_the_vllm_protocol(tiny_llama_dir):  # noqa: F811
-    """A decode worker refuses a new prompt without a handoff, a prefill worker anything but a
-    prefill leg (max_tokens 1, one sample): FAILED_PRECONDITION naming the role, nothing left."""
+    """A prefill worker refuses anything but a prefill leg (max_tokens 1, one sample):
+    FAILED_PRECONDITION naming the role, nothing left (before, it decoded whole outputs). A decode
+    worker computes a prompt that comes without a handoff (the documented exception)."""
     with InProcessServer([_executor(tiny_llama_dir)], role="decode") as dec, \
             InProcessServer([_executor(tiny_llama_dir)], role="prefill") as pre, \
             grpc.insecure_channel(dec.target) as dc, grpc.insecure_channel(pre.target) as pc:
         deng, peng = vllm_engine_pb2_grpc.VllmEngineStub(dc), vllm_engine_pb2_grpc.VllmEngineStub(pc)
         ids = list(range(30, 60))
-        e = _rpc_error(lambda: list(deng.Generate(_req(ids, max_tokens=4), timeout=30)))
-        assert e.code() == C.FAILED_PRECONDITION and "role decode" in e.details(), e
+        out = list(deng.Generate(_req(ids, max_tokens=4, ignore_eos=True), timeout=30))
+        assert out[-1].complete.completion_tokens == 4
         e = _rpc_error(lambda: list(peng.Generate(_req(ids, max_tokens=4), timeout=30)))
         assert e.code() == C.FAILED_PRECONDITION and "role prefill" in e.details(), e
         e = _rpc_error(lambda: list(peng.Generate(_req(ids, max_tokens=1, n=2), timeout=30)))

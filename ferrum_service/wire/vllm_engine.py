@@ -109,7 +109,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 async with self.s.answer("VllmEngine.Generate", context, request):
                     req, stop_ids = await self._request(request)
                     handoff = parse_handoff(request)
-                    self._check_role(request, handoff)
+                    self._check_role(request)
                     self._check_response_size(request, req)
                     async for out in self._responses(request, req, stop_ids, owner, state, handoff,
                                                      context.invocation_metadata()):
@@ -425,17 +425,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         finally:
             self._flush_waiters -= 1
 
-    def _check_role(self, v: vpb.GenerateRequest, handoff) -> None:
-        """The server's role, as the contract's ``Generate`` checks it: a decode server computes no
-        new prompt unless SMG's PD mode hands it one (``kv_transfer_params_json``; if that pull
-        fails, it computes the prompt as vLLM does after a failed KV load); a prefill server runs
-        only SMG's prefill legs (``max_tokens`` 1, one sample)."""
-        checks = self.s.ops.checks
+    def _check_role(self, v: vpb.GenerateRequest) -> None:
+        """The server's role, as the contract's ``Generate`` checks it, where it applies: a prefill
+        server runs only SMG's prefill legs (``max_tokens`` 1, one sample). A decode server still
+        computes a prompt that comes without a usable handoff: SMG 1.13's PD mode sends such
+        requests to decode workers (``execute_single``: seen in tests/test_smg_gateway.py), and
+        vLLM computes the prompt after a failed KV load too."""
         sp = v.sampling_params
         if not (sp.HasField("max_tokens") and sp.max_tokens == 1 and sp.n <= 1):
-            checks.check_decode_role("VllmEngine.Generate")
-        if handoff is None:
-            checks.check_new_prompt("VllmEngine.Generate")
+            self.s.ops.checks.check_decode_role("VllmEngine.Generate")
 
     def _check_response_size(self, v: vpb.GenerateRequest, req: pb.GenerateRequest) -> None:
         """A non-streamed answer is one message per sample holding every token (and its
