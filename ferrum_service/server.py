@@ -85,6 +85,7 @@ class ServerConfig:
     kv_peer_cert: str | None = default("kv_peer_cert")
     kv_peer_key: str | None = default("kv_peer_key")
     kv_import_idle_timeout: float = default("kv_import_idle_timeout")
+    kv_import_timeout: float = default("kv_import_timeout")
     otlp_endpoint: str | None = default("otlp_endpoint")  # see tracing.py
     kv_event_replay_bytes: int = default("kv_event_replay_bytes")  # kv_events.py
     max_kv_event_subscribers: int = default("max_kv_event_subscribers")
@@ -171,6 +172,8 @@ class Server:
         self.role = role = Role.parse(cfg.role)
         if cfg.kv_import_idle_timeout < 0:
             raise ValueError("kv_import_idle_timeout must be >= 0 (0 = no limit)")
+        if cfg.kv_import_timeout < 0:
+            raise ValueError("kv_import_timeout must be >= 0 (0 = no limit)")
         self.kv_peers = KvPeers(cfg.kv_peers, cfg.kv_peer_tokens, ca=cfg.kv_peer_ca, cert=cfg.kv_peer_cert,
                                 key=cfg.kv_peer_key, max_message_bytes=cfg.max_message_bytes)
         checks = RequestChecks(models, role)
@@ -186,6 +189,7 @@ class Server:
                                               activity=self.activity, role=role,
                                               max_message_bytes=cfg.max_message_bytes, kv_peers=self.kv_peers,
                                               import_idle_s=cfg.kv_import_idle_timeout,
+                                              import_total_s=cfg.kv_import_timeout,
                                               resume_s=cfg.migration_resume_s)
         self.servicer.start_drain_by_migration = self._start_drain_by_migration
         self.servicer.migrations.precopy_tokens = cfg.migration_precopy_tokens
@@ -249,7 +253,6 @@ class Server:
         await self.grpc.start()
         self.leases.start()
         self.stalls.start()
-        self.vllm.start()
         if tracing.configure(self.cfg.otlp_endpoint):
             log.info("tracing on", otlp_endpoint=self.cfg.otlp_endpoint or "(from OTEL_* environment)")
         if not (self.cfg.auth_tokens or self.cfg.tls_client_ca) and not _is_loopback(self.cfg.host):

@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import threading
+import time
 import zipfile
 
 import grpc
@@ -34,7 +35,7 @@ def server(tiny_llama_dir):  # noqa: F811
     from ferrum_service.executors.transformers import HfCausalLmExecutor
 
     ex = HfCausalLmExecutor.from_path(tiny_llama_dir, model_id="tiny", device="cpu", kv_budget_tokens=8192)
-    with InProcessServer([ex]) as srv:
+    with InProcessServer([ex], open_admin_rpcs=True) as srv:  # FlushCache is an admin RPC
         yield srv
 
 
@@ -356,6 +357,9 @@ def test_kv_events_blocks_numbering_resume_and_flush(engine, server):
     prompt = list(range(100, 100 + 3 * bs + 2))
     _gen(engine, ids=prompt, max_tokens=1, temperature=0.0)
     relay = server.server.vllm.relay
+    # the relay starts with the first subscription, from the oldest event the hub still holds
+    _collect(engine.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(start_sequence_number=0)), 1)
+    time.sleep(0.5)  # it has relayed what the hub held
     last = server.run(_relay_seq(relay))
     assert last >= 1
     batches = _collect(engine.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(start_sequence_number=0)), last)
@@ -526,21 +530,25 @@ def small_kv(tiny_llama_dir):  # noqa: F811
 
 
 def _drain(it) -> tuple[str, int]:
-    """A stream's finish reason and token count."""
+    """A stream's finish reason (or the status code it ended with) and token count."""
     n, reason = 0, ""
-    for o in it:
-        if o.WhichOneof("response") == "chunk":
-            n += len(o.chunk.token_ids)
-        else:
-            reason = o.complete.finish_reason
+    try:
+        for o in it:
+            if o.WhichOneof("response") == "chunk":
+                n += len(o.chunk.token_ids)
+            else:
+                reason = o.complete.finish_reason
+    except grpc.RpcError as e:
+        reason = e.code().name
     return reason, n
 
 
 def test_unset_max_tokens_streams_share_a_budget_of_one_sequence(small_kv):
     """Two unbounded streams at once on a budget one sequence can fill: both are admitted (each
     reserves its prompt + what Generate reserves, not the 504 tokens it may reach), they grow past
-    their reservations, one of them is cut where the KV runs out with finish reason "length", the
-    other reaches the per-sequence ceiling; nothing is left. Then one alone runs to the ceiling."""
+    their reservations, one of them is ended where the KV runs out with RESOURCE_EXHAUSTED (never a
+    silent finish "length", audit M7), the other reaches the per-sequence ceiling; nothing is
+    left. Then one alone runs to the ceiling."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ferrum_service.wire.generate import DEFAULT_MAX_TOKENS
@@ -563,7 +571,7 @@ def test_unset_max_tokens_streams_share_a_budget_of_one_sequence(small_kv):
     with ThreadPoolExecutor(2) as pool:
         (ra, na), (rb, nb) = pool.map(_drain, [a, b])
     na, nb = na + 1, nb + 1  # the first chunks read in start()
-    assert (ra, rb) == ("length", "length")
+    assert sorted((ra, rb)) == ["RESOURCE_EXHAUSTED", "length"], (ra, rb)
     assert max(na, nb) == rest and min(na, nb) < rest, (na, nb)  # the longer one outlived the other
     assert len(ids) + DEFAULT_MAX_TOKENS < len(ids) + min(na, nb), (na, nb)  # it grew past its reservation
     assert wait_no_live_caches(srv) == {"tiny": 0}
@@ -697,9 +705,11 @@ def test_pd_handoff_nobody_pulls_expires(pd_pair):
         assert wait_no_live_caches(pre, timeout=10) == {"tiny": 0} and pd.offered == 0
     finally:
         pd.ttl_s = ttl
-    # a plain request (not a prefill leg: max_tokens 2) keeps nothing on a prefill server
-    out = list(peng.Generate(_req(PD_PROMPT, max_tokens=2, temperature=0.0, ignore_eos=True), timeout=60))
-    assert not out[-1].complete.HasField("kv_transfer_params_json")
+    # a plain request (not a prefill leg: max_tokens 2) is refused by a prefill server (it decodes
+    # nothing, as on the contract) and keeps nothing
+    with pytest.raises(grpc.RpcError) as e:
+        list(peng.Generate(_req(PD_PROMPT, max_tokens=2, temperature=0.0, ignore_eos=True), timeout=60))
+    assert _code(e) == grpc.StatusCode.FAILED_PRECONDITION and "role prefill" in e.value.details()
     assert pre.live_caches() == {"tiny": 0}
 
 

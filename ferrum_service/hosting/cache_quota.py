@@ -11,8 +11,8 @@ own cap) before any work:
   imports committed included;
 * **per caller** (:class:`CacheQuota`): the caches one caller identity (``callers.py``: a bearer
   token's digest or a client certificate's subject; all unauthenticated callers are one) holds on
-  a model, plus those its calls are creating right now, so a burst of concurrent calls cannot
-  slip past it.
+  a model, plus those its calls are creating right now (staged imports and pre-copies
+  included), so a burst of concurrent calls cannot slip past it.
 
 ``ReserveKvSlots`` also takes at most :data:`MAX_SLOT_REQUESTS` requests per call.
 """
@@ -20,7 +20,7 @@ own cap) before any work:
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2 as pb
 
@@ -60,9 +60,18 @@ class CacheQuota:
     def claim(self, host: "ModelHost", new: int, field: str) -> Iterator[None]:
         """Hold room for ``new`` caches the current caller's call creates while the block runs
         (adopt them inside it); RESOURCE_EXHAUSTED when the caller would go past its cap."""
-        if self.per_caller <= 0 or new <= 0:
+        release = self.take(host, new, field)
+        try:
             yield
-            return
+        finally:
+            release()
+
+    def take(self, host: "ModelHost", new: int, field: str) -> Callable[[], None]:
+        """Room for ``new`` caches of the current caller held until the returned function is
+        called (once; later calls do nothing): for a creation that outlives one call, such as a
+        migration's staged pre-copy. RESOURCE_EXHAUSTED when the caller would go past its cap."""
+        if self.per_caller <= 0 or new <= 0:
+            return _nothing
         caller = current_caller.get()
         key = (host.model_id, caller)
         live = sum(1 for e in host.executor.registry.entries() if e.tenant == caller)
@@ -75,14 +84,22 @@ class CacheQuota:
                 retry_after_ms=max(QUOTA_RETRY_MS, host.retry_after_ms()), field=field, model_id=host.model_id, live=live,
                 limit=self.per_caller)
         self._pending[key] = pending + new
-        try:
-            yield
-        finally:
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
             left = self._pending.get(key, new) - new
             if left > 0:
                 self._pending[key] = left
             else:
                 self._pending.pop(key, None)
+        return release
 
+
+def _nothing() -> None:
+    return None
 
 __all__ = ["CacheQuota", "DEFAULT_MAX_CACHES", "DEFAULT_MAX_CACHES_PER_CALLER", "MAX_SLOT_REQUESTS", "cap_model"]

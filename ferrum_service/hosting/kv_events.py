@@ -319,6 +319,12 @@ class KvEventHub:
         """The replay buffer's estimated bytes."""
         return self._replay_held
 
+    def seat(self, caller: str, key: str) -> "Subscription":
+        """A place among the capped subscriptions for one fed elsewhere (the vLLM protocol's, from
+        its relay): counted in both caps like :meth:`subscribe`'s (RESOURCE_EXHAUSTED past one),
+        it receives no event; ``close()`` gives it back."""
+        return self.subscribe("", None, blocks=False, caller=caller, key=key, cache_events=False)[0]
+
     def subscribe(self, model_id: str, from_seq: int | None, blocks: bool = False, caller: str = "",
                   key: str | None = None, capped: bool = True, cache_events: bool = True
                   ) -> tuple[Subscription, int | None, int]:

@@ -2,8 +2,8 @@
 
 Callers send ``authorization: Bearer <token>``. Health checks and reflection are open (probes and
 ``grpcurl list`` need no secret). Admin RPCs (``Warmup``, ``Shutdown``, ``LoadAdapter``,
-``UnloadAdapter``, ``MigrateStreams``) need an admin token when
-one is configured: a valid ordinary token gets PERMISSION_DENIED there, no token UNAUTHENTICATED.
+``UnloadAdapter``, ``MigrateStreams``, and the vLLM protocol's ``FlushCache``, which drops every
+tenant's cached prefix) need an admin token when one is configured: a valid ordinary token gets PERMISSION_DENIED there, no token UNAUTHENTICATED.
 A KV peer token (``--kv-peer-token-file``, see ``kv_peers.py``) opens ``ExportKv`` and
 ``AcceptMigration`` only.
 """
@@ -16,7 +16,8 @@ import grpc
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 ADMIN_METHODS = tuple(f"/ferrum.executor.v1.ModelExecutor/{m}"
-                      for m in ("Warmup", "Shutdown", "LoadAdapter", "UnloadAdapter", "MigrateStreams"))
+                      for m in ("Warmup", "Shutdown", "LoadAdapter", "UnloadAdapter", "MigrateStreams")) + (
+    "/vllm.grpc.engine.VllmEngine/FlushCache",)
 PEER_METHODS = ("/ferrum.executor.v1.ModelExecutor/ExportKv", "/ferrum.executor.v1.ModelExecutor/AcceptMigration")
 
 

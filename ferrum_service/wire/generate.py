@@ -133,8 +133,9 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
     KV for the prompt and all of ``stop.max_tokens`` is reserved up front, so a stream never runs
     out mid-way. With ``reserve_output`` > 0 (and below ``max_tokens``), only the prompt and that
     many output tokens are reserved; past them each step grows the cache by what it writes, and a
-    step the KV budget cannot admit ends the stream with ``FINISH_REASON_LENGTH`` (its output is
-    as long as the worker's KV allowed; the cache is freed as at any end).
+    step the KV budget cannot admit ends the stream with RESOURCE_EXHAUSTED naming how far it got
+    (not a finish "length": the output was cut by other requests' KV, not by its limit; the cache
+    is freed as at any end).
 
     With ``adopt_cache``, the stream takes ``req.cache_id`` over (a cache imported for it): it is
     freed when the stream ends, as a cache the stream made."""
@@ -372,7 +373,7 @@ async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool
     """One sample's tokens, one ``TokenEvent`` each, until a stop condition (``s.finish``) or a
     move (``mover``, asked for by ``state.move_to``: at a step boundary, with no step queued).
     With ``grows`` (the cache was not reserved for all of ``max_tokens``), a step the KV budget
-    cannot admit ends the sample with ``FINISH_REASON_LENGTH``."""
+    cannot admit ends the stream with RESOURCE_EXHAUSTED (see :func:`generate`)."""
     row = s.row
     pending: asyncio.Task | None = None
     try:
@@ -438,8 +439,13 @@ async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool
                 pending = None
                 if not grows or e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
-                s.finish = pb.FINISH_REASON_LENGTH  # the KV this worker has left ends the output
-                return
+                # Said as such, never a finish "length": that would read as the end of the context,
+                # when it is other requests' reservations that leave this output no room.
+                raise errors.exhausted(
+                    f"sample {s.index}: its output could not grow past {s.generated} tokens: the worker's KV "
+                    f"budget is held by other requests ({e.message}); set max_tokens to reserve the output up "
+                    "front, or retry", retry_after_ms=e.retry_after_ms or host.retry_after_ms(),
+                    field="stop.max_tokens", generated_tokens=s.generated) from None
     finally:
         if pending is not None:  # the stream ended with a step queued: drop it
             pending.cancel()

@@ -36,7 +36,10 @@ shared one (``cache_salt`` opting into a shared space is kept private for them).
 configured peer are keyed as a prefill's would be.
 
 Bounds: a staged import counts against the registry (active caches, reserved KV in ``Loads``) and
-is dropped (DEADLINE_EXCEEDED) when no chunk arrives for ``import_idle_s``; an executor's own
+against its caller's cache cap (``--max-caches-per-caller``, as the cache it becomes would: a push,
+a pull, a migration's import or pre-copy, the vLLM protocol's PD pull), and is dropped
+(DEADLINE_EXCEEDED) when no chunk arrives for ``import_idle_s`` or the whole transfer takes over
+``import_total_s`` (``--kv-import-timeout``); an executor's own
 state bytes are refused as soon as they exceed the header's ``total_bytes`` or what the header's
 tokens can need.
 """
@@ -76,6 +79,8 @@ _PB_NAMES = {v: k for k, v in _DTYPE_PB.items()}
 _MAX_LAYER_READ_BYTES = 256 << 20
 #: Seconds a staged import may wait for its next chunk before it is dropped (default).
 DEFAULT_IMPORT_IDLE_S = default("kv_import_idle_timeout")
+#: Seconds a staged import may take in all, from its first chunk read to its last (default).
+DEFAULT_IMPORT_TOTAL_S = default("kv_import_timeout")
 # An executor's state bytes beyond its K/V (positions, sequence ids, headers): per token, and once.
 _STATE_BYTES_PER_TOKEN = 64
 _STATE_OVERHEAD_BYTES = 1 << 20
@@ -94,13 +99,14 @@ class KvTransfer:
     """The two RPCs' server side (the servicer hands them the request and the call context)."""
 
     def __init__(self, models, checks, *, max_message_bytes: int, metrics=None, peers: KvPeers | None = None,
-                 import_idle_s: float = DEFAULT_IMPORT_IDLE_S) -> None:
+                 import_idle_s: float = DEFAULT_IMPORT_IDLE_S, import_total_s: float = DEFAULT_IMPORT_TOTAL_S) -> None:
         self.models = models
         self.metrics = metrics
         self.checks = checks
         self.max_message_bytes = max_message_bytes
         self.peers = peers if peers is not None else KvPeers(max_message_bytes=max_message_bytes)
         self.import_idle_s = import_idle_s
+        self.import_total_s = import_total_s
         # Chunk reads (export) and checks + writes (import) run on this one thread, not on the
         # models' workers: a prefill server's worker is busy with prompts, and a handoff must not
         # queue behind them. Safe because they only touch blocks nothing else writes: an exported
@@ -255,6 +261,12 @@ class KvTransfer:
         host = self.models.get(first.model_id)
         self._require(host)
         self.checks.salt(first.cache_salt, "cache_salt")  # refused before anything is dialled
+        # The cache it creates counts against the caller's cap from now (staged included) until it
+        # is adopted, as a Prefill's does: refused before anything is dialled or admitted.
+        with self.checks.quota.claim(host, 1, "source" if first.HasField("source") else "header"):
+            return await self._import_first(host, first, requests, t0)
+
+    async def _import_first(self, host, first: pb.ImportKvRequest, requests, t0: int) -> pb.ImportKvResponse:
         pull = None
         if first.HasField("source"):
             if first.WhichOneof("data") is not None:
@@ -278,21 +290,31 @@ class KvTransfer:
                 pull[2].cancel()
 
     async def _idle_bounded(self, chunks) -> AsyncIterator[pb.KvChunk]:
-        """``chunks``, dropped (DEADLINE_EXCEEDED) when the next one takes over ``import_idle_s``:
-        a staged import holds its KV, so a stalled sender must not hold it for ever."""
+        """``chunks``, dropped (DEADLINE_EXCEEDED) when the next one takes over ``import_idle_s``,
+        or all of them over ``import_total_s`` (from the first read on): a staged import holds
+        its KV, so neither a stalled sender nor one that trickles a chunk just inside the idle
+        limit may hold it for long."""
         it = chunks.__aiter__()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.import_total_s if self.import_total_s else None
         while True:
+            left = None if end is None else end - loop.time()
+            wait = min((x for x in (self.import_idle_s or None, left) if x is not None), default=None)
             try:
-                if self.import_idle_s:
-                    c = await asyncio.wait_for(it.__anext__(), self.import_idle_s)
+                if wait is not None:
+                    c = await asyncio.wait_for(it.__anext__(), max(0.0, wait))
                 else:
                     c = await it.__anext__()
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
+                if end is not None and loop.time() >= end:
+                    why = f"the import took over {self.import_total_s:g} s in all (--kv-import-timeout)"
+                else:
+                    why = f"no chunk arrived for {self.import_idle_s:g} s"
                 raise errors.FerrumError(
-                    errors.ErrorKind.NETWORK, f"no chunk arrived for {self.import_idle_s:g} s; the import was "
-                    "dropped and its KV given back", code=grpc.StatusCode.DEADLINE_EXCEEDED, field="chunk") from None
+                    errors.ErrorKind.NETWORK, f"{why}; the import was dropped and its KV given back",
+                    code=grpc.StatusCode.DEADLINE_EXCEEDED, field="chunk") from None
             yield c
 
     @staticmethod
@@ -436,7 +458,13 @@ class KvTransfer:
         if src.from_token:
             raise errors.invalid("a pre-copy starts at token 0: source.from_token must be 0", field="source.from_token")
         self.checks.salt(salt, "cache_salt")  # refused before anything is dialled
-        header, chunks, call = await self._pull(host, src)
+        # counted against the caller's cap until it is committed (then live) or aborted
+        release = self.checks.quota.take(host, 1, "precopy")
+        try:
+            header, chunks, call = await self._pull(host, src)
+        except BaseException:
+            release()
+            raise
         try:
             tokens = self._check_header(host, layout, header)
             if reserve:
@@ -450,9 +478,13 @@ class KvTransfer:
             except BaseException as exc:
                 await self._abort_on(exc, host, staged)
                 raise
+        except BaseException:
+            release()
+            raise
         finally:
             call.cancel()
         st = StagedKv(host, staged, list(tokens), header.adapter, trusted, nbytes, t0)
+        st.release_claim = release
         log.info("kv staged", model_id=host.model_id, tokens=len(tokens), bytes=nbytes, chunks=count,
                  ms=round((time.perf_counter_ns() - t0) / 1e6, 1))
         return st
@@ -490,11 +522,13 @@ class KvTransfer:
             entry, cached = (await host.call(host.executor.import_commit, st.staged, admit=False,
                                              on_orphan=orphan)).value
         except BaseException as exc:
+            st.release_claim()
             await self._abort_on(exc, host, st.staged)
             raise
         st.committed = True
         self._imported(host, entry, st.t0, st.trusted, tokens=len(st.tokens), bytes=st.nbytes, cached_blocks=cached,
                        staged=True)
+        st.release_claim()  # a live cache of the caller's now
         return entry
 
     def abort_staged(self, st: "StagedKv") -> asyncio.Task | None:
@@ -503,6 +537,7 @@ class KvTransfer:
         if st.committed or st.aborted:
             return None
         st.aborted = True
+        st.release_claim()
         return self._abort_after_writes(st.host, st.staged)
 
     async def _import_state(self, host, h: pb.KvTransferHeader, chunks, staged, n: int, t0: int, trusted: bool):
@@ -637,6 +672,8 @@ class StagedKv:
         self.nbytes = nbytes
         self.t0 = t0
         self.committed = self.aborted = False
+        #: gives back the room this staged import holds under the caller's cache cap
+        self.release_claim: Callable[[], None] = lambda: None
 
 
 def _verify_and_write(ex, staged, c: pb.KvChunk, where: str) -> None:

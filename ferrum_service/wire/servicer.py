@@ -65,7 +65,10 @@ _ROLES = {Role.BOTH: pb.SERVER_ROLE_BOTH, Role.PREFILL: pb.SERVER_ROLE_PREFILL, 
 _WHILE_MIGRATING = {"Info", "Capabilities", "Status", "KvCapacity", "AdmissionLimits", "KvSlotCapacity",
                     "CacheMetrics", "LoraMetrics", "Loads", "ListCaches", "ListAdapters", "ExportKv", "Abort",
                     "ReleaseCache", "MigrateStreams", "Tokenize", "Detokenize", "ApplyChatTemplate", "Shutdown",
-                    "AcceptMigration"}  # refuses new streams itself, but drops pre-copies (migration.py)
+                    "AcceptMigration",  # refuses new streams itself, but drops pre-copies (migration.py)
+                    # the vLLM protocol's reads and Abort (its HealthCheck says the server drains)
+                    "VllmEngine.GetModelInfo", "VllmEngine.GetServerInfo", "VllmEngine.GetLoads",
+                    "VllmEngine.GetTokenizer", "VllmEngine.Abort"}
 
 #: Most token ids one Detokenize call may carry (declared in the contract).
 MAX_DETOKENIZE_IDS = limit_of(pb.DetokenizeRequest, "token_ids")
@@ -94,7 +97,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                  metrics: Metrics, *, draining: Callable[[], bool] = lambda: False, tokens_checked: bool = False,
                  admin_open: bool = False, activity: CallerActivity | None = None,
                  role: Role = Role.BOTH, max_message_bytes: int = default("max_message_bytes"), kv_peers=None,
-                 import_idle_s: float | None = None, advertise: str = "", resume_s: float | None = None) -> None:
+                 import_idle_s: float | None = None, import_total_s: float | None = None, advertise: str = "", resume_s: float | None = None) -> None:
         """``tokens_checked``: bearer tokens are verified (they then name the caller that owns a
         cache); ``admin_open``: Warmup / Shutdown may be called (admin tokens guard them, or the
         operator opened them); ``activity``: where each call's origin is recorded (for the lease
@@ -110,7 +113,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         self.draining = draining
         self.role = Role.parse(role)
         self.kv = KvTransfer(models, ops.checks, max_message_bytes=max_message_bytes, metrics=metrics, peers=kv_peers,
-                             **({} if import_idle_s is None else {"import_idle_s": import_idle_s}))
+                             **({} if import_idle_s is None else {"import_idle_s": import_idle_s}),
+                             **({} if import_total_s is None else {"import_total_s": import_total_s}))
         self.migrations = Migrations(models, ops.checks, self.kv, self.kv.peers, streams, advertise,
                                      **({} if resume_s is None else {"resume_s": resume_s}))
 

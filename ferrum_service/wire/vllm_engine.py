@@ -33,7 +33,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from .. import __version__
 from ..core import errors
-from ..core.callers import enter_call
+from ..core.callers import current_caller, enter_call
 from ..core.modes import ExecutorState
 from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, check_stop_sequences
 from .convert import check_tokens, pb, tpb
@@ -56,8 +56,14 @@ SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 #: vLLM, means the rest of the model's context): as many as the contract's ``Generate`` reserves
 #: by default. Reserving the whole context would admit one such request at a time on a worker whose
 #: KV budget is one context; past the reservation the cache grows step by step, and a step the KV
-#: budget cannot admit ends the output with finish reason "length" (``generate(reserve_output=)``).
+#: budget cannot admit ends the stream with RESOURCE_EXHAUSTED (named, never a silent finish
+#: "length": another caller's reservation must not look like the end of the context;
+#: ``generate(reserve_output=)``).
 UNSET_MAX_TOKENS_RESERVE = DEFAULT_GENERATE_MAX_TOKENS
+#: Longest ``FlushCache`` waits for the live caches to go (``timeout_s`` above it is refused).
+MAX_FLUSH_WAIT_S = 60.0
+#: How often the one server-wide wait for "no live cache" looks (whatever the number of callers).
+_FLUSH_POLL_S = 0.05
 CHUNK_BYTES = 64 * 1024  # GetTokenizer chunk (the size SMG's client expects)
 _FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop",
            pb.FINISH_REASON_CANCELLED: "abort", pb.FINISH_REASON_ERROR: "error"}
@@ -74,7 +80,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.relay = BlockEventRelay(executor_servicer.events, self._host.model_id if self._host else "")
         self.started = time.time()
         self.last_request = 0.0
-        self._tokenizer_zip: asyncio.Task | None = None
+        self._tokenizer_zip: asyncio.Task | None = None  # (zip bytes, their SHA-256), built once
+        self._flush_wait: asyncio.Task | None = None
+        self._flush_waiters = 0
         self.pd = PdHandoffs(executor_servicer)  # SMG's PD mode: vllm_pd.py
 
     @property
@@ -84,13 +92,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             raise errors.unavailable("this server hosts no model")
         return self._host
 
-    def start(self) -> None:
-        """Start relaying KV block events (call on the server's loop)."""
-        if self._host is not None:
-            self.relay.start()
-
     async def close(self) -> None:
         self.pd.close()
+        if self._flush_wait is not None:
+            self._flush_wait.cancel()
         await self.relay.close()
 
     # ---- Generate ---------------------------------------------------------------------------------
@@ -105,6 +110,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 async with self.s.answer("VllmEngine.Generate", context, request):
                     req, stop_ids = await self._request(request)
                     handoff = parse_handoff(request)
+                    self._check_role(request)
+                    self._check_response_size(request, req)
                     async for out in self._responses(request, req, stop_ids, owner, state, handoff,
                                                      context.invocation_metadata()):
                         if out.WhichOneof("response") == "chunk":
@@ -297,6 +304,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             return vpb.HealthCheckResponse(healthy=False, message="this server hosts no model")
         if self.s.draining():
             return vpb.HealthCheckResponse(healthy=False, message="the server is shutting down")
+        if self.s.migrations.draining:  # every new request is refused: the gateway must route elsewhere
+            return vpb.HealthCheckResponse(healthy=False, message="the server drains (its streams move to a peer)")
         if self.host.executor.state == ExecutorState.SHUTDOWN:
             return vpb.HealthCheckResponse(healthy=False, message=f"model {self.host.model_id!r} is shut down")
         return vpb.HealthCheckResponse(healthy=True, message="Health")
@@ -327,7 +336,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         async def run():
             h = self.host
             return vpb.GetServerInfoResponse(
-                active_requests=self._generations(), is_paused=self.s.draining(),
+                active_requests=self._generations(), is_paused=self.s.draining() or self.s.migrations.draining,
                 last_receive_timestamp=self.last_request, uptime_seconds=time.time() - self.started,
                 server_type="ferrum-service", data_parallel_size=1, block_size=self._block_size(),
                 model_dtype=h.info.dtype, kv_cache_dtype=h.info.dtype, max_num_seqs=h.max_batch)
@@ -354,48 +363,120 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetTokenizer(self, request, context) -> AsyncIterator[cpb.GetTokenizerChunk]:
         async with self.s.answer("VllmEngine.GetTokenizer", context):
             if self._tokenizer_zip is None or (self._tokenizer_zip.done() and self._tokenizer_zip.exception()):
-                self._tokenizer_zip = asyncio.ensure_future(asyncio.to_thread(tokenizer_zip, self.host.executor))
-            data = await asyncio.shield(self._tokenizer_zip)
-            digest = hashlib.sha256(data).hexdigest()
+                self._tokenizer_zip = asyncio.ensure_future(asyncio.to_thread(_bundle, self.host.executor))
+            data, digest = await asyncio.shield(self._tokenizer_zip)
             for off in range(0, len(data), CHUNK_BYTES):
                 end = min(off + CHUNK_BYTES, len(data))
                 yield cpb.GetTokenizerChunk(data=data[off:end], sha256=digest if end == len(data) else "")
 
     async def SubscribeKvEvents(self, request, context) -> AsyncIterator[cpb.KvEventBatch]:
         # Not an active stream: the drain does not wait for subscribers (grpc.stop ends them).
+        origin = enter_call(context, self.s.activity, tokens_checked=self.s.tokens_checked)
         async with self.s.answer("VllmEngine.SubscribeKvEvents", context):
-            nxt = self.relay.cursor(int(request.start_sequence_number))
-            # Headers now: SMG takes a subscription whose headers do not come within 2 s for a dead
-            # worker, and an idle worker may send no batch for a long time.
-            await context.send_initial_metadata(())
-            async for batch in self.relay.batches(nxt):
-                yield batch
+            host = self.host
+            caller = current_caller.get()
+            # The contract's subscriber caps (in all, per caller; without identities per client host).
+            seat = self.s.events.seat(caller, caller if caller else origin.partition("@")[2])
+            try:
+                self.relay.start()
+                nxt = self.relay.cursor(int(request.start_sequence_number))
+                log.debug("vllm kv-event subscriber", model_id=host.model_id, start=nxt)
+                # Headers now: SMG takes a subscription whose headers do not come within 2 s for a
+                # dead worker, and an idle worker may send no batch for a long time.
+                await context.send_initial_metadata(())
+                async for batch in self.relay.batches(nxt):
+                    yield batch
+            finally:
+                seat.close()
 
     async def FlushCache(self, request, context):
+        """Admin only (it drops every tenant's cached prefix blocks): an admin token, or
+        ``--open-admin-rpcs`` (the auth interceptor checks the token, as for the contract's)."""
         async def run():
+            self.s._check_admin("VllmEngine.FlushCache")
             h = self.host
-            if request.timeout_s < 0:
-                raise errors.invalid("timeout_s must be >= 0", field="timeout_s")
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + request.timeout_s
-            while len(h.executor.registry) and loop.time() < deadline:
-                await asyncio.sleep(0.02)
-            live = len(h.executor.registry)
-            if live:
-                return cpb.FlushCacheResponse(success=False, message=f"{live} caches are live (requests in flight); "
-                                              "the prefix cache is flushed only when none is")
+            wait = request.timeout_s
+            if not 0 <= wait <= MAX_FLUSH_WAIT_S:  # NaN too
+                raise errors.invalid(f"timeout_s = {wait:g}: give 0 to {MAX_FLUSH_WAIT_S:g} seconds", field="timeout_s",
+                                     limit=MAX_FLUSH_WAIT_S)
+            if len(h.executor.registry) and wait:
+                await self._until_no_cache(h, wait)
+            if len(h.executor.registry):
+                return cpb.FlushCacheResponse(success=False, message="caches are live (requests in flight); the "
+                                              "prefix cache is flushed only when none is")
             ok = (await h.call(h.executor.clear_prefix_cache)).value
             return cpb.FlushCacheResponse(success=True, message="prefix cache flushed" if ok
                                           else f"model {h.model_id!r} keeps no prefix cache")
         return await self.s.unary("VllmEngine.FlushCache", context, run)
 
     # ---- helpers ----------------------------------------------------------------------------------
+    async def _until_no_cache(self, h: "ModelHost", timeout: float) -> None:
+        """Wait up to ``timeout`` s for the model to hold no live cache. One look-up loop serves
+        every waiting call (it ends when nobody waits), so concurrent calls add no wake-ups."""
+        reg = h.executor.registry
+
+        async def watch() -> None:
+            while len(reg) and self._flush_waiters:
+                await asyncio.sleep(_FLUSH_POLL_S)
+
+        self._flush_waiters += 1
+        try:
+            if self._flush_wait is None or self._flush_wait.done():
+                self._flush_wait = asyncio.ensure_future(watch())
+            await asyncio.wait_for(asyncio.shield(self._flush_wait), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._flush_waiters -= 1
+
+    def _check_role(self, v: vpb.GenerateRequest) -> None:
+        """The server's role, as the contract's ``Generate`` checks it, where it applies: a prefill
+        server runs only SMG's prefill legs (``max_tokens`` 1, one sample). A decode server still
+        computes a prompt that comes without a usable handoff: SMG 1.13's PD mode sends such
+        requests to decode workers (``execute_single``: seen in tests/test_smg_gateway.py), and
+        vLLM computes the prompt after a failed KV load too."""
+        sp = v.sampling_params
+        if not (sp.HasField("max_tokens") and sp.max_tokens == 1 and sp.n <= 1):
+            self.s.ops.checks.check_decode_role("VllmEngine.Generate")
+
+    def _check_response_size(self, v: vpb.GenerateRequest, req: pb.GenerateRequest) -> None:
+        """A non-streamed answer is one message per sample holding every token (and its
+        log-probabilities): refused before any work when it could pass the message limit, as the
+        contract refuses a step whose answer could."""
+        if v.stream:
+            return
+        limit = self.host.limits.max_response_bytes
+        per_token = _TOKEN_BYTES + (_LOGPROB_BYTES + req.top_logprobs * _TOP_LOGPROB_BYTES
+                                    if v.sampling_params.HasField("logprobs") else 0)
+        size = _COMPLETE_BYTES + req.stop.max_tokens * per_token
+        if limit and size > limit:
+            raise errors.invalid(
+                f"a non-streamed answer of up to {req.stop.max_tokens} tokens with {req.top_logprobs} top "
+                f"log-probabilities each is up to {size} bytes per sample; this server's message limit is {limit} "
+                "(--max-message-bytes): stream it, or lower sampling_params.max_tokens or logprobs",
+                field="sampling_params.max_tokens", limit=limit)
+
     def _generations(self) -> int:
         return sum(1 for st in self.s.streams.generations.values() if st.model_id == self.host.model_id)
 
     def _block_size(self) -> int:
         recipe = self.host.info.prefix_cache or {}
         return int(recipe.get("block_size") or self.host.executor.kv_capacity().block_size or 0)
+
+
+# Upper bounds of a non-streamed GenerateComplete's bytes: per token (its id twice, in output_ids
+# and output_logprobs, as varints), per log-probability (a float), per top entry (a float and an
+# id, plus the entry's framing counted per token), and the message's own fields.
+_TOKEN_BYTES = 10
+_LOGPROB_BYTES = 4 + 12
+_TOP_LOGPROB_BYTES = 9
+_COMPLETE_BYTES = 1024
+
+
+def _bundle(executor) -> tuple[bytes, str]:
+    """The tokenizer zip and its SHA-256 (built once, off the loop)."""
+    data = tokenizer_zip(executor)
+    return data, hashlib.sha256(data).hexdigest()
 
 
 def _refuse_unsupported(v: vpb.GenerateRequest) -> None:

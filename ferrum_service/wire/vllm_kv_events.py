@@ -5,7 +5,10 @@ the ``SubscribeKvEvents`` of :mod:`.vllm_engine`.
 a gap and reconnects with ``start_sequence_number`` = the last one it applied. The server's event
 hub numbers every cache event (one per decode step) and every block event of every model in one
 sequence, so :class:`BlockEventRelay` re-numbers the block events of the served model 1, 2, ...
-(one event per batch) and keeps the last ``replay`` of them to replay from. A cursor older than
+(one event per batch) and keeps the last ``replay`` of them to replay from, within the hub's
+``replay_bytes`` (``--kv-event-replay-bytes``) too: without per-caller auth a stored event keeps its
+token ids, so the relay's log is bounded like the hub's own. The relay starts with the first
+subscription (a server nobody reads through this protocol keeps no copy). A cursor older than
 that, or newer than the relay's last (the worker restarted) is OUT_OF_RANGE; a subscriber that
 fell behind the log is DATA_LOSS. SMG answers both by forgetting the worker's blocks and
 subscribing again from 0, which replays every retained event.
@@ -83,13 +86,15 @@ class BlockEventRelay:
         self.hub = hub
         self.model_id = model_id
         self.log: collections.deque[tuple[int, KvEventRecord]] = collections.deque(maxlen=replay)
+        self.replay_bytes = hub.replay_bytes  # bound on the log's estimated bytes (0 = events only)
+        self.held_bytes = 0  # the log's estimated bytes
         self.seq = 0  # the last number given
         self.epoch = 0  # bumped when the relay itself lost events (its subscribers must resync)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
-        """Start relaying (from the oldest event the hub still holds)."""
+        """Start relaying (from the oldest event the hub still holds); later calls do nothing."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._pump())
 
@@ -118,12 +123,20 @@ class BlockEventRelay:
                     from_seq = ev.seq + 1
                     if ev.block_kind:
                         self.seq += 1
-                        self.log.append((self.seq, ev))
+                        self._append(ev)
                         self._notify()
             except SubscriberDropped as d:
                 from_seq = d.resume_from_seq
             finally:
                 sub.close()
+
+    def _append(self, ev: KvEventRecord) -> None:
+        log_, size = self.log, ev.nbytes()
+        while log_ and ((log_.maxlen is not None and len(log_) >= log_.maxlen)
+                        or (self.replay_bytes and self.held_bytes + size > self.replay_bytes)):
+            self.held_bytes = max(0, self.held_bytes - log_.popleft()[1].nbytes())
+        log_.append((self.seq, ev))
+        self.held_bytes += size
 
     def _notify(self) -> None:
         self._wake.set()
