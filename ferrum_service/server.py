@@ -83,6 +83,7 @@ class ServerConfig:
     kv_peer_cert: str | None = default("kv_peer_cert")
     kv_peer_key: str | None = default("kv_peer_key")
     kv_import_idle_timeout: float = default("kv_import_idle_timeout")
+    stream_write_timeout: float = default("stream_write_timeout")  # write_deadline.py
     otlp_endpoint: str | None = default("otlp_endpoint")  # see tracing.py
     kv_event_replay_bytes: int = default("kv_event_replay_bytes")  # kv_events.py
     max_kv_event_subscribers: int = default("max_kv_event_subscribers")
@@ -185,6 +186,9 @@ class Server:
                                               max_message_bytes=cfg.max_message_bytes, kv_peers=self.kv_peers,
                                               import_idle_s=cfg.kv_import_idle_timeout,
                                               resume_s=cfg.migration_resume_s)
+        if cfg.stream_write_timeout < 0:
+            raise ValueError("stream_write_timeout must be >= 0 (0 = no limit)")
+        self.servicer.stream_write_timeout = cfg.stream_write_timeout
         self.servicer.start_drain_by_migration = self._start_drain_by_migration
         self.servicer.migrations.precopy_tokens = cfg.migration_precopy_tokens
         self.servicer.on_model_shutdown = self._model_down

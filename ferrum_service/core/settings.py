@@ -220,6 +220,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("kv_peer_key", str, None, "PEM private key of --kv-peer-cert"),
     _s("kv_import_idle_timeout", float, 30.0, "seconds a staged ImportKv may wait for its next chunk before it is "
        "dropped and its KV given back (0 = no limit)"),
+    _s("stream_write_timeout", float, 60.0, "seconds a server stream (Generate, Session, ExportKv, "
+       "SubscribeKvEvents, vLLM Generate) may wait for its client to take the next message; past it the stream "
+       "is ended (CANCELLED) and its caches and holds are released (0 = no limit)"),
     _s("drain_to", str, "", "HOST:PORT of a KV peer that a drain (SIGTERM) moves every running Generate stream to, "
        "instead of waiting for it (live migration; the peer must count this server as its KV peer)"),
     _s("advertise_address", str, "", "HOST:PORT peers reach this server at (default: --host:--port when --host "
