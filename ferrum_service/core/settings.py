@@ -212,7 +212,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("max_kv_event_subscribers_per_caller", int, 16, "open SubscribeKvEvents streams per caller identity (per "
        "client host without auth) (0 = no cap)"),
     _s("kv_peer", list, (), "HOST:PORT of a server ImportKv may pull KV from (repeatable; env and config: a "
-       "comma-separated list); no peer = every pull is refused"),
+       "comma-separated list; HOST:LO-HI a port range; HOST:* every port, with a peer token only over TLS); "
+       "no peer = every pull is refused"),
     _s("kv_peer_token_file", str, None, "file with KV peer tokens: the first is sent when pulling from a peer, "
        "every one lets a peer call ExportKv on its caller's behalf (and nothing else)"),
     _s("kv_peer_ca", str, None, "PEM CA bundle that peers' certificates must chain to (TLS for pulls)"),
