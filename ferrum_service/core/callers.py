@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
+import hmac
+import secrets
 import time
 from typing import Iterator
 
@@ -113,6 +116,22 @@ def enter_call(context: grpc.aio.ServicerContext, activity: CallerActivity | Non
     return origin
 
 
+_LOG_KEY = secrets.token_bytes(32)  # per process: log ids cannot be tied to a token offline
+
+
+def log_id(identity: str) -> str:
+    """A caller identity or origin as logs show it: a keyed digest (HMAC-SHA256 with a key drawn
+    at process start, 16 hex digits), so log lines of one process can be grouped by caller, but a
+    token cannot be recovered from them by guessing (an identity is the unsalted ``token_caller``
+    digest, which clients recompute for prefix keys and so cannot be salted). The network host of an
+    origin (after ``@``) is kept as it is; "" stays ""."""
+    caller, at, host = identity.partition("@")
+    if not caller:
+        return identity
+    digest = hmac.new(_LOG_KEY, caller.encode(), hashlib.sha256).hexdigest()[:16]
+    return f"caller#{digest}{at}{host}"
+
+
 def caller_identity(context: grpc.aio.ServicerContext, *, tokens_checked: bool) -> str:
     """The caller's identity for cache ownership ("" when calls are not authenticated).
 
@@ -129,4 +148,4 @@ def caller_identity(context: grpc.aio.ServicerContext, *, tokens_checked: bool) 
     return ""
 
 
-__all__ = ["CallerActivity", "caller_identity", "current_caller", "current_origin", "enter_call", "peer_host"]
+__all__ = ["CallerActivity", "caller_identity", "log_id", "current_caller", "current_origin", "enter_call", "peer_host"]

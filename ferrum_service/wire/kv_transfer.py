@@ -325,8 +325,8 @@ class KvTransfer:
                 f"{layout.state_format or 'per-layer tensors'!r}", field="header.state_format")
         if h.fingerprint != layout.fingerprint:
             raise errors.failed_precondition(
-                f"weights fingerprint {h.fingerprint[:16]}… differs from this server's {layout.fingerprint[:16]}… "
-                "(other weights or config)", field="header.fingerprint")
+                "header.fingerprint differs from this server's weights fingerprint (other weights or config)",
+                field="header.fingerprint")
         if h.checksum_algorithm not in ("", CHECKSUM):
             raise errors.failed_precondition(f"checksum {h.checksum_algorithm!r} is not supported (crc32 is)",
                                              field="header.checksum_algorithm")
