@@ -48,6 +48,9 @@ from .wire.vllm_engine import VllmEngineServicer
 log = structlog.get_logger("ferrum_service.server")
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
+#: The health service a liveness probe asks: SERVING while the server runs (a stalled model turns
+#: only "" NOT_SERVING, for readiness: a long legal step must not get the pod restarted).
+LIVENESS_SERVICE = "liveness"
 
 
 @dataclass
@@ -263,6 +266,7 @@ class Server:
             await self.health.set(host.model_id, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(VLLM_SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", port=self.port, models=[h.model_id for h in self.models], tls=bool(self.cfg.tls_cert),
                  auth=bool(self.cfg.auth_tokens), mtls=bool(self.cfg.tls_client_ca),

@@ -3,7 +3,7 @@
 When callers authenticate (bearer tokens, or client certificates under mutual TLS), each cache
 belongs to the caller that created it: another caller's cache is NOT_FOUND to them, never touched.
 The identity is a digest of the bearer token (``token:<sha256 prefix>``; the token itself is never
-kept) or the client certificate's subject (``x509:<common name or SAN>``); unauthenticated
+kept) or the client certificate's names (``x509:CN=<common names>``, else ``x509:SAN=<alt names>``); unauthenticated
 servers use one shared identity (``""``), as before.
 
 The servicer sets :data:`current_caller` at the start of each RPC (each RPC runs in its own
@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import secrets
 import time
+import urllib.parse
 from typing import Iterator
 
 import grpc
@@ -140,12 +141,21 @@ def caller_identity(context: grpc.aio.ServicerContext, *, tokens_checked: bool) 
         for k, v in context.invocation_metadata() or ():
             if k == "authorization" and isinstance(v, str) and v.lower().startswith("bearer "):
                 return token_caller(v[7:])
-    auth = context.auth_context() or {}
-    for key in ("x509_common_name", "x509_subject_alternative_name"):
+    return x509_identity(context.auth_context() or {})
+
+
+def x509_identity(auth: dict) -> str:
+    """A client certificate's identity from gRPC's auth context: ``x509:CN=`` + its common names,
+    else ``x509:SAN=`` + its subject alternative names, each value percent-quoted and joined with
+    ``,`` (so ``CN=a,b`` and the two names ``a`` and ``b`` differ, and a CN never equals a SAN);
+    "" without a certificate. The issuer is not part of it: ``--tls-client-ca`` should hold only
+    CAs whose names do not overlap (docs/operating.md)."""
+    for key, field in (("x509_common_name", "CN"), ("x509_subject_alternative_name", "SAN")):
         vals = auth.get(key)
         if vals:
-            return "x509:" + b",".join(vals).decode(errors="replace")
+            names = ",".join(urllib.parse.quote(v.decode(errors="replace"), safe="") for v in vals)
+            return f"x509:{field}={names}"
     return ""
 
 
-__all__ = ["CallerActivity", "caller_identity", "log_id", "current_caller", "current_origin", "enter_call", "peer_host"]
+__all__ = ["CallerActivity", "caller_identity", "log_id", "x509_identity", "current_caller", "current_origin", "enter_call", "peer_host"]
