@@ -53,7 +53,8 @@ def test_one_callers_given_up_slow_compiles_do_not_refuse_another_callers_schema
         assert pool.in_flight >= 1  # bob's compiles go on (they cannot be stopped)
         assert time.monotonic() - t0 < 3.0
         simple = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
-        events = list(alice.stub.Generate(_gen(simple), timeout=120, metadata=alice.metadata))  # within 2 s of bob's burst
+        # within 2 s of bob's burst
+        events = list(alice.stub.Generate(_gen(simple), timeout=120, metadata=alice.metadata))
         assert events[-1].WhichOneof("event") == "finished", events[-1]
         print(f"bob's codes {[c.name for c in bob_codes]}; alice's schema compiled and ran")
         assert set(bob_codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}

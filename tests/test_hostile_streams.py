@@ -109,7 +109,8 @@ def test_non_reading_exports_of_a_closed_sessions_caches_are_ended_and_the_cache
             q0 = time.perf_counter()
             other.loads()
             loads_s = time.perf_counter() - q0
-        print(f"  test process (server included) CPU {max(busy, 0.0) * 100:.0f}% of a core once they were freed, Loads {loads_s * 1000:.0f} ms")
+        print(f"  test process (server included) CPU {max(busy, 0.0) * 100:.0f}% of a core once they were freed, "
+              f"Loads {loads_s * 1000:.0f} ms")
         assert loads_s < 1.0 and busy < 0.3, (loads_s, busy)
         for call in exports:
             with pytest.raises(grpc.RpcError) as e:

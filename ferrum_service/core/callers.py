@@ -158,4 +158,5 @@ def x509_identity(auth: dict) -> str:
     return ""
 
 
-__all__ = ["CallerActivity", "caller_identity", "log_id", "x509_identity", "current_caller", "current_origin", "enter_call", "peer_host"]
+__all__ = ["CallerActivity", "caller_identity", "current_caller", "current_origin", "enter_call", "log_id", "peer_host",
+           "x509_identity"]
