@@ -105,11 +105,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     from .hosting.kv_peers import normalize_peer, normalize_target
 
-    # --kv-peer: HOST:PORT or HOST:* (every port of one host); --drain-to names one server
+    # --kv-peer: HOST:PORT, HOST:LO-HI or HOST:* (ports of one host); --drain-to names one server
     bad = [p for p in st["kv_peer"] or [] if normalize_peer(p) is None]
     bad += [p for p in [st["drain_to"]] if p and normalize_target(p) is None]
     if bad or bool(st["kv_peer_cert"]) != bool(st["kv_peer_key"]):
-        print(f"--kv-peer takes HOST:PORT or HOST:*, --drain-to HOST:PORT (not {bad[0]!r})" if bad else "--kv-peer-cert and --kv-peer-key go together",
+        print(f"--kv-peer takes HOST:PORT, HOST:LO-HI or HOST:*, --drain-to HOST:PORT (not {bad[0]!r})" if bad else "--kv-peer-cert and --kv-peer-key go together",
               file=sys.stderr)
         return 2
     from . import logs

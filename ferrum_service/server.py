@@ -50,6 +50,9 @@ from .wire.vllm_limits import VLLM_LIMITS
 log = structlog.get_logger("ferrum_service.server")
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
+#: The health service a liveness probe asks: SERVING while the server runs (a stalled model turns
+#: only "" NOT_SERVING, for readiness: a long legal step must not get the pod restarted).
+LIVENESS_SERVICE = "liveness"
 
 
 @dataclass
@@ -86,6 +89,7 @@ class ServerConfig:
     kv_peer_key: str | None = default("kv_peer_key")
     kv_import_idle_timeout: float = default("kv_import_idle_timeout")
     kv_import_timeout: float = default("kv_import_timeout")
+    stream_write_timeout: float = default("stream_write_timeout")  # write_deadline.py
     otlp_endpoint: str | None = default("otlp_endpoint")  # see tracing.py
     kv_event_replay_bytes: int = default("kv_event_replay_bytes")  # kv_events.py
     max_kv_event_subscribers: int = default("max_kv_event_subscribers")
@@ -191,6 +195,9 @@ class Server:
                                               import_idle_s=cfg.kv_import_idle_timeout,
                                               import_total_s=cfg.kv_import_timeout,
                                               resume_s=cfg.migration_resume_s)
+        if cfg.stream_write_timeout < 0:
+            raise ValueError("stream_write_timeout must be >= 0 (0 = no limit)")
+        self.servicer.stream_write_timeout = cfg.stream_write_timeout
         self.servicer.start_drain_by_migration = self._start_drain_by_migration
         self.servicer.migrations.precopy_tokens = cfg.migration_precopy_tokens
         self.servicer.on_model_shutdown = self._model_down
@@ -268,6 +275,7 @@ class Server:
             await self.health.set(host.model_id, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(VLLM_SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", port=self.port, models=[h.model_id for h in self.models], tls=bool(self.cfg.tls_cert),
                  auth=bool(self.cfg.auth_tokens), mtls=bool(self.cfg.tls_client_ca),

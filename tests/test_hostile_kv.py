@@ -551,7 +551,7 @@ def test_client_certificates_are_key_spaces_too(tiny_llama_dir, tmp_path):
         a = one.prefill(M, p).output
         b = two.prefill(M, p).output
         assert b.cached_tokens == 0
-        mine = block_keys(p, BS, model_id=M, cache_salt=caller_salt("x509:tenant-one"))
+        mine = block_keys(p, BS, model_id=M, cache_salt=caller_salt("x509:CN=tenant-one"))
         assert all(k in ex.prefix.index for k in mine)
         one.release_cache(M, a.cache.cache_id)
         two.release_cache(M, b.cache.cache_id)

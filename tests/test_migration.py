@@ -28,7 +28,7 @@ from .support.servers import InProcessServer, ServerProcess
 
 BS = 16
 M = "tiny"
-PEER = {"kv_peers": ["127.0.0.1:*"], "kv_peer_tokens": ["tok-peer"], "open_admin_rpcs": True}
+PEER = {"kv_peers": ["127.0.0.1:1024-65535"], "kv_peer_tokens": ["tok-peer"], "open_admin_rpcs": True}
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -226,7 +226,7 @@ def test_refusals_keep_the_stream_on_a(tiny_llama_dir, tmp_path):
             _refused(a, b.target, "FAILED_PRECONDITION")
             assert b.live_caches() == {M: 0}
         # B does not share the peer token
-        with InProcessServer([_executor(tiny_llama_dir)], kv_peers=["127.0.0.1:*"], kv_peer_tokens=["other"]) as b:
+        with InProcessServer([_executor(tiny_llama_dir)], kv_peers=["127.0.0.1:1024-65535"], kv_peer_tokens=["other"]) as b:
             _refused(a, b.target, "PERMISSION_DENIED")
             assert b.live_caches() == {M: 0}
         assert a.live_caches() == {M: 0}
@@ -338,7 +338,7 @@ def test_parked_streams_are_bounded(pair):
 
 
 def test_admin_and_peer_gates_under_auth(tiny_llama_dir):
-    cfg = {"kv_peers": ["127.0.0.1:*"], "kv_peer_tokens": ["tok-peer"], "auth_tokens": ["tok-user"],
+    cfg = {"kv_peers": ["127.0.0.1:1024-65535"], "kv_peer_tokens": ["tok-peer"], "auth_tokens": ["tok-user"],
            "admin_tokens": ["tok-admin"]}
     with InProcessServer([_executor(tiny_llama_dir)], **cfg) as a, \
             Client(a.target, token="tok-user") as user, Client(a.target, token="tok-admin") as admin, \
@@ -365,7 +365,7 @@ def test_admin_and_peer_gates_under_auth(tiny_llama_dir):
 
 
 def test_migrate_streams_is_admin_only(tiny_llama_dir):
-    with InProcessServer([_executor(tiny_llama_dir)], kv_peers=["127.0.0.1:*"], kv_peer_tokens=["p"]) as a, \
+    with InProcessServer([_executor(tiny_llama_dir)], kv_peers=["127.0.0.1:1024-65535"], kv_peer_tokens=["p"]) as a, \
             Client(a.target) as c:
         with pytest.raises(FerrumRpcError) as e:
             c.migrate_streams(a.target)
@@ -397,7 +397,7 @@ def test_sigterm_with_drain_to_moves_8_streams(tiny_llama_dir, tmp_path):
     tok = tmp_path / "peer-token"
     tok.write_text("tok-peer\n")
     spec = f"hf-causal-lm,id={M},path={tiny_llama_dir},device=cpu"
-    common = ("--model", spec, "--kv-budget-tokens", "16384", "--kv-peer", "127.0.0.1:*",
+    common = ("--model", spec, "--kv-budget-tokens", "16384", "--kv-peer", "127.0.0.1:1024-65535",
               "--kv-peer-token-file", str(tok))
     n, max_tokens = 8, 160
     prompts = [_prompt(20 + i, seed=100 + i) for i in range(n)]

@@ -392,7 +392,7 @@ def test_precopied_move_between_two_processes(tiny_llama_dir, tmp_path):
     tok = tmp_path / "peer-token"
     tok.write_text("tok-peer\n")
     spec = f"hf-causal-lm,id={M},path={tiny_llama_dir},device=cpu"
-    common = ("--model", spec, "--kv-budget-tokens", "8192", "--kv-peer", "127.0.0.1:*",
+    common = ("--model", spec, "--kv-budget-tokens", "8192", "--kv-peer", "127.0.0.1:1024-65535",
               "--kv-peer-token-file", str(tok), "--open-admin-rpcs")
     with ServerProcess(*common) as pb_, ServerProcess(*common) as pa, Client(pa.target) as ca, \
             Client(pb_.target) as cb:

@@ -1,4 +1,5 @@
-"""Health check for the container: asks grpc.health.v1 on the local gRPC port about service "".
+"""Health check for the container: asks grpc.health.v1 on the local gRPC port about service
+"" (or the one named after the port, e.g. "liveness").
 
 Exit 0 when SERVING, 1 otherwise. Used by the image's HEALTHCHECK (plain `docker run`) and, in the
 Helm chart, by the probes when TLS is on: the kubelet's native gRPC probes speak plaintext only.
@@ -40,10 +41,11 @@ def _channel(target: str) -> grpc.Channel:
 
 def main() -> int:
     port = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("FERRUM_PORT", "50051")
+    service = sys.argv[2] if len(sys.argv) > 2 else ""  # "liveness" for a liveness probe
     target = f"127.0.0.1:{port}"
     try:
         with _channel(target) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=3)
     except (grpc.RpcError, OSError) as e:
         print(f"health check failed: {getattr(e, 'code', lambda: e)()}", file=sys.stderr)
         return 1

@@ -3,7 +3,7 @@
 When callers authenticate (bearer tokens, or client certificates under mutual TLS), each cache
 belongs to the caller that created it: another caller's cache is NOT_FOUND to them, never touched.
 The identity is a digest of the bearer token (``token:<sha256 prefix>``; the token itself is never
-kept) or the client certificate's subject (``x509:<common name or SAN>``); unauthenticated
+kept) or the client certificate's names (``x509:CN=<common names>``, else ``x509:SAN=<alt names>``); unauthenticated
 servers use one shared identity (``""``), as before.
 
 The servicer sets :data:`current_caller` at the start of each RPC (each RPC runs in its own
@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
+import hmac
+import secrets
 import time
+import urllib.parse
 from typing import Iterator
 
 import grpc
@@ -113,6 +117,22 @@ def enter_call(context: grpc.aio.ServicerContext, activity: CallerActivity | Non
     return origin
 
 
+_LOG_KEY = secrets.token_bytes(32)  # per process: log ids cannot be tied to a token offline
+
+
+def log_id(identity: str) -> str:
+    """A caller identity or origin as logs show it: a keyed digest (HMAC-SHA256 with a key drawn
+    at process start, 16 hex digits), so log lines of one process can be grouped by caller, but a
+    token cannot be recovered from them by guessing (an identity is the unsalted ``token_caller``
+    digest, which clients recompute for prefix keys and so cannot be salted). The network host of an
+    origin (after ``@``) is kept as it is; "" stays ""."""
+    caller, at, host = identity.partition("@")
+    if not caller:
+        return identity
+    digest = hmac.new(_LOG_KEY, caller.encode(), hashlib.sha256).hexdigest()[:16]
+    return f"caller#{digest}{at}{host}"
+
+
 def caller_identity(context: grpc.aio.ServicerContext, *, tokens_checked: bool) -> str:
     """The caller's identity for cache ownership ("" when calls are not authenticated).
 
@@ -121,12 +141,22 @@ def caller_identity(context: grpc.aio.ServicerContext, *, tokens_checked: bool) 
         for k, v in context.invocation_metadata() or ():
             if k == "authorization" and isinstance(v, str) and v.lower().startswith("bearer "):
                 return token_caller(v[7:])
-    auth = context.auth_context() or {}
-    for key in ("x509_common_name", "x509_subject_alternative_name"):
+    return x509_identity(context.auth_context() or {})
+
+
+def x509_identity(auth: dict) -> str:
+    """A client certificate's identity from gRPC's auth context: ``x509:CN=`` + its common names,
+    else ``x509:SAN=`` + its subject alternative names, each value percent-quoted and joined with
+    ``,`` (so ``CN=a,b`` and the two names ``a`` and ``b`` differ, and a CN never equals a SAN);
+    "" without a certificate. The issuer is not part of it: ``--tls-client-ca`` should hold only
+    CAs whose names do not overlap (docs/operating.md)."""
+    for key, field in (("x509_common_name", "CN"), ("x509_subject_alternative_name", "SAN")):
         vals = auth.get(key)
         if vals:
-            return "x509:" + b",".join(vals).decode(errors="replace")
+            names = ",".join(urllib.parse.quote(v.decode(errors="replace"), safe="") for v in vals)
+            return f"x509:{field}={names}"
     return ""
 
 
-__all__ = ["CallerActivity", "caller_identity", "current_caller", "current_origin", "enter_call", "peer_host"]
+__all__ = ["CallerActivity", "caller_identity", "current_caller", "current_origin", "enter_call", "log_id", "peer_host",
+           "x509_identity"]

@@ -212,7 +212,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("max_kv_event_subscribers_per_caller", int, 16, "open SubscribeKvEvents streams per caller identity (per "
        "client host without auth) (0 = no cap)"),
     _s("kv_peer", list, (), "HOST:PORT of a server ImportKv may pull KV from (repeatable; env and config: a "
-       "comma-separated list); no peer = every pull is refused"),
+       "comma-separated list; HOST:LO-HI a port range; HOST:* every port, with a peer token only over TLS); "
+       "no peer = every pull is refused"),
     _s("kv_peer_token_file", str, None, "file with KV peer tokens: the first is sent when pulling from a peer, "
        "every one lets a peer call ExportKv on its caller's behalf (and nothing else)"),
     _s("kv_peer_ca", str, None, "PEM CA bundle that peers' certificates must chain to (TLS for pulls)"),
@@ -223,6 +224,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("kv_import_timeout", float, 120.0, "seconds an ImportKv (or a migration's pull) may take in all, from its "
        "first chunk to its last, before it is dropped and its KV given back, however steadily chunks arrive "
        "(0 = no limit)"),
+    _s("stream_write_timeout", float, 60.0, "seconds a server stream (Generate, Session, ExportKv, "
+       "SubscribeKvEvents, vLLM Generate) may wait for its client to take the next message; past it the stream "
+       "is ended (CANCELLED) and its caches and holds are released (0 = no limit)"),
     _s("drain_to", str, "", "HOST:PORT of a KV peer that a drain (SIGTERM) moves every running Generate stream to, "
        "instead of waiting for it (live migration; the peer must count this server as its KV peer)"),
     _s("advertise_address", str, "", "HOST:PORT peers reach this server at (default: --host:--port when --host "

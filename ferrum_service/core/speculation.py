@@ -83,28 +83,55 @@ def usable(policy: "LogitsPolicy", executor: Any) -> bool:
     return policy.sampling.constraint is None and bool(getattr(executor, "supports_draft_rows", False))
 
 
-class NgramDrafter:
-    """Prompt-lookup drafts from one sequence's own tokens (see the module docstring)."""
+class PromptIndex:
+    """The n-gram index of a sequence's start (its prompt): per n, n-gram -> start of its latest
+    occurrence that some token follows. Built once per request (off the event loop: it costs
+    O(sizes x prompt length)) and shared, read-only, by the drafters of all its samples."""
 
-    def __init__(self, cfg: SpeculationConfig, tokens: Sequence[int] = ()) -> None:
+    def __init__(self, cfg: SpeculationConfig, tokens: Sequence[int]) -> None:
+        self.tokens: list[int] = [int(t) for t in tokens]
+        ts = self.tokens
+        self.index: dict[int, dict[tuple[int, ...], int]] = {}
+        for n in range(cfg.min_ngram, cfg.max_ngram + 1):
+            idx = self.index[n] = {}
+            for end in range(n, len(ts)):  # the n-gram ending just before token ``end``
+                idx[tuple(ts[end - n:end])] = end - n
+
+
+class NgramDrafter:
+    """Prompt-lookup drafts from one sequence's own tokens (see the module docstring). The prompt's
+    n-grams live in a shared :class:`PromptIndex`; the drafter indexes only the n-grams its own
+    output completes (always later than any prompt occurrence, so they are looked up first)."""
+
+    def __init__(self, cfg: SpeculationConfig, prompt: "PromptIndex | Sequence[int]" = ()) -> None:
         self.cfg = cfg
         # Draft length now: shrinks by one after a rejection, grows by two after a full acceptance
         # (assisted generation's heuristic), so text with few repeats verifies short drafts.
         self.length = cfg.max_draft
-        self.tokens: list[int] = []
-        # per n: n-gram -> start of its latest occurrence that some token follows
+        self._prompt = prompt if isinstance(prompt, PromptIndex) else PromptIndex(cfg, prompt)
+        self._out: list[int] = []  # tokens after the prompt
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(cfg.min_ngram, cfg.max_ngram + 1)}
-        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self._prompt.tokens) + len(self._out)
+
+    def _slice(self, a: int, b: int) -> list[int]:
+        """Tokens ``a..b`` of the whole sequence (prompt then output)."""
+        p = self._prompt.tokens
+        if b <= len(p):
+            return p[a:b]
+        if a >= len(p):
+            return self._out[a - len(p):b - len(p)]
+        return p[a:] + self._out[:b - len(p)]
 
     def extend(self, tokens: Sequence[int]) -> None:
-        """Append tokens of the sequence (prompt or output)."""
-        ts = self.tokens
+        """Append output tokens of the sequence."""
         for t in tokens:
-            ts.append(int(t))
-            end = len(ts) - 1  # the n-grams ending just before the new token now have a follower
+            self._out.append(int(t))
+            end = len(self) - 1  # the n-grams ending just before the new token now have a follower
             for n, idx in self._index.items():
                 if end >= n:
-                    idx[tuple(ts[end - n:end])] = end - n
+                    idx[tuple(self._slice(end - n, end))] = end - n
 
     def feedback(self, drafted: int, accepted: int) -> None:
         """How the last draft did: adapts the next drafts' length (1..max_draft)."""
@@ -116,15 +143,18 @@ class NgramDrafter:
         """Up to ``min(limit, length)`` tokens that followed the latest earlier occurrence of the
         sequence's last n tokens (longest n first); [] when no n-gram recurs."""
         k = min(limit, self.length)
-        ts = self.tokens
+        total = len(self)
         if k <= 0:
             return []
         for n in range(self.cfg.max_ngram, self.cfg.min_ngram - 1, -1):
-            if len(ts) <= n:
+            if total <= n:
                 continue
-            start = self._index[n].get(tuple(ts[-n:]))
+            key = tuple(self._slice(total - n, total))
+            start = self._index[n].get(key)
+            if start is None:
+                start = self._prompt.index[n].get(key)
             if start is not None:
-                return ts[start + n:start + n + k]
+                return self._slice(start + n, min(start + n + k, total))
         return []
 
 
@@ -191,5 +221,5 @@ def sample_verified(executor: Any, logits: list, policies: list, entries: "list[
     return out
 
 
-__all__ = ["MAX_DRAFT_TOKENS", "MAX_NGRAM", "NgramDrafter", "SpeculationConfig", "SpeculationStats",
+__all__ = ["MAX_DRAFT_TOKENS", "MAX_NGRAM", "NgramDrafter", "PromptIndex", "SpeculationConfig", "SpeculationStats",
            "request_config", "sample_verified", "stats_of", "usable"]

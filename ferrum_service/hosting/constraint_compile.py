@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ferrum_client._proto.ferrum.executor.v1 import types_pb2 as tpb
 
 from ..core import errors
-from ..core.callers import current_deadline
+from ..core.callers import current_caller, current_deadline
 from ..core.request_limits import limit_of
 from ..core.settings import default
 from ..core.types import ConstraintSpec, SamplingParams
@@ -153,6 +153,11 @@ class CompilePool:
         self.slots = self.threads + max(0, int(queue))
         self.max_seconds = float(max_seconds)
         self.in_flight = 0  # compiles running or queued (a timed-out one holds its slot until it ends)
+        # An identified caller's share of the slots: its compiles (those whose request gave up
+        # included: xgrammar cannot be interrupted) count against it until they end, so one
+        # caller's slow schemas cannot take every slot. Callers without an identity share one space.
+        self.per_caller = max(1, self.slots // 2)
+        self._by_caller: collections.Counter[str] = collections.Counter()
         self.refused = 0
         self.timed_out = 0
         self._recent = collections.deque(maxlen=32)  # seconds the last compiles took
@@ -185,7 +190,8 @@ class CompilePool:
         running = self._running.get(key)
         if running is None:  # a compile of the same constraint already under way is shared
             running = self._start(guides, spec, field)
-        shared, first_field, abandoned = running
+        shared, first_field, abandoned, waiters, fut = running
+        waiters[0] += 1
         try:
             return await asyncio.wait_for(asyncio.shield(shared), limit)
         except asyncio.TimeoutError:
@@ -203,27 +209,45 @@ class CompilePool:
             # another request started this compile: its error names that request's field
             raise errors.FerrumError(e.kind, e.message.replace(first_field, field, 1), code=e.code,
                                      field=e.field.replace(first_field, field, 1), metadata=e.metadata) from None
+        finally:
+            waiters[0] -= 1
+            if not waiters[0] and not shared.done():
+                fut.cancel()  # nobody waits for it: a compile still queued is dropped (its slot freed)
 
     def _start(self, guides, spec: ConstraintSpec, field: str):
-        """Submit a compile to the pool (RESOURCE_EXHAUSTED when every slot is taken); returns
-        (its future, the field it was started for, its abandoned flag)."""
+        """Submit a compile to the pool (RESOURCE_EXHAUSTED when every slot is taken, or the
+        caller's share of them); returns (its future, the field it was started for, its abandoned
+        flag, its count of waiting requests, the pool's future)."""
         if self.in_flight >= self.slots:
             self.refused += 1
             raise errors.exhausted(
                 f"{field}: {self.in_flight} constraints are compiling or waiting to; the server compiles "
                 f"{self.threads} at a time (a cached constraint does not wait)", field=field,
                 retry_after_ms=self.retry_after_ms(), compiling=self.in_flight, limit=self.slots)
+        caller = current_caller.get()
+        if caller and self._by_caller[caller] >= self.per_caller:
+            self.refused += 1
+            raise errors.exhausted(
+                f"{field}: this caller has {self._by_caller[caller]} constraints compiling or waiting to (at "
+                f"most {self.per_caller} per caller; a compile whose request gave up counts until it ends)",
+                field=field, retry_after_ms=self.retry_after_ms(), compiling=self._by_caller[caller],
+                limit=self.per_caller)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ferrum-grammar")
         loop = asyncio.get_running_loop()
         self.in_flight += 1
+        self._by_caller[caller] += 1
         t0 = time.monotonic()
         key = (id(guides), spec)
 
-        def finished(_f) -> None:  # on the compiling thread: count it on the loop
+        def finished(f) -> None:  # on the compiling thread (or the loop's, if dropped): count it on the loop
             def free() -> None:
                 self.in_flight -= 1
-                self._recent.append(time.monotonic() - t0)
+                self._by_caller[caller] -= 1
+                if not self._by_caller[caller]:
+                    del self._by_caller[caller]
+                if not f.cancelled():
+                    self._recent.append(time.monotonic() - t0)
                 self._running.pop(key, None)
             try:
                 loop.call_soon_threadsafe(free)
@@ -235,7 +259,7 @@ class CompilePool:
         fut.add_done_callback(finished)
         shared = asyncio.wrap_future(fut)
         shared.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody may await it now
-        self._running[key] = (shared, field, abandoned)
+        self._running[key] = (shared, field, abandoned, [0], fut)
         return self._running[key]
 
     async def compile_all(self, host: "ModelHost", items: Sequence[tuple[SamplingParams, str]]) -> None:

@@ -83,6 +83,7 @@ class ModelHost:
                                  max_rows=self.capabilities.max_batch_size)
         self._pool = worker or new_worker(model_id)
         self._busy: set[str] = set()
+        self._unheld: dict[str, asyncio.Event] = {}  # cache id -> set when its hold ends (waited on)
         self.running = 0  # steps executing or queued on the worker
         self._pending_releases: set[asyncio.Task] = set()
         self.batcher: Any = None  # the model's step queue for Generate streams (``attach``)
@@ -215,9 +216,20 @@ class ModelHost:
             self._busy.difference_update(ids)
             for c in ids:
                 reg.touch(c)
+                ev = self._unheld.pop(c, None)
+                if ev is not None:
+                    ev.set()
 
     def is_busy(self, cache_id: str) -> bool:
         return cache_id in self._busy
+
+    async def wait_unheld(self, cache_id: str) -> None:
+        """Return once no step or transfer holds the cache (woken by the hold's end, not polled)."""
+        while cache_id in self._busy:
+            ev = self._unheld.get(cache_id)
+            if ev is None:
+                ev = self._unheld[cache_id] = asyncio.Event()
+            await ev.wait()
 
     def release_soon(self, cache_id: str, reason: str = "released") -> None:
         """Free a cache from a ``finally`` that may run inside a cancelled task.
@@ -235,8 +247,7 @@ class ModelHost:
             return
 
         async def _release() -> None:
-            while self.is_busy(cache_id):
-                await asyncio.sleep(0.005)
+            await self.wait_unheld(cache_id)
             try:
                 with self.hold([cache_id], "cache_id"):  # nothing starts reading it while it goes
                     if self.executor.inline:

@@ -3,8 +3,10 @@
 ``ImportKv`` with a ``source`` makes this server call ``ExportKv`` on another server. That is a
 network request the caller aims, so it is bounded by what the operator configured:
 
-- **Peers** (``--kv-peer HOST:PORT``, repeatable; ``HOST:*`` admits every port of one host, e.g.
-  ``127.0.0.1:*`` for servers on one machine): the only targets this server dials. A peer
+- **Peers** (``--kv-peer HOST:PORT``, repeatable; ``HOST:LO-HI`` admits a range of ports of one
+  host, e.g. ``127.0.0.1:50051-50058`` for servers on one machine; ``HOST:*`` every port, but with
+  a peer token only over TLS, since any local process could listen on one of them): the only
+  targets this server dials. A peer
   named by a DNS name also admits the addresses that name resolves to now (a Kubernetes headless
   Service names the prefill pods; a router hands their IPs out). Any other target (another host,
   a ``unix:`` path, a ``dns:///`` URI) is PERMISSION_DENIED before anything is dialled. No peers
@@ -70,12 +72,18 @@ def normalize_target(target: str) -> str | None:
 
 
 def normalize_peer(peer: str) -> str | None:
-    """A ``--kv-peer`` value normalised: ``HOST:PORT`` as :func:`normalize_target`, or ``HOST:*``
-    (every port of one host); None for anything else."""
+    """A ``--kv-peer`` value normalised: ``HOST:PORT`` as :func:`normalize_target`, ``HOST:LO-HI``
+    (a range of ports of one host) or ``HOST:*`` (every port of one host); None for anything else."""
     host, sep, port = peer.strip().rpartition(":")
     if sep and port == "*":
         t = normalize_target(f"{host}:1")
         return None if t is None else t.rsplit(":", 1)[0] + ":*"
+    lo, dash, hi = port.partition("-")
+    if sep and dash:
+        a, b = normalize_target(f"{host}:{lo}"), normalize_target(f"{host}:{hi}")
+        if a is None or b is None or int(lo) > int(hi):
+            return None
+        return f"{a}-{int(hi)}"
     return normalize_target(peer)
 
 
@@ -104,12 +112,18 @@ class KvPeers:
         files for TLS to peers (any of them turns TLS on for every pull)."""
         self.targets: set[str] = set()
         self.any_port: set[str] = set()  # HOST:* peers: every port of that host (servers on one machine)
+        self.port_ranges: dict[str, list[tuple[int, int]]] = {}  # HOST:LO-HI peers
         for p in peers:
             t = normalize_peer(p)
             if t is None:
-                raise ValueError(f"--kv-peer {p!r}: expected HOST:PORT or HOST:* (unix sockets and URIs are not peers)")
-            if t.endswith(":*"):
-                self.any_port.add(t[:-2])
+                raise ValueError(f"--kv-peer {p!r}: expected HOST:PORT, HOST:LO-HI or HOST:* (unix sockets and URIs "
+                                 "are not peers)")
+            host, _, port = t.rpartition(":")
+            if port == "*":
+                self.any_port.add(host)
+            elif "-" in port:
+                lo, hi = port.split("-")
+                self.port_ranges.setdefault(host, []).append((int(lo), int(hi)))
             else:
                 self.targets.add(t)
         tokens = [t.strip() for t in tokens if t and t.strip()]
@@ -131,12 +145,25 @@ class KvPeers:
         """``target`` normalised when it is a configured peer (or an address of a peer's DNS name
         now); PERMISSION_DENIED, nothing dialled, otherwise."""
         t = normalize_target(target)
-        if t is not None and (t in self.targets or t.rsplit(":", 1)[0] in self.any_port or await self._resolves_to(t)):
+        if t is not None and (t in self.targets or self._in_range(t) or await self._resolves_to(t)):
+            return t
+        if t is not None and t.rsplit(":", 1)[0] in self.any_port:
+            if self._send and not self.tls:
+                # any process on that host could listen there: the peer token goes only over TLS
+                raise errors.FerrumError(
+                    errors.ErrorKind.PERMISSION_DENIED,
+                    "source.target matches only a HOST:* peer, and this server sends its peer token to such a "
+                    "peer only over TLS (--kv-peer-ca); its operator can name the port or a port range "
+                    "(--kv-peer HOST:LO-HI)", field="source.target")
             return t
         raise errors.FerrumError(
             errors.ErrorKind.PERMISSION_DENIED,
             "source.target is not a KV peer of this server: it pulls only from the peers its operator "
             "configured (--kv-peer)", field="source.target")
+
+    def _in_range(self, target: str) -> bool:
+        host, port = target.rsplit(":", 1)
+        return any(lo <= int(port) <= hi for lo, hi in self.port_ranges.get(host, ()))
 
     async def _resolves_to(self, target: str) -> bool:
         host, port = target.rsplit(":", 1)

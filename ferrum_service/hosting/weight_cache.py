@@ -11,8 +11,9 @@ Where: ``$FERRUM_MODEL_CACHE`` if set, else ``<venv>/var/ferrum-models`` (beside
 artefacts: a new venv makes a new copy), else ``$XDG_CACHE_HOME/ferrum-service/models`` when the venv
 is read-only. Each copy has a sidecar ``.json`` with the SHA-256 of its source and of itself; a copy
 whose sidecar is missing or does not match (a half-written, truncated or altered file, or a new
-source) is made again. Copies are written to a temporary file and renamed into place under a file
-lock, so two servers starting at once never read a half-written file and make it only once.
+source) is made again. A copy's name carries the first 16 hex digits of its source's SHA-256, so
+sources that share a file name never share a copy. Copies are written to a temporary file (a fresh
+name, made exclusively) and renamed into place under a file lock (opened without following links), so two servers starting at once never read a half-written file and make it only once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,7 +76,7 @@ def converted_gguf(source: str | Path, ftype: str = "f16", *, folder: Path | Non
     folder = Path(folder) if folder is not None else cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     src_sha = file_sha256(src)
-    out = folder / f"{src.stem}.{ftype}.gguf"
+    out = folder / converted_name(src, src_sha, ftype)
     if _valid(out, src_sha):
         return out
     with _locked(folder / f".{out.name}.lock"):
@@ -82,7 +84,10 @@ def converted_gguf(source: str | Path, ftype: str = "f16", *, folder: Path | Non
             return out
         t0 = time.perf_counter()
         log.info("converting weights once", source=str(src), format=ftype, to=str(out))
-        tmp = folder / f".{out.name}.{os.getpid()}.tmp"
+        # a fresh name made with O_EXCL (mode 0600): nothing planted at a guessable name is followed
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        tmp = Path(tmp_name)
         try:
             _quantize(src, tmp, FTYPES[ftype])
             meta = {"source": str(src), "source_sha256": src_sha, "format": ftype,
@@ -101,12 +106,20 @@ def converted_gguf(source: str | Path, ftype: str = "f16", *, folder: Path | Non
     return out
 
 
+def converted_name(src: Path, src_sha: str, ftype: str) -> str:
+    """The file name of ``src``'s ``ftype`` copy: its stem and the first 16 hex digits of its
+    SHA-256, so two sources with one stem (two ``model.gguf``) never share a copy."""
+    return f"{src.stem}.{src_sha[:16]}.{ftype}.gguf"
+
+
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
 def _valid(path: Path, src_sha: str) -> bool:
     """``path`` exists, was made from the source with ``src_sha`` and still has its checksum."""
+    if path.is_symlink() or _sidecar(path).is_symlink():  # only files this cache wrote itself
+        return False
     try:
         meta = json.loads(_sidecar(path).read_text())
         if meta.get("source_sha256") != src_sha or path.stat().st_size != meta.get("size"):
@@ -121,7 +134,9 @@ def _valid(path: Path, src_sha: str) -> bool:
 
 @contextmanager
 def _locked(lock_path: Path):
-    with open(lock_path, "a") as f:
+    # O_NOFOLLOW: a symlink planted at the lock's name is refused (ELOOP), not opened
+    fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

@@ -9,6 +9,7 @@ server: a ``google.rpc.Status`` (unary and streaming RPCs) or an in-band ``StepE
 from __future__ import annotations
 
 import math
+import secrets
 
 import grpc
 import numpy as np
@@ -407,8 +408,12 @@ def as_ferrum_error(exc: BaseException, rpc: str) -> errors.FerrumError:
     bug, logged with its traceback and answered INTERNAL (call it in the ``except`` block)."""
     if isinstance(exc, errors.FerrumError):
         return exc
-    _log.exception("unexpected error", rpc=rpc, error=repr(exc))
-    return errors.FerrumError(errors.ErrorKind.INTERNAL, f"{rpc}: internal error: {type(exc).__name__}: {exc}")
+    # the exception's text (paths, shapes, library internals) stays in the server's log; the
+    # caller gets an id to quote that finds it there
+    error_id = secrets.token_hex(6)
+    _log.exception("unexpected error", rpc=rpc, error=repr(exc), error_id=error_id)
+    return errors.FerrumError(errors.ErrorKind.INTERNAL, f"{rpc}: internal error (error id {error_id}; the "
+                              "server's log has the details)", metadata={"error_id": error_id})
 
 
 def _packed(msg) -> any_pb2.Any:

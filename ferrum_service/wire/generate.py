@@ -290,9 +290,16 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
 
             mover = None if state.unmovable else migrations.mover(host, req, state, sp.constraint is not None)
 
+            # one n-gram index of the prompt for all samples (each cache holds the same tokens
+            # now), built on a thread: O(n-gram sizes x prompt) must not stall the event loop
+            prompt_index = None
+            if spec is not None:
+                prompt_index = await asyncio.to_thread(speculation.PromptIndex, spec,
+                                                       list(reg.get(samples[0].cache_id).tokens))
+
             async def run(s: _Sample) -> AsyncIterator[pb.GenerateResponse]:
                 if spec is not None:
-                    s.drafter = speculation.NgramDrafter(spec, reg.get(s.cache_id).tokens)
+                    s.drafter = speculation.NgramDrafter(spec, prompt_index)
                 async for ev in _decode_loop(host, req, state, s, pipeline, max_tokens, stop_ids, eos_ids, mover,
                                              grows):
                     yield ev

@@ -347,8 +347,8 @@ class KvTransfer:
                 f"{layout.state_format or 'per-layer tensors'!r}", field="header.state_format")
         if h.fingerprint != layout.fingerprint:
             raise errors.failed_precondition(
-                f"weights fingerprint {h.fingerprint[:16]}… differs from this server's {layout.fingerprint[:16]}… "
-                "(other weights or config)", field="header.fingerprint")
+                "header.fingerprint differs from this server's weights fingerprint (other weights or config)",
+                field="header.fingerprint")
         if h.checksum_algorithm not in ("", CHECKSUM):
             raise errors.failed_precondition(f"checksum {h.checksum_algorithm!r} is not supported (crc32 is)",
                                              field="header.checksum_algorithm")
@@ -635,9 +635,17 @@ class KvTransfer:
             to_token=src.to_token, max_chunk_bytes=src.max_chunk_bytes),
             metadata=self.peers.metadata(current_caller.get()))
         try:
-            first = await call.read()
+            # a peer that accepts and never answers must not hold the import: the header gets the
+            # same idle limit as each chunk after it
+            async with asyncio.timeout(self.import_idle_s or None):
+                first = await call.read()
         except grpc.aio.AioRpcError as e:
             raise self.peers.refused(target, src.cache_id, e) from None
+        except TimeoutError:
+            call.cancel()
+            raise errors.FerrumError(errors.ErrorKind.TIMEOUT, f"source {target}: ExportKv sent no header within "
+                                     f"{self.import_idle_s:g} s", code=grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     field="source") from None
         if first is grpc.aio.EOF or first.WhichOneof("message") != "header":
             call.cancel()
             raise errors.FerrumError(errors.ErrorKind.NETWORK, f"source {target}: ExportKv sent no header",

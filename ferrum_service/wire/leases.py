@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from ..core.callers import CallerActivity
+from ..core.callers import CallerActivity, log_id
 from ..core.modes import CacheEvent, ExecutorState
 from ..hosting.periodic import Periodic
 
@@ -125,7 +125,7 @@ class LeaseReaper:
                 else:
                     self.metrics.idle_origin_caches.labels(host.model_id).inc()
                     log.info("cache of a quiet origin reclaimed", model_id=host.model_id, cache_id=cid,
-                             origin=entry.origin, idle_s=round(idle, 3), origin_idle_ttl_s=self.origin_idle_ttl,
+                             origin=log_id(entry.origin), idle_s=round(idle, 3), origin_idle_ttl_s=self.origin_idle_ttl,
                              tokens=tokens, freed_bytes=freed_bytes)
         if self.activity is not None:
             self.activity.forget_idle(max(self.ttl, 3600.0))

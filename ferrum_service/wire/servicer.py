@@ -56,6 +56,7 @@ from .metrics import Metrics
 from .migration import Migrations
 from .operations import Operations
 from .streams import StreamRegistry
+from .write_deadline import send_stream
 
 log = structlog.get_logger("ferrum_service.wire.servicer")
 
@@ -117,6 +118,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                              **({} if import_total_s is None else {"import_total_s": import_total_s}))
         self.migrations = Migrations(models, ops.checks, self.kv, self.kv.peers, streams, advertise,
                                      **({} if resume_s is None else {"resume_s": resume_s}))
+        # seconds a server stream's next message may wait for its client (write_deadline.py; 0 = none)
+        self.stream_write_timeout: float = default("stream_write_timeout")
 
     # ---- plumbing -------------------------------------------------------------------------------
     def _check_serving(self) -> None:
@@ -163,6 +166,10 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         logged and counted as the guard counts the others."""
         self._log_refusal(rpc, e)
         self.metrics.observe(rpc, e.code.name, seconds)
+
+    async def send(self, rpc: str, messages: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
+        """Send a server stream's messages under the stream write timeout (write_deadline.py)."""
+        await send_stream(rpc, messages, context, self.stream_write_timeout)
 
     def _log_refusal(self, rpc: str, e: errors.FerrumError) -> None:
         lvl = log.warning if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else log.info
@@ -410,7 +417,10 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         return await self.unary("Forward", context, lambda: self.ops.forward(request), request)
 
     # ---- streams --------------------------------------------------------------------------------
-    async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(self, request, context) -> None:
+        await self.send("Generate", self._generate_stream(request, context), context)
+
+    async def _generate_stream(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
         owner = self.streams.new_owner("generate")
         enter_call(context, self.activity, tokens_checked=self.tokens_checked)
         tokens = 0
@@ -444,7 +454,10 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         "fork_cache": ("fork_cache", "ForkCache"),
     }
 
-    async def Session(self, request_iterator, context) -> AsyncIterator[pb.SessionResponse]:
+    async def Session(self, request_iterator, context) -> None:
+        await self.send("Session", self._session_stream(request_iterator, context), context)
+
+    async def _session_stream(self, request_iterator, context) -> AsyncIterator[pb.SessionResponse]:
         owner = self.streams.new_owner("session")
         t0 = time.perf_counter()
         code = "OK"
@@ -549,7 +562,10 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             return resp
         return await self.unary("ListCaches", context, run)
 
-    async def SubscribeKvEvents(self, request, context):
+    async def SubscribeKvEvents(self, request, context) -> None:
+        await self.send("SubscribeKvEvents", self._kv_events_stream(request, context), context)
+
+    async def _kv_events_stream(self, request, context):
         """Cache (and block) events; under per-caller auth only the caller's own (kv_events.py)."""
         origin = enter_call(context, self.activity, tokens_checked=self.tokens_checked)
         caller = current_caller.get()
@@ -588,7 +604,10 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                 sub.close()
 
     # ---- KV handoff ---------------------------------------------------------------------------------
-    async def ExportKv(self, request, context):
+    async def ExportKv(self, request, context) -> None:
+        await self.send("ExportKv", self._export_kv_stream(request, context), context)
+
+    async def _export_kv_stream(self, request, context):
         enter_call(context, self.activity, tokens_checked=self.tokens_checked)  # the origin is active while it runs
         with self.streams.running():
             async with self.answer("ExportKv", context, request):

@@ -184,10 +184,10 @@ class StreamRegistry:
     @staticmethod
     async def _release_when_idle(host: "ModelHost", cache_id: str, timeout: float = 10.0) -> bool:
         """Release a cache once no step holds it (an aborted stream lets go within one step)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while host.is_busy(cache_id) and loop.time() < deadline:
-            await asyncio.sleep(0.005)
+        try:
+            await asyncio.wait_for(host.wait_unheld(cache_id), timeout)
+        except asyncio.TimeoutError:
+            pass  # still held: the hold below answers ABORTED "busy"
         if cache_id not in host.executor.registry:
             return False
         with host.hold([cache_id], "cache_id"):

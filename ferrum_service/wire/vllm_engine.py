@@ -99,7 +99,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         await self.relay.close()
 
     # ---- Generate ---------------------------------------------------------------------------------
-    async def Generate(self, request, context) -> AsyncIterator[vpb.GenerateResponse]:
+    async def Generate(self, request, context) -> None:
+        await self.s.send("VllmEngine.Generate", self._generate_stream(request, context), context)
+
+    async def _generate_stream(self, request, context) -> AsyncIterator[vpb.GenerateResponse]:
         streams = self.s.streams
         owner = streams.new_owner("vllm")
         enter_call(context, self.s.activity, tokens_checked=self.s.tokens_checked)

@@ -117,8 +117,8 @@ class StickyRouter:
     ``key_identity``: the identity the replicas give this client, folded into the prefix keys it
     computes (replicas that authenticate callers key each caller's prompts in its own space,
     :func:`ferrum_client.prefix_keys.caller_salt`); default: from ``token`` when one is given
-    (``token_caller``), else none. Under mutual TLS pass ``"x509:" + the certificate's name``; pass
-    ``""`` for replicas that check no tokens. Thread-safe.
+    (``token_caller``), else none. Under mutual TLS pass ``"x509:CN=" + the certificate's common
+    name`` (percent-quoted); pass ``""`` for replicas that check no tokens. Thread-safe.
     """
 
     def __init__(self, targets: Iterable[str] = (), *, resolver: Callable[[], Iterable[str]] | None = None,

@@ -39,6 +39,7 @@ import structlog
 import torch
 
 from ...core import settings
+from ...core.private_dirs import make_private_dir
 
 log = structlog.get_logger(__name__)
 
@@ -71,10 +72,14 @@ def build_key() -> str:
     return h.hexdigest()[:16]
 
 
+def cache_root() -> Path:
+    """``FERRUM_CACHE_DIR``, else ``~/.cache/ferrum-service``."""
+    return Path(settings.env("FERRUM_CACHE_DIR") or Path.home() / ".cache" / "ferrum-service")
+
+
 def build_dir() -> Path:
     """Where the op is built and cached."""
-    root = Path(settings.env("FERRUM_CACHE_DIR") or Path.home() / ".cache" / "ferrum-service")
-    return root / "torch-ext" / f"ferrum_paged_decode_{build_key()}"
+    return cache_root() / "torch-ext" / f"ferrum_paged_decode_{build_key()}"
 
 
 def toolchain_missing() -> str | None:
@@ -102,7 +107,8 @@ def load() -> Any:
             from torch.utils.cpp_extension import load as cpp_load
 
             d = build_dir()
-            d.mkdir(parents=True, exist_ok=True)
+            # a built .so found there is loaded: the directories must be ours alone (private_dirs.py)
+            make_private_dir(d, up_to=cache_root())
             t0 = time.perf_counter()
             _module = cpp_load(name=d.name, sources=[str(_SOURCE)], build_directory=str(d),
                                extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"],

@@ -82,13 +82,15 @@ app.kubernetes.io/part-of: ferrum
 {{- define "ferrum.probe" -}}
 {{- $root := index . 0 -}}
 {{- $p := index . 1 -}}
+{{- $service := "" -}}
+{{- if gt (len .) 2 -}}{{- $service = index . 2 -}}{{- end -}}
 {{- if $root.Values.tls.enabled -}}
 exec:
-  command: ["python", "/opt/ferrum/healthcheck.py", {{ $root.Values.ports.grpc | quote }}]
+  command: ["python", "/opt/ferrum/healthcheck.py", {{ $root.Values.ports.grpc | quote }}, {{ $service | quote }}]
 {{- else -}}
 grpc:
   port: {{ $root.Values.ports.grpc }}
-  service: ""
+  service: {{ $service | quote }}
 {{- end }}
 periodSeconds: {{ $p.periodSeconds }}
 timeoutSeconds: {{ $p.timeoutSeconds }}
