@@ -74,6 +74,7 @@ class ServerConfig:
     prefill_chunk_tokens: int = default("prefill_chunk_tokens")  # batcher.py
     prefill_tail_factor: float = default("prefill_tail_factor")  # batcher.py
     open_admin_rpcs: bool = default("open_admin_rpcs")
+    vllm_shared_prefix_cache: bool = default("vllm_shared_prefix_cache")  # vllm_engine.py: request_salt
     max_step_bytes: int = default("max_step_bytes")
     max_text_bytes: int = default("max_text_bytes")
     role: Role = default("role")  # a plain string is taken too (Server checks it)
@@ -195,7 +196,7 @@ class Server:
         self.grpc = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
         executor_pb2_grpc.add_ModelExecutorServicer_to_server(self.servicer, self.grpc)
         # vLLM's engine protocol on the same port, for gateways that drive vLLM workers (vllm_engine.py)
-        self.vllm = VllmEngineServicer(self.servicer)
+        self.vllm = VllmEngineServicer(self.servicer, shared_prefix_cache=cfg.vllm_shared_prefix_cache)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         if cfg.reflection:

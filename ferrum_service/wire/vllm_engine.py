@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import secrets
 import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, AsyncIterator
@@ -33,7 +34,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from .. import __version__
 from ..core import errors
-from ..core.callers import enter_call
+from ..core.callers import current_caller, enter_call
 from ..core.modes import ExecutorState
 from .convert import check_tokens, pb, tpb
 from .generate import DEFAULT_MAX_TOKENS as DEFAULT_GENERATE_MAX_TOKENS
@@ -58,6 +59,8 @@ SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 #: budget cannot admit ends the output with finish reason "length" (``generate(reserve_output=)``).
 UNSET_MAX_TOKENS_RESERVE = DEFAULT_GENERATE_MAX_TOKENS
 CHUNK_BYTES = 64 * 1024  # GetTokenizer chunk (the size SMG's client expects)
+#: Start of the salt of an unauthenticated request's own prefix-cache key space (``request_salt``).
+PRIVATE_SALT_PREFIX = "vllm-request:"
 _FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop",
            pb.FINISH_REASON_CANCELLED: "abort", pb.FINISH_REASON_ERROR: "error"}
 
@@ -65,8 +68,11 @@ _FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """The vLLM engine protocol over one hosted model (see the module doc)."""
 
-    def __init__(self, executor_servicer: "ModelExecutorServicer") -> None:
+    def __init__(self, executor_servicer: "ModelExecutorServicer", shared_prefix_cache: bool = False) -> None:
+        """``shared_prefix_cache``: unauthenticated callers' requests share one prefix-cache key
+        space (``--vllm-shared-prefix-cache``; see :func:`request_salt`)."""
         self.s = executor_servicer
+        self.shared_prefix_cache = shared_prefix_cache
         self.models = executor_servicer.models
         hosts = list(self.models)
         self._host = next((h for h in hosts if h.supports_generation), hosts[0] if hosts else None)
@@ -153,7 +159,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 raise errors.invalid(f"the prompt's {len(ids)} tokens leave no room in this model's {limit}-token "
                                      "context", field="tokenized.input_ids", limit=limit)
         req = pb.GenerateRequest(model_id=host.model_id, request_id=v.request_id, sampling=_sampling(sp),
-                                 n=max(1, sp.n))
+                                 n=max(1, sp.n), cache_salt=request_salt(self.shared_prefix_cache))
         req.token_ids.token_ids.extend(ids)
         stop_ids = check_tokens(sp.stop_token_ids, host.vocab_size, "sampling_params.stop_token_ids", allow_empty=True)
         req.stop.max_tokens = max_tokens
@@ -178,7 +184,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         imported = ""
         if handoff is not None:
             ids = list(req.token_ids.token_ids)
-            imported = await self.pd.pull(host, handoff, ids, len(ids) + (grow or req.stop.max_tokens), metadata)
+            imported = await self.pd.pull(host, handoff, ids, len(ids) + (grow or req.stop.max_tokens), metadata,
+                                          salt=req.cache_salt)
             if imported:  # the stream computes the last prompt token only, on the pulled cache
                 req.cache_id = imported
                 del req.token_ids.token_ids[:-1]
@@ -392,6 +399,19 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def _block_size(self) -> int:
         recipe = self.host.info.prefix_cache or {}
         return int(recipe.get("block_size") or self.host.executor.kv_capacity().block_size or 0)
+
+
+def request_salt(shared: bool) -> str:
+    """The ``cache_salt`` of a vLLM-protocol request, which carries no salt of its own.
+
+    An authenticated caller: "" (the caller's own key space: its identity is folded in). An
+    unauthenticated one (SMG sends workers no credential and nothing that tells its users apart):
+    "" when ``shared`` (the one space every unauthenticated request of either protocol uses),
+    else a fresh random salt, so the request takes no cached prefix another request left and
+    leaves none another can take, and K/V pushed into the shared space never reach it."""
+    if shared or current_caller.get():
+        return ""
+    return PRIVATE_SALT_PREFIX + secrets.token_hex(16)
 
 
 def _refuse_unsupported(v: vpb.GenerateRequest) -> None:
