@@ -123,8 +123,9 @@ def routing_row(venv, spec: str, threads: int, rounds: int) -> tuple[dict, dict]
     from ferrum_service.testing.smg_gateway import Gateway
 
     res: dict[str, list[float]] = {"cache_aware": [], "round_robin": []}
-    with Server(spec, threads=threads, name="server-routing-a") as w1, \
-            Server(spec, threads=threads, name="server-routing-b") as w2:
+    shared = ("--vllm-shared-prefix-cache",)  # the gateway's requests share prefixes (what routing is for)
+    with Server(spec, threads=threads, name="server-routing-a", extra=shared) as w1, \
+            Server(spec, threads=threads, name="server-routing-b", extra=shared) as w2:
         gws = {pol: Gateway(venv, [w1.target, w2.target], policy=pol).start("smollm2", timeout=300)
                for pol in res}
         try:
@@ -170,7 +171,8 @@ def main(argv=None) -> int:
     print("| row | through SMG tok/s | Generate tok/s | ratio | target | TTFT p50 SMG / Generate (ms) | drift | flag |\n"
           "|---|---|---|---|---|---|---|---|", flush=True)
     venv = gateway_venv()
-    with Server(spec, threads=a.threads, name="server-gateway-rows") as srv:
+    # both paths take the same prompt from the prefix cache, as the native Generate does
+    with Server(spec, threads=a.threads, name="server-gateway-rows", extra=("--vllm-shared-prefix-cache",)) as srv:
         gw = Gateway(venv, [srv.target], policy="round_robin").start("smollm2", timeout=300)
         try:
             with Client(srv.target) as c:

@@ -7,8 +7,9 @@
 #      (tests/test_deploy_inputs.py, when the project venv exists);
 #   3. helm lint --strict and helm template of the chart: default values, values-gpu.yaml, TLS +
 #      auth + ServiceMonitor, metrics off, two roles (prefill + decode Deployments), the gateway (also in
-#      SMG's PD mode over the two roles), plus one rendering with a deliberately misspelt field
-#      and one with an invalid value combination, both of which must fail;
+#      SMG's PD mode over the two roles, with its keys and NetworkPolicies), plus one rendering with a
+#      deliberately misspelt field, and invalid or insecure value combinations (the gateway without
+#      its keys or its NetworkPolicies, a misspelt gateway key), all of which must fail;
 #   4. go test in deploy/validate: every kustomize build and plain manifest in deploy/k8s and every
 #      helm rendering decoded strictly against k8s.io/api types (unknown, misspelt or duplicate
 #      fields fail, as in the API server), semantic checks, and the negative cases; the llm-d
@@ -84,8 +85,9 @@ render tls-auth-monitor --set tls.enabled=true,tls.secretName=ferrum-tls,tls.mut
 render no-metrics --set metrics.enabled=false
 render roles --set roles.enabled=true,roles.prefill.replicaCount=2 \
   --set-json 'roles.decode.resources={"requests":{"cpu":"2","memory":"4Gi"},"limits":{"memory":"8Gi"}}'
-render gateway --set gateway.enabled=true,replicaCount=3
-render gateway-roles --set gateway.enabled=true,roles.enabled=true
+render gateway --set gateway.enabled=true,gateway.auth.existingSecret=gateway-keys,replicaCount=3
+render gateway-roles --set gateway.enabled=true,gateway.auth.existingSecret=gateway-keys,roles.enabled=true \
+  --set gateway.sharedPrefixCache=true
 # Negative: a misspelt field must render (helm does not know the schema) and then fail decoding.
 render broken --set-json 'extraEnv=[{"name":"FERRUM_LOG_LEVEL","valeu":"debug"}]'
 # Negative: the chart itself refuses TLS without a Secret.
@@ -94,6 +96,29 @@ if "$helm" template ferrum-service "$chart" --kube-version "$KUBE_VERSION" --set
   exit 1
 fi
 echo "helm template refused tls.enabled without tls.secretName, as it should"
+# Negative: the gateway mode refuses what would leave it open, and a misspelt key of its values.
+refuse() { # refuse WHY [helm args...]: the render must fail, naming WHY
+  local why=$1; shift
+  if "$helm" template ferrum-service "$chart" --kube-version "$KUBE_VERSION" "$@" >/dev/null 2>"$out/refused.txt"; then
+    echo "FAIL: helm template accepted $*" >&2
+    exit 1
+  fi
+  grep -q -- "$why" "$out/refused.txt" || { echo "FAIL: refused $* without naming $why:" >&2; cat "$out/refused.txt" >&2; exit 1; }
+  echo "refused ($why): $*"
+}
+gw="gateway.enabled=true,gateway.auth.existingSecret=gateway-keys"
+refuse "gateway.auth.existingSecret is empty" --set gateway.enabled=true
+refuse "networkPolicy.managedElsewhere" --set "$gw,networkPolicy.enabled=false"
+refuse "name the same key" --set "$gw,gateway.auth.controlPlaneKeyKey=api-key"
+refuse "not both" --set "$gw,gateway.auth.allowUnauthenticated=true"
+refuse "no token, no client certificate and no TLS" --set "$gw,auth.existingSecret=ferrum-auth"
+refuse "sharedPrefixCach" --set "$gw,gateway.sharedPrefixCach=true"
+refuse "metricFrom" --set "$gw,networkPolicy.metricFrom[0].podSelector.x=y"
+refuse "needs gateway.enabled" --set gateway.sharedPrefixCache=true
+# ... and renders the explicit opt-outs.
+"$helm" template ferrum-service "$chart" --kube-version "$KUBE_VERSION" --set gateway.enabled=true \
+  --set gateway.auth.allowUnauthenticated=true,networkPolicy.enabled=false,networkPolicy.managedElsewhere=true >/dev/null
+echo "rendered the explicit opt-outs (gateway.auth.allowUnauthenticated, networkPolicy.managedElsewhere)"
 
 # --- 4. strict decoding + semantic checks --------------------------------------------------------
 step "go test ./deploy/validate (strict k8s.io/api decoding, semantic and negative checks)"

@@ -123,3 +123,44 @@ def test_k8s_configmaps_load_in_the_server(config_text: str, tmp_path: Path, mon
     assert st["metrics_port"] == 9090
     assert [s.executor for s in st["specs"]] == ["smollm2", "minilm"]
     assert st["grace_period"] == 20
+
+
+def _helm() -> Path | None:
+    """The helm deploy/ci.sh installs (``$FERRUM_CACHE_DIR/bin/helm``), if it has run here."""
+    import os
+
+    base = Path(os.environ.get("FERRUM_CACHE_DIR") or Path.home() / ".cache" / "ferrum-service")
+    helm = base / "bin" / "helm"
+    return helm if helm.is_file() else None
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_gateway_renderings_config_loads_and_keys_prefixes_as_asked(shared: bool, tmp_path: Path, monkeypatch):
+    """The chart's gateway mode: the workers' config.yaml goes through the server's parser, and
+    ``vllm_shared_prefix_cache`` is on exactly when ``gateway.sharedPrefixCache`` asks (audit H6)."""
+    import subprocess
+
+    from ferrum_service.cli import build_parser, resolve_serve_settings
+    from ferrum_service.core.settings import SETTINGS
+
+    helm = _helm()
+    if helm is None:
+        pytest.skip("no helm in the tool cache: deploy/ci.sh installs it (and runs this test)")
+    sets = "gateway.enabled=true,gateway.auth.existingSecret=keys,roles.enabled=true"
+    if shared:
+        sets += ",gateway.sharedPrefixCache=true"
+    out = subprocess.run([str(helm), "template", "f", str(ROOT / "deploy/helm/ferrum-service"), "--kube-version",
+                          "1.31.0", "--set", sets], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if isinstance(d, dict)]
+    configs = [d["data"]["config.yaml"] for d in docs if d.get("kind") == "ConfigMap" and "config.yaml" in d.get("data", {})]
+    assert len(configs) == 1
+    assert {d["metadata"]["name"] for d in docs if d.get("kind") == "NetworkPolicy"} == {
+        "f-ferrum-service-workers", "f-ferrum-service-prefill", "f-ferrum-service-gateway"}
+    for st in SETTINGS:
+        if st.env:
+            monkeypatch.delenv(st.env, raising=False)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(configs[0])
+    st = resolve_serve_settings(build_parser().parse_args(["serve", "--config", str(cfg)]))
+    assert st["vllm_shared_prefix_cache"] is shared

@@ -46,9 +46,11 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(venv, tiny_dir):
-    """Two tiny-Llama workers behind one SMG (cache-aware policy)."""
+    """Two tiny-Llama workers behind one SMG (cache-aware policy), sharing prefixes across the
+    gateway's requests (--vllm-shared-prefix-cache: the cache-aware routing test needs it)."""
     spec = f"hf-causal-lm,id=tiny,path={tiny_dir},device=cpu"
-    workers = [ServerProcess("--model", spec, "--kv-budget-tokens", "8192") for _ in range(2)]
+    workers = [ServerProcess("--model", spec, "--kv-budget-tokens", "8192", "--vllm-shared-prefix-cache")
+               for _ in range(2)]
     gw = None
     try:
         for w in workers:

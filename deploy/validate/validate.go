@@ -21,6 +21,7 @@ import (
 	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -88,6 +89,8 @@ func newTyped(apiVersion, kind string) any {
 		return &corev1.ServiceAccount{}
 	case "apps/v1/Deployment":
 		return &appsv1.Deployment{}
+	case "networking.k8s.io/v1/NetworkPolicy":
+		return &networkingv1.NetworkPolicy{}
 	case "policy/v1/PodDisruptionBudget":
 		return &policyv1.PodDisruptionBudget{}
 	case "rbac.authorization.k8s.io/v1/Role":
@@ -177,7 +180,8 @@ type Expect struct {
 	Metrics        bool // a metrics port with prometheus.io annotations or a ServiceMonitor
 	ServiceMonitor bool // a ServiceMonitor is expected
 	Roles          bool // disaggregated: one prefill and one decode Deployment (--role), each checked in full
-	Gateway        bool // the SMG gateway Deployment in front of the workers (see gateway.go)
+	Gateway        bool // the SMG gateway Deployment in front of the workers (see gateway.go), fenced (netpol.go)
+	SharedPrefix   bool // the workers share one prefix-cache space across the gateway's users (gateway.sharedPrefixCache)
 }
 
 // ServerConfigKeys are the keys the server's config file understands (the long names of the
@@ -188,6 +192,7 @@ var ServerConfigKeys = map[string]bool{
 	"log_format": true, "log_level": true, "tls_cert": true, "tls_key": true, "tls_client_ca": true,
 	"auth_token_file": true, "admin_token_file": true, "reflection": true, "trust_remote_code": true, "role": true,
 	"stall_timeout": true, "max_caches": true, "max_caches_per_caller": true, "max_compile_seconds": true,
+	"vllm_shared_prefix_cache": true,
 }
 
 type serverConfig struct {
@@ -290,6 +295,8 @@ func Check(objs []Object, want Expect) []error {
 		fail("want exactly one gateway Deployment, got %d", len(gateways))
 	case want.Gateway:
 		errs = append(errs, checkGateway(gateways[0], deps, objs)...)
+		errs = append(errs, checkGatewayFence(gateways[0], deps, objs, want.Metrics)...)
+		errs = append(errs, checkGatewayKeys(gateways[0])...)
 	case len(gateways) > 0:
 		fail("a gateway Deployment (%s) where none was asked for", gateways[0].Name)
 	}
@@ -464,6 +471,9 @@ func checkDeployment(d *appsv1.Deployment, svcs []*corev1.Service, pdbs []*polic
 		fail("no ConfigMap with the server's config.yaml is mounted")
 	} else if cfg.port != GRPCPort {
 		fail("config.yaml port %d differs from the gRPC port %d", cfg.port, GRPCPort)
+	}
+	if shared, _ := cfg.raw["vllm_shared_prefix_cache"].(bool); cfgFound && shared != want.SharedPrefix {
+		fail("config.yaml vllm_shared_prefix_cache is %v, want %v: the gateway's users share cached prefixes only when asked (gateway.sharedPrefixCache)", shared, want.SharedPrefix)
 	}
 
 	// Probes.

@@ -111,7 +111,7 @@ func TestHelmRendered(t *testing.T) {
 		{"no-metrics.yaml", Expect{}},
 		{"roles.yaml", Expect{Metrics: true, Roles: true}},
 		{"gateway.yaml", Expect{Metrics: true, Gateway: true}},
-		{"gateway-roles.yaml", Expect{Metrics: true, Roles: true, Gateway: true}},
+		{"gateway-roles.yaml", Expect{Metrics: true, Roles: true, Gateway: true, SharedPrefix: true}},
 	}
 	for _, c := range cases {
 		t.Run(strings.TrimSuffix(c.file, ".yaml"), func(t *testing.T) {
@@ -235,12 +235,24 @@ func TestGatewayBrokenFails(t *testing.T) {
 		{"no watch on pods", `verbs: ["get", "list", "watch"]`, `verbs: ["get", "list"]`, "get, list and watch pods"},
 		{"wrong discovery port", "- --service-discovery-port\n            - \"50051\"", "- --service-discovery-port\n            - \"80\"", "gRPC port"},
 		{"wrong backend", "- --backend\n            - vllm", "- --backend\n            - sglang", "--backend must be vllm"},
+		// the fence (netpol.go) and the keys
+		{"grpc admitted from every pod", "- from:\n        - podSelector:\n            matchLabels:\n              app.kubernetes.io/name: ferrum-service-gateway\n              app.kubernetes.io/instance: ferrum-service\n", "- from:\n        - podSelector: {}\n", "pods like"},
+		{"grpc admitted from anywhere", "  ingress:\n    # gRPC (both protocols) from the gateway pods only\n", "  ingress:\n    - ports: [{port: 50051}]\n", "any source"},
+		{"grpc admitted from a namespace", "        - podSelector:\n            matchLabels:\n              app.kubernetes.io/name: ferrum-service-gateway\n              app.kubernetes.io/instance: ferrum-service\n      ports:", "        - namespaceSelector: {}\n      ports:", "other namespaces"},
+		{"no policy for the workers", "    matchLabels:\n      app.kubernetes.io/name: ferrum-service\n      app.kubernetes.io/instance: ferrum-service\n      app.kubernetes.io/component: model-executor\n  policyTypes", "    matchLabels:\n      app.kubernetes.io/name: nothing\n  policyTypes", "no NetworkPolicy selects"},
+		{"gateway not admitted", "              app.kubernetes.io/name: ferrum-service-gateway\n              app.kubernetes.io/instance: ferrum-service\n      ports:", "              app.kubernetes.io/name: ferrum-service-gateway\n              app.kubernetes.io/instance: other\n      ports:", "does not admit the gateway"},
+		{"pd: decode pods not admitted to prefill", "              ferrum.io/role: decode\n      ports:", "              ferrum.io/role: prefill\n      ports:", "pods like"},
+		{"pd: shared prefixes asked for but not configured", "    vllm_shared_prefix_cache: true\n", "", "vllm_shared_prefix_cache"},
+		{"no API key", "            - --api-key\n            - \"$(SMG_API_KEY)\"\n", "", "--api-key is missing"},
+		{"API key not from a Secret", "            - name: SMG_API_KEY\n              valueFrom:", "            - name: SMG_API_KEX\n              valueFrom:", "does not come from a Secret"},
+		{"control-plane key is the API key", "key: control-plane-key", "key: api-key", "same Secret key"},
+		{"control-plane key not admin", "chart:operator:admin:", "chart:operator:user:", "expected form"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			src, want := good, Expect{Metrics: true, Gateway: true}
 			if strings.HasPrefix(c.name, "pd:") {
-				src, want = pd, Expect{Metrics: true, Gateway: true, Roles: true}
+				src, want = pd, Expect{Metrics: true, Gateway: true, Roles: true, SharedPrefix: true}
 			}
 			bad := strings.Replace(string(src), c.from, c.to, 1)
 			if bad == string(src) {

@@ -169,6 +169,11 @@ SETTINGS: tuple[Setting, ...] = (
     _s("admin_token_file", str, None, "file with tokens allowed to call Warmup/Shutdown"),
     _s("admin_token", str, None, "a token allowed to call Warmup/Shutdown (when --admin-token-file names none)",
        flag=None, yaml=None),
+    _s("vllm_shared_prefix_cache", bool, False, "vLLM-protocol requests of unauthenticated callers (every request "
+       "of the SMG gateway, which sends workers no credential and no user identity) share one prefix-cache key "
+       "space: one user's cached prompt prefix serves the others, and K/V pushed by any client reach them (off: each "
+       "such request has a key space of its own, so nothing cached is shared between requests); authenticated "
+       "callers keep their own space either way"),
     _s("open_admin_rpcs", bool, False, "let any caller call Warmup/Shutdown when no admin token is configured "
        "(default: PERMISSION_DENIED)"),
     _s("role", Role, Role.BOTH, "what this server is deployed for, advertised in Info (prefill: refuses decode "

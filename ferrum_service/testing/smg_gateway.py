@@ -37,7 +37,10 @@ class Gateway:
     ``decode`` workers, SMG's prefill/decode mode (``workers`` are then the prefill workers)."""
 
     def __init__(self, venv: Path, workers: list[str], policy: str = "cache_aware", extra: list[str] = (),
-                 decode: list[str] = ()) -> None:
+                 decode: list[str] = (), api_key: str = "") -> None:
+        """``api_key``: sent as ``Authorization: Bearer`` on every request of this client (pass
+        ``--api-key`` in ``extra`` for SMG to require it)."""
+        self.api_key = api_key
         self.port = free_port()
         self.metrics_port = free_port()
         self.log_path = Path(tempfile.gettempdir()) / f"ferrum-test-smg-{self.port}.log"
@@ -57,8 +60,7 @@ class Gateway:
     def start(self, model: str, timeout: float = 180.0, embeddings: bool = False) -> "Gateway":
         """Start it and wait until a one-token chat completion (``embeddings``: an embedding) for
         ``model`` succeeds."""
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.launch()
         deadline = time.time() + timeout
         last = ""
         while time.time() < deadline:
@@ -79,6 +81,12 @@ class Gateway:
         self.stop()
         raise TimeoutError(f"smg did not serve {model!r} within {timeout} s (last: {last[:300]}); log: {self.log_tail()}")
 
+    def launch(self) -> "Gateway":
+        """Start it without waiting for anything."""
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
     def log_tail(self, n: int = 3000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-n:]
@@ -98,19 +106,25 @@ class Gateway:
     def _conn(self, timeout: float) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
 
-    def get(self, path: str, timeout: float = 30.0) -> tuple[int, dict | str]:
+    def _headers(self, key: str | None) -> dict[str, str]:
+        key = self.api_key if key is None else key
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+    def get(self, path: str, timeout: float = 30.0, key: str | None = None) -> tuple[int, dict | str]:
+        """GET ``path`` (``key``: the bearer key to send instead of this client's own; "" = none)."""
         c = self._conn(timeout)
         try:
-            c.request("GET", path)
+            c.request("GET", path, headers=self._headers(key))
             r = c.getresponse()
             return r.status, _body(r.read())
         finally:
             c.close()
 
-    def post(self, path: str, body: dict, timeout: float = 120.0) -> tuple[int, dict | str]:
+    def post(self, path: str, body: dict, timeout: float = 120.0, key: str | None = None) -> tuple[int, dict | str]:
+        """POST JSON ``body`` to ``path`` (``key`` as for :meth:`get`)."""
         c = self._conn(timeout)
         try:
-            c.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+            c.request("POST", path, json.dumps(body), {"content-type": "application/json", **self._headers(key)})
             r = c.getresponse()
             return r.status, _body(r.read())
         finally:

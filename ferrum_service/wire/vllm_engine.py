@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import secrets
 import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, AsyncIterator
@@ -65,6 +66,8 @@ MAX_FLUSH_WAIT_S = 60.0
 #: How often the one server-wide wait for "no live cache" looks (whatever the number of callers).
 _FLUSH_POLL_S = 0.05
 CHUNK_BYTES = 64 * 1024  # GetTokenizer chunk (the size SMG's client expects)
+#: Start of the salt of an unauthenticated request's own prefix-cache key space (``request_salt``).
+PRIVATE_SALT_PREFIX = "vllm-request:"
 _FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop",
            pb.FINISH_REASON_CANCELLED: "abort", pb.FINISH_REASON_ERROR: "error"}
 
@@ -72,8 +75,11 @@ _FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """The vLLM engine protocol over one hosted model (see the module doc)."""
 
-    def __init__(self, executor_servicer: "ModelExecutorServicer") -> None:
+    def __init__(self, executor_servicer: "ModelExecutorServicer", shared_prefix_cache: bool = False) -> None:
+        """``shared_prefix_cache``: unauthenticated callers' requests share one prefix-cache key
+        space (``--vllm-shared-prefix-cache``; see :func:`request_salt`)."""
         self.s = executor_servicer
+        self.shared_prefix_cache = shared_prefix_cache
         self.models = executor_servicer.models
         hosts = list(self.models)
         self._host = next((h for h in hosts if h.supports_generation), hosts[0] if hosts else None)
@@ -168,7 +174,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 raise errors.invalid(f"the prompt's {len(ids)} tokens leave no room in this model's {limit}-token "
                                      "context", field="tokenized.input_ids", limit=limit)
         req = pb.GenerateRequest(model_id=host.model_id, request_id=v.request_id, sampling=_sampling(sp),
-                                 n=max(1, sp.n))
+                                 n=max(1, sp.n), cache_salt=request_salt(self.shared_prefix_cache))
         req.token_ids.token_ids.extend(ids)
         stop_ids = check_tokens(sp.stop_token_ids, host.vocab_size, "sampling_params.stop_token_ids", allow_empty=True,
                                 max_len=MAX_STOP_TOKEN_IDS)
@@ -195,7 +201,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         imported = ""
         if handoff is not None:
             ids = list(req.token_ids.token_ids)
-            imported = await self.pd.pull(host, handoff, ids, len(ids) + (grow or req.stop.max_tokens), metadata)
+            imported = await self.pd.pull(host, handoff, ids, len(ids) + (grow or req.stop.max_tokens), metadata,
+                                          salt=req.cache_salt)
             if imported:  # the stream computes the last prompt token only, on the pulled cache
                 req.cache_id = imported
                 del req.token_ids.token_ids[:-1]
@@ -480,6 +487,19 @@ def _bundle(executor) -> tuple[bytes, str]:
     """The tokenizer zip and its SHA-256 (built once, off the loop)."""
     data = tokenizer_zip(executor)
     return data, hashlib.sha256(data).hexdigest()
+
+
+def request_salt(shared: bool) -> str:
+    """The ``cache_salt`` of a vLLM-protocol request, which carries no salt of its own.
+
+    An authenticated caller: "" (the caller's own key space: its identity is folded in). An
+    unauthenticated one (SMG sends workers no credential and nothing that tells its users apart):
+    "" when ``shared`` (the one space every unauthenticated request of either protocol uses),
+    else a fresh random salt, so the request takes no cached prefix another request left and
+    leaves none another can take, and K/V pushed into the shared space never reach it."""
+    if shared or current_caller.get():
+        return ""
+    return PRIVATE_SALT_PREFIX + secrets.token_hex(16)
 
 
 def _refuse_unsupported(v: vpb.GenerateRequest) -> None:

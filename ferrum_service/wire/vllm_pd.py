@@ -161,9 +161,10 @@ class PdHandoffs:
             self._drop(cache_id, "closed")
 
     # ---- decode side ----------------------------------------------------------------------------
-    async def pull(self, host: "ModelHost", h: Handoff, ids: list[int], reserve: int, metadata) -> str:
+    async def pull(self, host: "ModelHost", h: Handoff, ids: list[int], reserve: int, metadata, salt: str = "") -> str:
         """The cache holding ``ids[:-1]`` pulled from the handoff's source (reserved for
-        ``reserve`` tokens), or "" when it cannot be had (logged; the caller computes the prompt)."""
+        ``reserve`` tokens, its blocks keyed under the request's ``salt``), or "" when it cannot be
+        had (logged; the caller computes the prompt)."""
         why = ""
         if h.model_id != host.model_id:
             why = f"the handoff is of model {h.model_id!r}"
@@ -174,7 +175,7 @@ class PdHandoffs:
         if why:
             log.warning("kv handoff not used; computing the prompt", reason=why, source=h.source)
             return ""
-        req = pb.ImportKvRequest(model_id=host.model_id, reserve_tokens=reserve, source=pb.KvSource(
+        req = pb.ImportKvRequest(model_id=host.model_id, reserve_tokens=reserve, cache_salt=salt, source=pb.KvSource(
             target=h.source, cache_id=h.cache_id, model_id=h.model_id))
 
         async def one():

@@ -75,6 +75,12 @@ app.kubernetes.io/part-of: ferrum
 {{- if .Values.adminAuth.existingSecret -}}
 {{- $_ := set $cfg "admin_token_file" (printf "/etc/ferrum/admin/%s" .Values.adminAuth.key) -}}
 {{- end -}}
+{{- if .Values.gateway.sharedPrefixCache -}}
+{{- if not .Values.gateway.enabled -}}
+{{- fail "gateway.sharedPrefixCache needs gateway.enabled (without the gateway, set extraConfig.vllm_shared_prefix_cache)" -}}
+{{- end -}}
+{{- $_ := set $cfg "vllm_shared_prefix_cache" true -}}
+{{- end -}}
 {{- toYaml (mustMergeOverwrite $cfg .Values.extraConfig) -}}
 {{- end -}}
 
