@@ -231,6 +231,10 @@ SETTINGS: tuple[Setting, ...] = (
     # ---- observability ---------------------------------------------------------------------------
     _s("log_format", str, "auto", "json | console | auto"),
     _s("log_level", str, "info", "debug | info | warning | error"),
+    _s("stats_log_interval", float, 10.0, "seconds between the `serving stats` log lines (per model: prompt and "
+       "generation tokens/s, running and waiting streams, KV-cache use; idle models are not repeated; 0 = off)"),
+    _s("request_log", bool, True, "turn the per-request `request done` log line off (request id, caller, tokens, "
+       "time to first token, duration, finish reason)", flag="--no-request-log", env="FERRUM_NO_REQUEST_LOG"),
     _s("otlp_endpoint", str, None, "OTLP/gRPC endpoint for OpenTelemetry traces (off when unset, unless the "
        "standard OTEL_* variables name one)"),
     _s("model_cache", str, None, "folder for weight files the server derives (e.g. the F16 copy of a GGUF)",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 import structlog
@@ -19,9 +19,11 @@ import structlog
 from ..core import errors
 from ..core.callers import current_caller, current_origin
 from ..core.modes import CacheEvent
+from .serving_metrics import StreamRecorder
 
 if TYPE_CHECKING:
     from ..core.callers import CallerActivity
+    from .serving_metrics import ServingMetrics
     from ..hosting.host import ModelHost
     from ..hosting.models import ModelSet
 
@@ -43,6 +45,12 @@ class StreamState:
     move_to: str = ""
     move_result: "asyncio.Future | None" = None
     unmovable: str = ""
+    # the stream's serving-latency timings (serving_metrics.py); the registry gives it the server's metrics
+    stats: StreamRecorder = field(default=None, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.stats is None:
+            self.stats = StreamRecorder(None, self)
 
     def answer_move(self, result) -> None:
         """Report a move's outcome to whoever asked for it (``MigrateStreams``)."""
@@ -64,6 +72,7 @@ class StreamRegistry:
         self.activity = activity  # origins count as active while their streams run (leases.py)
         self.active: set[asyncio.Task] = set()  # every running stream's task (the drain waits on them)
         self.generations: dict[str, StreamState] = {}
+        self.serving: "ServingMetrics | None" = None  # where the streams' recorders report (the server sets it)
         self._ids = itertools.count(1)
 
     def new_owner(self, kind: str) -> str:
@@ -87,12 +96,18 @@ class StreamRegistry:
     def generation(self, owner: str) -> Iterator[StreamState]:
         """Register a ``Generate`` stream (findable by ``Abort``) while the block runs."""
         state = StreamState(owner, tenant=current_caller.get())
+        state.stats = StreamRecorder(self.serving, state)
         self.generations[owner] = state
+        error: BaseException | None = None
         try:
             yield state
+        except BaseException as e:
+            error = e
+            raise
         finally:
             self.generations.pop(owner, None)
             state.answer_move(errors.failed_precondition("the stream ended before it could move"))
+            state.stats.close(error)
 
     def release_owned(self, owner: str, reason: CacheEvent = CacheEvent.RELEASED) -> int:
         """Free every cache a stream created (it ended); returns how many."""
