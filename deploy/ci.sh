@@ -80,7 +80,7 @@ render default
 render gpu -f "$chart/values-gpu.yaml"
 render tls-auth-monitor --set tls.enabled=true,tls.secretName=ferrum-tls,tls.mutual=true \
   --set auth.existingSecret=ferrum-auth,adminAuth.existingSecret=ferrum-admin \
-  --set metrics.serviceMonitor.enabled=true
+  --set metrics.serviceMonitor.enabled=true,metrics.prometheusRule.enabled=true
 render no-metrics --set metrics.enabled=false
 render roles --set roles.enabled=true,roles.prefill.replicaCount=2 \
   --set-json 'roles.decode.resources={"requests":{"cpu":"2","memory":"4Gi"},"limits":{"memory":"8Gi"}}'

@@ -98,3 +98,23 @@ def test_serving_log_lines_can_be_turned_off():
         serving_traffic(srv.target, "mock", rounds=1)
         time.sleep(0.5)
         assert not _log_events(srv, "request done") and not _log_events(srv, "serving stats")
+
+
+#: The Accept header Prometheus 2.x/3.x scrapes with (OpenMetrics first).
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+def test_a_prometheus_scrape_gets_the_colon_names_as_they_are():
+    """Asked for OpenMetrics, prometheus_client rewrote ``vllm:x`` samples to ``vllm_x`` (under a
+    ``# TYPE vllm:x`` line): Prometheus never stored llm-d's model-server names. The endpoint
+    answers in the text format, names unchanged."""
+    port = free_port()
+    with ServerProcess("--model", MOCK, "--metrics-port", str(port)):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            text = r.read().decode()
+    samples = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert name in samples, f"{name} not among the samples: {sorted(s for s in samples if 'vllm' in s)}"
+    assert "ferrum_time_to_first_token_seconds_bucket" in samples

@@ -98,6 +98,8 @@ func newTyped(apiVersion, kind string) any {
 		return &infv1.InferencePool{}
 	case "monitoring.coreos.com/v1/ServiceMonitor":
 		return &monitoringv1.ServiceMonitor{}
+	case "monitoring.coreos.com/v1/PrometheusRule":
+		return &monitoringv1.PrometheusRule{}
 	case "kustomize.config.k8s.io/v1beta1/Kustomization", "kustomize.config.k8s.io/v1alpha1/Component":
 		return &kustomizetypes.Kustomization{}
 	}
@@ -176,6 +178,7 @@ type Expect struct {
 	TLS            bool // TLS on: probes are exec health checks (the kubelet's gRPC probes are plaintext)
 	Metrics        bool // a metrics port with prometheus.io annotations or a ServiceMonitor
 	ServiceMonitor bool // a ServiceMonitor is expected
+	PrometheusRule bool // a PrometheusRule (the chart's alerts) is expected, and none otherwise
 	Roles          bool // disaggregated: one prefill and one decode Deployment (--role), each checked in full
 	Gateway        bool // the SMG gateway Deployment in front of the workers (see gateway.go)
 }
@@ -265,6 +268,7 @@ func Check(objs []Object, want Expect) []error {
 	var svcs []*corev1.Service
 	var pdbs []*policyv1.PodDisruptionBudget
 	var sms []*monitoringv1.ServiceMonitor
+	var rules []*monitoringv1.PrometheusRule
 	cms := map[string]*corev1.ConfigMap{}
 	var gateways []*appsv1.Deployment
 	for _, o := range objs {
@@ -281,6 +285,8 @@ func Check(objs []Object, want Expect) []error {
 			pdbs = append(pdbs, x)
 		case *monitoringv1.ServiceMonitor:
 			sms = append(sms, x)
+		case *monitoringv1.PrometheusRule:
+			rules = append(rules, x)
 		case *corev1.ConfigMap:
 			cms[x.Name] = x
 		}
@@ -553,6 +559,14 @@ func checkDeployment(d *appsv1.Deployment, svcs []*corev1.Service, pdbs []*polic
 	}
 	if want.ServiceMonitor && len(sms) == 0 {
 		fail("a ServiceMonitor is expected")
+	}
+	if want.PrometheusRule != (len(rules) > 0) {
+		fail("PrometheusRule: want %v, got %d", want.PrometheusRule, len(rules))
+	}
+	for _, r := range rules {
+		if len(r.Spec.Groups) == 0 || len(r.Spec.Groups[0].Rules) == 0 {
+			fail("PrometheusRule %s: no rules", r.Name)
+		}
 	}
 	for _, sm := range sms {
 		s, err := metav1.LabelSelectorAsSelector(&sm.Spec.Selector)

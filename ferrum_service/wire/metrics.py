@@ -6,10 +6,11 @@ import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
-                               ProcessCollector, start_http_server)
+                               ProcessCollector)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..core.speculation import stats_of
+from .metrics_http import serve_metrics
 from .serving_metrics import ServingMetrics
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ class Metrics:
         children[1].observe(seconds)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        self._http = start_http_server(port, addr=host, registry=self.registry)
+        self._http = serve_metrics(self.registry, port, host)
 
     def stop(self) -> None:
         """Close the /metrics HTTP server (if serving)."""
