@@ -6,9 +6,10 @@
 #   2. the Dockerfiles' install steps against pyproject.toml / scripts/bootstrap.sh
 #      (tests/test_deploy_inputs.py, when the project venv exists);
 #   3. helm lint --strict and helm template of the chart: default values, values-gpu.yaml, TLS +
-#      auth + ServiceMonitor, metrics off, two roles (prefill + decode Deployments), the gateway (also in
-#      SMG's PD mode over the two roles), plus one rendering with a deliberately misspelt field
-#      and one with an invalid value combination, both of which must fail;
+#      auth + ServiceMonitor + PrometheusRule, metrics off, two roles (prefill + decode Deployments), the
+#      gateway (also in SMG's PD mode over the two roles), plus one rendering with a deliberately
+#      misspelt field and one with an invalid value combination, both of which must fail, and
+#      values typos (a values file, --set) that values.schema.json must refuse;
 #   4. go test in deploy/validate: every kustomize build and plain manifest in deploy/k8s and every
 #      helm rendering decoded strictly against k8s.io/api types (unknown, misspelt or duplicate
 #      fields fail, as in the API server), semantic checks, and the negative cases; the llm-d
@@ -94,6 +95,25 @@ if "$helm" template ferrum-service "$chart" --kube-version "$KUBE_VERSION" --set
   exit 1
 fi
 echo "helm template refused tls.enabled without tls.secretName, as it should"
+# Negative: values.schema.json refuses a misspelt values key (a values file, as users write them)
+# and a value outside its choices; helm names the key.
+cat >"$out/typo-values.yaml" <<'VALUES'
+replicaCount: 2
+metrics:
+  serviceMonitor:
+    enabeld: true
+VALUES
+for args in "-f $out/typo-values.yaml" "--set logLevel=verbose" "--set replicaCont=3"; do
+  # shellcheck disable=SC2086  # $args is several words on purpose
+  if msg=$("$helm" template ferrum-service "$chart" --kube-version "$KUBE_VERSION" $args 2>&1 >/dev/null); then
+    echo "FAIL: helm template accepted a values typo ($args)" >&2
+    exit 1
+  fi
+  case "$msg" in
+    *enabeld*|*logLevel*|*replicaCont*) echo "helm template refused a values typo ($args), naming it" ;;
+    *) echo "FAIL: helm refused ($args) without naming the key: $msg" >&2; exit 1 ;;
+  esac
+done
 
 # --- 4. strict decoding + semantic checks --------------------------------------------------------
 step "go test ./deploy/validate (strict k8s.io/api decoding, semantic and negative checks)"

@@ -64,7 +64,13 @@ def resolve_serve_settings(args: argparse.Namespace) -> dict:
     out = settings.resolve("serve", vars(args))
     from .hosting.model_specs import parse_spec, spec_from_mapping
 
-    specs = [spec_from_mapping(m) if isinstance(m, dict) else parse_spec(str(m)) for m in out["model"]]
+    where = settings.source_of("model", vars(args), None, str(out["config"]))
+    specs = []
+    for i, m in enumerate(out["model"]):
+        try:
+            specs.append(spec_from_mapping(m) if isinstance(m, dict) else parse_spec(str(m)))
+        except ValueError as e:
+            raise settings.SettingError(f"{where}[{i}]: {e}" if isinstance(m, dict) else f"{where} {m!r}: {e}") from e
     out["specs"] = specs
     out["adapters"] = _adapter_flags(out["adapter"], specs)
     return out
@@ -78,15 +84,16 @@ def _adapter_flags(flags: list[str], specs) -> dict[str, dict[str, str]]:
     for f in flags:
         head, sep, path = f.partition("=")
         if not sep or not head or not path:
-            raise SystemExit(f"--adapter {f!r}: expected [MODEL:]NAME=PATH")
+            raise settings.SettingError(f"--adapter {f!r}: expected [MODEL:]NAME=PATH")
         model, _, name = head.rpartition(":")
         if not model:
             causal = [s.model_id for s in specs if s.executor not in ("bert", "minilm", "stub", "configurable")]
             if len(causal) != 1:
-                raise SystemExit(f"--adapter {f!r}: name the model (MODEL:NAME=PATH); hosted: {', '.join(causal)}")
+                raise settings.SettingError(f"--adapter {f!r}: name the model (MODEL:NAME=PATH); hosted: "
+                                            f"{', '.join(causal)}")
             model = causal[0]
         if model not in out:
-            raise SystemExit(f"--adapter {f!r}: no model {model!r} is hosted")
+            raise settings.SettingError(f"--adapter {f!r}: no model {model!r} is hosted")
         out[model][name] = path
     return out
 
@@ -113,7 +120,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     from . import logs
+    from .wire import preflight
 
+    try:  # ports and files now, not after the models load (preflight.py)
+        preflight.check(st)
+    except settings.SettingError as e:
+        print(e, file=sys.stderr)
+        return 2
     logs.configure(st["log_format"], st["log_level"])
     import structlog
     import torch

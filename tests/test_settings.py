@@ -182,11 +182,16 @@ def test_switches_from_flag_variable_and_config(clean_env, tmp_path, name):
     off, on = st.default, not st.default
     assert _resolve()[name] is off
     assert _resolve(st.flag)[name] is on
-    for value in ("0", "true", "yes"):  # only 1 switches, as before the table
+    for value in ("0", "false", "no", "FALSE"):
         clean_env.setenv(st.env, value)
         assert _resolve()[name] is off, value
-    clean_env.setenv(st.env, "1")
-    assert _resolve()[name] is on
+    for value in ("1", "true", "yes", "True"):
+        clean_env.setenv(st.env, value)
+        assert _resolve()[name] is on, value
+    for value in ("on", "2", "ture", "enabled"):  # not a boolean: refused, naming the variable
+        clean_env.setenv(st.env, value)
+        with pytest.raises(SettingError, match=f"{st.env}='{value}'"):
+            _resolve()
     clean_env.delenv(st.env)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"{name}: {str(on).lower()}\n")

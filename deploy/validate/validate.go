@@ -291,6 +291,14 @@ func Check(objs []Object, want Expect) []error {
 			cms[x.Name] = x
 		}
 	}
+	if want.PrometheusRule != (len(rules) > 0) {
+		fail("PrometheusRule: want %v, got %d", want.PrometheusRule, len(rules))
+	}
+	for _, r := range rules {
+		if len(r.Spec.Groups) == 0 || len(r.Spec.Groups[0].Rules) == 0 {
+			fail("PrometheusRule %s: no rules", r.Name)
+		}
+	}
 	switch {
 	case want.Gateway && len(gateways) != 1:
 		fail("want exactly one gateway Deployment, got %d", len(gateways))
@@ -559,14 +567,6 @@ func checkDeployment(d *appsv1.Deployment, svcs []*corev1.Service, pdbs []*polic
 	}
 	if want.ServiceMonitor && len(sms) == 0 {
 		fail("a ServiceMonitor is expected")
-	}
-	if want.PrometheusRule != (len(rules) > 0) {
-		fail("PrometheusRule: want %v, got %d", want.PrometheusRule, len(rules))
-	}
-	for _, r := range rules {
-		if len(r.Spec.Groups) == 0 || len(r.Spec.Groups[0].Rules) == 0 {
-			fail("PrometheusRule %s: no rules", r.Name)
-		}
 	}
 	for _, sm := range sms {
 		s, err := metav1.LabelSelectorAsSelector(&sm.Spec.Selector)

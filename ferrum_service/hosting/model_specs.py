@@ -21,18 +21,41 @@ A spec is ``EXECUTOR[,key=value...]``::
 
 A config file (YAML) lists the same as mappings under ``models:`` (a model's LoRA adapters to
 preload as ``adapters: {NAME: PATH}``).
+
+Every executor takes ``id``, ``device``, ``dtype``, ``kv_budget_tokens`` and ``kv_budget_bytes``
+besides its own options (:data:`OPTIONS`); an option it does not take, a number that is not one,
+or a device / dtype outside the settings' choices is refused (ValueError naming it) before any
+model loads.
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.settings import default
+from ..core.settings import default, setting
 
 EXECUTOR_KINDS = ("stub", "configurable", "hf-causal-lm", "llama-cpp", "bert")
 PRESETS = ("smollm2", "smollm2-llama", "smollm2-hf", "minilm")
 DEFAULT_MODELS = default("model")  # --model's default (core/settings.py)
+
+COMMON_OPTIONS = ("id", "device", "dtype", "kv_budget_tokens", "kv_budget_bytes")
+_HF = ("path", "gguf_file", "max_batch_size", "max_batch_tokens", "max_adapters", "prefix_cache", "adapters")
+_LLAMA = ("path", "quant", "n_ctx", "threads", "n_seq", "prefix_cache")
+_BERT = ("path", "normalize")
+#: The options each executor kind and preset takes besides :data:`COMMON_OPTIONS` (with
+#: ``adapters``, also ``adapter.NAME=PATH``).
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "stub": ("vocab_size",),
+    "configurable": ("vocab_size", "counter", "eos_after", "eos_token", "token_sequence"),
+    "hf-causal-lm": _HF, "smollm2-hf": _HF,
+    "llama-cpp": _LLAMA, "smollm2-llama": _LLAMA,
+    "smollm2": tuple(dict.fromkeys(_HF + _LLAMA)),  # either executor, as the machine decides
+    "bert": _BERT, "minilm": _BERT,
+}
+_INT_OPTIONS = frozenset(("vocab_size", "eos_after", "eos_token", "kv_budget_tokens", "kv_budget_bytes",
+                          "max_batch_size", "max_batch_tokens", "max_adapters", "n_ctx", "threads", "n_seq"))
 
 
 @dataclass
@@ -64,9 +87,29 @@ def spec_from_mapping(m: dict[str, Any]) -> ModelSpec:
     kind = str(m.pop("executor", m.pop("kind", "")))
     if kind not in EXECUTOR_KINDS + PRESETS:
         raise ValueError(f"unknown executor {kind!r}; choose one of {', '.join(EXECUTOR_KINDS + PRESETS)}")
+    _check_options(kind, m)
     if "token_sequence" in m and isinstance(m["token_sequence"], str):
-        m["token_sequence"] = [int(x) for x in m["token_sequence"].replace(":", " ").split()]
+        try:
+            m["token_sequence"] = [int(x) for x in m["token_sequence"].replace(":", " ").split()]
+        except ValueError:
+            raise ValueError(f"token_sequence={m['token_sequence']!r}: expected integers separated by ':'") from None
     return ModelSpec(kind, m)
+
+
+def _check_options(kind: str, m: dict[str, Any]) -> None:
+    """ValueError for an option ``kind`` does not take, or a value it cannot read."""
+    allowed = OPTIONS[kind] + COMMON_OPTIONS
+    for key, value in m.items():
+        if key.startswith("adapter.") and "adapters" in allowed:
+            continue
+        if key not in allowed:
+            near = difflib.get_close_matches(key, allowed, n=1)
+            raise ValueError(f"unknown option {key!r} for {kind}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                             + f"; {kind} takes {', '.join(sorted(allowed))}")
+        if key in _INT_OPTIONS and (isinstance(value, bool) or not str(value).strip().lstrip("-").isdigit()):
+            raise ValueError(f"{key}={value!r}: expected an integer")
+        if key in ("device", "dtype"):
+            setting(key).parse(value, key)
 
 
 def spec_adapters(spec: ModelSpec) -> dict[str, str]:
