@@ -23,17 +23,41 @@ from .core.errors import FerrumError
 
 
 def _add_flags(parser: argparse.ArgumentParser, command: str) -> None:
-    """``command``'s flags, from the settings table (the flag's value lands under the setting's name)."""
+    """``command``'s flags, from the settings table (the flag's value lands under the setting's name);
+    ``serve``'s in the table's help groups."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for st in settings.for_command(command):
         if st.flag is None:
             continue
+        target = parser
+        if command == "serve":
+            title = settings.help_group(st)
+            target = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         kw = {"dest": st.name, "default": None, "help": settings.help_text(st)}
         if st.is_switch:
-            parser.add_argument(st.flag, action="store_const", const=not st.default, **kw)
+            target.add_argument(st.flag, action="store_const", const=not st.default, **kw)
         elif st.type is list:
-            parser.add_argument(st.flag, action="append", metavar=st.metavar, **kw)
+            target.add_argument(st.flag, action="append", metavar=st.metavar, **kw)
         else:
-            parser.add_argument(st.flag, type=st.type if st.type in (int, float) else str, metavar=st.metavar, **kw)
+            target.add_argument(st.flag, type=st.type if st.type in (int, float) else str, metavar=st.metavar, **kw)
+
+
+SERVE_EXAMPLE = ("ferrum-service serve --model smollm2 --model llama-cpp,id=qwen,path=/models/qwen.gguf,n_ctx=8192 "
+                 "--port 50051 --metrics-port 9090")
+
+
+def _serve_epilog() -> str:
+    """``serve --help``'s closing text: presets, executors and their options, an example, the
+    environment-only settings."""
+    from .hosting.model_specs import COMMON_OPTIONS, EXECUTOR_KINDS, OPTIONS, PRESET_HELP
+
+    lines = ["models (--model EXECUTOR[,key=value...], repeatable; default: smollm2 + minilm):", "  presets:"]
+    lines += [f"    {name:<15} {text}" for name, text in PRESET_HELP.items()]
+    lines.append(f"  executors (all take {', '.join(COMMON_OPTIONS)}):")
+    lines += [f"    {kind:<15} {', '.join(OPTIONS[kind])}" for kind in EXECUTOR_KINDS]
+    lines += ["", "example:", f"  {SERVE_EXAMPLE}", "", "environment only:"]
+    lines += [f"  {st.env}: {st.help}" for st in settings.SETTINGS if st.flag is None and st.command != "generate"]
+    return "\n".join(lines).replace("%", "%%")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,9 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"ferrum-service {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    env_only = [f"{st.env}: {st.help}" for st in settings.SETTINGS if st.flag is None and st.command != "generate"]
-    s = sub.add_parser("serve", help="host executors behind the gRPC contract",
-                       epilog="environment only: " + "; ".join(env_only).replace("%", "%%"))
+    s = sub.add_parser("serve", help="host executors behind the gRPC contract", usage="%(prog)s [options]",
+                       description="Host executors behind the gRPC contract (and vLLM's engine protocol).\n"
+                       "Every flag also reads FERRUM_<FLAG> and its key in --config;\n"
+                       "flag > environment > config > default (docs/settings.md).",
+                       epilog=_serve_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_flags(s, "serve")
 
     g = sub.add_parser("generate", help="stream a reply from a running server")

@@ -294,3 +294,23 @@ def test_environment_reaches_the_server_process(tmp_path):
                 list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
                                                metadata=(("authorization", "Bearer env-secret"),), timeout=10))
             assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_serve_help_is_grouped_with_the_presets_and_an_example(clean_env):
+    from ferrum_service.hosting.model_specs import EXECUTOR_KINDS, PRESETS
+
+    env = {**os.environ, "COLUMNS": "120"}
+    text = subprocess.run([sys.executable, "-m", "ferrum_service", "serve", "--help"], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=60).stdout
+    headings = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert headings[1:1 + len(settings.HELP_GROUPS)] == [t for t, _ in settings.HELP_GROUPS], headings
+    for title, first in settings.HELP_GROUPS:  # each group opens with its first setting's flag
+        block = text.split(f"\n{title}:\n", 1)[1]
+        assert block.lstrip().startswith(settings.setting(first).flag), title
+    assert text.index("\nwork and limits:\n") < text.index("  --max-queue ") < text.index("\nKV events")
+    for name in PRESETS + EXECUTOR_KINDS:
+        assert re.search(rf"^    {re.escape(name)} +\S", text, re.M), f"{name} not listed"
+    example = text.split("\nexample:\n", 1)[1].splitlines()[0].split()
+    assert example[:2] == ["ferrum-service", "serve"]
+    st = resolve_serve_settings(build_parser().parse_args(example[1:]))  # the example parses
+    assert [s.executor for s in st["specs"]] == ["smollm2", "llama-cpp"]

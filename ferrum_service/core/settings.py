@@ -272,6 +272,24 @@ SETTINGS: tuple[Setting, ...] = (
     _s("token", str, None, "bearer token", command="generate"),
 )
 
+#: ``serve --help``'s groups, in table order: (title, the setting that opens the group).
+HELP_GROUPS: tuple[tuple[str, str], ...] = (
+    ("what to serve", "config"), ("network and security", "host"), ("work and limits", "max_batch"),
+    ("KV events, transfer and migration", "kv_event_replay_bytes"), ("logs, metrics and traces", "log_format"),
+)
+
+
+def help_group(s: Setting) -> str:
+    """The ``--help`` group of a ``serve`` setting (see :data:`HELP_GROUPS`)."""
+    starts = {name: title for title, name in HELP_GROUPS}
+    title = HELP_GROUPS[0][0]
+    for other in SETTINGS:
+        title = starts.get(other.name, title)
+        if other is s:
+            return title
+    raise KeyError(s.name)
+
+
 #: Environment variables the package reads that are not settings: other standards' (OpenTelemetry's
 #: are also read by its exporter, which reads more of them) and the build tooling's.
 STANDARD_ENV: dict[str, str] = {
@@ -420,7 +438,7 @@ def markdown(settings: Iterable[Setting] = SETTINGS) -> str:
 
 
 __all__ = ["SETTINGS", "STANDARD_ENV", "Setting", "SettingError", "check_config_keys", "config_keys", "default", "env",
-           "for_command", "from_env", "help_text", "load_config", "markdown", "resolve", "setting", "source_of"]
+           "for_command", "from_env", "help_group", "help_text", "load_config", "markdown", "resolve", "setting", "source_of"]
 
 
 if __name__ == "__main__":

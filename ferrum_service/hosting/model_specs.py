@@ -40,6 +40,13 @@ EXECUTOR_KINDS = ("stub", "configurable", "hf-causal-lm", "llama-cpp", "bert")
 PRESETS = ("smollm2", "smollm2-llama", "smollm2-hf", "minilm")
 DEFAULT_MODELS = default("model")  # --model's default (core/settings.py)
 
+#: What each preset serves, as ``serve --help`` lists them.
+PRESET_HELP = {
+    "smollm2": "SmolLM2-135M-Instruct (packaged): llama.cpp on CPU-only machines, transformers on CUDA",
+    "smollm2-llama": "the same weights on llama.cpp (an F16 copy of the packaged Q4_1 file, made once)",
+    "smollm2-hf": "the same weights on transformers",
+    "minilm": "all-MiniLM-L6-v2 sentence embeddings (packaged)",
+}
 COMMON_OPTIONS = ("id", "device", "dtype", "kv_budget_tokens", "kv_budget_bytes")
 _HF = ("path", "gguf_file", "max_batch_size", "max_batch_tokens", "max_adapters", "prefix_cache", "adapters")
 _LLAMA = ("path", "quant", "n_ctx", "threads", "n_seq", "prefix_cache")
