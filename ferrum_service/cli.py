@@ -55,6 +55,8 @@ def _serve_epilog() -> str:
     lines += [f"    {name:<15} {text}" for name, text in PRESET_HELP.items()]
     lines.append(f"  executors (all take {', '.join(COMMON_OPTIONS)}):")
     lines += [f"    {kind:<15} {', '.join(OPTIONS[kind])}" for kind in EXECUTOR_KINDS]
+    lines += ["  a Hugging Face Hub id, org/name[@revision][,key=value...]: the executor follows from its files "
+              "(HF_HUB_OFFLINE=1: from the cache only)"]
     lines += ["", "example:", f"  {SERVE_EXAMPLE}", "", "environment only:"]
     lines += [f"  {st.env}: {st.help}" for st in settings.SETTINGS if st.flag is None and st.command != "generate"]
     return "\n".join(lines).replace("%", "%%")
@@ -174,7 +176,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                kv_budget_tokens=st["kv_budget_tokens"] or None,
                                kv_budget_bytes=st["kv_budget_bytes"] or None,
                                trust_remote_code=st["trust_remote_code"], allow_pickle=st["allow_pickle"],
-                               prefix_cache=st["prefix_cache"]).result()
+                               prefix_cache=st["prefix_cache"],
+                               hub_token=next(iter(_read_tokens(st["hub_token_file"])), None)).result()
             for name, path in st["adapters"].get(spec.model_id, {}).items():
                 worker.submit(ex.load_adapter, name, path).result()
         except (ValueError, FileNotFoundError, ImportError, OSError, RuntimeError, FerrumError) as e:

@@ -174,6 +174,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("kv_budget_tokens", int, 0, "KV budget per model in tokens (0 = the executor's default)"),
     _s("kv_budget_bytes", int, 0, "KV budget per model in bytes of K and V (0 = the executor's default: 1 GiB on "
        "transformers; on llama.cpp 10% of the available memory, at most n_seq training contexts)"),
+    _s("hub_token_file", str, None, "file whose first line is the Hugging Face token for hub model ids "
+       "(`--model org/name`) of private or gated repositories (default: huggingface_hub's own, HF_TOKEN or a "
+       "stored login)"),
     _s("trust_remote_code", bool, False, "allow models that ship code (off: such models are refused)"),
     _s("allow_pickle", bool, False, "allow pickled weights (*.bin; unpickling can run code) where a model has no "
        "safetensors"),
@@ -298,6 +301,10 @@ STANDARD_ENV: dict[str, str] = {
     "OTEL_EXPORTER_OTLP_ENDPOINT": "set: tracing on, to this endpoint",
     "OTEL_SDK_DISABLED": "`true`: tracing off whatever else says",
     "OTEL_SERVICE_NAME": "the traces' service name (default ferrum-service)",
+    "HF_HUB_OFFLINE": "`1`: hub model ids (`--model org/name`) are served only from the local cache (read by "
+                      "huggingface_hub)",
+    "HF_HUB_CACHE": "where huggingface_hub keeps hub models (default $HF_HOME/hub, ~/.cache/huggingface/hub)",
+    "HF_TOKEN": "huggingface_hub's token when --hub-token-file names none",
     "XDG_CACHE_HOME": "where FERRUM_MODEL_CACHE's default lies when the venv is not writable",
     "FERRUM_CACHE_DIR": "where the CPU paged-attention op is built once and kept (`torch-ext/` in it; "
                         "default ~/.cache/ferrum-service)",

