@@ -86,6 +86,8 @@ render no-metrics --set metrics.enabled=false
 render roles --set roles.enabled=true,roles.prefill.replicaCount=2 \
   --set-json 'roles.decode.resources={"requests":{"cpu":"2","memory":"4Gi"},"limits":{"memory":"8Gi"}}'
 render gateway --set gateway.enabled=true,replicaCount=3
+render hub --set hub.enabled=true,hub.offline=true,hub.existingClaim=hf-cache,hub.token.existingSecret=hf-token \
+  --set-json 'models=[{"executor":"HuggingFaceTB/SmolLM2-135M-Instruct@main"}]'
 render gateway-roles --set gateway.enabled=true,roles.enabled=true
 # Negative: a misspelt field must render (helm does not know the schema) and then fail decoding.
 render broken --set-json 'extraEnv=[{"name":"FERRUM_LOG_LEVEL","valeu":"debug"}]'

@@ -191,6 +191,7 @@ var ServerConfigKeys = map[string]bool{
 	"log_format": true, "log_level": true, "tls_cert": true, "tls_key": true, "tls_client_ca": true,
 	"auth_token_file": true, "admin_token_file": true, "reflection": true, "trust_remote_code": true, "role": true,
 	"stall_timeout": true, "max_caches": true, "max_caches_per_caller": true, "max_compile_seconds": true,
+	"hub_token_file": true,
 }
 
 type serverConfig struct {

@@ -111,6 +111,7 @@ func TestHelmRendered(t *testing.T) {
 		{"no-metrics.yaml", Expect{}},
 		{"roles.yaml", Expect{Metrics: true, Roles: true}},
 		{"gateway.yaml", Expect{Metrics: true, Gateway: true}},
+		{"hub.yaml", Expect{Metrics: true}},
 		{"gateway-roles.yaml", Expect{Metrics: true, Roles: true, Gateway: true}},
 	}
 	for _, c := range cases {

@@ -75,6 +75,9 @@ app.kubernetes.io/part-of: ferrum
 {{- if .Values.adminAuth.existingSecret -}}
 {{- $_ := set $cfg "admin_token_file" (printf "/etc/ferrum/admin/%s" .Values.adminAuth.key) -}}
 {{- end -}}
+{{- if .Values.hub.token.existingSecret -}}
+{{- $_ := set $cfg "hub_token_file" (printf "/etc/ferrum/hub/%s" .Values.hub.token.key) -}}
+{{- end -}}
 {{- toYaml (mustMergeOverwrite $cfg .Values.extraConfig) -}}
 {{- end -}}
 
