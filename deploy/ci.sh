@@ -6,10 +6,11 @@
 #   2. the Dockerfiles' install steps against pyproject.toml / scripts/bootstrap.sh
 #      (tests/test_deploy_inputs.py, when the project venv exists);
 #   3. helm lint --strict and helm template of the chart: default values, values-gpu.yaml, TLS +
-#      auth + ServiceMonitor, metrics off, two roles (prefill + decode Deployments), the gateway (also in
-#      SMG's PD mode over the two roles, with its keys and NetworkPolicies), plus one rendering with a
-#      deliberately misspelt field, and invalid or insecure value combinations (the gateway without
-#      its keys or its NetworkPolicies, a misspelt gateway key), all of which must fail;
+#      auth + ServiceMonitor + PrometheusRule, metrics off, two roles (prefill + decode Deployments), the
+#      gateway (also in SMG's PD mode over the two roles, with its keys and NetworkPolicies), plus one
+#      rendering with a deliberately misspelt field, invalid or insecure value combinations (the gateway
+#      without its keys or its NetworkPolicies, a misspelt gateway key), all of which must fail, and
+#      values typos (a values file, --set) that values.schema.json must refuse;
 #   4. go test in deploy/validate: every kustomize build and plain manifest in deploy/k8s and every
 #      helm rendering decoded strictly against k8s.io/api types (unknown, misspelt or duplicate
 #      fields fail, as in the API server), semantic checks, and the negative cases; the llm-d
@@ -81,11 +82,13 @@ render default
 render gpu -f "$chart/values-gpu.yaml"
 render tls-auth-monitor --set tls.enabled=true,tls.secretName=ferrum-tls,tls.mutual=true \
   --set auth.existingSecret=ferrum-auth,adminAuth.existingSecret=ferrum-admin \
-  --set metrics.serviceMonitor.enabled=true
+  --set metrics.serviceMonitor.enabled=true,metrics.prometheusRule.enabled=true
 render no-metrics --set metrics.enabled=false
 render roles --set roles.enabled=true,roles.prefill.replicaCount=2 \
   --set-json 'roles.decode.resources={"requests":{"cpu":"2","memory":"4Gi"},"limits":{"memory":"8Gi"}}'
 render gateway --set gateway.enabled=true,gateway.auth.existingSecret=gateway-keys,replicaCount=3
+render hub --set hub.enabled=true,hub.offline=true,hub.existingClaim=hf-cache,hub.token.existingSecret=hf-token \
+  --set-json 'models=[{"executor":"HuggingFaceTB/SmolLM2-135M-Instruct@main"}]'
 render gateway-roles --set gateway.enabled=true,gateway.auth.existingSecret=gateway-keys,roles.enabled=true \
   --set gateway.sharedPrefixCache=true
 # Negative: a misspelt field must render (helm does not know the schema) and then fail decoding.
@@ -119,6 +122,25 @@ refuse "needs gateway.enabled" --set gateway.sharedPrefixCache=true
 "$helm" template ferrum-service "$chart" --kube-version "$KUBE_VERSION" --set gateway.enabled=true \
   --set gateway.auth.allowUnauthenticated=true,networkPolicy.enabled=false,networkPolicy.managedElsewhere=true >/dev/null
 echo "rendered the explicit opt-outs (gateway.auth.allowUnauthenticated, networkPolicy.managedElsewhere)"
+# Negative: values.schema.json refuses a misspelt values key (a values file, as users write them)
+# and a value outside its choices; helm names the key.
+cat >"$out/typo-values.yaml" <<'VALUES'
+replicaCount: 2
+metrics:
+  serviceMonitor:
+    enabeld: true
+VALUES
+for args in "-f $out/typo-values.yaml" "--set logLevel=verbose" "--set replicaCont=3"; do
+  # shellcheck disable=SC2086  # $args is several words on purpose
+  if msg=$("$helm" template ferrum-service "$chart" --kube-version "$KUBE_VERSION" $args 2>&1 >/dev/null); then
+    echo "FAIL: helm template accepted a values typo ($args)" >&2
+    exit 1
+  fi
+  case "$msg" in
+    *enabeld*|*logLevel*|*replicaCont*) echo "helm template refused a values typo ($args), naming it" ;;
+    *) echo "FAIL: helm refused ($args) without naming the key: $msg" >&2; exit 1 ;;
+  esac
+done
 
 # --- 4. strict decoding + semantic checks --------------------------------------------------------
 step "go test ./deploy/validate (strict k8s.io/api decoding, semantic and negative checks)"

@@ -23,17 +23,43 @@ from .core.errors import FerrumError
 
 
 def _add_flags(parser: argparse.ArgumentParser, command: str) -> None:
-    """``command``'s flags, from the settings table (the flag's value lands under the setting's name)."""
+    """``command``'s flags, from the settings table (the flag's value lands under the setting's name);
+    ``serve``'s in the table's help groups."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for st in settings.for_command(command):
         if st.flag is None:
             continue
+        target = parser
+        if command == "serve":
+            title = settings.help_group(st)
+            target = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         kw = {"dest": st.name, "default": None, "help": settings.help_text(st)}
         if st.is_switch:
-            parser.add_argument(st.flag, action="store_const", const=not st.default, **kw)
+            target.add_argument(st.flag, action="store_const", const=not st.default, **kw)
         elif st.type is list:
-            parser.add_argument(st.flag, action="append", metavar=st.metavar, **kw)
+            target.add_argument(st.flag, action="append", metavar=st.metavar, **kw)
         else:
-            parser.add_argument(st.flag, type=st.type if st.type in (int, float) else str, metavar=st.metavar, **kw)
+            target.add_argument(st.flag, type=st.type if st.type in (int, float) else str, metavar=st.metavar, **kw)
+
+
+SERVE_EXAMPLE = ("ferrum-service serve --model smollm2 --model llama-cpp,id=qwen,path=/models/qwen.gguf,n_ctx=8192 "
+                 "--port 50051 --metrics-port 9090")
+
+
+def _serve_epilog() -> str:
+    """``serve --help``'s closing text: presets, executors and their options, an example, the
+    environment-only settings."""
+    from .hosting.model_specs import COMMON_OPTIONS, EXECUTOR_KINDS, OPTIONS, PRESET_HELP
+
+    lines = ["models (--model EXECUTOR[,key=value...], repeatable; default: smollm2 + minilm):", "  presets:"]
+    lines += [f"    {name:<15} {text}" for name, text in PRESET_HELP.items()]
+    lines.append(f"  executors (all take {', '.join(COMMON_OPTIONS)}):")
+    lines += [f"    {kind:<15} {', '.join(OPTIONS[kind])}" for kind in EXECUTOR_KINDS]
+    lines += ["  a Hugging Face Hub id, org/name[@revision][,key=value...]: the executor follows from its files "
+              "(HF_HUB_OFFLINE=1: from the cache only)"]
+    lines += ["", "example:", f"  {SERVE_EXAMPLE}", "", "environment only:"]
+    lines += [f"  {st.env}: {st.help}" for st in settings.SETTINGS if st.flag is None and st.command != "generate"]
+    return "\n".join(lines).replace("%", "%%")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,9 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"ferrum-service {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    env_only = [f"{st.env}: {st.help}" for st in settings.SETTINGS if st.flag is None and st.command != "generate"]
-    s = sub.add_parser("serve", help="host executors behind the gRPC contract",
-                       epilog="environment only: " + "; ".join(env_only).replace("%", "%%"))
+    s = sub.add_parser("serve", help="host executors behind the gRPC contract", usage="%(prog)s [options]",
+                       description="Host executors behind the gRPC contract (and vLLM's engine protocol).\n"
+                       "Every flag also reads FERRUM_<FLAG> and its key in --config;\n"
+                       "flag > environment > config > default (docs/settings.md).",
+                       epilog=_serve_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_flags(s, "serve")
 
     g = sub.add_parser("generate", help="stream a reply from a running server")
@@ -64,7 +92,13 @@ def resolve_serve_settings(args: argparse.Namespace) -> dict:
     out = settings.resolve("serve", vars(args))
     from .hosting.model_specs import parse_spec, spec_from_mapping
 
-    specs = [spec_from_mapping(m) if isinstance(m, dict) else parse_spec(str(m)) for m in out["model"]]
+    where = settings.source_of("model", vars(args), None, str(out["config"]))
+    specs = []
+    for i, m in enumerate(out["model"]):
+        try:
+            specs.append(spec_from_mapping(m) if isinstance(m, dict) else parse_spec(str(m)))
+        except ValueError as e:
+            raise settings.SettingError(f"{where}[{i}]: {e}" if isinstance(m, dict) else f"{where} {m!r}: {e}") from e
     out["specs"] = specs
     out["adapters"] = _adapter_flags(out["adapter"], specs)
     return out
@@ -78,15 +112,16 @@ def _adapter_flags(flags: list[str], specs) -> dict[str, dict[str, str]]:
     for f in flags:
         head, sep, path = f.partition("=")
         if not sep or not head or not path:
-            raise SystemExit(f"--adapter {f!r}: expected [MODEL:]NAME=PATH")
+            raise settings.SettingError(f"--adapter {f!r}: expected [MODEL:]NAME=PATH")
         model, _, name = head.rpartition(":")
         if not model:
             causal = [s.model_id for s in specs if s.executor not in ("bert", "minilm", "stub", "configurable")]
             if len(causal) != 1:
-                raise SystemExit(f"--adapter {f!r}: name the model (MODEL:NAME=PATH); hosted: {', '.join(causal)}")
+                raise settings.SettingError(f"--adapter {f!r}: name the model (MODEL:NAME=PATH); hosted: "
+                                            f"{', '.join(causal)}")
             model = causal[0]
         if model not in out:
-            raise SystemExit(f"--adapter {f!r}: no model {model!r} is hosted")
+            raise settings.SettingError(f"--adapter {f!r}: no model {model!r} is hosted")
         out[model][name] = path
     return out
 
@@ -113,7 +148,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     from . import logs
+    from .wire import preflight
 
+    try:  # ports and files now, not after the models load (preflight.py)
+        preflight.check(st)
+    except settings.SettingError as e:
+        print(e, file=sys.stderr)
+        return 2
     logs.configure(st["log_format"], st["log_level"])
     import structlog
     import torch
@@ -135,7 +176,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                kv_budget_tokens=st["kv_budget_tokens"] or None,
                                kv_budget_bytes=st["kv_budget_bytes"] or None,
                                trust_remote_code=st["trust_remote_code"], allow_pickle=st["allow_pickle"],
-                               prefix_cache=st["prefix_cache"]).result()
+                               prefix_cache=st["prefix_cache"],
+                               hub_token=next(iter(_read_tokens(st["hub_token_file"])), None)).result()
             for name, path in st["adapters"].get(spec.model_id, {}).items():
                 worker.submit(ex.load_adapter, name, path).result()
         except (ValueError, FileNotFoundError, ImportError, OSError, RuntimeError, FerrumError) as e:

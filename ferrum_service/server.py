@@ -41,6 +41,7 @@ from .wire.metrics import Metrics
 from .wire.operations import Operations
 from .wire.reflection import enable_reflection
 from .wire.servicer import ModelExecutorServicer
+from .wire.serving_log import ServingLog
 from .wire.streams import StreamRegistry
 from .wire.validate import RequestChecks
 from .wire.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
@@ -104,6 +105,8 @@ class ServerConfig:
     max_caches_per_caller: int = default("max_caches_per_caller")
     max_compile_seconds: float = default("max_compile_seconds")
     stall_timeout: float = default("stall_timeout")
+    stats_log_interval: float = default("stats_log_interval")  # serving_log.py
+    request_log: bool = default("request_log")
 
     @property
     def per_caller(self) -> bool:
@@ -162,6 +165,9 @@ class Server:
         self.draining = False
         self.health = health.aio.HealthServicer()
         self.streams = StreamRegistry(models, self.activity)
+        self.streams.serving = self.metrics.serving
+        self.serving_log = ServingLog(models, self.streams, self.metrics.serving, interval=cfg.stats_log_interval,
+                                      request_log=cfg.request_log)
         self.metrics.model_server_protocol(models, self.streams)
         # Under per-caller auth each subscriber sees only its own caches' events, and block events
         # carry keys only (enough to route), not token ids (kv_events.py).
@@ -261,6 +267,7 @@ class Server:
         await self.grpc.start()
         self.leases.start()
         self.stalls.start()
+        self.serving_log.start()
         if tracing.configure(self.cfg.otlp_endpoint):
             log.info("tracing on", otlp_endpoint=self.cfg.otlp_endpoint or "(from OTEL_* environment)")
         if not (self.cfg.auth_tokens or self.cfg.tls_client_ca) and not _is_loopback(self.cfg.host):
@@ -314,6 +321,7 @@ class Server:
             log.warning("grace period over; cancelling streams", active_streams=len(self.streams.active))
         await self.leases.stop()
         await self.stalls.stop()
+        await self.serving_log.stop()
         self.servicer.ops.checks.compiler.close()
         self.servicer.migrations.close()
         await self.servicer.kv.close()

@@ -34,6 +34,8 @@ pytest_suite() {
 }
 # grpcurl, ghz and grpc-health-probe (Go modules, installed once) for the reflection/probe tests.
 if tools=$(bash scripts/grpc_tools.sh); then export PATH="$tools:$PATH"; fi
+# A Prometheus server (Debian's package, installed once) for tests/test_monitoring_prometheus.py.
+if prom=$(bash scripts/prometheus_tool.sh); then export FERRUM_PROMETHEUS="$prom"; fi
 # The SMG gateway in its own venv, for tests/test_smg_gateway.py (it skips, saying why, without one).
 if gw=$(bash scripts/gateway_venv.sh); then export FERRUM_SMG_VENV="$gw"; fi
 run protos bash scripts/check_protos.sh

@@ -164,3 +164,39 @@ def test_gateway_renderings_config_loads_and_keys_prefixes_as_asked(shared: bool
     cfg.write_text(configs[0])
     st = resolve_serve_settings(build_parser().parse_args(["serve", "--config", str(cfg)]))
     assert st["vllm_shared_prefix_cache"] is shared
+
+
+CHART = ROOT / "deploy/helm/ferrum-service"
+
+
+def _merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def test_values_schema_takes_the_chart_values_and_refuses_typos():
+    """values.schema.json (helm checks values against it: deploy/ci.sh renders typos and expects the
+    refusal) takes values.yaml and values-gpu.yaml, and refuses a misspelt key at any depth and a
+    value outside its choices, naming it."""
+    import copy
+    import json
+
+    import jsonschema
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    jsonschema.validate(values, schema)
+    jsonschema.validate(_merged(values, yaml.safe_load((CHART / "values-gpu.yaml").read_text())), schema)
+    for path, value in ((("replicaCont",), 3), (("metrics", "serviceMonitor", "enabeld"), True),
+                        (("gateway", "image", "tga"), "x"), (("logLevel",), "verbose"), (("device",), "gpu"),
+                        (("ports", "grpc"), "50051"), (("tls", "enabled"), "yes")):
+        bad = copy.deepcopy(values)
+        node = bad
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        with pytest.raises(jsonschema.ValidationError) as e:
+            jsonschema.validate(bad, schema)
+        assert path[-1] in str(e.value.message) + "/".join(map(str, e.value.absolute_path)), (path, e.value.message)

@@ -229,7 +229,9 @@ def test_preload_settings_from_flags_spec_and_yaml(tmp_path):
     st = resolve_serve_settings(build_parser().parse_args(
         ["serve", "--model", "hf-causal-lm,id=a,path=/m,adapter.x=/ad/x", "--model", "hf-causal-lm,id=b,path=/m"]))
     assert st["adapters"] == {"a": {"x": "/ad/x"}, "b": {}}
+    from ferrum_service.core.settings import SettingError
+
     for bad in (["--adapter", "x=/p"], ["--adapter", "nope:x=/p"], ["--adapter", "x"]):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SettingError, match="--adapter"):  # serve prints it and exits 2
             resolve_serve_settings(build_parser().parse_args(
                 ["serve", "--model", "hf-causal-lm,id=a,path=/m", "--model", "hf-causal-lm,id=b,path=/m", *bad]))

@@ -182,11 +182,16 @@ def test_switches_from_flag_variable_and_config(clean_env, tmp_path, name):
     off, on = st.default, not st.default
     assert _resolve()[name] is off
     assert _resolve(st.flag)[name] is on
-    for value in ("0", "true", "yes"):  # only 1 switches, as before the table
+    for value in ("0", "false", "no", "FALSE"):
         clean_env.setenv(st.env, value)
         assert _resolve()[name] is off, value
-    clean_env.setenv(st.env, "1")
-    assert _resolve()[name] is on
+    for value in ("1", "true", "yes", "True"):
+        clean_env.setenv(st.env, value)
+        assert _resolve()[name] is on, value
+    for value in ("on", "2", "ture", "enabled"):  # not a boolean: refused, naming the variable
+        clean_env.setenv(st.env, value)
+        with pytest.raises(SettingError, match=f"{st.env}='{value}'"):
+            _resolve()
     clean_env.delenv(st.env)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"{name}: {str(on).lower()}\n")
@@ -289,3 +294,23 @@ def test_environment_reaches_the_server_process(tmp_path):
                 list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
                                                metadata=(("authorization", "Bearer env-secret"),), timeout=10))
             assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_serve_help_is_grouped_with_the_presets_and_an_example(clean_env):
+    from ferrum_service.hosting.model_specs import EXECUTOR_KINDS, PRESETS
+
+    env = {**os.environ, "COLUMNS": "120"}
+    text = subprocess.run([sys.executable, "-m", "ferrum_service", "serve", "--help"], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=60).stdout
+    headings = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert headings[1:1 + len(settings.HELP_GROUPS)] == [t for t, _ in settings.HELP_GROUPS], headings
+    for title, first in settings.HELP_GROUPS:  # each group opens with its first setting's flag
+        block = text.split(f"\n{title}:\n", 1)[1]
+        assert block.lstrip().startswith(settings.setting(first).flag), title
+    assert text.index("\nwork and limits:\n") < text.index("  --max-queue ") < text.index("\nKV events")
+    for name in PRESETS + EXECUTOR_KINDS:
+        assert re.search(rf"^    {re.escape(name)} +\S", text, re.M), f"{name} not listed"
+    example = text.split("\nexample:\n", 1)[1].splitlines()[0].split()
+    assert example[:2] == ["ferrum-service", "serve"]
+    st = resolve_serve_settings(build_parser().parse_args(example[1:]))  # the example parses
+    assert [s.executor for s in st["specs"]] == ["smollm2", "llama-cpp"]

@@ -101,6 +101,8 @@ func newTyped(apiVersion, kind string) any {
 		return &infv1.InferencePool{}
 	case "monitoring.coreos.com/v1/ServiceMonitor":
 		return &monitoringv1.ServiceMonitor{}
+	case "monitoring.coreos.com/v1/PrometheusRule":
+		return &monitoringv1.PrometheusRule{}
 	case "kustomize.config.k8s.io/v1beta1/Kustomization", "kustomize.config.k8s.io/v1alpha1/Component":
 		return &kustomizetypes.Kustomization{}
 	}
@@ -179,6 +181,7 @@ type Expect struct {
 	TLS            bool // TLS on: probes are exec health checks (the kubelet's gRPC probes are plaintext)
 	Metrics        bool // a metrics port with prometheus.io annotations or a ServiceMonitor
 	ServiceMonitor bool // a ServiceMonitor is expected
+	PrometheusRule bool // a PrometheusRule (the chart's alerts) is expected, and none otherwise
 	Roles          bool // disaggregated: one prefill and one decode Deployment (--role), each checked in full
 	Gateway        bool // the SMG gateway Deployment in front of the workers (see gateway.go), fenced (netpol.go)
 	SharedPrefix   bool // the workers share one prefix-cache space across the gateway's users (gateway.sharedPrefixCache)
@@ -193,6 +196,7 @@ var ServerConfigKeys = map[string]bool{
 	"auth_token_file": true, "admin_token_file": true, "reflection": true, "trust_remote_code": true, "role": true,
 	"stall_timeout": true, "max_caches": true, "max_caches_per_caller": true, "max_compile_seconds": true,
 	"vllm_shared_prefix_cache": true,
+	"hub_token_file": true,
 }
 
 type serverConfig struct {
@@ -270,6 +274,7 @@ func Check(objs []Object, want Expect) []error {
 	var svcs []*corev1.Service
 	var pdbs []*policyv1.PodDisruptionBudget
 	var sms []*monitoringv1.ServiceMonitor
+	var rules []*monitoringv1.PrometheusRule
 	cms := map[string]*corev1.ConfigMap{}
 	var gateways []*appsv1.Deployment
 	for _, o := range objs {
@@ -286,8 +291,18 @@ func Check(objs []Object, want Expect) []error {
 			pdbs = append(pdbs, x)
 		case *monitoringv1.ServiceMonitor:
 			sms = append(sms, x)
+		case *monitoringv1.PrometheusRule:
+			rules = append(rules, x)
 		case *corev1.ConfigMap:
 			cms[x.Name] = x
+		}
+	}
+	if want.PrometheusRule != (len(rules) > 0) {
+		fail("PrometheusRule: want %v, got %d", want.PrometheusRule, len(rules))
+	}
+	for _, r := range rules {
+		if len(r.Spec.Groups) == 0 || len(r.Spec.Groups[0].Rules) == 0 {
+			fail("PrometheusRule %s: no rules", r.Name)
 		}
 	}
 	switch {

@@ -107,10 +107,11 @@ func TestHelmRendered(t *testing.T) {
 	}{
 		{"default.yaml", Expect{Metrics: true}},
 		{"gpu.yaml", Expect{GPU: true, Metrics: true}},
-		{"tls-auth-monitor.yaml", Expect{TLS: true, Metrics: true, ServiceMonitor: true}},
+		{"tls-auth-monitor.yaml", Expect{TLS: true, Metrics: true, ServiceMonitor: true, PrometheusRule: true}},
 		{"no-metrics.yaml", Expect{}},
 		{"roles.yaml", Expect{Metrics: true, Roles: true}},
 		{"gateway.yaml", Expect{Metrics: true, Gateway: true}},
+		{"hub.yaml", Expect{Metrics: true}},
 		{"gateway-roles.yaml", Expect{Metrics: true, Roles: true, Gateway: true, SharedPrefix: true}},
 	}
 	for _, c := range cases {

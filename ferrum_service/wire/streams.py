@@ -20,9 +20,11 @@ import structlog
 from ..core import errors
 from ..core.callers import current_caller, current_origin
 from ..core.modes import CacheEvent
+from .serving_metrics import StreamRecorder
 
 if TYPE_CHECKING:
     from ..core.callers import CallerActivity
+    from .serving_metrics import ServingMetrics
     from ..hosting.host import ModelHost
     from ..hosting.models import ModelSet
 
@@ -48,8 +50,15 @@ class StreamState:
     move_to: str = ""
     move_result: "asyncio.Future | None" = None
     unmovable: str = ""
+    # the stream's serving-latency timings (serving_metrics.py); the registry gives it the server's metrics
+    stats: StreamRecorder = field(default=None, repr=False)  # type: ignore[assignment]
+
     # Set by StreamRegistry.generation: files the stream under a new request id (bind).
     _index: "Callable[[StreamState, str], None] | None" = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.stats is None:
+            self.stats = StreamRecorder(None, self)
 
     def bind(self, model_id: str, request_id: str, cache_id: str) -> None:
         """Name what the stream runs: its model, request id and cache (what ``Abort`` finds it by)."""
@@ -81,6 +90,7 @@ class StreamRegistry:
         self.generations: dict[str, StreamState] = {}
         # (caller, request id) -> the generations carrying it, by owner
         self._by_request: dict[tuple[str, str], dict[str, StreamState]] = {}
+        self.serving: "ServingMetrics | None" = None  # where the streams' recorders report (the server sets it)
         self._ids = itertools.count(1)
 
     def new_owner(self, kind: str) -> str:
@@ -104,13 +114,19 @@ class StreamRegistry:
     def generation(self, owner: str) -> Iterator[StreamState]:
         """Register a ``Generate`` stream (findable by ``Abort``) while the block runs."""
         state = StreamState(owner, tenant=current_caller.get(), _index=self._file)
+        state.stats = StreamRecorder(self.serving, state)
         self.generations[owner] = state
+        error: BaseException | None = None
         try:
             yield state
+        except BaseException as e:
+            error = e
+            raise
         finally:
             self.generations.pop(owner, None)
             self._unfile(state)
             state.answer_move(errors.failed_precondition("the stream ended before it could move"))
+            state.stats.close(error)
 
     def _file(self, state: StreamState, request_id: str) -> None:
         """Index ``state`` under ``request_id`` (instead of its previous one)."""
