@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The module builds with the oldest Go its `go` directive admits: go.mod is tidy (no requirement
-# would raise the directive), and build + vet + test compilation pass with exactly that release
+# would raise the directive), and build + vet (which type-checks the tests too) pass with exactly
+# that release
 # (fetched once through the Go proxy as a toolchain module into the module cache, then offline).
 #
 # Why 1.23.0: the client ranges over iterators (package `iter`, range-over-func: Go 1.23), and
@@ -15,9 +16,8 @@ directive=$(awk '$1 == "go" {print $2; exit}' go.mod)
 echo "[go] go directive $directive; tidy with $(go version | awk '{print $3}')"
 go mod tidy -diff
 toolchain="go$directive"
-echo "[go] build, vet and compile the tests with $toolchain"
+echo "[go] build and vet (tests included) with $toolchain"
 GOTOOLCHAIN=$toolchain go version
 GOTOOLCHAIN=$toolchain go build ./...
 GOTOOLCHAIN=$toolchain go vet ./...
-GOTOOLCHAIN=$toolchain go test -count=1 -run '^$' ./... >/dev/null
 echo "[go] the module builds with $toolchain"
