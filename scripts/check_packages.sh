@@ -118,6 +118,13 @@ check_npm() {
       package/dist/src/index.js package/dist/src/index.d.ts; do
     grep -qx "$f" "$tmp/npm-files" || { log "$tgz has no $f"; return 1; }
   done
+  node -e '
+    const p = require(process.argv[1]);
+    const e = p.exports && p.exports["."];
+    if (p.private) throw new Error("package.json is private: npm publish would refuse it");
+    for (const c of ["import", "require"]) {
+      if (!e || !e[c] || !e[c].types || !e[c].default) throw new Error(`exports["."].${c} needs types and default`);
+    }' "$pkg/package.json" || return 1
   mkdir -p "$scratch" && cd "$scratch" || return 1
   printf '{"name": "scratch", "version": "1.0.0", "private": true}\n' >package.json
   npm install --prefer-offline --no-audit --no-fund --loglevel=warn "$tmp/$tgz" \
