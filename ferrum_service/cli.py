@@ -157,14 +157,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     logs.configure(st["log_format"], st["log_level"])
     import structlog
-    import torch
 
     from .hosting.host import new_worker
     from .hosting.model_specs import build_executor
     from .server import ServerConfig, serve
 
     log = structlog.get_logger("ferrum_service.cli")
-    torch.set_num_threads(max(1, st["torch_threads"] or os.cpu_count() or 1))
+    try:
+        import torch
+    except ImportError:  # a base install (stub, configurable, llama.cpp executors) runs without torch
+        pass
+    else:
+        torch.set_num_threads(max(1, st["torch_threads"] or os.cpu_count() or 1))
     executors, workers = [], []
     for spec in st["specs"]:
         t0 = time.perf_counter()

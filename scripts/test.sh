@@ -4,7 +4,7 @@
 #
 #   scripts/test.sh              everything
 #   scripts/test.sh -k decode    extra arguments go to pytest (the other suites still run)
-#   FERRUM_SKIP="rust go"        skip some of: protos python go typescript rust deploy image
+#   FERRUM_SKIP="rust go"        skip some of: protos python go typescript rust packages deploy image
 #
 # First run on a fresh machine: installs the venv (torch, transformers, ...) into
 # ~/.cache/ferrum-service; later runs reuse it while pyproject.toml is unchanged.
@@ -43,6 +43,8 @@ run python pytest_suite "$@"
 for part in go typescript rust; do
   [ -f "clients/$part/ci.sh" ] && run "$part" bash "clients/$part/ci.sh"
 done
+# What users install: wheels in a new venv, the npm tarball, `cargo package`, the Go directive.
+run packages bash scripts/check_packages.sh
 [ -f deploy/ci.sh ] && run deploy bash deploy/ci.sh
 # The CPU image, built with podman and run as the Helm chart runs it (needs root for apt/podman).
 run image bash deploy/image-check.sh

@@ -4,14 +4,14 @@ llama.cpp's own results, its KV books against llama.cpp's, and the contract over
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
-import torch
 
 from ferrum_client import Client, FerrumRpcError
 from ferrum_service.core.errors import FerrumError
 from ferrum_service.core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
 
-from .support.llama import TOL, assert_no_leak
+from .support.llama import TOL, assert_no_leak, maxdiff
 from .support.packaged import smollm2_gguf_path
 from .support.prompts import SMOLLM2, prompt_ids
 from .support.servers import InProcessServer
@@ -41,8 +41,6 @@ def _chat_ids(ex) -> list[int]:
     return ex.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
 
 
 # ---- the executor against llama.cpp itself ---------------------------------------------------------
@@ -63,10 +61,10 @@ def test_prefill_then_decodes_equals_one_prefill(ex):
     ex.release_cache(full.cache.cache_id)
     out = ex.prefill(PrefillInput(token_ids=toks[:20]))
     cid = out.cache.cache_id
-    assert _maxdiff(out.logits, ref[19]) < TOL
+    assert maxdiff(out.logits, ref[19]) < TOL
     for i in range(20, 24):
         row = ex.decode(DecodeInput(cache_id=cid, token_id=toks[i])).logits
-        assert _maxdiff(row, ref[i]) < TOL, i
+        assert maxdiff(row, ref[i]) < TOL, i
         assert int(row.argmax()) == int(ref[i].argmax())
     assert ex.registry.get(cid).num_tokens == 24 and ex.kv_cells_used() == 24
 
@@ -78,10 +76,10 @@ def test_truncate_then_decode_equals_a_fresh_prefill(ex):
     assert removed == 18 and h.num_tokens == 12 and ex.kv_cells_used() == 12
     row = ex.decode(DecodeInput(cache_id=cid, token_id=777)).logits
     fresh = ex.prefill(PrefillInput(token_ids=toks[:12] + [777]))
-    assert _maxdiff(row, fresh.logits) < TOL
+    assert maxdiff(row, fresh.logits) < TOL
     assert int(row.argmax()) == int(fresh.logits.argmax())
     # The truncated positions' KV is gone: a different continuation gives a different row.
-    assert _maxdiff(row, ex.prefill(PrefillInput(token_ids=toks[:13] + [777])).logits) > 1.0
+    assert maxdiff(row, ex.prefill(PrefillInput(token_ids=toks[:13] + [777])).logits) > 1.0
 
 
 def test_verify_rows_equal_step_by_step_decodes(ex):
@@ -93,7 +91,7 @@ def test_verify_rows_equal_step_by_step_decodes(ex):
     v = ex.forward_verify(b, draft, LogitsPolicy())
     assert v.rows.shape == (len(draft), 49152) and v.base_len == 16 and v.cache.num_tokens == 21
     for i, s in enumerate(steps):
-        assert _maxdiff(v.rows[i], s) < TOL, i
+        assert maxdiff(v.rows[i], s) < TOL, i
         assert int(v.rows[i].argmax()) == int(s.argmax())
 
 
@@ -110,7 +108,7 @@ def test_a_batch_equals_its_rows_alone(ex):
     assert [o.cache.num_tokens for o in outs] == [5, 17, 33] and ex.live_sequences() == 3
     got = ex.batch_decode([DecodeInput(cache_id=c, token_id=t) for c, t in zip(caches, nxt)])
     for g, s in zip(got, solo):
-        assert _maxdiff(g.logits, s) < TOL
+        assert maxdiff(g.logits, s) < TOL
         assert int(g.logits.argmax()) == int(s.argmax())
     # One prompt and two decodes mixed in one llama_decode.
     pre, dec = ex.mixed_step([PrefillInput(token_ids=prompts[0])], [DecodeInput(cache_id=c, token_id=5) for c in caches[1:]])
@@ -132,12 +130,12 @@ def test_failed_decode_rolls_back_and_leaks_nothing(ex):
 
 def test_forward_equals_prefill_rows_and_keeps_nothing(ex):
     toks = [prompt_ids(9, 20, **SMOLLM2), prompt_ids(9, 21, **SMOLLM2)]
-    logits = ex.forward(torch.tensor(toks))
+    logits = ex.forward(np.array(toks))
     assert logits.shape == (2, 9, 49152)
     assert_no_leak(ex)
     for i, t in enumerate(toks):
         ref = ex.prefill(PrefillInput(token_ids=t, all_positions=True)).all_logits
-        assert _maxdiff(logits[i], ref) < TOL
+        assert maxdiff(logits[i], ref) < TOL
 
 
 def test_reserve_kv_slots_books_the_budget(ex):
@@ -165,7 +163,7 @@ def test_reserve_kv_slots_for_a_new_sequence_takes_a_sequence_id(ex):
     prompt = prompt_ids(9, 23, **SMOLLM2)
     (u,) = ex.unified_decode([UnifiedItem(seq_id="engine-seq", q_tokens=prompt, cache_id=a.created_cache_id)])
     ref = ex.prefill(PrefillInput(token_ids=prompt))
-    assert u.cache.num_tokens == 9 and _maxdiff(u.logits, ref.logits) < TOL
+    assert u.cache.num_tokens == 9 and maxdiff(u.logits, ref.logits) < TOL
     for c in (a.created_cache_id, ref.cache.cache_id):
         ex.release_cache(c)
     assert ex.live_sequences() == seqs

@@ -11,7 +11,7 @@ from ferrum_client import Client, pb, tpb
 from ferrum_service.core.types import DecodeInput, PrefillInput
 
 from .support.servers import InProcessServer
-from .support.llama import assert_no_leak
+from .support.llama import assert_no_leak, maxdiff
 from .support.packaged import smollm2_gguf_path
 
 pytest.importorskip("llama_cpp")
@@ -37,7 +37,7 @@ def _fresh(ex, tokens):
 
 def _same(a, b) -> None:
     assert int(a.argmax()) == int(b.argmax())
-    assert (a - b).abs().max().item() < TOL
+    assert maxdiff(a, b) < TOL
 
 
 def test_forks_diverge_independently(llc):

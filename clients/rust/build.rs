@@ -1,4 +1,6 @@
-//! Generates the ferrum.executor.v1 client stubs from the repository's `protos/` tree.
+//! Generates the ferrum.executor.v1 client stubs from the crate's `proto/` tree (a copy of the
+//! repository's `protos/`, kept in sync by `sync-protos.sh` and checked in CI), so the packaged
+//! crate builds on its own.
 //!
 //! protoc comes from the `protoc-bin-vendored` crate (a protoc binary shipped inside a registry
 //! package), so a build needs nothing but cargo: no system package, no download at build time.
@@ -7,7 +9,7 @@ use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?);
-    let protos = manifest.join("../../protos");
+    let protos = manifest.join("proto");
     let files = [
         protos.join("ferrum/executor/v1/types.proto"),
         protos.join("ferrum/executor/v1/executor.proto"),

@@ -37,6 +37,7 @@ if [ -z "${FERRUM_SERVER_CMD:-}" ] && [ ! -x "$root/.venv/bin/ferrum-service" ];
 fi
 log "server: ${FERRUM_SERVER_CMD:-$root/.venv/bin/ferrum-service}"
 
+bash "$here/sync-protos.sh" --check  # build.rs compiles the crate's copy of protos/
 log "build (protoc from the protoc-bin-vendored crate)"
 cargo build --locked --all-targets
 

@@ -34,14 +34,17 @@ import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import errors
 from .kv_registry import CacheEntry
 from .settings import from_env
 from .types import ConstraintSpec, LogitsPolicy
+
+if TYPE_CHECKING:  # xgrammar's bitmasks are torch tensors: torch comes with it (the ``models`` extra)
+    import torch
+
+    from .types import Rows
 
 
 @dataclass
@@ -271,7 +274,7 @@ def prepare_masks(executor: Any, entries: Sequence[CacheEntry], fed: Sequence[in
     return PreparedMasks({i: j for j, (i, _st, _t) in enumerate(jobs)}, bitmask, done)
 
 
-def mask_rows(executor: Any, entries: Sequence[CacheEntry | None], rows: Sequence[torch.Tensor | None],
+def mask_rows(executor: Any, entries: Sequence[CacheEntry | None], rows: Sequence[Rows | None],
               policies: Sequence[LogitsPolicy], prepared: PreparedMasks | None = None,
               prepared_offset: int = 0) -> list[str]:
     """Apply each constrained row's mask in place (rows are the logits each entry's next token is
@@ -283,6 +286,7 @@ def mask_rows(executor: Any, entries: Sequence[CacheEntry | None], rows: Sequenc
     problems = [""] * len(policies)
     if not idx and prepared is None:
         return problems
+    import torch
     import xgrammar as xgr
 
     guides = guides_of(executor)
@@ -306,6 +310,8 @@ def mask_rows(executor: Any, entries: Sequence[CacheEntry | None], rows: Sequenc
     for i in idx:
         mask, j = where[i]
         row = rows[i]
+        if not isinstance(row, torch.Tensor):  # a numpy row (llama.cpp): a tensor on its memory, masked in place
+            row = torch.from_numpy(row)
         view = row.view(1, -1) if row.dim() == 1 else row[-1:]
         xgr.apply_token_bitmask_inplace(view, mask[j:j + 1].to(row.device), vocab_size=guides.vocab_size)
     return problems

@@ -1,12 +1,11 @@
 """Turning logits rows into what each request's :class:`LogitsPolicy` asks for.
 
-Runs on the rows' device (sampling on the GPU when the model is there). The common case — every
-row greedy with no penalty or mask — is one batched argmax + log-softmax gather and a single
-device-to-host transfer. Every other sampled row goes through :func:`sample_rows`: masks,
-repetition penalties, temperature, top-k, top-p and min-p as batched tensor ops over all such rows
-at once (one vocabulary sort for the whole batch); only the seeded draws themselves stay per row,
-each with its own generator, so seeded results are the same as one row at a time
-(:func:`sample_row`, kept as the reference).
+Rows are torch tensors (transformers / BERT executors, on their device: sampling runs on the GPU
+when the model is there; :mod:`.sampling_torch`) or numpy arrays (the stub, configurable and
+llama.cpp executors, which run without torch; :mod:`.sampling_np`). This module sorts a step's rows
+by what each policy asks and hands them to the sampler of their kind; torch is imported only when
+a row is a torch tensor. The common case — every row greedy with no penalty or mask — is one
+batched argmax + log-softmax gather.
 
 Seeds: a seeded draw for the token at position ``p`` uses a generator seeded with ``seed + p``,
 so the same seed and the same token history give the same token, also when a step is retried.
@@ -16,9 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
 
 import numpy as np
-import torch
 
 from .types import LogitsPolicy, OutputMode
 
@@ -39,178 +39,45 @@ class RowResult:
     drafted: int = 0
 
 
-def encode_row(row: torch.Tensor, dtype: str) -> bytes:
-    """A logits row as little-endian packed bytes in ``dtype`` (fp32 | fp16 | bf16)."""
-    if dtype == "fp16":
-        t = row.to(torch.float16)
-    elif dtype == "bf16":
-        t = row.to(torch.bfloat16).view(torch.int16)
-    else:
-        t = row.to(torch.float32)
-    arr = t.detach().cpu().numpy()
-    if arr.dtype.byteorder == ">":  # pragma: no cover - big-endian hosts
-        arr = arr.byteswap()
-    return arr.tobytes()
+def _sampler(row: Any) -> ModuleType:
+    """The sampler module for ``row``'s kind (numpy array or torch tensor)."""
+    if isinstance(row, np.ndarray):
+        from . import sampling_np
+
+        return sampling_np
+    from . import sampling_torch
+
+    return sampling_torch
 
 
-def penalized_ids(ids) -> torch.Tensor:
-    """The distinct ids a repetition penalty applies to, as a CPU int64 tensor: a request's array
-    (already sorted and distinct, convert.penalty_token_ids) is used as it is, without a copy; a
-    history (a list, bounded by the context) is deduplicated here."""
-    if isinstance(ids, np.ndarray):
-        return torch.from_numpy(ids)
-    if isinstance(ids, torch.Tensor):
-        return ids
-    return torch.from_numpy(np.unique(np.asarray(ids, dtype=np.int64)))
-
-
-def _apply_repetition_penalty(x: torch.Tensor, ids, penalty: float) -> torch.Tensor:
-    if penalty == 1.0 or ids is None or len(ids) == 0:
-        return x
-    idx = penalized_ids(ids).to(x.device)
-    vals = x.index_select(0, idx)
-    vals = torch.where(vals > 0, vals / penalty, vals * penalty)
-    return x.index_copy(0, idx, vals)
-
-
-def _mask(x: torch.Tensor, mask: bytes) -> torch.Tensor:
-    allowed = torch.zeros(x.shape[0], dtype=torch.bool)
-    m = np.frombuffer(mask, dtype=np.uint8)[: x.shape[0]]
-    allowed[: len(m)] = torch.from_numpy(m != 0)
-    return x.masked_fill(~allowed.to(x.device), float("-inf"))
-
-
-def sample_row(row: torch.Tensor, policy: LogitsPolicy, history: list[int], position: int) -> tuple[int, torch.Tensor]:
-    """Sample one token from ``row``; returns (token, raw log-probabilities)."""
-    sp = policy.sampling
-    raw = row.float()
-    logprobs = torch.log_softmax(raw, dim=-1)
-    x = raw
-    if sp.token_mask:
-        x = _mask(x, sp.token_mask)
-    if sp.repetition_penalty != 1.0:
-        ids = sp.penalty_token_ids if sp.penalty_token_ids is not None else history
-        x = _apply_repetition_penalty(x, ids, sp.repetition_penalty)
-    if sp.temperature == 0.0:
-        return int(torch.argmax(x).item()), logprobs
-    x = x / sp.temperature
-    if sp.top_k and sp.top_k < x.shape[0]:
-        kth = torch.topk(x, sp.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if sp.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_p, dim=-1)
-        drop = cum - sorted_p > sp.top_p  # keep the smallest prefix whose mass reaches top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-    if sp.min_p > 0.0:
-        probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)
-    if not torch.isfinite(probs).all() or probs.sum() <= 0:
-        return int(torch.argmax(x).item()), logprobs
-    gen = None
-    if sp.seed is not None:
-        gen = torch.Generator(device=probs.device)
-        gen.manual_seed((sp.seed + position) % (1 << 63))
-    token = int(torch.multinomial(probs, 1, generator=gen).item())
-    return token, logprobs
-
-
-def sample_rows(rows: torch.Tensor, policies: list[LogitsPolicy], histories: list[list[int]],
-                positions: list[int]) -> tuple[list[int], torch.Tensor]:
-    """:func:`sample_row` for a ``[B, V]`` block at once; returns (tokens, raw log-probabilities)."""
-    b, v = rows.shape
-    dev = rows.device
-    raw = rows.float()
-    logprobs = torch.log_softmax(raw, dim=-1)
-    x = raw
-    sps = [p.sampling for p in policies]
-    masked = [i for i, sp in enumerate(sps) if sp.token_mask]
-    if masked:
-        allowed = torch.ones((b, v), dtype=torch.bool)
-        for i in masked:
-            m = np.frombuffer(sps[i].token_mask, dtype=np.uint8)[:v]
-            allowed[i] = False
-            allowed[i, : len(m)] = torch.from_numpy(m != 0)
-        x = x.masked_fill(~allowed.to(dev), float("-inf"))
-    r_idx: list[torch.Tensor] = []
-    c_idx: list[torch.Tensor] = []
-    for i, (sp, hist) in enumerate(zip(sps, histories)):
-        if sp.repetition_penalty != 1.0:
-            ids = penalized_ids(sp.penalty_token_ids if sp.penalty_token_ids is not None else hist)
-            r_idx.append(torch.full((ids.numel(),), i, dtype=torch.long))
-            c_idx.append(ids)
-    if r_idx:
-        r = torch.cat(r_idx).to(dev)
-        c = torch.cat(c_idx).to(dev)
-        pen = torch.tensor([sps[i].repetition_penalty for i in range(b)], dtype=torch.float32, device=dev)[r]
-        vals = x[r, c]
-        x = x.clone()
-        x[r, c] = torch.where(vals > 0, vals / pen, vals * pen)
-    temps = [sp.temperature for sp in sps]
-    tokens = [0] * b
-    greedy = [i for i in range(b) if temps[i] == 0.0]
-    if greedy:
-        for i, t in zip(greedy, x[greedy].argmax(dim=-1).tolist()):
-            tokens[i] = t
-    hot = [i for i in range(b) if temps[i] != 0.0]
-    if not hot:
-        return tokens, logprobs
-    xs = x[hot] / torch.tensor([temps[i] for i in hot], dtype=torch.float32, device=dev)[:, None]
-    ks = [sps[i].top_k if sps[i].top_k and sps[i].top_k < v else 0 for i in hot]
-    if any(ks):
-        sorted_x = torch.sort(xs, dim=-1, descending=True).values
-        kth = sorted_x.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
-        kth = torch.where(torch.tensor(ks, device=dev)[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
-        xs = xs.masked_fill(xs < kth, float("-inf"))
-    probs = torch.softmax(xs, dim=-1)
-    tps = [sps[i].top_p for i in hot]
-    if any(tp < 1.0 for tp in tps):
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        cum = torch.cumsum(sorted_p, dim=-1)
-        limit = torch.tensor([tp if tp < 1.0 else float("inf") for tp in tps], dtype=torch.float32, device=dev)
-        sorted_p = sorted_p.masked_fill(cum - sorted_p > limit[:, None], 0.0)
-        probs = torch.zeros_like(probs).scatter(1, order, sorted_p)
-    mps = [sps[i].min_p for i in hot]
-    if any(mp > 0.0 for mp in mps):
-        floor = torch.tensor(mps, dtype=torch.float32, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < floor, 0.0)
-    bad = (~torch.isfinite(probs).all(dim=-1)) | (probs.sum(dim=-1) <= 0)
-    fallback = xs.argmax(dim=-1).tolist()
-    unseeded = []
-    for j, (i, is_bad) in enumerate(zip(hot, bad.tolist())):
-        if is_bad:
-            tokens[i] = fallback[j]
-        elif sps[i].seed is not None:
-            gen = torch.Generator(device=probs.device)
-            gen.manual_seed((sps[i].seed + positions[i]) % (1 << 63))
-            tokens[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
-        else:
-            unseeded.append(j)
-    if unseeded:
-        drawn = torch.multinomial(probs[unseeded], 1)[:, 0].tolist()
-        for j, t in zip(unseeded, drawn):
-            tokens[hot[j]] = t
-    return tokens, logprobs
+def encode_row(row: Any, dtype: str) -> bytes:
+    """A logits row (torch tensor or numpy array) as little-endian packed bytes in ``dtype``
+    (fp32 | fp16 | bf16)."""
+    return _sampler(row).encode_row(row, dtype)
 
 
 def process_rows(
-    rows: torch.Tensor | list[torch.Tensor | None],
+    rows: Any,
     policies: list[LogitsPolicy],
     histories: list[list[int]] | None = None,
     positions: list[int] | None = None,
 ) -> list[RowResult]:
-    """Apply ``policies[i]`` to ``rows[i]``. ``histories``: tokens each row's cache holds
-    (repetition penalty); ``positions``: the position each sampled token will take (seeding)."""
+    """Apply ``policies[i]`` to ``rows[i]`` (a ``[B, V]`` tensor / array, or a list of ``[V]`` rows
+    and Nones). ``histories``: tokens each row's cache holds (repetition penalty); ``positions``: the
+    position each sampled token will take (seeding)."""
     n = len(policies)
     if n == 0:
         return []
     histories = histories or [[] for _ in range(n)]
     positions = positions or [0] * n
-    if isinstance(rows, torch.Tensor):
-        row_list = list(rows.unbind(0)) if rows.dim() == 2 else [rows]
-    else:
+    if isinstance(rows, (list, tuple)):
         row_list = list(rows)
+    else:
+        row_list = list(rows) if rows.ndim == 2 else [rows]
+    present = next((r for r in row_list if r is not None), None)
+    if present is None:
+        return [RowResult() for _ in range(n)]
+    sampler = _sampler(present)
     results: list[RowResult | None] = [None] * n
 
     fast = [
@@ -219,19 +86,9 @@ def process_rows(
         if p.mode == OutputMode.SAMPLED_TOKEN and p.sampling.is_plain_greedy and p.top_logprobs == 0
         and row_list[i] is not None
     ]
-    if len(fast) == 1 and row_list[fast[0]].device.type == "cpu":
-        # One CPU row (a unary / Session step): numpy's argmax + exp-sum costs about a third of
-        # the equivalent torch ops' dispatch on a vocabulary-sized row.
-        a = row_list[fast[0]].reshape(-1).float().numpy()
-        t = int(a.argmax())
-        lse = float(np.log(np.exp(a - a[t]).sum()))
-        results[fast[0]] = RowResult(token_id=t, logprob=-lse if math.isfinite(lse) else -1e30)
-    elif fast:
-        block = torch.stack([row_list[i] for i in fast]).float()
-        tok = block.argmax(dim=-1)
-        lp = block.gather(1, tok[:, None])[:, 0] - torch.logsumexp(block, dim=-1)
-        for i, t, l in zip(fast, tok.tolist(), lp.tolist()):
-            results[i] = RowResult(token_id=t, logprob=l)
+    if fast:
+        for i, (t, lp) in zip(fast, sampler.greedy([row_list[i] for i in fast])):
+            results[i] = RowResult(token_id=t, logprob=lp)
 
     sampled: list[int] = []
     for i, p in enumerate(policies):
@@ -243,26 +100,16 @@ def process_rows(
             continue
         vocab = row.shape[-1]
         if p.mode == OutputMode.FULL_LOGITS:
-            results[i] = RowResult(logits=encode_row(row, p.logits_dtype), logits_dtype=p.logits_dtype, vocab=vocab)
+            results[i] = RowResult(logits=sampler.encode_row(row, p.logits_dtype), logits_dtype=p.logits_dtype,
+                                   vocab=vocab)
             continue
         if p.mode == OutputMode.TOP_LOGPROBS:
-            logprobs = torch.log_softmax(row.float(), dim=-1)
-            results[i] = RowResult(top=_top(logprobs, p.top_logprobs))
+            results[i] = RowResult(top=sampler.top_logprobs(row, p.top_logprobs))
             continue
         sampled.append(i)
     if sampled:
-        block = torch.stack([row_list[i].reshape(-1) for i in sampled])
-        tokens, logprobs = sample_rows(block, [policies[i] for i in sampled], [histories[i] for i in sampled],
-                                       [positions[i] for i in sampled])
-        lps = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
-        for j, (i, token, lp) in enumerate(zip(sampled, tokens, lps)):
-            k = policies[i].top_logprobs
-            results[i] = RowResult(token_id=token, logprob=lp if math.isfinite(lp) else -1e30,
-                                   top=_top(logprobs[j], k) if k else [])
+        drawn = sampler.sample([row_list[i] for i in sampled], [policies[i] for i in sampled],
+                               [histories[i] for i in sampled], [positions[i] for i in sampled])
+        for i, (token, lp, top) in zip(sampled, drawn):
+            results[i] = RowResult(token_id=token, logprob=lp if math.isfinite(lp) else -1e30, top=top)
     return results  # type: ignore[return-value]
-
-
-def _top(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    k = min(k, logprobs.shape[0])
-    vals, idx = torch.topk(logprobs, k)
-    return list(zip(idx.tolist(), vals.tolist()))

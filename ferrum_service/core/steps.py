@@ -21,9 +21,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import errors
 from .guided import mask_rows, overlapping, prepare_masks, refuse_broken
@@ -32,6 +30,9 @@ from .sampling import RowResult, process_rows
 from .settings import default
 from .speculation import sample_verified
 from .types import CacheHandle, DecodeInput, LogitsPolicy, OutputMode, PrefillInput, StepCost, UnifiedItem
+
+if TYPE_CHECKING:
+    from .types import Rows
 
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -238,8 +239,8 @@ class RowOutput:
     an encoder returns an ``embedding`` instead."""
 
     cache: CacheHandle
-    logits: torch.Tensor | None = None
-    embedding: torch.Tensor | None = None
+    logits: Rows | None = None
+    embedding: Rows | None = None
     cached: int = 0  # leading tokens taken from the prefix cache
 
 
@@ -276,7 +277,7 @@ def run(executor: "ModelExecutor", plan: StepPlan) -> StepResult:
     _record(executor, rows, dt)
     t_s = time.perf_counter_ns()
     entries = [reg.get(o.cache.cache_id) if o.cache.cache_id in reg else None for o in outs]
-    out_rows: list[torch.Tensor | None] = [o.logits if r.policy is not None else None for r, o in zip(rows, outs)]
+    out_rows: list[Rows | None] = [o.logits if r.policy is not None else None for r, o in zip(rows, outs)]
     policies = [r.policy or LogitsPolicy(mode=OutputMode.NONE) for r in rows]
     # a prompt's all-positions logits: its last row is the output, masked and sampled as one
     last = [x[-1] if x is not None and r.kind is RowKind.PROMPT and r.want is Want.ALL else x

@@ -3,8 +3,9 @@
 Executors speak these dataclasses, never protobuf: ``convert.py`` translates between the two, so an
 executor can be called in-process (benchmarks, tests) exactly as the server calls it.
 
-Logits are ``torch.Tensor`` rows on the executor's device; ``sampling.py`` turns them into what
-each request's :class:`LogitsPolicy` asks for.
+Logits are rows of the executor's own kind (:data:`Rows`): ``torch.Tensor`` on the executor's device
+for the torch executors, ``numpy.ndarray`` for the stub, configurable and llama.cpp executors (which
+run without torch); ``sampling.py`` turns them into what each request's :class:`LogitsPolicy` asks for.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from .modes import ExecutorState
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     import numpy as np
+    import torch
+
+    Rows = torch.Tensor | np.ndarray  # a logits row [V] or block [N, V], or an embedding [hidden]
 
 
 class OutputMode(enum.IntEnum):
@@ -117,9 +119,9 @@ class PrefillOutput:
     ``embedding``: [hidden] for encoders."""
 
     cache: CacheHandle
-    logits: torch.Tensor | None = None
-    all_logits: torch.Tensor | None = None
-    embedding: torch.Tensor | None = None
+    logits: Rows | None = None
+    all_logits: Rows | None = None
+    embedding: Rows | None = None
     cached_tokens: int = 0  # leading prompt tokens taken from the prefix cache
 
 
@@ -138,7 +140,7 @@ class DecodeInput:
 @dataclass
 class DecodeOutput:
     cache: CacheHandle
-    logits: torch.Tensor | None = None  # [V]
+    logits: Rows | None = None  # [V]
 
 
 @dataclass
@@ -159,7 +161,7 @@ class UnifiedItem:
 class UnifiedResult:
     seq_id: str
     cache: CacheHandle
-    logits: torch.Tensor | None = None  # [V], present iff the item was final
+    logits: Rows | None = None  # [V], present iff the item was final
     cached_tokens: int = 0
 
 
@@ -167,7 +169,7 @@ class UnifiedResult:
 class VerifyOutput:
     """``rows``: [N+1, V]; ``cache``: after all N+1 tokens; ``base_len``: length before."""
 
-    rows: torch.Tensor
+    rows: Rows
     cache: CacheHandle
     base_len: int
 

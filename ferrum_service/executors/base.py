@@ -18,9 +18,9 @@ import collections
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+import numpy as np
 
 from ..core import errors
 from ..core.kv_registry import CacheEntry, CacheRegistry
@@ -47,6 +47,18 @@ from ..core.types import (
     UnifiedResult,
     VerifyOutput,
 )
+
+if TYPE_CHECKING:
+    from ..core.types import Rows
+
+
+def _stack(rows: list) -> Rows:
+    """Rows of one kind (numpy arrays or torch tensors) stacked into one block."""
+    if isinstance(rows[0], np.ndarray):
+        return np.stack(rows)
+    import torch
+
+    return torch.stack(rows)
 
 
 @dataclass
@@ -313,7 +325,7 @@ class ModelExecutor(abc.ABC):
         """``unified_decode()``; default unsupported (ferrum's default)."""
         raise errors.unsupported(f"unified_decode is not implemented by the {self.kind} executor")
 
-    def forward(self, input_ids: torch.Tensor, logits_dtype: str = "fp32") -> torch.Tensor:
+    def forward(self, input_ids: np.ndarray, logits_dtype: str = "fp32") -> Rows:
         """``forward()``; default unsupported (ferrum's default)."""
         raise errors.unsupported(f"forward is not supported by the {self.kind} executor")
 
@@ -326,7 +338,7 @@ class ModelExecutor(abc.ABC):
             out = self.decode(DecodeInput(cache_id=cache_id, token_id=t, policy=policy))
             rows.append(out.logits)
         assert out is not None
-        return VerifyOutput(rows=torch.stack(rows), cache=out.cache, base_len=base)
+        return VerifyOutput(rows=_stack(rows), cache=out.cache, base_len=base)
 
     def truncate_kv(self, cache_id: str, new_len: int) -> tuple[CacheHandle, int]:
         """``truncate_kv()``; default moves the length only (executors with no KV tensors)."""
@@ -505,7 +517,7 @@ def prefill_outputs(rows: "list[StepRow]", outs: "list[RowOutput]") -> list[Pref
     res = []
     for r, o in zip(rows, outs):
         out = PrefillOutput(cache=o.cache, cached_tokens=o.cached, embedding=o.embedding)
-        if o.logits is not None and r.want is Want.ALL and o.logits.dim() == 2:
+        if o.logits is not None and r.want is Want.ALL and o.logits.ndim == 2:
             out.all_logits, out.logits = o.logits, o.logits[-1]
         else:
             out.logits = o.logits

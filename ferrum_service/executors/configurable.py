@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 
-import torch
+import numpy as np
 
 from ..core.kv_registry import CacheRegistry
 from ..core.types import (
@@ -85,8 +85,8 @@ class ConfigurableModelExecutor(ModelExecutor):
         """ferrum's ``with_eos_after``: token 42, then ``eos_token`` from decode step ``n`` on."""
         return cls(vocab_size, [42], eos_after=n, eos_token=eos_token, **kw)
 
-    def _row(self, token: int) -> torch.Tensor:
-        row = torch.zeros(self.vocab_size)
+    def _row(self, token: int) -> np.ndarray:
+        row = np.zeros(self.vocab_size, dtype=np.float32)
         if 0 <= token < self.vocab_size:
             row[token] = 10.0
         return row
@@ -125,7 +125,7 @@ class ConfigurableModelExecutor(ModelExecutor):
             entry = self.registry.create(inp.token_ids, reserve_tokens=inp.reserve_tokens)
             entry.payload = {"prompt_len": len(inp.token_ids)}
         row = self._row(self.token_sequence[0])
-        all_logits = row.expand(len(inp.token_ids), -1) if inp.all_positions else None
+        all_logits = np.broadcast_to(row, (len(inp.token_ids), row.size)) if inp.all_positions else None
         return PrefillOutput(cache=self.handle(entry), logits=row, all_logits=all_logits)
 
     def decode(self, inp: DecodeInput) -> DecodeOutput:

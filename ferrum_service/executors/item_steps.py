@@ -11,8 +11,7 @@ of rows built by :class:`~ferrum_service.core.steps.StepRow` — so each executo
 from __future__ import annotations
 
 import abc
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..core import errors
 from ..core.kv_registry import CacheEntry
@@ -29,6 +28,9 @@ from ..core.types import (
 )
 from .base import ModelExecutor, prefill_outputs
 
+if TYPE_CHECKING:
+    from ..core.types import Rows
+
 
 class ItemStepExecutor(ModelExecutor):
     """Every step as one ``_step`` over its rows."""
@@ -38,10 +40,10 @@ class ItemStepExecutor(ModelExecutor):
     supports_draft_rows = True
 
     @abc.abstractmethod
-    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
-        """Admit, run one forward over ``items`` and commit them (nothing on failure)."""
+    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, Rows | None]]:
+        """Admit, run one forward over ``items`` and commit them (nothing on failure); a torch
+        executor runs it under ``torch.inference_mode``."""
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[RowOutput]:
         """The plan's rows in one forward (``_step``), all or nothing."""
         return [RowOutput(self.handle(e), logits, cached=r.cached)

@@ -12,7 +12,7 @@ all-zero logits it samples ``vocab_size - 1``; this service's server-side greedy
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from ..core.kv_registry import CacheRegistry
 from ..core.types import (
@@ -50,7 +50,7 @@ class StubModelExecutor(ModelExecutor):
         self.registry = CacheRegistry(
             model_id, total_tokens=kv_budget_tokens, block_size=16, per_request_tokens=2048, id_prefix="stub"
         )
-        self._zeros = torch.zeros(vocab_size)
+        self._zeros = np.zeros(vocab_size, dtype=np.float32)
 
     def info(self) -> ModelInfo:
         return self._info
@@ -89,7 +89,7 @@ class StubModelExecutor(ModelExecutor):
             self.registry.extend(entry, inp.token_ids)
         else:
             entry = self.registry.create(inp.token_ids, reserve_tokens=inp.reserve_tokens)
-        all_logits = self._zeros.expand(len(inp.token_ids), -1) if inp.all_positions else None
+        all_logits = np.broadcast_to(self._zeros, (len(inp.token_ids), self._zeros.size)) if inp.all_positions else None
         return PrefillOutput(cache=self._handle(entry), logits=self._zeros, all_logits=all_logits)
 
     def decode(self, inp: DecodeInput) -> DecodeOutput:

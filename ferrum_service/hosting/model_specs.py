@@ -279,8 +279,10 @@ def _prefer_llama_cpp(device: str) -> bool:
     if d.startswith("cuda"):
         return False
     if d == "auto":
-        import torch
-
+        try:
+            import torch
+        except ImportError:  # a base install: no CUDA executor to prefer
+            return True
         return not torch.cuda.is_available()
     return True
 

@@ -345,7 +345,6 @@ class Operations:
     async def forward(self, req: pb.ForwardRequest) -> pb.ForwardResponse:
         """ferrum's raw ``forward``: a [batch, seq] tensor of ids in, the model's output tensor out."""
         import numpy as np
-        import torch
 
         host = self.models.get(req.model_id)
         t = req.input
@@ -367,7 +366,7 @@ class Operations:
         if bad.size:
             raise errors.invalid(f"input.data[{int(bad[0])}] = {int(ids.reshape(-1)[bad[0]])} is outside the "
                                  f"vocabulary [0, {host.vocab_size})", field="input.data")
-        timed = await host.call(host.executor.forward, torch.from_numpy(ids.astype(np.int64)), dtype)
+        timed = await host.call(host.executor.forward, ids.astype(np.int64), dtype)
         out = timed.value
         resp = pb.ForwardResponse()
         resp.output.dtype = {"fp16": tpb.DATA_TYPE_FP16, "bf16": tpb.DATA_TYPE_BF16}.get(dtype, tpb.DATA_TYPE_FP32)

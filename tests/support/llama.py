@@ -11,6 +11,8 @@ hold cells for later prompts: they count as neither in use nor leaked.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .packaged import smollm2_gguf_path
 
 
@@ -22,6 +24,11 @@ def gguf() -> str:
 # position computed in a different batch differs slightly; observed max |diff| on SmolLM2 Q4_1
 # logits (magnitude ~20) is below 0.3, while unrelated positions differ by several units.
 TOL = 0.5
+
+
+def maxdiff(a, b) -> float:
+    """Largest absolute difference of two logits rows or blocks (numpy arrays: the executor's rows)."""
+    return float(np.abs(np.asarray(a, dtype=np.float32) - np.asarray(b, dtype=np.float32)).max())
 
 
 def assert_no_leak(ex) -> None:

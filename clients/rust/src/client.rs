@@ -170,6 +170,21 @@ impl Client {
         Ok(Self::from_channel(channel).with_target(target).with_connector(connector))
     }
 
+    /// Connect over TLS (feature `tls`) to `endpoint` (`https://host:port`) with `tls` (the CA to
+    /// trust, the server name, a client identity for mutual TLS); a stream that moves to another
+    /// server is followed over TLS with the same settings.
+    #[cfg(feature = "tls")]
+    pub async fn connect_tls(
+        endpoint: impl Into<String>,
+        tls: tonic::transport::ClientTlsConfig,
+    ) -> Result<Self, tonic::transport::Error> {
+        let endpoint = endpoint.into();
+        let channel = dial_tls(endpoint.clone(), tls.clone()).await?;
+        let target = endpoint_target(&endpoint);
+        let connector = Connector::new(move |t: String| dial_tls(format!("https://{t}"), tls.clone()));
+        Ok(Self::from_channel(channel).with_target(target).with_connector(connector))
+    }
+
     /// Over an existing channel (TLS, interceptors and such are the caller's business).
     pub fn from_channel(channel: Channel) -> Self {
         Self {
@@ -204,7 +219,8 @@ impl Client {
     }
 
     /// Send "authorization: Bearer `token`" with every call (the server's `--auth-token-file`).
-    /// TLS: build the `Channel` with tonic's TLS feature and pass it to [`Client::from_channel`].
+    /// TLS: [`Client::connect_tls`] (feature `tls`), or a `Channel` of your own through
+    /// [`Client::from_channel`].
     pub fn with_token(mut self, token: &str) -> Result<Self, Status> {
         let v = format!("Bearer {token}").parse().map_err(|_| Status::invalid_argument("token is not valid ASCII metadata"))?;
         self.authorization = Some(v);
@@ -745,6 +761,16 @@ pub async fn next_message<T>(s: &mut tonic::Streaming<T>) -> Result<Option<T>, S
 /// A channel to `endpoint` with the client's connect settings.
 async fn dial(endpoint: String) -> Result<Channel, tonic::transport::Error> {
     Endpoint::from_shared(endpoint)?.connect_timeout(Duration::from_secs(10)).tcp_nodelay(true).connect().await
+}
+
+#[cfg(feature = "tls")]
+async fn dial_tls(endpoint: String, tls: tonic::transport::ClientTlsConfig) -> Result<Channel, tonic::transport::Error> {
+    Endpoint::from_shared(endpoint)?
+        .tls_config(tls)?
+        .connect_timeout(Duration::from_secs(10))
+        .tcp_nodelay(true)
+        .connect()
+        .await
 }
 
 /// `host:port` of an endpoint URL (`http://127.0.0.1:50051` → `127.0.0.1:50051`).

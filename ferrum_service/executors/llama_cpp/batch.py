@@ -1,13 +1,12 @@
 """The step's one ``llama_decode``: a reusable ``llama_batch`` filled from a step's rows, with logits
-requested only for the positions whose rows are wanted, and the logits rows read back as torch
-tensors."""
+requested only for the positions whose rows are wanted, and the logits rows read back as numpy
+arrays (no torch on this path)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
-import torch
 
 from ...core import errors
 from ...core.steps import StepRow, Want
@@ -33,7 +32,7 @@ class DecodeBatch:
         """Give the batch's arrays back to llama.cpp (once, at teardown)."""
         self._L.llama_batch_free(self.batch)
 
-    def decode(self, items: list[StepRow], placed: list[tuple[int, int]]) -> list[torch.Tensor | None]:
+    def decode(self, items: list[StepRow], placed: list[tuple[int, int]]) -> list[np.ndarray | None]:
         """One ``llama_decode`` of ``items`` (row ``i``'s tokens written into sequence
         ``placed[i][0]`` from position ``placed[i][1]``): per row its logits (``[vocab]``,
         ``[n, vocab]`` for :attr:`Want.ALL`, None for :attr:`Want.NONE`). RESOURCE_EXHAUSTED when
@@ -64,18 +63,18 @@ class DecodeBatch:
         if rc != 0:
             raise errors.FerrumError(errors.ErrorKind.BACKEND, f"llama_decode failed with code {rc}")
         V = self.vocab_size
-        result: list[torch.Tensor | None] = []
+        result: list[np.ndarray | None] = []
         for want, start, k in rows:
             if want == Want.NONE:
                 result.append(None)
                 continue
             if want == Want.LAST:
                 row = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, start + k - 1), shape=(V,))
-                result.append(torch.from_numpy(row.copy()))
+                result.append(row.copy())
                 continue
             arr = np.stack([np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, j), shape=(V,))
                             for j in range(start, start + k)])
-            result.append(torch.from_numpy(arr))
+            result.append(arr)
         return result
 
 

@@ -16,7 +16,7 @@ Every batched method is **one** ``llama_decode`` of one ``llama_batch``: prefill
 sequences, decode steps, unified items and a verify's N+1 tokens, with logits requested only for
 the positions whose rows are wanted. TruncateKv and ReleaseCache are ``llama_memory_seq_rm``.
 
-Logits rows come back as torch tensors and go through the project's sampler like every executor's.
+Logits rows come back as numpy arrays (no torch on this path) and go through the project's sampler like every executor's.
 Tokenizer and chat template come from the GGUF file (:mod:`.tokenizer`).
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import torch
+import numpy as np
 
 from ...core import errors
 from ...core.kv_registry import CacheEntry, CacheRegistry
@@ -252,13 +252,13 @@ class LlamaCppExecutor(ItemStepExecutor):
         return total
 
     # ---- compute -------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, logits_dtype: str = "fp32") -> torch.Tensor:
+    def forward(self, input_ids: np.ndarray, logits_dtype: str = "fp32") -> np.ndarray:
         """A stateless forward of ``[batch, seq]`` ids (one ``llama_decode`` over temporary
         sequences, removed after); logits ``[batch, seq, vocab]``. Needs the KV budget and free
         sequence ids for the whole batch (RESOURCE_EXHAUSTED otherwise)."""
-        ids = torch.as_tensor(input_ids)
-        if ids.dim() == 1:
-            ids = ids.unsqueeze(0)
+        ids = np.asarray(input_ids)
+        if ids.ndim == 1:
+            ids = ids[None, :]
         b, n = ids.shape
         if self.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down")
@@ -279,8 +279,8 @@ class LlamaCppExecutor(ItemStepExecutor):
             for s in seqs:
                 self._L.llama_memory_seq_rm(self._mem, s, -1, -1)
                 self._free_seq.append(s)
-        dt = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(logits_dtype, torch.float32)
-        return torch.stack(rows).to(dt)
+        # fp32 rows (numpy has no bf16; the wire encoding rounds to the asked dtype), fp16 as asked
+        return np.stack(rows).astype(np.float16 if logits_dtype == "fp16" else np.float32)
 
     def kv_slot_capacity(self) -> KvSlotCapacitySnapshot:
         """KV cells as slots of one token (llama.cpp places tokens cell by cell)."""
@@ -532,7 +532,7 @@ class LlamaCppExecutor(ItemStepExecutor):
             pass
 
     # ---- the one decode ------------------------------------------------------------------------
-    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
+    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, np.ndarray | None]]:
         """Admit, run one ``llama_decode`` over all items, commit; undo everything on failure."""
         if self.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down")

@@ -561,6 +561,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         finally:
             self.release_cache(entry.cache_id)
 
+    @torch.inference_mode()
     def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
         """Admit, allocate, run one forward over all items, commit. On failure the step leaves no
         trace: caches it created are released, blocks it grew are returned, reservations and the
