@@ -86,7 +86,7 @@ def _triton_kernel() -> Any:
         return None
 
     @triton.jit
-    def paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, out_ptr, scale, width,
+    def paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, out_ptr, scale, table_stride,
                             HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                             DV: tl.constexpr, BS: tl.constexpr):
         row = tl.program_id(0)
@@ -105,7 +105,7 @@ def _triton_kernel() -> Any:
         acc = tl.zeros([G_PAD, DV], tl.float32)
         nblocks = (length + BS - 1) // BS
         for j in range(0, nblocks):
-            blk = tl.load(table_ptr + row * width + j).to(tl.int64)
+            blk = tl.load(table_ptr + row * table_stride + j).to(tl.int64)
             tok = j * BS + ti
             tmask = tok < length
             base = (blk * BS + ti) * HKV + h  # [BS] token rows of head h in this block
@@ -134,7 +134,8 @@ def triton_available() -> bool:
 def triton_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                   lengths: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """The Triton kernel: blocks read in place up to each row's length (see the module docstring).
-    ``table`` / ``lengths`` int32, contiguous; head dims powers of two. ``[rows, Hq, D]`` ->
+    ``table`` / ``lengths`` int32 (a table's rows may be strided: a view of a wider buffer);
+    head dims powers of two. ``[rows, Hq, D]`` ->
     ``[rows, Hq, Dv]`` in ``q``'s dtype."""
     kernel = _triton_kernel()
     if kernel is None:
@@ -144,7 +145,7 @@ def triton_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, t
     g = hq // hkv
     out = torch.empty((rows, hq, dv), dtype=q.dtype, device=q.device)
     kernel[(rows, hkv)](q.contiguous(), k_pool, v_pool, table, lengths, out, float(d ** -0.5 if scale is None else scale),
-                        table.shape[1], HKV=hkv, G=g, G_PAD=max(1, 1 << (g - 1).bit_length()), D=d, DV=dv, BS=bs)
+                        table.stride(0), HKV=hkv, G=g, G_PAD=max(1, 1 << (g - 1).bit_length()), D=d, DV=dv, BS=bs)
     return out
 
 
