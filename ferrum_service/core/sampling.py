@@ -1,6 +1,7 @@
 """Turning logits rows into what each request's :class:`LogitsPolicy` asks for.
 
-Runs on the rows' device (sampling on the GPU when the model is there). The common case — every
+Runs on the rows' device. Rows on a GPU are sampled there as one batch with one copy to the host
+(:mod:`.device_sampling`); on the CPU, the common case — every
 row greedy with no penalty or mask — is one batched argmax + log-softmax gather and a single
 device-to-host transfer. Every other sampled row goes through :func:`sample_rows`: masks,
 repetition penalties, temperature, top-k, top-p and min-p as batched tensor ops over all such rows
@@ -105,14 +106,11 @@ def sample_row(row: torch.Tensor, policy: LogitsPolicy, history: list[int], posi
     return token, logprobs
 
 
-def sample_rows(rows: torch.Tensor, policies: list[LogitsPolicy], histories: list[list[int]],
-                positions: list[int]) -> tuple[list[int], torch.Tensor]:
-    """:func:`sample_row` for a ``[B, V]`` block at once; returns (tokens, raw log-probabilities)."""
+def shaped_logits(rows: torch.Tensor, policies: list[LogitsPolicy], histories: list[list[int]]) -> torch.Tensor:
+    """``[B, V]`` fp32 logits with each row's token mask and repetition penalty applied (batched)."""
     b, v = rows.shape
     dev = rows.device
-    raw = rows.float()
-    logprobs = torch.log_softmax(raw, dim=-1)
-    x = raw
+    x = rows.float()
     sps = [p.sampling for p in policies]
     masked = [i for i, sp in enumerate(sps) if sp.token_mask]
     if masked:
@@ -136,6 +134,44 @@ def sample_rows(rows: torch.Tensor, policies: list[LogitsPolicy], histories: lis
         vals = x[r, c]
         x = x.clone()
         x[r, c] = torch.where(vals > 0, vals / pen, vals * pen)
+    return x
+
+
+def filtered_probs(x: torch.Tensor, policies: list[LogitsPolicy]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows that draw (temperature != 0): (logits over temperature, probabilities after
+    top-k, top-p and min-p), batched."""
+    v = x.shape[-1]
+    dev = x.device
+    sps = [p.sampling for p in policies]
+    xs = x / torch.tensor([sp.temperature for sp in sps], dtype=torch.float32, device=dev)[:, None]
+    ks = [sp.top_k if sp.top_k and sp.top_k < v else 0 for sp in sps]
+    if any(ks):
+        sorted_x = torch.sort(xs, dim=-1, descending=True).values
+        kth = sorted_x.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
+        kth = torch.where(torch.tensor(ks, device=dev)[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+        xs = xs.masked_fill(xs < kth, float("-inf"))
+    probs = torch.softmax(xs, dim=-1)
+    tps = [sp.top_p for sp in sps]
+    if any(tp < 1.0 for tp in tps):
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        limit = torch.tensor([tp if tp < 1.0 else float("inf") for tp in tps], dtype=torch.float32, device=dev)
+        sorted_p = sorted_p.masked_fill(cum - sorted_p > limit[:, None], 0.0)
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_p)
+    mps = [sp.min_p for sp in sps]
+    if any(mp > 0.0 for mp in mps):
+        floor = torch.tensor(mps, dtype=torch.float32, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return xs, probs
+
+
+def sample_rows(rows: torch.Tensor, policies: list[LogitsPolicy], histories: list[list[int]],
+                positions: list[int]) -> tuple[list[int], torch.Tensor]:
+    """:func:`sample_row` for a ``[B, V]`` block at once; returns (tokens, raw log-probabilities)."""
+    b = rows.shape[0]
+    logprobs = torch.log_softmax(rows.float(), dim=-1)
+    x = shaped_logits(rows, policies, histories)
+    sps = [p.sampling for p in policies]
     temps = [sp.temperature for sp in sps]
     tokens = [0] * b
     greedy = [i for i in range(b) if temps[i] == 0.0]
@@ -145,25 +181,7 @@ def sample_rows(rows: torch.Tensor, policies: list[LogitsPolicy], histories: lis
     hot = [i for i in range(b) if temps[i] != 0.0]
     if not hot:
         return tokens, logprobs
-    xs = x[hot] / torch.tensor([temps[i] for i in hot], dtype=torch.float32, device=dev)[:, None]
-    ks = [sps[i].top_k if sps[i].top_k and sps[i].top_k < v else 0 for i in hot]
-    if any(ks):
-        sorted_x = torch.sort(xs, dim=-1, descending=True).values
-        kth = sorted_x.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
-        kth = torch.where(torch.tensor(ks, device=dev)[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
-        xs = xs.masked_fill(xs < kth, float("-inf"))
-    probs = torch.softmax(xs, dim=-1)
-    tps = [sps[i].top_p for i in hot]
-    if any(tp < 1.0 for tp in tps):
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        cum = torch.cumsum(sorted_p, dim=-1)
-        limit = torch.tensor([tp if tp < 1.0 else float("inf") for tp in tps], dtype=torch.float32, device=dev)
-        sorted_p = sorted_p.masked_fill(cum - sorted_p > limit[:, None], 0.0)
-        probs = torch.zeros_like(probs).scatter(1, order, sorted_p)
-    mps = [sps[i].min_p for i in hot]
-    if any(mp > 0.0 for mp in mps):
-        floor = torch.tensor(mps, dtype=torch.float32, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < floor, 0.0)
+    xs, probs = filtered_probs(x[hot], [policies[i] for i in hot])
     bad = (~torch.isfinite(probs).all(dim=-1)) | (probs.sum(dim=-1) <= 0)
     fallback = xs.argmax(dim=-1).tolist()
     unseeded = []
@@ -202,11 +220,22 @@ def process_rows(
         row_list = list(rows)
     results: list[RowResult | None] = [None] * n
 
+    on_device = [i for i, p in enumerate(policies) if p.mode == OutputMode.SAMPLED_TOKEN
+                 and row_list[i] is not None and row_list[i].device.type != "cpu"]
+    if on_device:  # a GPU's rows: chosen there, one copy to the host (device_sampling.py)
+        from .device_sampling import sample_on_device
+
+        block = torch.stack([row_list[i].reshape(-1) for i in on_device])
+        for i, r in zip(on_device, sample_on_device(block, [policies[i] for i in on_device],
+                                                    [histories[i] for i in on_device],
+                                                    [positions[i] for i in on_device])):
+            results[i] = r
+
     fast = [
         i
         for i, p in enumerate(policies)
         if p.mode == OutputMode.SAMPLED_TOKEN and p.sampling.is_plain_greedy and p.top_logprobs == 0
-        and row_list[i] is not None
+        and row_list[i] is not None and results[i] is None
     ]
     if len(fast) == 1 and row_list[fast[0]].device.type == "cpu":
         # One CPU row (a unary / Session step): numpy's argmax + exp-sum costs about a third of
