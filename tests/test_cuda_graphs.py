@@ -12,8 +12,8 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from ferrum_service.core.device_sampling import sample_on_device  # noqa: E402
-from ferrum_service.core.sampling import process_rows  # noqa: E402
+
+from ferrum_service.core.sampling import process_rows, sample_on_device  # noqa: E402
 from ferrum_service.core.types import DecodeInput, LogitsPolicy, PrefillInput, SamplingParams  # noqa: E402
 from ferrum_service.executors.transformers import HfCausalLmExecutor  # noqa: E402
 from ferrum_service.executors.transformers import paged_decode as pd  # noqa: E402

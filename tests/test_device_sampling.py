@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from ferrum_service.core.device_sampling import choose_tokens, sample_on_device, seeded_noise
-from ferrum_service.core.sampling import filtered_probs, process_rows, sample_row, shaped_logits
+from ferrum_service.core.device_sampling import choose_tokens, seeded_noise
+from ferrum_service.core.logits_filters import filtered_probs, shaped_logits
+from ferrum_service.core.sampling import process_rows, sample_on_device, sample_row
 from ferrum_service.core.types import LogitsPolicy, SamplingParams
 
 V = 300

@@ -1,6 +1,6 @@
 """Sampling a whole batch as tensor ops on the rows' device, with one copy to the host.
 
-:func:`sample_on_device` gives what :func:`.sampling.process_rows` gives for sampled-token rows
+:func:`device_choices` gives what :func:`.sampling.process_rows` gives for sampled-token rows
 (greedy, temperature / top-k / top-p / min-p, masks, repetition penalties, seeds, top
 log-probabilities), but every row's token is chosen on the device and the tokens, their
 log-probabilities and the top-k lists come back in **one** device-to-host copy, instead of one
@@ -19,11 +19,9 @@ drawing row at once, with ``q`` per row:
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .sampling import RowResult, filtered_probs, shaped_logits
+from .logits_filters import filtered_probs, shaped_logits
 from .types import LogitsPolicy
 
 
@@ -59,9 +57,10 @@ def choose_tokens(rows: torch.Tensor, policies: list[LogitsPolicy], histories: l
     return tokens, logprobs
 
 
-def sample_on_device(rows: torch.Tensor, policies: list[LogitsPolicy], histories: list[list[int]] | None = None,
-                     positions: list[int] | None = None) -> list[RowResult]:
-    """:class:`RowResult` per row of ``rows`` (``[B, V]``, sampled-token policies), one host copy."""
+def device_choices(rows: torch.Tensor, policies: list[LogitsPolicy], histories: list[list[int]] | None = None,
+                   positions: list[int] | None = None) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """Per row of ``rows`` (``[B, V]``, sampled-token policies): (token, its log-probability, top
+    log-probabilities as the policy asks), through one device-to-host copy."""
     b = rows.shape[0]
     histories = histories or [[] for _ in range(b)]
     positions = positions or [0] * b
@@ -75,11 +74,9 @@ def sample_on_device(rows: torch.Tensor, policies: list[LogitsPolicy], histories
     host = torch.cat(parts, dim=1).cpu().tolist()  # the step's one device-to-host copy
     out = []
     for p, r in zip(policies, host):
-        lp = r[1]
         kk = min(p.top_logprobs, k)
-        top_list = [(int(i), float(val)) for i, val in zip(r[2:2 + kk], r[2 + k:2 + k + kk])]
-        out.append(RowResult(token_id=int(r[0]), logprob=lp if math.isfinite(lp) else -1e30, top=top_list))
+        out.append((int(r[0]), r[1], [(int(i), float(v)) for i, v in zip(r[2:2 + kk], r[2 + k:2 + k + kk])]))
     return out
 
 
-__all__ = ["choose_tokens", "sample_on_device", "seeded_noise"]
+__all__ = ["choose_tokens", "device_choices", "seeded_noise"]

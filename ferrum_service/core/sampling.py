@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .device_sampling import device_choices
+from .logits_filters import filtered_probs, shaped_logits
 from .types import LogitsPolicy, OutputMode
 
 
@@ -106,65 +108,6 @@ def sample_row(row: torch.Tensor, policy: LogitsPolicy, history: list[int], posi
     return token, logprobs
 
 
-def shaped_logits(rows: torch.Tensor, policies: list[LogitsPolicy], histories: list[list[int]]) -> torch.Tensor:
-    """``[B, V]`` fp32 logits with each row's token mask and repetition penalty applied (batched)."""
-    b, v = rows.shape
-    dev = rows.device
-    x = rows.float()
-    sps = [p.sampling for p in policies]
-    masked = [i for i, sp in enumerate(sps) if sp.token_mask]
-    if masked:
-        allowed = torch.ones((b, v), dtype=torch.bool)
-        for i in masked:
-            m = np.frombuffer(sps[i].token_mask, dtype=np.uint8)[:v]
-            allowed[i] = False
-            allowed[i, : len(m)] = torch.from_numpy(m != 0)
-        x = x.masked_fill(~allowed.to(dev), float("-inf"))
-    r_idx: list[int] = []
-    c_idx: list[int] = []
-    for i, (sp, hist) in enumerate(zip(sps, histories)):
-        if sp.repetition_penalty != 1.0:
-            ids = sorted(set(sp.penalty_token_ids if sp.penalty_token_ids is not None else hist))
-            r_idx += [i] * len(ids)
-            c_idx += ids
-    if r_idx:
-        r = torch.tensor(r_idx, dtype=torch.long, device=dev)
-        c = torch.tensor(c_idx, dtype=torch.long, device=dev)
-        pen = torch.tensor([sps[i].repetition_penalty for i in range(b)], dtype=torch.float32, device=dev)[r]
-        vals = x[r, c]
-        x = x.clone()
-        x[r, c] = torch.where(vals > 0, vals / pen, vals * pen)
-    return x
-
-
-def filtered_probs(x: torch.Tensor, policies: list[LogitsPolicy]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For rows that draw (temperature != 0): (logits over temperature, probabilities after
-    top-k, top-p and min-p), batched."""
-    v = x.shape[-1]
-    dev = x.device
-    sps = [p.sampling for p in policies]
-    xs = x / torch.tensor([sp.temperature for sp in sps], dtype=torch.float32, device=dev)[:, None]
-    ks = [sp.top_k if sp.top_k and sp.top_k < v else 0 for sp in sps]
-    if any(ks):
-        sorted_x = torch.sort(xs, dim=-1, descending=True).values
-        kth = sorted_x.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
-        kth = torch.where(torch.tensor(ks, device=dev)[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
-        xs = xs.masked_fill(xs < kth, float("-inf"))
-    probs = torch.softmax(xs, dim=-1)
-    tps = [sp.top_p for sp in sps]
-    if any(tp < 1.0 for tp in tps):
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        cum = torch.cumsum(sorted_p, dim=-1)
-        limit = torch.tensor([tp if tp < 1.0 else float("inf") for tp in tps], dtype=torch.float32, device=dev)
-        sorted_p = sorted_p.masked_fill(cum - sorted_p > limit[:, None], 0.0)
-        probs = torch.zeros_like(probs).scatter(1, order, sorted_p)
-    mps = [sp.min_p for sp in sps]
-    if any(mp > 0.0 for mp in mps):
-        floor = torch.tensor(mps, dtype=torch.float32, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < floor, 0.0)
-    return xs, probs
-
-
 def sample_rows(rows: torch.Tensor, policies: list[LogitsPolicy], histories: list[list[int]],
                 positions: list[int]) -> tuple[list[int], torch.Tensor]:
     """:func:`sample_row` for a ``[B, V]`` block at once; returns (tokens, raw log-probabilities)."""
@@ -223,8 +166,6 @@ def process_rows(
     on_device = [i for i, p in enumerate(policies) if p.mode == OutputMode.SAMPLED_TOKEN
                  and row_list[i] is not None and row_list[i].device.type != "cpu"]
     if on_device:  # a GPU's rows: chosen there, one copy to the host (device_sampling.py)
-        from .device_sampling import sample_on_device
-
         block = torch.stack([row_list[i].reshape(-1) for i in on_device])
         for i, r in zip(on_device, sample_on_device(block, [policies[i] for i in on_device],
                                                     [histories[i] for i in on_device],
@@ -278,6 +219,16 @@ def process_rows(
             results[i] = RowResult(token_id=token, logprob=lp if math.isfinite(lp) else -1e30,
                                    top=_top(logprobs[j], k) if k else [])
     return results  # type: ignore[return-value]
+
+
+def sample_on_device(rows: torch.Tensor, policies: list[LogitsPolicy], histories: list[list[int]] | None = None,
+                     positions: list[int] | None = None) -> list[RowResult]:
+    """:class:`RowResult` per row of ``rows`` (``[B, V]``, sampled-token policies), every token
+    chosen on the rows' device, one copy to the host (:func:`.device_sampling.device_choices`)."""
+    out = []
+    for token, lp, top in device_choices(rows, policies, histories, positions):
+        out.append(RowResult(token_id=token, logprob=lp if math.isfinite(lp) else -1e30, top=top))
+    return out
 
 
 def _top(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:

@@ -157,7 +157,7 @@ def cpu_op_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, t
     return paged_decode(q, k_pool, v_pool, table, lengths, scale)
 
 
-#: The implementations by name (what ``FERRUM_DECODE_ATTENTION`` and the GPU check pick from).
+#: The implementations by name (what the runner and the GPU check pick from).
 BACKENDS: dict[str, Decode] = {"gathered": gathered_decode, "triton": triton_decode, "cpu-op": cpu_op_decode,
                                "reference": reference_decode}
 
