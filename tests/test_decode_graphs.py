@@ -169,3 +169,15 @@ def test_cuda_graphs_setting_values(tiny_llama_dir):
     assert decode_mode("off", torch.device("cuda", 0)) == "off"
     with pytest.raises(FerrumError, match="decode_graphs='sometimes'"):
         decode_mode("sometimes", torch.device("cpu"))
+
+
+def test_the_setting_and_the_spec_option_reach_the_executor(tiny_llama_dir):
+    from ferrum_service.core import settings
+    from ferrum_service.hosting.model_specs import build_executor, parse_spec
+
+    st = settings.resolve("serve", {"cuda_graphs": "off"}, {})
+    assert str(st["cuda_graphs"]) == "off" and str(settings.default("cuda_graphs")) == "auto"
+    spec = f"hf-causal-lm,id=t,path={tiny_llama_dir},kv_budget_tokens=512"
+    assert build_executor(parse_spec(spec), device="cpu", cuda_graphs="auto").decode_runner is None  # CPU: off
+    ex = build_executor(parse_spec(spec + ",decode_graphs=static"), device="cpu", cuda_graphs="off")
+    assert ex.decode_runner is not None and not ex.decode_runner.capture  # the spec's option wins
