@@ -5,7 +5,8 @@
 One layer of SmolLM2-135M's shape (9 query heads, 3 K/V heads, head dim 64, bf16 pool, 16-token
 blocks, scattered block tables), one query token per row, B = 1 and 32 at 512 and 2,048 tokens of
 context. Candidates (same inputs, ``executors/transformers/paged_decode.py``): our Triton kernel
-(blocks read in place up to each row's length), the gathered torch path (all table blocks copied
+(blocks read in place up to each row's length; ``triton-split``: each row's blocks shared by
+programs of 8 blocks, partial softmaxes merged), the gathered torch path (all table blocks copied
 and masked: what a graph can hold without a kernel of ours) and torch ``flex_attention`` over the
 pool with a block mask built from the block tables, compiled, at 2,048 tokens only (tried; its
 error is reported when the installed torch refuses the shapes; checked on the CPU in eager mode). Each is checked against the fp32 reference and timed with
@@ -104,7 +105,8 @@ def compare() -> list[dict]:
     """Every candidate at every shape: error against the reference and times."""
     from ferrum_service.executors.transformers import paged_decode as pd
 
-    cands = {"triton": pd.triton_decode, "gathered": pd.gathered_decode, "flex": _flex}
+    cands = {"triton": pd.triton_decode, "triton-split": pd.triton_split_decode, "gathered": pd.gathered_decode,
+             "flex": _flex}
     out = []
     for rows in (1, 32):
         for context in (512, 2048):

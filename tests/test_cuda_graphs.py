@@ -45,6 +45,9 @@ def test_triton_kernel_matches_the_reference_on_cuda(dtype, seed):
     wide[:, :16] = table  # a strided view of a wider buffer, as the runner passes it
     assert torch.equal(pd.triton_decode(q, k, v, wide[:, :16], lengths), pd.triton_decode(q, k, v, table, lengths))
     assert torch.allclose(pd.gathered_decode(q, k, v, table, lengths).float(), ref, atol=tol, rtol=tol)
+    for split in (1, 3, pd.SPLIT_BLOCKS):
+        got = pd.triton_decode(q, k, v, wide[:, :16], lengths, blocks_per_split=split).float()
+        assert torch.allclose(got, ref, atol=tol, rtol=tol), (split, (got - ref).abs().max())
 
 
 def test_graphed_steps_give_the_eager_steps_tokens_and_logits(cuda_pair):

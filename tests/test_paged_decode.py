@@ -102,6 +102,11 @@ for seed in (0, 5):
     got = pd.triton_decode(q, k, v, table, lengths)
     err = (got - ref).abs().max().item()
     assert err < 1e-4, err
+    for split in (1, 3):  # several programs per row, some past a row's length
+        err = (pd.triton_decode(q, k, v, table, lengths, blocks_per_split=split) - ref).abs().max().item()
+        assert err < 1e-4, (split, err)
+    assert (pd.triton_split_decode(q, k, v, table[:, :5], lengths.clamp(max=20)) -
+            pd.reference_decode(q, k, v, table[:, :5], lengths.clamp(max=20))).abs().max().item() < 1e-4
 print("triton-ok")
 """
 

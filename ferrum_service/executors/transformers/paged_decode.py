@@ -86,11 +86,12 @@ def _triton_kernel() -> Any:
         return None
 
     @triton.jit
-    def paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, out_ptr, scale, table_stride,
+    def paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, out_ptr, m_ptr, l_ptr, scale, table_stride,
                             HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                            DV: tl.constexpr, BS: tl.constexpr):
+                            DV: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr):
         row = tl.program_id(0)
         h = tl.program_id(1)
+        part = tl.program_id(2)
         gi = tl.arange(0, G_PAD)
         di = tl.arange(0, D)
         dvi = tl.arange(0, DV)
@@ -104,7 +105,11 @@ def _triton_kernel() -> Any:
         s_sum = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, DV], tl.float32)
         nblocks = (length + BS - 1) // BS
-        for j in range(0, nblocks):
+        first = 0
+        if SPLIT > 0:  # this program's share of the blocks (flash-decoding); partial results
+            first = part * SPLIT
+            nblocks = tl.minimum(nblocks, first + SPLIT)
+        for j in range(first, nblocks):
             blk = tl.load(table_ptr + row * table_stride + j).to(tl.int64)
             tok = j * BS + ti
             tmask = tok < length
@@ -119,9 +124,15 @@ def _triton_kernel() -> Any:
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             s_sum = s_sum * alpha + tl.sum(p, axis=1)
             m = m_new
-        o = acc / s_sum[:, None]
-        tl.store(out_ptr + (row * HKV * G + heads)[:, None] * DV + dvi[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=gmask[:, None])
+        if SPLIT > 0:  # [rows, HKV, parts, G_PAD] maxima and sums, [..., DV] unnormalised outputs
+            cell = (row * HKV + h) * tl.num_programs(2) + part
+            tl.store(m_ptr + cell * G_PAD + gi, m)
+            tl.store(l_ptr + cell * G_PAD + gi, s_sum)
+            tl.store(out_ptr + (cell * G_PAD + gi)[:, None] * DV + dvi[None, :], acc)
+        else:
+            o = acc / s_sum[:, None]
+            tl.store(out_ptr + (row * HKV * G + heads)[:, None] * DV + dvi[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=gmask[:, None])
 
     return paged_decode_kernel
 
@@ -132,21 +143,36 @@ def triton_available() -> bool:
 
 
 def triton_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                  lengths: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                  lengths: torch.Tensor, scale: float | None = None, blocks_per_split: int = 0) -> torch.Tensor:
     """The Triton kernel: blocks read in place up to each row's length (see the module docstring).
     ``table`` / ``lengths`` int32 (a table's rows may be strided: a view of a wider buffer);
-    head dims powers of two. ``[rows, Hq, D]`` ->
-    ``[rows, Hq, Dv]`` in ``q``'s dtype."""
+    head dims powers of two. ``[rows, Hq, D]`` -> ``[rows, Hq, Dv]`` in ``q``'s dtype.
+    ``blocks_per_split`` > 0: each (row, K/V head) is split over ``ceil(width / blocks_per_split)``
+    programs (a long context on few rows keeps more of the GPU busy), whose partial softmax
+    results are merged with a few tensor ops (fixed shapes: graph-safe)."""
     kernel = _triton_kernel()
     if kernel is None:
         raise RuntimeError("triton is not installed")
     rows, hq, d = q.shape
     bs, hkv, dv = k_pool.shape[1], k_pool.shape[2], v_pool.shape[-1]
     g = hq // hkv
-    out = torch.empty((rows, hq, dv), dtype=q.dtype, device=q.device)
-    kernel[(rows, hkv)](q.contiguous(), k_pool, v_pool, table, lengths, out, float(d ** -0.5 if scale is None else scale),
-                        table.stride(0), HKV=hkv, G=g, G_PAD=max(1, 1 << (g - 1).bit_length()), D=d, DV=dv, BS=bs)
-    return out
+    g_pad = max(1, 1 << (g - 1).bit_length())
+    sc = float(d ** -0.5 if scale is None else scale)
+    meta = dict(HKV=hkv, G=g, G_PAD=g_pad, D=d, DV=dv, BS=bs, SPLIT=blocks_per_split)
+    if blocks_per_split <= 0:
+        out = torch.empty((rows, hq, dv), dtype=q.dtype, device=q.device)
+        kernel[(rows, hkv, 1)](q.contiguous(), k_pool, v_pool, table, lengths, out, out, out, sc, table.stride(0),
+                               **meta)
+        return out
+    parts = -(-table.shape[1] // blocks_per_split)
+    acc = torch.empty((rows, hkv, parts, g_pad, dv), dtype=torch.float32, device=q.device)
+    m = torch.empty((rows, hkv, parts, g_pad), dtype=torch.float32, device=q.device)
+    l_sum = torch.empty_like(m)
+    kernel[(rows, hkv, parts)](q.contiguous(), k_pool, v_pool, table, lengths, acc, m, l_sum, sc, table.stride(0),
+                               **meta)
+    w = torch.exp(m - m.amax(dim=2, keepdim=True))  # parts past a row's length: m = -inf, weight 0
+    o = (acc * w[..., None]).sum(2) / (l_sum * w).sum(2)[..., None]  # [rows, hkv, g_pad, dv]
+    return o[:, :, :g].reshape(rows, hq, dv).to(q.dtype)
 
 
 def cpu_op_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
@@ -158,11 +184,20 @@ def cpu_op_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, t
 
 
 #: The implementations by name (what the runner and the GPU check pick from).
+def triton_split_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                        lengths: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """:func:`triton_decode` split into programs of :data:`SPLIT_BLOCKS` blocks."""
+    return triton_decode(q, k_pool, v_pool, table, lengths, scale, blocks_per_split=SPLIT_BLOCKS)
+
+
+#: Blocks per program of the split Triton kernel (8 blocks: 128 tokens of 16).
+SPLIT_BLOCKS = 8
+
 BACKENDS: dict[str, Decode] = {"gathered": gathered_decode, "triton": triton_decode, "cpu-op": cpu_op_decode,
-                               "reference": reference_decode}
+                               "reference": reference_decode, "triton-split": triton_split_decode}
 
 #: Whether a backend's cost grows with the table's width (its graphs are then keyed by width too).
-WIDTH_BOUND = {"gathered": True, "reference": True, "triton": False, "cpu-op": False}
+WIDTH_BOUND = {"gathered": True, "reference": True, "triton": False, "cpu-op": False, "triton-split": False}
 
 
 def default_backend(device: torch.device, pool_dtype: torch.dtype) -> str:
@@ -178,5 +213,5 @@ def default_backend(device: torch.device, pool_dtype: torch.dtype) -> str:
     return "gathered"
 
 
-__all__ = ["BACKENDS", "WIDTH_BOUND", "default_backend", "gathered_decode", "reference_decode", "token_slots",
-           "triton_available", "triton_decode"]
+__all__ = ["BACKENDS", "SPLIT_BLOCKS", "WIDTH_BOUND", "default_backend", "gathered_decode", "reference_decode",
+           "token_slots", "triton_available", "triton_decode", "triton_split_decode"]
