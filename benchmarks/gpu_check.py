@@ -151,6 +151,12 @@ def measure(gguf: Path, quick: bool, device: str = "cuda") -> dict:
         step_rows[b] = {"graphed": g["tok_s"], "eager": e["tok_s"]}
         print(f"in-process decode B={b}: graphed {g['tok_s']:.0f} tok/s, eager {e['tok_s']:.0f} tok/s", flush=True)
     rec["steps"] = step_rows
+    if cuda:  # where one graphed B=1 step's time goes (CPU vs kernels): what bounds the one-stream row
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            inproc.executor_decode(graphs, p8[:1], 16, 1, warmup=False)
+        rec["profile_b1"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     g8 = inproc.executor_decode(graphs, p8, 64 if cuda else steps, 1)
     e8 = inproc.executor_decode(eager, p8, 64 if cuda else steps, 1)
     same = sum(x == y for gs, es in zip(g8["tokens"], e8["tokens"]) for x, y in zip(gs, es))
@@ -227,6 +233,7 @@ def main() -> None:
     rec = measure(a.gguf, a.quick, "cpu" if a.dry_run_cpu else "cuda")
     rec["tests"] = tests
     rows = to_rows(rec)
+    profile_b1 = rec.pop("profile_b1", None)
     write_rows("gpu_check", rows, rec, folder=a.out)
     from . import gpu_attention
 
@@ -234,6 +241,8 @@ def main() -> None:
     md += [f"| {r['name']} | {r['ours']} | {r['peer']} | {r['ratio']} | {r['target']} | {r['met']} |" for r in rows]
     text = "\n".join(md) + "\n\n" + gpu_attention.table_md(rec["attention"]) + "\n"
     (a.out / "gpu_check.md").write_text(text)
+    if profile_b1:
+        (a.out / "gpu_profile.txt").write_text(profile_b1)
     print(text)
 
 
