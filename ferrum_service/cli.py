@@ -180,7 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                kv_budget_tokens=st["kv_budget_tokens"] or None,
                                kv_budget_bytes=st["kv_budget_bytes"] or None,
                                trust_remote_code=st["trust_remote_code"], allow_pickle=st["allow_pickle"],
-                               prefix_cache=st["prefix_cache"],
+                               prefix_cache=st["prefix_cache"], cuda_graphs=str(st["cuda_graphs"]),
                                hub_token=next(iter(_read_tokens(st["hub_token_file"])), None)).result()
             for name, path in st["adapters"].get(spec.model_id, {}).items():
                 worker.submit(ex.load_adapter, name, path).result()

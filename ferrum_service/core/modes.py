@@ -67,3 +67,11 @@ class BlockEvent(enum.StrEnum):
 
 
 __all__ = ["BlockEvent", "CacheEvent", "ExecutorState", "Role"]
+
+
+class CudaGraphs(enum.StrEnum):
+    """Decode steps as CUDA graphs on CUDA (``--cuda-graphs``; the transformers executor's
+    ``decode_graphs`` option, ``executors/transformers/decode_graphs.py``)."""
+
+    AUTO = "auto"  # captured per batch-size bucket on CUDA; off on CPU (the CPU path is unchanged)
+    OFF = "off"  # every step eager

@@ -113,3 +113,13 @@ def process_rows(
         for i, (token, lp, top) in zip(sampled, drawn):
             results[i] = RowResult(token_id=token, logprob=lp if math.isfinite(lp) else -1e30, top=top)
     return results  # type: ignore[return-value]
+
+
+def sample_on_device(rows: Any, policies: list[LogitsPolicy], histories: list[list[int]] | None = None,
+                     positions: list[int] | None = None) -> list[RowResult]:
+    """:class:`RowResult` per row of ``rows`` (a ``[B, V]`` torch tensor, sampled-token policies),
+    every token chosen on the rows' device, one copy to the host (:func:`.device_sampling.device_choices`)."""
+    from .device_sampling import device_choices
+
+    return [RowResult(token_id=token, logprob=lp if math.isfinite(lp) else -1e30, top=top)
+            for token, lp, top in device_choices(rows, policies, histories, positions)]

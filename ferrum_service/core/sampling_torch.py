@@ -17,7 +17,8 @@ import math
 import numpy as np
 import torch
 
-from .sampling_np import distinct_ids
+from .device_sampling import device_choices
+from .logits_filters import filtered_probs, penalized_ids, shaped_logits
 from .types import LogitsPolicy
 
 
@@ -33,15 +34,6 @@ def encode_row(row: torch.Tensor, dtype: str) -> bytes:
     if arr.dtype.byteorder == ">":  # pragma: no cover - big-endian hosts
         arr = arr.byteswap()
     return arr.tobytes()
-
-
-def penalized_ids(ids) -> torch.Tensor:
-    """The distinct ids a repetition penalty applies to, as a CPU int64 tensor: a request's array
-    (already sorted and distinct, convert.penalty_token_ids) is used as it is, without a copy; a
-    history (a list, bounded by the context) is deduplicated here."""
-    if isinstance(ids, torch.Tensor):
-        return ids
-    return torch.from_numpy(distinct_ids(ids))
 
 
 def _apply_repetition_penalty(x: torch.Tensor, ids, penalty: float) -> torch.Tensor:
@@ -99,34 +91,10 @@ def sample_row(row: torch.Tensor, policy: LogitsPolicy, history: list[int], posi
 def sample_rows(rows: torch.Tensor, policies: list[LogitsPolicy], histories: list[list[int]],
                 positions: list[int]) -> tuple[list[int], torch.Tensor]:
     """:func:`sample_row` for a ``[B, V]`` block at once; returns (tokens, raw log-probabilities)."""
-    b, v = rows.shape
-    dev = rows.device
-    raw = rows.float()
-    logprobs = torch.log_softmax(raw, dim=-1)
-    x = raw
+    b = rows.shape[0]
+    logprobs = torch.log_softmax(rows.float(), dim=-1)
+    x = shaped_logits(rows, policies, histories)
     sps = [p.sampling for p in policies]
-    masked = [i for i, sp in enumerate(sps) if sp.token_mask]
-    if masked:
-        allowed = torch.ones((b, v), dtype=torch.bool)
-        for i in masked:
-            m = np.frombuffer(sps[i].token_mask, dtype=np.uint8)[:v]
-            allowed[i] = False
-            allowed[i, : len(m)] = torch.from_numpy(m != 0)
-        x = x.masked_fill(~allowed.to(dev), float("-inf"))
-    r_idx: list[torch.Tensor] = []
-    c_idx: list[torch.Tensor] = []
-    for i, (sp, hist) in enumerate(zip(sps, histories)):
-        if sp.repetition_penalty != 1.0:
-            ids = penalized_ids(sp.penalty_token_ids if sp.penalty_token_ids is not None else hist)
-            r_idx.append(torch.full((ids.numel(),), i, dtype=torch.long))
-            c_idx.append(ids)
-    if r_idx:
-        r = torch.cat(r_idx).to(dev)
-        c = torch.cat(c_idx).to(dev)
-        pen = torch.tensor([sps[i].repetition_penalty for i in range(b)], dtype=torch.float32, device=dev)[r]
-        vals = x[r, c]
-        x = x.clone()
-        x[r, c] = torch.where(vals > 0, vals / pen, vals * pen)
     temps = [sp.temperature for sp in sps]
     tokens = [0] * b
     greedy = [i for i in range(b) if temps[i] == 0.0]
@@ -136,25 +104,7 @@ def sample_rows(rows: torch.Tensor, policies: list[LogitsPolicy], histories: lis
     hot = [i for i in range(b) if temps[i] != 0.0]
     if not hot:
         return tokens, logprobs
-    xs = x[hot] / torch.tensor([temps[i] for i in hot], dtype=torch.float32, device=dev)[:, None]
-    ks = [sps[i].top_k if sps[i].top_k and sps[i].top_k < v else 0 for i in hot]
-    if any(ks):
-        sorted_x = torch.sort(xs, dim=-1, descending=True).values
-        kth = sorted_x.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
-        kth = torch.where(torch.tensor(ks, device=dev)[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
-        xs = xs.masked_fill(xs < kth, float("-inf"))
-    probs = torch.softmax(xs, dim=-1)
-    tps = [sps[i].top_p for i in hot]
-    if any(tp < 1.0 for tp in tps):
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        cum = torch.cumsum(sorted_p, dim=-1)
-        limit = torch.tensor([tp if tp < 1.0 else float("inf") for tp in tps], dtype=torch.float32, device=dev)
-        sorted_p = sorted_p.masked_fill(cum - sorted_p > limit[:, None], 0.0)
-        probs = torch.zeros_like(probs).scatter(1, order, sorted_p)
-    mps = [sps[i].min_p for i in hot]
-    if any(mp > 0.0 for mp in mps):
-        floor = torch.tensor(mps, dtype=torch.float32, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < floor, 0.0)
+    xs, probs = filtered_probs(x[hot], [policies[i] for i in hot])
     bad = (~torch.isfinite(probs).all(dim=-1)) | (probs.sum(dim=-1) <= 0)
     fallback = xs.argmax(dim=-1).tolist()
     unseeded = []
@@ -196,8 +146,11 @@ def top_logprobs(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
 
 def sample(rows: list[torch.Tensor], policies: list[LogitsPolicy], histories: list[list[int]],
            positions: list[int]) -> list[tuple[int, float, list[tuple[int, float]]]]:
-    """Per row (token, its log-probability, the policy's top log-probabilities)."""
+    """Per row (token, its log-probability, the policy's top log-probabilities). Rows on a GPU are
+    chosen there as one batch, one copy to the host (``device_sampling.py``)."""
     block = torch.stack([r.reshape(-1) for r in rows])
+    if block.device.type != "cpu":
+        return device_choices(block, policies, histories, positions)
     tokens, logprobs = sample_rows(block, policies, histories, positions)
     lps = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
     return [(t, lp, _top(logprobs[j], p.top_logprobs) if p.top_logprobs else [])

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .modes import Role
+from .modes import CudaGraphs, Role
 
 MIB = 1024 * 1024
 
@@ -182,6 +182,8 @@ SETTINGS: tuple[Setting, ...] = (
        "safetensors"),
     _s("prefix_cache", bool, True, "turn automatic prefix caching off (every prompt is computed in full)",
        flag="--no-prefix-cache", env="FERRUM_NO_PREFIX_CACHE"),
+    _s("cuda_graphs", CudaGraphs, CudaGraphs.AUTO, "transformers models on CUDA: decode-only steps replayed as CUDA "
+       "graphs, one per batch-size bucket (auto); off = every step eager. No effect on CPU"),
     _s("torch_threads", int, 0, "threads torch uses on CPU", flag=None, yaml=None, shown="the CPU count"),
     # ---- network ---------------------------------------------------------------------------------
     _s("host", str, "0.0.0.0", "bind address"),

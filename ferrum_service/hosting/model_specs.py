@@ -5,7 +5,7 @@ A spec is ``EXECUTOR[,key=value...]``::
     configurable,id=mock,vocab_size=1000,token_sequence=10:20:30
     configurable,id=eos,vocab_size=1000,eos_after=3,eos_token=2
     stub,id=stub,vocab_size=32000
-    hf-causal-lm,id=tiny,path=/models/tiny[,gguf_file=F.gguf][,device=cpu][,dtype=fp32][,max_batch_size=32][,max_batch_tokens=8192][,prefix_cache=0]
+    hf-causal-lm,id=tiny,path=/models/tiny[,gguf_file=F.gguf][,device=cpu][,dtype=fp32][,max_batch_size=32][,max_batch_tokens=8192][,prefix_cache=0][,decode_graphs=auto|off]
                  [,max_adapters=8][,adapter.NAME=/adapters/dir ...]   (LoRA: resident limit, adapters preloaded)
     bert,id=minilm,path=/models/minilm
     llama-cpp,id=NAME,path=/models/m.gguf[,kv_budget_bytes=..|n_ctx=..][,threads=2][,n_seq=64][,device=cpu]
@@ -158,10 +158,11 @@ def resolve_hub(spec: ModelSpec, token: str | None = None) -> ModelSpec:
 
 def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto", kv_budget_tokens: int | None = None,
                    kv_budget_bytes: int | None = None, trust_remote_code: bool = False, allow_pickle: bool = False,
-                   prefix_cache: bool = True, hub_token: str | None = None):
+                   prefix_cache: bool = True, cuda_graphs: str = "auto", hub_token: str | None = None):
     """Instantiate the executor a spec names (heavy imports happen only here). ``prefix_cache``,
     ``kv_budget_tokens`` and ``kv_budget_bytes``: the server-wide defaults; a spec's own options win
-    (a spec's budget in tokens wins over a server-wide one in bytes, and the reverse). A hub id
+    (a spec's budget in tokens wins over a server-wide one in bytes, and the reverse). ``cuda_graphs``:
+    the transformers executor's ``decode_graphs`` (a spec's ``decode_graphs=`` wins). A hub id
     resolves first (``resolve_hub``; ``hub_token``: the token for private repositories)."""
     spec = resolve_hub(spec, hub_token)
     o = dict(spec.options)
@@ -245,6 +246,7 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
             if k in o:
                 kw[k] = int(o[k])
         kw["prefix_cache"] = _flag(o.get("prefix_cache", prefix_cache))
+        kw["decode_graphs"] = str(o.get("decode_graphs", cuda_graphs))
         return HfCausalLmExecutor.from_path(str(path), model_id=mid, device=dev, dtype=dt, gguf_file=gguf,
                                             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, **kw)
     if spec.executor in ("bert", "minilm"):

@@ -39,6 +39,7 @@ from ...core.types import (
 from ..base import KvLayout
 from ..item_steps import ItemStepExecutor
 from . import model_facts
+from .decode_graphs import DecodeRunner, max_table_blocks
 from .forward import PagedForward, Row
 from .kv_manager import KvManager, StagedImport
 from .loading import DTYPES, device_name, dtype_name, load_causal_lm
@@ -51,6 +52,21 @@ log = structlog.get_logger(__name__)
 
 #: KV budget when none is configured (at least one full-length sequence always fits).
 DEFAULT_KV_BUDGET_BYTES = 1 << 30
+
+
+DECODE_MODES = ("auto", "off", "graphs", "static")
+
+
+def decode_mode(name: str, device: torch.device) -> str:
+    """``off`` | ``graphs`` (captured on CUDA, static-eager elsewhere) | ``static`` for a
+    ``decode_graphs`` option (:class:`HfCausalLmExecutor`) on ``device``."""
+    name = str(name or "auto").lower()
+    if name not in DECODE_MODES:
+        raise errors.FerrumError(errors.ErrorKind.CONFIG,
+                                 f"decode_graphs={name!r} is not one of {', '.join(DECODE_MODES)}")
+    if name == "auto":
+        return "graphs" if device.type == "cuda" else "off"
+    return name
 
 
 class HfCausalLmExecutor(ItemStepExecutor):
@@ -74,6 +90,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         num_parameters: int | None = None,
         prefix_cache: bool = True,
         max_adapters: int = 8,
+        decode_graphs: str = "auto",
     ) -> None:
         """Wrap a loaded model (use :meth:`from_path` to load one).
 
@@ -84,6 +101,9 @@ class HfCausalLmExecutor(ItemStepExecutor):
         ``num_parameters`` describe weights transformed after loading (``int8``: see
         ``int8_weights.py``). ``prefix_cache=False`` turns automatic prefix caching off (forks
         still share blocks). ``max_adapters``: LoRA adapters resident at once (0 = no LoRA).
+        ``decode_graphs``: decode-only steps through static buffers (:mod:`.decode_graphs`):
+        ``auto`` = captured as CUDA graphs on CUDA, off elsewhere; ``off``; ``graphs`` = as auto,
+        and the static path eagerly on a CPU; ``static`` = the static path eagerly on any device.
         """
         super().__init__()
         self.model = model.eval()
@@ -121,6 +141,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         if budget < 1:
             raise errors.FerrumError(errors.ErrorKind.CONFIG, f"KV budget of {budget} tokens is too small")
         num_blocks = math.ceil(budget / block_size)
+        mode = decode_mode(decode_graphs, self.device)
         self.pool = BlockPool(
             num_layers=num_layers,
             num_kv_heads=kv_heads,
@@ -130,6 +151,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
             block_size=block_size,
             dtype=self.dtype,
             device=self.device,
+            spare_blocks=1 if mode != "off" else 0,
         )
         self.prefix = PrefixCache(self.pool, model_id=model_id, enabled=prefix_cache)
         self.adapters = (AdapterSet(model, device=self.device, dtype=self.dtype, max_resident=max_adapters)
@@ -149,6 +171,12 @@ class HfCausalLmExecutor(ItemStepExecutor):
         self.forward_rows = PagedForward(model, self.pool, self.adapters)
         use_paged_op(self.pool, self.device)  # CPU: build (first time, then cached) or load the op now
         self._pad_id = model_facts.pad_id(self.config, tokenizer, self.vocab_size)
+        self.decode_runner: DecodeRunner | None = None
+        if mode != "off" and self.forward_rows.paged_op_ok:  # soft-capped attention stays on the packed path
+            self.decode_runner = DecodeRunner(model, self.pool, max_rows=max_batch_size, pad_id=self._pad_id,
+                                       max_blocks=max_table_blocks(self.max_sequence_length, block_size),
+                                       capture=mode == "graphs")
+            self.forward_rows.decode_runner = self.decode_runner
         self._kv_layout: KvLayout | None = None
         self._info = self._build_info()
         log.info(
@@ -181,6 +209,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         attn_implementation: str = "sdpa",
         prefix_cache: bool = True,
         max_adapters: int = 8,
+        decode_graphs: str = "auto",
     ) -> "HfCausalLmExecutor":
         """Load a local checkpoint directory, or a GGUF file (``gguf_file=`` inside ``path``, or
         ``path`` itself ending in ``.gguf``).
@@ -209,6 +238,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
             num_parameters=loaded.num_parameters,
             prefix_cache=prefix_cache,
             max_adapters=max_adapters,
+            decode_graphs=decode_graphs,
         )
         i = ex._info
         log.info(
@@ -273,6 +303,8 @@ class HfCausalLmExecutor(ItemStepExecutor):
 
     # ---- metadata ------------------------------------------------------------------------------
     def info(self) -> ModelInfo:
+        if self.decode_runner is not None:
+            self._info.metadata.update(self.decode_runner.metadata())
         return self._info
 
     def capabilities(self) -> ExecutorCapabilities:
@@ -552,7 +584,10 @@ class HfCausalLmExecutor(ItemStepExecutor):
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """One tiny prefill + decode through the paged path (allocates and frees one block)."""
+        """One tiny prefill + decode through the paged path (allocates and frees one block); on
+        CUDA, every decode bucket's graph is captured first."""
+        if self.decode_runner is not None:
+            self.decode_runner.capture_all()
         if self.prefix.available_blocks < 1:
             return
         ((entry, _),) = self._step([StepRow(None, [self._pad_id], Want.LAST, bypass=True)], "warmup")

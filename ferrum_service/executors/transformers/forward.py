@@ -50,10 +50,16 @@ class PagedForward:
         self.block_size = pool.block_size
         # The CPU paged-attention op computes plain softmax attention (no logit soft-capping).
         self.paged_op_ok = not getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
+        # Decode-only steps through static buffers / CUDA graphs (decode_graphs.py), when set.
+        self.decode_runner: Any = None
 
     def __call__(self, rows: list[Row]) -> list[torch.Tensor | None]:
         """One model call over ``rows``: per row its logits (``[vocab]``, ``[n, vocab]`` for
         :attr:`Want.ALL`, None for :attr:`Want.NONE`)."""
+        if self.decode_runner is not None:
+            out = self.decode_runner.run(rows)
+            if out is not None:
+                return out
         q = len(rows[0].tokens)
         if all(r.past == 0 and len(r.tokens) == q for r in rows):
             return self.fresh(rows)

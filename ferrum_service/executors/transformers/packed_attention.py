@@ -270,6 +270,9 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
 
             fn = importlib.import_module(type(module).__module__).eager_attention_forward
         return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    attend = getattr(step, "attend", None)  # a static decode step (decode_graphs.py) attends itself
+    if attend is not None:
+        return attend(module.layer_idx, query, key, value, scaling), None
     return _packed_attention(step, module.layer_idx, query, key, value, scaling, kwargs.get("softcap")), None
 
 

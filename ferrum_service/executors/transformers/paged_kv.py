@@ -39,7 +39,11 @@ class BlockPool:
         dtype: torch.dtype,
         device: torch.device,
         v_head_dim: int | None = None,
+        spare_blocks: int = 0,
     ) -> None:
+        """``spare_blocks`` (0 or 1): a block past the usable ones that is never handed out and
+        counts in no figure but the pool's bytes; the static decode path's padding rows write
+        their K/V there (:mod:`.decode_graphs`), so they never touch a cache's blocks."""
         if num_blocks < 1:
             raise ValueError("a KV pool needs at least one block")
         self.num_layers = num_layers
@@ -48,17 +52,21 @@ class BlockPool:
         self.v_head_dim = v_head_dim or head_dim
         self.block_size = block_size
         self.num_blocks = num_blocks  # usable blocks (the null block comes on top)
+        self.spare_block: int | None = num_blocks + 1 if spare_blocks else None
+        self._extra = 1 + (1 if spare_blocks else 0)  # the null block, and the spare one
         self.dtype = dtype
         self.device = device
         # torch.empty: on CPU the pages of a large allocation are only committed when first
         # written, so an unused budget costs address space, not RAM. Blocks are zeroed when handed
         # out (stale or uninitialised values could be NaN, and 0 * NaN poisons masked attention).
-        kshape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
-        vshape = (num_blocks + 1, block_size, num_kv_heads, self.v_head_dim)
+        kshape = (num_blocks + self._extra, block_size, num_kv_heads, head_dim)
+        vshape = (num_blocks + self._extra, block_size, num_kv_heads, self.v_head_dim)
         self.k = [torch.empty(kshape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(vshape, dtype=dtype, device=device) for _ in range(num_layers)]
         for t in (*self.k, *self.v):
             t[0].zero_()
+            if self.spare_block is not None:
+                t[self.spare_block].zero_()
         self._free = list(range(num_blocks, 0, -1))  # pop() hands out low ids first
         self.peak_used = 0
 
@@ -78,8 +86,8 @@ class BlockPool:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of the whole pool, null block included."""
-        return (self.num_blocks + 1) * self.block_bytes
+        """Bytes of the whole pool, null (and spare) block included."""
+        return (self.num_blocks + self._extra) * self.block_bytes
 
     @property
     def free_blocks(self) -> int:
