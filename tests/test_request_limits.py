@@ -55,7 +55,7 @@ def test_the_walk_finds_fields_without_a_bound():
 
 
 def test_the_bounds_come_from_the_contract():
-    assert declared(pb.StopConditions.DESCRIPTOR.fields_by_name["stop_sequences"]).count == 256
+    assert declared(pb.StopConditions.DESCRIPTOR.fields_by_name["stop_sequences"]).count == 64
     assert limit_of(pb.TokenIds, "token_ids") == 1 << 20
     assert VLLM_LIMITS["vllm.grpc.engine.TokenizedInput"]["input_ids"].count == limit_of(pb.TokenIds, "token_ids")
     assert VLLM_LIMITS["vllm.grpc.engine.SamplingParams"]["stop"] == \
@@ -136,11 +136,11 @@ def test_unary_over_a_bound_names_the_field(stub):
 
 def test_server_stream_over_a_bound_names_the_field(stub):
     req = pb.GenerateRequest(model_id="stub", token_ids=pb.TokenIds(token_ids=[1, 2]))
-    req.stop.stop_sequences.extend(["x"] * 257)
-    _refused(stub.Generate, req, field="stop.stop_sequences", limit=256)
+    req.stop.stop_sequences.extend(["x"] * 65)
+    _refused(stub.Generate, req, field="stop.stop_sequences", limit=64)
     req = pb.GenerateRequest(model_id="stub", token_ids=pb.TokenIds(token_ids=[1, 2]))
-    req.stop.stop_sequences.extend(["ok", "y" * 1025])
-    _refused(stub.Generate, req, field="stop.stop_sequences[1]", limit=1024)
+    req.stop.stop_sequences.extend(["ok", "y" * 257])
+    _refused(stub.Generate, req, field="stop.stop_sequences[1]", limit=256)
 
 
 def test_session_step_over_a_bound_ends_the_stream(stub):
@@ -165,8 +165,8 @@ def test_client_stream_over_a_bound_names_the_field(stub):
 def test_vllm_rpcs_over_a_bound_name_the_field(engine):
     _refused(engine.Abort, vpb.AbortRequest(request_ids=["r"] * 1025), field="request_ids", limit=1024)
     gen = vpb.GenerateRequest(request_id="r", tokenized=vpb.TokenizedInput(input_ids=[1, 2]),
-                              sampling_params=vpb.SamplingParams(stop=["s"] * 257, max_tokens=1))
-    _refused(engine.Generate, gen, field="sampling_params.stop", limit=256)
+                              sampling_params=vpb.SamplingParams(stop=["s"] * 65, max_tokens=1))
+    _refused(engine.Generate, gen, field="sampling_params.stop", limit=64)
     gen = vpb.GenerateRequest(request_id="r", tokenized=vpb.TokenizedInput(input_ids=[1]),
                               sampling_params=vpb.SamplingParams(stop_token_ids=[1] * 1025, max_tokens=1))
     _refused(engine.Generate, gen, field="sampling_params.stop_token_ids", limit=1024)

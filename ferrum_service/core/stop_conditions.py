@@ -13,18 +13,24 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from ferrum_client import pb
+
 from . import errors
+from .request_limits import declared, limit_of
 
-MAX_STOP_SEQUENCES = 64
+_STOPS = declared(pb.StopConditions.DESCRIPTOR.fields_by_name["stop_sequences"])
+
+MAX_STOP_SEQUENCES = _STOPS.count
 """Most stop strings one request may give (native ``stop.stop_sequences``, vLLM
-``sampling_params.stop``, a migrated stream's ``request.stop.stop_sequences``). OpenAI's API takes
-4; this leaves room for gateways that add their own."""
+``sampling_params.stop``, a migrated stream's ``request.stop.stop_sequences``), as the contract
+declares it (``StopConditions.stop_sequences``). OpenAI's API takes 4; this leaves room for
+gateways that add their own."""
 
-MAX_STOP_SEQUENCE_CHARS = 256
-"""Longest stop string, in characters (with :data:`MAX_STOP_SEQUENCES`, at most 16,384 automaton
-states per stream)."""
+MAX_STOP_SEQUENCE_CHARS = _STOPS.chars
+"""Longest stop string, in characters (with :data:`MAX_STOP_SEQUENCES`, a bounded automaton per
+stream), as the contract declares it."""
 
-MAX_STOP_TOKEN_IDS = 1024
+MAX_STOP_TOKEN_IDS = limit_of(pb.StopConditions, "stop_token_ids")
 """Most stop token ids one request may give (native ``stop.stop_token_ids``, vLLM
 ``sampling_params.stop_token_ids``); counted before any id is read."""
 

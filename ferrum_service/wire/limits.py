@@ -110,6 +110,11 @@ def _wrap(fn, check: Check, rpc: str, client_streaming: bool, server_streaming: 
                 await checked(r, context)
                 yield r
 
+        if server_streaming and not inspect.isasyncgenfunction(fn):
+            async def stream_stream_written(requests, context):  # writes with context.write (write_deadline.py)
+                return await fn(checked_stream(requests, context), context)
+            return stream_stream_written
+
         if server_streaming:
             async def stream_stream(requests, context):
                 inner = fn(checked_stream(requests, context), context)
@@ -123,6 +128,12 @@ def _wrap(fn, check: Check, rpc: str, client_streaming: bool, server_streaming: 
         async def stream_unary(requests, context):
             return await fn(checked_stream(requests, context), context)
         return stream_unary
+
+    if server_streaming and not inspect.isasyncgenfunction(fn):
+        async def unary_stream_written(request, context):  # writes with context.write (write_deadline.py)
+            await checked(request, context)
+            return await fn(request, context)
+        return unary_stream_written
 
     if server_streaming:
         async def unary_stream(request, context):

@@ -3646,7 +3646,8 @@ type StopConditions struct {
 	StopTokenIds []int32 `protobuf:"varint,2,rep,packed,name=stop_token_ids,json=stopTokenIds,proto3" json:"stop_token_ids,omitempty"`
 	// Do not stop on the model's EOS tokens (ferrum's `ferrum_ignore_eos`).
 	IgnoreEos bool `protobuf:"varint,3,opt,name=ignore_eos,json=ignoreEos,proto3" json:"ignore_eos,omitempty"`
-	// Stop when the generated text contains one of these (needs a tokenizer).
+	// Stop when the generated text contains one of these (needs a tokenizer). At most 64 strings of
+	// at most 256 characters: they are compiled into one automaton per stream (at most 16,384 states).
 	StopSequences []string `protobuf:"bytes,4,rep,name=stop_sequences,json=stopSequences,proto3" json:"stop_sequences,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -8100,15 +8101,14 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\bTokenIds\x12)\n" +
 	"\ttoken_ids\x18\x01 \x03(\x05B\f\xbaH\a\x92\x01\x04\x10\x80\x80@\x10\x01R\btokenIds\"V\n" +
 	"\fChatMessages\x12F\n" +
-	"\bmessages\x18\x01 \x03(\v2\x1f.ferrum.executor.v1.ChatMessageB\t\xbaH\x06\x92\x01\x03\x10\x80 R\bmessages\"\xba\x01\n" +
+	"\bmessages\x18\x01 \x03(\v2\x1f.ferrum.executor.v1.ChatMessageB\t\xbaH\x06\x92\x01\x03\x10\x80 R\bmessages\"\xb9\x01\n" +
 	"\x0eStopConditions\x12\x1d\n" +
 	"\n" +
 	"max_tokens\x18\x01 \x01(\rR\tmaxTokens\x121\n" +
 	"\x0estop_token_ids\x18\x02 \x03(\x05B\v\xbaH\x06\x92\x01\x03\x10\x80\b\x10\x01R\fstopTokenIds\x12\x1d\n" +
 	"\n" +
-	"ignore_eos\x18\x03 \x01(\bR\tignoreEos\x127\n" +
-	"\x0estop_sequences\x18\x04 \x03(\tB\x10\xbaH\r\x92\x01\n" +
-	"\x10\x80\x02\"\x05r\x03\x18\x80\bR\rstopSequences\"\xbd\x06\n" +
+	"ignore_eos\x18\x03 \x01(\bR\tignoreEos\x126\n" +
+	"\x0estop_sequences\x18\x04 \x03(\tB\x0f\xbaH\f\x92\x01\t\x10@\"\x05r\x03\x18\x80\x02R\rstopSequences\"\xbd\x06\n" +
 	"\x0fGenerateRequest\x12#\n" +
 	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12;\n" +
 	"\ttoken_ids\x18\x02 \x01(\v2\x1c.ferrum.executor.v1.TokenIdsH\x00R\btokenIds\x12 \n" +

@@ -872,7 +872,10 @@ export interface StopConditions {
   stopTokenIds: number[];
   /** Do not stop on the model's EOS tokens (ferrum's `ferrum_ignore_eos`). */
   ignoreEos: boolean;
-  /** Stop when the generated text contains one of these (needs a tokenizer). */
+  /**
+   * Stop when the generated text contains one of these (needs a tokenizer). At most 64 strings of
+   * at most 256 characters: they are compiled into one automaton per stream (at most 16,384 states).
+   */
   stopSequences: string[];
 }
 
