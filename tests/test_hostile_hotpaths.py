@@ -23,7 +23,6 @@ ones do.
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import grpc
@@ -36,6 +35,7 @@ from ferrum_client import Client, FerrumRpcError, pb, tpb
 
 from .conftest_models import tiny_bert_dir, tiny_llama_dir  # noqa: F401 - fixtures
 from .support.servers import ServerProcess
+from .support.stalls import LoadsWatch
 from .test_hostile_requests import PeakRss
 
 pytest.importorskip("transformers")
@@ -80,36 +80,6 @@ def engine(server):
 
 def _auth(who: str):
     return (("authorization", f"Bearer {who}-secret"),)
-
-
-class LoadsWatch:
-    """Calls alice's ``Loads`` every 50 ms while the block runs; ``worst`` is the slowest answer."""
-
-    def __init__(self, client: Client, model_id: str = "tiny") -> None:
-        self.client = client
-        self.model_id = model_id
-        self.worst = 0.0
-        self.calls = 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            self.client.loads(self.model_id)
-            self.worst = max(self.worst, time.perf_counter() - t0)
-            self.calls += 1
-            self._stop.wait(0.05)
-
-    def __enter__(self) -> "LoadsWatch":
-        self._t.start()
-        time.sleep(0.1)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        time.sleep(0.1)
-        self._stop.set()
-        self._t.join(60)
 
 
 def _refused(call, *fields: str) -> None:

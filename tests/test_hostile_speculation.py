@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -21,6 +20,7 @@ from ferrum_service.executors.transformers import HfCausalLmExecutor
 from ferrum_service.testing.tiny_models import build_tiny_llama
 
 from .support.servers import InProcessServer
+from .support.stalls import LoadsWatch
 
 PROMPT_TOKENS = 8000
 SAMPLES = 64
@@ -32,35 +32,6 @@ def srv(tmp_path_factory):
     ex = HfCausalLmExecutor.from_path(path, model_id="tiny", device="cpu", kv_budget_tokens=SAMPLES * 8200)
     with InProcessServer([ex]) as s:
         yield s
-
-
-class LoadsTimer:
-    """Times another caller's ``Loads`` every 50 ms while the block runs."""
-
-    def __init__(self, target: str) -> None:
-        self.client = Client(target)
-        self.slowest = 0.0
-        self.calls = 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            self.client.loads()
-            self.slowest = max(self.slowest, time.perf_counter() - t0)
-            self.calls += 1
-            self._stop.wait(0.05)
-
-    def __enter__(self) -> "LoadsTimer":
-        self.client.loads()  # connected before the clock starts
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._t.join(30)
-        self.client.close()
 
 
 class LoopLag:
@@ -92,15 +63,16 @@ def test_many_samples_with_wide_ngrams_on_a_long_prompt_do_not_stall_loads(srv):
     req = pb.GenerateRequest(model_id="tiny", token_ids=pb.TokenIds(token_ids=prompt), n=SAMPLES,
                              stop=pb.StopConditions(max_tokens=3, ignore_eos=True),
                              speculation=pb.SpeculationOptions(min_ngram=1, max_ngram=8, max_draft_tokens=4))
-    with Client(srv.target) as bob, LoadsTimer(srv.target) as alice, LoopLag(srv) as lag:
+    with Client(srv.target) as bob, Client(srv.target) as alice_client, LoadsWatch(alice_client) as alice, \
+            LoopLag(srv) as lag:
         events = list(bob.stub.Generate(req, timeout=300))
     finished = [e.finished for e in events if e.WhichOneof("event") == "finished"]
     assert sorted(f.sample_index for f in finished) == list(range(SAMPLES))
     assert all(f.generated_tokens == 3 for f in finished)
     assert alice.calls > 0
     print(f"n={SAMPLES} x {PROMPT_TOKENS}-token prompt x n-grams 1..8: alice's slowest Loads "
-          f"{alice.slowest * 1000:.0f} ms over {alice.calls} calls, longest event-loop turn {lag.worst * 1000:.0f} ms")
-    assert alice.slowest < 1.0, f"another caller's Loads waited {alice.slowest:.2f} s"
+          f"{alice.worst * 1000:.0f} ms over {alice.calls} calls, longest event-loop turn {lag.worst * 1000:.0f} ms")
+    assert alice.worst < 1.0, f"another caller's Loads waited {alice.worst:.2f} s"
     # the documented bound is 1 s; the loop itself must not be held for a large part of it
     # (the 64 drafters built on the loop held it for 1.0-1.1 s on the busy 2-core test VM)
     assert lag.worst < 0.4, f"the server's event loop was held for {lag.worst:.2f} s"
