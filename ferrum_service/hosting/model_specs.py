@@ -52,7 +52,7 @@ PRESET_HELP = {
     "minilm": "all-MiniLM-L6-v2 sentence embeddings (packaged)",
 }
 COMMON_OPTIONS = ("id", "device", "dtype", "kv_budget_tokens", "kv_budget_bytes")
-_HF = ("path", "gguf_file", "max_batch_size", "max_batch_tokens", "max_adapters", "prefix_cache", "adapters")
+_HF = ("path", "gguf_file", "max_batch_size", "max_batch_tokens", "max_adapters", "prefix_cache", "adapters", "decode_graphs")
 _LLAMA = ("path", "quant", "n_ctx", "threads", "n_seq", "prefix_cache")
 _BERT = ("path", "normalize")
 #: The options each executor kind and preset takes besides :data:`COMMON_OPTIONS` (with
