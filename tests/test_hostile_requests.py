@@ -102,6 +102,8 @@ UNARY = [
     ("Forward on the encoder past its positions", lambda: _forward_request("enc", 1, 4000), "Forward",
      C.INVALID_ARGUMENT, "input.shape"),
     ("2M-token prompt", lambda: pb.PrefillRequest(model_id="tiny", input=m.prefill_input([1] * 2_000_000)),
+     "Prefill", C.INVALID_ARGUMENT, "limit is 1048576"),  # the contract's bound, before the model's
+    ("100k-token prompt", lambda: pb.PrefillRequest(model_id="tiny", input=m.prefill_input([1] * 100_000)),
      "Prefill", C.INVALID_ARGUMENT, "limit is 1024"),
     ("verify on a guessed cache id", lambda: pb.ForwardVerifyRequest(model_id="mock", cache_id="mock-1", token_ids=[1]),
      "ForwardVerify", C.NOT_FOUND, "cache_id"),
