@@ -31,7 +31,7 @@ func TestSchedulerExample(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer p.Stop()
-	d, err := testserver.Start(ctx, models, "--role", "decode", "--kv-peer", "127.0.0.1:*")
+	d, err := testserver.Start(ctx, models, "--role", "decode", "--kv-peer", "127.0.0.1:1024-65535")
 	if err != nil {
 		t.Fatal(err)
 	}

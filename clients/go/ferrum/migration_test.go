@@ -23,7 +23,7 @@ import (
 const userToken = "tok-user"
 
 // migrationPair starts two servers that authenticate callers (userToken) and count each other as
-// KV peers (--kv-peer 127.0.0.1:*, one peer token), with the admin RPCs open: streams move from
+// KV peers (--kv-peer 127.0.0.1:1024-65535, one peer token), with the admin RPCs open: streams move from
 // the first to the second with MigrateStreams.
 func migrationPair(t *testing.T, ctx context.Context) (a, b *testserver.Server) {
 	t.Helper()
@@ -40,7 +40,7 @@ func migrationPair(t *testing.T, ctx context.Context) (a, b *testserver.Server) 
 		}
 	}
 	models := []string{"hf-causal-lm,id=tiny,path=" + tiny}
-	args := []string{"--auth-token-file", users, "--kv-peer", "127.0.0.1:*", "--kv-peer-token-file", peers, "--open-admin-rpcs"}
+	args := []string{"--auth-token-file", users, "--kv-peer", "127.0.0.1:1024-65535", "--kv-peer-token-file", peers, "--open-admin-rpcs"}
 	opts := []ferrum.Option{ferrum.WithToken(userToken)}
 	if b, err = testserver.StartDialing(ctx, models, opts, args...); err != nil {
 		t.Fatal(err)

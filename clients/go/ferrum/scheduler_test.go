@@ -32,9 +32,9 @@ func twoServers(t *testing.T, ctx context.Context, roles bool) (a, b *testserver
 	}
 	models := []string{"hf-causal-lm,id=tiny,path=" + tiny}
 	// B pulls KV from A: a server pulls only from peers its operator names (--kv-peer)
-	argsA, argsB := []string{}, []string{"--kv-peer", "127.0.0.1:*"}
+	argsA, argsB := []string{}, []string{"--kv-peer", "127.0.0.1:1024-65535"}
 	if roles {
-		argsA, argsB = []string{"--role", "prefill"}, []string{"--role", "decode", "--kv-peer", "127.0.0.1:*"}
+		argsA, argsB = []string{"--role", "prefill"}, []string{"--role", "decode", "--kv-peer", "127.0.0.1:1024-65535"}
 	}
 	if a, err = testserver.Start(ctx, models, argsA...); err != nil {
 		t.Fatal(err)

@@ -339,7 +339,7 @@ async fn main() -> Result<(), BoxErr> {
     let decode_endpoint = match decode_endpoint {
         Some(e) => e,
         None => {
-            let s = ServerProcess::start_with_args(&[tiny], &["--role".into(), "decode".into(), "--kv-peer".into(), "127.0.0.1:*".into()]).await?;
+            let s = ServerProcess::start_with_args(&[tiny], &["--role".into(), "decode".into(), "--kv-peer".into(), "127.0.0.1:1024-65535".into()]).await?;
             let e = s.endpoint.clone();
             _servers.push(s);
             e

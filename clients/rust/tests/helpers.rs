@@ -15,7 +15,7 @@ fn prompt(seed: i32) -> Vec<i32> {
 async fn tiny() -> ServerProcess {
     let spec = format!("hf-causal-lm,id=tiny,path={}", tiny_model_dir().expect("tiny model").display());
     // --kv-peer: the handoff below pulls KV between two servers of this machine
-    ServerProcess::start_with_args(&[spec], &["--kv-peer".into(), "127.0.0.1:*".into()]).await.expect("server")
+    ServerProcess::start_with_args(&[spec], &["--kv-peer".into(), "127.0.0.1:1024-65535".into()]).await.expect("server")
 }
 
 async fn greedy_after(c: &Client, cache: &str, first: i32, n: usize) -> Vec<i32> {

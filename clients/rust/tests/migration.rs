@@ -29,7 +29,7 @@ fn opts(request_id: &str) -> GenerateOptions {
     GenerateOptions { max_tokens: 64, ignore_eos: true, request_id: request_id.into(), ..Default::default() }
 }
 
-/// B, then A: both with `--auth-token-file`, `--kv-peer 127.0.0.1:*`, one peer token and the admin
+/// B, then A: both with `--auth-token-file`, `--kv-peer 127.0.0.1:1024-65535`, one peer token and the admin
 /// RPCs open.
 async fn pair(tag: &str) -> (ServerProcess, ServerProcess, std::path::PathBuf) {
     let dir = std::env::temp_dir().join(format!("ferrum-rust-mig-{tag}-{}", std::process::id()));
@@ -41,7 +41,7 @@ async fn pair(tag: &str) -> (ServerProcess, ServerProcess, std::path::PathBuf) {
         "--auth-token-file",
         &dir.join("users").display().to_string(),
         "--kv-peer",
-        "127.0.0.1:*",
+        "127.0.0.1:1024-65535",
         "--kv-peer-token-file",
         &dir.join("peers").display().to_string(),
         "--open-admin-rpcs",

@@ -24,7 +24,7 @@ const prompt = (seed: number) => Array.from({ length: 40 }, (_, i) => 1 + ((i * 
 before(async () => {
   if (skip) return;
   // b pulls KV from a in the handoff test: a server pulls only from its --kv-peer list
-  [a, b] = await Promise.all([startServer([TINY]), startServer([TINY], 180_000, ["--kv-peer", "127.0.0.1:*"])]);
+  [a, b] = await Promise.all([startServer([TINY]), startServer([TINY], 180_000, ["--kv-peer", "127.0.0.1:1024-65535"])]);
   ca = new FerrumClient(a.target);
   cb = new FerrumClient(b.target);
 });

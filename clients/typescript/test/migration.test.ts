@@ -27,7 +27,7 @@ before(async () => {
   dir = mkdtempSync(path.join(tmpdir(), "ferrum-ts-mig-"));
   writeFileSync(path.join(dir, "users"), `${TOKEN}\n`);
   writeFileSync(path.join(dir, "peers"), "tok-peer\n");
-  const args = ["--auth-token-file", path.join(dir, "users"), "--kv-peer", "127.0.0.1:*",
+  const args = ["--auth-token-file", path.join(dir, "users"), "--kv-peer", "127.0.0.1:1024-65535",
     "--kv-peer-token-file", path.join(dir, "peers"), "--open-admin-rpcs"];
   const models = ["hf-causal-lm,id=tiny,path=${TINY_MODEL_DIR}"];
   b = await startServer(models, 180_000, args);
