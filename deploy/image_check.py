@@ -103,7 +103,8 @@ def main(image: str) -> None:
                 break
             state = sh("podman", "inspect", NAME, "--format", "{{.State.Status}}").stdout.strip()
             if state != "running" or time.monotonic() > deadline:
-                print(sh("podman", "logs", NAME, check=False).stdout[-4000:])
+                logs = sh("podman", "logs", NAME, check=False)
+                print((logs.stdout + logs.stderr)[-4000:])
                 raise SystemExit(f"FAILED: the server did not become SERVING (container {state})")
             time.sleep(1)
         ready_s = time.monotonic() - t0

@@ -156,6 +156,8 @@ def test_f16_copy_is_made_once_by_two_servers_starting_at_once(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
         os.path.basename(out), os.path.basename(out) + ".json"]
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    # readable by other users: the image bakes the copy as root and serves it as uid 10001
+    assert os.stat(out).st_mode & 0o044 == 0o044 and os.stat(out + ".json").st_mode & 0o044 == 0o044
 
 
 def test_f16_copy_is_made_again_when_corrupt_or_missing(tmp_path):

@@ -65,13 +65,24 @@ def test_smg_presents_grpc_workers_no_credential(venv):
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
+def tiny_path(tmp_path_factory):
     from ferrum_service.testing.tiny_models import build_tiny_llama
 
-    path = build_tiny_llama(tmp_path_factory.mktemp("gw-auth-tiny"), seed=0)
+    return build_tiny_llama(tmp_path_factory.mktemp("gw-auth-tiny"), seed=0)
+
+
+def _worker(path, *extra: str) -> ServerProcess:
     w = ServerProcess("--model", f"hf-causal-lm,id=tiny,path={path},device=cpu", "--kv-budget-tokens", "2048",
-                      ready_timeout=300)
+                      *extra, ready_timeout=300)
     w.start()
+    return w
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_path):
+    """A worker as the chart's gateway mode starts it (gateway.openWorkerAdminRpcs: SMG's
+    /flush_cache reaches FlushCache, an admin RPC, without a token)."""
+    w = _worker(tiny_path, "--open-admin-rpcs")
     yield w
     w.stop()
 
@@ -105,3 +116,16 @@ def test_without_a_control_plane_key_the_api_key_manages_workers(venv, worker):
         assert _status(gw, API_KEY) == {"chat": 200, "workers": 200, "flush": 200}
     finally:
         gw.stop()
+
+
+def test_a_worker_with_closed_admin_rpcs_refuses_smgs_flush(venv, tiny_path):
+    """FlushCache is an admin RPC (audit M1) and SMG sends no token: a worker without
+    --open-admin-rpcs refuses it, which SMG reports as a partial success (206)."""
+    closed = _worker(tiny_path)
+    gw = Gateway(venv, [closed.target], api_key=API_KEY, extra=["--api-key", API_KEY])
+    try:
+        gw.start("tiny")
+        assert _status(gw, API_KEY) == {"chat": 200, "workers": 200, "flush": 206}
+    finally:
+        gw.stop()
+        closed.stop()

@@ -86,6 +86,9 @@ def converted_gguf(source: str | Path, ftype: str = "f16", *, folder: Path | Non
         log.info("converting weights once", source=str(src), format=ftype, to=str(out))
         # a fresh name made with O_EXCL (mode 0600): nothing planted at a guessable name is followed
         fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=folder)
+        # mkstemp's 0600 would keep the copy from other users (an image bakes it as root and
+        # serves as another uid): readable by all, as the source file is
+        os.fchmod(fd, 0o644)
         os.close(fd)
         tmp = Path(tmp_name)
         try:

@@ -81,6 +81,9 @@ app.kubernetes.io/part-of: ferrum
 {{- end -}}
 {{- $_ := set $cfg "vllm_shared_prefix_cache" true -}}
 {{- end -}}
+{{- if and .Values.gateway.enabled .Values.gateway.openWorkerAdminRpcs -}}
+{{- $_ := set $cfg "open_admin_rpcs" true -}}
+{{- end -}}
 {{- if .Values.hub.token.existingSecret -}}
 {{- $_ := set $cfg "hub_token_file" (printf "/etc/ferrum/hub/%s" .Values.hub.token.key) -}}
 {{- end -}}
