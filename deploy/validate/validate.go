@@ -195,7 +195,7 @@ var ServerConfigKeys = map[string]bool{
 	"log_format": true, "log_level": true, "tls_cert": true, "tls_key": true, "tls_client_ca": true,
 	"auth_token_file": true, "admin_token_file": true, "reflection": true, "trust_remote_code": true, "role": true,
 	"stall_timeout": true, "max_caches": true, "max_caches_per_caller": true, "max_compile_seconds": true,
-	"vllm_shared_prefix_cache": true,
+	"vllm_shared_prefix_cache": true, "open_admin_rpcs": true,
 	"hub_token_file": true,
 }
 
@@ -510,8 +510,14 @@ func checkDeployment(d *appsv1.Deployment, svcs []*corev1.Service, pdbs []*polic
 		if p.GRPC.Port != GRPCPort {
 			fail("%s: grpc port must be %d, got %d", name, GRPCPort, p.GRPC.Port)
 		}
-		if p.GRPC.Service != nil && *p.GRPC.Service != "" {
-			fail("%s: checks service %q; the overall service is \"\"", name, *p.GRPC.Service)
+		// liveness asks the "liveness" service (up while the process answers, through drains and
+		// slow steps: audit L12); startup and readiness ask the overall service ""
+		wantService := ""
+		if name == "livenessProbe" {
+			wantService = "liveness"
+		}
+		if got := ptrOr(p.GRPC.Service, ""); got != wantService {
+			fail("%s: checks service %q; it must check %q", name, got, wantService)
 		}
 	}
 	if p := c.StartupProbe; p != nil {
@@ -698,4 +704,11 @@ func Summary(objs []Object) string {
 	sort.Strings(names)
 	b.WriteString(strings.Join(names, " "))
 	return b.String()
+}
+
+func ptrOr(p *string, def string) string {
+	if p == nil {
+		return def
+	}
+	return *p
 }
