@@ -8,7 +8,9 @@
   over-long id list that also holds an id outside the vocabulary is refused for its length).
 * A ~60 MiB request (under the 64 MiB message limit) is refused while another caller's ``Loads``
   every 50 ms never takes more than 0.5 s: longer than its bounds allow, it is never parsed (30M
-  empty request ids cost ~2 s of parsing on the event loop otherwise).
+  empty request ids cost ~2 s of parsing on the event loop otherwise); of a type whose bounds add
+  up past the message limit (``Generate``: a 16M-character text), the wire walk
+  (``core/wire_scan.py``) refuses it at the first field past its count, unparsed too.
 """
 
 from __future__ import annotations
@@ -208,7 +210,17 @@ FLOODS = {
     "vllm-abort-ids": ("", lambda: vpb.AbortRequest(request_ids=["abcdefgh"] * 6_000_000)),
     "vllm-abort-empty-ids": ("", lambda: vpb.AbortRequest(request_ids=[""] * 30_000_000)),
     "detokenize": ("", lambda: pb.DetokenizeRequest(model_id="stub", token_ids=[1 << 21] * 15_000_000)),
+    # types whose bounds add up past 64 MiB (a 16M-character text): parsed only after the wire walk
+    "generate-empty-stops": ("stop.stop_sequences", lambda: pb.GenerateRequest(
+        model_id="stub", token_ids=pb.TokenIds(token_ids=[1]), stop=pb.StopConditions(stop_sequences=[""] * 30_000_000))),
+    "vllm_generate-empty-stops": ("sampling_params.stop", lambda: _vllm_generate_with_stops(30_000_000)),
 }
+
+
+def _vllm_generate_with_stops(n: int) -> vpb.GenerateRequest:
+    req = vpb.GenerateRequest(request_id="flood", tokenized=vpb.TokenizedInput(input_ids=[1]))
+    req.sampling_params.stop.extend([""] * n)
+    return req
 
 
 @pytest.mark.parametrize("rpc", list(FLOODS))
@@ -217,7 +229,8 @@ def test_a_64_mib_request_is_refused_without_stalling_another_caller(server, cha
     is answered within 0.5 s each."""
     field, make = FLOODS[rpc]
     req = make()
-    send = {"vllm": engine.Abort, "detokenize": stub.Detokenize}[rpc.split("-")[0]]
+    send = {"vllm": engine.Abort, "detokenize": stub.Detokenize, "generate": stub.Generate,
+            "vllm_generate": engine.Generate}[rpc.split("-")[0]]
     assert 56 << 20 < req.ByteSize() < 64 << 20
     worst = [0.0]
     stop = threading.Event()
@@ -237,7 +250,9 @@ def test_a_64_mib_request_is_refused_without_stalling_another_caller(server, cha
     time.sleep(0.2)
     outcome = None
     try:
-        send(req, timeout=60)
+        out = send(req, timeout=60)
+        if hasattr(out, "__iter__"):  # a server stream: its status comes with the first read
+            list(out)
     except grpc.RpcError as err:
         outcome = FerrumRpcError.from_rpc_error(err)
     finally:

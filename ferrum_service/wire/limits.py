@@ -21,6 +21,7 @@ from grpc_status import rpc_status
 
 from ..core import errors
 from ..core.request_limits import Check, Table, compile_checks, max_encoded_bytes
+from ..core.wire_scan import compile_scan
 from .convert import status_of
 
 
@@ -33,28 +34,37 @@ Refused = Callable[[str, errors.FerrumError, float], None]
 PARSE_FREE_BYTES = 1 << 20
 
 
-class Oversized:
-    """Stands in for a request longer than any within its declared bounds: never parsed."""
+class Unparsed:
+    """Stands in for a request refused before it was parsed: longer than any within its declared
+    bounds, or with more items than a bound allows (``core/wire_scan.py``)."""
 
-    __slots__ = ("name", "size", "most")
+    __slots__ = ("_error",)
 
-    def __init__(self, name: str, size: int, most: int) -> None:
-        self.name, self.size, self.most = name, size, most
+    def __init__(self, error: errors.FerrumError) -> None:
+        self._error = error
 
     def error(self) -> errors.FerrumError:
-        return errors.invalid(f"the {self.name} is {self.size} bytes; within its declared limits it is at most "
-                              f"{self.most} bytes", limit=self.most, requested=self.size)
+        return self._error
 
 
-def _parser(cls, most: int | None):
-    """``cls.FromString``, or one that answers :class:`Oversized` for a request past ``most``
-    bytes without parsing it (tens of millions of tiny items cost seconds of the event loop)."""
-    if most is None:
-        return cls.FromString
-    limit, name, parse = max(most, PARSE_FREE_BYTES), cls.DESCRIPTOR.name, cls.FromString
+def _parser(cls, most: int | None, table: Table):
+    """``cls.FromString``, or one that answers :class:`Unparsed` without parsing for a request
+    past ``most`` bytes, or (past :data:`PARSE_FREE_BYTES`) one whose wire walk finds a field with
+    more items than its bound: tens of millions of tiny items cost seconds of the event loop."""
+    name, parse = cls.DESCRIPTOR.name, cls.FromString
+    limit = max(most, PARSE_FREE_BYTES) if most is not None else None
+    # within PARSE_FREE_BYTES the parse is cheap; above it a request passes the walk first
+    scan = compile_scan(cls.DESCRIPTOR, table) if limit is None or limit > PARSE_FREE_BYTES else None
 
     def parse_bounded(raw: bytes):
-        return Oversized(name, len(raw), limit) if len(raw) > limit else parse(raw)
+        if limit is not None and len(raw) > limit:
+            return Unparsed(errors.invalid(f"the {name} is {len(raw)} bytes; within its declared limits it is at "
+                                           f"most {limit} bytes", limit=limit, requested=len(raw)))
+        if scan is not None and len(raw) > PARSE_FREE_BYTES:
+            refused = scan(raw)
+            if refused is not None:
+                return Unparsed(refused)
+        return parse(raw)
     return parse_bounded
 
 
@@ -76,7 +86,7 @@ def add_guarded(server, servicer, service: ServiceDescriptor, table: Table = {},
         fn = _wrap(getattr(servicer, m.name), checks.get(m.name, _nothing), rpc_prefix + m.name,
                    m.client_streaming, m.server_streaming, on_refusal)
         handlers[m.name] = _HANDLERS[m.client_streaming, m.server_streaming](
-            fn, request_deserializer=_parser(GetMessageClass(m.input_type), max_encoded_bytes(m.input_type, table)),
+            fn, request_deserializer=_parser(GetMessageClass(m.input_type), max_encoded_bytes(m.input_type, table), table),
             response_serializer=GetMessageClass(m.output_type).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
@@ -98,7 +108,7 @@ def _wrap(fn, check: Check, rpc: str, client_streaming: bool, server_streaming: 
         """Return when ``request`` is within its bounds; else end the call (AbortError)."""
         t0 = time.perf_counter()
         try:
-            if request.__class__ is Oversized:
+            if request.__class__ is Unparsed:
                 raise request.error()
             check(request)
         except errors.FerrumError as e:
@@ -158,4 +168,4 @@ def _wrap(fn, check: Check, rpc: str, client_streaming: bool, server_streaming: 
     return unary_unary_sync
 
 
-__all__ = ["PARSE_FREE_BYTES", "Oversized", "add_guarded"]
+__all__ = ["PARSE_FREE_BYTES", "Unparsed", "add_guarded"]
