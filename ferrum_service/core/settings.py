@@ -247,6 +247,13 @@ SETTINGS: tuple[Setting, ...] = (
        "RESOURCE_EXHAUSTED (0 = no cap)"),
     _s("max_kv_event_subscribers_per_caller", int, 16, "open SubscribeKvEvents streams per caller identity (per "
        "client host without auth) (0 = no cap)"),
+    _s("kv_events_zmq_endpoint", str, "", "ZeroMQ endpoint (e.g. tcp://*:5557) to publish prefix-cache block "
+       "events on in vLLM's format, for llm-d's precise prefix scorer (off when empty; refused with bearer tokens or "
+       "mutual TLS: ZeroMQ has no authentication here)"),
+    _s("kv_events_zmq_replay_endpoint", str, "", "ZeroMQ ROUTER endpoint (e.g. tcp://*:5558) answering replay "
+       "requests for the last published batches, as vLLM's replay endpoint (off when empty)"),
+    _s("kv_events_zmq_topic", str, "", "topic of the ZeroMQ KV events; {model} is replaced by the model id "
+       "(default: kv@<host name>@<model>; in a pod kv@$(POD_IP)@{model}, the form llm-d subscribes to)"),
     _s("kv_peer", list, (), "HOST:PORT of a server ImportKv may pull KV from (repeatable; env and config: a "
        "comma-separated list; HOST:LO-HI a port range; HOST:* every port, with a peer token only over TLS); "
        "no peer = every pull is refused"),
