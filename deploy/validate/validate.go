@@ -334,6 +334,9 @@ func Check(objs []Object, want Expect) []error {
 			fail("want exactly one Deployment, got %d", len(deps))
 			return errs
 		}
+		if got := deps[0].Spec.Template.Labels["llm-d.ai/role"]; got != "" && got != "both" {
+			fail("Deployment %s: pod label llm-d.ai/role is %q for a server of both roles; want \"both\"", deps[0].Name, got)
+		}
 		return append(errs, checkDeployment(deps[0], svcs, pdbs, sms, cms, want)...)
 	}
 	// Two roles: a prefill and a decode Deployment, each with every check of a single one, against
@@ -356,6 +359,9 @@ func Check(objs []Object, want Expect) []error {
 			fail("Deployment %s: container args must pass --role prefill or --role decode, got %q", d.Name, role)
 		}
 		seen[role] = true
+		if got := d.Spec.Template.Labels["llm-d.ai/role"]; got != role {
+			fail("Deployment %s: pod label llm-d.ai/role is %q; llm-d's schedulers need %q", d.Name, got, role)
+		}
 		podLabels := labels.Set(d.Spec.Template.Labels)
 		var mine []*corev1.Service
 		for _, s := range svcs {
