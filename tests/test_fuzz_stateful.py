@@ -503,10 +503,14 @@ class ExecutorMachine(RuleBasedStateMachine):
             self.hostile("ForwardVerify no tokens", lambda: s.ForwardVerify(pb.ForwardVerifyRequest(
                 model_id=m, cache_id=cid), timeout=DEADLINE), I)
         elif kind == "unified_offset" and cid:
+            # A full cache (one more token passes the model's length) may be refused for its length first.
+            codes = {C.FAILED_PRECONDITION} if self.t.unified else {C.UNIMPLEMENTED}
+            if self.t.unified and self.t.max_len and self.caches[cid] + 1 > self.t.max_len:
+                codes = codes | {C.INVALID_ARGUMENT}
             self.hostile("UnifiedDecode wrong pos_offset", lambda: s.UnifiedDecode(pb.UnifiedDecodeRequest(
                 model_id=m, items=[pb.UnifiedBatchItem(seq_id="x", q_tokens=[1], cache_id=cid,
                                                        pos_offset=self.caches[cid] + 1, is_final_chunk=True)]),
-                timeout=DEADLINE), {C.FAILED_PRECONDITION} if self.t.unified else {C.UNIMPLEMENTED})
+                timeout=DEADLINE), codes)
 
         else:
             self.hostile_new_rpcs(kind, cid, data)
