@@ -64,9 +64,10 @@ class ModelHost:
     """One model served by the server."""
 
     def __init__(self, model_id: str, executor: ModelExecutor, *, max_batch: int = default("max_batch"), max_queue: int = 0,
-                 worker: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
+                 worker: concurrent.futures.ThreadPoolExecutor | None = None, speculation_default: int = 0) -> None:
         """``worker``: the single-thread pool the executor was loaded on (see :func:`new_worker`);
-        default a new one."""
+        default a new one. ``speculation_default``: draft tokens a Generate stream that asks for
+        no speculation gets (0 = off; ``--speculation-draft-tokens``)."""
         self.model_id = model_id
         self.executor = executor
         self.info = executor.info()
@@ -78,6 +79,7 @@ class ModelHost:
         # A batched step never exceeds what the executor takes in one forward.
         self.max_batch = min(max_batch, self.capabilities.max_batch_size or max_batch)
         self.max_queue = max_queue  # steps allowed to wait for the worker (0 = unbounded)
+        self.speculation_default = speculation_default
         lim = executor.admission_limits()
         self.limits = StepLimits(max_step_tokens=lim.maximum_scheduled_tokens if lim is not None else 0,
                                  max_rows=self.capabilities.max_batch_size)
