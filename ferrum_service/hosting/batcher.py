@@ -120,6 +120,11 @@ class ContinuousBatcher:
         self.costs = StepCostModel()  # measured: what a step's decode rows and prompt tokens cost
         host.attach(self)
 
+    def configure(self, prefill_tokens_per_step: int, tail_step_factor: float) -> None:
+        """The server's prompt-chunk settings (``--prefill-chunk-tokens``, ``--prefill-tail-factor``)."""
+        self.prefill_tokens_per_step = prefill_tokens_per_step
+        self.tail_step_factor = tail_step_factor
+
     @property
     def queued_prompts(self) -> int:
         """New streams' prompts waiting for a step (they count against the host's queue limit)."""

@@ -49,6 +49,22 @@ class StepQueue(Protocol):
 
     def forget(self, cache_id: str) -> None: ...
 
+    def configure(self, prefill_tokens_per_step: int, tail_step_factor: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    """The server's settings a hosted model runs under (``ServerConfig``; defaults in settings.py)."""
+
+    max_queue: int = 0  # steps allowed to wait for the worker (0 = unbounded)
+    speculation_default: int = 0  # draft tokens of a Generate stream that asks for none (0 = off)
+    max_caches: int = 0  # live caches of the model (0 = the executor's own limit)
+    max_step_bytes: int = default("max_step_bytes")
+    max_response_bytes: int = default("max_message_bytes")
+    max_text_bytes: int = default("max_text_bytes")
+    prefill_chunk_tokens: int = default("prefill_chunk_tokens")  # the batcher's prompt tokens per step
+    prefill_tail_factor: float = default("prefill_tail_factor")
+
 
 @dataclass
 class Timed:
@@ -88,8 +104,21 @@ class ModelHost:
         self._unheld: dict[str, asyncio.Event] = {}  # cache id -> set when its hold ends (waited on)
         self.running = 0  # steps executing or queued on the worker
         self._pending_releases: set[asyncio.Task] = set()
-        self.batcher: Any = None  # the model's step queue for Generate streams (``attach``)
+        self.batcher: StepQueue | Any = None  # the model's step queue for Generate streams (``attach``)
         self.progress = Progress()  # completed calls: the service rate (retry hints) and stall health
+
+    def configure(self, settings: HostSettings) -> None:
+        """Run under the server's ``settings`` (the server's wiring calls it once, before serving)."""
+        self.max_queue = settings.max_queue
+        self.speculation_default = settings.speculation_default
+        if settings.max_caches > 0:
+            reg = self.executor.registry
+            reg.max_active = min(reg.max_active, settings.max_caches) if reg.max_active else settings.max_caches
+        self.limits.max_step_bytes = settings.max_step_bytes
+        self.limits.max_response_bytes = settings.max_response_bytes
+        self.limits.max_text_bytes = settings.max_text_bytes
+        if self.batcher is not None:
+            self.batcher.configure(settings.prefill_chunk_tokens, settings.prefill_tail_factor)
 
     def attach(self, queue: StepQueue) -> None:
         """Give the host the model's step queue (the server's wiring does, ``batcher.py``): its

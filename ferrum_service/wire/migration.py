@@ -256,7 +256,8 @@ class Migrations:
     """Both sides of stream migration on one server."""
 
     def __init__(self, models: "ModelSet", checks: "RequestChecks", kv: "KvTransfer", peers: "KvPeers",
-                 streams: "StreamRegistry", advertise: str = "", resume_s: float = DEFAULT_RESUME_S) -> None:
+                 streams: "StreamRegistry", advertise: str = "", resume_s: float = DEFAULT_RESUME_S,
+                 precopy_tokens: int = DEFAULT_PRECOPY_TOKENS) -> None:
         self.models = models
         self.checks = checks
         self.kv = kv
@@ -267,7 +268,7 @@ class Migrations:
         self.parked: dict[str, Parked] = {}
         self.draining = False  # MigrateStreams(drain) or --drain-to: no new work
         self.max_parked = MAX_PARKED
-        self.precopy_tokens = DEFAULT_PRECOPY_TOKENS  # 0 = never pre-copy
+        self.precopy_tokens = precopy_tokens  # 0 = never pre-copy
         self.first_step = True  # run a parked stream's first step before its caller is back
         self.precopies: dict[str, PreCopy] = {}
         self.max_precopies = MAX_PRECOPIES

@@ -48,11 +48,16 @@ if TYPE_CHECKING:
 class RequestChecks:
     """Checks of requests against the hosted models (one instance per server)."""
 
-    def __init__(self, models: "ModelSet", role: Role = Role.BOTH) -> None:
+    def __init__(self, models: "ModelSet", role: Role = Role.BOTH, *, compiler: CompilePool | None = None,
+                 quota: CacheQuota | None = None, on_adopt: "Callable[[CacheEntry], None] | None" = None) -> None:
+        """``compiler``: the bounded pool structured-output constraints compile on; ``quota``: the
+        per-caller cap on live caches; ``on_adopt``: told of each adopted cache (defaults: an
+        unbounded pool, no cap, nobody)."""
         self.models = models
         self.role = Role.parse(role)  # the server's --role
-        self.compiler = CompilePool()  # structured-output constraints (the server sets its limits)
-        self.quota = CacheQuota()  # live caches per caller (the server sets the cap)
+        self.compiler = compiler if compiler is not None else CompilePool()
+        self.quota = quota if quota is not None else CacheQuota()
+        self.on_adopt = on_adopt  # called with each adopted entry (the server's KV event hub records whose it is)
 
     # ---- roles ------------------------------------------------------------------------------------
     def check_new_prompt(self, rpc: str) -> None:
@@ -108,9 +113,6 @@ class RequestChecks:
             return host.executor.registry.get(cache_id).tenant == current_caller.get()
         except errors.FerrumError:
             return False
-
-    #: Called with each adopted entry (the server tells its KV event hub whose cache it is).
-    on_adopt: "Callable[[CacheEntry], None] | None" = None
 
     def adopt(self, entry: CacheEntry, owner: str = "") -> None:
         """Record who a new cache belongs to: the current caller, the stream that frees it, and
