@@ -170,7 +170,7 @@ class ModelHost:
 
     def check_up(self) -> None:
         """UNAVAILABLE once the model is shut down (its caches are gone with it)."""
-        if self.executor.state == "shutdown":
+        if self.executor.is_shut_down:
             raise errors.unavailable(f"model {self.model_id!r} is shut down", model_id=self.model_id)
 
     async def call(self, fn: Callable[..., Any], *args: Any, admit: bool = True,
