@@ -26,9 +26,9 @@ from .core.callers import CallerActivity
 from .core.modes import Role
 from .core.settings import default
 from .hosting.batcher import ContinuousBatcher
-from .hosting.cache_quota import CacheQuota, cap_model
+from .hosting.cache_quota import CacheQuota
 from .hosting.constraint_compile import CompilePool
-from .hosting.host import ModelHost
+from .hosting.host import HostSettings, ModelHost
 from .hosting.kv_events import KvEventHub
 from .hosting.kv_peers import KvPeers
 from .hosting.models import ModelSet
@@ -40,7 +40,7 @@ from .wire.limits import add_guarded
 from .wire.metrics import Metrics
 from .wire.operations import Operations
 from .wire.reflection import enable_reflection
-from .wire.servicer import ModelExecutorServicer
+from .wire.servicer import ModelExecutorServicer, ServerHooks
 from .wire.serving_log import ServingLog
 from .wire.streams import StreamRegistry
 from .wire.validate import RequestChecks
@@ -152,15 +152,10 @@ class Server:
             raise ValueError("prefill_chunk_tokens must be >= 1, prefill_tail_factor 0 (fixed chunks) or > 1")
         if min(cfg.max_caches, cfg.max_caches_per_caller, cfg.max_compile_seconds, cfg.stall_timeout) < 0:
             raise ValueError("max_caches, max_caches_per_caller, max_compile_seconds and stall_timeout must be >= 0")
+        if cfg.stream_write_timeout < 0:
+            raise ValueError("stream_write_timeout must be >= 0 (0 = no limit)")
         for host in models:
-            cap_model(host, cfg.max_caches)
-            host.max_queue = cfg.max_queue
-            host.speculation_default = cfg.speculation_draft_tokens
-            host.batcher.prefill_tokens_per_step = cfg.prefill_chunk_tokens
-            host.batcher.tail_step_factor = cfg.prefill_tail_factor
-            host.limits.max_step_bytes = cfg.max_step_bytes
-            host.limits.max_response_bytes = cfg.max_message_bytes
-            host.limits.max_text_bytes = cfg.max_text_bytes
+            host.configure(host_settings(cfg))
         self.metrics = Metrics(models)
         self.activity = CallerActivity()
         self.leases = LeaseReaper(models, self.metrics, cfg.cache_ttl, origin_idle_ttl=cfg.origin_idle_ttl,
@@ -198,11 +193,23 @@ class Server:
             raise ValueError("kv_import_timeout must be >= 0 (0 = no limit)")
         self.kv_peers = KvPeers(cfg.kv_peers, cfg.kv_peer_tokens, ca=cfg.kv_peer_ca, cert=cfg.kv_peer_cert,
                                 key=cfg.kv_peer_key, max_message_bytes=cfg.max_message_bytes)
-        checks = RequestChecks(models, role)
-        checks.on_adopt = lambda e, hub=self.events: hub.adopt(e.model_id, e.cache_id, e.tenant)
-        checks.compiler = CompilePool(max_seconds=cfg.max_compile_seconds)
-        checks.quota = CacheQuota(cfg.max_caches_per_caller)
+        checks = RequestChecks(models, role, compiler=CompilePool(max_seconds=cfg.max_compile_seconds),
+                               quota=CacheQuota(cfg.max_caches_per_caller),
+                               on_adopt=lambda e, hub=self.events: hub.adopt(e.model_id, e.cache_id, e.tenant))
         self.stalls = StallWatch(models, cfg.stall_timeout, self._set_progress_health)
+        interceptors = []
+        if cfg.auth_tokens or cfg.admin_tokens:
+            interceptors.append(AuthInterceptor(cfg.auth_tokens, cfg.admin_tokens, peer_tokens=cfg.kv_peer_tokens))
+        self.grpc = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
+        self.port = self._bind()
+        if cfg.advertise_address:
+            advertise = cfg.advertise_address
+        elif cfg.host not in ("0.0.0.0", "::", "[::]", ""):
+            advertise = f"{cfg.host}:{self.port}"
+        else:
+            advertise = ""
+        hooks = ServerHooks(is_admin=lambda metadata: is_admin_call(metadata, cfg.admin_tokens, cfg.open_admin_rpcs),
+                            on_model_shutdown=self._model_down, start_drain=self._start_drain_by_migration)
         self.servicer = ModelExecutorServicer(models, Operations(models, checks),
                                               self.streams, self.events, self.metrics,
                                               draining=lambda: self.draining,
@@ -212,18 +219,9 @@ class Server:
                                               max_message_bytes=cfg.max_message_bytes, kv_peers=self.kv_peers,
                                               import_idle_s=cfg.kv_import_idle_timeout,
                                               import_total_s=cfg.kv_import_timeout,
-                                              resume_s=cfg.migration_resume_s)
-        if cfg.stream_write_timeout < 0:
-            raise ValueError("stream_write_timeout must be >= 0 (0 = no limit)")
-        self.servicer.stream_write_timeout = cfg.stream_write_timeout
-        self.servicer.start_drain_by_migration = self._start_drain_by_migration
-        self.servicer.migrations.precopy_tokens = cfg.migration_precopy_tokens
-        self.servicer.on_model_shutdown = self._model_down
-        self.servicer.is_admin = lambda metadata: is_admin_call(metadata, cfg.admin_tokens, cfg.open_admin_rpcs)
-        interceptors = []
-        if cfg.auth_tokens or cfg.admin_tokens:
-            interceptors.append(AuthInterceptor(cfg.auth_tokens, cfg.admin_tokens, peer_tokens=cfg.kv_peer_tokens))
-        self.grpc = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
+                                              resume_s=cfg.migration_resume_s, advertise=advertise,
+                                              precopy_tokens=cfg.migration_precopy_tokens, hooks=hooks,
+                                              stream_write_timeout=cfg.stream_write_timeout)
         # Every request is checked against the declared size limits before its handler runs (limits.py).
         refused = self.servicer.refused
         add_guarded(self.grpc, self.servicer, executor_pb2.DESCRIPTOR.services_by_name["ModelExecutor"],
@@ -236,11 +234,6 @@ class Server:
         if cfg.reflection:
             enable_reflection(self.grpc, (SERVICE_NAME, VLLM_SERVICE_NAME,
                                           health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
-        self.port = self._bind()
-        if cfg.advertise_address:
-            self.servicer.migrations.advertise = cfg.advertise_address
-        elif cfg.host not in ("0.0.0.0", "::", "[::]", ""):
-            self.servicer.migrations.advertise = f"{cfg.host}:{self.port}"
 
     def _bind(self) -> int:
         addr = f"{self.cfg.host}:{self.cfg.port}"
@@ -367,14 +360,23 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def host_settings(cfg: ServerConfig) -> HostSettings:
+    """The settings each hosted model runs under."""
+    return HostSettings(max_queue=cfg.max_queue, speculation_default=cfg.speculation_draft_tokens,
+                        max_caches=cfg.max_caches, max_step_bytes=cfg.max_step_bytes,
+                        max_response_bytes=cfg.max_message_bytes, max_text_bytes=cfg.max_text_bytes,
+                        prefill_chunk_tokens=cfg.prefill_chunk_tokens, prefill_tail_factor=cfg.prefill_tail_factor)
+
+
 def host_models(executors, max_batch: int = default("max_batch"), max_queue: int = 0, workers=None) -> ModelSet:
-    """A ModelSet from executor instances (ids from their ``info()``); ``workers[i]``: the worker
-    executor ``i`` was loaded on (see ``host.new_worker``), else a new one."""
+    """A ModelSet from executor instances (ids from their ``info()``), each with its step queue
+    for Generate streams (``batcher.py``); ``workers[i]``: the worker executor ``i`` was loaded on
+    (see ``host.new_worker``), else a new one."""
     models = ModelSet()
     for i, ex in enumerate(executors):
         host = ModelHost(ex.info().model_id, ex, max_batch=max_batch, max_queue=max_queue,
                          worker=workers[i] if workers else None)
-        ContinuousBatcher(host)  # the Generate streams' step queue, attached to its host
+        ContinuousBatcher(host)  # the Generate streams' step queue (it attaches itself to its host)
         models.add(host)
     return models
 

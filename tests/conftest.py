@@ -41,3 +41,29 @@ def fresh_server():
 def client(fresh_server):
     with Client(fresh_server.target) as c:
         yield c
+
+
+# ---- the fast loop: ``pytest -m "not slow"`` ---------------------------------------------------------
+#: Test modules that are slow as a whole: several servers or processes (migration, KV hand-off,
+#: gateways, replicas), real packaged models, native builds, fuzzing and soak / load runs. Every
+#: test in them is marked ``slow`` at collection (the files stay where they are).
+SLOW_MODULES = frozenset({
+    "test_migration", "test_migration_precopy", "test_migration_llama_cpp", "test_kv_transfer",
+    "test_llama_cpp", "test_llama_cpp_fork", "test_llama_cpp_kv_transfer", "test_llama_cpp_prefix",
+    "test_hostile_kv_llama", "test_speculation_llama", "test_multi_replica", "test_prefix_mirror",
+    "test_prefix_routing", "test_smg_gateway", "test_smg_gateway_auth", "test_server_process",
+    "test_real_models_server", "test_default_model", "test_hub_models", "test_reliability_soak",
+    "test_reliability_load", "test_reliability_shutdown", "test_fuzz", "test_fuzz_stateful",
+    "test_conformance", "test_monitoring_prometheus", "test_torch_free", "test_cuda_graphs",
+    # the slowest of the rest (measured): grammar compiles, the C++ paged-attention op's fallbacks
+    "test_structured_output", "test_cpu_paged_attention_fallback",
+})
+#: Fixtures that load a real packaged model: a test that uses one is slow wherever it is.
+SLOW_FIXTURES = frozenset({"smollm2", "minilm_path"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.path.stem if item.path is not None else ""
+        if module in SLOW_MODULES or SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

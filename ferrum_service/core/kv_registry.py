@@ -54,6 +54,7 @@ class CacheEntry:
     last_access: float = field(default_factory=time.monotonic)
     chunking: bool = False  # its last UnifiedDecode item was a non-final prompt chunk (role checks)
     caller_supplied: bool = False  # holds K/V a caller streamed in (ImportKv), not computed here (kv_transfer.py)
+    released: bool = False  # set when the registry forgets it (a holder of the entry needs no look-up)
 
     @property
     def num_tokens(self) -> int:
@@ -294,6 +295,7 @@ class CacheRegistry:
             entry = self._caches.pop(cache_id, None)
             if entry is None:
                 return None
+            entry.released = True
             self._tokens_held -= entry.num_tokens
             self._budget_held -= entry.footprint
             self._released[cache_id] = None

@@ -55,13 +55,18 @@ class SpeculationConfig:
     max_ngram: int = DEFAULT_MAX_NGRAM
 
 
+def default_config(default_draft: int) -> SpeculationConfig | None:
+    """The speculation of a request that asks for none: the server's default (0 = off)."""
+    return SpeculationConfig(max_draft=min(default_draft, MAX_DRAFT_TOKENS)) if default_draft > 0 else None
+
+
 def request_config(req: Any, default_draft: int, field: str = "speculation") -> SpeculationConfig | None:
     """The speculation a ``GenerateRequest`` asks for (None = off): its ``speculation`` option, or
     the server's default (``default_draft`` draft tokens, 0 = off) when it sets none.
     INVALID_ARGUMENT naming the field for n-gram sizes out of range; draft sizes past
     :data:`MAX_DRAFT_TOKENS` are capped."""
     if not req.HasField(field):
-        return SpeculationConfig(max_draft=min(default_draft, MAX_DRAFT_TOKENS)) if default_draft > 0 else None
+        return default_config(default_draft)
     opt = getattr(req, field)
     if opt.disabled:
         return None

@@ -256,6 +256,13 @@ class StepResult:
     forward_s: float = 0.0
 
 
+def _entry_after(reg, row: StepRow, out) -> CacheEntry | None:
+    """The live cache a row's output is in: the row's own (no look-up), else the one it made."""
+    if row.entry is not None and row.entry.cache_id == out.cache.cache_id:
+        return None if row.entry.released else row.entry
+    return reg.get(out.cache.cache_id) if out.cache.cache_id in reg else None
+
+
 def run(executor: "ModelExecutor", plan: StepPlan) -> StepResult:
     """Run ``plan`` on the model's worker: structured-output masks (during the forward where that
     pays), the executor's one forward, the model's counters, then each row's output."""
@@ -276,7 +283,7 @@ def run(executor: "ModelExecutor", plan: StepPlan) -> StepResult:
     dt = time.perf_counter() - t0
     _record(executor, rows, dt)
     t_s = time.perf_counter_ns()
-    entries = [reg.get(o.cache.cache_id) if o.cache.cache_id in reg else None for o in outs]
+    entries = [_entry_after(reg, r, o) for r, o in zip(rows, outs)]
     out_rows: list[Rows | None] = [o.logits if r.policy is not None else None for r, o in zip(rows, outs)]
     policies = [r.policy or LogitsPolicy(mode=OutputMode.NONE) for r in rows]
     # a prompt's all-positions logits: its last row is the output, masked and sampled as one

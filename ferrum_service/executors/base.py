@@ -479,6 +479,16 @@ class ModelExecutor(abc.ABC):
         prefix cache."""
         return False
 
+    @property
+    def is_shut_down(self) -> bool:
+        """Whether :meth:`shutdown` ran (the executor refuses work from then on)."""
+        return self.state == ExecutorState.SHUTDOWN
+
+    def check_up(self) -> None:
+        """UNAVAILABLE once the executor is shut down."""
+        if self.is_shut_down:
+            raise errors.unavailable(f"model {self.registry.model_id!r} is shut down")
+
     def shutdown(self) -> int:
         """``shutdown()``: free every cache, refuse further work. Returns caches freed."""
         n = 0

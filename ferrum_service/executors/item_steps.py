@@ -96,8 +96,7 @@ class ItemStepExecutor(ModelExecutor):
     def _fork_source(self, cache_id: str, keep_tokens: int | None) -> tuple[CacheEntry, int]:
         """The cache a fork copies and how many of its tokens (all when ``keep_tokens`` is None;
         OUT_OF_RANGE outside ``[1, its length]``)."""
-        if self.state == "shutdown":
-            raise errors.unavailable(f"model {self.model_id!r} is shut down")
+        self.check_up()
         src = self.registry.get(cache_id)
         keep = src.num_tokens if keep_tokens is None else int(keep_tokens)
         if not 1 <= keep <= src.num_tokens:

@@ -26,7 +26,7 @@ from typing import Callable
 import structlog
 
 from ..core import errors
-from ..core.kv_registry import CacheRegistry
+from ..core.kv_registry import CacheEntry, CacheRegistry
 from ..core.sampling import RowResult
 from ..core.settings import default
 from ..core.steps import RowOutput, StepPlan, StepRow
@@ -38,12 +38,21 @@ log = structlog.get_logger("ferrum_service.hosting.batcher")
 
 
 @dataclass
+class HeldDecode(DecodeInput):
+    """A decode step of a stream that holds its cache's entry (``generate.py``): queued with it, so
+    the step needs no look-up of the cache (its liveness is the entry's ``released``)."""
+
+    entry: CacheEntry | None = None
+
+
+@dataclass
 class _Pending:
     """A stream's step waiting for the next batched forward. A prompt taken in chunks keeps its
     progress here: ``done`` tokens are in the cache ``created`` (made by its first chunk)."""
 
     inp: PrefillInput | DecodeInput
     fut: asyncio.Future
+    entry: CacheEntry | None = None  # a decode step's cache, when its stream holds it (no look-up)
     done: int = 0
     created: str = ""
     cached: int = 0  # leading tokens of the prompt's first chunk the prefix cache holds now
@@ -111,6 +120,11 @@ class ContinuousBatcher:
         self.costs = StepCostModel()  # measured: what a step's decode rows and prompt tokens cost
         host.attach(self)
 
+    def configure(self, prefill_tokens_per_step: int, tail_step_factor: float) -> None:
+        """The server's prompt-chunk settings (``--prefill-chunk-tokens``, ``--prefill-tail-factor``)."""
+        self.prefill_tokens_per_step = prefill_tokens_per_step
+        self.tail_step_factor = tail_step_factor
+
     @property
     def queued_prompts(self) -> int:
         """New streams' prompts waiting for a step (they count against the host's queue limit)."""
@@ -124,9 +138,10 @@ class ContinuousBatcher:
     # ---- what streams call ------------------------------------------------------------------------
     async def decode(self, inp: DecodeInput) -> RowResult:
         """One decode step + sampling, batched with whatever other streams run right now (the
-        repetition-penalty history is the cache's tokens)."""
+        repetition-penalty history is the cache's tokens). A :class:`HeldDecode` carries its
+        cache; a plain input's is looked up when the step is batched."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._decode_queue.append(_Pending(inp, fut))
+        self._decode_queue.append(_Pending(inp, fut, inp.entry if isinstance(inp, HeldDecode) else None))
         self._arrived(inp.cache_id)
         self._kick()
         return await fut
@@ -207,7 +222,7 @@ class ContinuousBatcher:
         for p in self._decode_queue[:max_batch]:
             if p.fut.cancelled():
                 continue
-            if p.inp.cache_id not in reg:  # its cache went away while the step waited
+            if p.entry.released if p.entry is not None else p.inp.cache_id not in reg:  # gone while it waited
                 p.fail(errors.not_found(f"cache {p.inp.cache_id!r} is gone", field="cache_id"))
                 continue
             batch.add_decode(p, reg)
@@ -426,7 +441,7 @@ class _Batch:
 
     @staticmethod
     def _decode_row(p: _Pending, reg: CacheRegistry) -> StepRow:
-        return StepRow.decode(p.inp, reg.get(p.inp.cache_id), "inputs")
+        return StepRow.decode(p.inp, p.entry or reg.get(p.inp.cache_id), "inputs")
 
 
-__all__ = ["ContinuousBatcher"]
+__all__ = ["ContinuousBatcher", "HeldDecode"]

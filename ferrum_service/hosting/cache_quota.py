@@ -42,13 +42,6 @@ QUOTA_RETRY_MS = 1000
 MAX_SLOT_REQUESTS = limit_of(pb.ReserveKvSlotsRequest, "requests")
 
 
-def cap_model(host: "ModelHost", max_caches: int) -> None:
-    """Cap the model's live caches at ``max_caches`` (0 = keep the executor's own limit)."""
-    reg = host.executor.registry
-    if max_caches > 0:
-        reg.max_active = min(reg.max_active, max_caches) if reg.max_active else max_caches
-
-
 class CacheQuota:
     """Live caches per caller and model, with the ones being created counted (event loop only)."""
 
@@ -102,4 +95,4 @@ class CacheQuota:
 def _nothing() -> None:
     return None
 
-__all__ = ["CacheQuota", "DEFAULT_MAX_CACHES", "DEFAULT_MAX_CACHES_PER_CALLER", "MAX_SLOT_REQUESTS", "cap_model"]
+__all__ = ["CacheQuota", "DEFAULT_MAX_CACHES", "DEFAULT_MAX_CACHES_PER_CALLER", "MAX_SLOT_REQUESTS"]

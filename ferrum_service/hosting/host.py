@@ -49,6 +49,22 @@ class StepQueue(Protocol):
 
     def forget(self, cache_id: str) -> None: ...
 
+    def configure(self, prefill_tokens_per_step: int, tail_step_factor: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    """The server's settings a hosted model runs under (``ServerConfig``; defaults in settings.py)."""
+
+    max_queue: int = 0  # steps allowed to wait for the worker (0 = unbounded)
+    speculation_default: int = 0  # draft tokens of a Generate stream that asks for none (0 = off)
+    max_caches: int = 0  # live caches of the model (0 = the executor's own limit)
+    max_step_bytes: int = default("max_step_bytes")
+    max_response_bytes: int = default("max_message_bytes")
+    max_text_bytes: int = default("max_text_bytes")
+    prefill_chunk_tokens: int = default("prefill_chunk_tokens")  # the batcher's prompt tokens per step
+    prefill_tail_factor: float = default("prefill_tail_factor")
+
 
 @dataclass
 class Timed:
@@ -64,9 +80,10 @@ class ModelHost:
     """One model served by the server."""
 
     def __init__(self, model_id: str, executor: ModelExecutor, *, max_batch: int = default("max_batch"), max_queue: int = 0,
-                 worker: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
+                 worker: concurrent.futures.ThreadPoolExecutor | None = None, speculation_default: int = 0) -> None:
         """``worker``: the single-thread pool the executor was loaded on (see :func:`new_worker`);
-        default a new one."""
+        default a new one. ``speculation_default``: draft tokens a Generate stream that asks for
+        no speculation gets (0 = off; ``--speculation-draft-tokens``)."""
         self.model_id = model_id
         self.executor = executor
         self.info = executor.info()
@@ -78,6 +95,7 @@ class ModelHost:
         # A batched step never exceeds what the executor takes in one forward.
         self.max_batch = min(max_batch, self.capabilities.max_batch_size or max_batch)
         self.max_queue = max_queue  # steps allowed to wait for the worker (0 = unbounded)
+        self.speculation_default = speculation_default
         lim = executor.admission_limits()
         self.limits = StepLimits(max_step_tokens=lim.maximum_scheduled_tokens if lim is not None else 0,
                                  max_rows=self.capabilities.max_batch_size)
@@ -86,8 +104,21 @@ class ModelHost:
         self._unheld: dict[str, asyncio.Event] = {}  # cache id -> set when its hold ends (waited on)
         self.running = 0  # steps executing or queued on the worker
         self._pending_releases: set[asyncio.Task] = set()
-        self.batcher: Any = None  # the model's step queue for Generate streams (``attach``)
+        self.batcher: StepQueue | Any = None  # the model's step queue for Generate streams (``attach``)
         self.progress = Progress()  # completed calls: the service rate (retry hints) and stall health
+
+    def configure(self, settings: HostSettings) -> None:
+        """Run under the server's ``settings`` (the server's wiring calls it once, before serving)."""
+        self.max_queue = settings.max_queue
+        self.speculation_default = settings.speculation_default
+        if settings.max_caches > 0:
+            reg = self.executor.registry
+            reg.max_active = min(reg.max_active, settings.max_caches) if reg.max_active else settings.max_caches
+        self.limits.max_step_bytes = settings.max_step_bytes
+        self.limits.max_response_bytes = settings.max_response_bytes
+        self.limits.max_text_bytes = settings.max_text_bytes
+        if self.batcher is not None:
+            self.batcher.configure(settings.prefill_chunk_tokens, settings.prefill_tail_factor)
 
     def attach(self, queue: StepQueue) -> None:
         """Give the host the model's step queue (the server's wiring does, ``batcher.py``): its
@@ -139,7 +170,7 @@ class ModelHost:
 
     def check_up(self) -> None:
         """UNAVAILABLE once the model is shut down (its caches are gone with it)."""
-        if self.executor.state == "shutdown":
+        if self.executor.is_shut_down:
             raise errors.unavailable(f"model {self.model_id!r} is shut down", model_id=self.model_id)
 
     async def call(self, fn: Callable[..., Any], *args: Any, admit: bool = True,

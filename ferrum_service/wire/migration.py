@@ -56,23 +56,25 @@ import grpc
 import structlog
 from ferrum_client._proto.ferrum.executor.v1 import executor_pb2_grpc
 
-from ..core import errors
+from ..core import errors, speculation
 from ..core.callers import current_caller
 from ..core.guided import GuideState, new_matcher
 from ..core.modes import CacheEvent
 from ..core.settings import default
-from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, check_stop_sequences
-from ..core.types import DecodeInput, LogitsPolicy, OutputMode
+from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, StopStrings, check_stop_sequences
+from ..core.types import LogitsPolicy, OutputMode, SamplingParams
 from ..executors.base import ModelExecutor
+from ..hosting.batcher import HeldDecode
 from ..hosting.kv_peers import normalize_target
 from .convert import check_tokens, pb, sampling_params
+from .generate_spec import DEFAULT_MAX_TOKENS, GenerateSpec, Resume, Stops
+from .validate import RequestChecks
 
 if TYPE_CHECKING:
     from ..hosting.kv_peers import KvPeers
     from ..hosting.models import ModelSet
     from .kv_transfer import KvTransfer, StagedKv
     from .streams import StreamRegistry
-    from .validate import RequestChecks
 
 log = structlog.get_logger("ferrum_service.wire.migration")
 
@@ -105,18 +107,30 @@ class Parked:
     constraint_start: int
     expires: float
     timer: asyncio.TimerHandle | None = None
-    adopted: bool = False  # a resumed stream took the cache (and frees it at its end)
     cache_tokens: int = 0  # what the cache held when it was parked
     # The step that feeds the last token, run when the stream was parked (its row: the first token
     # the resumed stream sends), so that it does not wait on the caller's reconnection.
     first: "asyncio.Future | None" = None
+    sampling: SamplingParams | None = None  # the request's sampling, checked and compiled when it was taken
 
-    def resume_request(self) -> pb.GenerateRequest:
-        """The stream's request as this server continues it: its cache, the last token fed first."""
-        r = pb.GenerateRequest()
-        r.CopyFrom(self.request)
-        r.cache_id, r.last_token_id = self.cache_id, self.generated[-1]
-        return r
+    def policy(self) -> LogitsPolicy:
+        return LogitsPolicy(mode=OutputMode.SAMPLED_TOKEN, sampling=self.sampling,
+                            top_logprobs=int(self.request.top_logprobs))
+
+    def resume_spec(self, host) -> GenerateSpec:
+        """The stream as this server goes on with it: its cache, the last token fed first. Built
+        from what :meth:`Migrations.accept` checked when it took the stream (not checked again)."""
+        r = self.request
+        policy = self.policy()
+        stops = Stops(max_tokens=int(r.stop.max_tokens) or DEFAULT_MAX_TOKENS, token_ids=frozenset(r.stop.stop_token_ids),
+                      eos_ids=RequestChecks.eos_ids(host, r.stop.ignore_eos), sequences=tuple(r.stop.stop_sequences),
+                      strings=StopStrings(r.stop.stop_sequences) if r.stop.stop_sequences else None)
+        draft = RequestChecks.speculation(host, policy, speculation.request_config(r, host.speculation_default))
+        resume = Resume(tuple(self.generated), self.prompt_tokens, self.cache_tokens, self.constraint_start, self.first)
+        return GenerateSpec(host, r.request_id, (), host.executor.registry.get(self.cache_id, "resume_token"), policy,
+                            stops, last_token=self.generated[-1], salt=RequestChecks.salt(r.cache_salt, "cache_salt"),
+                            adapter=r.adapter, bypass_prefix_cache=r.bypass_prefix_cache, speculation=draft,
+                            stream_text=r.stream_text, resume=resume, request=r)
 
 
 @dataclasses.dataclass
@@ -242,7 +256,8 @@ class Migrations:
     """Both sides of stream migration on one server."""
 
     def __init__(self, models: "ModelSet", checks: "RequestChecks", kv: "KvTransfer", peers: "KvPeers",
-                 streams: "StreamRegistry", advertise: str = "", resume_s: float = DEFAULT_RESUME_S) -> None:
+                 streams: "StreamRegistry", advertise: str = "", resume_s: float = DEFAULT_RESUME_S,
+                 precopy_tokens: int = DEFAULT_PRECOPY_TOKENS) -> None:
         self.models = models
         self.checks = checks
         self.kv = kv
@@ -253,7 +268,7 @@ class Migrations:
         self.parked: dict[str, Parked] = {}
         self.draining = False  # MigrateStreams(drain) or --drain-to: no new work
         self.max_parked = MAX_PARKED
-        self.precopy_tokens = DEFAULT_PRECOPY_TOKENS  # 0 = never pre-copy
+        self.precopy_tokens = precopy_tokens  # 0 = never pre-copy
         self.first_step = True  # run a parked stream's first step before its caller is back
         self.precopies: dict[str, PreCopy] = {}
         self.max_precopies = MAX_PRECOPIES
@@ -549,7 +564,7 @@ class Migrations:
         token = secrets.token_urlsafe(24)
         loop = asyncio.get_running_loop()
         p = Parked(host.model_id, cache_id, caller, orig, gen, int(req.prompt_tokens), int(req.constraint_start),
-                   time.monotonic() + self.resume_s, cache_tokens=n_cache)
+                   time.monotonic() + self.resume_s, cache_tokens=n_cache, sampling=sp)
         p.timer = loop.call_later(self.resume_s, self._expire, token)
         self.parked[token] = p
         if self.first_step:
@@ -568,8 +583,8 @@ class Migrations:
         entry = host.executor.registry.get(p.cache_id)
         if sp.constraint is not None:
             entry.guide = GuideState(sp.constraint, p.constraint_start, new_matcher(sp.compiled), compiled=sp.compiled)
-        policy = LogitsPolicy(mode=OutputMode.SAMPLED_TOKEN, sampling=sp, top_logprobs=int(p.request.top_logprobs))
-        return await host.batcher.decode(DecodeInput(cache_id=p.cache_id, token_id=p.generated[-1], policy=policy))
+        return await host.batcher.decode(HeldDecode(cache_id=p.cache_id, token_id=p.generated[-1], policy=p.policy(),
+                                                    entry=entry))
 
     def _expire(self, token: str) -> None:
         p = self.parked.pop(token, None)
@@ -602,7 +617,5 @@ def _done() -> asyncio.Future:
     f.set_result(None)
     return f
 
-
-DEFAULT_MAX_TOKENS = 128  # as generate.DEFAULT_MAX_TOKENS (imported there; kept here to avoid a cycle)
 
 __all__ = ["Migrations", "MoveReport", "Parked", "PreCopy", "StreamMover", "DEFAULT_RESUME_S"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -85,6 +86,15 @@ def _ids(request) -> dict:
             "request_id": getattr(request, "request_id", "") or getattr(inner, "request_id", "")}
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerHooks:
+    """What the servicer asks of the server around it (``server.py`` passes them in)."""
+
+    is_admin: Callable[[Any], bool] = lambda metadata: False  # may this call use the admin RPCs
+    on_model_shutdown: Callable[[str], None] = lambda model_id: None  # a model was shut down (health)
+    start_drain: "Callable[[], Awaitable[None]] | None" = None  # stop taking new work (MigrateStreams drain)
+
+
 class _Outcome:
     """The status code an RPC ended with (for metrics)."""
 
@@ -98,12 +108,15 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                  metrics: Metrics, *, draining: Callable[[], bool] = lambda: False, tokens_checked: bool = False,
                  admin_open: bool = False, activity: CallerActivity | None = None,
                  role: Role = Role.BOTH, max_message_bytes: int = default("max_message_bytes"), kv_peers=None,
-                 import_idle_s: float | None = None, import_total_s: float | None = None, advertise: str = "", resume_s: float | None = None) -> None:
+                 import_idle_s: float | None = None, import_total_s: float | None = None, advertise: str = "", resume_s: float | None = None,
+                 hooks: "ServerHooks | None" = None, stream_write_timeout: float = default("stream_write_timeout"),
+                 precopy_tokens: int | None = None) -> None:
         """``tokens_checked``: bearer tokens are verified (they then name the caller that owns a
         cache); ``admin_open``: Warmup / Shutdown may be called (admin tokens guard them, or the
         operator opened them); ``activity``: where each call's origin is recorded (for the lease
-        reaper's idle-origin rule)."""
+        reaper's idle-origin rule); ``hooks``: what the server around it does for it."""
         self.models = models
+        self.hooks = hooks if hooks is not None else ServerHooks()
         self.activity = activity if activity is not None else CallerActivity()
         self.tokens_checked = tokens_checked
         self.admin_open = admin_open
@@ -117,9 +130,10 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                              **({} if import_idle_s is None else {"import_idle_s": import_idle_s}),
                              **({} if import_total_s is None else {"import_total_s": import_total_s}))
         self.migrations = Migrations(models, ops.checks, self.kv, self.kv.peers, streams, advertise,
-                                     **({} if resume_s is None else {"resume_s": resume_s}))
+                                     **({} if resume_s is None else {"resume_s": resume_s}),
+                                     **({} if precopy_tokens is None else {"precopy_tokens": precopy_tokens}))
         # seconds a server stream's next message may wait for its client (write_deadline.py; 0 = none)
-        self.stream_write_timeout: float = default("stream_write_timeout")
+        self.stream_write_timeout = stream_write_timeout
 
     # ---- plumbing -------------------------------------------------------------------------------
     def _check_serving(self) -> None:
@@ -310,8 +324,9 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             return pb.UnloadAdapterResponse(unloaded=unloaded, dropped_blocks=dropped)
         return await self.unary("UnloadAdapter", context, run)
 
-    #: Whether a call (its metadata) may use the admin RPCs; the server sets it (auth.is_admin_call).
-    is_admin: Callable[[Any], bool] = staticmethod(lambda metadata: False)
+    def is_admin(self, metadata) -> bool:
+        """Whether a call (its metadata) may use the admin RPCs (the server's ``auth.is_admin_call``)."""
+        return self.hooks.is_admin(metadata)
 
     async def ListAdapters(self, request, context):
         """Open to every caller; an adapter's server path only to admin callers, and its live
@@ -340,7 +355,8 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         return await self.unary("ListAdapters", context, run)
 
     def on_model_shutdown(self, model_id: str) -> None:
-        """Hook: the server flips the model's health to NOT_SERVING."""
+        """The server flips the model's health to NOT_SERVING."""
+        self.hooks.on_model_shutdown(model_id)
 
     # ---- tokenization ---------------------------------------------------------------------------
     def _tokenizer(self, model_id: str):
@@ -640,8 +656,11 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         return await self.unary("AcceptMigration", context, run)
 
     async def start_drain_by_migration(self) -> None:
-        """Hook: the server stops taking new work (health NOT_SERVING); ``server.py`` sets it."""
-        self.migrations.draining = True
+        """No new work from now on: the server's hook (health NOT_SERVING too), else only the mark."""
+        if self.hooks.start_drain is not None:
+            await self.hooks.start_drain()
+        else:
+            self.migrations.draining = True
 
     async def Abort(self, request, context):
         async def run():

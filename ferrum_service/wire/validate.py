@@ -17,22 +17,25 @@ Every check raises a :class:`FerrumError` naming the field at fault.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import unicodedata
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from ferrum_client.prefix_keys import caller_salt
 
-from ..core import errors
+from ..core import errors, speculation
 from ..core.callers import current_caller, current_origin
 from ..core.kv_registry import CacheEntry
 from ..core.modes import Role
 from ..core.request_limits import limit_of
 from ..core.steps import StepPlan, StepRow
-from ..core.types import DecodeInput, LogitsPolicy, PrefillInput, UnifiedItem
+from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, StopStrings, check_stop_sequences
+from ..core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput, UnifiedItem
 from ..hosting.cache_quota import CacheQuota
 from ..hosting.constraint_compile import CompilePool, check_shape
-from .convert import check_token, check_tokens, logits_policy, pb
+from .convert import MAX_TOP_LOGPROBS, check_token, check_tokens, logits_policy, pb, sampling_params, tpb
+from .generate_spec import DEFAULT_MAX_TOKENS, MAX_SAMPLES, GenerateSpec, Stops
 
 #: Longest ``cache_salt`` accepted (it is hashed into every block key of the cache; declared in the contract).
 MAX_CACHE_SALT_BYTES = limit_of(pb.PrefillInput, "cache_salt")
@@ -45,11 +48,16 @@ if TYPE_CHECKING:
 class RequestChecks:
     """Checks of requests against the hosted models (one instance per server)."""
 
-    def __init__(self, models: "ModelSet", role: Role = Role.BOTH) -> None:
+    def __init__(self, models: "ModelSet", role: Role = Role.BOTH, *, compiler: CompilePool | None = None,
+                 quota: CacheQuota | None = None, on_adopt: "Callable[[CacheEntry], None] | None" = None) -> None:
+        """``compiler``: the bounded pool structured-output constraints compile on; ``quota``: the
+        per-caller cap on live caches; ``on_adopt``: told of each adopted cache (defaults: an
+        unbounded pool, no cap, nobody)."""
         self.models = models
         self.role = Role.parse(role)  # the server's --role
-        self.compiler = CompilePool()  # structured-output constraints (the server sets its limits)
-        self.quota = CacheQuota()  # live caches per caller (the server sets the cap)
+        self.compiler = compiler if compiler is not None else CompilePool()
+        self.quota = quota if quota is not None else CacheQuota()
+        self.on_adopt = on_adopt  # called with each adopted entry (the server's KV event hub records whose it is)
 
     # ---- roles ------------------------------------------------------------------------------------
     def check_new_prompt(self, rpc: str) -> None:
@@ -105,9 +113,6 @@ class RequestChecks:
             return host.executor.registry.get(cache_id).tenant == current_caller.get()
         except errors.FerrumError:
             return False
-
-    #: Called with each adopted entry (the server tells its KV event hub whose cache it is).
-    on_adopt: "Callable[[CacheEntry], None] | None" = None
 
     def adopt(self, entry: CacheEntry, owner: str = "") -> None:
         """Record who a new cache belongs to: the current caller, the stream that frees it, and
@@ -287,6 +292,121 @@ class RequestChecks:
             is_final_chunk=m.is_final_chunk, policy=self.policy(host, m.logits, f"{field}.logits"),
             cache_salt=self.salt(m.cache_salt, f"{field}.cache_salt"), bypass_prefix_cache=m.bypass_prefix_cache,
             adapter=self.adapter(host, m.adapter, f"{field}.adapter", entry)), entry, field)
+
+
+    # ---- Generate ---------------------------------------------------------------------------------
+    async def generate_spec(self, host: "ModelHost", req: pb.GenerateRequest, *, reserve_output: int = 0,
+                            adopt_cache: bool = False) -> GenerateSpec:
+        """The contract's ``GenerateRequest`` checked into a :class:`GenerateSpec` (``reserve_output``
+        and ``adopt_cache``: see ``generate.generate``)."""
+        self.require_generation(host, "Generate")
+        policy = self.sampling_policy(host, req.sampling, int(req.top_logprobs), "sampling")
+        n = self.samples(host, int(req.n), req.cache_id)
+        salt = self.salt(req.cache_salt, "cache_salt")
+        draft = self.speculation(host, policy, speculation.request_config(req, host.speculation_default))
+        stop = req.stop
+        stops = Stops(max_tokens=int(stop.max_tokens) or DEFAULT_MAX_TOKENS,
+                      token_ids=frozenset(check_tokens(stop.stop_token_ids, host.vocab_size, "stop.stop_token_ids",
+                                                       allow_empty=True, max_len=MAX_STOP_TOKEN_IDS)),
+                      eos_ids=self.eos_ids(host, stop.ignore_eos), sequences=tuple(stop.stop_sequences),
+                      strings=self.stop_strings(host, stop.stop_sequences, "stop.stop_sequences"))
+        prompt = await self.prompt(host, req)
+        entry = self.live_entry(host, req.cache_id, "cache_id") if req.cache_id else None
+        adapter = self.adapter(host, req.adapter, "adapter", entry)
+        if entry is not None and not prompt and not req.HasField("last_token_id"):
+            raise errors.invalid("cache_id without a prompt needs last_token_id", field="last_token_id")
+        last = check_token(req.last_token_id, host.vocab_size, "last_token_id") if req.HasField("last_token_id") \
+            else None
+        spec = GenerateSpec(host, req.request_id, tuple(prompt), entry, policy, stops, n=n, last_token=last, salt=salt,
+                            adapter=adapter, bypass_prefix_cache=req.bypass_prefix_cache, speculation=draft,
+                            keep_cache=req.keep_cache, stream_text=req.stream_text, reserve_output=reserve_output,
+                            adopt_cache=adopt_cache, request=req,
+                            prompt_field="token_ids" if req.token_ids.token_ids else "prompt")
+        await self.ready(spec)
+        return spec
+
+    async def ready(self, spec: GenerateSpec) -> None:
+        """The checks of a generation that need all of it: its length against the model, its
+        prompt's step against the per-step ceilings, then its constraint compiled (last)."""
+        host = spec.host
+        self.check_length(host, spec.total, "stop.max_tokens")
+        if spec.prompt:
+            self.plan(host, [StepRow.prompt(spec.prefill, spec.entry)], spec.prompt_field)
+        await self.compile(host, [(spec.policy.sampling, "sampling.constraint")])
+
+    @staticmethod
+    def sampling_policy(host: "ModelHost", msg: tpb.SamplingParams, top_logprobs: int, field: str) -> LogitsPolicy:
+        """A generation's sampling (its constraint's shape checked) and top log-probabilities."""
+        sp = sampling_params(msg, host.vocab_size, field)
+        RequestChecks.guide(host, sp, f"{field}.constraint")
+        if top_logprobs > MAX_TOP_LOGPROBS:
+            raise errors.invalid(f"top_logprobs = {top_logprobs} exceeds the maximum {MAX_TOP_LOGPROBS}",
+                                 field="top_logprobs")
+        return LogitsPolicy(mode=OutputMode.SAMPLED_TOKEN, sampling=sp, top_logprobs=top_logprobs)
+
+    @staticmethod
+    def samples(host: "ModelHost", n: int, cache_id: str) -> int:
+        """How many samples a generation draws (``n``; 0 means 1)."""
+        count = max(1, n)
+        if count > MAX_SAMPLES:
+            raise errors.invalid(f"n = {n} exceeds the maximum {MAX_SAMPLES}", field="n")
+        if count > 1 and cache_id:
+            raise errors.invalid("n > 1 needs a new prompt, not a cache_id", field="n")
+        if count > 1 and not host.capabilities.supports_fork:
+            raise errors.unsupported(f"n > 1: model {host.model_id!r} cannot fork caches (ForkCache)")
+        return count
+
+    @staticmethod
+    def speculation(host: "ModelHost", policy: LogitsPolicy, cfg: "speculation.SpeculationConfig | None"
+                    ) -> "speculation.SpeculationConfig | None":
+        """The speculation a stream runs: ``cfg`` where the policy and executor allow it, else
+        None (the stream decodes plainly, as the contract documents)."""
+        return cfg if cfg is not None and speculation.usable(policy, host.executor) else None
+
+    @staticmethod
+    def eos_ids(host: "ModelHost", ignore_eos: bool) -> frozenset[int]:
+        return frozenset() if ignore_eos else frozenset(host.info.eos_token_ids)
+
+    @staticmethod
+    def stop_strings(host: "ModelHost", sequences: Sequence[str], field: str) -> StopStrings | None:
+        """The stop strings' automaton (None without any); they need the model's tokenizer."""
+        check_stop_sequences(sequences, field)
+        if not sequences:
+            return None
+        if host.executor.tokenizer is None:
+            raise errors.failed_precondition("stop.stop_sequences needs a tokenizer", field="stop.stop_sequences")
+        return StopStrings(sequences)
+
+    async def prompt(self, host: "ModelHost", req: pb.GenerateRequest) -> list[int]:
+        """The prompt's token ids: given, or the text / chat tokenized off the event loop."""
+        which = req.WhichOneof("prompt")
+        if which == "token_ids":
+            return self.tokens(host, req.token_ids.token_ids, "token_ids.token_ids", allow_empty=bool(req.cache_id))
+        tok = host.executor.tokenizer
+        if which in ("text", "chat") and tok is None:
+            raise errors.failed_precondition(
+                f"{which}: model {host.model_id!r} has no tokenizer; send token_ids", field=which
+            )
+        if which == "text":
+            self.check_text(host, [req.text], "text")
+            ids = list(await asyncio.to_thread(tok.encode, req.text, add_special_tokens=True))
+            if not ids:
+                raise errors.invalid("text tokenizes to no tokens", field="text")
+            return self.tokens(host, ids, "text")
+        if which == "chat":
+            if not req.chat.messages:
+                raise errors.invalid("chat.messages is empty", field="chat.messages")
+            msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+            self.check_text(host, [m["content"] for m in msgs] + [m["role"] for m in msgs], "chat.messages")
+
+            def encode_chat() -> list[int]:
+                text = host.executor.apply_chat_template(msgs, add_generation_prompt=True)
+                return list(tok.encode(text, add_special_tokens=False))
+
+            return self.tokens(host, await asyncio.to_thread(encode_chat), "chat.messages")
+        if not req.cache_id:
+            raise errors.invalid("prompt is not set: send token_ids, text or chat (or a cache_id)", field="prompt")
+        return []
 
 
 # ---- KV admission ---------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ UNIMPLEMENTED. SMG's prefill/decode mode hands KV over through our ``ExportKv`` 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import secrets
 import time
@@ -34,12 +35,14 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from .. import __version__
 from ..core import errors
+from ..core.speculation import default_config
 from ..core.callers import current_caller, enter_call
 from ..core.modes import ExecutorState
 from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, check_stop_sequences
-from .convert import check_tokens, pb, tpb
-from .generate import DEFAULT_MAX_TOKENS as DEFAULT_GENERATE_MAX_TOKENS
-from .generate import generate
+from .convert import MAX_TOP_LOGPROBS, check_tokens, pb, tpb
+from .generate import Generation, bind_stream
+from .generate_spec import DEFAULT_MAX_TOKENS as DEFAULT_GENERATE_MAX_TOKENS
+from .generate_spec import GenerateSpec, Stops
 from .metrics import kv_usage, requests_of
 from .tokenizer_bundle import tokenizer_zip
 from .vllm_kv_events import BlockEventRelay
@@ -79,6 +82,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """``shared_prefix_cache``: unauthenticated callers' requests share one prefix-cache key
         space (``--vllm-shared-prefix-cache``; see :func:`request_salt`)."""
         self.s = executor_servicer
+        self.checks = executor_servicer.ops.checks
         self.shared_prefix_cache = shared_prefix_cache
         self.models = executor_servicer.models
         hosts = list(self.models)
@@ -117,11 +121,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         with streams.running(), streams.generation(owner) as state:
             try:
                 async with self.s.answer("VllmEngine.Generate", context, request):
-                    req, stop_ids = await self._request(request)
+                    asked = await self._request(request)
                     handoff = parse_handoff(request)
                     self._check_role(request)
-                    self._check_response_size(request, req)
-                    async for out in self._responses(request, req, stop_ids, owner, state, handoff,
+                    self._check_response_size(request, asked)
+                    async for out in self._responses(request, asked, owner, state, handoff,
                                                      context.invocation_metadata()):
                         if out.WhichOneof("response") == "chunk":
                             tokens += len(out.chunk.token_ids)
@@ -133,8 +137,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             finally:
                 self.s.metrics.tokens_generated.inc(tokens)
 
-    async def _request(self, v: vpb.GenerateRequest) -> tuple[pb.GenerateRequest, set[int]]:
-        """The contract's GenerateRequest for a vLLM one (refusing what we cannot do)."""
+    async def _request(self, v: vpb.GenerateRequest) -> "_Asked":
+        """What a vLLM request asks, refusing what we cannot do (the rest is checked into a
+        :class:`GenerateSpec` once its cache is known: :meth:`_spec`)."""
         host = self.host
         sp = v.sampling_params
         _refuse_unsupported(v)
@@ -149,13 +154,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         which = v.WhichOneof("input")
         if which == "tokenized":  # truncated, then counted, before any id is read
             raw = v.tokenized.input_ids
-            ids = self.s.ops.checks.tokens(host, raw[-keep:] if keep else raw, "tokenized.input_ids")
+            ids = self.checks.tokens(host, raw[-keep:] if keep else raw, "tokenized.input_ids")
         elif which == "text":
             tok = host.executor.tokenizer
             if tok is None:
                 raise errors.failed_precondition(f"model {host.model_id!r} has no tokenizer; send tokenized input",
                                                  field="text")
-            self.s.ops.checks.check_text(host, [v.text], "text")
+            self.checks.check_text(host, [v.text], "text")
             ids = list(await asyncio.to_thread(tok.encode, v.text, add_special_tokens=True))
             if keep:
                 ids = ids[-keep:]
@@ -173,25 +178,40 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if max_tokens < 1:
                 raise errors.invalid(f"the prompt's {len(ids)} tokens leave no room in this model's {limit}-token "
                                      "context", field="tokenized.input_ids", limit=limit)
-        req = pb.GenerateRequest(model_id=host.model_id, request_id=v.request_id, sampling=_sampling(sp),
-                                 n=max(1, sp.n), cache_salt=request_salt(self.shared_prefix_cache))
-        req.token_ids.token_ids.extend(ids)
         stop_ids = check_tokens(sp.stop_token_ids, host.vocab_size, "sampling_params.stop_token_ids", allow_empty=True,
                                 max_len=MAX_STOP_TOKEN_IDS)
         check_stop_sequences(sp.stop, "sampling_params.stop")
-        req.stop.max_tokens = max_tokens
-        req.stop.stop_token_ids.extend(stop_ids)
-        req.stop.ignore_eos = sp.ignore_eos
-        req.stop.stop_sequences.extend(sp.stop)
+        top = 0
         if sp.HasField("logprobs"):
-            if not 0 <= sp.logprobs <= 64:
-                raise errors.invalid(f"logprobs = {sp.logprobs}: at most 64 top log-probabilities per token "
-                                     "(-1, the whole vocabulary, is not served)", field="sampling_params.logprobs")
-            req.top_logprobs = sp.logprobs
-        return req, set(stop_ids)
+            if not 0 <= sp.logprobs <= MAX_TOP_LOGPROBS:
+                raise errors.invalid(f"logprobs = {sp.logprobs}: at most {MAX_TOP_LOGPROBS} top log-probabilities per "
+                                     "token (-1, the whole vocabulary, is not served)", field="sampling_params.logprobs")
+            top = sp.logprobs
+        return _Asked(tuple(ids), max_tokens, frozenset(stop_ids), top, request_salt(self.shared_prefix_cache))
 
-    async def _responses(self, v: vpb.GenerateRequest, req: pb.GenerateRequest, stop_ids: set[int], owner: str,
-                         state, handoff=None, metadata=None) -> AsyncIterator[vpb.GenerateResponse]:
+    async def _spec(self, v: vpb.GenerateRequest, asked: "_Asked", imported: str, offer: bool) -> GenerateSpec:
+        """The request checked into a :class:`GenerateSpec` (as the contract's ``Generate`` checks
+        its request) once its cache is known: ``imported``, a cache pulled for it (then only the
+        prompt's last token is computed), and ``offer``, a PD prefill leg that keeps its cache."""
+        host, checks, sp = self.host, self.checks, v.sampling_params
+        checks.require_generation(host, "Generate")
+        policy = checks.sampling_policy(host, _sampling(sp), asked.top_logprobs, "sampling")
+        n = checks.samples(host, max(1, sp.n), imported)
+        salt = checks.salt(asked.salt, "cache_salt")
+        draft = checks.speculation(host, policy, default_config(host.speculation_default))
+        stops = Stops(asked.max_tokens, asked.stop_ids, checks.eos_ids(host, sp.ignore_eos), tuple(sp.stop),
+                      checks.stop_strings(host, sp.stop, "stop.stop_sequences"))
+        ids = asked.ids[-1:] if imported else asked.ids
+        prompt = checks.tokens(host, ids, "token_ids.token_ids", allow_empty=bool(imported))
+        entry = checks.live_entry(host, imported, "cache_id") if imported else None
+        grow = 0 if sp.HasField("max_tokens") else UNSET_MAX_TOKENS_RESERVE
+        spec = GenerateSpec(host, v.request_id, tuple(prompt), entry, policy, stops, n=n, salt=salt, speculation=draft,
+                            keep_cache=offer, reserve_output=grow, adopt_cache=bool(imported))
+        await checks.ready(spec)
+        return spec
+
+    async def _responses(self, v: vpb.GenerateRequest, asked: "_Asked", owner: str, state, handoff=None,
+                         metadata=None) -> AsyncIterator[vpb.GenerateResponse]:
         """vLLM's answer: with ``stream`` a chunk per token and a Complete per sample when it ends
         (carrying the last chunk's token, as vLLM's delta outputs do); without, one Complete per
         sample, all at the end, in sample order. A PD prefill leg keeps its cache and names it in
@@ -200,18 +220,16 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         grow = 0 if v.sampling_params.HasField("max_tokens") else UNSET_MAX_TOKENS_RESERVE
         imported = ""
         if handoff is not None:
-            ids = list(req.token_ids.token_ids)
-            imported = await self.pd.pull(host, handoff, ids, len(ids) + (grow or req.stop.max_tokens), metadata,
-                                          salt=req.cache_salt)
-            if imported:  # the stream computes the last prompt token only, on the pulled cache
-                req.cache_id = imported
-                del req.token_ids.token_ids[:-1]
+            ids = list(asked.ids)
+            imported = await self.pd.pull(host, handoff, ids, len(ids) + (grow or asked.max_tokens), metadata,
+                                          salt=asked.salt)
         offer = not imported and handoff is None and self.pd.offers(host, v)
-        req.keep_cache = offer
         kept = ""
         started = False
         try:
-            async for out in self._events(v, req, stop_ids, owner, state, grow, imported, offer):
+            bind_stream(state, host, v.request_id, imported)
+            spec = await self._spec(v, asked, imported, offer)
+            async for out in self._events(v, spec, owner, state, bool(imported)):
                 if isinstance(out, str):
                     started, kept = True, out
                     continue
@@ -222,18 +240,17 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if offer and kept and not self.pd.is_offered(kept):  # a prefill leg that did not finish
                 host.release_soon(kept, "reclaimed")
 
-    async def _events(self, v: vpb.GenerateRequest, req: pb.GenerateRequest, stop_ids: set[int], owner: str,
-                      state, grow: int, imported: str, offer: bool):
+    async def _events(self, v: vpb.GenerateRequest, spec: GenerateSpec, owner: str, state, imported: bool):
         """The responses of :meth:`_responses`, after a str: the stream's cache id once it started."""
         want_lp = v.sampling_params.HasField("logprobs")
-        top = req.top_logprobs
+        top = spec.policy.top_logprobs
+        offer = spec.keep_cache
         prompt_tokens = cached = 0
         out_ids: dict[int, list[int]] = {}
         lps: dict[int, vpb.OutputLogProbs] = {}
         last: dict[int, pb.TokenEvent] = {}
         done: list[vpb.GenerateResponse] = []
-        async for ev in generate(self.models, self.s.ops.checks, req, owner, state, reserve_output=grow,
-                                 adopt_cache=bool(imported)):
+        async for ev in Generation(spec, self.checks, owner, state).events():
             kind = ev.WhichOneof("event")
             if kind == "started":
                 prompt_tokens, cached = ev.started.prompt_tokens, ev.started.cached_tokens
@@ -264,10 +281,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     if handoff is not None:
                         c.kv_transfer_params_json = handoff.to_json()
                 if f.finish_reason == pb.FINISH_REASON_STOP:
-                    if ids and ids[-1] in stop_ids:
+                    if ids and ids[-1] in spec.stops.token_ids:
                         c.matched_token_id = ids[-1]
                     else:
-                        hit = next((s for s in req.stop.stop_sequences if s and s in f.text), None)
+                        hit = next((s for s in spec.stops.sequences if s and s in f.text), None)
                         if hit is not None:
                             c.matched_stop_str = hit
                 if v.stream:  # the last delta, as vLLM's final delta output carries it
@@ -296,7 +313,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                      field="tokenized")
             if not request.HasField("tokenized"):
                 raise errors.invalid("EmbedRequest requires tokenized input", field="tokenized")
-            ids = self.s.ops.checks.tokens(host, request.tokenized.input_ids, "tokenized.input_ids")
+            ids = self.checks.tokens(host, request.tokenized.input_ids, "tokenized.input_ids")
             step = pb.PrefillRequest(model_id=host.model_id, input=pb.PrefillInput(token_ids=ids))
             owner = self.s.streams.new_owner("vllm-embed")
             resp = await self.s.ops.run_step("prefill", step, owner)
@@ -447,21 +464,21 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         vLLM computes the prompt after a failed KV load too."""
         sp = v.sampling_params
         if not (sp.HasField("max_tokens") and sp.max_tokens == 1 and sp.n <= 1):
-            self.s.ops.checks.check_decode_role("VllmEngine.Generate")
+            self.checks.check_decode_role("VllmEngine.Generate")
 
-    def _check_response_size(self, v: vpb.GenerateRequest, req: pb.GenerateRequest) -> None:
+    def _check_response_size(self, v: vpb.GenerateRequest, asked: "_Asked") -> None:
         """A non-streamed answer is one message per sample holding every token (and its
         log-probabilities): refused before any work when it could pass the message limit, as the
         contract refuses a step whose answer could."""
         if v.stream:
             return
         limit = self.host.limits.max_response_bytes
-        per_token = _TOKEN_BYTES + (_LOGPROB_BYTES + req.top_logprobs * _TOP_LOGPROB_BYTES
+        per_token = _TOKEN_BYTES + (_LOGPROB_BYTES + asked.top_logprobs * _TOP_LOGPROB_BYTES
                                     if v.sampling_params.HasField("logprobs") else 0)
-        size = _COMPLETE_BYTES + req.stop.max_tokens * per_token
+        size = _COMPLETE_BYTES + asked.max_tokens * per_token
         if limit and size > limit:
             raise errors.invalid(
-                f"a non-streamed answer of up to {req.stop.max_tokens} tokens with {req.top_logprobs} top "
+                f"a non-streamed answer of up to {asked.max_tokens} tokens with {asked.top_logprobs} top "
                 f"log-probabilities each is up to {size} bytes per sample; this server's message limit is {limit} "
                 "(--max-message-bytes): stream it, or lower sampling_params.max_tokens or logprobs",
                 field="sampling_params.max_tokens", limit=limit)
@@ -472,6 +489,17 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def _block_size(self) -> int:
         recipe = self.host.info.prefix_cache or {}
         return int(recipe.get("block_size") or self.host.executor.kv_capacity().block_size or 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Asked:
+    """What a vLLM request asks, checked against what the protocol alone decides."""
+
+    ids: tuple[int, ...]  # the prompt (truncated as asked)
+    max_tokens: int
+    stop_ids: frozenset[int]
+    top_logprobs: int
+    salt: str  # its prefix-cache key salt (:func:`request_salt`), before the caller is folded in
 
 
 # Upper bounds of a non-streamed GenerateComplete's bytes: per token (its id twice, in output_ids

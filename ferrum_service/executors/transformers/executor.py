@@ -543,8 +543,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         computed with a LoRA ``adapter`` need that adapter loaded here, with the same digest when
         the sender gives one (FAILED_PRECONDITION); the staged import binds the adapter (it cannot
         be unloaded until the import ends)."""
-        if self.state == "shutdown":
-            raise errors.unavailable(f"model {self.model_id!r} is shut down")
+        self.check_up()
         if adapter and (self.adapters is None or adapter not in self.adapters.adapters):
             raise errors.failed_precondition(
                 f"the K/V were computed with LoRA adapter {adapter!r}, which is not loaded on model "
@@ -601,8 +600,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
         """Admit, allocate, run one forward over all items, commit. On failure the step leaves no
         trace: caches it created are released, blocks it grew are returned, reservations and the
         adapter bindings of empty caches are put back."""
-        if self.state == "shutdown":
-            raise errors.unavailable(f"model {self.model_id!r} is shut down")
+        self.check_up()
         if len(items) > self.max_batch_size:
             raise errors.invalid(
                 f"{field}: {len(items)} sequences in one step; this executor's limit is {self.max_batch_size}",
