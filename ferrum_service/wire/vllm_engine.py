@@ -23,7 +23,6 @@ import asyncio
 import hashlib
 import secrets
 import time
-from datetime import datetime, timezone
 from typing import TYPE_CHECKING, AsyncIterator
 
 import numpy as np
@@ -32,7 +31,6 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from .. import __version__
 from ..core import errors
 from ..core.callers import current_caller, enter_call
 from ..core.modes import ExecutorState
@@ -40,9 +38,9 @@ from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, check_stop_sequences
 from .convert import check_tokens, pb, tpb
 from .generate import DEFAULT_MAX_TOKENS as DEFAULT_GENERATE_MAX_TOKENS
 from .generate import generate
-from .metrics import kv_usage, requests_of
 from .tokenizer_bundle import tokenizer_zip
 from .vllm_kv_events import BlockEventRelay
+from .vllm_load import LOAD_TICK, LoadPacer, LoadSampler
 from .vllm_pd import PdHandoffs
 from .vllm_pd import parse as parse_handoff
 
@@ -84,6 +82,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         hosts = list(self.models)
         self._host = next((h for h in hosts if h.supports_generation), hosts[0] if hosts else None)
         self.relay = BlockEventRelay(executor_servicer.events, self._host.model_id if self._host else "")
+        self.load = (LoadSampler(self._host, executor_servicer.streams, executor_servicer.metrics.serving,
+                                 executor_servicer.role) if self._host else None)  # vllm_load.py
         self.started = time.time()
         self.last_request = 0.0
         self._tokenizer_zip: asyncio.Task | None = None  # (zip bytes, their SHA-256), built once
@@ -354,20 +354,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetLoads(self, request, context):
         async def run():
-            h = self.host
-            running, waiting = requests_of(h, self.s.streams)
-            gens = running + waiting
-            reg = h.executor.registry
-            used = sum(e.num_tokens for e in reg.entries())
-            pm = (h.executor.cache_metrics() or {}).get("prefix_cache", {})
-            q = pm.get("queried_tokens", 0)
-            load = vpb.SchedulerLoad(
-                dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting, num_total_reqs=gens,
-                num_used_tokens=used, max_total_num_tokens=reg.total_tokens or 0, token_usage=kv_usage(h),
-                cache_hit_rate=pm.get("hit_tokens", 0) / q if q else 0.0, max_running_requests=h.max_batch,
-                utilization=min(1.0, gens / h.max_batch) if h.max_batch else 0.0)
-            return vpb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(),
-                                        version=f"ferrum-service {__version__}", dp_rank_count=1, loads=[load])
+            self.host  # noqa: B018 - UNAVAILABLE on a server that hosts none
+            return self.load.scheduler_load()  # the record the event stream pushes (vllm_load.py)
         return await self.s.unary("VllmEngine.GetLoads", context, run)
 
     async def GetTokenizer(self, request, context) -> AsyncIterator[cpb.GetTokenizerChunk]:
@@ -390,12 +378,16 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             try:
                 self.relay.start()
                 nxt = self.relay.cursor(int(request.start_sequence_number))
-                log.debug("vllm kv-event subscriber", model_id=host.model_id, start=nxt)
+                pacer = LoadPacer(self.load, before_first=request.load_records_before_first_batch)
+                log.debug("vllm kv-event subscriber", model_id=host.model_id, start=nxt,
+                          load_records_before_first_batch=request.load_records_before_first_batch)
                 # Headers now: SMG takes a subscription whose headers do not come within 2 s for a
                 # dead worker, and an idle worker may send no batch for a long time.
                 await context.send_initial_metadata(())
-                async for batch in self.relay.batches(nxt):
-                    yield batch
+                async for batch in self.relay.batches(nxt, tick=LOAD_TICK):
+                    out = pacer.stamp(batch) if batch is not None else pacer.due()
+                    if out is not None:
+                        yield out
             finally:
                 seat.close()
 

@@ -156,9 +156,10 @@ class BlockEventRelay:
                                       "subscribe from 0", field="start_sequence_number")
         return nxt
 
-    async def batches(self, nxt: int) -> AsyncIterator[cpb.KvEventBatch]:
+    async def batches(self, nxt: int, tick: float | None = None) -> AsyncIterator[cpb.KvEventBatch | None]:
         """Batches from number ``nxt`` on (see :meth:`cursor`), then live ones, until cancelled;
-        DATA_LOSS when the subscriber fell behind the log."""
+        DATA_LOSS when the subscriber fell behind the log. With ``tick``, None after every
+        ``tick`` seconds without a new event (the caller's moment to send its load record)."""
         epoch = self.epoch
         while True:
             while nxt <= self.seq:
@@ -171,7 +172,13 @@ class BlockEventRelay:
             if self.epoch != epoch:
                 raise errors.FerrumError(errors.ErrorKind.INTERNAL, "KV events were lost; subscribe from 0",
                                          code=_DATA_LOSS)
-            await self._wake.wait()
+            if tick is None:
+                await self._wake.wait()
+                continue
+            try:
+                await asyncio.wait_for(self._wake.wait(), tick)
+            except asyncio.TimeoutError:
+                yield None
 
 
 __all__ = ["BlockEventRelay", "batch_pb", "block_hash"]

@@ -1,0 +1,110 @@
+"""SMG (the real gateway, ``smg`` 1.13 from its own venv) judging a wedged ferrum-service worker by
+the load records the worker pushes on its KV-event stream (``vllm_load.py``).
+
+Two tiny-Llama workers run in this process (so the test can wedge one: its executor's ``execute``
+blocks until released, the event loop and the gRPC server stay up), behind SMG with its
+cache-aware policy (the policy that subscribes to KV events). One request is sent to worker A and
+its step wedges. With no records, SMG would judge A only by its own pile of requests (four deep);
+with one request in flight A keeps its place. With records, ``engine_silence_ms`` passes SMG's
+wedge bound (``--worker-wedge-secs``, 3 s) and SMG marks A stalled (``smg_worker_stalled{reason=
+"wedged"}``): new requests go to B. Released, A steps again and SMG routes to it again. The time
+from A's last completed step to its exclusion is measured (busy machine)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from ferrum_service.testing.smg_gateway import Gateway
+from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
+from .support.servers import InProcessServer
+from .support.waits import wait_for
+from .test_smg_gateway import venv  # noqa: F401 - fixture (skips when the gateway venv cannot be built)
+
+pytestmark = pytest.mark.slow
+
+WEDGE_SECS = 3  # SMG's --worker-wedge-secs default, passed explicitly
+#: The bound on (exclusion - last step): SMG's wedge bound, one heartbeat, one SMG check, and
+#: slack for this busy 2-core machine.
+EXCLUSION_BOUND_S = WEDGE_SECS + 2.0
+
+
+def _worker(path):
+    from ferrum_service.executors.transformers import HfCausalLmExecutor
+
+    return InProcessServer([HfCausalLmExecutor.from_path(path, model_id="tiny", device="cpu",
+                                                         kv_budget_tokens=4096)])
+
+
+def _stalled(gw: Gateway, target: str) -> bool:
+    """SMG's own verdict: its ``smg_worker_stalled`` gauge for the worker."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{gw.metrics_port}/metrics", timeout=5).read().decode()
+    return any(line.startswith("smg_worker_stalled{") and f'worker="grpc://{target}"' in line
+               and line.rstrip().endswith(" 1") for line in text.splitlines())
+
+
+def _chat(gw: Gateway, content: str, max_tokens: int = 1, timeout: float = 60.0):
+    return gw.post("/v1/chat/completions", {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True,
+                                            "messages": [{"role": "user", "content": content}]}, timeout=timeout)
+
+
+def _generations(srv: InProcessServer) -> int:
+    return len(srv.server.streams.generations)
+
+
+def test_a_wedged_worker_leaves_smg_routing_and_comes_back(venv, tiny_llama_dir):  # noqa: F811 - fixtures
+    with _worker(tiny_llama_dir) as a, _worker(tiny_llama_dir) as b:
+        gw = Gateway(venv, [a.target, b.target], policy="cache_aware",
+                     extra=["--worker-wedge-secs", str(WEDGE_SECS)]).start("tiny")
+        release = threading.Event()
+        ex = a.models.get("tiny").executor
+        real = ex.execute
+        try:
+            for i in range(4):
+                assert _chat(gw, f"warm {i}")[0] == 200
+            # One request that lands on A, whose step then never completes until released.
+            ex.execute = lambda plan: (release.wait(120), real(plan))[1]
+            pool = ThreadPoolExecutor(4)
+            stuck = []
+            for i in range(8):
+                before = _generations(a)
+                stuck.append(pool.submit(_chat, gw, f"the stuck one {i}", 4, 180))
+                landed = wait_for(lambda: (_generations(a), _generations(b)), lambda g: sum(g) > 0, 5, 0.02)
+                if _generations(a) > before:
+                    break
+                stuck.pop().result(30)  # it went to B and finished; try again
+            assert _generations(a) == 1, ("no request landed on A", landed)
+            last_step = a.models.get("tiny").progress.last_done  # monotonic, this process
+            assert not _stalled(gw, a.target)
+            # SMG's verdict, with one request in flight on A (no pile for its own rule)
+            t_excluded = wait_for(lambda: time.monotonic() if _stalled(gw, a.target) else None,
+                                  lambda t: t is not None, 20, 0.05)
+            assert t_excluded is not None, f"SMG never marked the wedged worker stalled; {gw.log_tail()}"
+            took = t_excluded - last_step
+            print(f"\nlast step -> SMG exclusion: {took:.2f} s (wedge bound {WEDGE_SECS} s; busy machine)")
+            assert took <= EXCLUSION_BOUND_S, took
+            assert _generations(a) == 1  # A still holds only the stuck request
+            # excluded: new requests (the same prompt included, which the cache-aware tree knows
+            # on A) go to B and finish
+            for i in range(4):
+                st, body = _chat(gw, "the stuck one 0" if i == 0 else f"while A is wedged {i}")
+                assert st == 200, body
+            assert _generations(a) == 1
+            release.set()
+            assert stuck[-1].result(60)[0] == 200
+            assert wait_for(lambda: _stalled(gw, a.target), lambda s: not s, 20, 0.1) is False
+            # back in the routing set: some of the next requests reach A again
+            served_a = 0
+            for i in range(12):
+                before = a.server.metrics.serving.totals("tiny")[1]
+                assert _chat(gw, f"after release {i}")[0] == 200
+                served_a += a.server.metrics.serving.totals("tiny")[1] > before
+            assert served_a > 0, "A never served again after it moved"
+        finally:
+            release.set()
+            ex.execute = real
+            gw.stop()
