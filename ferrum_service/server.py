@@ -264,6 +264,8 @@ class Server:
         asyncio.ensure_future(self.health.set(model_id, health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def start(self) -> None:
+        # The tokenizer bundle before the port opens: SMG asks for it at once (tokenizer_cache.py).
+        await self.vllm.prepare_tokenizer()
         await self.grpc.start()
         self.leases.start()
         self.stalls.start()

@@ -36,6 +36,9 @@ WEDGE_SECS = 3  # SMG's --worker-wedge-secs default, passed explicitly
 #: and slack for a busy 2-core machine (3.3 and 4.2 s measured here). The issue's target is SMG's
 #: staleness threshold (15 s) + 2 s.
 EXCLUSION_BOUND_S = WEDGE_SECS + 3.0
+#: Bound on SMG listing the model -> its tokenizer registered: 3.0 s measured here (busy machine),
+#: 19.0 s when the worker converted the tokenizer on SMG's first GetTokenizer.
+TOKENIZER_REGISTERED_S = 6.0
 
 
 def _worker(path, **cfg):
@@ -155,3 +158,57 @@ def test_a_drained_worker_leaves_smg_routing(venv, tiny_llama_dir):  # noqa: F81
             assert _served(a) == before_a  # nothing more reached A
         finally:
             gw.stop()
+
+
+def test_smg_registers_the_tokenizer_as_soon_as_it_lists_the_model(venv, tmp_path):  # noqa: F811 - fixture
+    """A llama.cpp SmolLM2 worker on a fresh model cache: its tokenizer bundle (converted from the
+    GGUF by transformers, 12-15 s here) is built while the worker starts, so SMG has registered
+    it (``/readiness`` 200) soon after listing the model (3 s here, SMG's own steps), where it
+    waited 19 s when the bundle was built on SMG's first GetTokenizer."""
+    from .support.packaged import smollm2_gguf
+    from .support.servers import ServerProcess
+
+    smollm2_gguf(llama_cpp=True)  # skips without the model package or llama_cpp
+    w = ServerProcess("--model", "smollm2", env={"FERRUM_MODEL_CACHE": str(tmp_path)}, ready_timeout=300)
+    w.start()
+    gw = Gateway(venv, [w.target]).launch()
+    try:
+        def listed():
+            try:
+                st, body = gw.get("/v1/models", timeout=5)
+            except OSError:
+                return False
+            return st == 200 and any(m["id"] == "smollm2" for m in body.get("data", []))
+
+        assert wait_for(listed, bool, 120, 0.05), gw.log_tail()
+        t_listed = time.monotonic()
+        # SMG's /readiness answers 503 "tokenizer not yet registered" until GetTokenizer returned
+        ready = wait_for(lambda: _status(gw, "/readiness"), lambda st: st == 200, 60, 0.02)
+        t_ready = time.monotonic()
+        answered = wait_for(lambda: _first_chat(gw), lambda st: st == 200, 60, 0.05)
+        t_chat = time.monotonic()
+        print(f"\nSMG lists the model -> tokenizer registered: {t_ready - t_listed:.2f} s, first chat answered: "
+              f"{t_chat - t_listed:.2f} s (busy machine; the worker's first step is slow on its own)")
+        # Most of what is left is SMG's own registration steps before it calls GetTokenizer (2 s here);
+        # the worker answers that call in milliseconds (test_tokenizer_cache.py).
+        assert ready == 200 and t_ready - t_listed < TOKENIZER_REGISTERED_S, (ready, t_ready - t_listed)
+        assert answered == 200
+        assert list(tmp_path.glob("tokenizer-bundles/*.tokenizer.zip"))  # kept for the next start
+    finally:
+        gw.stop()
+        w.stop()
+
+
+def _status(gw: Gateway, path: str) -> int:
+    try:
+        return gw.get(path, timeout=5)[0]
+    except OSError:
+        return 0
+
+
+def _first_chat(gw: Gateway) -> int:
+    try:
+        return gw.post("/v1/chat/completions", {"model": "smollm2", "max_tokens": 1, "temperature": 0,
+                                                "messages": [{"role": "user", "content": "hi"}]}, timeout=30)[0]
+    except OSError:
+        return 0

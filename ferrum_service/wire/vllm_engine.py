@@ -7,7 +7,7 @@ The protocol's messages come from the published ``smg-grpc-proto`` package (pinn
 pyproject.toml), never from a copy. Every RPC runs on the existing operations: ``Generate`` is the
 server-side decode loop of :mod:`.generate` (the contract's ``Generate``), ``Embed`` a ``Prefill``
 of the BERT executor, ``Abort`` the stream registry's abort, ``GetTokenizer``
-:mod:`.tokenizer_bundle`, ``SubscribeKvEvents`` :mod:`.vllm_kv_events`. One server serves one
+:mod:`.tokenizer_cache` (built at start), ``SubscribeKvEvents`` :mod:`.vllm_kv_events`. One server serves one
 model on this protocol (it has no model field): the first hosted model that generates, else the
 first one. Errors leave with the status the vLLM servicer answers: what a request asks that our
 executors cannot do (frequency / presence penalties, logit_bias, min_tokens, prompt logprobs,
@@ -20,7 +20,6 @@ UNIMPLEMENTED. SMG's prefill/decode mode hands KV over through our ``ExportKv`` 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import secrets
 import time
 from typing import TYPE_CHECKING, AsyncIterator
@@ -38,7 +37,7 @@ from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, check_stop_sequences
 from .convert import check_tokens, pb, tpb
 from .generate import DEFAULT_MAX_TOKENS as DEFAULT_GENERATE_MAX_TOKENS
 from .generate import generate
-from .tokenizer_bundle import tokenizer_zip
+from .tokenizer_cache import bundle as tokenizer_bundle
 from .vllm_kv_events import BlockEventRelay
 from .vllm_load import LOAD_TICK, LoadPacer, LoadSampler
 from .vllm_pd import PdHandoffs
@@ -97,6 +96,22 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if self._host is None:
             raise errors.unavailable("this server hosts no model")
         return self._host
+
+    async def prepare_tokenizer(self) -> None:
+        """Build (or read back from the disk cache) the tokenizer bundle now, at start, so the
+        first ``GetTokenizer`` answers at once (``tokenizer_cache.py``). A failure is logged;
+        ``GetTokenizer`` tries again and reports it."""
+        h = self._host
+        if h is None or h.executor.tokenizer is None:
+            return
+        t0 = time.perf_counter()
+        self._tokenizer_zip = asyncio.ensure_future(asyncio.to_thread(tokenizer_bundle, h.executor))
+        try:
+            data, _ = await asyncio.shield(self._tokenizer_zip)
+            log.info("tokenizer bundle ready", model_id=h.model_id, bytes=len(data),
+                     seconds=round(time.perf_counter() - t0, 3))
+        except Exception as e:  # noqa: BLE001 - GetTokenizer reports it
+            log.warning("tokenizer bundle could not be built at start", model_id=h.model_id, error=str(e))
 
     async def close(self) -> None:
         self.pd.close()
@@ -361,7 +376,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetTokenizer(self, request, context) -> AsyncIterator[cpb.GetTokenizerChunk]:
         async with self.s.answer("VllmEngine.GetTokenizer", context):
             if self._tokenizer_zip is None or (self._tokenizer_zip.done() and self._tokenizer_zip.exception()):
-                self._tokenizer_zip = asyncio.ensure_future(asyncio.to_thread(_bundle, self.host.executor))
+                self._tokenizer_zip = asyncio.ensure_future(asyncio.to_thread(tokenizer_bundle, self.host.executor))
             data, digest = await asyncio.shield(self._tokenizer_zip)
             for off in range(0, len(data), CHUNK_BYTES):
                 end = min(off + CHUNK_BYTES, len(data))
@@ -473,12 +488,6 @@ _TOKEN_BYTES = 10
 _LOGPROB_BYTES = 4 + 12
 _TOP_LOGPROB_BYTES = 9
 _COMPLETE_BYTES = 1024
-
-
-def _bundle(executor) -> tuple[bytes, str]:
-    """The tokenizer zip and its SHA-256 (built once, off the loop)."""
-    data = tokenizer_zip(executor)
-    return data, hashlib.sha256(data).hexdigest()
 
 
 def request_salt(shared: bool) -> str:
