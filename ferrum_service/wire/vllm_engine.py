@@ -37,6 +37,7 @@ from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, check_stop_sequences
 from .convert import check_tokens, pb, tpb
 from .generate import DEFAULT_MAX_TOKENS as DEFAULT_GENERATE_MAX_TOKENS
 from .generate import generate
+from .metrics import cache_layout
 from .tokenizer_cache import bundle as tokenizer_bundle
 from .vllm_kv_events import BlockEventRelay
 from .vllm_load import LOAD_TICK, LoadPacer, LoadSampler
@@ -72,11 +73,14 @@ _FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """The vLLM engine protocol over one hosted model (see the module doc)."""
 
-    def __init__(self, executor_servicer: "ModelExecutorServicer", shared_prefix_cache: bool = False) -> None:
+    def __init__(self, executor_servicer: "ModelExecutorServicer", shared_prefix_cache: bool = False,
+                 pairing_protocol: str = "") -> None:
         """``shared_prefix_cache``: unauthenticated callers' requests share one prefix-cache key
-        space (``--vllm-shared-prefix-cache``; see :func:`request_salt`)."""
+        space (``--vllm-shared-prefix-cache``; see :func:`request_salt`); ``pairing_protocol``:
+        ``GetServerInfo``'s PD pairing protocol (``--pairing-protocol``)."""
         self.s = executor_servicer
         self.shared_prefix_cache = shared_prefix_cache
+        self.pairing_protocol = pairing_protocol
         self.models = executor_servicer.models
         hosts = list(self.models)
         self._host = next((h for h in hosts if h.supports_generation), hosts[0] if hosts else None)
@@ -273,7 +277,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 i = f.sample_index
                 ids = out_ids.get(i, [])
                 c = vpb.GenerateComplete(finish_reason=_FINISH.get(f.finish_reason, "stop"),
-                                         prompt_tokens=prompt_tokens, cached_tokens=cached, index=i)
+                                         prompt_tokens=prompt_tokens, cached_tokens=cached, index=i,
+                                         spec_draft_tokens=f.draft_tokens, spec_accepted_tokens=f.accepted_draft_tokens)
                 if offer and f.HasField("cache") and prompt_tokens > 1:
                     handoff = await self.pd.offer(self.host, f.cache.cache_id, prompt_tokens)
                     if handoff is not None:
@@ -364,7 +369,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 active_requests=self._generations(), is_paused=self.s.draining() or self.s.migrations.draining,
                 last_receive_timestamp=self.last_request, uptime_seconds=time.time() - self.started,
                 server_type="ferrum-service", data_parallel_size=1, block_size=self._block_size(),
-                model_dtype=h.info.dtype, kv_cache_dtype=h.info.dtype, max_num_seqs=h.max_batch)
+                model_dtype=h.info.dtype, kv_cache_dtype=h.info.dtype, max_num_seqs=h.max_batch,
+                attention_backend=attention_backend(h), pairing_protocol=self.pairing_protocol)
         return await self.s.unary("VllmEngine.GetServerInfo", context, run)
 
     async def GetLoads(self, request, context):
@@ -477,8 +483,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return sum(1 for st in self.s.streams.generations.values() if st.model_id == self.host.model_id)
 
     def _block_size(self) -> int:
-        recipe = self.host.info.prefix_cache or {}
-        return int(recipe.get("block_size") or self.host.executor.kv_capacity().block_size or 0)
+        return cache_layout(self.host)[0]
 
 
 # Upper bounds of a non-streamed GenerateComplete's bytes: per token (its id twice, in output_ids
@@ -488,6 +493,14 @@ _TOKEN_BYTES = 10
 _LOGPROB_BYTES = 4 + 12
 _TOP_LOGPROB_BYTES = 9
 _COMPLETE_BYTES = 1024
+
+
+def attention_backend(h: "ModelHost") -> str:
+    """``GetServerInfo.attention_backend``, one of the PD pairing factors: the executor that holds
+    the KV (caches move only between executors of one kind: ExportKv / ImportKv) and, on
+    transformers, its attention implementation."""
+    attn = (h.info.metadata or {}).get("attn_implementation") or ""
+    return f"{h.executor.kind}/{attn}" if attn else h.executor.kind
 
 
 def request_salt(shared: bool) -> str:
