@@ -81,6 +81,7 @@ class ServerConfig:
     prefill_tail_factor: float = default("prefill_tail_factor")  # batcher.py
     open_admin_rpcs: bool = default("open_admin_rpcs")
     vllm_shared_prefix_cache: bool = default("vllm_shared_prefix_cache")  # vllm_engine.py: request_salt
+    pairing_protocol: str = default("pairing_protocol")  # vllm_engine.py: GetServerInfo
     max_step_bytes: int = default("max_step_bytes")
     max_text_bytes: int = default("max_text_bytes")
     role: Role = default("role")  # a plain string is taken too (Server checks it)
@@ -227,7 +228,8 @@ class Server:
         add_guarded(self.grpc, self.servicer, executor_pb2.DESCRIPTOR.services_by_name["ModelExecutor"],
                     on_refusal=refused)
         # vLLM's engine protocol on the same port, for gateways that drive vLLM workers (vllm_engine.py)
-        self.vllm = VllmEngineServicer(self.servicer, shared_prefix_cache=cfg.vllm_shared_prefix_cache)
+        self.vllm = VllmEngineServicer(self.servicer, shared_prefix_cache=cfg.vllm_shared_prefix_cache,
+                                       pairing_protocol=cfg.pairing_protocol)
         add_guarded(self.grpc, self.vllm, vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"], VLLM_LIMITS,
                     rpc_prefix="VllmEngine.", on_refusal=refused)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -268,6 +270,8 @@ class Server:
         asyncio.ensure_future(self.health.set(model_id, health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def start(self) -> None:
+        # The tokenizer bundle before the port opens: SMG asks for it at once (tokenizer_cache.py).
+        await self.vllm.prepare_tokenizer()
         await self.grpc.start()
         self.leases.start()
         self.stalls.start()

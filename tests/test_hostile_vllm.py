@@ -275,12 +275,12 @@ def test_a_non_streamed_answer_over_the_message_limit_is_refused_first(server):
 def test_tokenizer_digest_is_computed_once_and_a_slow_reader_holds_nobody(server, monkeypatch):
     import hashlib as real_hashlib
 
-    from ferrum_service.wire import vllm_engine
+    from ferrum_service.wire import tokenizer_cache
 
     calls = []
 
     class Counting:
-        """hashlib as vllm_engine sees it, counting sha256 calls."""
+        """hashlib as tokenizer_cache (which builds the bundle) sees it, counting sha256 calls."""
 
         def __getattr__(self, name):
             return getattr(real_hashlib, name)
@@ -290,7 +290,7 @@ def test_tokenizer_digest_is_computed_once_and_a_slow_reader_holds_nobody(server
             calls.append(len(data))
             return real_hashlib.sha256(data)
 
-    monkeypatch.setattr(vllm_engine, "hashlib", Counting())
+    monkeypatch.setattr(tokenizer_cache, "hashlib", Counting())
     srv, eng = server
     slow = eng.GetTokenizer(cpb.GetTokenizerRequest(), metadata=B, timeout=60)
     slow.initial_metadata()  # never read

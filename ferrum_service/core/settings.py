@@ -205,6 +205,9 @@ SETTINGS: tuple[Setting, ...] = (
        "space: one user's cached prompt prefix serves the others, and K/V pushed by any client reach them (off: each "
        "such request has a key space of its own, so nothing cached is shared between requests); authenticated "
        "callers keep their own space either way"),
+    _s("pairing_protocol", str, "", "the prefill/decode pairing protocol vLLM-protocol GetServerInfo advertises "
+       "(SMG pairs a prefill and a decode worker only when theirs are equal, as SMG_PAIRING_PROTOCOL on vLLM "
+       "workers); at most 128 of A-Z a-z 0-9 . _ : / + -", pattern=r"[A-Za-z0-9._:/+-]{0,128}"),
     _s("open_admin_rpcs", bool, False, "let any caller call Warmup/Shutdown when no admin token is configured "
        "(default: PERMISSION_DENIED)"),
     _s("role", Role, Role.BOTH, "what this server is deployed for, advertised in Info (prefill: refuses decode "

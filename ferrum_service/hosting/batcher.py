@@ -118,6 +118,7 @@ class ContinuousBatcher:
         self.mixed_steps = 0  # steps that joined new prompts with running decodes (diagnostics)
         self._prompt_alone_next = False  # a prompt too costly to join the decodes goes first, alone
         self.costs = StepCostModel()  # measured: what a step's decode rows and prompt tokens cost
+        self._stepping: _Batch | None = None  # the batch whose forward runs now
         host.attach(self)
 
     def configure(self, prefill_tokens_per_step: int, tail_step_factor: float) -> None:
@@ -129,6 +130,20 @@ class ContinuousBatcher:
     def queued_prompts(self) -> int:
         """New streams' prompts waiting for a step (they count against the host's queue limit)."""
         return len(self._prefill_queue)
+
+    def prompt_work(self) -> tuple[int, int, int]:
+        """Prompt tokens still to compute: (in the queue and in the step running now, in the queue
+        for prompts that have not started, in the step running now). What the load record reports
+        as the engine's prefill work in hand (``vllm_load.py``); O(queued prompts), on the loop."""
+        queued = fresh = 0
+        for p in self._prefill_queue:
+            left = len(p.inp.token_ids) - p.done
+            queued += left
+            if not p.done:
+                fresh += left
+        b = self._stepping
+        running = sum(len(p.inp.token_ids) - p.done for p in b.prompts) if b is not None else 0
+        return queued + running, fresh, running
 
     def forget(self, cache_id: str) -> None:
         """A stream's cache is gone: the next step does not wait for it."""
@@ -321,6 +336,7 @@ class ContinuousBatcher:
             self._expected = {p.inp.cache_id for p in batch.decodes}
             if not batch.rows:
                 continue
+            self._stepping = batch
             try:
                 result = await self._step(batch.rows)
             except errors.FerrumError as e:
@@ -335,6 +351,8 @@ class ContinuousBatcher:
                     p.fail(e)
                 self._forget_prompts(batch.prompts)
                 continue
+            finally:
+                self._stepping = None
             if batch.prompts and batch.decodes:
                 self.mixed_steps += 1
             self._measure(batch, result.forward_s)

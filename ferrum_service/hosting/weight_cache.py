@@ -79,7 +79,7 @@ def converted_gguf(source: str | Path, ftype: str = "f16", *, folder: Path | Non
     out = folder / converted_name(src, src_sha, ftype)
     if _valid(out, src_sha):
         return out
-    with _locked(folder / f".{out.name}.lock"):
+    with locked(folder / f".{out.name}.lock"):
         if _valid(out, src_sha):  # another process made it while we waited
             return out
         t0 = time.perf_counter()
@@ -136,7 +136,9 @@ def _valid(path: Path, src_sha: str) -> bool:
 
 
 @contextmanager
-def _locked(lock_path: Path):
+def locked(lock_path: Path):
+    """An exclusive lock on the file ``lock_path`` (created 0600, never through a symlink) for the
+    block: one process at a time makes a cached file."""
     # O_NOFOLLOW: a symlink planted at the lock's name is refused (ELOOP), not opened
     fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "a") as f:

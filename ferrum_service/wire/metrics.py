@@ -256,6 +256,16 @@ def kv_usage(host: "ModelHost") -> float:
     return max(0.0, min(1.0, cap.used_tokens / cap.total_tokens)) if cap.total_tokens else 0.0
 
 
+def cache_layout(host: "ModelHost") -> tuple[int, int]:
+    """(block size, KV blocks) of a model: the paged pool's blocks, else its KV budget in blocks of
+    its prefix-cache block; (0, 0) when it has no blocks."""
+    cap = host.executor.kv_capacity()
+    block = int((host.info.prefix_cache or {}).get("block_size") or cap.block_size or 0)
+    if not block:
+        return 0, 0
+    return block, cap.total_blocks or (cap.total_tokens // block)
+
+
 class _ModelServerCollector:
     """The model-server metrics llm-d's endpoint picker (the Gateway API Inference Extension's
     model server protocol) reads, under the vLLM names it knows, labelled ``model_name``:
@@ -264,7 +274,8 @@ class _ModelServerCollector:
     (KV-cache utilisation, 0..1), and for a model with LoRA adapters ``vllm:lora_requests_info``
     (value: the scrape time; labels ``max_lora`` = adapters resident at once,
     ``running_lora_adapters`` = adapters bound to live caches, ``waiting_lora_adapters`` = adapters
-    of requests waiting for the worker, always empty: a queued prompt's adapter is not tracked)."""
+    of requests waiting for the worker, always empty: a queued prompt's adapter is not tracked), and
+    ``vllm:cache_config_info{block_size, num_gpu_blocks}`` (value 1; :func:`cache_layout`)."""
 
     def __init__(self, models: "ModelSet", streams: "StreamRegistry") -> None:
         self.models = models
@@ -284,6 +295,8 @@ class _ModelServerCollector:
                                       "vLLM name)", labels=["model_name"])
         lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters: resident limit and adapters in use",
                                  labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        cache = GaugeMetricFamily("vllm:cache_config_info", "KV cache layout (llm-d: BlockSize, NumGPUBlocks); "
+                                  "value 1", labels=["model_name", "block_size", "num_gpu_blocks"])
         now = time.time()
         for host in self.models:
             run, wait = requests_of(host, self.streams)
@@ -292,10 +305,15 @@ class _ModelServerCollector:
             running.add_metric([host.model_id], run)
             usage.add_metric([host.model_id], u)
             usage_old.add_metric([host.model_id], u)
+            block, blocks = cache_layout(host)
+            if block:
+                cache.add_metric([host.model_id, str(block), str(blocks)], 1)
             adapters = getattr(host.executor, "adapters", None)
             if adapters is not None:
                 bound = sorted(a for a, n in host.executor.adapter_bindings().items() if a and n)
                 lora.add_metric([host.model_id, str(adapters.max_resident), ",".join(bound), ""], now)
         yield from (waiting, running, usage, usage_old)
+        if cache.samples:
+            yield cache
         if lora.samples:
             yield lora

@@ -7,7 +7,7 @@ The protocol's messages come from the published ``smg-grpc-proto`` package (pinn
 pyproject.toml), never from a copy. Every RPC runs on the existing operations: ``Generate`` is the
 server-side decode loop of :mod:`.generate` (the contract's ``Generate``), ``Embed`` a ``Prefill``
 of the BERT executor, ``Abort`` the stream registry's abort, ``GetTokenizer``
-:mod:`.tokenizer_bundle`, ``SubscribeKvEvents`` :mod:`.vllm_kv_events`. One server serves one
+:mod:`.tokenizer_cache` (built at start), ``SubscribeKvEvents`` :mod:`.vllm_kv_events`. One server serves one
 model on this protocol (it has no model field): the first hosted model that generates, else the
 first one. Errors leave with the status the vLLM servicer answers: what a request asks that our
 executors cannot do (frequency / presence penalties, logit_bias, min_tokens, prompt logprobs,
@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import secrets
 import time
-from datetime import datetime, timezone
 from typing import TYPE_CHECKING, AsyncIterator
 
 import numpy as np
@@ -33,7 +31,6 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from .. import __version__
 from ..core import errors
 from ..core.speculation import default_config
 from ..core.callers import current_caller, enter_call
@@ -43,9 +40,10 @@ from .convert import MAX_TOP_LOGPROBS, check_tokens, pb, tpb
 from .generate import Generation, bind_stream
 from .generate_spec import DEFAULT_MAX_TOKENS as DEFAULT_GENERATE_MAX_TOKENS
 from .generate_spec import GenerateSpec, Stops
-from .metrics import kv_usage, requests_of
-from .tokenizer_bundle import tokenizer_zip
+from .metrics import cache_layout
+from .tokenizer_cache import bundle as tokenizer_bundle
 from .vllm_kv_events import BlockEventRelay
+from .vllm_load import LOAD_TICK, LoadPacer, LoadSampler
 from .vllm_pd import PdHandoffs
 from .vllm_pd import parse as parse_handoff
 
@@ -78,16 +76,21 @@ _FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """The vLLM engine protocol over one hosted model (see the module doc)."""
 
-    def __init__(self, executor_servicer: "ModelExecutorServicer", shared_prefix_cache: bool = False) -> None:
+    def __init__(self, executor_servicer: "ModelExecutorServicer", shared_prefix_cache: bool = False,
+                 pairing_protocol: str = "") -> None:
         """``shared_prefix_cache``: unauthenticated callers' requests share one prefix-cache key
-        space (``--vllm-shared-prefix-cache``; see :func:`request_salt`)."""
+        space (``--vllm-shared-prefix-cache``; see :func:`request_salt`); ``pairing_protocol``:
+        ``GetServerInfo``'s PD pairing protocol (``--pairing-protocol``)."""
         self.s = executor_servicer
         self.checks = executor_servicer.ops.checks
         self.shared_prefix_cache = shared_prefix_cache
+        self.pairing_protocol = pairing_protocol
         self.models = executor_servicer.models
         hosts = list(self.models)
         self._host = next((h for h in hosts if h.supports_generation), hosts[0] if hosts else None)
         self.relay = BlockEventRelay(executor_servicer.events, self._host.model_id if self._host else "")
+        self.load = (LoadSampler(self._host, executor_servicer.streams, executor_servicer.metrics.serving,
+                                 executor_servicer.role) if self._host else None)  # vllm_load.py
         self.started = time.time()
         self.last_request = 0.0
         self._tokenizer_zip: asyncio.Task | None = None  # (zip bytes, their SHA-256), built once
@@ -101,6 +104,22 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if self._host is None:
             raise errors.unavailable("this server hosts no model")
         return self._host
+
+    async def prepare_tokenizer(self) -> None:
+        """Build (or read back from the disk cache) the tokenizer bundle now, at start, so the
+        first ``GetTokenizer`` answers at once (``tokenizer_cache.py``). A failure is logged;
+        ``GetTokenizer`` tries again and reports it."""
+        h = self._host
+        if h is None or h.executor.tokenizer is None:
+            return
+        t0 = time.perf_counter()
+        self._tokenizer_zip = asyncio.ensure_future(asyncio.to_thread(tokenizer_bundle, h.executor))
+        try:
+            data, _ = await asyncio.shield(self._tokenizer_zip)
+            log.info("tokenizer bundle ready", model_id=h.model_id, bytes=len(data),
+                     seconds=round(time.perf_counter() - t0, 3))
+        except Exception as e:  # noqa: BLE001 - GetTokenizer reports it
+            log.warning("tokenizer bundle could not be built at start", model_id=h.model_id, error=str(e))
 
     async def close(self) -> None:
         self.pd.close()
@@ -275,7 +294,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 i = f.sample_index
                 ids = out_ids.get(i, [])
                 c = vpb.GenerateComplete(finish_reason=_FINISH.get(f.finish_reason, "stop"),
-                                         prompt_tokens=prompt_tokens, cached_tokens=cached, index=i)
+                                         prompt_tokens=prompt_tokens, cached_tokens=cached, index=i,
+                                         spec_draft_tokens=f.draft_tokens, spec_accepted_tokens=f.accepted_draft_tokens)
                 if offer and f.HasField("cache") and prompt_tokens > 1:
                     handoff = await self.pd.offer(self.host, f.cache.cache_id, prompt_tokens)
                     if handoff is not None:
@@ -366,31 +386,20 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 active_requests=self._generations(), is_paused=self.s.draining() or self.s.migrations.draining,
                 last_receive_timestamp=self.last_request, uptime_seconds=time.time() - self.started,
                 server_type="ferrum-service", data_parallel_size=1, block_size=self._block_size(),
-                model_dtype=h.info.dtype, kv_cache_dtype=h.info.dtype, max_num_seqs=h.max_batch)
+                model_dtype=h.info.dtype, kv_cache_dtype=h.info.dtype, max_num_seqs=h.max_batch,
+                attention_backend=attention_backend(h), pairing_protocol=self.pairing_protocol)
         return await self.s.unary("VllmEngine.GetServerInfo", context, run)
 
     async def GetLoads(self, request, context):
         async def run():
-            h = self.host
-            running, waiting = requests_of(h, self.s.streams)
-            gens = running + waiting
-            reg = h.executor.registry
-            used = sum(e.num_tokens for e in reg.entries())
-            pm = (h.executor.cache_metrics() or {}).get("prefix_cache", {})
-            q = pm.get("queried_tokens", 0)
-            load = vpb.SchedulerLoad(
-                dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting, num_total_reqs=gens,
-                num_used_tokens=used, max_total_num_tokens=reg.total_tokens or 0, token_usage=kv_usage(h),
-                cache_hit_rate=pm.get("hit_tokens", 0) / q if q else 0.0, max_running_requests=h.max_batch,
-                utilization=min(1.0, gens / h.max_batch) if h.max_batch else 0.0)
-            return vpb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(),
-                                        version=f"ferrum-service {__version__}", dp_rank_count=1, loads=[load])
+            self.host  # noqa: B018 - UNAVAILABLE on a server that hosts none
+            return self.load.scheduler_load()  # the record the event stream pushes (vllm_load.py)
         return await self.s.unary("VllmEngine.GetLoads", context, run)
 
     async def GetTokenizer(self, request, context) -> AsyncIterator[cpb.GetTokenizerChunk]:
         async with self.s.answer("VllmEngine.GetTokenizer", context):
             if self._tokenizer_zip is None or (self._tokenizer_zip.done() and self._tokenizer_zip.exception()):
-                self._tokenizer_zip = asyncio.ensure_future(asyncio.to_thread(_bundle, self.host.executor))
+                self._tokenizer_zip = asyncio.ensure_future(asyncio.to_thread(tokenizer_bundle, self.host.executor))
             data, digest = await asyncio.shield(self._tokenizer_zip)
             for off in range(0, len(data), CHUNK_BYTES):
                 end = min(off + CHUNK_BYTES, len(data))
@@ -407,12 +416,16 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             try:
                 self.relay.start()
                 nxt = self.relay.cursor(int(request.start_sequence_number))
-                log.debug("vllm kv-event subscriber", model_id=host.model_id, start=nxt)
+                pacer = LoadPacer(self.load, before_first=request.load_records_before_first_batch)
+                log.debug("vllm kv-event subscriber", model_id=host.model_id, start=nxt,
+                          load_records_before_first_batch=request.load_records_before_first_batch)
                 # Headers now: SMG takes a subscription whose headers do not come within 2 s for a
                 # dead worker, and an idle worker may send no batch for a long time.
                 await context.send_initial_metadata(())
-                async for batch in self.relay.batches(nxt):
-                    yield batch
+                async for batch in self.relay.batches(nxt, tick=LOAD_TICK):
+                    out = pacer.stamp(batch) if batch is not None else pacer.due()
+                    if out is not None:
+                        yield out
             finally:
                 seat.close()
 
@@ -487,8 +500,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return sum(1 for st in self.s.streams.generations.values() if st.model_id == self.host.model_id)
 
     def _block_size(self) -> int:
-        recipe = self.host.info.prefix_cache or {}
-        return int(recipe.get("block_size") or self.host.executor.kv_capacity().block_size or 0)
+        return cache_layout(self.host)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -511,10 +523,12 @@ _TOP_LOGPROB_BYTES = 9
 _COMPLETE_BYTES = 1024
 
 
-def _bundle(executor) -> tuple[bytes, str]:
-    """The tokenizer zip and its SHA-256 (built once, off the loop)."""
-    data = tokenizer_zip(executor)
-    return data, hashlib.sha256(data).hexdigest()
+def attention_backend(h: "ModelHost") -> str:
+    """``GetServerInfo.attention_backend``, one of the PD pairing factors: the executor that holds
+    the KV (caches move only between executors of one kind: ExportKv / ImportKv) and, on
+    transformers, its attention implementation."""
+    attn = (h.info.metadata or {}).get("attn_implementation") or ""
+    return f"{h.executor.kind}/{attn}" if attn else h.executor.kind
 
 
 def request_salt(shared: bool) -> str:

@@ -26,6 +26,14 @@ on transformers; SMG learns it from the first stored block. With bearer-token au
 the server strips token ids from block events (a subscriber must not read other tenants' prompts):
 such stored events carry no blocks here (an empty batch keeps the numbering), as a block without
 its tokens would look to SMG like every other one.
+
+**Block fields.** Stored and removed events carry ``tier`` DEVICE and ``locality`` LOCAL (the
+server's own pool); a stored event carries ``lora_name`` (the adapter of an adapter's chain) and,
+for blocks of a salted key space (a request's ``cache_salt``; an unauthenticated vLLM request's
+private space), ``cache_salt`` = ``ferrum-ns:`` + the first 8 bytes of the space's chain root in hex:
+SMG folds it into its own content hash, so it no longer counts blocks no other request can reuse
+as prefix hits; the salt itself is never sent. ``extra_keys``, ``medium`` and ``group_idx`` are left
+unset (one full-attention group; the namespace fields carry what extra keys would).
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ from ..hosting.kv_events import KvEventHub, KvEventRecord, SubscriberDropped
 log = structlog.get_logger("ferrum_service.wire.vllm_kv_events")
 
 _DATA_LOSS = grpc.StatusCode.DATA_LOSS
+#: Start of a stored event's ``cache_salt``: the blocks' key space, not the salt itself.
+NAMESPACE_PREFIX = "ferrum-ns:"
 
 
 def block_hash(key: bytes) -> int:
@@ -69,6 +79,8 @@ def batch_pb(seq: int, ev: KvEventRecord) -> cpb.KvEventBatch:
                 stored.parent_block_hash = block_hash(d["parent_block_hash"])
             if d.get("adapter"):
                 stored.lora_name = d["adapter"]
+            if d.get("namespace"):  # a salted key space: SMG folds it in, so no unsalted lookup matches
+                stored.cache_salt = NAMESPACE_PREFIX + d["namespace"]
             batch.events.add(event_id=seq, stored=stored)
     elif ev.block_kind == BlockEvent.REMOVED:
         batch.events.add(event_id=seq, removed=cpb.KvBlocksRemoved(
@@ -156,9 +168,10 @@ class BlockEventRelay:
                                       "subscribe from 0", field="start_sequence_number")
         return nxt
 
-    async def batches(self, nxt: int) -> AsyncIterator[cpb.KvEventBatch]:
+    async def batches(self, nxt: int, tick: float | None = None) -> AsyncIterator[cpb.KvEventBatch | None]:
         """Batches from number ``nxt`` on (see :meth:`cursor`), then live ones, until cancelled;
-        DATA_LOSS when the subscriber fell behind the log."""
+        DATA_LOSS when the subscriber fell behind the log. With ``tick``, None after every
+        ``tick`` seconds without a new event (the caller's moment to send its load record)."""
         epoch = self.epoch
         while True:
             while nxt <= self.seq:
@@ -171,7 +184,13 @@ class BlockEventRelay:
             if self.epoch != epoch:
                 raise errors.FerrumError(errors.ErrorKind.INTERNAL, "KV events were lost; subscribe from 0",
                                          code=_DATA_LOSS)
-            await self._wake.wait()
+            if tick is None:
+                await self._wake.wait()
+                continue
+            try:
+                await asyncio.wait_for(self._wake.wait(), tick)
+            except asyncio.TimeoutError:
+                yield None
 
 
 __all__ = ["BlockEventRelay", "batch_pb", "block_hash"]

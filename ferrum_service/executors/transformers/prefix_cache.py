@@ -281,7 +281,10 @@ class PrefixCache:
         bs = self.block_size
         self._emit(BlockEvent.STORED, {"block_hashes": seq.keys[first:end], "parent_block_hash": parent,
                               "token_ids": list(tokens[first * bs:end * bs]), "block_size": bs,
-                              "adapter": seq.adapter, "cache_id": cache_id})
+                              "adapter": seq.adapter, "cache_id": cache_id,
+                              # the key space (salt) as its chain root's first bytes: names it, reveals
+                              # no salt; "" = the shared space
+                              "namespace": self.root(seq.salt)[:8].hex() if seq.salt else ""})
 
     def _emit(self, kind: BlockEvent, data: dict) -> None:
         if self.on_event is not None:
