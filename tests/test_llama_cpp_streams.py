@@ -114,3 +114,15 @@ def test_unknown_layout_is_a_config_error():
         from ferrum_service.executors.llama_cpp import LlamaCppExecutor
 
         LlamaCppExecutor(smollm2_gguf_path(), kv="paged")
+
+
+def test_the_spec_option_picks_the_layout():
+    """``kv=streams`` in a model spec reaches the executor; an unknown value is refused at load."""
+    from ferrum_service.hosting.model_specs import build_executor, parse_spec
+
+    path = smollm2_gguf_path()
+    ex = build_executor(parse_spec(f"llama-cpp,id=s,path={path},n_ctx=1024,n_seq=4,kv=streams"), device="cpu")
+    assert ex.info().metadata["kv_layout"] == "llama.cpp streams" and ex.seq_cells == 256
+    ex.shutdown()
+    with pytest.raises(errors.FerrumError, match="kv='x'"):
+        build_executor(parse_spec(f"llama-cpp,id=s,path={path},kv=x"), device="cpu")

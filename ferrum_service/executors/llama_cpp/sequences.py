@@ -47,6 +47,10 @@ class SequenceIds:
     def __len__(self) -> int:
         return len(self.free)
 
+    def __iter__(self):
+        """The free ids (in no particular order)."""
+        return iter(list(self.free))
+
     def take(self) -> int:
         """The lowest free id (IndexError when none is free)."""
         return heapq.heappop(self.free)
