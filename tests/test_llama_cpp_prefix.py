@@ -24,7 +24,12 @@ pytest.importorskip("llama_cpp")
 def llc():
     from ferrum_service.executors.llama_cpp import LlamaCppExecutor
 
-    ex = LlamaCppExecutor(smollm2_gguf_path(), model_id="smollm2", threads=2, n_ctx=512, n_seq=4)
+    yield from with_events(LlamaCppExecutor(smollm2_gguf_path(), model_id="smollm2", threads=2, n_ctx=512, n_seq=4))
+
+
+def with_events(ex):
+    """Yield ``ex`` recording its block events (``ex.events``); after the test: nothing leaked,
+    the events replayed give the cached set, nothing left after shutdown."""
     events: list[tuple[str, dict]] = []
     ex.prefix.on_event = lambda kind, data: events.append((kind, data))
     ex.events = events
@@ -44,7 +49,10 @@ def _fresh(ex, tokens):
 
 
 def _same(a, b) -> None:
-    assert int(a.argmax()) == int(b.argmax())
+    # The same argmax, unless the reference's top two are within llama.cpp's batch noise (TOL):
+    # then the token chosen must be one of those near-ties of the reference.
+    if int(a.argmax()) != int(b.argmax()):
+        assert float(b.max() - b[int(a.argmax())]) < TOL / 4
     assert maxdiff(a, b) < TOL * 3
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -248,7 +249,8 @@ class ContinuousBatcher:
             batch.rebuild_decodes(reg)
         tokens = 0
         room = max_batch - len(batch.decodes)
-        per_step = self.prompt_budget(len(batch.decodes))
+        # The cost fit (two least-squares solves after each measured step) only when a prompt waits.
+        per_step = self.prompt_budget(len(batch.decodes)) if self._prefill_queue else 0
         while self._prefill_queue and len(batch.prompts) < room:
             p = self._prefill_queue[0]
             if p.fut.cancelled():
@@ -298,6 +300,9 @@ class ContinuousBatcher:
         log it at debug level with what the cost model expected: ``--log-level debug`` shows why a
         step ran long)."""
         rows, tokens = len(batch.decodes), sum(r.computed for r in batch.prompt_rows)
+        if not log.is_enabled_for(logging.DEBUG):  # the fit costs ~0.5 ms a step (busy 2-core machine)
+            self.costs.add(rows, tokens, seconds)
+            return
         decode_s, token_s = self.costs.decode_s(rows), self.costs.token_s()
         log.debug("batched step", model_id=self.host.model_id, decode_rows=rows, prompt_tokens=tokens,
                   forward_ms=round(seconds * 1e3, 2),

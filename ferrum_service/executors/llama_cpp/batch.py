@@ -41,9 +41,12 @@ class DecodeBatch:
         n = sum(len(it.tokens) for it in items)
         tok, pos, out = self._tok, self._pos, self._out
         out[:n] = 0
-        rows: list[tuple[Want, int, int]] = []  # (want, first batch index, count)
+        rows: list[tuple[Want, int, int]] = [(Want.NONE, 0, 0)] * len(items)  # (want, first batch index, count)
         i = 0
-        for it, (seq, past) in zip(items, placed):
+        # Rows in sequence-id order: with KV streams llama.cpp puts only consecutive ids into one
+        # ubatch (one pass over the weights), so an unsorted step would take several.
+        for r in sorted(range(len(items)), key=lambda r: placed[r][0]):
+            it, (seq, past) = items[r], placed[r]
             k = len(it.tokens)
             tok[i:i + k] = it.tokens
             pos[i:i + k] = np.arange(past, past + k)
@@ -54,7 +57,7 @@ class DecodeBatch:
                 out[i:i + k] = 1
             elif it.want == Want.LAST:
                 out[i + k - 1] = 1
-            rows.append((it.want, i, k))
+            rows[r] = (it.want, i, k)
             i += k
         b.n_tokens = n
         rc = L.llama_decode(self._ctx, b)

@@ -1,11 +1,15 @@
 """``LlamaCppExecutor``: a GGUF model run by llama.cpp (llama-cpp-python's low-level API).
 
-Spec: ``llama-cpp,id=NAME,path=FILE.gguf[,kv_budget_bytes=..|n_ctx=..][,threads=..][,device=..][,n_seq=..]``.
+Spec: ``llama-cpp,id=NAME,path=FILE.gguf[,kv_budget_bytes=..|n_ctx=..][,threads=..][,device=..][,n_seq=..]
+[,kv=unified|streams]``.
 
 KV layout
 ---------
-One llama.cpp context holds one *unified* KV buffer of ``n_ctx`` cells shared by every sequence
-(``kv_unified``); each live cache owns one llama.cpp sequence id (recycled on release) and its cells
+``kv=unified`` (default): one llama.cpp context holds one KV buffer of ``n_ctx`` cells shared by
+every sequence (``kv_unified``). ``kv=streams``: ``n_seq`` streams of ``n_ctx / n_seq`` cells, one
+per sequence id, each sequence capped at its stream (:mod:`.sequences`: ids lowest first, prefix
+hits and forks as state-byte copies). Each live cache owns one llama.cpp sequence id (recycled on
+release) and its cells
 are found by llama.cpp wherever they are free, so the KV budget is exactly ``n_ctx`` tokens (sized
 from memory by default: :func:`.backend.default_kv_tokens`; llama.cpp allocates and clears it at load) and the
 :class:`~ferrum_service.core.kv_registry.CacheRegistry` books it: a step that needs more tokens than are
@@ -50,9 +54,10 @@ from ...core.types import (
 )
 from ..base import KvLayout
 from ..item_steps import ItemStepExecutor
-from .backend import ARCH_TYPES, DEFAULT_N_CTX, DEFAULT_N_SEQ, default_kv_tokens, init_backend, lib, meta
+from .backend import ARCH_TYPES, DEFAULT_LAYOUT, DEFAULT_N_CTX, DEFAULT_N_SEQ, default_kv_tokens, init_backend, lib, meta
 from .batch import DecodeBatch
 from .prefix import SequencePrefixIndex
+from .sequences import LAYOUTS, SequenceIds, stream_cells
 
 log = structlog.get_logger(__name__)
 
@@ -65,7 +70,7 @@ class LlamaCppExecutor(ItemStepExecutor):
     def __init__(self, path: str | Path, *, model_id: str | None = None, n_ctx: int | None = None,
                  kv_budget_bytes: int | None = None, threads: int | None = None, device: str = "auto",
                  n_seq: int = DEFAULT_N_SEQ, n_ubatch: int = 512, flash_attn: bool | None = None,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, kv: str = DEFAULT_LAYOUT) -> None:
         """Load ``path`` (a .gguf file). The KV budget: ``n_ctx`` KV cells over all sequences (in
         tokens), or ``kv_budget_bytes`` of K and V, or by default :data:`DEFAULT_KV_MEMORY_FRACTION`
         of the available memory, at most ``n_seq`` x the training context and at least
@@ -73,8 +78,12 @@ class LlamaCppExecutor(ItemStepExecutor):
         (default: all cores); ``device``: auto | cpu | cuda (auto offloads every layer when the
         llama.cpp build supports a GPU); ``n_seq``: most live caches (llama.cpp sequence ids);
         ``flash_attn``: None = llama.cpp's choice (auto); ``prefix_cache``: reuse the KV of earlier
-        prompts' full blocks (:mod:`.prefix`)."""
+        prompts' full blocks (:mod:`.prefix`); ``kv``: the KV layout, ``streams`` (one stream of
+        budget / ``n_seq`` cells per sequence, which caps a sequence's length) or ``unified`` (one
+        buffer shared by all sequences), see :mod:`.sequences`."""
         super().__init__()
+        if kv not in LAYOUTS:
+            raise errors.FerrumError(errors.ErrorKind.CONFIG, f"kv={kv!r}: choose one of {', '.join(LAYOUTS)}")
         self._kv_layout: KvLayout | None = None
         L = self._L = lib()
         p = Path(path).expanduser()
@@ -110,6 +119,9 @@ class LlamaCppExecutor(ItemStepExecutor):
             cells = max(256, int(kv_budget_bytes) // bpt)
         else:
             cells = default_kv_tokens(bpt, self.n_seq, train_ctx)
+        self.streams = kv == "streams"
+        if self.streams:  # n_seq streams of equal size (llama.cpp pads each to 256 cells)
+            cells = self.n_seq * stream_cells(cells, self.n_seq)
         cp = L.llama_context_default_params()
         cp.n_ctx = cells
         # One step's tokens: the training context (as before budgets grew past it), so a batch of
@@ -118,7 +130,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         cp.n_ubatch = min(n_ubatch, cp.n_ctx)
         cp.n_seq_max = self.n_seq
         cp.n_threads = cp.n_threads_batch = self.threads
-        cp.kv_unified = True
+        cp.kv_unified = not self.streams
         cp.no_perf = True
         if flash_attn is not None:
             cp.flash_attn_type = 1 if flash_attn else 0
@@ -128,21 +140,23 @@ class LlamaCppExecutor(ItemStepExecutor):
         self._mem = L.llama_get_memory(self._ctx)
         self.n_ctx = int(L.llama_n_ctx(self._ctx))
         self.n_batch = int(L.llama_n_batch(self._ctx))
-        self._free_seq = list(range(self.n_seq - 1, -1, -1))  # pop() hands out the lowest id first
-        self.prefix = SequencePrefixIndex(self.model_id or p.stem, enabled=prefix_cache,
-                                          wipe=lambda s: L.llama_memory_seq_rm(self._mem, s, -1, -1))
+        self._free_seq = SequenceIds(L, self._ctx, self.n_seq, streams=self.streams)
+        self.prefix = SequencePrefixIndex(self.model_id or p.stem, enabled=prefix_cache, wipe=self._free_seq.wipe)
 
         from .tokenizer import GgufTokenizer
 
         self._tokenizer = GgufTokenizer(m)
         self.vocab_size = self._tokenizer.vocab_size
         self._decode = DecodeBatch(L, self._ctx, self.n_batch, self.vocab_size)
-        self.max_sequence_length = min(self.n_ctx, self.n_ctx_train or self.n_ctx)
+        # A sequence's cells: the whole buffer, or its own stream.
+        self.seq_cells = self.n_ctx // self.n_seq if self.streams else self.n_ctx
+        self.max_sequence_length = min(self.seq_cells, self.n_ctx_train or self.seq_cells)
         self.registry = CacheRegistry(self.model_id, total_tokens=self.n_ctx, block_size=1, bytes_per_token=bpt,
-                                      per_request_tokens=self.n_ctx if self.n_ctx < self.max_sequence_length else None,
+                                      per_request_tokens=(self.seq_cells if self.seq_cells < self.max_sequence_length
+                                                          or self.streams else None),
                                       max_active=self.n_seq, id_prefix="llc")
         self._info = self._build_info()
-        log.info("llama.cpp model ready", model_id=self.model_id, path=str(p), n_ctx=self.n_ctx, n_seq=self.n_seq,
+        log.info("llama.cpp model ready", model_id=self.model_id, path=str(p), n_ctx=self.n_ctx, n_seq=self.n_seq, kv=kv,
                  threads=self.threads, device=self.device_name, seconds=round(time.perf_counter() - t0, 2))
 
     # ---- metadata ------------------------------------------------------------------------------
@@ -172,7 +186,8 @@ class LlamaCppExecutor(ItemStepExecutor):
             metadata={
                 "architecture": arch,
                 "source": self.source,
-                "kv_layout": "llama.cpp unified",
+                "kv_layout": f"llama.cpp {'streams' if self.streams else 'unified'}",
+                "kv_cells_per_sequence": self.seq_cells,
                 "kv_budget_tokens": self.n_ctx,
                 "kv_budget_bytes": self.n_ctx * self.registry.bytes_per_token,
                 "kv_bytes_per_token": self.registry.bytes_per_token,
@@ -278,7 +293,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         finally:
             for s in seqs:
                 self._L.llama_memory_seq_rm(self._mem, s, -1, -1)
-                self._free_seq.append(s)
+                self._free_seq.give(s)
         # fp32 rows (numpy has no bf16; the wire encoding rounds to the asked dtype), fp16 as asked
         return np.stack(rows).astype(np.float16 if logits_dtype == "fp16" else np.float32)
 
@@ -353,8 +368,12 @@ class LlamaCppExecutor(ItemStepExecutor):
         entry = self.registry.create(src.tokens[:keep], reserve_tokens=int(reserve_tokens or 0), field="cache_id",
                                      event="forked")
         entry.caller_supplied = src.caller_supplied
-        seq = self._take_seq(keep={src.payload})
-        self._L.llama_memory_seq_cp(self._mem, src.payload, seq, 0, keep)
+        seq = entry.payload = self._take_seq(keep={src.payload})
+        try:
+            self._free_seq.copy(src.payload, seq, keep)
+        except BaseException:
+            self.release_cache(entry.cache_id, reason="released")
+            raise
         self.prefix.start(seq, self.prefix.roots.get(src.payload, b""),
                           self.prefix.keys.get(src.payload, [])[: keep // self.prefix.block_size])
         self.prefix.stats.forks += 1
@@ -407,7 +426,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         if not self._free_seq:
             raise errors.exhausted(f"header: all {self.n_seq} sequence ids are in use", field="header")
         self.registry.stage(total, "header")
-        return {"tokens": list(tokens), "reserve": int(reserve_tokens or 0), "seq": self._free_seq.pop(),
+        return {"tokens": list(tokens), "reserve": int(reserve_tokens or 0), "seq": self._free_seq.take(),
                 "data": bytearray(), "salt": cache_salt, "staged": total}
 
     def import_write_state(self, staged: dict, data: bytes) -> None:
@@ -443,7 +462,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         staged["seq"] = None
         if seq is not None:
             self._L.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            self._free_seq.append(seq)
+            self._free_seq.give(seq)
 
     def free_payload(self, entry: CacheEntry) -> int:
         """Free the sequence's KV cells and recycle its sequence id."""
@@ -453,7 +472,9 @@ class LlamaCppExecutor(ItemStepExecutor):
             return 0
         if not self.prefix.retire(seq, entry.num_tokens):  # kept (evictable) when it holds cached blocks
             self._L.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            self._free_seq.append(seq)
+            self._free_seq.give(seq)
+        elif self.streams:
+            self._move_up(seq, entry.num_tokens)
         return entry.num_tokens * self.registry.bytes_per_token
 
     def shutdown(self) -> int:
@@ -462,7 +483,8 @@ class LlamaCppExecutor(ItemStepExecutor):
         return n
 
     def clear_prefix_cache(self) -> bool:
-        self._free_seq.extend(self.prefix.clear())
+        for seq in self.prefix.clear():
+            self._free_seq.give(seq)
         return True
 
     def cached_prefix(self, inp: PrefillInput) -> int:
@@ -493,19 +515,37 @@ class LlamaCppExecutor(ItemStepExecutor):
             seq = self.prefix.evict(keep)
             if seq is None:
                 raise errors.exhausted(f"all {self.n_seq} sequence ids are in use")
-            self._free_seq.append(seq)
-        return self._free_seq.pop()
+            self._free_seq.give(seq)
+        return self._free_seq.take()
+
+    def _move_up(self, seq: int, length: int) -> None:
+        """A retired sequence (streams) moves to the highest free id, so that the live ids below
+        stay dense (a gap in a step's ids costs llama.cpp one more pass over the weights)."""
+        top = self._free_seq.take_highest_above(seq)
+        if top is None:
+            return
+        try:
+            self._free_seq.copy(seq, top, length)
+        except errors.FerrumError:
+            self._free_seq.give(top)
+            return
+        self.prefix.move(seq, top)
+        self._free_seq.wipe(seq)
+        self._free_seq.give(seq)
 
     def _make_room(self, need: int, keep: set[int] = frozenset()) -> None:
         """Evict retired sequences until ``need`` more cells certainly fit next to the live caches'
         budget and what retired sequences hold (both counted in full: shared cells count twice, so
-        llama.cpp never runs out of cells)."""
+        llama.cpp never runs out of cells). With streams, a retired sequence holds only its own
+        stream: nothing to evict for cells."""
+        if self.streams:
+            return
         while (self.registry.total_tokens - self.registry.free_tokens + need + self.prefix.retired_tokens
                > self.n_ctx and self.prefix.evictable):
             seq = self.prefix.evict(keep)
             if seq is None:
                 return
-            self._free_seq.append(seq)
+            self._free_seq.give(seq)
 
     def handle(self, entry: CacheEntry) -> CacheHandle:
         h = self.registry.handle(entry)
@@ -590,7 +630,7 @@ class LlamaCppExecutor(ItemStepExecutor):
                             self.registry.set_reserved(e, it.reserve)
                     pc.start(e.payload, root, keys)
                     if src is not None:
-                        self._L.llama_memory_seq_cp(self._mem, src, e.payload, 0, take)
+                        self._free_seq.copy(src, e.payload, take)
                         pc.touch(src)
                     it.cached = past = take
                     if it.want != Want.ALL and not it.bypass:

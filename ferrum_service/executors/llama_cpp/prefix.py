@@ -14,6 +14,9 @@ sequence that holds them:
   needs an id or the cells (:meth:`SequencePrefixIndex.evict`).
 - **Events** are the same block events as the paged pool's (stored / removed / cleared).
 
+With ``kv=streams`` the "copy" is a real one (:meth:`.sequences.SequenceIds.copy`), and a retired
+sequence is moved above the live ids (:meth:`SequencePrefixIndex.move`).
+
 This class holds no llama.cpp handles: the executor passes ``seq_rm`` (wipe a sequence) and asks
 it which sequence to copy from.
 """
@@ -137,6 +140,17 @@ class SequencePrefixIndex:
         self.stats.evicted_blocks += sum(1 for k in self.keys.get(seq, ()) if self.index.get(k) == seq)
         self.forget(seq)
         return seq
+
+    def move(self, src: int, dst: int) -> None:
+        """Retired ``src``'s cells were copied to ``dst`` (and ``src`` is wiped): ``dst`` holds its
+        keys and its place in the eviction order."""
+        for k in self.keys.get(src, ()):
+            if self.index.get(k) == src:
+                self.index[k] = dst
+        self.keys[dst] = self.keys.pop(src, [])
+        self.roots[dst] = self.roots.pop(src, b"")
+        if src in self.evictable:
+            self.evictable = collections.OrderedDict((dst if s == src else s, n) for s, n in self.evictable.items())
 
     def forget(self, seq: int) -> None:
         """``seq`` holds nothing any more (wiped or reused)."""
