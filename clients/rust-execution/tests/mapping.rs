@@ -14,8 +14,8 @@ use ferrum_execution::token_execution::{
 use ferrum_execution::ModelExecutor;
 use ferrum_remote_execution::testing::{tiny_model_dir, ServerProcess};
 use ferrum_remote_execution::{proto, Client, RemoteTokenExecutor, RemoteTokenOptions};
+use ferrum_remote_executor::GenerateOptions;
 use ferrum_types::{MemoryObservation, RequestId, TokenId};
-use futures::StreamExt;
 
 const SCRIPTED: &str = "configurable,id=mock,vocab_size=1000,token_sequence=10:20:30,counter=per_sequence";
 
@@ -170,22 +170,12 @@ async fn refusals_stale_frontier_foreign_sequence_closed_sequence_and_mixed_shap
     assert_no_caches_left(&exec).await;
 }
 
+/// The server's own greedy `Generate` for `prompt` (EOS ignored, as the steps above ignore it).
 async fn server_generate(client: &Client, prompt: &[u32], max_tokens: u32) -> Vec<u32> {
-    let mut stream = client
-        .generate(proto::GenerateRequest {
-            prompt: Some(proto::generate_request::Prompt::TokenIds(proto::TokenIds { token_ids: prompt.iter().map(|&t| t as i32).collect() })),
-            stop: Some(proto::StopConditions { max_tokens, ignore_eos: true, ..Default::default() }),
-            ..Default::default()
-        })
-        .await
-        .expect("Generate");
-    let mut out = Vec::new();
-    while let Some(ev) = stream.next().await {
-        if let Some(proto::generate_response::Event::Token(t)) = ev.expect("event").event {
-            out.push(t.token_id as u32);
-        }
-    }
-    out
+    let tokens = proto::generate_request::Prompt::TokenIds(proto::TokenIds { token_ids: prompt.iter().map(|&t| t as i32).collect() });
+    let opts = GenerateOptions { max_tokens, ignore_eos: true, ..Default::default() };
+    let out = client.generate_all(Some(tokens), opts).await.expect("Generate");
+    out.samples[0].iter().map(|&t| t as u32).collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,13 +2,7 @@
 //! `ferrum-service` through `RemoteTokenExecutor` (see `common/upstream_shim.rs`).
 
 #[path = "common/upstream_shim.rs"]
+#[macro_use]
 mod shim;
 
-/// What the upstream file imports as `ferrum_testkit`: the real crate, its executors remote.
-mod ferrum_testkit {
-    #[allow(unused_imports)]
-    pub use crate::shim::{ShimExecutor as ConfigurableModelExecutor, ShimExecutor as MockModelExecutor};
-    pub use real_ferrum_testkit::*;
-}
-
-include!(concat!(env!("OUT_DIR"), "/upstream/continuous_batch_test.rs"));
+upstream_test!("continuous_batch_test.rs");

@@ -18,6 +18,21 @@
 //! cache makes the binary fail, naming the test.
 #![allow(dead_code)]
 
+/// One upstream test binary: `upstream_test!("correctness_test.rs")` at the test crate's root
+/// gives it the `ferrum_testkit` the upstream file imports (the real crate, its two scripted
+/// executors served remotely) and includes the file (prepared by build.rs).
+macro_rules! upstream_test {
+    ($file:literal) => {
+        /// What the upstream file imports as `ferrum_testkit`.
+        mod ferrum_testkit {
+            #[allow(unused_imports)]
+            pub use crate::shim::{ShimExecutor as ConfigurableModelExecutor, ShimExecutor as MockModelExecutor};
+            pub use real_ferrum_testkit::*;
+        }
+        include!(concat!(env!("OUT_DIR"), "/upstream/", $file));
+    };
+}
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
