@@ -4,7 +4,8 @@
 #
 #   scripts/test.sh              everything
 #   scripts/test.sh -k decode    extra arguments go to pytest (the other suites still run)
-#   FERRUM_SKIP="rust go"        skip some of: protos python go typescript rust packages deploy image
+#   FERRUM_SKIP="rust go"        skip some of: protos python go typescript rust rust-execution
+#                                packages deploy image
 #
 # First run on a fresh machine: installs the venv (torch, transformers, ...) into
 # ~/.cache/ferrum-service; later runs reuse it while pyproject.toml is unchanged.
@@ -40,7 +41,7 @@ if prom=$(bash scripts/prometheus_tool.sh); then export FERRUM_PROMETHEUS="$prom
 if gw=$(bash scripts/gateway_venv.sh); then export FERRUM_SMG_VENV="$gw"; fi
 run protos bash scripts/check_protos.sh
 run python pytest_suite "$@"
-for part in go typescript rust; do
+for part in go typescript rust rust-execution; do
   [ -f "clients/$part/ci.sh" ] && run "$part" bash "clients/$part/ci.sh"
 done
 # What users install: wheels in a new venv, the npm tarball, `cargo package`, the Go directive.

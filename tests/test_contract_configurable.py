@@ -174,3 +174,18 @@ def test_default_mixed_step_is_all_or_nothing():
                       [DecodeInput(cache_id="no-such-cache", token_id=9)])
     assert {e.cache_id for e in ex.registry.entries()} == live  # the new prompt's cache was released
     assert ex.registry.get(old).num_tokens == 3  # the continued prompt was truncated back
+
+
+def test_per_sequence_script_counts_decoded_tokens_after_a_chunked_prompt(client):
+    # ferrum 0.18's scripted executor: the decode script restarts per sequence and its step is the
+    # decode position minus the whole prompt, however many chunks the prompt came in. The prompt's
+    # later chunks are not decoded tokens.
+    first = client.prefill("perseq", [1, 2, 3]).output
+    cid = first.cache.cache_id
+    last = client.prefill("perseq", [4, 5], cache_id=cid).output
+    assert last.cache.num_tokens == 5 and last.output.token_id == SEQ[0]
+    toks = [last.output.token_id]
+    for _ in range(4):
+        toks.append(client.decode("perseq", cid, toks[-1]).output.output.token_id)
+    assert toks == expected_stream(5)  # as for an unchunked prompt: [10, 10, 20, 30, 10]
+    client.release_cache("perseq", cid)

@@ -13,8 +13,9 @@ Mirrors ``crates/ferrum-testkit/src/configurable_executor.rs``:
 * ``forward_verify`` is the trait default: N+1 serial decodes (the counter advances N+1 times);
   ``unified_decode`` is unsupported; ``truncate_kv`` only moves the cache's length.
 
-``counter="per_sequence"`` is an explicit extra (not in ferrum): the step is the number of tokens
-decoded into that cache, so truncating a cache rewinds its script.
+``counter="per_sequence"`` is ferrum 0.18's rule (testkit 0.18.4 restarts the script per
+sequence): the step is the number of tokens decoded into that cache after its whole prompt (every
+prefill chunk counts as prompt), so truncating a cache rewinds its script.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ class ConfigurableModelExecutor(ModelExecutor):
         if inp.cache_id:
             entry = self.registry.get(inp.cache_id)
             self.registry.extend(entry, inp.token_ids)
+            # A later prompt chunk: its tokens are prompt, not decoded (the per-sequence script).
+            entry.payload = {"prompt_len": entry.num_tokens}
         else:
             entry = self.registry.create(inp.token_ids, reserve_tokens=inp.reserve_tokens)
             entry.payload = {"prompt_len": len(inp.token_ids)}

@@ -62,9 +62,11 @@
 //!
 //! `ferrum-interfaces = "=0.8.8"`, the newest release of the 0.8 line. Its `ModelExecutor` is the
 //! 43-method trait the contract mirrors (the legacy 21 methods of ferrum 0.7.7 plus the plan-runtime
-//! hooks and `admission_limits`). 0.12.x adds prefix-capture methods the contract has no RPC for;
-//! 0.18.x no longer contains a `ModelExecutor` trait at all (the crate was split). 0.8.8 builds here
-//! with lean dependencies (serde, tokio, async-trait, rand; no candle, no GPU crate).
+//! hooks and `admission_limits`). 0.12.x adds prefix-capture methods the contract has no RPC for.
+//! From 0.14 on the trait lives in the crate `ferrum-execution` and speaks a token-execution
+//! protocol (`admit_tokens` / `execute_tokens` / `finish_tokens`); its 0.18.4 version is served by
+//! the sibling crate `clients/rust-execution` (`RemoteTokenExecutor`). 0.8.8 builds here with lean
+//! dependencies (serde, tokio, async-trait, rand; no candle, no GPU crate).
 //!
 //! ## Mapping
 //!
