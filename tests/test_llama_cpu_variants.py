@@ -61,6 +61,7 @@ def portable(tmp_path_factory) -> dict[str, str]:
         zf.extractall(site)
     for lib in (site / "llama_cpp/lib").glob("*.so*"):
         lib.chmod(0o755)
+    (site / "llama_cpp/lib/libggml-cpu-sapphirerapids.so").unlink()  # as the CPU image does (AMX)
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO), str(REPO / "clients/python")])}
 
 
@@ -70,7 +71,7 @@ import llama_cpp.llama_cpp as L
 from ferrum_service.executors.llama_cpp import backend, cpu_variants
 lib = cpu_variants.llama_lib_dir()
 assert "site-packages" not in str(lib) and cpu_variants.variant_files(lib), lib
-ggml = ctypes.CDLL(str(lib / "libggml.so"))
+ggml = ctypes.CDLL(str(cpu_variants.ggml_library(lib)))
 ggml.ggml_backend_reg_count.restype = ctypes.c_size_t
 L.llama_backend_init()  # llama.cpp's own attempt: the Python executable's directory and the cwd
 print("without", ggml.ggml_backend_reg_count())
@@ -123,6 +124,7 @@ def test_variants_that_cannot_load_are_refused_by_name(portable, tmp_path: Path)
         for f in lib.glob(name + "*"):
             (tmp_path / f.name).write_bytes(f.read_bytes())
     (tmp_path / "libggml-cpu-x64.so").write_bytes(b"\x7fELF truncated")
+    assert cpu_variants.ggml_library(tmp_path).name == "libggml.so.0"
     code = ("import sys; from pathlib import Path; from ferrum_service.executors.llama_cpp import cpu_variants\n"
             "try:\n    cpu_variants.load_cpu_variant(Path(sys.argv[1]))\n"
             "except RuntimeError as e:\n    print('refused:', e)\n")

@@ -43,6 +43,15 @@ def variant_files(lib_dir: Path) -> list[Path]:
     return sorted(lib_dir.glob(VARIANT_GLOB))
 
 
+def ggml_library(lib_dir: Path) -> Path:
+    """The ``libggml`` file that ``libllama`` links (its soname, ``libggml.so.0``, found beside it
+    through its ``$ORIGIN`` run path). A wheel stores ``libggml.so`` and ``libggml.so.0`` as two
+    copies, not a link; opening the other copy would load a second ggml whose backend registry
+    llama.cpp never sees."""
+    soname = lib_dir / "libggml.so.0"
+    return soname if soname.exists() else lib_dir / "libggml.so"
+
+
 def mapped_variant(maps: str) -> str | None:
     """The CPU variant loaded into this process, read from ``/proc/self/maps`` text (ggml opens
     each candidate to score it and keeps only the one it picked)."""
@@ -65,7 +74,7 @@ def load_cpu_variant(lib_dir: Path | None = None) -> str | None:
     variants = variant_files(lib_dir)
     if not variants:
         return None
-    ggml = ctypes.CDLL(str(lib_dir / "libggml.so"))  # the library llama_cpp already opened
+    ggml = ctypes.CDLL(str(ggml_library(lib_dir)))  # the library libllama already opened
     ggml.ggml_backend_reg_count.restype = ctypes.c_size_t
     ggml.ggml_backend_reg_count.argtypes = []
     ggml.ggml_backend_load_all_from_path.restype = None
@@ -85,4 +94,4 @@ def load_cpu_variant(lib_dir: Path | None = None) -> str | None:
     return _loaded
 
 
-__all__ = ["VARIANT_GLOB", "llama_lib_dir", "load_cpu_variant", "mapped_variant", "variant_files"]
+__all__ = ["VARIANT_GLOB", "ggml_library", "llama_lib_dir", "load_cpu_variant", "mapped_variant", "variant_files"]
