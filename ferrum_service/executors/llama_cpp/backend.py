@@ -7,6 +7,8 @@ import ctypes
 
 import structlog
 
+from .cpu_variants import load_cpu_variant
+
 log = structlog.get_logger(__name__)
 
 #: The least KV cells (tokens over all sequences) a default budget gives.
@@ -38,7 +40,8 @@ _log_cb = None
 
 
 def init_backend(L) -> None:
-    """Initialise llama.cpp once; its log goes to structlog, errors only (it logs every tensor)."""
+    """Initialise llama.cpp once; its log goes to structlog, errors only (it logs every tensor). A build
+    with per-CPU backend variants gets the best one loaded first (:mod:`.cpu_variants`)."""
     global _backend_ready, _log_cb
     if _backend_ready:
         return
@@ -56,6 +59,7 @@ def init_backend(L) -> None:
 
     _log_cb = L.llama_log_callback(on_log)  # kept referenced: llama.cpp holds the pointer
     L.llama_log_set(_log_cb, None)
+    load_cpu_variant()  # a build for any x86-64 CPU: its best CPU backend, before llama_backend_init
     L.llama_backend_init()
     _backend_ready = True
 
