@@ -334,6 +334,8 @@ STANDARD_ENV: dict[str, str] = {
                         "default ~/.cache/ferrum-service)",
     "CXX": "the C++ compiler that builds the CPU paged-attention op (default `c++`; none: the op is off, "
            "one warning)",
+    "LLAMA_CPP_LIB_PATH": "where llama-cpp-python loads its shared libraries from (read by llama-cpp-python; "
+                          "the CPU-variant loader looks there too)",
 }
 
 _BY_NAME = {s.name: s for s in SETTINGS}

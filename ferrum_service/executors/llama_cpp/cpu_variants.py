@@ -20,6 +20,8 @@ from pathlib import Path
 
 import structlog
 
+from ...core import settings
+
 log = structlog.get_logger(__name__)
 
 #: The per-variant CPU backends of a GGML_CPU_ALL_VARIANTS build.
@@ -30,7 +32,7 @@ _MAPPED_VARIANT = re.compile(r"/libggml-cpu-([A-Za-z0-9_]+)\.so")
 def llama_lib_dir() -> Path:
     """The directory llama-cpp-python loads its shared libraries from (``LLAMA_CPP_LIB_PATH``, as
     llama-cpp-python reads it, else ``llama_cpp/lib`` in the installed package)."""
-    override = os.environ.get("LLAMA_CPP_LIB_PATH")
+    override = settings.env("LLAMA_CPP_LIB_PATH")
     if override:
         return Path(override)
     import llama_cpp
