@@ -82,6 +82,7 @@ class Target:
         self.executor = h.executor
         caps = self.stub.Capabilities(pb.CapabilitiesRequest(model_id=model_id), timeout=DEADLINE).capabilities
         self.max_len = caps.max_sequence_length
+        self.max_rows = caps.max_batch_size or 0  # rows one step may carry (0: no limit)
         self.unified = caps.supports_native_unified_decode
         # Executors that fork share blocks between caches (and reuse cached prefixes): the machine's
         # budget model, which gives every cache its own blocks, is then an upper bound on the need.
@@ -238,10 +239,13 @@ class ExecutorMachine(RuleBasedStateMachine):
         cids = [c for c in self.pick(data, k) if self.room(c) >= 1]
         if not cids:
             return
-        new = {c: self.caches[c] + 1 for c in cids}
-        r = self.valid("BatchDecode", lambda: self.t.stub.BatchDecode(pb.BatchDecodeRequest(
+        rows = lambda: self.t.stub.BatchDecode(pb.BatchDecodeRequest(  # noqa: E731
             model_id=self.mid, inputs=[pb.DecodeInput(cache_id=c, token_id=i % self.t.vocab) for i, c in enumerate(cids)]),
-            timeout=DEADLINE), fits=self.fits(new))
+            timeout=DEADLINE)
+        if self.t.max_rows and len(cids) > self.t.max_rows:  # past the declared rows per step: refused, nothing grows
+            return self.hostile("BatchDecode past the rows per step", rows, {C.INVALID_ARGUMENT})
+        new = {c: self.caches[c] + 1 for c in cids}
+        r = self.valid("BatchDecode", rows, fits=self.fits(new))
         if r is not None:
             assert [o.cache.num_tokens for o in r.outputs] == [new[c] for c in cids]
             self.caches.update(new)
@@ -431,8 +435,7 @@ class ExecutorMachine(RuleBasedStateMachine):
             self.caches[fin.cache.cache_id] = fin.cache.num_tokens
             self.reserved[fin.cache.cache_id] = len(p) + max_tokens  # the stream's reservation stays with the cache
             self.stats["Generate(keep_cache)"] += 1
-        else:
-            self.stats["Generate"] += 1
+        self.stats["Generate"] += 1  # any completed stream; the two above count its variants too
 
     # ---- hostile steps ---------------------------------------------------------------------------
     @rule(data=st.data())

@@ -32,10 +32,10 @@ from .test_smg_gateway import venv  # noqa: F401 - fixture (skips when the gatew
 pytestmark = pytest.mark.slow
 
 WEDGE_SECS = 3  # SMG's --worker-wedge-secs default, passed explicitly
-#: The bound on (exclusion - last step): SMG's wedge bound, one heartbeat (1 s), SMG's own check,
-#: and slack for a busy 2-core machine (3.3 and 4.2 s measured here). The issue's target is SMG's
-#: staleness threshold (15 s) + 2 s.
-EXCLUSION_BOUND_S = WEDGE_SECS + 3.0
+#: The bound on (exclusion - last step): the issue's target, SMG's staleness threshold (15 s) + 2 s.
+#: Measured: 3.3 and 4.2 s on an idle 2-core machine, 8.1 s under CI's load (the wedge bound, one
+#: heartbeat, SMG's own check and a starved gateway); a worker that pushed no load is never excluded.
+EXCLUSION_BOUND_S = 15.0 + 2.0
 #: Bound on SMG listing the model -> its tokenizer registered: 3.0 s measured here (busy machine),
 #: 19.0 s when the worker converted the tokenizer on SMG's first GetTokenizer.
 TOKENIZER_REGISTERED_S = 6.0
