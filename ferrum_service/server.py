@@ -166,8 +166,7 @@ class Server:
                                   activity=self.activity)
         self.draining = False
         self.health = health.aio.HealthServicer()
-        self.streams = StreamRegistry(models, self.activity)
-        self.streams.serving = self.metrics.serving
+        self.streams = StreamRegistry(models, self.activity, serving=self.metrics.serving)
         self.serving_log = ServingLog(models, self.streams, self.metrics.serving, interval=cfg.stats_log_interval,
                                       request_log=cfg.request_log)
         self.metrics.model_server_protocol(models, self.streams)
@@ -177,11 +176,11 @@ class Server:
                                  max_subscribers=cfg.max_kv_event_subscribers,
                                  max_subscribers_per_caller=cfg.max_kv_event_subscribers_per_caller)
         for host in models:
-            host.executor.registry.on_event = (
+            host.executor.registry.subscribe(
                 lambda kind, e, hub=self.events: hub.publish(kind, e.model_id, e.cache_id, e.num_tokens, e.tenant))
             prefix = getattr(host.executor, "prefix", None)
             if prefix is not None:
-                prefix.on_event = lambda kind, data, hub=self.events, m=host.model_id: hub.publish_block(kind, m, data)
+                prefix.subscribe(lambda kind, data, hub=self.events, m=host.model_id: hub.publish_block(kind, m, data))
         self.zmq_events = None  # block events for llm-d on ZeroMQ (zmq_kv_events.py)
         if cfg.kv_events_zmq_endpoint:
             if cfg.per_caller:
@@ -306,8 +305,7 @@ class Server:
 
     async def _start_drain_by_migration(self) -> None:
         """No new work from now on (migration.py): health NOT_SERVING, ``ModelLoad.draining``."""
-        if not self.migrations.draining:
-            self.migrations.draining = True
+        if self.migrations.start_draining():
             await self.health.enter_graceful_shutdown()
             log.info("draining by migration", active_streams=len(self.streams.generations))
 

@@ -552,7 +552,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         if self.hooks.start_drain is not None:
             await self.hooks.start_drain()
         else:
-            self.migrations.draining = True
+            self.migrations.start_draining()
 
     async def Abort(self, request, context):
         async def run():
