@@ -35,17 +35,20 @@ from .hosting.models import ModelSet
 from .hosting.progress import StallWatch
 from .wire import tracing
 from .wire.auth import AuthInterceptor, is_admin_call
+from .wire.kv_transfer import KvTransfer
 from .wire.leases import LeaseReaper
 from .wire.limits import add_guarded
 from .wire.metrics import Metrics
+from .wire.migration import Migrations
 from .wire.operations import Operations
 from .wire.reflection import enable_reflection
+from .wire.rpc_guard import RpcGuard
 from .wire.servicer import ModelExecutorServicer, ServerHooks
 from .wire.serving_log import ServingLog
 from .wire.streams import StreamRegistry
 from .wire.validate import RequestChecks
 from .wire.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
-from .wire.vllm_engine import VllmEngineServicer
+from .wire.vllm_engine import VllmEngineServicer, VllmParts
 from .wire.vllm_limits import VLLM_LIMITS
 
 log = structlog.get_logger("ferrum_service.server")
@@ -163,8 +166,7 @@ class Server:
                                   activity=self.activity)
         self.draining = False
         self.health = health.aio.HealthServicer()
-        self.streams = StreamRegistry(models, self.activity)
-        self.streams.serving = self.metrics.serving
+        self.streams = StreamRegistry(models, self.activity, serving=self.metrics.serving)
         self.serving_log = ServingLog(models, self.streams, self.metrics.serving, interval=cfg.stats_log_interval,
                                       request_log=cfg.request_log)
         self.metrics.model_server_protocol(models, self.streams)
@@ -174,11 +176,11 @@ class Server:
                                  max_subscribers=cfg.max_kv_event_subscribers,
                                  max_subscribers_per_caller=cfg.max_kv_event_subscribers_per_caller)
         for host in models:
-            host.executor.registry.on_event = (
+            host.executor.registry.subscribe(
                 lambda kind, e, hub=self.events: hub.publish(kind, e.model_id, e.cache_id, e.num_tokens, e.tenant))
             prefix = getattr(host.executor, "prefix", None)
             if prefix is not None:
-                prefix.on_event = lambda kind, data, hub=self.events, m=host.model_id: hub.publish_block(kind, m, data)
+                prefix.subscribe(lambda kind, data, hub=self.events, m=host.model_id: hub.publish_block(kind, m, data))
         self.zmq_events = None  # block events for llm-d on ZeroMQ (zmq_kv_events.py)
         if cfg.kv_events_zmq_endpoint:
             if cfg.per_caller:
@@ -209,29 +211,29 @@ class Server:
             advertise = f"{cfg.host}:{self.port}"
         else:
             advertise = ""
+        ops = Operations(models, checks)
+        self.kv = KvTransfer(models, checks, max_message_bytes=cfg.max_message_bytes, metrics=self.metrics,
+                             peers=self.kv_peers, import_idle_s=cfg.kv_import_idle_timeout,
+                             import_total_s=cfg.kv_import_timeout)
+        self.migrations = Migrations(models, checks, self.kv, self.kv_peers, self.streams, advertise,
+                                     resume_s=cfg.migration_resume_s, precopy_tokens=cfg.migration_precopy_tokens)
+        guard = RpcGuard(self.metrics, activity=self.activity, tokens_checked=bool(cfg.auth_tokens),
+                         admin_open=bool(cfg.admin_tokens) or cfg.open_admin_rpcs,
+                         shutting_down=lambda: self.draining, migrating=lambda: self.migrations.draining,
+                         stream_write_timeout=cfg.stream_write_timeout)
         hooks = ServerHooks(is_admin=lambda metadata: is_admin_call(metadata, cfg.admin_tokens, cfg.open_admin_rpcs),
                             on_model_shutdown=self._model_down, start_drain=self._start_drain_by_migration)
-        self.servicer = ModelExecutorServicer(models, Operations(models, checks),
-                                              self.streams, self.events, self.metrics,
-                                              draining=lambda: self.draining,
-                                              tokens_checked=bool(cfg.auth_tokens),
-                                              admin_open=bool(cfg.admin_tokens) or cfg.open_admin_rpcs,
-                                              activity=self.activity, role=role,
-                                              max_message_bytes=cfg.max_message_bytes, kv_peers=self.kv_peers,
-                                              import_idle_s=cfg.kv_import_idle_timeout,
-                                              import_total_s=cfg.kv_import_timeout,
-                                              resume_s=cfg.migration_resume_s, advertise=advertise,
-                                              precopy_tokens=cfg.migration_precopy_tokens, hooks=hooks,
-                                              stream_write_timeout=cfg.stream_write_timeout)
+        self.servicer = ModelExecutorServicer(models, ops, self.streams, self.events, self.metrics, self.kv,
+                                              self.migrations, guard, role=role, hooks=hooks)
         # Every request is checked against the declared size limits before its handler runs (limits.py).
-        refused = self.servicer.refused
         add_guarded(self.grpc, self.servicer, executor_pb2.DESCRIPTOR.services_by_name["ModelExecutor"],
-                    on_refusal=refused)
+                    on_refusal=guard.refused)
         # vLLM's engine protocol on the same port, for gateways that drive vLLM workers (vllm_engine.py)
-        self.vllm = VllmEngineServicer(self.servicer, shared_prefix_cache=cfg.vllm_shared_prefix_cache,
+        parts = VllmParts(models, ops, self.streams, self.events, self.metrics, guard, self.kv, role, advertise)
+        self.vllm = VllmEngineServicer(parts, shared_prefix_cache=cfg.vllm_shared_prefix_cache,
                                        pairing_protocol=cfg.pairing_protocol)
         add_guarded(self.grpc, self.vllm, vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"], VLLM_LIMITS,
-                    rpc_prefix="VllmEngine.", on_refusal=refused)
+                    rpc_prefix="VllmEngine.", on_refusal=guard.refused)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         if cfg.reflection:
             enable_reflection(self.grpc, (SERVICE_NAME, VLLM_SERVICE_NAME,
@@ -303,8 +305,7 @@ class Server:
 
     async def _start_drain_by_migration(self) -> None:
         """No new work from now on (migration.py): health NOT_SERVING, ``ModelLoad.draining``."""
-        if not self.servicer.migrations.draining:
-            self.servicer.migrations.draining = True
+        if self.migrations.start_draining():
             await self.health.enter_graceful_shutdown()
             log.info("draining by migration", active_streams=len(self.streams.generations))
 
@@ -315,7 +316,7 @@ class Server:
         if self.cfg.drain_to and self.streams.generations:
             await self._start_drain_by_migration()
             try:
-                out = await self.servicer.migrations.migrate(self.cfg.drain_to, wait_s=max(grace, 1.0))
+                out = await self.migrations.migrate(self.cfg.drain_to, wait_s=max(grace, 1.0))
                 log.info("drain: streams moved", target=self.cfg.drain_to, migrated=sum(r.migrated for r in out),
                          refused=[(r.request_id, r.error_code) for r in out if not r.migrated])
             except Exception:  # noqa: BLE001 - a failed move leaves the streams to the ordinary drain
@@ -333,8 +334,8 @@ class Server:
         await self.stalls.stop()
         await self.serving_log.stop()
         self.servicer.ops.checks.compiler.close()
-        self.servicer.migrations.close()
-        await self.servicer.kv.close()
+        self.migrations.close()
+        await self.kv.close()
         await self.vllm.close()
         if self.zmq_events is not None:
             await self.zmq_events.close()

@@ -79,6 +79,7 @@ def test_the_parts_the_server_configures_default_to_the_table():
     from ferrum_service.server import host_models
     from ferrum_service.wire.kv_transfer import DEFAULT_IMPORT_IDLE_S
     from ferrum_service.wire.migration import DEFAULT_RESUME_S
+    from ferrum_service.wire.rpc_guard import RpcGuard
     from ferrum_service.wire.servicer import ModelExecutorServicer
 
     def param(fn, name):
@@ -97,7 +98,7 @@ def test_the_parts_the_server_configures_default_to_the_table():
         (param(KvEventHub, "max_subscribers"), "max_kv_event_subscribers"),
         (param(KvEventHub, "max_subscribers_per_caller"), "max_kv_event_subscribers_per_caller"),
         (param(KvPeers, "max_message_bytes"), "max_message_bytes"),
-        (param(ModelExecutorServicer, "max_message_bytes"), "max_message_bytes"),
+        (param(RpcGuard, "stream_write_timeout"), "stream_write_timeout"),
         (param(ModelExecutorServicer, "role"), "role"),
     ]
     for value, name in pairs:

@@ -117,6 +117,10 @@ class CacheRegistry:
         self.staged_tokens = 0
 
     # ---- queries -----------------------------------------------------------------------------
+    def subscribe(self, sink: Callable[[CacheEvent, CacheEntry], None]) -> None:
+        """Send this registry's cache events to ``sink`` (the server's KV event hub; one sink)."""
+        self.on_event = sink
+
     def __len__(self) -> int:
         return len(self._caches)
 

@@ -115,9 +115,11 @@ class KvTransfer:
         # writes (its abort) runs after them.
         self._io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer")
         self._aborts: set[asyncio.Task] = set()
-        #: Called with (model id, cache id) once an export has sent its last chunk (the vLLM
-        #: protocol's PD handoff frees a prefill's cache after its one pull: ``vllm_pd.py``).
-        self.on_exported: Callable[[str, str], None] | None = None
+        self._on_exported: list[Callable[[str, str], None]] = []  # subscribe_exports
+
+    def subscribe_exports(self, callback: Callable[[str, str], None]) -> None:
+        """``callback(model id, cache id)`` after an export's last chunk (``vllm_pd.py``: a PD prefill's cache)."""
+        self._on_exported.append(callback)
 
     @staticmethod
     def _require(host) -> None:
@@ -217,8 +219,8 @@ class KvTransfer:
                     if self.metrics is not None:
                         self.metrics.kv_transfer_bytes.labels(host.model_id, "export").inc(
                             sum(len(x.chunk.key) + len(x.chunk.value) for x in msgs))
-                if self.on_exported is not None:
-                    self.on_exported(host.model_id, req.cache_id)
+                for callback in self._on_exported:
+                    callback(host.model_id, req.cache_id)
             finally:
                 if not nxt.done():
                     nxt.cancel()
@@ -246,8 +248,8 @@ class KvTransfer:
                                                            checksum=checksum(piece, b"")))
             if self.metrics is not None:
                 self.metrics.kv_transfer_bytes.labels(host.model_id, "export").inc(len(blob))
-            if self.on_exported is not None:
-                self.on_exported(host.model_id, req.cache_id)
+            for callback in self._on_exported:
+                callback(host.model_id, req.cache_id)
 
     # ---- import ---------------------------------------------------------------------------------
     async def import_(self, requests: AsyncIterator[pb.ImportKvRequest], metadata) -> pb.ImportKvResponse:

@@ -605,6 +605,11 @@ class Migrations:
             p.timer.cancel()
         return p
 
+    def start_draining(self) -> bool:
+        """Take no new work from now on (MigrateStreams(drain), --drain-to); True the first time."""
+        first, self.draining = not self.draining, True
+        return first
+
     def close(self) -> None:
         for token in list(self.parked):
             self._expire(token)

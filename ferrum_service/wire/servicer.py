@@ -6,10 +6,8 @@ do their work here — the metadata RPCs read the executor directly, ``Loads`` s
 and KV capacity per model, ``ListCaches`` filters caches by caller, the tokenizer RPCs run the
 tokenizer on a thread, Warmup, Shutdown and the LoRA admin RPCs check admin rights, and ``SubscribeKvEvents`` and
 ``Session`` run their stream loops here.
-One guard (:meth:`ModelExecutorServicer.answer`) refuses work while the server drains and turns
-every error into a gRPC status (``convert.status_of``: ErrorInfo always; BadRequest naming the
-field; RetryInfo for RESOURCE_EXHAUSTED / UNAVAILABLE); an unexpected exception is logged with its
-traceback and answered INTERNAL. A Session step's error travels in band as a ``StepError``.
+Every RPC runs under the server's one guard (``rpc_guard.py``: draining, errors as statuses,
+metrics, tracing). A Session step's error travels in band as a ``StepError``.
 The server (``server.py``) builds the parts and hands them in.
 """
 
@@ -28,10 +26,9 @@ from grpc_status import rpc_status
 
 from .. import __version__
 from ..core import errors
-from ..core.callers import CallerActivity, current_caller, current_origin, enter_call
+from ..core.callers import current_caller, current_origin
 from ..core.modes import CacheEvent, ExecutorState, Role
 from ..core.request_limits import limit_of
-from ..core.settings import default
 from ..hosting.kv_events import KvEventHub, SubscriberDropped
 from ..hosting.models import ModelSet
 from . import tracing
@@ -56,34 +53,15 @@ from .kv_transfer import KvTransfer
 from .metrics import Metrics
 from .migration import Migrations
 from .operations import Operations
+from .rpc_guard import RpcGuard, request_ids
 from .streams import StreamRegistry
-from .write_deadline import send_stream
 
 log = structlog.get_logger("ferrum_service.wire.servicer")
 
 _ROLES = {Role.BOTH: pb.SERVER_ROLE_BOTH, Role.PREFILL: pb.SERVER_ROLE_PREFILL, Role.DECODE: pb.SERVER_ROLE_DECODE}
 
-#: What a server that drains by migration still answers (reads, its caches' export to peers, moves).
-_WHILE_MIGRATING = {"Info", "Capabilities", "Status", "KvCapacity", "AdmissionLimits", "KvSlotCapacity",
-                    "CacheMetrics", "LoraMetrics", "Loads", "ListCaches", "ListAdapters", "ExportKv", "Abort",
-                    "ReleaseCache", "MigrateStreams", "Tokenize", "Detokenize", "ApplyChatTemplate", "Shutdown",
-                    "AcceptMigration",  # refuses new streams itself, but drops pre-copies (migration.py)
-                    # the vLLM protocol's reads and Abort (its HealthCheck says the server drains)
-                    "VllmEngine.GetModelInfo", "VllmEngine.GetServerInfo", "VllmEngine.GetLoads",
-                    "VllmEngine.GetTokenizer", "VllmEngine.Abort"}
-
 #: Most token ids one Detokenize call may carry (declared in the contract).
 MAX_DETOKENIZE_IDS = limit_of(pb.DetokenizeRequest, "token_ids")
-
-
-def _ids(request) -> dict:
-    """The ids a request carries, as span attributes."""
-    if request is None:
-        return {}
-    inner = getattr(request, "input", None)
-    return {"model_id": getattr(request, "model_id", ""),
-            "cache_id": getattr(request, "cache_id", "") or getattr(inner, "cache_id", ""),
-            "request_id": getattr(request, "request_id", "") or getattr(inner, "request_id", "")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,102 +73,24 @@ class ServerHooks:
     start_drain: "Callable[[], Awaitable[None]] | None" = None  # stop taking new work (MigrateStreams drain)
 
 
-class _Outcome:
-    """The status code an RPC ended with (for metrics)."""
-
-    code = "OK"
-
-
 class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
     """Serves every hosted model through the contract."""
 
     def __init__(self, models: ModelSet, ops: Operations, streams: StreamRegistry, events: KvEventHub,
-                 metrics: Metrics, *, draining: Callable[[], bool] = lambda: False, tokens_checked: bool = False,
-                 admin_open: bool = False, activity: CallerActivity | None = None,
-                 role: Role = Role.BOTH, max_message_bytes: int = default("max_message_bytes"), kv_peers=None,
-                 import_idle_s: float | None = None, import_total_s: float | None = None, advertise: str = "", resume_s: float | None = None,
-                 hooks: "ServerHooks | None" = None, stream_write_timeout: float = default("stream_write_timeout"),
-                 precopy_tokens: int | None = None) -> None:
-        """``tokens_checked``: bearer tokens are verified (they then name the caller that owns a
-        cache); ``admin_open``: Warmup / Shutdown may be called (admin tokens guard them, or the
-        operator opened them); ``activity``: where each call's origin is recorded (for the lease
-        reaper's idle-origin rule); ``hooks``: what the server around it does for it."""
+                 metrics: Metrics, kv: KvTransfer, migrations: Migrations, guard: RpcGuard, *,
+                 role: Role = Role.BOTH, hooks: "ServerHooks | None" = None) -> None:
+        """``guard``: what every RPC runs under (draining, errors as statuses, metrics; shared with
+        the vLLM protocol's service); ``hooks``: what the server around it does for it."""
         self.models = models
         self.hooks = hooks if hooks is not None else ServerHooks()
-        self.activity = activity if activity is not None else CallerActivity()
-        self.tokens_checked = tokens_checked
-        self.admin_open = admin_open
+        self.guard = guard
         self.ops = ops
         self.streams = streams
         self.events = events
         self.metrics = metrics
-        self.draining = draining
         self.role = Role.parse(role)
-        self.kv = KvTransfer(models, ops.checks, max_message_bytes=max_message_bytes, metrics=metrics, peers=kv_peers,
-                             **({} if import_idle_s is None else {"import_idle_s": import_idle_s}),
-                             **({} if import_total_s is None else {"import_total_s": import_total_s}))
-        self.migrations = Migrations(models, ops.checks, self.kv, self.kv.peers, streams, advertise,
-                                     **({} if resume_s is None else {"resume_s": resume_s}),
-                                     **({} if precopy_tokens is None else {"precopy_tokens": precopy_tokens}))
-        # seconds a server stream's next message may wait for its client (write_deadline.py; 0 = none)
-        self.stream_write_timeout = stream_write_timeout
-
-    # ---- plumbing -------------------------------------------------------------------------------
-    def _check_serving(self) -> None:
-        if self.draining():
-            raise errors.unavailable("the server is shutting down; retry on another replica")
-
-    @contextlib.asynccontextmanager
-    async def answer(self, rpc: str, context: grpc.aio.ServicerContext, request=None):
-        """Run an RPC's body: refused while draining; errors leave as statuses; the call is timed,
-        counted under the code it ended with, and traced (when tracing is on). Every service this
-        server hosts runs its RPCs under it (the vLLM engine service too)."""
-        t0 = time.perf_counter()
-        outcome = _Outcome()
-        enter_call(context, self.activity, tokens_checked=self.tokens_checked)
-        span = tracing.start_rpc(rpc, context.invocation_metadata(), **_ids(request)) if tracing.enabled() else None
-        try:
-            self._check_serving()
-            if self.migrations.draining and rpc not in _WHILE_MIGRATING:
-                raise errors.unavailable("the server drains (its streams move to a peer); retry on another replica")
-            yield outcome
-        except asyncio.CancelledError:
-            outcome.code = "CANCELLED"
-            raise
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            e = as_ferrum_error(exc, rpc)
-            outcome.code = e.code.name
-            if isinstance(exc, errors.FerrumError):
-                self._log_refusal(rpc, e)
-            await context.abort_with_status(rpc_status.to_status(status_of(e)))
-        finally:
-            self.metrics.observe(rpc, outcome.code, time.perf_counter() - t0)
-            tracing.end(span, outcome.code)
-
-    async def unary(self, rpc: str, context: grpc.aio.ServicerContext, fn: Callable[[], Awaitable[Any]],
-                    request=None):
-        """A unary RPC: ``fn()``'s answer under :meth:`answer`."""
-        async with self.answer(rpc, context, request):
-            return await fn()
-
-    def refused(self, rpc: str, e: errors.FerrumError, seconds: float) -> None:
-        """A call refused before its handler ran (a request over a declared limit, ``limits.py``):
-        logged and counted as the guard counts the others."""
-        self._log_refusal(rpc, e)
-        self.metrics.observe(rpc, e.code.name, seconds)
-
-    async def send(self, rpc: str, messages: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
-        """Send a server stream's messages under the stream write timeout (write_deadline.py)."""
-        await send_stream(rpc, messages, context, self.stream_write_timeout)
-
-    def _log_refusal(self, rpc: str, e: errors.FerrumError) -> None:
-        lvl = log.warning if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else log.info
-        lvl("request refused", rpc=rpc, code=e.code.name, kind=e.kind.name, field=e.field, message=e.message,
-            **{k: v for k, v in e.metadata.items() if k in ("cache_id", "model_id")})
-        if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            self.metrics.admission_refusals.inc()
+        self.kv = kv
+        self.migrations = migrations
 
     # ---- metadata RPCs --------------------------------------------------------------------------
     async def Info(self, request, context):
@@ -199,13 +99,13 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             return pb.InfoResponse(models=[model_info_pb(h.executor.info()) for h in hosts],
                                    server_version=__version__, contract_version="ferrum.executor.v1",
                                    role=_ROLES[self.role])
-        return await self.unary("Info", context, run)
+        return await self.guard.unary("Info", context, run)
 
     async def Capabilities(self, request, context):
         async def run():
             h = self.models.get(request.model_id)
             return pb.CapabilitiesResponse(model_id=h.model_id, capabilities=capabilities_pb(h.capabilities))
-        return await self.unary("Capabilities", context, run)
+        return await self.guard.unary("Capabilities", context, run)
 
     async def Status(self, request, context):
         async def run():
@@ -219,13 +119,13 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                 p95_decode_latency_ms=s["p95_decode_ms"], throughput_tps=s["throughput_tps"],
             )
             return pb.StatusResponse(model_id=h.model_id, status=status_pb(st), metrics=metrics)
-        return await self.unary("Status", context, run)
+        return await self.guard.unary("Status", context, run)
 
     async def KvCapacity(self, request, context):
         async def run():
             h = self.models.get(request.model_id)
             return pb.KvCapacityResponse(model_id=h.model_id, capacity=kv_capacity_pb(h.executor.kv_capacity()))
-        return await self.unary("KvCapacity", context, run)
+        return await self.guard.unary("KvCapacity", context, run)
 
     async def AdmissionLimits(self, request, context):
         async def run():
@@ -237,10 +137,10 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     maximum_active_sequences=lim.maximum_active_sequences,
                     maximum_scheduled_tokens=lim.maximum_scheduled_tokens))
             return resp
-        return await self.unary("AdmissionLimits", context, run)
+        return await self.guard.unary("AdmissionLimits", context, run)
 
     async def ReserveKvSlots(self, request, context):
-        return await self.unary("ReserveKvSlots", context, lambda: self.ops.reserve_kv_slots(request))
+        return await self.guard.unary("ReserveKvSlots", context, lambda: self.ops.reserve_kv_slots(request))
 
     async def KvSlotCapacity(self, request, context):
         async def run():
@@ -251,7 +151,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                 resp.snapshot.CopyFrom(tpb.KvSlotCapacitySnapshot(
                     block_size=snap.block_size, total_blocks=snap.total_blocks, free_blocks=snap.free_blocks))
             return resp
-        return await self.unary("KvSlotCapacity", context, run)
+        return await self.guard.unary("KvSlotCapacity", context, run)
 
     async def CacheMetrics(self, request, context):
         async def run():
@@ -261,7 +161,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             if m is not None:
                 resp.metrics.CopyFrom(dict_to_struct(m))
             return resp
-        return await self.unary("CacheMetrics", context, run)
+        return await self.guard.unary("CacheMetrics", context, run)
 
     async def LoraMetrics(self, request, context):
         async def run():
@@ -271,29 +171,21 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             if m is not None:
                 resp.metrics.CopyFrom(dict_to_struct(m))
             return resp
-        return await self.unary("LoraMetrics", context, run)
-
-    def _check_admin(self, rpc: str) -> None:
-        """Admin RPCs are closed unless admin tokens guard them (the auth interceptor checks the
-        token) or the operator opened them (``--open-admin-rpcs``)."""
-        if not self.admin_open:
-            raise errors.permission_denied(
-                f"{rpc} is an admin RPC: configure admin tokens (--admin-token-file) or start the server with "
-                "--open-admin-rpcs")
+        return await self.guard.unary("LoraMetrics", context, run)
 
     async def Warmup(self, request, context):
         async def run():
-            self._check_admin("Warmup")
+            self.guard.check_admin("Warmup")
             t0 = time.perf_counter_ns()
             hosts = self.models.select(request.model_id)
             for h in hosts:
                 await h.call(h.executor.warmup)
             return pb.WarmupResponse(model_ids=[h.model_id for h in hosts], duration_ns=time.perf_counter_ns() - t0)
-        return await self.unary("Warmup", context, run)
+        return await self.guard.unary("Warmup", context, run)
 
     async def Shutdown(self, request, context):
         async def run():
-            self._check_admin("Shutdown")
+            self.guard.check_admin("Shutdown")
             hosts = self.models.select(request.model_id)
             freed = 0
             for h in hosts:
@@ -301,12 +193,12 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     freed += (await h.call(h.executor.shutdown)).value
                     self.on_model_shutdown(h.model_id)
             return pb.ShutdownResponse(model_ids=[h.model_id for h in hosts], released_caches=freed)
-        return await self.unary("Shutdown", context, run)
+        return await self.guard.unary("Shutdown", context, run)
 
     # ---- LoRA adapters ----------------------------------------------------------------------------
     async def LoadAdapter(self, request, context):
         async def run():
-            self._check_admin("LoadAdapter")
+            self.guard.check_admin("LoadAdapter")
             h = self.models.get(request.model_id)
             if not request.path:
                 raise errors.invalid("path is empty: name a PEFT adapter directory", field="path")
@@ -314,15 +206,15 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             adapter, loaded = t.value
             return pb.LoadAdapterResponse(adapter=adapter_pb(h, adapter, h.executor.adapter_bindings()),
                                           loaded=loaded, load_ns=t.forward_ns)
-        return await self.unary("LoadAdapter", context, run)
+        return await self.guard.unary("LoadAdapter", context, run)
 
     async def UnloadAdapter(self, request, context):
         async def run():
-            self._check_admin("UnloadAdapter")
+            self.guard.check_admin("UnloadAdapter")
             h = self.models.get(request.model_id)
             unloaded, dropped = (await h.call(h.executor.unload_adapter, request.name)).value
             return pb.UnloadAdapterResponse(unloaded=unloaded, dropped_blocks=dropped)
-        return await self.unary("UnloadAdapter", context, run)
+        return await self.guard.unary("UnloadAdapter", context, run)
 
     def is_admin(self, metadata) -> bool:
         """Whether a call (its metadata) may use the admin RPCs (the server's ``auth.is_admin_call``)."""
@@ -352,7 +244,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                                 info.steps = 0
                         out.append(info)
             return pb.ListAdaptersResponse(adapters=out)
-        return await self.unary("ListAdapters", context, run)
+        return await self.guard.unary("ListAdapters", context, run)
 
     def on_model_shutdown(self, model_id: str) -> None:
         """The server flips the model's health to NOT_SERVING."""
@@ -374,7 +266,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             self.ops.checks.check_text(h, [request.text], "text")
             ids = await asyncio.to_thread(tok.encode, request.text, add_special_tokens=request.add_special_tokens)
             return pb.TokenizeResponse(token_ids=ids)
-        return await self.unary("Tokenize", context, run)
+        return await self.guard.unary("Tokenize", context, run)
 
     async def Detokenize(self, request, context):
         async def run():
@@ -383,7 +275,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                                max_len=MAX_DETOKENIZE_IDS)
             text = await asyncio.to_thread(tok.decode, ids, skip_special_tokens=request.skip_special_tokens)
             return pb.DetokenizeResponse(text=text)
-        return await self.unary("Detokenize", context, run)
+        return await self.guard.unary("Detokenize", context, run)
 
     async def ApplyChatTemplate(self, request, context):
         async def run():
@@ -399,50 +291,50 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
 
             text, ids = await asyncio.to_thread(render)
             return pb.ApplyChatTemplateResponse(text=text, token_ids=ids)
-        return await self.unary("ApplyChatTemplate", context, run)
+        return await self.guard.unary("ApplyChatTemplate", context, run)
 
     # ---- steps ----------------------------------------------------------------------------------
     async def Prefill(self, request, context):
-        return await self.unary("Prefill", context, lambda: self.ops.run_step("prefill", request), request)
+        return await self.guard.unary("Prefill", context, lambda: self.ops.run_step("prefill", request), request)
 
     async def BatchPrefill(self, request, context):
-        return await self.unary("BatchPrefill", context, lambda: self.ops.run_step("batch_prefill", request), request)
+        return await self.guard.unary("BatchPrefill", context, lambda: self.ops.run_step("batch_prefill", request), request)
 
     async def Decode(self, request, context):
-        return await self.unary("Decode", context, lambda: self.ops.run_step("decode", request), request)
+        return await self.guard.unary("Decode", context, lambda: self.ops.run_step("decode", request), request)
 
     async def BatchDecode(self, request, context):
-        return await self.unary("BatchDecode", context, lambda: self.ops.run_step("batch_decode", request), request)
+        return await self.guard.unary("BatchDecode", context, lambda: self.ops.run_step("batch_decode", request), request)
 
     async def UnifiedDecode(self, request, context):
-        return await self.unary("UnifiedDecode", context, lambda: self.ops.run_step("unified_decode", request), request)
+        return await self.guard.unary("UnifiedDecode", context, lambda: self.ops.run_step("unified_decode", request), request)
 
     async def ForwardVerify(self, request, context):
-        return await self.unary("ForwardVerify", context, lambda: self.ops.run_step("forward_verify", request), request)
+        return await self.guard.unary("ForwardVerify", context, lambda: self.ops.run_step("forward_verify", request), request)
 
     async def TruncateKv(self, request, context):
-        return await self.unary("TruncateKv", context, lambda: self.ops.run_step("truncate_kv", request), request)
+        return await self.guard.unary("TruncateKv", context, lambda: self.ops.run_step("truncate_kv", request), request)
 
     async def ReleaseCache(self, request, context):
-        return await self.unary("ReleaseCache", context, lambda: self.ops.run_step("release_cache", request), request)
+        return await self.guard.unary("ReleaseCache", context, lambda: self.ops.run_step("release_cache", request), request)
 
     async def ForkCache(self, request, context):
-        return await self.unary("ForkCache", context, lambda: self.ops.run_step("fork_cache", request), request)
+        return await self.guard.unary("ForkCache", context, lambda: self.ops.run_step("fork_cache", request), request)
 
     async def Forward(self, request, context):
-        return await self.unary("Forward", context, lambda: self.ops.forward(request), request)
+        return await self.guard.unary("Forward", context, lambda: self.ops.forward(request), request)
 
     # ---- streams --------------------------------------------------------------------------------
     async def Generate(self, request, context) -> None:
-        await self.send("Generate", self._generate_stream(request, context), context)
+        await self.guard.send("Generate", self._generate_stream(request, context), context)
 
     async def _generate_stream(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
         owner = self.streams.new_owner("generate")
-        enter_call(context, self.activity, tokens_checked=self.tokens_checked)
+        self.guard.enter(context)
         tokens = 0
         with self.streams.running(), self.streams.generation(owner) as state:
             try:
-                async with self.answer("Generate", context, request):
+                async with self.guard.answer("Generate", context, request):
                     if request.resume_token:  # a resumed stream is no new prompt
                         self.ops.checks.check_decode_role("Generate")
                     else:
@@ -471,14 +363,14 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
     }
 
     async def Session(self, request_iterator, context) -> None:
-        await self.send("Session", self._session_stream(request_iterator, context), context)
+        await self.guard.send("Session", self._session_stream(request_iterator, context), context)
 
     async def _session_stream(self, request_iterator, context) -> AsyncIterator[pb.SessionResponse]:
         owner = self.streams.new_owner("session")
         t0 = time.perf_counter()
         code = "OK"
         steps = 0
-        enter_call(context, self.activity, tokens_checked=self.tokens_checked)
+        self.guard.enter(context)
         span = tracing.start_rpc("Session", context.invocation_metadata()) if tracing.enabled() else None
         log.info("session opened", owner=owner, peer=context.peer())
         with self.streams.running():
@@ -507,10 +399,10 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         ts = time.perf_counter()
         code = "OK"
         stream_span = tracing.current()
-        span = tracing.start_child(f"Session.{rpc}", **_ids(getattr(req, which))) if which and stream_span else None
-        self.activity.seen(current_origin.get())
+        span = tracing.start_child(f"Session.{rpc}", **request_ids(getattr(req, which))) if which and stream_span else None
+        self.guard.activity.seen(current_origin.get())
         try:
-            self._check_serving()
+            self.guard.check_serving()
             if which is None:
                 raise errors.invalid("step is not set", field="step")
             result = await self.ops.run_step(self._SESSION_OPS[which][0], getattr(req, which), owner)
@@ -519,7 +411,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             e = as_ferrum_error(exc, f"Session.{which}")
             code = e.code.name
             if isinstance(exc, errors.FerrumError):
-                self._log_refusal(f"Session.{which}", e)
+                self.guard.log_refusal(f"Session.{which}", e)
             resp.error.CopyFrom(step_error_pb(e))
         self.metrics.observe(f"Session.{rpc}", code, time.perf_counter() - ts)
         if span is not None:
@@ -558,10 +450,10 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     decode_latency=pb.LatencySummary(**lat["decode"]),
                     evictable_blocks=cap.evictable_blocks, cached_blocks=cap.cached_blocks,
                     prefix_hit_tokens=pm.get("hit_tokens", 0), prefix_queried_tokens=pm.get("queried_tokens", 0),
-                    draining=self.migrations.draining or self.draining(),
+                    draining=self.guard.paused(),
                 )
             return resp
-        return await self.unary("Loads", context, run)
+        return await self.guard.unary("Loads", context, run)
 
     async def ListCaches(self, request, context):
         async def run():
@@ -576,18 +468,18 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     if e.tenant == caller:
                         resp.caches.append(handle_pb(h.executor.handle(e)))
             return resp
-        return await self.unary("ListCaches", context, run)
+        return await self.guard.unary("ListCaches", context, run)
 
     async def SubscribeKvEvents(self, request, context) -> None:
-        await self.send("SubscribeKvEvents", self._kv_events_stream(request, context), context)
+        await self.guard.send("SubscribeKvEvents", self._kv_events_stream(request, context), context)
 
     async def _kv_events_stream(self, request, context):
         """Cache (and block) events; under per-caller auth only the caller's own (kv_events.py)."""
-        origin = enter_call(context, self.activity, tokens_checked=self.tokens_checked)
+        origin = self.guard.enter(context)
         caller = current_caller.get()
         from_seq = request.from_seq if request.HasField("from_seq") else None
         try:
-            self._check_serving()
+            self.guard.check_serving()
             if request.model_id:
                 self.models.get(request.model_id)
             # the per-caller cap counts identities; without them, client hosts
@@ -595,7 +487,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             sub, gone, next_seq = self.events.subscribe(request.model_id, from_seq, request.include_block_events,
                                                         caller=caller, key=key)
         except errors.FerrumError as e:
-            self._log_refusal("SubscribeKvEvents", e)
+            self.guard.log_refusal("SubscribeKvEvents", e)
             await context.abort_with_status(rpc_status.to_status(status_of(e)))
         with self.streams.running():
             try:
@@ -603,7 +495,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     yield pb.SubscribeKvEventsResponse(resync_required=pb.ResyncRequired(
                         requested_seq=from_seq, oldest_available_seq=gone, next_seq=next_seq))
                 while True:
-                    if self.draining():
+                    if self.guard.shutting_down():
                         return
                     ev = await sub.next()
                     if ev.block_kind:
@@ -621,25 +513,25 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
 
     # ---- KV handoff ---------------------------------------------------------------------------------
     async def ExportKv(self, request, context) -> None:
-        await self.send("ExportKv", self._export_kv_stream(request, context), context)
+        await self.guard.send("ExportKv", self._export_kv_stream(request, context), context)
 
     async def _export_kv_stream(self, request, context):
-        enter_call(context, self.activity, tokens_checked=self.tokens_checked)  # the origin is active while it runs
+        self.guard.enter(context)  # the origin is active while it runs
         with self.streams.running():
-            async with self.answer("ExportKv", context, request):
+            async with self.guard.answer("ExportKv", context, request):
                 async for msg in self.kv.export(request, context.invocation_metadata()):
                     yield msg
 
     async def ImportKv(self, request_iterator, context):
-        enter_call(context, self.activity, tokens_checked=self.tokens_checked)  # the origin is active while it runs
+        self.guard.enter(context)  # the origin is active while it runs
         with self.streams.running():
-            async with self.answer("ImportKv", context):
+            async with self.guard.answer("ImportKv", context):
                 return await self.kv.import_(request_iterator, context.invocation_metadata())
 
     # ---- live migration (migration.py) ----------------------------------------------------------------
     async def MigrateStreams(self, request, context):
         async def run():
-            self._check_admin("MigrateStreams")
+            self.guard.check_admin("MigrateStreams")
             if not request.target:
                 raise errors.invalid("target is empty: name a KV peer (HOST:PORT)", field="target")
             target = await self.kv.peers.check(request.target)
@@ -648,19 +540,19 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             out = await self.migrations.migrate(target, model_id=request.model_id, request_id=request.request_id)
             return pb.MigrateStreamsResponse(streams=out, migrated=sum(r.migrated for r in out),
                                              refused=sum(not r.migrated for r in out))
-        return await self.unary("MigrateStreams", context, run)
+        return await self.guard.unary("MigrateStreams", context, run)
 
     async def AcceptMigration(self, request, context):
         async def run():
             return await self.migrations.accept(request, context.invocation_metadata())
-        return await self.unary("AcceptMigration", context, run)
+        return await self.guard.unary("AcceptMigration", context, run)
 
     async def start_drain_by_migration(self) -> None:
         """No new work from now on: the server's hook (health NOT_SERVING too), else only the mark."""
         if self.hooks.start_drain is not None:
             await self.hooks.start_drain()
         else:
-            self.migrations.draining = True
+            self.migrations.start_draining()
 
     async def Abort(self, request, context):
         async def run():
@@ -672,4 +564,4 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
             log.info("abort", target=which, value=getattr(request, which), aborted_streams=aborted,
                      released_cache=released)
             return pb.AbortResponse(aborted_streams=aborted, released_cache=released)
-        return await self.unary("Abort", context, run)
+        return await self.guard.unary("Abort", context, run)

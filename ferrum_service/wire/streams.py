@@ -83,14 +83,16 @@ class StreamState:
 class StreamRegistry:
     """The server's running streams."""
 
-    def __init__(self, models: "ModelSet", activity: "CallerActivity | None" = None) -> None:
+    def __init__(self, models: "ModelSet", activity: "CallerActivity | None" = None,
+                 serving: "ServingMetrics | None" = None) -> None:
+        """``serving``: where the streams' recorders report (serving_metrics.py)."""
         self.models = models
         self.activity = activity  # origins count as active while their streams run (leases.py)
         self.active: set[asyncio.Task] = set()  # every running stream's task (the drain waits on them)
         self.generations: dict[str, StreamState] = {}
         # (caller, request id) -> the generations carrying it, by owner
         self._by_request: dict[tuple[str, str], dict[str, StreamState]] = {}
-        self.serving: "ServingMetrics | None" = None  # where the streams' recorders report (the server sets it)
+        self.serving = serving
         self._ids = itertools.count(1)
 
     def new_owner(self, kind: str) -> str:

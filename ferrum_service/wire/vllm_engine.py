@@ -33,7 +33,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from ..core import errors
 from ..core.speculation import default_config
-from ..core.callers import current_caller, enter_call
+from ..core.callers import current_caller
 from ..core.modes import ExecutorState
 from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, check_stop_sequences
 from .convert import MAX_TOP_LOGPROBS, check_tokens, pb, tpb
@@ -48,8 +48,15 @@ from .vllm_pd import PdHandoffs
 from .vllm_pd import parse as parse_handoff
 
 if TYPE_CHECKING:
+    from ..core.modes import Role
     from ..hosting.host import ModelHost
-    from .servicer import ModelExecutorServicer
+    from ..hosting.kv_events import KvEventHub
+    from ..hosting.models import ModelSet
+    from .kv_transfer import KvTransfer
+    from .metrics import Metrics
+    from .operations import Operations
+    from .rpc_guard import RpcGuard
+    from .streams import StreamRegistry
 
 log = structlog.get_logger("ferrum_service.wire.vllm_engine")
 
@@ -73,30 +80,50 @@ _FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.
            pb.FINISH_REASON_CANCELLED: "abort", pb.FINISH_REASON_ERROR: "error"}
 
 
+@dataclasses.dataclass(frozen=True)
+class VllmParts:
+    """The server's parts the vLLM protocol's services use (``server.py`` builds them, once, and
+    hands the contract's servicer the same ones)."""
+
+    models: ModelSet
+    ops: Operations  # Embed runs a Prefill step; ``ops.checks`` checks the requests
+    streams: StreamRegistry  # running streams, their owners, Abort
+    events: KvEventHub  # block events (SubscribeKvEvents) and its subscriber caps
+    metrics: Metrics
+    guard: RpcGuard  # every RPC runs under it; draining; admin rights
+    kv: KvTransfer  # SMG's PD handoff pulls and exports (vllm_pd.py)
+    role: Role
+    advertise: str = ""  # HOST:PORT peers pull this server's KV from (a PD prefill leg names it)
+
+
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """The vLLM engine protocol over one hosted model (see the module doc)."""
 
-    def __init__(self, executor_servicer: "ModelExecutorServicer", shared_prefix_cache: bool = False,
-                 pairing_protocol: str = "") -> None:
-        """``shared_prefix_cache``: unauthenticated callers' requests share one prefix-cache key
+    def __init__(self, parts: "VllmParts", shared_prefix_cache: bool = False, pairing_protocol: str = "") -> None:
+        """``parts``: the server's parts this service uses (``server.py`` builds them);
+        ``shared_prefix_cache``: unauthenticated callers' requests share one prefix-cache key
         space (``--vllm-shared-prefix-cache``; see :func:`request_salt`); ``pairing_protocol``:
         ``GetServerInfo``'s PD pairing protocol (``--pairing-protocol``)."""
-        self.s = executor_servicer
-        self.checks = executor_servicer.ops.checks
+        self.guard = parts.guard
+        self.streams = parts.streams
+        self.metrics = parts.metrics
+        self.ops = parts.ops
+        self.checks = parts.ops.checks
+        self.events = parts.events
         self.shared_prefix_cache = shared_prefix_cache
         self.pairing_protocol = pairing_protocol
-        self.models = executor_servicer.models
+        self.models = parts.models
         hosts = list(self.models)
         self._host = next((h for h in hosts if h.supports_generation), hosts[0] if hosts else None)
-        self.relay = BlockEventRelay(executor_servicer.events, self._host.model_id if self._host else "")
-        self.load = (LoadSampler(self._host, executor_servicer.streams, executor_servicer.metrics.serving,
-                                 executor_servicer.role) if self._host else None)  # vllm_load.py
+        self.relay = BlockEventRelay(parts.events, self._host.model_id if self._host else "")
+        self.load = (LoadSampler(self._host, parts.streams, parts.metrics.serving, parts.role)
+                     if self._host else None)  # vllm_load.py
         self.started = time.time()
         self.last_request = 0.0
         self._tokenizer_zip: asyncio.Task | None = None  # (zip bytes, their SHA-256), built once
         self._flush_wait: asyncio.Task | None = None
         self._flush_waiters = 0
-        self.pd = PdHandoffs(executor_servicer)  # SMG's PD mode: vllm_pd.py
+        self.pd = PdHandoffs(parts.kv, parts.role, parts.advertise)  # SMG's PD mode: vllm_pd.py
 
     @property
     def host(self) -> "ModelHost":
@@ -129,17 +156,17 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     # ---- Generate ---------------------------------------------------------------------------------
     async def Generate(self, request, context) -> None:
-        await self.s.send("VllmEngine.Generate", self._generate_stream(request, context), context)
+        await self.guard.send("VllmEngine.Generate", self._generate_stream(request, context), context)
 
     async def _generate_stream(self, request, context) -> AsyncIterator[vpb.GenerateResponse]:
-        streams = self.s.streams
+        streams = self.streams
         owner = streams.new_owner("vllm")
-        enter_call(context, self.s.activity, tokens_checked=self.s.tokens_checked)
+        self.guard.enter(context)
         self.last_request = time.time()
         tokens = 0
         with streams.running(), streams.generation(owner) as state:
             try:
-                async with self.s.answer("VllmEngine.Generate", context, request):
+                async with self.guard.answer("VllmEngine.Generate", context, request):
                     asked = await self._request(request)
                     handoff = parse_handoff(request)
                     self._check_role(request)
@@ -150,11 +177,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                             tokens += len(out.chunk.token_ids)
                         yield out
             except (asyncio.CancelledError, GeneratorExit):  # the client went away, or cancelled
-                self.s.metrics.cancelled_streams.inc()
+                self.metrics.cancelled_streams.inc()
                 log.info("stream cancelled", rpc="VllmEngine.Generate", request_id=request.request_id)
                 raise
             finally:
-                self.s.metrics.tokens_generated.inc(tokens)
+                self.metrics.tokens_generated.inc(tokens)
 
     async def _request(self, v: vpb.GenerateRequest) -> "_Asked":
         """What a vLLM request asks, refusing what we cannot do (the rest is checked into a
@@ -335,23 +362,23 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 raise errors.invalid("EmbedRequest requires tokenized input", field="tokenized")
             ids = self.checks.tokens(host, request.tokenized.input_ids, "tokenized.input_ids")
             step = pb.PrefillRequest(model_id=host.model_id, input=pb.PrefillInput(token_ids=ids))
-            owner = self.s.streams.new_owner("vllm-embed")
-            resp = await self.s.ops.run_step("prefill", step, owner)
+            owner = self.streams.new_owner("vllm-embed")
+            resp = await self.ops.run_step("prefill", step, owner)
             host.release_soon(resp.output.cache.cache_id)
             emb = resp.output.embedding
             if emb.dtype != tpb.DATA_TYPE_FP32:
                 raise errors.FerrumError(errors.ErrorKind.INTERNAL, f"embedding dtype {emb.dtype} is not FP32")
             vec = np.frombuffer(emb.data, dtype="<f4")
             return vpb.EmbedResponse(embedding=vec.tolist(), prompt_tokens=len(ids), embedding_dim=int(vec.size))
-        return await self.s.unary("VllmEngine.Embed", context, run, request)
+        return await self.guard.unary("VllmEngine.Embed", context, run, request)
 
     # ---- management -------------------------------------------------------------------------------
     async def HealthCheck(self, request, context):
         if self._host is None:
             return vpb.HealthCheckResponse(healthy=False, message="this server hosts no model")
-        if self.s.draining():
+        if self.guard.shutting_down():
             return vpb.HealthCheckResponse(healthy=False, message="the server is shutting down")
-        if self.s.migrations.draining:  # every new request is refused: the gateway must route elsewhere
+        if self.guard.migrating():  # every new request is refused: the gateway must route elsewhere
             return vpb.HealthCheckResponse(healthy=False, message="the server drains (its streams move to a peer)")
         if self.host.executor.state == ExecutorState.SHUTDOWN:
             return vpb.HealthCheckResponse(healthy=False, message=f"model {self.host.model_id!r} is shut down")
@@ -359,10 +386,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Abort(self, request, context):
         async def run():
-            n = self.s.streams.abort_requests(request.request_ids, "request_ids")
+            n = self.streams.abort_requests(request.request_ids, "request_ids")
             log.info("abort", rpc="VllmEngine.Abort", request_ids=list(request.request_ids[:16]), aborted_streams=n)
             return vpb.AbortResponse()
-        return await self.s.unary("VllmEngine.Abort", context, run)
+        return await self.guard.unary("VllmEngine.Abort", context, run)
 
     async def GetModelInfo(self, request, context):
         async def run():
@@ -377,27 +404,27 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 eos_token_ids=list(info.eos_token_ids),
                 bos_token_id=max(0, int(getattr(tok, "bos_token_id", None) or 0)),
                 pad_token_id=max(0, int(getattr(tok, "pad_token_id", None) or 0)))
-        return await self.s.unary("VllmEngine.GetModelInfo", context, run)
+        return await self.guard.unary("VllmEngine.GetModelInfo", context, run)
 
     async def GetServerInfo(self, request, context):
         async def run():
             h = self.host
             return vpb.GetServerInfoResponse(
-                active_requests=self._generations(), is_paused=self.s.draining() or self.s.migrations.draining,
+                active_requests=self._generations(), is_paused=self.guard.paused(),
                 last_receive_timestamp=self.last_request, uptime_seconds=time.time() - self.started,
                 server_type="ferrum-service", data_parallel_size=1, block_size=self._block_size(),
                 model_dtype=h.info.dtype, kv_cache_dtype=h.info.dtype, max_num_seqs=h.max_batch,
                 attention_backend=attention_backend(h), pairing_protocol=self.pairing_protocol)
-        return await self.s.unary("VllmEngine.GetServerInfo", context, run)
+        return await self.guard.unary("VllmEngine.GetServerInfo", context, run)
 
     async def GetLoads(self, request, context):
         async def run():
             self.host  # noqa: B018 - UNAVAILABLE on a server that hosts none
             return self.load.scheduler_load()  # the record the event stream pushes (vllm_load.py)
-        return await self.s.unary("VllmEngine.GetLoads", context, run)
+        return await self.guard.unary("VllmEngine.GetLoads", context, run)
 
     async def GetTokenizer(self, request, context) -> AsyncIterator[cpb.GetTokenizerChunk]:
-        async with self.s.answer("VllmEngine.GetTokenizer", context):
+        async with self.guard.answer("VllmEngine.GetTokenizer", context):
             if self._tokenizer_zip is None or (self._tokenizer_zip.done() and self._tokenizer_zip.exception()):
                 self._tokenizer_zip = asyncio.ensure_future(asyncio.to_thread(tokenizer_bundle, self.host.executor))
             data, digest = await asyncio.shield(self._tokenizer_zip)
@@ -407,12 +434,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def SubscribeKvEvents(self, request, context) -> AsyncIterator[cpb.KvEventBatch]:
         # Not an active stream: the drain does not wait for subscribers (grpc.stop ends them).
-        origin = enter_call(context, self.s.activity, tokens_checked=self.s.tokens_checked)
-        async with self.s.answer("VllmEngine.SubscribeKvEvents", context):
+        origin = self.guard.enter(context)
+        async with self.guard.answer("VllmEngine.SubscribeKvEvents", context):
             host = self.host
             caller = current_caller.get()
             # The contract's subscriber caps (in all, per caller; without identities per client host).
-            seat = self.s.events.seat(caller, caller if caller else origin.partition("@")[2])
+            seat = self.events.seat(caller, caller if caller else origin.partition("@")[2])
             try:
                 self.relay.start()
                 nxt = self.relay.cursor(int(request.start_sequence_number))
@@ -433,7 +460,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """Admin only (it drops every tenant's cached prefix blocks): an admin token, or
         ``--open-admin-rpcs`` (the auth interceptor checks the token, as for the contract's)."""
         async def run():
-            self.s._check_admin("VllmEngine.FlushCache")
+            self.guard.check_admin("VllmEngine.FlushCache")
             h = self.host
             wait = request.timeout_s
             if not 0 <= wait <= MAX_FLUSH_WAIT_S:  # NaN too
@@ -447,7 +474,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             ok = (await h.call(h.executor.clear_prefix_cache)).value
             return cpb.FlushCacheResponse(success=True, message="prefix cache flushed" if ok
                                           else f"model {h.model_id!r} keeps no prefix cache")
-        return await self.s.unary("VllmEngine.FlushCache", context, run)
+        return await self.guard.unary("VllmEngine.FlushCache", context, run)
 
     # ---- helpers ----------------------------------------------------------------------------------
     async def _until_no_cache(self, h: "ModelHost", timeout: float) -> None:
@@ -497,7 +524,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 field="sampling_params.max_tokens", limit=limit)
 
     def _generations(self) -> int:
-        return sum(1 for st in self.s.streams.generations.values() if st.model_id == self.host.model_id)
+        return sum(1 for st in self.streams.generations.values() if st.model_id == self.host.model_id)
 
     def _block_size(self) -> int:
         return cache_layout(self.host)[0]
@@ -600,4 +627,4 @@ def _add_logprob(dst: vpb.OutputLogProbs, t: pb.TokenEvent, top: int) -> None:
         dst.top_logprobs.add(values=[x.logprob for x in t.top_logprobs], token_ids=[x.token_id for x in t.top_logprobs])
 
 
-__all__ = ["SERVICE_NAME", "VllmEngineServicer"]
+__all__ = ["SERVICE_NAME", "VllmEngineServicer", "VllmParts"]

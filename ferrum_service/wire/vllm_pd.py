@@ -39,7 +39,9 @@ from ..core import errors
 from .convert import pb
 
 if TYPE_CHECKING:
+    from ..core.modes import Role
     from ..hosting.host import ModelHost
+    from .kv_transfer import KvTransfer
 
 log = structlog.get_logger("ferrum_service.wire.vllm_pd")
 
@@ -102,13 +104,16 @@ def parse(v) -> Handoff | None:
 
 class PdHandoffs:
     """Both sides of the handoff for one server: the caches a prefill offers, the pulls a decode
-    makes. ``servicer`` is the contract's servicer (its role, KV transfer and address)."""
+    makes. ``kv``: the server's KV transfer (pulls; it reports the exports); ``role``: the
+    server's role; ``advertise``: the address peers pull this server's KV from."""
 
-    def __init__(self, servicer) -> None:
-        self.s = servicer
+    def __init__(self, kv: "KvTransfer", role: Role, advertise: str) -> None:
+        self.kv = kv
+        self.role = role
+        self.advertise = advertise
         self.ttl_s = HANDOFF_TTL_S
         self._offered: dict[str, tuple["ModelHost", asyncio.TimerHandle]] = {}
-        servicer.kv.on_exported = self._exported
+        kv.subscribe_exports(self._exported)
 
     # ---- prefill side ---------------------------------------------------------------------------
     def offers(self, host: "ModelHost", v) -> bool:
@@ -116,7 +121,7 @@ class PdHandoffs:
         worker: a ``--role prefill`` server with an address peers reach and a model that exports
         KV, one token, one sample."""
         sp = v.sampling_params
-        return (self.s.role == "prefill" and bool(self.s.migrations.advertise)
+        return (self.role == "prefill" and bool(self.advertise)
                 and host.capabilities.supports_kv_transfer and sp.HasField("max_tokens") and sp.max_tokens == 1
                 and sp.n <= 1)
 
@@ -133,7 +138,7 @@ class PdHandoffs:
             return None
         timer = asyncio.get_running_loop().call_later(self.ttl_s, self._drop, cache_id, "expired")
         self._offered[cache_id] = (host, timer)
-        return Handoff(self.s.migrations.advertise, host.model_id, cache_id, num_tokens)
+        return Handoff(self.advertise, host.model_id, cache_id, num_tokens)
 
     @property
     def offered(self) -> int:
@@ -182,7 +187,7 @@ class PdHandoffs:
             yield req
 
         try:
-            resp = await self.s.kv.import_(one(), metadata)
+            resp = await self.kv.import_(one(), metadata)
         except errors.FerrumError as e:
             if e.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
                 raise  # this server's own state: computing the prompt would not fare better

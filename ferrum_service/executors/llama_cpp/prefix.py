@@ -50,6 +50,10 @@ class SequencePrefixIndex:
         self.stats = PrefixStats()
         self.on_event: Callable[[str, dict], None] | None = None
 
+    def subscribe(self, sink: Callable[[str, dict], None]) -> None:
+        """Send this index's block events to ``sink`` (the server's KV event hub; one sink)."""
+        self.on_event = sink
+
     @property
     def cached_blocks(self) -> int:
         return len(self.index)

@@ -72,6 +72,10 @@ class PrefixCache:
         self.adapter_of: dict[int, str] = {}  # indexed block -> the adapter it was computed with
 
     # ---- sizes -----------------------------------------------------------------------------------
+    def subscribe(self, sink: BlockEventSink) -> None:
+        """Send this index's block events to ``sink`` (the server's KV event hub; one sink)."""
+        self.on_event = sink
+
     @property
     def available_blocks(self) -> int:
         """Blocks an allocation can get: free ones plus evictable ones."""
