@@ -438,7 +438,15 @@ def status_of(e: errors.FerrumError) -> status_pb2.Status:
     if e.retry_after_ms:
         st.details.append(_packed(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(
             seconds=e.retry_after_ms // 1000, nanos=(e.retry_after_ms % 1000) * 1_000_000))))
+    if e.progress is not None:
+        st.details.append(_packed(step_progress_pb(e.progress)))
     return st
+
+
+def step_progress_pb(progress) -> tpb.StepProgress:
+    """A failed step's per-item progress (``core/progress.py``) as the ``StepProgress`` detail."""
+    return tpb.StepProgress(items=[tpb.ItemProgress(index=p.index, state=p.state.value, tokens_ran=p.tokens_ran,
+                                                    reason=p.reason) for p in progress])
 
 
 def step_error_pb(e: errors.FerrumError) -> tpb.StepError:
