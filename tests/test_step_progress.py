@@ -133,3 +133,22 @@ def test_a_successful_step_and_a_non_step_error_carry_no_progress(tiny_llama_dir
         with pytest.raises(FerrumRpcError) as e:
             alice.truncate_kv(M, "nope", 1)
         assert e.value.progress is None
+
+
+def test_a_failed_step_on_a_session_carries_its_progress_in_band(tiny_llama_dir):
+    ex = _executor(tiny_llama_dir)
+    with InProcessServer([ex], auth_tokens=[ALICE, BOB]) as s, Client(s.target, token=ALICE) as alice, \
+            Client(s.target, token=BOB) as bob:
+        theirs = _prefill(alice, prompt_ids(10, 10)).cache
+        with bob.session() as sess:
+            mine = sess.step(pb.PrefillRequest(model_id=M, input=m.prefill_input(prompt_ids(8, 11), policy=m.greedy())))
+            cid = mine.output.cache.cache_id
+            with pytest.raises(FerrumRpcError) as e:
+                sess.step(pb.BatchDecodeRequest(model_id=M, inputs=[m.decode_input(theirs.cache_id, 5, m.greedy()),
+                                                                    m.decode_input(cid, 5, m.greedy())]))
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+            assert [(i.index, i.state, i.tokens_ran, i.reason) for i in e.value.progress.items] == [
+                (0, NOT_RUN, 0, "NOT_FOUND"), (1, NOT_RUN, 0, "STEP_FAILED")]
+            # the session goes on, and bob's cache did not move
+            ok = sess.step(pb.BatchDecodeRequest(model_id=M, inputs=[m.decode_input(cid, 5, m.greedy())]))
+            assert ok.outputs[0].cache.num_tokens == 9

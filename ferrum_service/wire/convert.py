@@ -451,8 +451,11 @@ def step_progress_pb(progress) -> tpb.StepProgress:
 
 def step_error_pb(e: errors.FerrumError) -> tpb.StepError:
     """A FerrumError as a Session step's in-band ``StepError`` (the session goes on)."""
-    return tpb.StepError(code=e.code.value[0], message=e.message, kind=e.kind.value, field=e.field,
-                         metadata=e.metadata, retry_after_ms=e.retry_after_ms)
+    err = tpb.StepError(code=e.code.value[0], message=e.message, kind=e.kind.value, field=e.field,
+                        metadata=e.metadata, retry_after_ms=e.retry_after_ms)
+    if e.progress is not None:
+        err.progress.CopyFrom(step_progress_pb(e.progress))
+    return err
 
 
 def block_event_pb(ev) -> pb.KvBlockEvent:

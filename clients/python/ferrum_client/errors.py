@@ -65,7 +65,8 @@ class FerrumRpcError(Exception):
         code = next((c for c in grpc.StatusCode if c.value[0] == err.code), grpc.StatusCode.UNKNOWN)
         kind = types_pb2.ErrorKind.Name(err.kind).removeprefix("ERROR_KIND_") if err.kind else ""
         return cls(code, err.message, kind, err.field, dict(err.metadata),
-                   err.retry_after_ms / 1000 if err.retry_after_ms else None)
+                   err.retry_after_ms / 1000 if err.retry_after_ms else None,
+                   err.progress if err.HasField("progress") else None)
 
 
 def step_progress(e: grpc.RpcError):

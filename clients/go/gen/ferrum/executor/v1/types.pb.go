@@ -2992,7 +2992,10 @@ type StepError struct {
 	// Extra facts, e.g. {"cache_id": "...", "vocab_size": "512"}.
 	Metadata map[string]string `protobuf:"bytes,5,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// For RESOURCE_EXHAUSTED: how long to wait before retrying.
-	RetryAfterMs  uint64 `protobuf:"varint,6,opt,name=retry_after_ms,json=retryAfterMs,proto3" json:"retry_after_ms,omitempty"`
+	RetryAfterMs uint64 `protobuf:"varint,6,opt,name=retry_after_ms,json=retryAfterMs,proto3" json:"retry_after_ms,omitempty"`
+	// A failed forward step (prefill, decode, their batches, unified decode, verify): what it did to
+	// each item, as the unary call's `StepProgress` status detail.
+	Progress      *StepProgress `protobuf:"bytes,7,opt,name=progress,proto3" json:"progress,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3067,6 +3070,13 @@ func (x *StepError) GetRetryAfterMs() uint64 {
 		return x.RetryAfterMs
 	}
 	return 0
+}
+
+func (x *StepError) GetProgress() *StepProgress {
+	if x != nil {
+		return x.Progress
+	}
+	return nil
 }
 
 var File_ferrum_executor_v1_types_proto protoreflect.FileDescriptor
@@ -3308,14 +3318,15 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\x05state\x18\x02 \x01(\x0e2\x1d.ferrum.executor.v1.ItemStateR\x05state\x12\x1d\n" +
 	"\n" +
 	"tokens_ran\x18\x03 \x01(\rR\ttokensRan\x12\x1f\n" +
-	"\x06reason\x18\x04 \x01(\tB\a\xbaH\x04r\x02\x18@R\x06reason\"\xae\x02\n" +
+	"\x06reason\x18\x04 \x01(\tB\a\xbaH\x04r\x02\x18@R\x06reason\"\xec\x02\n" +
 	"\tStepError\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x121\n" +
 	"\x04kind\x18\x03 \x01(\x0e2\x1d.ferrum.executor.v1.ErrorKindR\x04kind\x12\x14\n" +
 	"\x05field\x18\x04 \x01(\tR\x05field\x12G\n" +
 	"\bmetadata\x18\x05 \x03(\v2+.ferrum.executor.v1.StepError.MetadataEntryR\bmetadata\x12$\n" +
-	"\x0eretry_after_ms\x18\x06 \x01(\x04R\fretryAfterMs\x1a;\n" +
+	"\x0eretry_after_ms\x18\x06 \x01(\x04R\fretryAfterMs\x12<\n" +
+	"\bprogress\x18\a \x01(\v2 .ferrum.executor.v1.StepProgressR\bprogress\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01*\xc5\x02\n" +
@@ -3476,11 +3487,12 @@ var file_ferrum_executor_v1_types_proto_depIdxs = []int32{
 	6,  // 19: ferrum.executor.v1.ItemProgress.state:type_name -> ferrum.executor.v1.ItemState
 	5,  // 20: ferrum.executor.v1.StepError.kind:type_name -> ferrum.executor.v1.ErrorKind
 	32, // 21: ferrum.executor.v1.StepError.metadata:type_name -> ferrum.executor.v1.StepError.MetadataEntry
-	22, // [22:22] is the sub-list for method output_type
-	22, // [22:22] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	29, // 22: ferrum.executor.v1.StepError.progress:type_name -> ferrum.executor.v1.StepProgress
+	23, // [23:23] is the sub-list for method output_type
+	23, // [23:23] is the sub-list for method input_type
+	23, // [23:23] is the sub-list for extension type_name
+	23, // [23:23] is the sub-list for extension extendee
+	0,  // [0:23] is the sub-list for field type_name
 }
 
 func init() { file_ferrum_executor_v1_types_proto_init() }

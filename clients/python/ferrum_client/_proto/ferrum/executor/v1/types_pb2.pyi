@@ -585,7 +585,7 @@ class ItemProgress(_message.Message):
     def __init__(self, index: _Optional[int] = ..., state: _Optional[_Union[ItemState, str]] = ..., tokens_ran: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepError(_message.Message):
-    __slots__ = ("code", "message", "kind", "field", "metadata", "retry_after_ms")
+    __slots__ = ("code", "message", "kind", "field", "metadata", "retry_after_ms", "progress")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -599,10 +599,12 @@ class StepError(_message.Message):
     FIELD_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     kind: ErrorKind
     field: str
     metadata: _containers.ScalarMap[str, str]
     retry_after_ms: int
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., kind: _Optional[_Union[ErrorKind, str]] = ..., field: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+    progress: StepProgress
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., kind: _Optional[_Union[ErrorKind, str]] = ..., field: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., retry_after_ms: _Optional[int] = ..., progress: _Optional[_Union[StepProgress, _Mapping]] = ...) -> None: ...
