@@ -254,7 +254,9 @@ def adapter_pb(host, a, bound: dict[str, int]) -> pb.AdapterInfo:
 
 def row_pb(r: RowResult) -> tpb.LogitsOutput:
     out = tpb.LogitsOutput()
-    if r.token_id is not None:
+    if r.no_selectable_finite_logit:  # no token was selectable: say so, and return none
+        out.no_selectable_finite_logit = True
+    elif r.token_id is not None:
         out.token_id = r.token_id
         out.logprob = r.logprob
     for t, lp in r.top:
