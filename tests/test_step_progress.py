@@ -152,3 +152,25 @@ def test_a_failed_step_on_a_session_carries_its_progress_in_band(tiny_llama_dir)
             # the session goes on, and bob's cache did not move
             ok = sess.step(pb.BatchDecodeRequest(model_id=M, inputs=[m.decode_input(cid, 5, m.greedy())]))
             assert ok.outputs[0].cache.num_tokens == 9
+
+
+def test_a_step_refused_after_its_forward_reports_every_item_ran(tiny_llama_dir):
+    """A decode whose fed token the cache's constraint refuses is refused after the forward
+    committed: the detail says RAN (1 token), and the cache does hold it."""
+    import numpy as np
+
+    ex = _executor(tiny_llama_dir)
+    with InProcessServer([ex], auth_tokens=[ALICE]) as s, Client(s.target, token=ALICE) as alice:
+        pol = m.full_logits()
+        pol.sampling.constraint.CopyFrom(tpb.OutputConstraint(regex="[0-9]+"))
+        out = alice.stub.Prefill(pb.PrefillRequest(model_id=M, input=pb.PrefillInput(
+            token_ids=prompt_ids(12, 12), logits=pol)), metadata=alice.metadata).output
+        refused = int(np.flatnonzero(~np.isfinite(m.logits_array(out.output)))[0])
+        cid = out.cache.cache_id
+        greedy = m.greedy()
+        greedy.sampling.constraint.CopyFrom(pol.sampling.constraint)
+        err = _failure(lambda: alice.stub.BatchDecode(pb.BatchDecodeRequest(model_id=M, inputs=[
+            m.decode_input(cid, refused, greedy)]), metadata=alice.metadata))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert _states(err) == [(0, RAN, 1, "")]
+        assert next(c for c in alice.list_caches(M).caches if c.cache_id == cid).num_tokens == 13
