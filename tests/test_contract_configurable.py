@@ -142,6 +142,10 @@ def test_unified_decode_unsupported_on_configurable(client):
     with pytest.raises(FerrumRpcError) as e:
         client.unified_decode("mock", [m.unified_item([1, 2])])
     assert e.value.code == grpc.StatusCode.UNIMPLEMENTED and e.value.kind == "UNSUPPORTED"
+    # "unsupported shape" is its own answer (issue 40): told apart from other UNIMPLEMENTEDs ...
+    assert e.value.unsupported_shape and e.value.metadata["reason"] == "UNSUPPORTED_SHAPE"
+    # ... and nothing of the step ran
+    assert [(i.index, i.state, i.reason) for i in e.value.progress.items] == [(0, 2, "UNSUPPORTED")]
 
 
 def test_stub_returns_zero_logits(client):

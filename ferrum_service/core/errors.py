@@ -93,6 +93,10 @@ class FerrumError(Exception):
         self.field = field
         self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
         self.retry_after_ms = retry_after_ms
+        #: What a failed step did to each of its items (``core/progress.py``), when known.
+        self.progress = None
+        #: Raised after a step's forward committed its rows (their tokens are in their caches).
+        self.committed = False
 
     def __repr__(self) -> str:
         return f"FerrumError({self.kind.name}, {self.code.name}, {self.message!r}, field={self.field!r})"
@@ -133,6 +137,13 @@ def permission_denied(message: str, **metadata: object) -> FerrumError:
 def unsupported(message: str, field: str = "", **metadata: object) -> FerrumError:
     """ferrum's ``Unsupported``: the caller should fall back to another method (UNIMPLEMENTED)."""
     return FerrumError(ErrorKind.UNSUPPORTED, message, field=field, metadata=metadata)
+
+
+def unsupported_shape(message: str, field: str = "", **metadata: object) -> FerrumError:
+    """A step whose mix of rows the model cannot run as one forward: UNIMPLEMENTED, ErrorInfo
+    reason ``UNSUPPORTED`` (so clients that fall back on it still do) refined by the metadata
+    ``reason=UNSUPPORTED_SHAPE``; the same rows run as separate prefill / decode steps."""
+    return FerrumError(ErrorKind.UNSUPPORTED, message, field=field, metadata={**metadata, "reason": "UNSUPPORTED_SHAPE"})
 
 
 def exhausted(message: str, retry_after_ms: int = 100, field: str = "", **metadata: object) -> FerrumError:

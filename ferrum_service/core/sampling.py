@@ -37,6 +37,10 @@ class RowResult:
     # one (accepted drafts, then the next sampled token) and how many drafts it verified.
     extra: list["RowResult"] = field(default_factory=list)
     drafted: int = 0
+    # ferrum's ``NoSelectableFiniteLogit``: the row's token mask / constraint left no finite logit.
+    # ``token_id`` keeps the sampler's arbitrary pick (the Generate streams go on as before); the
+    # step RPCs answer the flag instead of a token (``convert.row_pb``).
+    no_selectable_finite_logit: bool = False
 
 
 def _sampler(row: Any) -> ModuleType:
@@ -112,7 +116,31 @@ def process_rows(
                                [histories[i] for i in sampled], [positions[i] for i in sampled])
         for i, (token, lp, top) in zip(sampled, drawn):
             results[i] = RowResult(token_id=token, logprob=lp if math.isfinite(lp) else -1e30, top=top)
+    for i, p in enumerate(policies):
+        r = results[i]
+        if p.mode == OutputMode.SAMPLED_TOKEN and r is not None and r.token_id is not None:
+            r.no_selectable_finite_logit = _nothing_selectable(row_list[i], p, r)
     return results  # type: ignore[return-value]
+
+
+def _nothing_selectable(row: Any, policy: LogitsPolicy, r: RowResult) -> bool:
+    """Whether ``row`` (its constraint mask already applied in place) has no finite logit among
+    the tokens ``policy``'s token mask allows. Penalties and top-k / top-p never remove every
+    finite logit, so these are the only ways to lose them. Without a token mask only a row whose
+    pick has a non-finite log-probability is read again (the hot path pays one comparison)."""
+    mask = policy.sampling.token_mask
+    if not mask and math.isfinite(r.logprob) and r.logprob > -1e30:
+        return False
+    if isinstance(row, np.ndarray):
+        finite = np.isfinite(row.astype(np.float32, copy=False).reshape(-1))
+    else:
+        import torch
+
+        finite = torch.isfinite(row.reshape(-1)).cpu().numpy()
+    if mask:
+        allowed = np.frombuffer(mask, dtype=np.uint8)[: finite.shape[0]] != 0
+        finite = finite[: allowed.shape[0]] & allowed
+    return not bool(finite.any())
 
 
 def sample_on_device(rows: Any, policies: list[LogitsPolicy], histories: list[list[int]] | None = None,

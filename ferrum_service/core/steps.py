@@ -281,6 +281,18 @@ def run(executor: "ModelExecutor", plan: StepPlan) -> StepResult:
             prepared[0].done.exception()
         raise
     dt = time.perf_counter() - t0
+    try:
+        return _after_forward(executor, plan, outs, prepared, dt)
+    except errors.FerrumError as e:  # the forward committed: the rows' tokens are in their caches
+        e.committed = True
+        raise
+
+
+def _after_forward(executor: "ModelExecutor", plan: StepPlan, outs: list["RowOutput"], prepared, dt: float
+                   ) -> StepResult:
+    """A committed forward's counters, masks, refusals and each row's output."""
+    reg = executor.registry
+    rows = plan.rows
     _record(executor, rows, dt)
     t_s = time.perf_counter_ns()
     entries = [_entry_after(reg, r, o) for r, o in zip(rows, outs)]

@@ -254,7 +254,9 @@ def adapter_pb(host, a, bound: dict[str, int]) -> pb.AdapterInfo:
 
 def row_pb(r: RowResult) -> tpb.LogitsOutput:
     out = tpb.LogitsOutput()
-    if r.token_id is not None:
+    if r.no_selectable_finite_logit:  # no token was selectable: say so, and return none
+        out.no_selectable_finite_logit = True
+    elif r.token_id is not None:
         out.token_id = r.token_id
         out.logprob = r.logprob
     for t, lp in r.top:
@@ -438,13 +440,24 @@ def status_of(e: errors.FerrumError) -> status_pb2.Status:
     if e.retry_after_ms:
         st.details.append(_packed(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(
             seconds=e.retry_after_ms // 1000, nanos=(e.retry_after_ms % 1000) * 1_000_000))))
+    if e.progress is not None:
+        st.details.append(_packed(step_progress_pb(e.progress)))
     return st
+
+
+def step_progress_pb(progress) -> tpb.StepProgress:
+    """A failed step's per-item progress (``core/progress.py``) as the ``StepProgress`` detail."""
+    return tpb.StepProgress(items=[tpb.ItemProgress(index=p.index, state=p.state.value, tokens_ran=p.tokens_ran,
+                                                    reason=p.reason) for p in progress])
 
 
 def step_error_pb(e: errors.FerrumError) -> tpb.StepError:
     """A FerrumError as a Session step's in-band ``StepError`` (the session goes on)."""
-    return tpb.StepError(code=e.code.value[0], message=e.message, kind=e.kind.value, field=e.field,
-                         metadata=e.metadata, retry_after_ms=e.retry_after_ms)
+    err = tpb.StepError(code=e.code.value[0], message=e.message, kind=e.kind.value, field=e.field,
+                        metadata=e.metadata, retry_after_ms=e.retry_after_ms)
+    if e.progress is not None:
+        err.progress.CopyFrom(step_progress_pb(e.progress))
+    return err
 
 
 def block_event_pb(ev) -> pb.KvBlockEvent:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..core import errors
+from ..core import errors, progress
 from ..core.guided import guides_of
 from ..core.sampling import encode_row
 from ..core.steps import RowKind, StepPlan, StepResult, StepRow, Want, run
@@ -24,6 +24,18 @@ from .validate import RequestChecks, admit
 
 if TYPE_CHECKING:
     from ..hosting.models import ModelSet
+
+
+#: The operations that run a forward: a failure carries the StepProgress detail.
+_FORWARD_STEPS = frozenset({"prefill", "decode", "batch_prefill", "batch_decode", "unified_decode", "forward_verify"})
+
+
+def _n_items(req) -> int:
+    """How many items a step request names (``inputs`` / ``items``; one for a single-input step)."""
+    for name in ("inputs", "items"):
+        if name in type(req).DESCRIPTOR.fields_by_name:
+            return len(getattr(req, name))
+    return 1
 
 
 def _timings(t_start: int, timed, sampling_ns: int) -> tpb.StepTimings:
@@ -50,10 +62,15 @@ class Operations:
         """Run step ``name`` ("prefill", "decode", ...) once per ``client_step_id``."""
         fn = getattr(self, name)
         step_id = getattr(req, "client_step_id", "")
-        if not step_id:
-            return await fn(req, owner)
-        model_id = self.models.get(req.model_id).model_id
-        return await self.deduper.run(model_id, step_id, req, lambda: fn(req, owner))
+        try:
+            if not step_id:
+                return await fn(req, owner)
+            model_id = self.models.get(req.model_id).model_id
+            return await self.deduper.run(model_id, step_id, req, lambda: fn(req, owner))
+        except errors.FerrumError as e:  # refused before its rows were planned: nothing ran
+            if name in _FORWARD_STEPS:
+                progress.mark_rolled_back(e, _n_items(req))
+            raise
 
     # ---- helpers ----------------------------------------------------------------------------------
     @staticmethod
@@ -100,10 +117,17 @@ class Operations:
                                          for k, r in enumerate(rows) if r.policy is not None])
         admit(host, plan)
         ids = [r.entry.cache_id for r in rows if r.entry is not None]
-        with self.checks.quota.claim(host, sum(1 for r in rows if r.entry is None), quota_field):
-            with host.hold(ids, f"{plan.field}.cache_id"):
-                timed = await host.step(plan, on_orphan=self._orphaned(host, rows))
-            self._adopt(host, rows, timed.value, owner)
+        try:
+            with self.checks.quota.claim(host, sum(1 for r in rows if r.entry is None), quota_field):
+                with host.hold(ids, f"{plan.field}.cache_id"):
+                    timed = await host.step(plan, on_orphan=self._orphaned(host, rows))
+                self._adopt(host, rows, timed.value, owner)
+        except errors.FerrumError as e:  # the StepProgress detail: what the step did to each row
+            if e.committed:
+                progress.mark_committed(e, [len(r.tokens) for r in rows])
+            else:
+                progress.mark_rolled_back(e, len(rows))
+            raise
         return timed
 
     # ---- operations -------------------------------------------------------------------------------

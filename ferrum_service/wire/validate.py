@@ -90,9 +90,9 @@ class RequestChecks:
         if cache_id not in reg:
             self._not_another_models(host, cache_id, field)
         entry = reg.get(cache_id, field)
-        if entry.tenant != current_caller.get():
+        if entry.tenant != current_caller.get():  # exactly the registry's answer for an unknown id
             raise errors.not_found(f"{field}: cache {cache_id!r} is unknown on model {host.model_id!r}",
-                                   field=field, cache_id=cache_id)
+                                   field=field, cache_id=cache_id, model_id=host.model_id)
         return entry
 
     def is_live(self, host: "ModelHost", cache_id: str, field: str) -> bool:
@@ -194,9 +194,10 @@ class RequestChecks:
 
     @staticmethod
     def require_unified(host: "ModelHost") -> None:
-        """UNIMPLEMENTED when the executor has no native unified decode (ferrum's fallback signal)."""
+        """UNIMPLEMENTED with reason UNSUPPORTED_SHAPE when the executor has no native unified
+        decode (ferrum's fallback signal)."""
         if not host.capabilities.supports_native_unified_decode:
-            raise errors.unsupported(
+            raise errors.unsupported_shape(
                 f"UnifiedDecode: the {host.info.executor} executor has no native unified decode; "
                 "use BatchPrefill + BatchDecode",
                 model_id=host.model_id,

@@ -28,7 +28,16 @@ type Error struct {
 	Field      string
 	Metadata   map[string]string
 	RetryAfter time.Duration
-	st         *status.Status
+	// Progress is a failed step's StepProgress detail: which items ran, which did not and why
+	// (nil for other calls).
+	Progress *pb.StepProgress
+	st       *status.Status
+}
+
+// UnsupportedShape reports an UNIMPLEMENTED whose ErrorInfo metadata reason is
+// UNSUPPORTED_SHAPE: this mix of rows cannot run as one step; run them as BatchPrefill + BatchDecode.
+func (e *Error) UnsupportedShape() bool {
+	return e.Kind == "UNSUPPORTED" && e.Metadata["reason"] == "UNSUPPORTED_SHAPE"
 }
 
 func (e *Error) Error() string {
@@ -84,6 +93,8 @@ func wrapErr(err error) error {
 			e.Kind = v.GetReason()
 			e.Metadata = v.GetMetadata()
 			e.Field = v.GetMetadata()["field"]
+		case *pb.StepProgress:
+			e.Progress = v
 		case *errdetails.RetryInfo:
 			e.RetryAfter = v.GetRetryDelay().AsDuration()
 		case *errdetails.BadRequest:
@@ -108,6 +119,7 @@ func stepErr(se *pb.StepError) error {
 		Field:      se.GetField(),
 		Metadata:   se.GetMetadata(),
 		RetryAfter: time.Duration(se.GetRetryAfterMs()) * time.Millisecond,
+		Progress:   se.GetProgress(),
 	}
 }
 

@@ -10,7 +10,8 @@ from . import messages
 from ._proto.ferrum.executor.v1 import executor_pb2 as pb
 from ._proto.ferrum.executor.v1 import types_pb2 as tpb
 from .client import AsyncClient, AsyncSession, Client, GenerateStream, Session
-from .errors import FerrumRpcError
+from .errors import FerrumRpcError, step_progress
 
 __all__ = ["AsyncClient", "AsyncSession", "Client", "GenerateStream", "Session", "FerrumRpcError", "messages", "pb",
+           "step_progress",
            "tpb"]

@@ -86,6 +86,10 @@ pub fn sampling_output(p: &LogitsReturnPolicy, out: Option<&proto::LogitsOutput>
             ExecutorSamplingOutput::full_logits(row.data().to_vec())
         }
         LogitsReturnPolicy::GreedyArgmax { .. } => {
+            // the row's mask left no finite logit: ferrum's own answer, not an error (issue 40)
+            if out.no_selectable_finite_logit {
+                return Ok(ExecutorSamplingOutput::NoSelectableFiniteLogit);
+            }
             let token = out.token_id.ok_or_else(|| FerrumError::backend("server returned no greedy token"))?;
             let token = u32::try_from(token).map_err(|_| FerrumError::backend(format!("negative greedy token {token}")))?;
             Ok(ExecutorSamplingOutput::greedy_token(TokenId::new(token)))

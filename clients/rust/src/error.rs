@@ -135,6 +135,7 @@ mod tests {
             field: "input.cache_id".into(),
             metadata: [("cache_id".to_string(), "x".to_string())].into(),
             retry_after_ms: 0,
+            ..Default::default()
         };
         let s = step_error_to_status(&e);
         assert_eq!(s.code(), Code::NotFound);

@@ -1,6 +1,6 @@
 import { Metadata, ServiceError, status } from "@grpc/grpc-js";
 import { BinaryReader } from "@bufbuild/protobuf/wire";
-import { ErrorKind, errorKindToJSON, StepError } from "./gen/ferrum/executor/v1/types";
+import { ErrorKind, errorKindToJSON, StepError, StepProgress } from "./gen/ferrum/executor/v1/types";
 
 /** The google.rpc.ErrorInfo domain of every error the server returns. */
 export const ERROR_DOMAIN = "ferrum.executor.v1";
@@ -30,6 +30,8 @@ export class FerrumError extends Error {
     readonly field: string = "",
     readonly metadata: Record<string, string> = {},
     readonly retryAfterMs: number | undefined = undefined,
+    /** A failed step's `StepProgress` detail: which items ran, which did not and why. */
+    readonly progress: StepProgress | undefined = undefined,
   ) {
     super(`${codeName(code)}${kind ? ` (${kind})` : ""}: ${details}`);
     this.name = "FerrumError";
@@ -40,12 +42,18 @@ export class FerrumError extends Error {
     return codeName(this.code);
   }
 
+  /** UNIMPLEMENTED because this mix of rows cannot run as one step (metadata reason UNSUPPORTED_SHAPE). */
+  get unsupportedShape(): boolean {
+    return this.kind === "UNSUPPORTED" && this.metadata["reason"] === "UNSUPPORTED_SHAPE";
+  }
+
   static fromServiceError(e: ServiceError | Error): FerrumError {
     if (e instanceof FerrumError) return e;
     const se = e as Partial<ServiceError>;
     if (typeof se.code !== "number") return new FerrumError(status.UNKNOWN, e.message);
     let kind = "", field = "", retry: number | undefined;
     let meta: Record<string, string> = {};
+    let progress: StepProgress | undefined;
     const bin = se.metadata instanceof Metadata ? se.metadata.get("grpc-status-details-bin")[0] : undefined;
     if (bin instanceof Buffer) {
       try {
@@ -57,6 +65,8 @@ export class FerrumError extends Error {
             field = meta["field"] ?? "";
           } else if (d.typeUrl.endsWith("/google.rpc.RetryInfo")) {
             retry = decodeRetryDelayMs(d.value);
+          } else if (d.typeUrl.endsWith("/ferrum.executor.v1.StepProgress")) {
+            progress = StepProgress.decode(d.value);
           } else if (d.typeUrl.endsWith("/google.rpc.BadRequest") && !field) {
             field = decodeBadRequestField(d.value);
           }
@@ -65,14 +75,14 @@ export class FerrumError extends Error {
         // Malformed details: keep the code and message.
       }
     }
-    return new FerrumError(se.code, se.details ?? e.message, kind, field, meta, retry);
+    return new FerrumError(se.code, se.details ?? e.message, kind, field, meta, retry, progress);
   }
 
   /** The error of a failed Session step. */
   static fromStepError(e: StepError): FerrumError {
     const kind = e.kind === ErrorKind.ERROR_KIND_UNSPECIFIED ? "" : errorKindToJSON(e.kind).replace(/^ERROR_KIND_/, "");
     return new FerrumError(e.code as status, e.message, kind, e.field, { ...e.metadata },
-      e.retryAfterMs ? e.retryAfterMs : undefined);
+      e.retryAfterMs ? e.retryAfterMs : undefined, e.progress);
   }
 }
 

@@ -110,7 +110,10 @@ type ModelExecutorClient interface {
 	// in input order; all or nothing (no cache advances when the call fails).
 	BatchDecode(ctx context.Context, in *BatchDecodeRequest, opts ...grpc.CallOption) (*BatchDecodeResponse, error)
 	// `unified_decode()`: prefill chunks and decode steps mixed in one forward. UNIMPLEMENTED when
-	// `ExecutorCapabilities.supports_native_unified_decode` is false.
+	// `ExecutorCapabilities.supports_native_unified_decode` is false, with ErrorInfo reason
+	// UNSUPPORTED and metadata `reason` = "UNSUPPORTED_SHAPE" (ferrum 0.18's `UnsupportedShape`:
+	// run the rows as BatchPrefill + BatchDecode). A failed step of any kind carries a
+	// `StepProgress` status detail (types.proto): which items ran.
 	UnifiedDecode(ctx context.Context, in *UnifiedDecodeRequest, opts ...grpc.CallOption) (*UnifiedDecodeResponse, error)
 	// `forward()`: a non-autoregressive full forward of a tensor. UNIMPLEMENTED unless
 	// `ExecutorCapabilities.supports_forward`.
@@ -649,7 +652,10 @@ type ModelExecutorServer interface {
 	// in input order; all or nothing (no cache advances when the call fails).
 	BatchDecode(context.Context, *BatchDecodeRequest) (*BatchDecodeResponse, error)
 	// `unified_decode()`: prefill chunks and decode steps mixed in one forward. UNIMPLEMENTED when
-	// `ExecutorCapabilities.supports_native_unified_decode` is false.
+	// `ExecutorCapabilities.supports_native_unified_decode` is false, with ErrorInfo reason
+	// UNSUPPORTED and metadata `reason` = "UNSUPPORTED_SHAPE" (ferrum 0.18's `UnsupportedShape`:
+	// run the rows as BatchPrefill + BatchDecode). A failed step of any kind carries a
+	// `StepProgress` status detail (types.proto): which items ran.
 	UnifiedDecode(context.Context, *UnifiedDecodeRequest) (*UnifiedDecodeResponse, error)
 	// `forward()`: a non-autoregressive full forward of a tensor. UNIMPLEMENTED unless
 	// `ExecutorCapabilities.supports_forward`.

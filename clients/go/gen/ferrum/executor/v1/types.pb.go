@@ -420,6 +420,11 @@ func (OutputMode) EnumDescriptor() ([]byte, []int) {
 // | INVALID_FORMAT     | INVALID_ARGUMENT                             |
 // | INVALID_PARAMETER  | INVALID_ARGUMENT (OUT_OF_RANGE for a length or position past the cache's end) |
 // An executor that is shutting down, or a server that is draining, answers UNAVAILABLE.
+// "Unsupported shape": a step whose mix of rows this model cannot run as one forward (UnifiedDecode
+// on a model without native unified decode) is UNIMPLEMENTED with reason UNSUPPORTED (clients that
+// fall back on it still do) and ErrorInfo metadata `reason` = "UNSUPPORTED_SHAPE", which tells it
+// from other UNIMPLEMENTEDs (a method this executor lacks); the same rows run as BatchPrefill +
+// BatchDecode. A `StepError` carries the same `metadata`.
 type ErrorKind int32
 
 const (
@@ -531,6 +536,62 @@ func (x ErrorKind) Number() protoreflect.EnumNumber {
 // Deprecated: Use ErrorKind.Descriptor instead.
 func (ErrorKind) EnumDescriptor() ([]byte, []int) {
 	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{5}
+}
+
+// An item's state after a failed step.
+type ItemState int32
+
+const (
+	ItemState_ITEM_STATE_UNSPECIFIED ItemState = 0
+	// Its tokens are in its cache (the step failed after the forward committed).
+	ItemState_ITEM_STATE_RAN ItemState = 1
+	// Nothing of it ran; its cache (if any) is as before the call.
+	ItemState_ITEM_STATE_NOT_RUN ItemState = 2
+	// The first `tokens_ran` tokens ran (not produced by this server's executors).
+	ItemState_ITEM_STATE_RAN_PARTIAL ItemState = 3
+)
+
+// Enum value maps for ItemState.
+var (
+	ItemState_name = map[int32]string{
+		0: "ITEM_STATE_UNSPECIFIED",
+		1: "ITEM_STATE_RAN",
+		2: "ITEM_STATE_NOT_RUN",
+		3: "ITEM_STATE_RAN_PARTIAL",
+	}
+	ItemState_value = map[string]int32{
+		"ITEM_STATE_UNSPECIFIED": 0,
+		"ITEM_STATE_RAN":         1,
+		"ITEM_STATE_NOT_RUN":     2,
+		"ITEM_STATE_RAN_PARTIAL": 3,
+	}
+)
+
+func (x ItemState) Enum() *ItemState {
+	p := new(ItemState)
+	*p = x
+	return p
+}
+
+func (x ItemState) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (ItemState) Descriptor() protoreflect.EnumDescriptor {
+	return file_ferrum_executor_v1_types_proto_enumTypes[6].Descriptor()
+}
+
+func (ItemState) Type() protoreflect.EnumType {
+	return &file_ferrum_executor_v1_types_proto_enumTypes[6]
+}
+
+func (x ItemState) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use ItemState.Descriptor instead.
+func (ItemState) EnumDescriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{6}
 }
 
 // A dense tensor on the wire: row-major, little-endian, packed.
@@ -2639,9 +2700,13 @@ type LogitsOutput struct {
 	// Most likely tokens, best first.
 	TopLogprobs []*TokenLogprob `protobuf:"bytes,3,rep,name=top_logprobs,json=topLogprobs,proto3" json:"top_logprobs,omitempty"`
 	// The full row, shape [vocab] (OUTPUT_MODE_FULL_LOGITS).
-	Logits        *Tensor `protobuf:"bytes,4,opt,name=logits,proto3" json:"logits,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Logits *Tensor `protobuf:"bytes,4,opt,name=logits,proto3" json:"logits,omitempty"`
+	// OUTPUT_MODE_SAMPLED_TOKEN only: true when the row's token mask / constraint / penalties left
+	// no finite logit to choose from (ferrum's `NoSelectableFiniteLogit`). `token_id` is then
+	// unset and `logprob` is 0: no token was selected, and the caller should not feed one.
+	NoSelectableFiniteLogit bool `protobuf:"varint,5,opt,name=no_selectable_finite_logit,json=noSelectableFiniteLogit,proto3" json:"no_selectable_finite_logit,omitempty"`
+	unknownFields           protoimpl.UnknownFields
+	sizeCache               protoimpl.SizeCache
 }
 
 func (x *LogitsOutput) Reset() {
@@ -2700,6 +2765,13 @@ func (x *LogitsOutput) GetLogits() *Tensor {
 		return x.Logits
 	}
 	return nil
+}
+
+func (x *LogitsOutput) GetNoSelectableFiniteLogit() bool {
+	if x != nil {
+		return x.NoSelectableFiniteLogit
+	}
+	return false
 }
 
 // Server-side timings of one step, so a scheduler can model cost (as TGI's router uses forward_ns).
@@ -2775,6 +2847,137 @@ func (x *StepTimings) GetTotalNs() uint64 {
 	return 0
 }
 
+// What a failed step did to each of its items: a `google.rpc.Status` detail (next to ErrorInfo)
+// of a failed Prefill / Decode / BatchPrefill / BatchDecode / UnifiedDecode. A client reads it to
+// tell rows it may simply retry (ITEM_STATE_NOT_RUN: the cache is as it was before the call) from
+// rows whose cache moved. It names only the caller's own items, by their index in the request: no
+// cache ids, no lengths of caches.
+//
+// This server's executors run a step all or nothing: a step that fails before or during its
+// forward restores every cache it touched, so every item is NOT_RUN; a step refused after its
+// forward (a fed token its structured-output constraint refuses) committed every row, so every
+// item is RAN. ITEM_STATE_RAN_PARTIAL (a prompt chunk run only up to `tokens_ran`) is part of the
+// contract for other executors; this server does not produce it.
+type StepProgress struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One per item of the request, in request order.
+	Items         []*ItemProgress `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StepProgress) Reset() {
+	*x = StepProgress{}
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StepProgress) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StepProgress) ProtoMessage() {}
+
+func (x *StepProgress) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StepProgress.ProtoReflect.Descriptor instead.
+func (*StepProgress) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *StepProgress) GetItems() []*ItemProgress {
+	if x != nil {
+		return x.Items
+	}
+	return nil
+}
+
+// One item's share of a failed step (see `StepProgress`).
+type ItemProgress struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The item's index in the request's `inputs` / `items`.
+	Index uint32    `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	State ItemState `protobuf:"varint,2,opt,name=state,proto3,enum=ferrum.executor.v1.ItemState" json:"state,omitempty"`
+	// Tokens of this item the cache now holds from this call: all fed tokens for RAN, 0 for NOT_RUN,
+	// the prefix that ran for RAN_PARTIAL.
+	TokensRan uint32 `protobuf:"varint,3,opt,name=tokens_ran,json=tokensRan,proto3" json:"tokens_ran,omitempty"`
+	// Why it did not run (or ran only partly): the ErrorInfo reason of the item at fault (e.g.
+	// "NOT_FOUND", "RESOURCE_EXHAUSTED") or "STEP_FAILED" for an item that was fine but shares the
+	// step with the one at fault; empty for RAN.
+	Reason        string `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ItemProgress) Reset() {
+	*x = ItemProgress{}
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ItemProgress) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ItemProgress) ProtoMessage() {}
+
+func (x *ItemProgress) ProtoReflect() protoreflect.Message {
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ItemProgress.ProtoReflect.Descriptor instead.
+func (*ItemProgress) Descriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *ItemProgress) GetIndex() uint32 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *ItemProgress) GetState() ItemState {
+	if x != nil {
+		return x.State
+	}
+	return ItemState_ITEM_STATE_UNSPECIFIED
+}
+
+func (x *ItemProgress) GetTokensRan() uint32 {
+	if x != nil {
+		return x.TokensRan
+	}
+	return 0
+}
+
+func (x *ItemProgress) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
 // An error, in band (a failed step on a `Session` stream) with the same content a unary call
 // carries in its gRPC status and `google.rpc.ErrorInfo` detail.
 type StepError struct {
@@ -2789,14 +2992,17 @@ type StepError struct {
 	// Extra facts, e.g. {"cache_id": "...", "vocab_size": "512"}.
 	Metadata map[string]string `protobuf:"bytes,5,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// For RESOURCE_EXHAUSTED: how long to wait before retrying.
-	RetryAfterMs  uint64 `protobuf:"varint,6,opt,name=retry_after_ms,json=retryAfterMs,proto3" json:"retry_after_ms,omitempty"`
+	RetryAfterMs uint64 `protobuf:"varint,6,opt,name=retry_after_ms,json=retryAfterMs,proto3" json:"retry_after_ms,omitempty"`
+	// A failed forward step (prefill, decode, their batches, unified decode, verify): what it did to
+	// each item, as the unary call's `StepProgress` status detail.
+	Progress      *StepProgress `protobuf:"bytes,7,opt,name=progress,proto3" json:"progress,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StepError) Reset() {
 	*x = StepError{}
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[22]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2808,7 +3014,7 @@ func (x *StepError) String() string {
 func (*StepError) ProtoMessage() {}
 
 func (x *StepError) ProtoReflect() protoreflect.Message {
-	mi := &file_ferrum_executor_v1_types_proto_msgTypes[22]
+	mi := &file_ferrum_executor_v1_types_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2821,7 +3027,7 @@ func (x *StepError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepError.ProtoReflect.Descriptor instead.
 func (*StepError) Descriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{22}
+	return file_ferrum_executor_v1_types_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *StepError) GetCode() int32 {
@@ -2864,6 +3070,13 @@ func (x *StepError) GetRetryAfterMs() uint64 {
 		return x.RetryAfterMs
 	}
 	return 0
+}
+
+func (x *StepError) GetProgress() *StepProgress {
+	if x != nil {
+		return x.Progress
+	}
+	return nil
 }
 
 var File_ferrum_executor_v1_types_proto protoreflect.FileDescriptor
@@ -3082,12 +3295,13 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\flogits_dtype\x18\x04 \x01(\x0e2\x1c.ferrum.executor.v1.DataTypeR\vlogitsDtype\"C\n" +
 	"\fTokenLogprob\x12\x19\n" +
 	"\btoken_id\x18\x01 \x01(\x05R\atokenId\x12\x18\n" +
-	"\alogprob\x18\x02 \x01(\x02R\alogprob\"\xce\x01\n" +
+	"\alogprob\x18\x02 \x01(\x02R\alogprob\"\x8b\x02\n" +
 	"\fLogitsOutput\x12\x1e\n" +
 	"\btoken_id\x18\x01 \x01(\x05H\x00R\atokenId\x88\x01\x01\x12\x18\n" +
 	"\alogprob\x18\x02 \x01(\x02R\alogprob\x12C\n" +
 	"\ftop_logprobs\x18\x03 \x03(\v2 .ferrum.executor.v1.TokenLogprobR\vtopLogprobs\x122\n" +
-	"\x06logits\x18\x04 \x01(\v2\x1a.ferrum.executor.v1.TensorR\x06logitsB\v\n" +
+	"\x06logits\x18\x04 \x01(\v2\x1a.ferrum.executor.v1.TensorR\x06logits\x12;\n" +
+	"\x1ano_selectable_finite_logit\x18\x05 \x01(\bR\x17noSelectableFiniteLogitB\v\n" +
 	"\t_token_id\"\x85\x01\n" +
 	"\vStepTimings\x12\x1b\n" +
 	"\tqueued_ns\x18\x01 \x01(\x04R\bqueuedNs\x12\x1d\n" +
@@ -3095,14 +3309,24 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"forward_ns\x18\x02 \x01(\x04R\tforwardNs\x12\x1f\n" +
 	"\vsampling_ns\x18\x03 \x01(\x04R\n" +
 	"samplingNs\x12\x19\n" +
-	"\btotal_ns\x18\x04 \x01(\x04R\atotalNs\"\xae\x02\n" +
+	"\btotal_ns\x18\x04 \x01(\x04R\atotalNs\"R\n" +
+	"\fStepProgress\x12B\n" +
+	"\x05items\x18\x01 \x03(\v2 .ferrum.executor.v1.ItemProgressB\n" +
+	"\xbaH\a\x92\x01\x04\x10\x80\x80\x04R\x05items\"\x99\x01\n" +
+	"\fItemProgress\x12\x14\n" +
+	"\x05index\x18\x01 \x01(\rR\x05index\x123\n" +
+	"\x05state\x18\x02 \x01(\x0e2\x1d.ferrum.executor.v1.ItemStateR\x05state\x12\x1d\n" +
+	"\n" +
+	"tokens_ran\x18\x03 \x01(\rR\ttokensRan\x12\x1f\n" +
+	"\x06reason\x18\x04 \x01(\tB\a\xbaH\x04r\x02\x18@R\x06reason\"\xec\x02\n" +
 	"\tStepError\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x121\n" +
 	"\x04kind\x18\x03 \x01(\x0e2\x1d.ferrum.executor.v1.ErrorKindR\x04kind\x12\x14\n" +
 	"\x05field\x18\x04 \x01(\tR\x05field\x12G\n" +
 	"\bmetadata\x18\x05 \x03(\v2+.ferrum.executor.v1.StepError.MetadataEntryR\bmetadata\x12$\n" +
-	"\x0eretry_after_ms\x18\x06 \x01(\x04R\fretryAfterMs\x1a;\n" +
+	"\x0eretry_after_ms\x18\x06 \x01(\x04R\fretryAfterMs\x12<\n" +
+	"\bprogress\x18\a \x01(\v2 .ferrum.executor.v1.StepProgressR\bprogress\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01*\xc5\x02\n" +
@@ -3181,7 +3405,12 @@ const file_ferrum_executor_v1_types_proto_rawDesc = "" +
 	"\x16ERROR_KIND_UNSUPPORTED\x10\x14\x12\x1d\n" +
 	"\x19ERROR_KIND_INVALID_FORMAT\x10\x15\x12 \n" +
 	"\x1cERROR_KIND_INVALID_PARAMETER\x10\x16\x12\x1a\n" +
-	"\x16ERROR_KIND_UNAVAILABLE\x10\x17B\xe5\x01\n" +
+	"\x16ERROR_KIND_UNAVAILABLE\x10\x17*o\n" +
+	"\tItemState\x12\x1a\n" +
+	"\x16ITEM_STATE_UNSPECIFIED\x10\x00\x12\x12\n" +
+	"\x0eITEM_STATE_RAN\x10\x01\x12\x16\n" +
+	"\x12ITEM_STATE_NOT_RUN\x10\x02\x12\x1a\n" +
+	"\x16ITEM_STATE_RAN_PARTIAL\x10\x03B\xe5\x01\n" +
 	"\x16com.ferrum.executor.v1B\n" +
 	"TypesProtoP\x01ZUgithub.com/ferrum-service/ferrum-service/clients/go/gen/ferrum/executor/v1;executorv1\xa2\x02\x03FEX\xaa\x02\x12Ferrum.Executor.V1\xca\x02\x12Ferrum\\Executor\\V1\xe2\x02\x1eFerrum\\Executor\\V1\\GPBMetadata\xea\x02\x14Ferrum::Executor::V1b\x06proto3"
 
@@ -3197,8 +3426,8 @@ func file_ferrum_executor_v1_types_proto_rawDescGZIP() []byte {
 	return file_ferrum_executor_v1_types_proto_rawDescData
 }
 
-var file_ferrum_executor_v1_types_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_ferrum_executor_v1_types_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
+var file_ferrum_executor_v1_types_proto_enumTypes = make([]protoimpl.EnumInfo, 7)
+var file_ferrum_executor_v1_types_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
 var file_ferrum_executor_v1_types_proto_goTypes = []any{
 	(DataType)(0),                   // 0: ferrum.executor.v1.DataType
 	(ModelType)(0),                  // 1: ferrum.executor.v1.ModelType
@@ -3206,58 +3435,64 @@ var file_ferrum_executor_v1_types_proto_goTypes = []any{
 	(ExecutorState)(0),              // 3: ferrum.executor.v1.ExecutorState
 	(OutputMode)(0),                 // 4: ferrum.executor.v1.OutputMode
 	(ErrorKind)(0),                  // 5: ferrum.executor.v1.ErrorKind
-	(*Tensor)(nil),                  // 6: ferrum.executor.v1.Tensor
-	(*ModelInfo)(nil),               // 7: ferrum.executor.v1.ModelInfo
-	(*PrefixCacheRecipe)(nil),       // 8: ferrum.executor.v1.PrefixCacheRecipe
-	(*MemoryRequirements)(nil),      // 9: ferrum.executor.v1.MemoryRequirements
-	(*ExecutorCapabilities)(nil),    // 10: ferrum.executor.v1.ExecutorCapabilities
-	(*ExecutorMemoryUsage)(nil),     // 11: ferrum.executor.v1.ExecutorMemoryUsage
-	(*ExecutorStatus)(nil),          // 12: ferrum.executor.v1.ExecutorStatus
-	(*ExecutorMetrics)(nil),         // 13: ferrum.executor.v1.ExecutorMetrics
-	(*KvCacheHandle)(nil),           // 14: ferrum.executor.v1.KvCacheHandle
-	(*KvCapacity)(nil),              // 15: ferrum.executor.v1.KvCapacity
-	(*ExecutorAdmissionLimits)(nil), // 16: ferrum.executor.v1.ExecutorAdmissionLimits
-	(*KvSlotRequest)(nil),           // 17: ferrum.executor.v1.KvSlotRequest
-	(*KvSlotAllocation)(nil),        // 18: ferrum.executor.v1.KvSlotAllocation
-	(*KvSlotReservation)(nil),       // 19: ferrum.executor.v1.KvSlotReservation
-	(*KvSlotCapacitySnapshot)(nil),  // 20: ferrum.executor.v1.KvSlotCapacitySnapshot
-	(*SamplingParams)(nil),          // 21: ferrum.executor.v1.SamplingParams
-	(*OutputConstraint)(nil),        // 22: ferrum.executor.v1.OutputConstraint
-	(*ChoiceList)(nil),              // 23: ferrum.executor.v1.ChoiceList
-	(*LogitsPolicy)(nil),            // 24: ferrum.executor.v1.LogitsPolicy
-	(*TokenLogprob)(nil),            // 25: ferrum.executor.v1.TokenLogprob
-	(*LogitsOutput)(nil),            // 26: ferrum.executor.v1.LogitsOutput
-	(*StepTimings)(nil),             // 27: ferrum.executor.v1.StepTimings
-	(*StepError)(nil),               // 28: ferrum.executor.v1.StepError
-	nil,                             // 29: ferrum.executor.v1.StepError.MetadataEntry
-	(*structpb.Struct)(nil),         // 30: google.protobuf.Struct
+	(ItemState)(0),                  // 6: ferrum.executor.v1.ItemState
+	(*Tensor)(nil),                  // 7: ferrum.executor.v1.Tensor
+	(*ModelInfo)(nil),               // 8: ferrum.executor.v1.ModelInfo
+	(*PrefixCacheRecipe)(nil),       // 9: ferrum.executor.v1.PrefixCacheRecipe
+	(*MemoryRequirements)(nil),      // 10: ferrum.executor.v1.MemoryRequirements
+	(*ExecutorCapabilities)(nil),    // 11: ferrum.executor.v1.ExecutorCapabilities
+	(*ExecutorMemoryUsage)(nil),     // 12: ferrum.executor.v1.ExecutorMemoryUsage
+	(*ExecutorStatus)(nil),          // 13: ferrum.executor.v1.ExecutorStatus
+	(*ExecutorMetrics)(nil),         // 14: ferrum.executor.v1.ExecutorMetrics
+	(*KvCacheHandle)(nil),           // 15: ferrum.executor.v1.KvCacheHandle
+	(*KvCapacity)(nil),              // 16: ferrum.executor.v1.KvCapacity
+	(*ExecutorAdmissionLimits)(nil), // 17: ferrum.executor.v1.ExecutorAdmissionLimits
+	(*KvSlotRequest)(nil),           // 18: ferrum.executor.v1.KvSlotRequest
+	(*KvSlotAllocation)(nil),        // 19: ferrum.executor.v1.KvSlotAllocation
+	(*KvSlotReservation)(nil),       // 20: ferrum.executor.v1.KvSlotReservation
+	(*KvSlotCapacitySnapshot)(nil),  // 21: ferrum.executor.v1.KvSlotCapacitySnapshot
+	(*SamplingParams)(nil),          // 22: ferrum.executor.v1.SamplingParams
+	(*OutputConstraint)(nil),        // 23: ferrum.executor.v1.OutputConstraint
+	(*ChoiceList)(nil),              // 24: ferrum.executor.v1.ChoiceList
+	(*LogitsPolicy)(nil),            // 25: ferrum.executor.v1.LogitsPolicy
+	(*TokenLogprob)(nil),            // 26: ferrum.executor.v1.TokenLogprob
+	(*LogitsOutput)(nil),            // 27: ferrum.executor.v1.LogitsOutput
+	(*StepTimings)(nil),             // 28: ferrum.executor.v1.StepTimings
+	(*StepProgress)(nil),            // 29: ferrum.executor.v1.StepProgress
+	(*ItemProgress)(nil),            // 30: ferrum.executor.v1.ItemProgress
+	(*StepError)(nil),               // 31: ferrum.executor.v1.StepError
+	nil,                             // 32: ferrum.executor.v1.StepError.MetadataEntry
+	(*structpb.Struct)(nil),         // 33: google.protobuf.Struct
 }
 var file_ferrum_executor_v1_types_proto_depIdxs = []int32{
 	0,  // 0: ferrum.executor.v1.Tensor.dtype:type_name -> ferrum.executor.v1.DataType
 	1,  // 1: ferrum.executor.v1.ModelInfo.model_type:type_name -> ferrum.executor.v1.ModelType
 	0,  // 2: ferrum.executor.v1.ModelInfo.dtype:type_name -> ferrum.executor.v1.DataType
-	30, // 3: ferrum.executor.v1.ModelInfo.metadata:type_name -> google.protobuf.Struct
-	8,  // 4: ferrum.executor.v1.ModelInfo.prefix_cache:type_name -> ferrum.executor.v1.PrefixCacheRecipe
+	33, // 3: ferrum.executor.v1.ModelInfo.metadata:type_name -> google.protobuf.Struct
+	9,  // 4: ferrum.executor.v1.ModelInfo.prefix_cache:type_name -> ferrum.executor.v1.PrefixCacheRecipe
 	2,  // 5: ferrum.executor.v1.ExecutorCapabilities.attention_mechanisms:type_name -> ferrum.executor.v1.AttentionType
 	0,  // 6: ferrum.executor.v1.ExecutorCapabilities.supported_dtypes:type_name -> ferrum.executor.v1.DataType
-	9,  // 7: ferrum.executor.v1.ExecutorCapabilities.memory_requirements:type_name -> ferrum.executor.v1.MemoryRequirements
+	10, // 7: ferrum.executor.v1.ExecutorCapabilities.memory_requirements:type_name -> ferrum.executor.v1.MemoryRequirements
 	3,  // 8: ferrum.executor.v1.ExecutorStatus.state:type_name -> ferrum.executor.v1.ExecutorState
-	11, // 9: ferrum.executor.v1.ExecutorStatus.memory_usage:type_name -> ferrum.executor.v1.ExecutorMemoryUsage
-	18, // 10: ferrum.executor.v1.KvSlotReservation.allocations:type_name -> ferrum.executor.v1.KvSlotAllocation
-	22, // 11: ferrum.executor.v1.SamplingParams.constraint:type_name -> ferrum.executor.v1.OutputConstraint
-	23, // 12: ferrum.executor.v1.OutputConstraint.choice:type_name -> ferrum.executor.v1.ChoiceList
+	12, // 9: ferrum.executor.v1.ExecutorStatus.memory_usage:type_name -> ferrum.executor.v1.ExecutorMemoryUsage
+	19, // 10: ferrum.executor.v1.KvSlotReservation.allocations:type_name -> ferrum.executor.v1.KvSlotAllocation
+	23, // 11: ferrum.executor.v1.SamplingParams.constraint:type_name -> ferrum.executor.v1.OutputConstraint
+	24, // 12: ferrum.executor.v1.OutputConstraint.choice:type_name -> ferrum.executor.v1.ChoiceList
 	4,  // 13: ferrum.executor.v1.LogitsPolicy.mode:type_name -> ferrum.executor.v1.OutputMode
-	21, // 14: ferrum.executor.v1.LogitsPolicy.sampling:type_name -> ferrum.executor.v1.SamplingParams
+	22, // 14: ferrum.executor.v1.LogitsPolicy.sampling:type_name -> ferrum.executor.v1.SamplingParams
 	0,  // 15: ferrum.executor.v1.LogitsPolicy.logits_dtype:type_name -> ferrum.executor.v1.DataType
-	25, // 16: ferrum.executor.v1.LogitsOutput.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
-	6,  // 17: ferrum.executor.v1.LogitsOutput.logits:type_name -> ferrum.executor.v1.Tensor
-	5,  // 18: ferrum.executor.v1.StepError.kind:type_name -> ferrum.executor.v1.ErrorKind
-	29, // 19: ferrum.executor.v1.StepError.metadata:type_name -> ferrum.executor.v1.StepError.MetadataEntry
-	20, // [20:20] is the sub-list for method output_type
-	20, // [20:20] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	26, // 16: ferrum.executor.v1.LogitsOutput.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
+	7,  // 17: ferrum.executor.v1.LogitsOutput.logits:type_name -> ferrum.executor.v1.Tensor
+	30, // 18: ferrum.executor.v1.StepProgress.items:type_name -> ferrum.executor.v1.ItemProgress
+	6,  // 19: ferrum.executor.v1.ItemProgress.state:type_name -> ferrum.executor.v1.ItemState
+	5,  // 20: ferrum.executor.v1.StepError.kind:type_name -> ferrum.executor.v1.ErrorKind
+	32, // 21: ferrum.executor.v1.StepError.metadata:type_name -> ferrum.executor.v1.StepError.MetadataEntry
+	29, // 22: ferrum.executor.v1.StepError.progress:type_name -> ferrum.executor.v1.StepProgress
+	23, // [23:23] is the sub-list for method output_type
+	23, // [23:23] is the sub-list for method input_type
+	23, // [23:23] is the sub-list for extension type_name
+	23, // [23:23] is the sub-list for extension extendee
+	0,  // [0:23] is the sub-list for field type_name
 }
 
 func init() { file_ferrum_executor_v1_types_proto_init() }
@@ -3282,8 +3517,8 @@ func file_ferrum_executor_v1_types_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ferrum_executor_v1_types_proto_rawDesc), len(file_ferrum_executor_v1_types_proto_rawDesc)),
-			NumEnums:      6,
-			NumMessages:   24,
+			NumEnums:      7,
+			NumMessages:   26,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -292,7 +292,10 @@ class ModelExecutorServicer:
 
     def UnifiedDecode(self, request, context):
         """`unified_decode()`: prefill chunks and decode steps mixed in one forward. UNIMPLEMENTED when
-        `ExecutorCapabilities.supports_native_unified_decode` is false.
+        `ExecutorCapabilities.supports_native_unified_decode` is false, with ErrorInfo reason
+        UNSUPPORTED and metadata `reason` = "UNSUPPORTED_SHAPE" (ferrum 0.18's `UnsupportedShape`:
+        run the rows as BatchPrefill + BatchDecode). A failed step of any kind carries a
+        `StepProgress` status detail (types.proto): which items ran.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

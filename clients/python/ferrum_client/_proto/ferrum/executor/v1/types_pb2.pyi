@@ -93,6 +93,13 @@ class ErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_KIND_INVALID_FORMAT: _ClassVar[ErrorKind]
     ERROR_KIND_INVALID_PARAMETER: _ClassVar[ErrorKind]
     ERROR_KIND_UNAVAILABLE: _ClassVar[ErrorKind]
+
+class ItemState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ITEM_STATE_UNSPECIFIED: _ClassVar[ItemState]
+    ITEM_STATE_RAN: _ClassVar[ItemState]
+    ITEM_STATE_NOT_RUN: _ClassVar[ItemState]
+    ITEM_STATE_RAN_PARTIAL: _ClassVar[ItemState]
 DATA_TYPE_UNSPECIFIED: DataType
 DATA_TYPE_FP32: DataType
 DATA_TYPE_FP16: DataType
@@ -160,6 +167,10 @@ ERROR_KIND_UNSUPPORTED: ErrorKind
 ERROR_KIND_INVALID_FORMAT: ErrorKind
 ERROR_KIND_INVALID_PARAMETER: ErrorKind
 ERROR_KIND_UNAVAILABLE: ErrorKind
+ITEM_STATE_UNSPECIFIED: ItemState
+ITEM_STATE_RAN: ItemState
+ITEM_STATE_NOT_RUN: ItemState
+ITEM_STATE_RAN_PARTIAL: ItemState
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -530,16 +541,18 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class LogitsOutput(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_logprobs", "logits")
+    __slots__ = ("token_id", "logprob", "top_logprobs", "logits", "no_selectable_finite_logit")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    NO_SELECTABLE_FINITE_LOGIT_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     logits: Tensor
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    no_selectable_finite_logit: bool
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., no_selectable_finite_logit: _Optional[bool] = ...) -> None: ...
 
 class StepTimings(_message.Message):
     __slots__ = ("queued_ns", "forward_ns", "sampling_ns", "total_ns")
@@ -553,8 +566,26 @@ class StepTimings(_message.Message):
     total_ns: int
     def __init__(self, queued_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sampling_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
 
+class StepProgress(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ItemProgress]
+    def __init__(self, items: _Optional[_Iterable[_Union[ItemProgress, _Mapping]]] = ...) -> None: ...
+
+class ItemProgress(_message.Message):
+    __slots__ = ("index", "state", "tokens_ran", "reason")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_RAN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    state: ItemState
+    tokens_ran: int
+    reason: str
+    def __init__(self, index: _Optional[int] = ..., state: _Optional[_Union[ItemState, str]] = ..., tokens_ran: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class StepError(_message.Message):
-    __slots__ = ("code", "message", "kind", "field", "metadata", "retry_after_ms")
+    __slots__ = ("code", "message", "kind", "field", "metadata", "retry_after_ms", "progress")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -568,10 +599,12 @@ class StepError(_message.Message):
     FIELD_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     kind: ErrorKind
     field: str
     metadata: _containers.ScalarMap[str, str]
     retry_after_ms: int
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., kind: _Optional[_Union[ErrorKind, str]] = ..., field: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+    progress: StepProgress
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., kind: _Optional[_Union[ErrorKind, str]] = ..., field: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., retry_after_ms: _Optional[int] = ..., progress: _Optional[_Union[StepProgress, _Mapping]] = ...) -> None: ...

@@ -15009,7 +15009,10 @@ export const ModelExecutorService = {
   },
   /**
    * `unified_decode()`: prefill chunks and decode steps mixed in one forward. UNIMPLEMENTED when
-   * `ExecutorCapabilities.supports_native_unified_decode` is false.
+   * `ExecutorCapabilities.supports_native_unified_decode` is false, with ErrorInfo reason
+   * UNSUPPORTED and metadata `reason` = "UNSUPPORTED_SHAPE" (ferrum 0.18's `UnsupportedShape`:
+   * run the rows as BatchPrefill + BatchDecode). A failed step of any kind carries a
+   * `StepProgress` status detail (types.proto): which items ran.
    */
   unifiedDecode: {
     path: "/ferrum.executor.v1.ModelExecutor/UnifiedDecode" as const,
@@ -15414,7 +15417,10 @@ export interface ModelExecutorServer extends UntypedServiceImplementation {
   batchDecode: handleUnaryCall<BatchDecodeRequest, BatchDecodeResponse>;
   /**
    * `unified_decode()`: prefill chunks and decode steps mixed in one forward. UNIMPLEMENTED when
-   * `ExecutorCapabilities.supports_native_unified_decode` is false.
+   * `ExecutorCapabilities.supports_native_unified_decode` is false, with ErrorInfo reason
+   * UNSUPPORTED and metadata `reason` = "UNSUPPORTED_SHAPE" (ferrum 0.18's `UnsupportedShape`:
+   * run the rows as BatchPrefill + BatchDecode). A failed step of any kind carries a
+   * `StepProgress` status detail (types.proto): which items ran.
    */
   unifiedDecode: handleUnaryCall<UnifiedDecodeRequest, UnifiedDecodeResponse>;
   /**
@@ -15700,7 +15706,10 @@ export interface ModelExecutorClient extends Client {
   ): ClientUnaryCall;
   /**
    * `unified_decode()`: prefill chunks and decode steps mixed in one forward. UNIMPLEMENTED when
-   * `ExecutorCapabilities.supports_native_unified_decode` is false.
+   * `ExecutorCapabilities.supports_native_unified_decode` is false, with ErrorInfo reason
+   * UNSUPPORTED and metadata `reason` = "UNSUPPORTED_SHAPE" (ferrum 0.18's `UnsupportedShape`:
+   * run the rows as BatchPrefill + BatchDecode). A failed step of any kind carries a
+   * `StepProgress` status detail (types.proto): which items ran.
    */
   unifiedDecode(
     request: UnifiedDecodeRequest,

@@ -450,6 +450,11 @@ export function outputModeToJSON(object: OutputMode): string {
  * | INVALID_FORMAT     | INVALID_ARGUMENT                             |
  * | INVALID_PARAMETER  | INVALID_ARGUMENT (OUT_OF_RANGE for a length or position past the cache's end) |
  * An executor that is shutting down, or a server that is draining, answers UNAVAILABLE.
+ * "Unsupported shape": a step whose mix of rows this model cannot run as one forward (UnifiedDecode
+ * on a model without native unified decode) is UNIMPLEMENTED with reason UNSUPPORTED (clients that
+ * fall back on it still do) and ErrorInfo metadata `reason` = "UNSUPPORTED_SHAPE", which tells it
+ * from other UNIMPLEMENTEDs (a method this executor lacks); the same rows run as BatchPrefill +
+ * BatchDecode. A `StepError` carries the same `metadata`.
  */
 export enum ErrorKind {
   ERROR_KIND_UNSPECIFIED = 0,
@@ -612,6 +617,55 @@ export function errorKindToJSON(object: ErrorKind): string {
     case ErrorKind.ERROR_KIND_UNAVAILABLE:
       return "ERROR_KIND_UNAVAILABLE";
     case ErrorKind.UNRECOGNIZED:
+    default:
+      return "UNRECOGNIZED";
+  }
+}
+
+/** An item's state after a failed step. */
+export enum ItemState {
+  ITEM_STATE_UNSPECIFIED = 0,
+  /** ITEM_STATE_RAN - Its tokens are in its cache (the step failed after the forward committed). */
+  ITEM_STATE_RAN = 1,
+  /** ITEM_STATE_NOT_RUN - Nothing of it ran; its cache (if any) is as before the call. */
+  ITEM_STATE_NOT_RUN = 2,
+  /** ITEM_STATE_RAN_PARTIAL - The first `tokens_ran` tokens ran (not produced by this server's executors). */
+  ITEM_STATE_RAN_PARTIAL = 3,
+  UNRECOGNIZED = -1,
+}
+
+export function itemStateFromJSON(object: any): ItemState {
+  switch (object) {
+    case 0:
+    case "ITEM_STATE_UNSPECIFIED":
+      return ItemState.ITEM_STATE_UNSPECIFIED;
+    case 1:
+    case "ITEM_STATE_RAN":
+      return ItemState.ITEM_STATE_RAN;
+    case 2:
+    case "ITEM_STATE_NOT_RUN":
+      return ItemState.ITEM_STATE_NOT_RUN;
+    case 3:
+    case "ITEM_STATE_RAN_PARTIAL":
+      return ItemState.ITEM_STATE_RAN_PARTIAL;
+    case -1:
+    case "UNRECOGNIZED":
+    default:
+      return ItemState.UNRECOGNIZED;
+  }
+}
+
+export function itemStateToJSON(object: ItemState): string {
+  switch (object) {
+    case ItemState.ITEM_STATE_UNSPECIFIED:
+      return "ITEM_STATE_UNSPECIFIED";
+    case ItemState.ITEM_STATE_RAN:
+      return "ITEM_STATE_RAN";
+    case ItemState.ITEM_STATE_NOT_RUN:
+      return "ITEM_STATE_NOT_RUN";
+    case ItemState.ITEM_STATE_RAN_PARTIAL:
+      return "ITEM_STATE_RAN_PARTIAL";
+    case ItemState.UNRECOGNIZED:
     default:
       return "UNRECOGNIZED";
   }
@@ -1081,7 +1135,15 @@ export interface LogitsOutput {
   /** Most likely tokens, best first. */
   topLogprobs: TokenLogprob[];
   /** The full row, shape [vocab] (OUTPUT_MODE_FULL_LOGITS). */
-  logits: Tensor | undefined;
+  logits:
+    | Tensor
+    | undefined;
+  /**
+   * OUTPUT_MODE_SAMPLED_TOKEN only: true when the row's token mask / constraint / penalties left
+   * no finite logit to choose from (ferrum's `NoSelectableFiniteLogit`). `token_id` is then
+   * unset and `logprob` is 0: no token was selected, and the caller should not feed one.
+   */
+  noSelectableFiniteLogit: boolean;
 }
 
 /** Server-side timings of one step, so a scheduler can model cost (as TGI's router uses forward_ns). */
@@ -1094,6 +1156,42 @@ export interface StepTimings {
   samplingNs: number;
   /** From receipt of the request to the response being built. */
   totalNs: number;
+}
+
+/**
+ * What a failed step did to each of its items: a `google.rpc.Status` detail (next to ErrorInfo)
+ * of a failed Prefill / Decode / BatchPrefill / BatchDecode / UnifiedDecode. A client reads it to
+ * tell rows it may simply retry (ITEM_STATE_NOT_RUN: the cache is as it was before the call) from
+ * rows whose cache moved. It names only the caller's own items, by their index in the request: no
+ * cache ids, no lengths of caches.
+ *
+ * This server's executors run a step all or nothing: a step that fails before or during its
+ * forward restores every cache it touched, so every item is NOT_RUN; a step refused after its
+ * forward (a fed token its structured-output constraint refuses) committed every row, so every
+ * item is RAN. ITEM_STATE_RAN_PARTIAL (a prompt chunk run only up to `tokens_ran`) is part of the
+ * contract for other executors; this server does not produce it.
+ */
+export interface StepProgress {
+  /** One per item of the request, in request order. */
+  items: ItemProgress[];
+}
+
+/** One item's share of a failed step (see `StepProgress`). */
+export interface ItemProgress {
+  /** The item's index in the request's `inputs` / `items`. */
+  index: number;
+  state: ItemState;
+  /**
+   * Tokens of this item the cache now holds from this call: all fed tokens for RAN, 0 for NOT_RUN,
+   * the prefix that ran for RAN_PARTIAL.
+   */
+  tokensRan: number;
+  /**
+   * Why it did not run (or ran only partly): the ErrorInfo reason of the item at fault (e.g.
+   * "NOT_FOUND", "RESOURCE_EXHAUSTED") or "STEP_FAILED" for an item that was fine but shares the
+   * step with the one at fault; empty for RAN.
+   */
+  reason: string;
 }
 
 /**
@@ -1112,6 +1210,11 @@ export interface StepError {
   metadata: { [key: string]: string };
   /** For RESOURCE_EXHAUSTED: how long to wait before retrying. */
   retryAfterMs: number;
+  /**
+   * A failed forward step (prefill, decode, their batches, unified decode, verify): what it did to
+   * each item, as the unary call's `StepProgress` status detail.
+   */
+  progress: StepProgress | undefined;
 }
 
 export interface StepError_MetadataEntry {
@@ -5194,7 +5297,7 @@ export const TokenLogprob: MessageFns<TokenLogprob> = {
 };
 
 function createBaseLogitsOutput(): LogitsOutput {
-  return { tokenId: undefined, logprob: 0, topLogprobs: [], logits: undefined };
+  return { tokenId: undefined, logprob: 0, topLogprobs: [], logits: undefined, noSelectableFiniteLogit: false };
 }
 
 export const LogitsOutput: MessageFns<LogitsOutput> = {
@@ -5210,6 +5313,9 @@ export const LogitsOutput: MessageFns<LogitsOutput> = {
     }
     if (message.logits !== undefined) {
       Tensor.encode(message.logits, writer.uint32(34).fork()).join();
+    }
+    if (message.noSelectableFiniteLogit !== false) {
+      writer.uint32(40).bool(message.noSelectableFiniteLogit);
     }
     return writer;
   },
@@ -5259,6 +5365,14 @@ export const LogitsOutput: MessageFns<LogitsOutput> = {
             message.logits = Tensor.decode(reader, reader.uint32());
             continue;
           }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.noSelectableFiniteLogit = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -5285,6 +5399,11 @@ export const LogitsOutput: MessageFns<LogitsOutput> = {
         ? object.top_logprobs.map((e: any) => TokenLogprob.fromJSON(e))
         : [],
       logits: isSet(object.logits) ? Tensor.fromJSON(object.logits) : undefined,
+      noSelectableFiniteLogit: isSet(object.noSelectableFiniteLogit)
+        ? globalThis.Boolean(object.noSelectableFiniteLogit)
+        : isSet(object.no_selectable_finite_logit)
+        ? globalThis.Boolean(object.no_selectable_finite_logit)
+        : false,
     };
   },
 
@@ -5302,6 +5421,9 @@ export const LogitsOutput: MessageFns<LogitsOutput> = {
     if (message.logits !== undefined) {
       obj.logits = Tensor.toJSON(message.logits);
     }
+    if (message.noSelectableFiniteLogit !== false) {
+      obj.noSelectableFiniteLogit = message.noSelectableFiniteLogit;
+    }
     return obj;
   },
 
@@ -5316,6 +5438,7 @@ export const LogitsOutput: MessageFns<LogitsOutput> = {
     message.logits = (object.logits !== undefined && object.logits !== null)
       ? Tensor.fromPartial(object.logits)
       : undefined;
+    message.noSelectableFiniteLogit = object.noSelectableFiniteLogit ?? false;
     return message;
   },
 };
@@ -5453,8 +5576,198 @@ export const StepTimings: MessageFns<StepTimings> = {
   },
 };
 
+function createBaseStepProgress(): StepProgress {
+  return { items: [] };
+}
+
+export const StepProgress: MessageFns<StepProgress> = {
+  encode(message: StepProgress, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    for (const v of message.items) {
+      ItemProgress.encode(v!, writer.uint32(10).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): StepProgress {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseStepProgress();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.items.push(ItemProgress.decode(reader, reader.uint32()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): StepProgress {
+    return {
+      items: globalThis.Array.isArray(object?.items) ? object.items.map((e: any) => ItemProgress.fromJSON(e)) : [],
+    };
+  },
+
+  toJSON(message: StepProgress): unknown {
+    const obj: any = {};
+    if (message.items?.length) {
+      obj.items = message.items.map((e) => ItemProgress.toJSON(e));
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<StepProgress>, I>>(base?: I): StepProgress {
+    return StepProgress.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<StepProgress>, I>>(object: I): StepProgress {
+    const message = createBaseStepProgress();
+    message.items = object.items?.map((e) => ItemProgress.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseItemProgress(): ItemProgress {
+  return { index: 0, state: 0, tokensRan: 0, reason: "" };
+}
+
+export const ItemProgress: MessageFns<ItemProgress> = {
+  encode(message: ItemProgress, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.index !== 0) {
+      writer.uint32(8).uint32(message.index);
+    }
+    if (message.state !== 0) {
+      writer.uint32(16).int32(message.state);
+    }
+    if (message.tokensRan !== 0) {
+      writer.uint32(24).uint32(message.tokensRan);
+    }
+    if (message.reason !== "") {
+      writer.uint32(34).string(message.reason);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ItemProgress {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseItemProgress();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.index = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.state = reader.int32() as any;
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.tokensRan = reader.uint32();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.reason = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ItemProgress {
+    return {
+      index: isSet(object.index) ? globalThis.Number(object.index) : 0,
+      state: isSet(object.state) ? itemStateFromJSON(object.state) : 0,
+      tokensRan: isSet(object.tokensRan)
+        ? globalThis.Number(object.tokensRan)
+        : isSet(object.tokens_ran)
+        ? globalThis.Number(object.tokens_ran)
+        : 0,
+      reason: isSet(object.reason) ? globalThis.String(object.reason) : "",
+    };
+  },
+
+  toJSON(message: ItemProgress): unknown {
+    const obj: any = {};
+    if (message.index !== 0) {
+      obj.index = Math.round(message.index);
+    }
+    if (message.state !== 0) {
+      obj.state = itemStateToJSON(message.state);
+    }
+    if (message.tokensRan !== 0) {
+      obj.tokensRan = Math.round(message.tokensRan);
+    }
+    if (message.reason !== "") {
+      obj.reason = message.reason;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ItemProgress>, I>>(base?: I): ItemProgress {
+    return ItemProgress.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ItemProgress>, I>>(object: I): ItemProgress {
+    const message = createBaseItemProgress();
+    message.index = object.index ?? 0;
+    message.state = object.state ?? 0;
+    message.tokensRan = object.tokensRan ?? 0;
+    message.reason = object.reason ?? "";
+    return message;
+  },
+};
+
 function createBaseStepError(): StepError {
-  return { code: 0, message: "", kind: 0, field: "", metadata: {}, retryAfterMs: 0 };
+  return { code: 0, message: "", kind: 0, field: "", metadata: {}, retryAfterMs: 0, progress: undefined };
 }
 
 export const StepError: MessageFns<StepError> = {
@@ -5476,6 +5789,9 @@ export const StepError: MessageFns<StepError> = {
     });
     if (message.retryAfterMs !== 0) {
       writer.uint32(48).uint64(message.retryAfterMs);
+    }
+    if (message.progress !== undefined) {
+      StepProgress.encode(message.progress, writer.uint32(58).fork()).join();
     }
     return writer;
   },
@@ -5544,6 +5860,14 @@ export const StepError: MessageFns<StepError> = {
             message.retryAfterMs = longToNumber(reader.uint64());
             continue;
           }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.progress = StepProgress.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -5581,6 +5905,7 @@ export const StepError: MessageFns<StepError> = {
         : isSet(object.retry_after_ms)
         ? globalThis.Number(object.retry_after_ms)
         : 0,
+      progress: isSet(object.progress) ? StepProgress.fromJSON(object.progress) : undefined,
     };
   },
 
@@ -5610,6 +5935,9 @@ export const StepError: MessageFns<StepError> = {
     if (message.retryAfterMs !== 0) {
       obj.retryAfterMs = Math.round(message.retryAfterMs);
     }
+    if (message.progress !== undefined) {
+      obj.progress = StepProgress.toJSON(message.progress);
+    }
     return obj;
   },
 
@@ -5632,6 +5960,9 @@ export const StepError: MessageFns<StepError> = {
       {},
     );
     message.retryAfterMs = object.retryAfterMs ?? 0;
+    message.progress = (object.progress !== undefined && object.progress !== null)
+      ? StepProgress.fromPartial(object.progress)
+      : undefined;
     return message;
   },
 };
