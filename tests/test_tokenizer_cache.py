@@ -84,11 +84,20 @@ def test_the_bundle_is_ready_at_start_cached_and_rebuilt_when_tampered(tmp_path)
     assert not cached.is_symlink() and cached.read_bytes() == data
 
 
-def test_without_transformers_gettokenizer_is_a_clear_failed_precondition(tmp_path):
-    """The torch-free CPU image has no transformers (its GGUF reader imports torch): the server
-    still starts and serves, and GetTokenizer says what is missing (FAILED_PRECONDITION), no
-    INTERNAL, no half-written bundle on disk."""
-    smollm2_gguf(llama_cpp=True)
+def test_without_transformers_gettokenizer_converts_torch_free(tmp_path):
+    """The torch-free CPU image has no transformers (its GGUF reader imports torch): GetTokenizer
+    is built by the torch-free converter (gguf + tokenizers, ``gguf_tokenizer.py``), cached under
+    that converter's key, and its tokenizer.json encodes as transformers' conversion of the same
+    file does; the model still generates. (A GGUF tokenizer type the converter does not support is a
+    FAILED_PRECONDITION naming the type: tests/test_gguf_tokenizer.py.)"""
+    import io
+    import json
+    import zipfile
+
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    d, name = smollm2_gguf(llama_cpp=True)
     blocked = tmp_path / "no-transformers"
     (blocked / "transformers").mkdir(parents=True)
     (blocked / "transformers" / "__init__.py").write_text(
@@ -99,20 +108,32 @@ def test_without_transformers_gettokenizer_is_a_clear_failed_precondition(tmp_pa
                            "PYTHONPATH": os.pathsep.join(filter(None, [str(blocked), os.environ.get("PYTHONPATH")]))})
     w.start()
     try:
-        with grpc.insecure_channel(w.target) as ch:
-            eng = vllm_engine_pb2_grpc.VllmEngineStub(ch)
-            with pytest.raises(grpc.RpcError) as e:
-                list(eng.GetTokenizer(cpb.GetTokenizerRequest(), timeout=60))
-            from ferrum_client import Client, pb
+        data, digest, took = _get_tokenizer(w.target)
+        from ferrum_client import Client, pb
 
-            with Client(w.target) as c:
-                evs = list(c.stub.Generate(pb.GenerateRequest(model_id="smollm2", text="Hello",
-                                                              stop=pb.StopConditions(max_tokens=3, ignore_eos=True)),
-                                           timeout=120))
-            tokens = [ev.token.token_id for ev in evs if ev.WhichOneof("event") == "token"]
+        with Client(w.target) as c:
+            evs = list(c.stub.Generate(pb.GenerateRequest(model_id="smollm2", text="Hello",
+                                                          stop=pb.StopConditions(max_tokens=3, ignore_eos=True)),
+                                       timeout=120))
+        tokens = [ev.token.token_id for ev in evs if ev.WhichOneof("event") == "token"]
     finally:
         w.stop()
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
-    assert "transformers" in e.value.details() and "torch-free" in e.value.details()
+    log = w.log_path.read_text()
+    assert hashlib.sha256(data).hexdigest() == digest and took < FIRST_ANSWER_S
+    assert '"converter": "ferrum-gguf-' in log, log[-2000:]
+    (cached,) = list(cache.glob("tokenizer-bundles/*.tokenizer.zip"))
+    assert cached.read_bytes() == data
+    zf = zipfile.ZipFile(io.BytesIO(data))
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(zf.namelist())
+    ours = Tokenizer.from_str(zf.read("tokenizer.json").decode())
+    ref = AutoTokenizer.from_pretrained(str(d), gguf_file=name)  # transformers is importable here
+    texts = ["Hello, world!", "def f(x):\n    return x * 2\n", "  spaced   out\t\ttabs\n\n", "naïve café 日本語 😀",
+             ref.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}], tokenize=False,
+                                     add_generation_prompt=True)]
+    for text in texts:
+        assert ours.encode(text).ids == ref.encode(text), text
+        assert ours.decode(ours.encode(text).ids, skip_special_tokens=False) == text
+    cfg = json.loads(zf.read("tokenizer_config.json"))
+    assert (cfg["bos_token"], cfg["eos_token"], cfg["pad_token"]) == (ref.bos_token, ref.eos_token, ref.pad_token)
+    assert zf.read("chat_template.jinja").decode() == cfg["chat_template"] == ref.chat_template
     assert len(tokens) == 3, "the model still generates without transformers"
-    assert not list(cache.glob("tokenizer-bundles/*.zip"))

@@ -7,7 +7,8 @@ tokenizer from the GGUF's metadata: 12-15 s for SmolLM2 on this machine. So the 
 bundle while it starts (``VllmEngineServicer.prepare_tokenizer``, before health is SERVING) and
 keeps a converted one on disk beside the F16 weight copies (``weight_cache.cache_dir()`` /
 ``tokenizer-bundles``), keyed by the GGUF file (resolved path, size, modification time) and the
-transformers version: a restart reads it back in milliseconds.
+converter (``tokenizer_bundle.gguf_converter``: transformers and its version, or the torch-free
+converter and its version): a restart reads it back in milliseconds.
 
 A cached bundle is served only if it is a regular file (not a symlink) of at most
 :data:`MAX_BUNDLE_BYTES` whose SHA-256 matches its sidecar; anything else is built again. Files are
@@ -60,7 +61,6 @@ def bundle(executor: Any, folder: Path | None = None) -> tuple[bytes, str]:
     if src is None:
         data = tokenizer_zip(executor)
         return data, hashlib.sha256(data).hexdigest()
-    gguf_converter(executor)  # FAILED_PRECONDITION without transformers, before any file is made
     folder = Path(folder) if folder is not None else bundle_folder()
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     out = folder / f"{src.stem}.{_source_key(src)[:16]}.tokenizer.zip"
@@ -76,15 +76,15 @@ def bundle(executor: Any, folder: Path | None = None) -> tuple[bytes, str]:
         digest = hashlib.sha256(data).hexdigest()
         _write(out, data, {"source": str(src), "sha256": digest, "size": len(data)})
         log.info("tokenizer bundle converted once and cached", source=str(src), path=str(out), bytes=len(data),
-                 seconds=round(time.perf_counter() - t0, 2))
+                 converter=gguf_converter(), seconds=round(time.perf_counter() - t0, 2))
         return data, digest
 
 
 def _source_key(src: Path) -> str:
-    import transformers
-
+    """The cache key of the bundle converted from ``src``: the file (resolved path, size,
+    modification time), the bundle format and the converter that runs here."""
     st = src.stat()
-    ident = f"{BUNDLE_FORMAT}\0{src.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{transformers.__version__}"
+    ident = f"{BUNDLE_FORMAT}\0{src.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{gguf_converter()}"
     return hashlib.sha256(ident.encode()).hexdigest()
 
 
