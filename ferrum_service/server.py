@@ -178,7 +178,7 @@ class Server:
         for host in models:
             host.executor.registry.subscribe(
                 lambda kind, e, hub=self.events: hub.publish(kind, e.model_id, e.cache_id, e.num_tokens, e.tenant))
-            prefix = getattr(host.executor, "prefix", None)
+            prefix = host.executor.prefix
             if prefix is not None:
                 prefix.subscribe(lambda kind, data, hub=self.events, m=host.model_id: hub.publish_block(kind, m, data))
         self.zmq_events = None  # block events for llm-d on ZeroMQ (zmq_kv_events.py)

@@ -230,12 +230,12 @@ def test_a_failure_while_planning_fails_the_streams_instead_of_stranding_them(ti
 def test_the_prefill_settings_reach_the_batcher_and_bad_values_are_refused(tiny_executor):
     from ferrum_service.server import Server, ServerConfig, host_models
 
-    async def check() -> None:  # the server's grpc.aio parts are made on a running loop
-        srv = Server(host_models([tiny_executor]), ServerConfig(prefill_chunk_tokens=64, prefill_tail_factor=3.0))
+    async def check() -> None:  # the server's grpc.aio parts are made on a running loop (port 0: any free one)
+        srv = Server(host_models([tiny_executor]), ServerConfig(port=0, prefill_chunk_tokens=64, prefill_tail_factor=3.0))
         b = srv.models.get("tiny").batcher
         assert (b.prefill_tokens_per_step, b.tail_step_factor) == (64, 3.0)
         for bad in (dict(prefill_chunk_tokens=0), dict(prefill_tail_factor=0.5), dict(prefill_tail_factor=-1.0)):
             with pytest.raises(ValueError):
-                Server(host_models([tiny_executor]), ServerConfig(**bad))
+                Server(host_models([tiny_executor]), ServerConfig(port=0, **bad))
 
     asyncio.run(check())

@@ -85,7 +85,7 @@ def usable(policy: "LogitsPolicy", executor: Any) -> bool:
     """Whether a stream with this policy can speculate on this executor. A structured-output
     constraint cannot (its matcher would have to advance through every draft before the mask of
     the next position is known), nor an executor without multi-token decode rows."""
-    return policy.sampling.constraint is None and bool(getattr(executor, "supports_draft_rows", False))
+    return policy.sampling.constraint is None and executor.supports_draft_rows
 
 
 class PromptIndex:

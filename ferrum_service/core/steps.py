@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
-class ModelExecutor(Protocol):
-    """What a step needs of an executor (``executors/base.py`` implements it)."""
+class StepExecutor(Protocol):
+    """What a step needs of an executor (``executors/base.py``'s ``ModelExecutor`` implements it)."""
 
     registry: Any
     stats: Any
@@ -66,9 +66,11 @@ class RowKind(enum.StrEnum):
     VERIFY = "verify"  # ForwardVerify: N+1 tokens, every position's output
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepRow:
-    """One sequence's share of a step: ``tokens`` appended to ``entry`` (None = a new cache)."""
+    """One sequence's share of a step: ``tokens`` appended to ``entry`` (None = a new cache).
+    Frozen: admission and the executor read a plan, they never edit it; what the executor found
+    (its prefix-cache hit) comes back in :attr:`RowOutput.cached`."""
 
     entry: CacheEntry | None
     tokens: list[int]
@@ -80,10 +82,10 @@ class StepRow:
     bypass: bool = False  # a new cache computes every token (no prefix-cache lookup)
     adapter: str = ""  # LoRA adapter: a new cache's; for a live cache "" or its own (checked by the executor)
     drafts: int = 0  # a decode row's trailing draft tokens, verified in this forward (speculation.py)
-    cached: int = 0  # leading tokens taken from the prefix cache (set by the executor, or the batcher's estimate)
+    cached: int = 0  # a new cache's leading tokens the prefix cache is expected to hold (the batcher's estimate, for the cost)
 
     def __post_init__(self) -> None:
-        self.want = Want(self.want)  # "last" and Want.LAST alike
+        object.__setattr__(self, "want", Want(self.want))  # "last" and Want.LAST alike
 
     @property
     def past(self) -> int:
@@ -101,11 +103,13 @@ class StepRow:
 
     # ---- built from the executor interface's inputs ----------------------------------------------
     @classmethod
-    def prompt(cls, inp: PrefillInput, entry: CacheEntry | None) -> "StepRow":
-        """A prompt (or a chunk of one) continuing ``entry`` or making a new cache."""
+    def prompt(cls, inp: PrefillInput, entry: CacheEntry | None, cached: int = 0) -> "StepRow":
+        """A prompt (or a chunk of one) continuing ``entry`` or making a new cache (``cached``: the
+        prefix-cache hit expected for a new one)."""
         want = Want.NONE if not inp.policy.needs_logits else Want.ALL if inp.all_positions else Want.LAST
         return cls(entry, list(inp.token_ids), want, inp.policy, RowKind.PROMPT, reserve=int(inp.reserve_tokens or 0),
-                   salt=inp.cache_salt, bypass=inp.bypass_prefix_cache, adapter=inp.adapter)
+                   salt=inp.cache_salt, bypass=inp.bypass_prefix_cache, adapter=inp.adapter,
+                   cached=cached if entry is None else 0)
 
     @classmethod
     def decode(cls, inp: DecodeInput, entry: CacheEntry, field: str) -> "StepRow":
@@ -161,7 +165,7 @@ class StepPlan:
     refuse_broken: bool = True
 
     # ---- cost -------------------------------------------------------------------------------------
-    def cost(self, executor: "ModelExecutor") -> StepCost:
+    def cost(self, executor: "StepExecutor") -> StepCost:
         """What the forward costs on ``executor`` (positions with padding, transient memory)."""
         return executor.step_cost([(r.computed, r.past) for r in self.rows], sum(r.logits_rows for r in self.rows))
 
@@ -178,7 +182,7 @@ class StepPlan:
                             1 + len(r.tokens) if r.want is Want.ALL and r.kind is RowKind.PROMPT else 1)
         return total
 
-    def too_big(self, limits: StepLimits, executor: "ModelExecutor", vocab_size: int = 0,
+    def too_big(self, limits: StepLimits, executor: "StepExecutor", vocab_size: int = 0,
                 response_bytes: int | None = None) -> errors.FerrumError | None:
         """Why this step can never run within ``limits`` (INVALID_ARGUMENT), or None.
         ``response_bytes``: the answer's size when it is not the rows' outputs (0: the batcher's
@@ -207,14 +211,14 @@ class StepPlan:
                 field=f, response_bytes=n, limit=limits.max_response_bytes)
         return None
 
-    def check(self, limits: StepLimits, executor: "ModelExecutor", vocab_size: int,
+    def check(self, limits: StepLimits, executor: "StepExecutor", vocab_size: int,
               response_bytes: int | None = None) -> None:
         """INVALID_ARGUMENT when the step is over one of ``limits`` (see :meth:`too_big`)."""
         e = self.too_big(limits, executor, vocab_size, response_bytes)
         if e is not None:
             raise e
 
-    def fits(self, limits: StepLimits, executor: "ModelExecutor") -> bool:
+    def fits(self, limits: StepLimits, executor: "StepExecutor") -> bool:
         """Whether the forward stays within the per-step ceilings (the batcher's test)."""
         return self.too_big(limits, executor, response_bytes=0) is None
 
@@ -225,7 +229,7 @@ class StepPlan:
         grow = [(r.entry, r.entry.num_tokens + len(r.tokens)) for r in self.rows if r.entry is not None]
         return grow, [r for r in self.rows if r.entry is None]
 
-    def admit(self, executor: "ModelExecutor") -> None:
+    def admit(self, executor: "StepExecutor") -> None:
         """Admit the step's KV growth, all or nothing, before any work (RESOURCE_EXHAUSTED)."""
         grow, new = self.admission()
         executor.admit_kv(grow, new, self.field)
@@ -263,7 +267,7 @@ def _entry_after(reg, row: StepRow, out) -> CacheEntry | None:
     return reg.get(out.cache.cache_id) if out.cache.cache_id in reg else None
 
 
-def run(executor: "ModelExecutor", plan: StepPlan) -> StepResult:
+def run(executor: "StepExecutor", plan: StepPlan) -> StepResult:
     """Run ``plan`` on the model's worker: structured-output masks (during the forward where that
     pays), the executor's one forward, the model's counters, then each row's output."""
     reg = executor.registry
@@ -288,7 +292,7 @@ def run(executor: "ModelExecutor", plan: StepPlan) -> StepResult:
         raise
 
 
-def _after_forward(executor: "ModelExecutor", plan: StepPlan, outs: list["RowOutput"], prepared, dt: float
+def _after_forward(executor: "StepExecutor", plan: StepPlan, outs: list["RowOutput"], prepared, dt: float
                    ) -> StepResult:
     """A committed forward's counters, masks, refusals and each row's output."""
     reg = executor.registry

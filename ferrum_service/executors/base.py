@@ -181,9 +181,13 @@ class ModelExecutor(abc.ABC):
     #: The LoRA adapters registered on this model (``lora.AdapterSet``); None = it serves none.
     adapters: Any = None
     #: The executor's prefix cache, None = it keeps none. The server reads ``stats``
-    #: (:class:`PrefixStats`), ``cached_blocks``, ``evictable``, ``used_blocks`` and sets
-    #: ``on_event`` (its block events); a paged one also has ``pool`` (its blocks and bytes).
+    #: (:class:`PrefixStats`), ``cached_blocks``, ``evictable``, ``used_blocks`` and calls
+    #: ``subscribe(sink)`` (its block events); a paged one also has ``pool`` (its blocks and bytes).
     prefix: Any = None
+    #: Where the weights were read from (a model folder or a GGUF file); None = built in memory.
+    source: Any = None
+    #: Tokens per KV block: full blocks are what a migration pre-copies; 1 = no block structure.
+    block_size: int = 1
     #: Structured-output compiled constraints of this model (``core.guided.Guides``), made by
     #: ``core.guided.guides_of`` on first use; None until then.
     guides: Any = None

@@ -40,14 +40,15 @@ class ItemStepExecutor(ModelExecutor):
     supports_draft_rows = True
 
     @abc.abstractmethod
-    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, Rows | None]]:
-        """Admit, run one forward over ``items`` and commit them (nothing on failure); a torch
-        executor runs it under ``torch.inference_mode``."""
+    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, Rows | None, int]]:
+        """Admit, run one forward over ``items`` and commit them (nothing on failure): per row its
+        cache, its logits and the leading tokens it took from the prefix cache. A torch executor
+        runs it under ``torch.inference_mode``."""
 
     def execute(self, plan: StepPlan) -> list[RowOutput]:
         """The plan's rows in one forward (``_step``), all or nothing."""
-        return [RowOutput(self.handle(e), logits, cached=r.cached)
-                for r, (e, logits) in zip(plan.rows, self._step(plan.rows, plan.field))]
+        return [RowOutput(self.handle(e), logits, cached=cached)
+                for e, logits, cached in self._step(plan.rows, plan.field)]
 
     # ---- the interface, as plans ------------------------------------------------------------------
     def _prompts(self, inputs: list[PrefillInput], field: str) -> list[StepRow]:

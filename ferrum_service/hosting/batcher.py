@@ -74,10 +74,7 @@ class _Pending:
         part = dataclasses.replace(inp, token_ids=ids, cache_id=cache_id,
                                    reserve_tokens=inp.reserve_tokens if not self.done else 0,
                                    policy=inp.policy if last else _NO_OUTPUT)
-        row = StepRow.prompt(part, reg.get(cache_id) if cache_id else None)
-        if row.entry is None:
-            row.cached = self.cached
-        return row, last
+        return StepRow.prompt(part, reg.get(cache_id) if cache_id else None, cached=self.cached), last
 
 
 #: The policy of a chunk in the middle of a prompt: no logits, nothing sampled.

@@ -71,7 +71,7 @@ class Metrics:
         for host in models:
             reg = host.executor.registry
             mid = host.model_id
-            prefix = getattr(host.executor, "prefix", None)
+            prefix = host.executor.prefix
             active.labels(mid).set_function(lambda reg=reg: len(reg))
             used.labels(mid).set_function(lambda reg=reg: reg.used_tokens)
             if prefix is not None:
@@ -164,7 +164,7 @@ class _PrefixCollector:
               ("ferrum_prefix_evicted_blocks", "Cached KV blocks evicted to make room", "evicted_blocks"))
 
     def __init__(self, models: "ModelSet") -> None:
-        self.models = [h for h in models if getattr(h.executor, "prefix", None) is not None]
+        self.models = [h for h in models if h.executor.prefix is not None]
 
     def describe(self):
         return [CounterMetricFamily(n, h, labels=["model"]) for n, h, _ in self._NAMES]
@@ -210,7 +210,7 @@ class _LoraCollector:
     ``ferrum_lora_adapter_steps_total{model,adapter}``."""
 
     def __init__(self, models: "ModelSet") -> None:
-        self.models = [h for h in models if getattr(h.executor, "adapters", None) is not None]
+        self.models = [h for h in models if h.executor.adapters is not None]
 
     def describe(self):
         return list(self.collect()) if self.models else []
@@ -308,7 +308,7 @@ class _ModelServerCollector:
             block, blocks = cache_layout(host)
             if block:
                 cache.add_metric([host.model_id, str(block), str(blocks)], 1)
-            adapters = getattr(host.executor, "adapters", None)
+            adapters = host.executor.adapters
             if adapters is not None:
                 bound = sorted(a for a, n in host.executor.adapter_bindings().items() if a and n)
                 lora.add_metric([host.model_id, str(adapters.max_resident), ",".join(bound), ""], now)

@@ -202,7 +202,7 @@ class StreamMover:
             n, prompt, start = self._decode_state(s)
             # Full blocks only: the stream's next writes (and a copy-on-write of the block they go
             # to) never touch them while the target reads them.
-            bs = max(1, int(getattr(self.host.executor, "block_size", 1) or 1))
+            bs = max(1, self.host.executor.block_size)
             upto = n - n % bs
             if not upto or not self.migrations.can_precopy(self.host, n):
                 return True

@@ -54,7 +54,7 @@ def transformers_tokenizer(executor: Any) -> Any:
 
 def gguf_file(executor: Any) -> Path:
     """The GGUF file a llama.cpp model's tokenizer is converted from (FAILED_PRECONDITION if none)."""
-    source = Path(str(getattr(executor, "source", "") or ""))
+    source = Path(str(executor.source or ""))
     if source.suffix != ".gguf" or not source.is_file():
         raise errors.failed_precondition(
             f"model {executor.info().model_id!r}: its tokenizer cannot be written as files (no GGUF file to "

@@ -47,9 +47,9 @@ def bundle_folder() -> Path:
 def gguf_source(executor: Any) -> Path | None:
     """The GGUF file a tokenizer is converted from (a llama.cpp model), else None (a tokenizer
     that saves itself: nothing worth caching)."""
-    if hasattr(getattr(executor, "tokenizer", None), "save_pretrained"):
+    if hasattr(executor.tokenizer, "save_pretrained"):  # a tokenizer that writes its own files
         return None
-    src = Path(str(getattr(executor, "source", "") or ""))
+    src = Path(str(executor.source or ""))
     return src if src.suffix == ".gguf" and src.is_file() else None
 
 

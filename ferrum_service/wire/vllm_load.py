@@ -139,7 +139,7 @@ class LoadSampler:
         if spec.draft_tokens and spec.verify_rows:
             rec.speculative.accept_rate = spec.accepted_tokens / spec.draft_tokens
             rec.speculative.accept_length = (spec.accepted_tokens + spec.verify_rows) / spec.verify_rows
-        adapters = getattr(h.executor, "adapters", None)
+        adapters = h.executor.adapters
         if adapters is not None and adapters.max_resident:
             used = sum(1 for a in adapters.adapters.values() if a.resident)
             rec.lora.slots_used, rec.lora.slots_total = used, adapters.max_resident

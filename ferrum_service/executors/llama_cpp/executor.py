@@ -556,7 +556,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         """One tiny prefill + decode (allocates llama.cpp's compute buffers)."""
         if self.registry.free_tokens < 2 or not self._free_seq:
             return
-        ((entry, _),) = self._step([StepRow(None, [0], Want.LAST)], "warmup")
+        ((entry, _, _),) = self._step([StepRow(None, [0], Want.LAST)], "warmup")
         try:
             self._step([StepRow(entry, [0], Want.LAST)], "warmup")
         finally:
@@ -572,7 +572,7 @@ class LlamaCppExecutor(ItemStepExecutor):
             pass
 
     # ---- the one decode ------------------------------------------------------------------------
-    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, np.ndarray | None]]:
+    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, np.ndarray | None, int]]:
         """Admit, run one ``llama_decode`` over all items, commit; undo everything on failure."""
         if self.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down")
@@ -615,6 +615,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         undo: list[tuple[int, int]] = []  # (seq id, first position to remove) for rollback
         emptied: list[tuple[int, bytes | None]] = []  # empty caches' (seq id, chain root) before the step
         entries: list[CacheEntry] = []
+        cached: list[int] = []  # per item: leading tokens taken from the prefix cache
         work: list[StepRow] = []  # what is decoded: a new sequence's tokens after its prefix hit
         try:
             for it, (src, take, keys, root), new in zip(items, hits, fresh):
@@ -632,7 +633,7 @@ class LlamaCppExecutor(ItemStepExecutor):
                     if src is not None:
                         self._free_seq.copy(src, e.payload, take)
                         pc.touch(src)
-                    it.cached = past = take
+                    past = take
                     if it.want != Want.ALL and not it.bypass:
                         pc.stats.lookups += 1
                         pc.stats.queried_tokens += len(it.tokens)
@@ -647,6 +648,7 @@ class LlamaCppExecutor(ItemStepExecutor):
                     work.append(it)
                     undo.append((e.payload, past))
                 entries.append(e)
+                cached.append(take if new else 0)
                 placed.append((e.payload, past))
             logits = self._decode.decode(work, placed)
         except BaseException:
@@ -663,4 +665,4 @@ class LlamaCppExecutor(ItemStepExecutor):
             pc.commit(e.payload, e.tokens, e.cache_id)
         # Status counters are recorded by the server around each step (operations.py, host.py), as for
         # every executor; recording here too counted each llama.cpp step twice.
-        return list(zip(entries, logits))
+        return list(zip(entries, logits, cached))

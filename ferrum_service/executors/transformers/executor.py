@@ -589,14 +589,14 @@ class HfCausalLmExecutor(ItemStepExecutor):
             self.decode_runner.capture_all()
         if self.prefix.available_blocks < 1:
             return
-        ((entry, _),) = self._step([StepRow(None, [self._pad_id], Want.LAST, bypass=True)], "warmup")
+        ((entry, _, _),) = self._step([StepRow(None, [self._pad_id], Want.LAST, bypass=True)], "warmup")
         try:
             self._step([StepRow(entry, [self._pad_id], Want.LAST)], "warmup")
         finally:
             self.release_cache(entry.cache_id)
 
     @torch.inference_mode()
-    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, torch.Tensor | None]]:
+    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, torch.Tensor | None, int]]:
         """Admit, allocate, run one forward over all items, commit. On failure the step leaves no
         trace: caches it created are released, blocks it grew are returned, reservations and the
         adapter bindings of empty caches are put back."""
@@ -632,7 +632,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
                 self.kv.unbind_adapter(e, adapter, root)
             raise
         self.kv.commit(items, step)
-        return list(zip(step.entries, logits))
+        return list(zip(step.entries, logits, step.cached))
 
     def _adapters_of(self, items: list[StepRow], field: str,
                      bound: list[tuple[CacheEntry, str, bytes]]) -> dict[str, AdapterWeights]:

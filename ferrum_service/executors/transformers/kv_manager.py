@@ -54,12 +54,24 @@ class StagedImport:
 
 
 @dataclass
+class PrefixHit:
+    """What the prefix cache gives one row of a step: the hit blocks, their keys, the chain root
+    the row's new blocks hang from, and the leading tokens it need not compute (``cached``)."""
+
+    blocks: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    root: bytes = b""
+    cached: int = 0
+
+
+@dataclass
 class StepKv:
     """A step's KV once allocated: per row its cache, tokens already there and tokens to compute,
     and what :meth:`KvManager.rollback` undoes."""
 
     entries: list[CacheEntry] = field(default_factory=list)
     pasts: list[int] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)  # leading tokens each row took from the prefix cache
     new_tokens: list[list[int]] = field(default_factory=list)
     created: list[CacheEntry] = field(default_factory=list)
     grown: list[tuple[CacheEntry, int, int]] = field(default_factory=list)  # (entry, blocks, reserved) before
@@ -87,9 +99,9 @@ class KvManager:
         self.staged_adapters: collections.Counter[str] = collections.Counter()  # staged imports per adapter
 
     # ---- plan and admission ----------------------------------------------------------------------
-    def plan(self, items: list[StepRow]) -> tuple[int, set[int], list[tuple[list[int], list[bytes], bytes]]]:
+    def plan(self, items: list[StepRow]) -> tuple[int, set[int], list[PrefixHit]]:
         """What a step over ``items`` needs from the pool: (new blocks, evictable blocks its prefix
-        hits take back, per item (hit blocks, their keys, chain root)). Sets ``item.cached``.
+        hits take back, per item its :class:`PrefixHit`). Reads the rows, never edits them.
 
         A new sequence looks its prompt up unless it bypasses the cache or wants every position's
         logits; at least its last token is computed, so a prompt that is all cached recomputes
@@ -101,36 +113,36 @@ class KvManager:
         pc, pool, bs = self.prefix, self.pool, self.block_size
         need = 0
         revived: set[int] = set()
-        hits: list[tuple[list[int], list[bytes], bytes]] = []
+        hits: list[PrefixHit] = []
         for it in items:
             if self.takes_prefix(it):
                 seq = it.entry.payload
                 root = pc.root(it.salt, seq.adapter)  # the step's salt picks the key space, as for a new cache
                 hb, hk = pc.match(it.tokens, root)
                 hb, hk = hb[:len(seq.blocks)], hk[:len(seq.blocks)]  # within what it reserved
-                it.cached = min(len(hb) * bs, len(it.tokens) - 1)
-                cow = 1 if it.cached < len(hb) * bs else 0
+                cached = min(len(hb) * bs, len(it.tokens) - 1)
+                cow = 1 if cached < len(hb) * bs else 0
                 need += max(0, pool.blocks_for(max(len(it.tokens), it.reserve)) - len(seq.blocks)) + cow
                 revived.update(b for b in hb if b in pc.evictable)
-                hits.append((hb, hk, root))
+                hits.append(PrefixHit(hb, hk, root, cached))
             elif it.entry is None:
                 root = pc.root(it.salt, it.adapter)
                 hb: list[int] = []
                 hk: list[bytes] = []
                 if not it.bypass and it.want != Want.ALL:
                     hb, hk = pc.match(it.tokens, root)
-                it.cached = min(len(hb) * bs, len(it.tokens) - 1)
-                cow = 1 if it.cached < len(hb) * bs else 0
+                cached = min(len(hb) * bs, len(it.tokens) - 1)
+                cow = 1 if cached < len(hb) * bs else 0
                 need += pool.blocks_for(max(len(it.tokens), it.reserve)) - len(hb) + cow
                 revived.update(b for b in hb if b in pc.evictable)
-                hits.append((hb, hk, root))
+                hits.append(PrefixHit(hb, hk, root, cached))
             else:
                 blocks, past = it.entry.payload.blocks, it.entry.num_tokens
                 end = past + len(it.tokens)
                 need += max(0, pool.blocks_for(max(end, it.reserve)) - len(blocks))
                 written = range(past // bs, min(len(blocks), pool.blocks_for(end)))
                 need += sum(1 for i in written if pc.must_copy(blocks[i]))
-                hits.append(([], [], b""))
+                hits.append(PrefixHit())
         return need, revived, hits
 
     def takes_prefix(self, it: StepRow) -> bool:
@@ -178,7 +190,8 @@ class KvManager:
         step = StepKv()
         try:
             # Prefix hits are taken first, so that no allocation below can evict a hit block.
-            for it, (hb, hk, root) in zip(items, hits):
+            for it, hit in zip(items, hits):
+                hb, hk, root = hit.blocks, hit.keys, hit.root
                 if it.entry is None:
                     e = self.registry.create(it.tokens, reserve_tokens=it.reserve, field=field)
                     e.adapter = it.adapter
@@ -186,23 +199,23 @@ class KvManager:
                     pc.take(hb)
                     e.payload = SeqBlocks(list(hb), list(hk), root, it.salt, it.adapter)
                     if it.want != Want.ALL and not it.bypass:
-                        self._record_lookup(len(it.tokens), it.cached)
+                        self._record_lookup(len(it.tokens), hit.cached)
                 elif self.takes_prefix(it):
                     seq = it.entry.payload
                     step.swapped.append((it.entry, dataclasses.replace(seq, blocks=list(seq.blocks))))
                     pc.take(hb)
                     seq.blocks[:len(hb)] = hb
                     seq.keys, seq.root, seq.salt = list(hk), root, it.salt
-                    self._record_lookup(len(it.tokens), it.cached)
+                    self._record_lookup(len(it.tokens), hit.cached)
             fresh = iter(step.created)
-            for it in items:
+            for it, hit in zip(items, hits):
                 if it.entry is None:
                     e = next(fresh)
-                    seq, past, new = e.payload, it.cached, it.tokens[it.cached:]
+                    seq, past, new = e.payload, hit.cached, it.tokens[hit.cached:]
                     total = pool.blocks_for(max(len(it.tokens), it.reserve))
                     seq.blocks.extend(pc.allocate(total - len(seq.blocks), seq.blocks[-1] if seq.blocks else None))
                 elif self.takes_prefix(it):
-                    e, past, new = it.entry, it.cached, it.tokens[it.cached:]
+                    e, past, new = it.entry, hit.cached, it.tokens[hit.cached:]
                     seq = e.payload
                     step.grown.append((e, len(seq.blocks), e.reserved_total))
                     target = max(len(it.tokens), it.reserve)
@@ -222,6 +235,7 @@ class KvManager:
                     pc.own(seq, i)
                 step.entries.append(e)
                 step.pasts.append(past)
+                step.cached.append(hit.cached)
                 step.new_tokens.append(new)
         except BaseException:
             self.rollback(step)
