@@ -16,7 +16,6 @@ import time
 import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2 as cpb
-from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
@@ -53,11 +52,16 @@ def _traces(root) -> list:
     return sorted(p for p in root.rglob("trace-*.json"))
 
 
-def _stop_quietly(eng) -> None:
-    try:
-        eng.StopProfile(cpb.StopProfileRequest(), metadata=ADM, timeout=60)
-    except grpc.RpcError:
-        pass
+@pytest.fixture(autouse=True)
+def _no_profile_left(request):
+    """A test that fails half-way leaves no profile running for the next ones."""
+    yield
+    if "server" in request.fixturenames:
+        _srv, eng = request.getfixturevalue("server")
+        try:
+            eng.StopProfile(cpb.StopProfileRequest(), metadata=ADM, timeout=60)
+        except grpc.RpcError:
+            pass
 
 
 def test_profile_of_n_steps_over_generate_writes_a_trace(server, profile_root):

@@ -179,7 +179,14 @@ class StepProfiler:
         if s is None:
             raise errors.failed_precondition("no profile is running: call StartProfile first")
         if s.state in (WAITING, RECORDING):
-            await asyncio.wrap_future(s.host.submit(self._stop_on_worker, s))
+            try:
+                stopped = s.host.submit(self._stop_on_worker, s)
+            except RuntimeError:  # the worker is gone (the model was shut down): so is what it recorded
+                s.host.step_hook = None
+                self._session = None
+                raise errors.failed_precondition(f"model {s.host.model_id!r} was shut down while profiled: no trace "
+                                                 "written") from None
+            await asyncio.shield(asyncio.wrap_future(stopped))
         try:
             trace = await asyncio.wrap_future(s.written)
         finally:
@@ -286,16 +293,15 @@ class StepProfiler:
             self._prune()
         except Exception as e:  # noqa: BLE001 - reported by StopProfile
             log.warning("profile trace not written", error=str(e))
+            s.prof, s.state = None, DONE
             s.written.set_exception(errors.FerrumError(errors.ErrorKind.BACKEND, f"the trace was not written: {e}"))
         else:
             name = str(path.relative_to(self.root))
             trace = Trace(name, size, s.recorded, time.perf_counter() - t0)
             log.info("profile trace written", model_id=s.host.model_id, trace=name, bytes=size, steps=s.recorded,
                      write_s=round(trace.write_s, 3))
+            s.prof, s.state = None, DONE  # the recorded events go with the profiler
             s.written.set_result(trace)
-        finally:
-            s.prof = None  # the recorded events go with it
-            s.state = DONE
 
     def _prune(self) -> None:
         """Keep the newest ``keep`` traces under ``--profile-dir`` (and its subdirectories)."""
