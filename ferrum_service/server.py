@@ -117,6 +117,7 @@ class ServerConfig:
     request_log: bool = default("request_log")
     profile_dir: str | None = default("profile_dir")  # vllm_profile.py: StartProfile / StopProfile
     profile_keep: int = default("profile_keep")
+    profile_keep_bytes: int = default("profile_keep_bytes")
 
     @property
     def per_caller(self) -> bool:
@@ -159,8 +160,8 @@ class Server:
             raise ValueError("prefill_chunk_tokens must be >= 1, prefill_tail_factor 0 (fixed chunks) or > 1")
         if min(cfg.max_caches, cfg.max_caches_per_caller, cfg.max_compile_seconds, cfg.stall_timeout) < 0:
             raise ValueError("max_caches, max_caches_per_caller, max_compile_seconds and stall_timeout must be >= 0")
-        if cfg.profile_keep < 1:
-            raise ValueError("profile_keep must be >= 1")
+        if cfg.profile_keep < 1 or cfg.profile_keep_bytes < 0:
+            raise ValueError("profile_keep must be >= 1, profile_keep_bytes >= 0")
         if cfg.stream_write_timeout < 0:
             raise ValueError("stream_write_timeout must be >= 0 (0 = no limit)")
         for host in models:
@@ -237,7 +238,8 @@ class Server:
         parts = VllmParts(models, ops, self.streams, self.events, self.metrics, guard, self.kv, role, advertise)
         self.vllm = VllmEngineServicer(parts, shared_prefix_cache=cfg.vllm_shared_prefix_cache,
                                        pairing_protocol=cfg.pairing_protocol,
-                                       profiler=StepProfiler(cfg.profile_dir, cfg.profile_keep))
+                                       profiler=StepProfiler(cfg.profile_dir, cfg.profile_keep,
+                                                             cfg.profile_keep_bytes))
         add_guarded(self.grpc, self.vllm, vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"], VLLM_LIMITS,
                     rpc_prefix="VllmEngine.", on_refusal=guard.refused)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

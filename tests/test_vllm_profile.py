@@ -239,3 +239,23 @@ def test_grammar_from_first_token_constrains_from_the_first_token(server, constr
         else:
             assert "ab".startswith(first) or first.startswith("a"), first
             assert len(text) == 5 and text.startswith("ab") and text[2:].isdigit(), text
+
+
+def test_trace_bytes_kept_bounded(tmp_path):
+    """``--profile-keep-bytes``: the oldest traces go past the byte bound, the newest stays."""
+    from ferrum_service.hosting.profiler import StepProfiler
+
+    root = tmp_path / "t"
+    (root / "sub").mkdir(parents=True, mode=0o700)
+    files = [root / "trace-a.json", root / "sub" / "trace-b.json", root / "trace-c.json", root / "sub" / "trace-d.json"]
+    for i, f in enumerate(files):
+        f.write_bytes(b"x" * 1000)
+        os.utime(f, ns=(10**18 + i * 10**9, 10**18 + i * 10**9))
+    outside = tmp_path / "trace-outside.json"
+    outside.write_bytes(b"x" * 5000)
+    os.symlink(tmp_path, root / "link")  # a link out is never followed
+    StepProfiler(str(root), keep=10, keep_bytes=2500)._prune()
+    assert [f.exists() for f in files] == [False, False, True, True] and outside.exists()
+    files[3].write_bytes(b"x" * 9000)  # the newest alone is over the bound: it stays
+    StepProfiler(str(root), keep=10, keep_bytes=2500)._prune()
+    assert [f.exists() for f in files] == [False, False, False, True]

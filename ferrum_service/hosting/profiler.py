@@ -14,7 +14,9 @@ Traces are Chrome trace JSON (``export_chrome_trace``; Perfetto and ``chrome://t
 them), written off the worker by a thread of their own, only under the server's ``--profile-dir``
 (made 0700, and refused when it is not this process's own: a link, another owner, writable by
 others): a request's ``output_dir`` may only name one subdirectory of it (:func:`subdir_name`).
-Each file is 0600; past ``--profile-keep`` traces the oldest are deleted.
+Each file is 0600; past ``--profile-keep`` traces, or ``--profile-keep-bytes`` bytes of them, the
+oldest are deleted (the newest is always kept). A trace's size follows the ops recorded: 3 steps of
+the 2-layer test Llama with ``record_shapes`` took 634 KB; a large model's step records far more.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ log = structlog.get_logger("ferrum_service.hosting.profiler")
 
 #: Most steps one profile records (also the most ``start_step`` lets pass): a profile nobody
 #: stops does not grow without bound.
-MAX_PROFILE_STEPS = 10_000
+MAX_PROFILE_STEPS = 1_000
 #: Longest subdirectory name a request may give (``output_dir``).
 MAX_SUBDIR_CHARS = 64
 _SUBDIR = re.compile(r"[A-Za-z0-9._-]+")
@@ -48,6 +50,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 ACTIVITIES = ("CPU", "GPU", "CUDA", "MEM")
 TRACE_GLOB = "trace-*.json"
 DEFAULT_KEEP = default("profile_keep")
+DEFAULT_KEEP_BYTES = default("profile_keep_bytes")
 
 WAITING, RECORDING, STOPPING, DONE = "waiting", "recording", "stopping", "done"
 
@@ -111,13 +114,15 @@ class Trace:
 
 class StepProfiler:
     """One server's profiles (see the module doc). ``root``: ``--profile-dir`` (None = profiling
-    refused, naming the flag); ``keep``: traces kept under it."""
+    refused, naming the flag); ``keep`` traces, and ``keep_bytes`` bytes of them (0 = any), are
+    kept under it."""
 
-    def __init__(self, root: str | None, keep: int = DEFAULT_KEEP) -> None:
-        if keep < 1:
-            raise ValueError("profile_keep must be >= 1")
+    def __init__(self, root: str | None, keep: int = DEFAULT_KEEP, keep_bytes: int = DEFAULT_KEEP_BYTES) -> None:
+        if keep < 1 or keep_bytes < 0:
+            raise ValueError("profile_keep must be >= 1, profile_keep_bytes >= 0")
         self.root = Path(root).absolute() if root else None
         self.keep = keep
+        self.keep_bytes = keep_bytes
         self._session: _Session | None = None
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._seq = itertools.count()
@@ -304,12 +309,17 @@ class StepProfiler:
             s.written.set_result(trace)
 
     def _prune(self) -> None:
-        """Keep the newest ``keep`` traces under ``--profile-dir`` (and its subdirectories)."""
+        """Keep the newest ``keep`` traces under ``--profile-dir`` (and its subdirectories), within
+        ``keep_bytes`` (the newest whatever its size)."""
         dirs = [self.root] + [Path(e.path) for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
-        files = [(st.st_mtime_ns, p) for d in dirs for p in d.glob(TRACE_GLOB)
-                 if stat.S_ISREG((st := os.lstat(p)).st_mode)]
-        files = [p for _, p in sorted(files)]
-        for old in files[:-self.keep]:
+        files = sorted(((st.st_mtime_ns, st.st_size, p) for d in dirs for p in d.glob(TRACE_GLOB)
+                        if stat.S_ISREG((st := os.lstat(p)).st_mode)), reverse=True)
+        total, drop = 0, []
+        for i, (_, size, p) in enumerate(files):
+            total += size
+            if i >= self.keep or (i and self.keep_bytes and total > self.keep_bytes):
+                drop.append(p)
+        for old in drop:
             try:
                 old.unlink()
             except OSError:
