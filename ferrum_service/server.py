@@ -32,6 +32,7 @@ from .hosting.host import HostSettings, ModelHost
 from .hosting.kv_events import KvEventHub
 from .hosting.kv_peers import KvPeers
 from .hosting.models import ModelSet
+from .hosting.profiler import StepProfiler
 from .hosting.progress import StallWatch
 from .wire import tracing
 from .wire.auth import AuthInterceptor, is_admin_call
@@ -114,6 +115,9 @@ class ServerConfig:
     stall_timeout: float = default("stall_timeout")
     stats_log_interval: float = default("stats_log_interval")  # serving_log.py
     request_log: bool = default("request_log")
+    profile_dir: str | None = default("profile_dir")  # vllm_profile.py: StartProfile / StopProfile
+    profile_keep: int = default("profile_keep")
+    profile_keep_bytes: int = default("profile_keep_bytes")
 
     @property
     def per_caller(self) -> bool:
@@ -156,6 +160,8 @@ class Server:
             raise ValueError("prefill_chunk_tokens must be >= 1, prefill_tail_factor 0 (fixed chunks) or > 1")
         if min(cfg.max_caches, cfg.max_caches_per_caller, cfg.max_compile_seconds, cfg.stall_timeout) < 0:
             raise ValueError("max_caches, max_caches_per_caller, max_compile_seconds and stall_timeout must be >= 0")
+        if cfg.profile_keep < 1 or cfg.profile_keep_bytes < 0:
+            raise ValueError("profile_keep must be >= 1, profile_keep_bytes >= 0")
         if cfg.stream_write_timeout < 0:
             raise ValueError("stream_write_timeout must be >= 0 (0 = no limit)")
         for host in models:
@@ -231,7 +237,9 @@ class Server:
         # vLLM's engine protocol on the same port, for gateways that drive vLLM workers (vllm_engine.py)
         parts = VllmParts(models, ops, self.streams, self.events, self.metrics, guard, self.kv, role, advertise)
         self.vllm = VllmEngineServicer(parts, shared_prefix_cache=cfg.vllm_shared_prefix_cache,
-                                       pairing_protocol=cfg.pairing_protocol)
+                                       pairing_protocol=cfg.pairing_protocol,
+                                       profiler=StepProfiler(cfg.profile_dir, cfg.profile_keep,
+                                                             cfg.profile_keep_bytes))
         add_guarded(self.grpc, self.vllm, vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"], VLLM_LIMITS,
                     rpc_prefix="VllmEngine.", on_refusal=guard.refused)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

@@ -183,11 +183,12 @@ def test_the_count_is_checked_before_any_conversion(engine):
     _refused(engine.Generate, gen, field="tokenized.input_ids", limit=n)
 
 
-def test_unimplemented_rpcs_check_their_request_and_stay_unimplemented(engine):
+def test_profile_rpcs_check_their_request_before_the_admin_gate(engine):
     _refused(engine.StartProfile, cpb.StartProfileRequest(activities=["cpu"] * 65), field="activities", limit=64)
-    with pytest.raises(grpc.RpcError) as info:
+    _refused(engine.StartProfile, cpb.StartProfileRequest(output_dir="d" * 65), field="output_dir", limit=64)
+    with pytest.raises(grpc.RpcError) as info:  # within the limits: an admin RPC (tests/test_vllm_profile.py)
         engine.StartProfile(cpb.StartProfileRequest(activities=["cpu"]), timeout=30)
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_a_valid_request_still_runs(stub, engine):

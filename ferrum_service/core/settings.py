@@ -291,6 +291,12 @@ SETTINGS: tuple[Setting, ...] = (
        "time to first token, duration, finish reason)", flag="--no-request-log", env="FERRUM_NO_REQUEST_LOG"),
     _s("otlp_endpoint", str, None, "OTLP/gRPC endpoint for OpenTelemetry traces (off when unset, unless the "
        "standard OTEL_* variables name one)"),
+    _s("profile_dir", str, None, "directory the vLLM protocol's StartProfile / StopProfile (admin only) write torch "
+       "profiler traces under (Chrome trace JSON; made 0700 and refused unless it is this process's own; a request's "
+       "output_dir may only name one subdirectory of it); unset = profiling refused"),
+    _s("profile_keep", int, 8, "profiler traces kept under --profile-dir: past it the oldest are deleted (at least 1)"),
+    _s("profile_keep_bytes", int, 1024 * MIB, "bytes of profiler traces kept under --profile-dir: past it the oldest "
+       "are deleted (the newest is always kept; 0 = --profile-keep alone)"),
     _s("model_cache", str, None, "folder for weight files the server derives (e.g. the F16 copy of a GGUF)",
        flag=None, yaml=None, command="server",
        shown="<venv>/var/ferrum-models where writable, else $XDG_CACHE_HOME/ferrum-service/models"),

@@ -174,6 +174,9 @@ class ModelExecutor(abc.ABC):
     kind: str = "abstract"
     #: True = calls are cheap enough to run on the event loop thread (no worker-thread hop).
     inline: bool = False
+    #: "torch": its steps run torch ops on its worker thread, which ``torch.profiler`` records
+    #: (the vLLM protocol's StartProfile, ``hosting/profiler.py``); "" = no profiler applies.
+    profiler: str = ""
     #: Decode steps may carry draft tokens (``DecodeInput.draft``) verified in the same forward.
     supports_draft_rows: bool = False
 

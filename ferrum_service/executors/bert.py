@@ -100,6 +100,7 @@ class BertModelExecutor(ModelExecutor):
     """An encoder that returns pooled embeddings from ``prefill`` (see the module docstring)."""
 
     kind = "bert"
+    profiler = "torch"
 
     def __init__(
         self,

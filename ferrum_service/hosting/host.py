@@ -108,6 +108,9 @@ class ModelHost:
         self._pending_releases: set[asyncio.Task] = set()
         self.batcher: StepQueue | Any = None  # the model's step queue for Generate streams (``attach``)
         self.progress = Progress()  # completed calls: the service rate (retry hints) and stall health
+        #: Called on the worker after each step while a profile waits or records (``profiler.py``);
+        #: None otherwise, so a step costs nothing more.
+        self.step_hook: Callable[[], None] | None = None
 
     def configure(self, settings: HostSettings) -> None:
         """Run under the server's ``settings`` (the server's wiring calls it once, before serving)."""
@@ -306,4 +309,13 @@ class ModelHost:
     async def step(self, plan: StepPlan, *, admit: bool = True,
                    on_orphan: Callable[[Any], None] | None = None) -> Timed:
         """Run ``plan`` on the worker (``steps.run``); the value is its :class:`StepResult`."""
-        return await self.call(run, self.executor, plan, admit=admit, on_orphan=on_orphan)
+        hook = self.step_hook
+        if hook is None:
+            return await self.call(run, self.executor, plan, admit=admit, on_orphan=on_orphan)
+
+        def hooked(executor: ModelExecutor, p: StepPlan) -> Any:
+            try:
+                return run(executor, p)
+            finally:
+                hook()
+        return await self.call(hooked, self.executor, plan, admit=admit, on_orphan=on_orphan)

@@ -3,7 +3,7 @@
 Callers send ``authorization: Bearer <token>``. Health checks and reflection are open (probes and
 ``grpcurl list`` need no secret). Admin RPCs (``Warmup``, ``Shutdown``, ``LoadAdapter``,
 ``UnloadAdapter``, ``MigrateStreams``, and the vLLM protocol's ``FlushCache``, which drops every
-tenant's cached prefix) need an admin token when one is configured: a valid ordinary token gets PERMISSION_DENIED there, no token UNAUTHENTICATED.
+tenant's cached prefix, and ``StartProfile`` / ``StopProfile``, which record every tenant's steps) need an admin token when one is configured: a valid ordinary token gets PERMISSION_DENIED there, no token UNAUTHENTICATED.
 A KV peer token (``--kv-peer-token-file``, see ``kv_peers.py``) opens ``ExportKv`` and
 ``AcceptMigration`` only.
 """
@@ -17,7 +17,8 @@ import grpc
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 ADMIN_METHODS = tuple(f"/ferrum.executor.v1.ModelExecutor/{m}"
                       for m in ("Warmup", "Shutdown", "LoadAdapter", "UnloadAdapter", "MigrateStreams")) + (
-    "/vllm.grpc.engine.VllmEngine/FlushCache",)
+    "/vllm.grpc.engine.VllmEngine/FlushCache", "/vllm.grpc.engine.VllmEngine/StartProfile",
+    "/vllm.grpc.engine.VllmEngine/StopProfile")
 PEER_METHODS = ("/ferrum.executor.v1.ModelExecutor/ExportKv", "/ferrum.executor.v1.ModelExecutor/AcceptMigration")
 
 

@@ -12,8 +12,8 @@ model on this protocol (it has no model field): the first hosted model that gene
 first one. Errors leave with the status the vLLM servicer answers: what a request asks that our
 executors cannot do (frequency / presence penalties, logit_bias, min_tokens, prompt logprobs,
 structural tags, multimodal inputs, vLLM's own KV-connector parameters, a DP rank) is
-INVALID_ARGUMENT naming the field, as vLLM refuses a parameter its engine rejects; profiling is
-UNIMPLEMENTED. SMG's prefill/decode mode hands KV over through our ``ExportKv`` / ``ImportKv``
+INVALID_ARGUMENT naming the field, as vLLM refuses a parameter its engine rejects. ``StartProfile``
+/ ``StopProfile`` drive ``torch.profiler`` over the model's steps (:mod:`.vllm_profile`). SMG's prefill/decode mode hands KV over through our ``ExportKv`` / ``ImportKv``
 (:mod:`.vllm_pd`). docs/operating.md ("The vLLM engine protocol") has the full mapping.
 """
 
@@ -36,6 +36,7 @@ from ..core.speculation import default_config
 from ..core.callers import current_caller
 from ..core.modes import ExecutorState
 from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, check_stop_sequences
+from . import vllm_profile
 from .convert import MAX_TOP_LOGPROBS, check_tokens, pb, tpb
 from .generate import Generation, bind_stream
 from .generate_spec import DEFAULT_MAX_TOKENS as DEFAULT_GENERATE_MAX_TOKENS
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from ..hosting.host import ModelHost
     from ..hosting.kv_events import KvEventHub
     from ..hosting.models import ModelSet
+    from ..hosting.profiler import StepProfiler
     from .kv_transfer import KvTransfer
     from .metrics import Metrics
     from .operations import Operations
@@ -99,11 +101,13 @@ class VllmParts:
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """The vLLM engine protocol over one hosted model (see the module doc)."""
 
-    def __init__(self, parts: "VllmParts", shared_prefix_cache: bool = False, pairing_protocol: str = "") -> None:
+    def __init__(self, parts: "VllmParts", shared_prefix_cache: bool = False, pairing_protocol: str = "",
+                 profiler: "StepProfiler | None" = None) -> None:
         """``parts``: the server's parts this service uses (``server.py`` builds them);
         ``shared_prefix_cache``: unauthenticated callers' requests share one prefix-cache key
         space (``--vllm-shared-prefix-cache``; see :func:`request_salt`); ``pairing_protocol``:
-        ``GetServerInfo``'s PD pairing protocol (``--pairing-protocol``)."""
+        ``GetServerInfo``'s PD pairing protocol (``--pairing-protocol``); ``profiler``: the
+        server's profiles (``--profile-dir``; None = profiling off)."""
         self.guard = parts.guard
         self.streams = parts.streams
         self.metrics = parts.metrics
@@ -124,6 +128,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._flush_wait: asyncio.Task | None = None
         self._flush_waiters = 0
         self.pd = PdHandoffs(parts.kv, parts.role, parts.advertise)  # SMG's PD mode: vllm_pd.py
+        if profiler is None:
+            from ..hosting.profiler import StepProfiler
+            profiler = StepProfiler(None)
+        self.profiler = profiler
 
     @property
     def host(self) -> "ModelHost":
@@ -150,6 +158,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def close(self) -> None:
         self.pd.close()
+        self.profiler.close()
         if self._flush_wait is not None:
             self._flush_wait.cancel()
         await self.relay.close()
@@ -476,6 +485,19 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                           else f"model {h.model_id!r} keeps no prefix cache")
         return await self.guard.unary("VllmEngine.FlushCache", context, run)
 
+    async def StartProfile(self, request, context):
+        """Admin only (the trace records every tenant's steps): :mod:`.vllm_profile`."""
+        async def run():
+            self.guard.check_admin("VllmEngine.StartProfile")
+            return await vllm_profile.start(self.profiler, self.host, request)
+        return await self.guard.unary("VllmEngine.StartProfile", context, run, request)
+
+    async def StopProfile(self, request, context):
+        async def run():
+            self.guard.check_admin("VllmEngine.StopProfile")
+            return await vllm_profile.stop(self.profiler)
+        return await self.guard.unary("VllmEngine.StopProfile", context, run, request)
+
     # ---- helpers ----------------------------------------------------------------------------------
     async def _until_no_cache(self, h: "ModelHost", timeout: float) -> None:
         """Wait up to ``timeout`` s for the model to hold no live cache. One look-up loop serves
@@ -603,6 +625,9 @@ def _sampling(sp: vpb.SamplingParams) -> tpb.SamplingParams:
         out.repetition_penalty = sp.repetition_penalty
     if sp.HasField("seed"):
         out.seed = sp.seed % (1 << 64)
+    # ``grammar_from_first_token``: our engine runs no reasoning parser, so a constraint always
+    # applies from the first generated token, set or not (what the flag asks; vLLM's
+    # ``reasoning_ended``). Nothing waits for a reasoning close to start it.
     which = sp.WhichOneof("constraint")
     c = out.constraint
     if which == "json_schema":

@@ -2,8 +2,8 @@
 ``smg-grpc-proto`` package: not ours, so not annotated): one table, checked like the contract's
 ``buf.validate`` annotations (:mod:`.limits`) before any work. Where a field means what a contract
 field means, its limit is read from the contract's annotation, so each number is written once.
-Fields our engine refuses anyway (multimodal inputs, profiling) get small bounds: a flood of them
-is refused before it is looked at.
+Fields our engine refuses anyway (multimodal inputs) get small bounds: a flood of them is refused
+before it is looked at; a profile's ``output_dir`` is one subdirectory name (``hosting/profiler.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from ferrum_client._proto.ferrum.executor.v1 import executor_pb2 as pb
 from ferrum_client._proto.ferrum.executor.v1 import types_pb2 as tpb
 
 from ..core.request_limits import Bound, declared, limit_of
+from ..hosting.profiler import MAX_SUBDIR_CHARS
 
 #: Ids and names (request ids, hosts, keys, dtypes): the contract's ``model_id`` bound.
 ID_CHARS = limit_of(pb.InfoRequest, "model_id")
@@ -28,7 +29,7 @@ ABORT_IDS = limit_of(pb.BatchDecodeRequest, "inputs")
 #: One tensor's bytes, dimensions: the contract's ``Tensor`` bounds.
 TENSOR_BYTES = limit_of(tpb.Tensor, "data")
 TENSOR_DIMS = limit_of(tpb.Tensor, "shape")
-#: Entries of the refused multimodal and profiling lists and maps.
+#: Entries of the refused multimodal lists and maps, and of a profile's activities.
 FEW = 64
 
 
@@ -69,5 +70,6 @@ VLLM_LIMITS: dict[str, dict[str, Bound]] = {
     "vllm.grpc.engine.EmbedRequest": {"request_id": _ids},
     "vllm.grpc.engine.AbortRequest": {"request_ids": Bound(count=ABORT_IDS, chars=ID_CHARS)},
     "vllm.grpc.engine.GetLoadsRequest": {"include": _names},
-    "smg.grpc.common.StartProfileRequest": {"output_dir": Bound(chars=PATH_CHARS), "activities": _names},
+    "smg.grpc.common.StartProfileRequest": {"output_dir": Bound(chars=MAX_SUBDIR_CHARS),
+                                           "activities": _names},
 }

@@ -73,6 +73,7 @@ class HfCausalLmExecutor(ItemStepExecutor):
     """A transformers causal LM with paged per-sequence KV caches (see the package docstring)."""
 
     kind = "hf-causal-lm"
+    profiler = "torch"
 
     def __init__(
         self,
