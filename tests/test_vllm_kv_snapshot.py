@@ -1,6 +1,6 @@
 """The relay's record of the live blocks and the state snapshots cut from it
-(``wire/vllm_kv_snapshot.py``): the record against a replay of the stream, parents before
-children, copies, chunk numbering and size, ``unknown_before``, the cost on the event loop, and
+(``wire/vllm_kv_snapshot.py``): the record against an index applying the same stream, parents
+before children, a block announced again, chunk numbering and size, ``unknown_before``, the cost on the event loop, and
 the relay serving snapshots (a flood of late subscribers shares one)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ferrum_service.core.modes import BlockEvent
 from ferrum_service.hosting.kv_events import KvEventHub, KvEventRecord
 from ferrum_service.wire import vllm_kv_snapshot as snapmod
 from ferrum_service.wire.vllm_kv_events import BlockEventRelay
-from ferrum_service.wire.vllm_kv_snapshot import CHUNK_BLOCKS, COPIES_CAP, LiveState, block_hash, build
+from ferrum_service.wire.vllm_kv_snapshot import CHUNK_BLOCKS, LiveState, block_hash, build
 
 BS = 4
 
@@ -63,7 +63,7 @@ def _replayed(chunks: list[cpb.KvEventBatch]) -> dict[int, int]:
                 held.clear()
             elif e.WhichOneof("data") == "stored":
                 for b in e.stored.blocks:
-                    held[b.block_hash] = min(COPIES_CAP, held.get(b.block_hash, 0) + 1)
+                    held[b.block_hash] = held.get(b.block_hash, 0) + 1
     return held
 
 
@@ -97,18 +97,17 @@ def test_the_snapshot_lists_the_live_blocks_parents_first_with_their_fields():
     assert chunks[0].snapshot.blocks == 5 and chunks[0].snapshot.unknown_before == 0
 
 
-def test_copies_are_sent_once_each_and_capped():
+def test_a_block_announced_again_is_one_block():
+    """llama.cpp re-announces keys another sequence holds; its index drops such a key once (when
+    the holder goes): the record keeps one block, so that one removal takes it away (a subscriber
+    counting the re-announcement as a copy would keep a phantom)."""
     s = LiveState()
-    for _ in range(COPIES_CAP + 3):
-        _apply(s, (BlockEvent.STORED, _stored([7], None)))
-    _apply(s, (BlockEvent.STORED, _stored([8], 7)), (BlockEvent.STORED, _stored([8], 7)),
-           (BlockEvent.REMOVED, {"block_hashes": [_key(8)]}))
-    chunks = list(build(s.cut(20)).chunks())
-    assert _replayed(chunks) == {block_hash(_key(7)): COPIES_CAP, block_hash(_key(8)): 1}
-    assert chunks[0].snapshot.blocks == COPIES_CAP + 1
-    # each copy its own single-block event
-    st = [e.stored for e in chunks[0].events if e.WhichOneof("data") == "stored"]
-    assert len(st) == COPIES_CAP + 1 and all(len(x.blocks) == 1 for x in st)
+    _apply(s, (BlockEvent.STORED, _stored([7, 8], None)), (BlockEvent.STORED, _stored([7, 8, 9], None)))
+    chunks = list(build(s.cut(2)).chunks())
+    assert _replayed(chunks) == {block_hash(_key(k)): 1 for k in (7, 8, 9)}
+    assert chunks[0].snapshot.blocks == 3
+    _apply(s, (BlockEvent.REMOVED, {"block_hashes": [_key(7), _key(8)]}))
+    assert _replayed(list(build(s.cut(3)).chunks())) == {block_hash(_key(9)): 1}
 
 
 def test_chunks_are_bounded_and_numbered_up_to_the_cut():
@@ -140,7 +139,7 @@ def test_an_empty_record_is_one_chunk_with_the_clear():
 
 def test_the_record_matches_a_replay_of_a_random_stream():
     """Random stores (chains, repeats), removals and clears: the snapshot applied by a subscriber
-    equals what a subscriber that applied every event holds, and parents come first."""
+    holds each block once and equals an index applying the same events, and parents come first."""
     rng = random.Random(7)
     s = LiveState()
     mirror: dict[int, int] = {}
@@ -156,23 +155,20 @@ def test_the_record_matches_a_replay_of_a_random_stream():
                 h = block_hash(_key(k))
                 if h not in mirror:
                     parents[h] = block_hash(_key(parent)) if parent is not None else None
-                mirror[h] = min(COPIES_CAP, mirror.get(h, 0) + 1)
+                mirror[h] = 1  # the engine's index: one block per key
                 parent = k
         elif r < 0.98:
             keys = rng.sample(range(1, 400), rng.randrange(1, 5))
             _apply(s, (BlockEvent.REMOVED, {"block_hashes": [_key(k) for k in keys]}))
             for k in keys:
                 h = block_hash(_key(k))
-                if h in mirror:
-                    mirror[h] -= 1
-                    if not mirror[h]:
-                        del mirror[h]
+                mirror.pop(h, None)
         else:
             _apply(s, (BlockEvent.CLEARED, {}))
             mirror.clear()
     chunks = list(build(s.cut(3000)).chunks())
     assert _replayed(chunks) == mirror
-    assert chunks[0].snapshot.blocks == sum(mirror.values())
+    assert chunks[0].snapshot.blocks == len(mirror)
     got = _blocks(chunks)
     first = {}
     for i, (h, _, _, _) in enumerate(got):
@@ -194,7 +190,7 @@ def test_a_partial_record_says_so_until_a_clear():
         relay = BlockEventRelay(hub, "m", replay=2)
         relay.start()
         await asyncio.sleep(0.05)
-        assert relay.state.unknown_before == 7  # 6 block events and, by the cache event, a 7th
+        assert relay.state.unknown_before == 7  # 11 events, the hub keeps 4: 7 block events went
         snap, _ = await relay.snapshot()
         first = next(snap.chunks())
         assert first.snapshot.unknown_before == 7

@@ -2,15 +2,18 @@
 (``KvEventBatch.snapshot``, ``KvSnapshotChunk``) it serves a ``SubscribeKvEvents`` subscriber that
 its replay log no longer reaches.
 
-**The record** (:class:`LiveState`) is a function of the relayed stream alone, as a subscriber
-that applied every batch from 1 would hold it: a stored event adds one physical copy of each of its
-blocks (capped at :data:`COPIES_CAP` per block, as SMG counts them) with what sending the block
-again takes (its parent, tokens, block size, ``lora_name`` and ``cache_salt``), a removed event
-takes one copy away (the block goes at zero), a cleared event empties it. A stored event the relay
-sends without blocks (token ids stripped under per-caller auth) adds nothing. Memory: one entry per
-live block hash (about 250 bytes at block size 16), so the record is bounded by the blocks the
-engine's prefix index holds, which its pool bounds; past :data:`MAX_LIVE_BLOCKS` (a relay that
-missed removals) the record is dropped and marked inconsistent. Nothing is kept per relayed event.
+**The record** (:class:`LiveState`) is a function of the relayed stream alone: a stored event adds
+each of its blocks with what sending it again takes (its parent, tokens, block size, ``lora_name``
+and ``cache_salt``), a removed event takes them away, a cleared event empties it. Our engines hold
+one physical copy per block key (the prefix index maps a key to one block), so a key stored again
+while live is the same block, not a second copy (llama.cpp re-announces keys another sequence
+holds; its index drops such a key once, when the holder goes): the record is the engine's index,
+where a subscriber counting re-announcements as copies would keep a phantom after the one removal.
+A stored event the relay sends without blocks (token ids stripped under per-caller auth) adds
+nothing. Memory: one entry per live block (about 250 bytes at block size 16), so the record is
+bounded by the blocks the engine's prefix index holds, which its pool bounds; past
+:data:`MAX_LIVE_BLOCKS` (a relay that missed removals) the record is dropped and marked
+inconsistent. Nothing is kept per relayed event.
 
 **Verifiable or not.** The record is *inconsistent* once the relay lost events mid-life (the hub
 dropped some before the relay read them: a missed removal would leave a block the engine no longer
@@ -19,14 +22,14 @@ a clear matters). ``unknown_before`` counts this model's block events the hub ha
 the relay's first subscription (the relay starts with the first subscriber): 0 when the record
 covers the engine's whole life; a clear resets it to 0 too.
 
-**A snapshot** is cut at the relay's current number S on the event loop (two dict copies:
+**A snapshot** is cut at the relay's current number S on the event loop (a dict copy:
 sub-millisecond for tens of thousands of blocks; the record's entries are immutable, so the copy
 is the state at S), ordered off the loop (a worker thread: parents before children, store order
 otherwise, an ancestor stored again after its child hoisted ahead of it), and encoded one chunk at a
-time as the subscriber's stream is written. Chunks hold at most :data:`CHUNK_BLOCKS` block copies
+time as the subscriber's stream is written. Chunks hold at most :data:`CHUNK_BLOCKS` blocks
 (chunk 0 also the clear: at most ``CHUNK_BLOCKS + 1`` events), merged into one Stored event per run
-of blocks chaining one from the other under the same fields, as the engine stored them; an extra
-copy of a block is a single-block event of its own. The ``count`` chunks are numbered S - count + 1
+of blocks chaining one from the other under the same fields, as the engine stored them (each block
+once: our engines hold one physical copy per key). The ``count`` chunks are numbered S - count + 1
 .. S (never below 1: the chunks grow past :data:`CHUNK_BLOCKS` only when S is smaller than the
 default count), so live events go on from S + 1 with no gap and no duplicate. Synthesized events
 have ``event_id`` 0.
@@ -44,11 +47,9 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from ..core.modes import BlockEvent
 from ..hosting.kv_events import KvEventRecord
 
-#: Block copies per snapshot chunk (chunk 0 adds the AllBlocksCleared), unless the chunks must be
+#: Blocks per snapshot chunk (chunk 0 adds the AllBlocksCleared), unless the chunks must be
 #: fewer than that makes (fewer sequence numbers behind the cut than chunks).
 CHUNK_BLOCKS = 512
-#: Physical copies of one block counted (SMG's cap on its own copy counts).
-COPIES_CAP = 8
 #: Live blocks past which the record is dropped (it no longer mirrors a bounded index).
 MAX_LIVE_BLOCKS = 1 << 20
 #: Start of a stored event's ``cache_salt``: the blocks' key space, not the salt itself.
@@ -92,12 +93,10 @@ class LiveBlock:
 
 @dataclass
 class Cut:
-    """The record at relay number ``through``: copies of its maps (the entries are shared)."""
+    """The record at relay number ``through``: a copy of its map (the entries are shared)."""
 
     through: int
     blocks: dict[int, LiveBlock]
-    copies: dict[int, int]
-    total: int
     unknown_before: int
     time: float
 
@@ -107,8 +106,6 @@ class LiveState:
 
     def __init__(self) -> None:
         self.blocks: dict[int, LiveBlock] = {}  # hash -> block, in store order (dicts keep it)
-        self.copies: dict[int, int] = {}  # hash -> copies, for the blocks held more than once
-        self.total = 0  # live physical copies
         self.unknown_before = 0
         self.consistent = True
         self.removed_unknown = 0  # removals of a hash the record did not hold
@@ -123,19 +120,13 @@ class LiveState:
             bs, keys, tokens = f
             tail = stored_tail(d)
             parent = block_hash(d["parent_block_hash"]) if d.get("parent_block_hash") else None
-            blocks, copies = self.blocks, self.copies
+            blocks = self.blocks
             for i, k in enumerate(keys):
                 h = block_hash(k)
-                if h in blocks:
-                    n = copies.get(h, 1)
-                    if n < COPIES_CAP:
-                        copies[h] = n + 1
-                        self.total += 1
-                else:
+                if h not in blocks:  # else the same block announced again: the record keeps the first
                     toks = tokens[i * bs:(i + 1) * bs]
                     blocks[h] = LiveBlock(h, parent, toks if isinstance(toks, array.array)
                                           else array.array("i", toks), bs, tail)
-                    self.total += 1
                 parent = h
             if len(blocks) > MAX_LIVE_BLOCKS:
                 self.lose()
@@ -143,32 +134,22 @@ class LiveState:
             if not self.consistent:
                 return
             for k in d.get("block_hashes") or ():
-                h = block_hash(k)
-                n = self.copies.get(h)
-                if n is not None:
-                    if n > 2:
-                        self.copies[h] = n - 1
-                    else:
-                        del self.copies[h]
-                elif self.blocks.pop(h, None) is None:
+                if self.blocks.pop(block_hash(k), None) is None:
                     self.removed_unknown += 1
-                    continue
-                self.total -= 1
         else:  # cleared: the record is the engine's exact state again, whatever went before
-            self.blocks, self.copies, self.total = {}, {}, 0
+            self.blocks = {}
             self.unknown_before = 0
             self.consistent = True
 
     def lose(self) -> None:
         """The record can no longer be verified (events lost, or it overflowed): drop it until the
         next clear."""
-        self.blocks, self.copies, self.total = {}, {}, 0
+        self.blocks = {}
         self.consistent = False
 
     def cut(self, through: int) -> Cut:
         """The record as it stands (at relay number ``through``): O(blocks) at C speed."""
-        return Cut(through, self.blocks.copy(), self.copies.copy(), self.total, self.unknown_before,
-                   time.time())
+        return Cut(through, self.blocks.copy(), self.unknown_before, time.time())
 
 
 def order_blocks(blocks: dict[int, LiveBlock]) -> list[LiveBlock]:
@@ -199,12 +180,11 @@ class Snapshot:
 
     def __init__(self, cut: Cut, ordered: list[LiveBlock]) -> None:
         self.through = cut.through
-        units = len(cut.blocks) + sum(n - 1 for n in cut.copies.values())  # physical copies
+        units = len(cut.blocks)
         self.blocks = units
         self.unknown_before = cut.unknown_before
         self.time = cut.time
         self.ordered = ordered
-        self.copies = cut.copies
         per = CHUNK_BLOCKS
         if -(-units // per) > cut.through:  # fewer numbers behind the cut than default chunks
             per = -(-units // max(1, cut.through))
@@ -215,11 +195,10 @@ class Snapshot:
         """The chunks in order, each built when asked for."""
         index, run = 0, []
         for b in self.ordered:
-            for _ in range(self.copies.get(b.hash, 1)):
-                run.append(b)
-                if len(run) == self.per_chunk:
-                    yield self._chunk(index, run)
-                    index, run = index + 1, []
+            run.append(b)
+            if len(run) == self.per_chunk:
+                yield self._chunk(index, run)
+                index, run = index + 1, []
         if run or index == 0:
             yield self._chunk(index, run)
 
@@ -233,11 +212,9 @@ class Snapshot:
         while i < len(units):
             first = units[i]
             end = i + 1
-            if self.copies.get(first.hash, 1) == 1:  # a run of single copies chaining one from the other
-                while (end < len(units) and units[end].parent == units[end - 1].hash
-                       and units[end].tail == first.tail and units[end].block_size == first.block_size
-                       and self.copies.get(units[end].hash, 1) == 1):
-                    end += 1
+            while (end < len(units) and units[end].parent == units[end - 1].hash  # a run chaining on
+                   and units[end].tail == first.tail and units[end].block_size == first.block_size):
+                end += 1
             stored = cpb.KvBlocksStored(
                 blocks=[cpb.KvBlock(block_hash=u.hash, token_ids=u.tokens, block_size=u.block_size)
                         for u in units[i:end]],
@@ -258,5 +235,5 @@ def build(cut: Cut) -> Snapshot:
     return Snapshot(cut, order_blocks(cut.blocks))
 
 
-__all__ = ["CHUNK_BLOCKS", "COPIES_CAP", "Cut", "LiveState", "MAX_LIVE_BLOCKS", "Snapshot", "block_hash", "build",
+__all__ = ["CHUNK_BLOCKS", "Cut", "LiveState", "MAX_LIVE_BLOCKS", "Snapshot", "block_hash", "build",
            "order_blocks"]
