@@ -292,3 +292,43 @@ def test_the_record_is_dropped_past_its_bound(monkeypatch):
     assert not s.blocks  # nothing recorded until a clear
     _apply(s, (BlockEvent.CLEARED, {}), (BlockEvent.STORED, _stored([1], None)))
     assert s.consistent and len(s.blocks) == 1
+
+
+def test_the_record_of_llama_cpp_block_events_is_its_index():
+    """llama.cpp's real block events (shared prefixes, retired sequences evicted for new ones):
+    the record, and a snapshot cut from it, equal the executor's prefix index."""
+    import pytest
+
+    pytest.importorskip("llama_cpp")
+    from ferrum_service.core.types import PrefillInput
+    from ferrum_service.executors.llama_cpp import LlamaCppExecutor
+
+    from .support.packaged import smollm2_gguf_path
+    from .support.prompts import SMOLLM2, prompt_ids
+
+    ex = LlamaCppExecutor(smollm2_gguf_path(), model_id="smollm2", threads=2, n_ctx=512, n_seq=3)
+    state, kinds = LiveState(), []
+
+    def sink(kind, data):
+        kinds.append(kind)
+        state.apply(_ev(kind, {k: v for k, v in data.items() if k != "cache_id"}))
+    ex.prefix.on_event = sink
+    try:
+        base = prompt_ids(48, 3, **SMOLLM2)
+        for i in range(7):  # a shared 48-token prefix with different tails; 3 sequences: evictions
+            tail = prompt_ids(16 + 8 * (i % 3), 40 + i, **SMOLLM2)
+            out = ex.prefill(PrefillInput(base + tail))
+            if i != 3:  # one held live while the others are retired and evicted
+                ex.release_cache(out.cache.cache_id)
+        index = {block_hash(k) for k in ex.prefix.index}
+        assert BlockEvent.REMOVED in kinds, kinds
+        assert index and set(state.blocks) == index
+        chunks = list(build(state.cut(50)).chunks())
+        assert set(_replayed(chunks)) == index
+        got = _blocks(chunks)
+        pos = {h: i for i, (h, *_r) in enumerate(got)}
+        assert all(p is None or p not in pos or pos[p] < pos[h] for h, p, *_r in got)
+    finally:
+        for e in ex.registry.entries():
+            ex.release_cache(e.cache_id)
+        ex.shutdown()
