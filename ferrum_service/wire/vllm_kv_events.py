@@ -214,6 +214,8 @@ class BlockEventRelay:
                         raise _data_loss("KV event subscriber fell behind the replay log and this worker's "
                                          "block record cannot be verified; subscribe from 0")
                     snap, epoch = await self.snapshot()
+                    log.debug("kv block-event snapshot", model_id=self.model_id, asked=nxt, through=snap.through,
+                              chunks=snap.count, blocks=snap.blocks, unknown_before=snap.unknown_before)
                     for chunk in snap.chunks():
                         yield chunk
                     nxt = snap.through + 1
