@@ -69,35 +69,80 @@ def test_relay_numbers_replays_and_refuses():
         with pytest.raises(errors.FerrumError) as e:
             relay.cursor(10)
         assert e.value.code == grpc.StatusCode.OUT_OF_RANGE
-        # older than the replay log (3 kept): OUT_OF_RANGE too, and 0 replays what is kept
+        # older than the replay log (3 kept): a snapshot of the record (empty since the clear at 3,
+        # the removals named blocks it did not hold) numbered 6, then live events; 0 likewise, as
+        # the log no longer begins at 1
         for i in range(3):
             hub.publish_block("removed", "m", {"block_hashes": [bytes([i]) * 32]})
         await asyncio.sleep(0.05)
         assert relay.seq == 6
-        with pytest.raises(errors.FerrumError) as e:
-            relay.cursor(1)
-        assert e.value.code == grpc.StatusCode.OUT_OF_RANGE
-        assert [b.sequence_number for b in await _take(relay.batches(relay.cursor(0)), 3)] == [4, 5, 6]
+        for start in (1, 0):
+            snap = await _take(relay.batches(relay.cursor(start)), 1)
+            assert snap[0].sequence_number == 6 and snap[0].HasField("snapshot")
+            assert [e.WhichOneof("data") for e in snap[0].events] == ["cleared"]
+            assert (snap[0].snapshot.index, snap[0].snapshot.count, snap[0].snapshot.blocks) == (0, 1, 0)
+        # a cursor the log still reaches replays from the log, no snapshot
+        assert [b.sequence_number for b in await _take(relay.batches(relay.cursor(3)), 3)] == [4, 5, 6]
         await relay.close()
 
     asyncio.run(main())
 
 
-def test_a_subscriber_that_falls_behind_gets_data_loss():
+def test_a_subscriber_that_falls_behind_gets_a_snapshot_then_live_events():
     async def main():
         hub = KvEventHub()
+        relay = BlockEventRelay(hub, "m", replay=2)
+        relay.start()
+        hub.publish_block("stored", "m", _stored([b"a" * 32], b"r" * 32, [1, 2, 3, 4]))
+        await asyncio.sleep(0.05)
+        agen = relay.batches(relay.cursor(0))
+        assert [b.sequence_number for b in await _take(agen, 1)] == [1]
+        for i in range(5):  # the log keeps 2: the subscriber's next (2) is gone
+            hub.publish_block("stored", "m", _stored([bytes([i]) * 32], b"a" * 32, [i] * 4))
+        await asyncio.sleep(0.05)
+        snap = await _take(agen, 1)
+        assert snap[0].sequence_number == 6 and snap[0].snapshot.blocks == 6
+        hub.publish_block("removed", "m", {"block_hashes": [b"a" * 32]})
+        live = await _take(agen, 1)
+        assert live[0].sequence_number == 7 and not live[0].HasField("snapshot")
+        await relay.close()
+
+    asyncio.run(main())
+
+
+def test_a_subscriber_of_a_relay_that_lost_events_gets_data_loss():
+    """The hub dropped events the relay had not read (its queue overflowed past the hub's
+    buffer): a removal may be among them, so the record cannot be verified: a subscriber behind
+    the log, or a cursor older than it, is DATA_LOSS; 0 replays what the log holds."""
+    async def main():
+        hub = KvEventHub(replay=3, subscriber_buffer=2)
         relay = BlockEventRelay(hub, "m", replay=2)
         relay.start()
         hub.publish_block("removed", "m", {"block_hashes": [b"a" * 32]})
         await asyncio.sleep(0.05)
         agen = relay.batches(relay.cursor(0))
         assert [b.sequence_number for b in await _take(agen, 1)] == [1]
-        for i in range(5):  # the log keeps 2: the subscriber's next (2) is gone
+        for i in range(10):  # no await: the relay's queue overflows, the hub keeps 3
             hub.publish_block("removed", "m", {"block_hashes": [bytes([i]) * 32]})
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
+        assert relay.epoch >= 1 and not relay.state.consistent
         with pytest.raises(errors.FerrumError) as e:
             await _take(agen, 1)
         assert e.value.code == grpc.StatusCode.DATA_LOSS
+        with pytest.raises(errors.FerrumError) as e:
+            relay.cursor(1)
+        assert e.value.code == grpc.StatusCode.DATA_LOSS
+        got = await _take(relay.batches(relay.cursor(0)), 2)
+        assert [b.sequence_number for b in got] == [relay.seq - 1, relay.seq]
+        assert not any(b.HasField("snapshot") for b in got)
+        # the engine's clear makes the record exact again: snapshots resume
+        hub.publish_block("cleared", "m", {})
+        hub.publish_block("removed", "m", {"block_hashes": [b"z" * 32]})
+        hub.publish_block("removed", "m", {"block_hashes": [b"y" * 32]})
+        await asyncio.sleep(0.05)
+        assert relay.state.consistent
+        snap = await _take(relay.batches(relay.cursor(1)), 1)
+        assert snap[0].sequence_number == relay.seq and snap[0].snapshot.count == 1
         await relay.close()
 
     asyncio.run(main())

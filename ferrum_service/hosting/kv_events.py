@@ -208,6 +208,7 @@ class KvEventHub:
         self.replay: collections.deque[KvEventRecord] = collections.deque(maxlen=replay)
         self.replay_bytes = replay_bytes
         self._replay_held = 0  # estimated bytes in the replay buffer
+        self._evicted_blocks: dict[str, int] = {}  # model -> its block events dropped from the buffer
         self.subscriber_buffer = subscriber_buffer
         self.per_caller = per_caller
         self.max_subscribers = max_subscribers
@@ -303,7 +304,10 @@ class KvEventHub:
         size = ev.nbytes()
         while buf and ((buf.maxlen is not None and len(buf) >= buf.maxlen)
                        or (self.replay_bytes and self._replay_held + size > self.replay_bytes)):
-            self._replay_held = max(0, self._replay_held - buf.popleft().nbytes())
+            old = buf.popleft()
+            self._replay_held = max(0, self._replay_held - old.nbytes())
+            if old.block_kind:
+                self._evicted_blocks[old.model_id] = self._evicted_blocks.get(old.model_id, 0) + 1
         buf.append(ev)
         self._replay_held += size
         for sub in list(self._subs):
@@ -313,6 +317,11 @@ class KvEventHub:
                 sub.loop.call_soon_threadsafe(sub._offer, ev)
             except RuntimeError:  # the subscriber's loop is closed
                 self._subs.discard(sub)
+
+    def evicted_block_events(self, model_id: str) -> int:
+        """How many of ``model_id``'s block events have left the replay buffer."""
+        with self._lock:
+            return self._evicted_blocks.get(model_id, 0)
 
     @property
     def replay_held_bytes(self) -> int:

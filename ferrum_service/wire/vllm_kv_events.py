@@ -8,10 +8,18 @@ sequence, so :class:`BlockEventRelay` re-numbers the block events of the served 
 (one event per batch) and keeps the last ``replay`` of them to replay from, within the hub's
 ``replay_bytes`` (``--kv-event-replay-bytes``) too: without per-caller auth a stored event keeps its
 token ids, so the relay's log is bounded like the hub's own. The relay starts with the first
-subscription (a server nobody reads through this protocol keeps no copy). A cursor older than
-that, or newer than the relay's last (the worker restarted) is OUT_OF_RANGE; a subscriber that
-fell behind the log is DATA_LOSS. SMG answers both by forgetting the worker's blocks and
-subscribing again from 0, which replays every retained event.
+subscription (a server nobody reads through this protocol keeps no copy).
+
+**Snapshots.** Beside the log the relay keeps its record of the live blocks
+(:mod:`.vllm_kv_snapshot`). A subscriber the log no longer serves (``start_sequence_number`` 0 once
+the log no longer begins at 1, a cursor older than the log, or a subscriber that fell behind it while
+streaming) gets a state snapshot in band: chunks marked ``KvEventBatch.snapshot``, numbered up to
+the relay's number at the cut, chunk 0 beginning with AllBlocksCleared, then live events from the
+next number. 0 while the log still begins at 1 replays the log, as before. Where the record cannot
+be verified (the relay lost events mid-life, until the engine's next clear) a stale cursor or a
+fallen-behind subscriber is DATA_LOSS and 0 replays what the log holds. A cursor newer than the
+relay's last (the worker restarted) is OUT_OF_RANGE. SMG answers both errors by forgetting the
+worker's blocks and subscribing again from 0.
 
 **Block hashes.** The worker's ``block_hash`` is an identity only: SMG keys its index on its own
 content hash of each block's ``token_ids`` (XXH3-64, seed 1337, chained per position, see
@@ -49,17 +57,11 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from ..core import errors
 from ..core.modes import BlockEvent
 from ..hosting.kv_events import KvEventHub, KvEventRecord, SubscriberDropped
+from .vllm_kv_snapshot import NAMESPACE_PREFIX, LiveState, Snapshot, block_hash, build, stored_fields
 
 log = structlog.get_logger("ferrum_service.wire.vllm_kv_events")
 
 _DATA_LOSS = grpc.StatusCode.DATA_LOSS
-#: Start of a stored event's ``cache_salt``: the blocks' key space, not the salt itself.
-NAMESPACE_PREFIX = "ferrum-ns:"
-
-
-def block_hash(key: bytes) -> int:
-    """A block key as the protocol's int64 ``block_hash``."""
-    return int.from_bytes(bytes(key[:8]).ljust(8, b"\0"), "little", signed=True)
 
 
 def batch_pb(seq: int, ev: KvEventRecord) -> cpb.KvEventBatch:
@@ -67,10 +69,9 @@ def batch_pb(seq: int, ev: KvEventRecord) -> cpb.KvEventBatch:
     batch = cpb.KvEventBatch(sequence_number=seq, timestamp=ev.time_unix_ns / 1e9)
     d = ev.block or {}
     if ev.block_kind == BlockEvent.STORED:
-        bs = int(d.get("block_size") or 0)
-        keys = list(d.get("block_hashes") or [])
-        tokens = list(d.get("token_ids") or [])
-        if bs and keys and len(tokens) >= bs * len(keys):
+        f = stored_fields(d)
+        if f is not None:
+            bs, keys, tokens = f
             stored = cpb.KvBlocksStored(
                 blocks=[cpb.KvBlock(block_hash=block_hash(k), token_ids=tokens[i * bs:(i + 1) * bs], block_size=bs)
                         for i, k in enumerate(keys)],
@@ -92,7 +93,8 @@ def batch_pb(seq: int, ev: KvEventRecord) -> cpb.KvEventBatch:
 
 
 class BlockEventRelay:
-    """The block events of one model, renumbered from 1, with a bounded replay log."""
+    """The block events of one model, renumbered from 1, with a bounded replay log and the record
+    of the live blocks a snapshot is cut from."""
 
     def __init__(self, hub: KvEventHub, model_id: str, replay: int = 65536) -> None:
         self.hub = hub
@@ -102,6 +104,9 @@ class BlockEventRelay:
         self.held_bytes = 0  # the log's estimated bytes
         self.seq = 0  # the last number given
         self.epoch = 0  # bumped when the relay itself lost events (its subscribers must resync)
+        self.state = LiveState()  # the live blocks as numbered so far (up to self.seq)
+        self.snapshots = 0  # snapshots built (one serves every subscriber cut at the same number)
+        self._snap: tuple[tuple[int, int], asyncio.Future] | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -127,7 +132,11 @@ class BlockEventRelay:
                         log.warning("kv block events lost before relaying; subscribers must resync",
                                     model_id=self.model_id, from_seq=from_seq, oldest=gone)
                         self.epoch += 1
+                        self.state.lose()
+                        self._snap = None
                         self._notify()
+                    else:  # before the first: the record starts partial (until a clear)
+                        self.state.unknown_before = self.hub.evicted_block_events(self.model_id)
                     from_seq = gone
                     continue
                 while True:
@@ -136,6 +145,8 @@ class BlockEventRelay:
                     if ev.block_kind:
                         self.seq += 1
                         self._append(ev)
+                        self.state.apply(ev)
+                        self._snap = None
                         self._notify()
             except SubscriberDropped as d:
                 from_seq = d.resume_from_seq
@@ -154,36 +165,66 @@ class BlockEventRelay:
         self._wake.set()
         self._wake = asyncio.Event()
 
+    @property
+    def oldest(self) -> int:
+        """The first number the log still holds (``seq + 1`` when it holds none)."""
+        return self.log[0][0] if self.log else self.seq + 1
+
     def cursor(self, start: int) -> int:
-        """The first number to send a subscriber whose last applied batch is ``start`` (0: none,
-        every retained batch); OUT_OF_RANGE for a cursor the relay cannot continue."""
-        oldest = self.log[0][0] if self.log else self.seq + 1
+        """The first number a subscriber whose last applied batch is ``start`` needs (0: none).
+        Below :attr:`oldest`, :meth:`batches` serves a snapshot first. OUT_OF_RANGE past the last
+        number; DATA_LOSS for a cursor older than the log while the record cannot be verified
+        (then 0 replays what the log holds, as a relay without a record would)."""
         if start > self.seq:
             raise errors.out_of_range(f"start_sequence_number {start} is past this worker's last KV event "
                                       f"{self.seq} (the worker restarted?); subscribe from 0",
                                       field="start_sequence_number")
-        nxt = oldest if start == 0 else start + 1
-        if nxt < oldest:
-            raise errors.out_of_range(f"KV events after {start} are no longer retained (oldest is {oldest}); "
-                                      "subscribe from 0", field="start_sequence_number")
-        return nxt
+        if self.state.consistent:
+            return start + 1
+        if start == 0:
+            return self.oldest
+        if start + 1 < self.oldest:
+            raise _data_loss(f"KV events after {start} are no longer retained and this worker's block "
+                             "record cannot be verified (events were lost); subscribe from 0")
+        return start + 1
+
+    async def snapshot(self) -> tuple[Snapshot, int]:
+        """A snapshot of the record at the current number and the epoch it was cut in: cut now
+        (on the loop), ordered in a worker thread; subscribers asking at the same number share one."""
+        key = (self.seq, self.epoch)
+        if self._snap is None or self._snap[0] != key:
+            cut = self.state.cut(self.seq)
+            self.snapshots += 1
+            self._snap = (key, asyncio.ensure_future(asyncio.to_thread(build, cut)))
+        fut = self._snap[1]
+        return await asyncio.shield(fut), key[1]
 
     async def batches(self, nxt: int, tick: float | None = None) -> AsyncIterator[cpb.KvEventBatch | None]:
-        """Batches from number ``nxt`` on (see :meth:`cursor`), then live ones, until cancelled;
-        DATA_LOSS when the subscriber fell behind the log. With ``tick``, None after every
-        ``tick`` seconds without a new event (the caller's moment to send its load record)."""
+        """Batches from number ``nxt`` on (see :meth:`cursor`), then live ones, until cancelled; a
+        snapshot first where the log no longer holds ``nxt``, DATA_LOSS where the record cannot be
+        verified. With ``tick``, None after every ``tick`` seconds without a new event (the
+        caller's moment to send its load record)."""
         epoch = self.epoch
         while True:
             while nxt <= self.seq:
-                if self.epoch != epoch or nxt < self.log[0][0]:
-                    raise errors.FerrumError(errors.ErrorKind.INTERNAL, "KV event subscriber fell behind the "
-                                             "replay log; subscribe from 0", code=_DATA_LOSS)
-                seq, ev = self.log[nxt - self.log[0][0]]
+                if self.epoch != epoch:
+                    raise _data_loss("KV events were lost; subscribe from 0")
+                if nxt < self.oldest:
+                    if not self.state.consistent:
+                        raise _data_loss("KV event subscriber fell behind the replay log and this worker's "
+                                         "block record cannot be verified; subscribe from 0")
+                    snap, epoch = await self.snapshot()
+                    log.debug("kv block-event snapshot", model_id=self.model_id, asked=nxt, through=snap.through,
+                              chunks=snap.count, blocks=snap.blocks, unknown_before=snap.unknown_before)
+                    for chunk in snap.chunks():
+                        yield chunk
+                    nxt = snap.through + 1
+                    continue
+                seq, ev = self.log[nxt - self.oldest]
                 yield batch_pb(seq, ev)
                 nxt += 1
             if self.epoch != epoch:
-                raise errors.FerrumError(errors.ErrorKind.INTERNAL, "KV events were lost; subscribe from 0",
-                                         code=_DATA_LOSS)
+                raise _data_loss("KV events were lost; subscribe from 0")
             if tick is None:
                 await self._wake.wait()
                 continue
@@ -193,4 +234,8 @@ class BlockEventRelay:
                 yield None
 
 
-__all__ = ["BlockEventRelay", "batch_pb", "block_hash"]
+def _data_loss(msg: str) -> errors.FerrumError:
+    return errors.FerrumError(errors.ErrorKind.INTERNAL, msg, code=_DATA_LOSS)
+
+
+__all__ = ["BlockEventRelay", "NAMESPACE_PREFIX", "batch_pb", "block_hash"]
