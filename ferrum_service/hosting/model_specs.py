@@ -286,7 +286,9 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         p = Path(str(path)).expanduser()
         if p.suffix == ".gguf":
             return LlamaBertEmbedder(p, model_id=mid, **kw)
-        return LlamaBertEmbedder.from_folder(p, quant=quant, model_id=mid, **kw)
+        from .weight_cache import bert_gguf
+
+        return LlamaBertEmbedder(bert_gguf(p, quant), folder=p, model_id=mid, **kw)
     if spec.executor in ("bert", "minilm"):
         from ..executors.bert import BertModelExecutor
 

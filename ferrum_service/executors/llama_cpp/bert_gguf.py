@@ -17,28 +17,21 @@ count and the special ids (CLS as BOS, SEP, PAD, UNK, MASK).
 Matrices are written as F16 (``ftype="f16"``, the default) or F32; 1-D tensors (norms, biases) and the
 small position / token-type tables stay F32.
 
-:func:`bert_gguf` caches the file like the F16 copies of :mod:`ferrum_service.hosting.weight_cache`
-(same folder, same checksummed sidecar, same lock and atomic rename); its key is the SHA-256 of the
-folder's weights, config and vocabulary together, and the converter's own version.
+:func:`ferrum_service.hosting.weight_cache.bert_gguf` caches the file like the F16 copies (same folder,
+checksummed sidecar, lock and atomic rename); its key is the SHA-256 of the folder's weights, config,
+vocabulary and pooling files together, and :data:`CONVERTER_VERSION`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import struct
-import tempfile
-import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
-import structlog
 
 from ...core import errors
-
-log = structlog.get_logger(__name__)
 
 #: Bumped when the conversion changes: cached files of another version are made again.
 CONVERTER_VERSION = 1
@@ -87,7 +80,8 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
         yield name, arr.reshape(shape)
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
+    """The folder's ``*.safetensors`` files (CONFIG error when there are none)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise errors.FerrumError(errors.ErrorKind.CONFIG, f"{str(folder)!r} has no .safetensors weights "
@@ -220,7 +214,7 @@ def convert(folder: str | Path, out: str | Path, ftype: str = "f16") -> Path:
     w.add_add_eos_token(False)
 
     seen = set()
-    for f in _weight_files(src):
+    for f in weight_files(src):
         for name, arr in read_safetensors(f):
             if name.startswith("bert."):
                 name = name[len("bert."):]
@@ -252,61 +246,4 @@ def convert(folder: str | Path, out: str | Path, ftype: str = "f16") -> Path:
     return Path(out)
 
 
-# ---- the cache -----------------------------------------------------------------------------------------
-def source_sha256(folder: str | Path) -> str:
-    """One SHA-256 over the files a conversion reads (weights, config, vocabulary, pooling) and the
-    converter's version: the cache key."""
-    from ...hosting.weight_cache import file_sha256
-
-    src = Path(folder)
-    h = hashlib.sha256(f"bert-gguf v{CONVERTER_VERSION}\n".encode())
-    files = [*_weight_files(src), *(src / n for n in KEY_FILES), *sorted(src.glob("*_Pooling/config.json"))]
-    for f in files:
-        if f.is_file():
-            h.update(f"{f.relative_to(src)} {file_sha256(f)}\n".encode())
-    return h.hexdigest()
-
-
-def bert_gguf(folder: str | Path, ftype: str = "f16", *, cache: Path | None = None) -> Path:
-    """The GGUF file of ``folder`` (converted once, then cached and checked on each use like
-    :func:`ferrum_service.hosting.weight_cache.converted_gguf`)."""
-    from ...hosting import weight_cache as wc
-
-    if ftype not in FTYPES:
-        raise ValueError(f"unknown weight format {ftype!r}; choose one of {', '.join(FTYPES)}")
-    src = Path(folder).expanduser()
-    if not (src / "config.json").is_file():
-        raise errors.FerrumError(errors.ErrorKind.CONFIG, f"{str(folder)!r} is not a model directory (no config.json)")
-    target = Path(cache) if cache is not None else wc.cache_dir()
-    target.mkdir(parents=True, exist_ok=True)
-    key = source_sha256(src)
-    out = target / f"{src.name}.{key[:16]}.bert.{ftype}.gguf"
-    if wc._valid(out, key):
-        return out
-    with wc.locked(target / f".{out.name}.lock"):
-        if wc._valid(out, key):
-            return out
-        t0 = time.perf_counter()
-        log.info("converting a BERT checkpoint to GGUF once", source=str(src), format=ftype, to=str(out))
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=target)
-        os.fchmod(fd, 0o644)
-        os.close(fd)
-        tmp = Path(tmp_name)
-        side_tmp = tmp.with_suffix(".json.tmp")
-        try:
-            convert(src, tmp, ftype)
-            meta: dict[str, Any] = {"source": str(src), "source_sha256": key, "format": ftype,
-                                    "converter": f"bert_gguf v{CONVERTER_VERSION}",
-                                    "sha256": wc.file_sha256(tmp), "size": tmp.stat().st_size}
-            side_tmp.write_text(json.dumps(meta, indent=1))
-            os.replace(tmp, out)
-            os.replace(side_tmp, wc._sidecar(out))  # last: a crash before it leaves a file made again
-        finally:
-            for p in (tmp, side_tmp):
-                p.unlink(missing_ok=True)
-        log.info("BERT checkpoint converted", path=str(out), bytes=out.stat().st_size,
-                 seconds=round(time.perf_counter() - t0, 2))
-    return out
-
-
-__all__ = ["CONVERTER_VERSION", "FTYPES", "bert_gguf", "convert", "pooling_of", "read_safetensors", "source_sha256"]
+__all__ = ["CONVERTER_VERSION", "FTYPES", "KEY_FILES", "convert", "pooling_of", "read_safetensors", "weight_files"]

@@ -1,7 +1,8 @@
 """``LlamaBertEmbedder``: sentence embeddings from a BERT-family encoder run by llama.cpp (torch-free).
 
 Spec: ``llama-bert,id=NAME,path=FOLDER[,threads=..][,max_batch_size=..][,normalize=0|1][,quant=f16|f32]``
-(a BERT checkpoint folder, converted once to GGUF by :mod:`.bert_gguf` and cached), or ``path=FILE.gguf``
+(a BERT checkpoint folder, converted once to GGUF by :mod:`.bert_gguf` and cached by
+``hosting/weight_cache.py``), or ``path=FILE.gguf``
 (a GGUF file of llama.cpp's ``bert`` architecture, served as it is). The ``minilm-llama`` preset is the
 packaged all-MiniLM-L6-v2 on it.
 
@@ -184,16 +185,6 @@ class LlamaBertEmbedder(ModelExecutor):
         log.info("llama.cpp encoder ready", model_id=self.model_id, path=str(p), pooling="+".join(self.pooling),
                  normalize=self.normalize, threads=self.threads, n_batch=self.n_batch,
                  seconds=round(time.perf_counter() - t0, 2))
-
-    @classmethod
-    def from_folder(cls, folder: str | Path, *, quant: str = "f16", **kw: Any) -> "LlamaBertEmbedder":
-        """A BERT checkpoint folder: converted to GGUF once (:func:`.bert_gguf.bert_gguf`, cached), then
-        loaded with the folder's pooling and tokenizer."""
-        from .bert_gguf import bert_gguf
-
-        src = Path(folder).expanduser()
-        kw.setdefault("model_id", src.name)
-        return cls(bert_gguf(src, quant), folder=src, **kw)
 
     # ---- metadata ------------------------------------------------------------------------------
     def _build_info(self) -> ModelInfo:
