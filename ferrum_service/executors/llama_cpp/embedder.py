@@ -29,7 +29,6 @@ the GGUF file.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import time
