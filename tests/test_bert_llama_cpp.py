@@ -256,6 +256,14 @@ def test_embeddings_through_a_real_server(llama, reference):
             c.generate("minilm-llama", token_ids=[101], max_tokens=2).tokens()
         assert e.value.code == grpc.StatusCode.UNIMPLEMENTED
         assert srv.live_caches()["minilm-llama"] == 0
+    # vLLM's GetTokenizer bundle: the folder's own tokenizer files, no transformers needed
+    import io
+    import zipfile
+
+    from ferrum_service.wire.tokenizer_bundle import tokenizer_zip
+
+    names = zipfile.ZipFile(io.BytesIO(tokenizer_zip(llama))).namelist()
+    assert "tokenizer.json" in names and "tokenizer_config.json" in names
     # the spec names it
     ex = build_executor(parse_spec(f"llama-bert,id=lb,path={llama.gguf_path},threads=2"))
     assert ex.kind == "llama-bert" and ex.model_id == "lb"
