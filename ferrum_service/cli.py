@@ -115,7 +115,8 @@ def _adapter_flags(flags: list[str], specs) -> dict[str, dict[str, str]]:
             raise settings.SettingError(f"--adapter {f!r}: expected [MODEL:]NAME=PATH")
         model, _, name = head.rpartition(":")
         if not model:
-            causal = [s.model_id for s in specs if s.executor not in ("bert", "minilm", "stub", "configurable")]
+            encoders = ("bert", "minilm", "llama-bert", "minilm-llama", "stub", "configurable")
+            causal = [s.model_id for s in specs if s.executor not in encoders]
             if len(causal) != 1:
                 raise settings.SettingError(f"--adapter {f!r}: name the model (MODEL:NAME=PATH); hosted: "
                                             f"{', '.join(causal)}")
@@ -213,7 +214,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         try:
             model = args.model_id
             if not model:
-                causal = [m for m in c.info().models if m.executor not in ("bert",)]
+                causal = [m for m in c.info().models if m.executor not in ("bert", "llama-bert")]
                 if not causal:
                     print("the server hosts no causal LM", file=sys.stderr)
                     return 1

@@ -50,6 +50,7 @@ def client(fresh_server):
 SLOW_MODULES = frozenset({
     "test_migration", "test_migration_precopy", "test_migration_llama_cpp", "test_kv_transfer",
     "test_llama_cpp", "test_llama_cpp_fork", "test_llama_cpp_kv_transfer", "test_llama_cpp_prefix",
+    "test_bert_llama_cpp",
     "test_hostile_kv_llama", "test_speculation_llama", "test_multi_replica", "test_prefix_mirror",
     "test_prefix_routing", "test_smg_gateway", "test_smg_gateway_auth", "test_server_process",
     "test_real_models_server", "test_default_model", "test_hub_models", "test_reliability_soak",

