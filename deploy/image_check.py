@@ -16,6 +16,8 @@ user, read-only root filesystem, dropped capabilities and no-new-privileges, and
   GGUF tokenizer is converted torch-free), llama.cpp's CPU backend comes as
   per-CPU variants (the AMX one left out), and the server logs the variant it loaded for this CPU;
 * ``ferrum-service generate`` through the published port streams a reply;
+* ``serve --model minilm`` (BERT embeddings on llama.cpp) answers unit vectors that place a
+  paraphrase nearer than an unrelated sentence, equal to the host's transformers MiniLM if it has one;
 * SIGTERM drains and the container exits 0 within the chart's grace period.
 
 Prints the figures (image size, start-to-SERVING, generate time, stop time). Exits non-zero on any
@@ -88,6 +90,77 @@ def get_tokenizer(target: str) -> tuple[str, list[str], float]:
     if not chunks or hashlib.sha256(data).hexdigest() != chunks[-1].sha256:
         return "OK but the bundle's sha256 does not match", [], took
     return "OK", zipfile.ZipFile(io.BytesIO(data)).namelist(), took
+
+
+#: Sentences for the embeddings check: the first two mean the same, the third does not.
+EMBED_SENTENCES = ("A man is eating food.", "A man is eating a piece of bread.", "The stock market fell sharply today.")
+
+
+def embeddings(target: str, model: str) -> list:
+    """``model``'s embeddings of :data:`EMBED_SENTENCES` through the contract (Tokenize, Prefill)."""
+    from ferrum_client import Client
+    from ferrum_client import messages as m
+
+    out = []
+    with Client(target) as c:
+        for s in EMBED_SENTENCES:
+            r = c.prefill(model, c.tokenize(model, s, True)).output
+            out.append(m.tensor_array(r.embedding))
+            c.release_cache(model, r.cache.cache_id)
+    return out
+
+
+def reference_embeddings() -> list | None:
+    """The same sentences through the transformers MiniLM on this host, if it has one."""
+    try:
+        from ferrum_service.executors.bert import BertModelExecutor
+        from ferrum_service.hosting.packaged_models import minilm_dir
+
+        ref = BertModelExecutor.from_path(minilm_dir(), model_id="minilm", device="cpu")
+    except Exception:  # noqa: BLE001 - no torch / transformers / model package here: sanity checks only
+        return None
+    return [ref.get_embeddings(ref.tokenizer.encode(s)).numpy() for s in EMBED_SENTENCES]
+
+
+def check_embeddings(image: str, port: int, user: str) -> None:
+    """``serve --model minilm`` in the image (BERT on llama.cpp): unit vectors of 384, the paraphrase
+    nearer than the unrelated sentence, and (where this host has transformers) cosine >= 0.999 with
+    the transformers MiniLM."""
+    import numpy as np
+
+    probe = shutil.which("grpc-health-probe") or str(CACHE / "bin/grpc-health-probe")
+    name = NAME + "-minilm"
+    sh("podman", "rm", "-f", name, check=False)
+    sh("podman", "run", "-d", "--name", name, "--user", user, "--read-only", "--tmpfs", "/tmp:rw,size=512m,mode=1777",
+       "--cap-drop", "ALL", "--security-opt", "no-new-privileges", "-p", f"127.0.0.1:{port}:50051",
+       "-e", "OMP_NUM_THREADS=2", image, "serve", "--model", "minilm", "--port", "50051")
+    try:
+        target, t0 = f"127.0.0.1:{port}", time.monotonic()
+        while sh(probe, "-addr", target, "-service", "minilm", "-connect-timeout", "2s", check=False).returncode:
+            state = sh("podman", "inspect", name, "--format", "{{.State.Status}}").stdout.strip()
+            if state != "running" or time.monotonic() - t0 > 120:
+                logs = sh("podman", "logs", name, check=False)
+                print((logs.stdout + logs.stderr)[-3000:])
+                raise SystemExit(f"FAILED: minilm did not become SERVING (container {state})")
+            time.sleep(1)
+        ready_s = time.monotonic() - t0
+        from ferrum_client import Client
+
+        with Client(target) as c:
+            kind = {x.model_id: x.executor for x in c.info().models}.get("minilm")
+        check(kind == "llama-bert", f"minilm SERVING on llama.cpp ({kind}) {ready_s:.1f} s after start")
+        e = embeddings(target, "minilm")
+        norms = [float(np.linalg.norm(x)) for x in e]
+        check(all(x.shape == (384,) for x in e) and all(abs(n - 1) < 1e-3 for n in norms),
+              f"embeddings: 384 values, unit length ({', '.join(f'{n:.4f}' for n in norms)})")
+        near, far = float(e[0] @ e[1]), float(e[0] @ e[2])
+        check(near > far + 0.2, f"the paraphrase is nearer than the unrelated sentence: {near:.3f} vs {far:.3f}")
+        ref = reference_embeddings()
+        if ref is not None:
+            cos = [float(a @ b) / float(np.linalg.norm(b)) for a, b in zip(e, ref)]
+            check(min(cos) >= 0.999, f"the image's embeddings equal this host's transformers MiniLM: cosine {min(cos):.6f}")
+    finally:
+        sh("podman", "rm", "-f", name, check=False)
 
 
 def check(cond: bool, what: str) -> None:
@@ -186,6 +259,7 @@ def main(image: str) -> None:
     finally:
         sh("podman", "rm", "-f", NAME, check=False)
         shutil.rmtree(workdir, ignore_errors=True)
+    check_embeddings(image, port + 1, f"{podsec['runAsUser']}:{podsec['runAsGroup']}")
 
 
 if __name__ == "__main__":

