@@ -137,3 +137,27 @@ def test_without_transformers_gettokenizer_converts_torch_free(tmp_path):
     assert (cfg["bos_token"], cfg["eos_token"], cfg["pad_token"]) == (ref.bos_token, ref.eos_token, ref.pad_token)
     assert zf.read("chat_template.jinja").decode() == cfg["chat_template"] == ref.chat_template
     assert len(tokens) == 3, "the model still generates without transformers"
+
+
+def test_a_cache_that_cannot_be_written_still_serves_the_bundle(tmp_path):
+    """An image bakes the bundle at build into a folder its container cannot write (read-only root,
+    another owner): a baked bundle is read back; without one the bundle is converted for this
+    process only, never an error. Here the folder cannot be made (its parent is a file)."""
+    from ferrum_service.wire import tokenizer_cache
+
+    from .support import llama
+
+    ex = llama.executor("tok")
+    try:
+        blocked = tmp_path / "a-file"
+        blocked.write_bytes(b"")
+        data, digest = tokenizer_cache.bundle(ex, blocked / "tokenizer-bundles")
+        assert hashlib.sha256(data).hexdigest() == digest and data[:2] == b"PK"
+        writable = tmp_path / "bundles"
+        made = tokenizer_cache.bundle(ex, writable)
+        assert made == (data, digest)  # the same bundle, now cached
+        (cached,) = writable.glob("*.tokenizer.zip")
+        writable.chmod(0o500)  # as the container sees a baked folder (root reads it anyway)
+        assert tokenizer_cache.bundle(ex, writable) == (data, digest)
+    finally:
+        ex.shutdown()

@@ -62,22 +62,51 @@ def bundle(executor: Any, folder: Path | None = None) -> tuple[bytes, str]:
         data = tokenizer_zip(executor)
         return data, hashlib.sha256(data).hexdigest()
     folder = Path(folder) if folder is not None else bundle_folder()
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     out = folder / f"{src.stem}.{_source_key(src)[:16]}.tokenizer.zip"
-    hit = _read_valid(out)
+    hit = _read_valid(out)  # an image bakes its bundle at build into a folder it cannot write at run time
     if hit is not None:
         return hit
-    with locked(folder / f".{out.name}.lock"):
-        hit = _read_valid(out)  # another server made it while we waited
-        if hit is not None:
-            return hit
-        t0 = time.perf_counter()
-        data = tokenizer_zip(executor)
-        digest = hashlib.sha256(data).hexdigest()
-        _write(out, data, {"source": str(src), "sha256": digest, "size": len(data)})
-        log.info("tokenizer bundle converted once and cached", source=str(src), path=str(out), bytes=len(data),
-                 converter=gguf_converter(), seconds=round(time.perf_counter() - t0, 2))
-        return data, digest
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with locked(folder / f".{out.name}.lock"):
+            hit = _read_valid(out)  # another server made it while we waited
+            if hit is not None:
+                return hit
+            data, digest = _convert(executor, src)
+            _write(out, data, {"source": str(src), "sha256": digest, "size": len(data)})
+            log.info("tokenizer bundle cached", path=str(out))
+            return data, digest
+    except OSError as e:  # a read-only cache (a container's root filesystem, another owner): serve it uncached
+        log.warning("tokenizer bundle cannot be cached here; converting it for this process only",
+                    folder=str(folder), reason=str(e))
+        return _convert(executor, src)
+
+
+def _convert(executor: Any, src: Path) -> tuple[bytes, str]:
+    t0 = time.perf_counter()
+    data = tokenizer_zip(executor)
+    log.info("tokenizer bundle converted", source=str(src), bytes=len(data), converter=gguf_converter(),
+             seconds=round(time.perf_counter() - t0, 2))
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def prepare(specs: list[str]) -> list[Path]:
+    """Convert and cache the tokenizer bundles of the models ``specs`` name (an image build runs
+    ``python -m ferrum_service.wire.tokenizer_cache smollm2``, so the read-only container starts
+    with its bundle); the bundles' paths."""
+    from ..hosting.model_specs import build_executor, parse_spec
+
+    made = []
+    for text in specs:
+        ex = build_executor(parse_spec(text))
+        try:
+            src = gguf_source(ex)
+            if src is not None:
+                bundle(ex)
+                made.append(bundle_folder() / f"{src.stem}.{_source_key(src)[:16]}.tokenizer.zip")
+        finally:
+            ex.shutdown()
+    return made
 
 
 def _source_key(src: Path) -> str:
@@ -129,3 +158,10 @@ def _write(out: Path, data: bytes, meta: dict) -> None:
 
 
 __all__ = ["MAX_BUNDLE_BYTES", "bundle", "bundle_folder", "gguf_source"]
+
+
+if __name__ == "__main__":  # python -m ferrum_service.wire.tokenizer_cache SPEC...
+    import sys
+
+    for path in prepare(sys.argv[1:] or ["smollm2"]):
+        print(path)
