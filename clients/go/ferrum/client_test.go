@@ -320,3 +320,33 @@ func TestSession(t *testing.T) {
 	eventuallyGone(t, ctx, c, "tiny", cid)
 	eventuallyGone(t, ctx, c, "tiny", fid)
 }
+
+// A failed step says which items ran (issue 40): a BatchDecode over one live cache and one unknown
+// id runs no row, and Error.Progress names each item's state and why; the live cache is as before.
+func TestFailedStepCarriesProgress(t *testing.T) {
+	c, ctx := client(t)
+	pre := must(c.Prefill(ctx, "tiny", []int32{5, 6, 7, 8, 9}))
+	cid := pre.GetCache().GetCacheId()
+	defer c.ReleaseCache(ctx, "tiny", cid)
+	_, err := c.BatchDecode(ctx, "tiny", []*pb.DecodeInput{ferrum.DecodeInput(cid, 5), ferrum.DecodeInput("hf-no-such-cache", 5)})
+	var fe *ferrum.Error
+	if !errors.As(err, &fe) || fe.Code != codes.NotFound || fe.Progress == nil {
+		t.Fatalf("want NOT_FOUND with StepProgress, got %v", err)
+	}
+	var got []string
+	for _, it := range fe.Progress.GetItems() {
+		got = append(got, fmt.Sprintf("%d:%s:%d:%s", it.GetIndex(), it.GetState(), it.GetTokensRan(), it.GetReason()))
+	}
+	want := []string{"0:ITEM_STATE_NOT_RUN:0:STEP_FAILED", "1:ITEM_STATE_NOT_RUN:0:NOT_FOUND"}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("progress %v, want %v", got, want)
+	}
+	if fe.UnsupportedShape() {
+		t.Fatal("a NOT_FOUND is no unsupported shape")
+	}
+	// truthful: the live cache did not grow
+	out := must(c.BatchDecode(ctx, "tiny", []*pb.DecodeInput{ferrum.DecodeInput(cid, 5)}))
+	if n := out[0].GetCache().GetNumTokens(); n != 6 {
+		t.Fatalf("the cache holds %d tokens after the failed step, want 6", n)
+	}
+}

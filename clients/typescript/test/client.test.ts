@@ -2,7 +2,7 @@
 import { after, before, test } from "node:test";
 import assert from "node:assert/strict";
 import { status } from "@grpc/grpc-js";
-import { FerrumClient, FerrumError, tokenOf, tokenPrompt } from "../src";
+import { FerrumClient, FerrumError, tokenOf, tokenPrompt, types } from "../src";
 import { noServerReason, startServer, TestServer } from "../src/testserver";
 
 const skip = noServerReason();
@@ -103,6 +103,23 @@ test("errors carry code, kind and field", opts, async () => {
   assert.equal(e.codeName, "INVALID_ARGUMENT");
   await rejectsWith(c.decode("tiny", "no-such-cache", 1), status.NOT_FOUND, "NOT_FOUND");
   await rejectsWith(c.truncateKv("nope", "x", 0), status.NOT_FOUND);
+});
+
+test("a failed step says which items ran (StepProgress)", opts, async () => {
+  // one live cache and one unknown id in one BatchDecode: no row runs, each item says why
+  const pre = await c.prefill("tiny", [5, 6, 7, 8, 9]);
+  const cid = pre.cache!.cacheId;
+  const e = await rejectsWith(c.batchDecode("tiny", [{ cacheId: cid, tokenId: 5 }, { cacheId: "hf-no-such-cache", tokenId: 5 }]),
+    status.NOT_FOUND, "NOT_FOUND");
+  assert.deepEqual(e.progress?.items.map((i) => [i.index, i.state, i.tokensRan, i.reason]), [
+    [0, types.ItemState.ITEM_STATE_NOT_RUN, 0, "STEP_FAILED"],
+    [1, types.ItemState.ITEM_STATE_NOT_RUN, 0, "NOT_FOUND"],
+  ]);
+  assert.equal(e.unsupportedShape, false);
+  // truthful: the live cache did not grow
+  const out = await c.batchDecode("tiny", [{ cacheId: cid, tokenId: 5 }]);
+  assert.equal(out[0].cache!.numTokens, 6);
+  await c.releaseCache("tiny", cid);
 });
 
 test("deadlines and abort signals", opts, async () => {
