@@ -56,7 +56,7 @@ SLOW_MODULES = frozenset({
     "test_real_models_server", "test_default_model", "test_hub_models", "test_reliability_soak",
     "test_reliability_load", "test_reliability_shutdown", "test_fuzz", "test_fuzz_stateful",
     "test_conformance", "test_monitoring_prometheus", "test_torch_free", "test_cuda_graphs",
-    "test_vllm_kv_snapshot_server",
+    "test_vllm_kv_snapshot_server", "test_gguf_tokenizer", "test_llama_cpu_variants", "test_async_client",
     # the slowest of the rest (measured): grammar compiles, the C++ paged-attention op's fallbacks
     "test_structured_output", "test_cpu_paged_attention_fallback",
 })
