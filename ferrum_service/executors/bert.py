@@ -25,10 +25,9 @@ import structlog
 import torch
 
 from ..core import errors
-from ..core.kv_registry import CacheEntry, CacheRegistry
+from ..core.kv_registry import CacheRegistry
 from ..core.modes import CacheEvent
 from ..core.types import (
-    CacheHandle,
     DecodeInput,
     DecodeOutput,
     ExecutorCapabilities,
@@ -42,6 +41,7 @@ from ..core.types import (
     VerifyOutput,
 )
 from .base import ModelExecutor
+from .encoder import EncoderCaches
 from .sentence_config import POOLING_MODES, read_sentence_transformers_config
 from .transformers.loading import (
     DTYPES,
@@ -57,7 +57,7 @@ log = structlog.get_logger(__name__)
 
 NO_GENERATION = "BERT is an encoder model and does not support token generation; use Prefill to get embeddings"
 
-class BertModelExecutor(ModelExecutor):
+class BertModelExecutor(EncoderCaches, ModelExecutor):
     """An encoder that returns pooled embeddings from ``prefill`` (see the module docstring)."""
 
     kind = "bert"
@@ -220,16 +220,6 @@ class BertModelExecutor(ModelExecutor):
             supports_native_forward_verify=False,
             kv_block_size=self.registry.block_size,
         )
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    def handle(self, entry: CacheEntry) -> CacheHandle:
-        """A zero-byte handle: the entry records the prompt, no KV exists behind it."""
-        h = self.registry.handle(entry, memory_bytes=0)
-        h.num_blocks = 0
-        return h
 
     # ---- embeddings ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -39,7 +39,7 @@ import numpy as np
 import structlog
 
 from ...core import errors
-from ...core.kv_registry import CacheEntry, CacheRegistry
+from ...core.kv_registry import CacheRegistry
 from ...core.modes import CacheEvent
 from ...core.steps import RowKind, RowOutput, StepPlan
 from ...core.types import (
@@ -57,6 +57,7 @@ from ...core.types import (
     VerifyOutput,
 )
 from ..base import ModelExecutor
+from ..encoder import EncoderCaches
 from ..sentence_config import POOLING_MODES, read_sentence_transformers_config
 from .backend import init_backend, lib, meta
 
@@ -99,7 +100,7 @@ class WordPieceTokenizer:
                 shutil.copyfile(self.folder / n, Path(folder) / n)
 
 
-class LlamaBertEmbedder(ModelExecutor):
+class LlamaBertEmbedder(EncoderCaches, ModelExecutor):
     """A BERT encoder on llama.cpp that returns pooled embeddings from ``prefill`` (module docstring)."""
 
     kind = "llama-bert"
@@ -243,16 +244,6 @@ class LlamaBertEmbedder(ModelExecutor):
             supports_native_forward_verify=False,
             kv_block_size=self.registry.block_size,
         )
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    def handle(self, entry: CacheEntry) -> CacheHandle:
-        """A zero-byte handle: the entry records the prompt, no KV exists behind it."""
-        h = self.registry.handle(entry, memory_bytes=0)
-        h.num_blocks = 0
-        return h
 
     # ---- embeddings ----------------------------------------------------------------------------
     def get_embeddings(self, input_ids: list[int]) -> np.ndarray:
