@@ -26,22 +26,15 @@ import torch
 
 from ..core import errors
 from ..core.kv_registry import CacheRegistry
-from ..core.modes import CacheEvent
 from ..core.types import (
-    DecodeInput,
-    DecodeOutput,
     ExecutorCapabilities,
-    LogitsPolicy,
     MemoryRequirements,
     ModelInfo,
     PrefillInput,
     PrefillOutput,
-    UnifiedItem,
-    UnifiedResult,
-    VerifyOutput,
 )
 from .base import ModelExecutor
-from .encoder import EncoderCaches
+from .encoder import SentenceEncoder
 from .sentence_config import POOLING_MODES, read_sentence_transformers_config
 from .transformers.loading import (
     DTYPES,
@@ -55,9 +48,8 @@ from .transformers.loading import (
 
 log = structlog.get_logger(__name__)
 
-NO_GENERATION = "BERT is an encoder model and does not support token generation; use Prefill to get embeddings"
 
-class BertModelExecutor(EncoderCaches, ModelExecutor):
+class BertModelExecutor(SentenceEncoder, ModelExecutor):
     """An encoder that returns pooled embeddings from ``prefill`` (see the module docstring)."""
 
     kind = "bert"
@@ -264,35 +256,11 @@ class BertModelExecutor(EncoderCaches, ModelExecutor):
         return emb
 
     # ---- ModelExecutor -------------------------------------------------------------------------
-    def prefill(self, inp: PrefillInput) -> PrefillOutput:
-        """The prompt's embedding in ``PrefillOutput.embedding``, with a zero-byte cache handle."""
-        return self.batch_prefill([inp])[0]
-
     def batch_prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
         """All prompts embedded in one forward (padding + attention mask)."""
-        for k, inp in enumerate(inputs):
-            if inp.cache_id:
-                raise errors.unsupported(
-                    f"inputs[{k}].cache_id: an encoder cannot continue a cache (no chunked prefill); "
-                    "send the whole prompt",
-                    field=f"inputs[{k}].cache_id",
-                )
-        if len(inputs) > self.max_batch_size:
-            raise errors.exhausted(
-                f"inputs: {len(inputs)} prompts in one call; the limit is {self.max_batch_size}", field="inputs"
-            )
+        self.check_inputs(inputs)
         embs = self.embed_batch([list(i.token_ids) for i in inputs])
-        outs = []
-        for inp, emb in zip(inputs, embs):
-            self._make_room()
-            entry = self.registry.create(list(inp.token_ids), field="input")
-            outs.append(PrefillOutput(cache=self.handle(entry), embedding=emb))
-        return outs
-
-    def _make_room(self) -> None:
-        while len(self.registry) >= self.max_retained_handles:
-            oldest = min(self.registry.entries(), key=lambda e: e.last_access)
-            self.release_cache(oldest.cache_id, reason=CacheEvent.RECLAIMED)
+        return [PrefillOutput(cache=self.new_handle(list(inp.token_ids)), embedding=e) for inp, e in zip(inputs, embs)]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, logits_dtype: str = "fp32") -> torch.Tensor:
@@ -302,15 +270,3 @@ class BertModelExecutor(EncoderCaches, ModelExecutor):
             ids = ids.unsqueeze(0)
         out = self.model(input_ids=ids, token_type_ids=torch.zeros_like(ids)).last_hidden_state
         return out.to(DTYPES.get(logits_dtype, torch.float32))
-
-    def decode(self, inp: DecodeInput) -> DecodeOutput:
-        raise errors.unsupported(NO_GENERATION)
-
-    def batch_decode(self, inputs: list[DecodeInput]) -> list[DecodeOutput]:
-        raise errors.unsupported(NO_GENERATION)
-
-    def unified_decode(self, items: list[UnifiedItem]) -> list[UnifiedResult]:
-        raise errors.unsupported(NO_GENERATION)
-
-    def forward_verify(self, cache_id: str, token_ids: list[int], policy: LogitsPolicy) -> VerifyOutput:
-        raise errors.unsupported(NO_GENERATION)

@@ -40,30 +40,21 @@ import structlog
 
 from ...core import errors
 from ...core.kv_registry import CacheRegistry
-from ...core.modes import CacheEvent
 from ...core.steps import RowKind, RowOutput, StepPlan
 from ...core.types import (
-    CacheHandle,
-    DecodeInput,
-    DecodeOutput,
     ExecutorCapabilities,
-    LogitsPolicy,
     MemoryRequirements,
     ModelInfo,
     PrefillInput,
     PrefillOutput,
-    UnifiedItem,
-    UnifiedResult,
-    VerifyOutput,
 )
 from ..base import ModelExecutor
-from ..encoder import EncoderCaches
+from ..encoder import NO_GENERATION, SentenceEncoder
 from ..sentence_config import POOLING_MODES, read_sentence_transformers_config
 from .backend import init_backend, lib, meta
 
 log = structlog.get_logger(__name__)
 
-NO_GENERATION = "BERT is an encoder model and does not support token generation; use Prefill to get embeddings"
 #: Pooling modes llama.cpp does itself (LLAMA_POOLING_TYPE_*); others are pooled from per-token rows.
 LLAMA_POOLING = {"mean": 1, "cls": 2, "lasttoken": 3}
 #: Tokens per ``llama_encode`` by default (the attention of one encode is n_tokens^2 per head).
@@ -100,7 +91,7 @@ class WordPieceTokenizer:
                 shutil.copyfile(self.folder / n, Path(folder) / n)
 
 
-class LlamaBertEmbedder(EncoderCaches, ModelExecutor):
+class LlamaBertEmbedder(SentenceEncoder, ModelExecutor):
     """A BERT encoder on llama.cpp that returns pooled embeddings from ``prefill`` (module docstring)."""
 
     kind = "llama-bert"
@@ -337,22 +328,11 @@ class LlamaBertEmbedder(EncoderCaches, ModelExecutor):
         return np.concatenate(parts)
 
     # ---- ModelExecutor -------------------------------------------------------------------------
-    def prefill(self, inp: PrefillInput) -> PrefillOutput:
-        """The prompt's embedding in ``PrefillOutput.embedding``, with a zero-byte cache handle."""
-        return self.batch_prefill([inp])[0]
-
     def batch_prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
         """All prompts embedded together (see the module docstring)."""
-        for k, inp in enumerate(inputs):
-            if inp.cache_id:
-                raise errors.unsupported(
-                    f"inputs[{k}].cache_id: an encoder cannot continue a cache (no chunked prefill); "
-                    "send the whole prompt", field=f"inputs[{k}].cache_id")
-        if len(inputs) > self.max_batch_size:
-            raise errors.exhausted(
-                f"inputs: {len(inputs)} prompts in one call; the limit is {self.max_batch_size}", field="inputs")
+        self.check_inputs(inputs)
         embs = self.embed_batch([list(i.token_ids) for i in inputs], "inputs" if len(inputs) > 1 else "token_ids")
-        return [PrefillOutput(cache=self._new_handle(list(inp.token_ids)), embedding=e) for inp, e in zip(inputs, embs)]
+        return [PrefillOutput(cache=self.new_handle(list(inp.token_ids)), embedding=e) for inp, e in zip(inputs, embs)]
 
     def execute(self, plan: StepPlan) -> list[RowOutput]:
         """A step's prompts embedded together; a row that continues a cache or decodes is refused."""
@@ -364,25 +344,7 @@ class LlamaBertEmbedder(EncoderCaches, ModelExecutor):
                     f"{plan.field}[{k}].cache_id: an encoder cannot continue a cache (no chunked prefill); "
                     "send the whole prompt", field=f"{plan.field}[{k}].cache_id")
         embs = self.embed_batch([list(r.tokens) for r in plan.rows], plan.field)
-        return [RowOutput(self._new_handle(list(r.tokens)), None, e) for r, e in zip(plan.rows, embs)]
-
-    def _new_handle(self, tokens: list[int]) -> CacheHandle:
-        while len(self.registry) >= self.max_retained_handles:
-            oldest = min(self.registry.entries(), key=lambda e: e.last_access)
-            self.release_cache(oldest.cache_id, reason=CacheEvent.RECLAIMED)
-        return self.handle(self.registry.create(tokens, field="input"))
-
-    def decode(self, inp: DecodeInput) -> DecodeOutput:
-        raise errors.unsupported(NO_GENERATION)
-
-    def batch_decode(self, inputs: list[DecodeInput]) -> list[DecodeOutput]:
-        raise errors.unsupported(NO_GENERATION)
-
-    def unified_decode(self, items: list[UnifiedItem]) -> list[UnifiedResult]:
-        raise errors.unsupported(NO_GENERATION)
-
-    def forward_verify(self, cache_id: str, token_ids: list[int], policy: LogitsPolicy) -> VerifyOutput:
-        raise errors.unsupported(NO_GENERATION)
+        return [RowOutput(self.new_handle(list(r.tokens)), None, e) for r, e in zip(plan.rows, embs)]
 
     def __del__(self) -> None:  # pragma: no cover - interpreter teardown order varies
         try:
