@@ -81,36 +81,8 @@ def converted_gguf(source: str | Path, ftype: str = "f16", *, folder: Path | Non
     folder.mkdir(parents=True, exist_ok=True)
     src_sha = file_sha256(src)
     out = folder / converted_name(src, src_sha, ftype)
-    if _valid(out, src_sha):
-        return out
-    with locked(folder / f".{out.name}.lock"):
-        if _valid(out, src_sha):  # another process made it while we waited
-            return out
-        t0 = time.perf_counter()
-        log.info("converting weights once", source=str(src), format=ftype, to=str(out))
-        # a fresh name made with O_EXCL (mode 0600): nothing planted at a guessable name is followed
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=folder)
-        # mkstemp's 0600 would keep the copy from other users (an image bakes it as root and
-        # serves as another uid): readable by all, as the source file is
-        os.fchmod(fd, 0o644)
-        os.close(fd)
-        tmp = Path(tmp_name)
-        try:
-            _quantize(src, tmp, FTYPES[ftype])
-            meta = {"source": str(src), "source_sha256": src_sha, "format": ftype,
-                    "sha256": file_sha256(tmp), "size": tmp.stat().st_size}
-            side_tmp = tmp.with_suffix(".json.tmp")
-            side_tmp.write_text(json.dumps(meta, indent=1))
-            # The sidecar goes last: a crash between the two renames leaves a file whose sidecar
-            # does not match, which the next start makes again.
-            os.replace(tmp, out)
-            os.replace(side_tmp, _sidecar(out))
-        finally:
-            for p in (tmp, tmp.with_suffix(".json.tmp")):
-                p.unlink(missing_ok=True)
-        log.info("weights converted", path=str(out), bytes=out.stat().st_size,
-                 seconds=round(time.perf_counter() - t0, 2))
-    return out
+    return _made_once(out, src_sha, lambda tmp: _quantize(src, tmp, FTYPES[ftype]),
+                      {"source": str(src), "source_sha256": src_sha, "format": ftype}, "weights")
 
 
 def converted_name(src: Path, src_sha: str, ftype: str) -> str:
@@ -200,30 +172,39 @@ def bert_gguf(folder: str | Path, ftype: str = "f16", *, cache: Path | None = No
     target.mkdir(parents=True, exist_ok=True)
     key = bert_source_sha256(src)
     out = target / f"{src.name}.{key[:16]}.bert.{ftype}.gguf"
+    return _made_once(out, key, lambda tmp: convert(src, tmp, ftype),
+                      {"source": str(src), "source_sha256": key, "format": ftype,
+                       "converter": f"bert_gguf v{CONVERTER_VERSION}"}, "a BERT checkpoint to GGUF")
+
+
+def _made_once(out: Path, key: str, make, meta: dict, what: str) -> Path:
+    """``out`` if valid for the source with ``key``, else made by ``make(tmp)`` under a file lock
+    (another process may be making it): a fresh temporary name (O_EXCL, then 0644: an image bakes
+    it as root and serves as another uid, readable by all as its source is), its sidecar (``meta``
+    + the file's SHA-256 and size) renamed last, so a crash between the two renames leaves a file
+    whose sidecar does not match, which the next start makes again."""
     if _valid(out, key):
         return out
-    with locked(target / f".{out.name}.lock"):
-        if _valid(out, key):
+    with locked(out.parent / f".{out.name}.lock"):
+        if _valid(out, key):  # another process made it while we waited
             return out
         t0 = time.perf_counter()
-        log.info("converting a BERT checkpoint to GGUF once", source=str(src), format=ftype, to=str(out))
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=target)
+        log.info(f"converting {what} once", source=meta["source"], format=meta["format"], to=str(out))
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
         os.fchmod(fd, 0o644)
         os.close(fd)
         tmp = Path(tmp_name)
         side_tmp = tmp.with_suffix(".json.tmp")
         try:
-            convert(src, tmp, ftype)
-            meta = {"source": str(src), "source_sha256": key, "format": ftype,
-                    "converter": f"bert_gguf v{CONVERTER_VERSION}", "sha256": file_sha256(tmp),
-                    "size": tmp.stat().st_size}
-            side_tmp.write_text(json.dumps(meta, indent=1))
+            make(tmp)
+            side_tmp.write_text(json.dumps({**meta, "sha256": file_sha256(tmp), "size": tmp.stat().st_size},
+                                           indent=1))
             os.replace(tmp, out)
-            os.replace(side_tmp, _sidecar(out))  # last: a crash before it leaves a file made again
+            os.replace(side_tmp, _sidecar(out))
         finally:
             for p in (tmp, side_tmp):
                 p.unlink(missing_ok=True)
-        log.info("BERT checkpoint converted", path=str(out), bytes=out.stat().st_size,
+        log.info(f"{what} converted", path=str(out), bytes=out.stat().st_size,
                  seconds=round(time.perf_counter() - t0, 2))
     return out
 
