@@ -62,7 +62,7 @@ def bundle(executor: Any, folder: Path | None = None) -> tuple[bytes, str]:
         data = tokenizer_zip(executor)
         return data, hashlib.sha256(data).hexdigest()
     folder = Path(folder) if folder is not None else bundle_folder()
-    out = folder / f"{src.stem}.{_source_key(src)[:16]}.tokenizer.zip"
+    out = bundle_path(src, folder)
     hit = _read_valid(out)  # an image bakes its bundle at build into a folder it cannot write at run time
     if hit is not None:
         return hit
@@ -103,10 +103,15 @@ def prepare(specs: list[str]) -> list[Path]:
             src = gguf_source(ex)
             if src is not None:
                 bundle(ex)
-                made.append(bundle_folder() / f"{src.stem}.{_source_key(src)[:16]}.tokenizer.zip")
+                made.append(bundle_path(src, bundle_folder()))
         finally:
             ex.shutdown()
     return made
+
+
+def bundle_path(src: Path, folder: Path) -> Path:
+    """Where the bundle converted from ``src`` is kept in ``folder``."""
+    return folder / f"{src.stem}.{_source_key(src)[:16]}.tokenizer.zip"
 
 
 def _source_key(src: Path) -> str:
