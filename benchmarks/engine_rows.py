@@ -1,8 +1,16 @@
-"""ferrum's own engine over the wire (issue 15): ferrum-engine 0.8.8's ``ContinuousBatchEngine``
-driving the remote SmolLM2 through the Rust ``RemoteModelExecutor``, against the same server's own
+"""ferrum's own engine over the wire (issues 15, 40): ferrum-engine 0.8.8's ``ContinuousBatchEngine``
+driving the remote SmolLM2 through the Rust ``RemoteModelExecutor``, and ferrum-engine 0.18.4's
+(the token-execution protocol) through ``RemoteTokenExecutor``, against the same server's own
 ``Generate``, side by side in one run.
 
     .venv/bin/python -m benchmarks.engine_rows [--quick] [--threads N] [--executor llama-cpp|hf] [--release]
+        [--lines 0.8,0.18]
+
+Each line is its own example: ``clients/rust/examples/engine_bench.rs`` (0.8.8) and
+``clients/rust-execution/examples/engine_bench_018.rs`` (0.18.4); both print the same JSON line.
+Per round the sides go engine 0.8, engine 0.18, ``Generate`` (each line's ratio is against the
+``Generate`` runs of the same rounds). The 0.18 line sends unary ``UnifiedDecode`` steps (its
+executor has no ``Session`` stream) and has no step clock, so its rows carry no ``step_ms``.
 
 Rows, at 1 and 8 concurrent requests of the same chat prompt (37 tokens), greedy, every request
 ``max_tokens`` long (EOS ignored on both sides):
@@ -83,14 +91,20 @@ def target_dir() -> Path:
     return Path(os.environ.get("CARGO_TARGET_DIR", cache / "cargo-target"))
 
 
-def build_example(release: bool = False) -> Path:
-    """``cargo build [--release] --example engine_bench`` (cached target dir); the binary's path."""
+#: ferrum line → (crate directory, example name).
+LINES = {"0.8": ("rust", "engine_bench"), "0.18": ("rust-execution", "engine_bench_018")}
+
+
+def build_example(release: bool = False, line: str = "0.8") -> Path:
+    """``cargo build [--release] --example NAME`` of ``line``'s crate (cached target dir); the
+    binary's path."""
+    crate, name = LINES[line]
     env = {**os.environ, "CARGO_TARGET_DIR": str(target_dir())}
     cargo = Path.home() / ".cargo" / "bin" / "cargo"
-    subprocess.run([str(cargo) if cargo.exists() else "cargo", "build", "--locked", "-q", "--example", "engine_bench",
+    subprocess.run([str(cargo) if cargo.exists() else "cargo", "build", "--locked", "-q", "--example", name,
                     *(["--release"] if release else [])],
-                   cwd=REPO / "clients" / "rust", env=env, check=True, timeout=3600)
-    return target_dir() / ("release" if release else "debug") / "examples" / "engine_bench"
+                   cwd=REPO / "clients" / crate, env=env, check=True, timeout=3600)
+    return target_dir() / ("release" if release else "debug") / "examples" / name
 
 
 def engine_run(exe: Path, target: str, model: str, prompt: list[int], b: int, max_tokens: int,
@@ -111,23 +125,27 @@ def step_split(runs: list[dict]) -> dict:
     return {k: round(median([r["step_ms"][k] for r in runs]), 3) for k in keys}
 
 
-def paired(exe: Path, target: str, model: str, b: int, n: int, runs: int, unary: bool = False) -> dict:
-    """``runs`` alternations of (engine, Generate); medians of each side's e2e tok/s."""
-    eng, gen = [], []
+def paired(exes: dict[str, Path], target: str, model: str, b: int, n: int, runs: int,
+           unary: bool = False) -> dict[str, dict]:
+    """``runs`` rounds of (each line's engine, Generate); per line, medians of each side's e2e
+    tok/s against the same rounds' ``Generate``."""
+    eng: dict[str, list[dict]] = {line: [] for line in exes}
+    gen = []
     for _ in range(runs):
-        eng.append(engine_run(exe, target, model, PROMPT, b, n, unary))
+        for line, exe in exes.items():
+            eng[line].append(engine_run(exe, target, model, PROMPT, b, n, unary and line == "0.8"))
         gen.append(generate_streams(target, model, PROMPT, b, n))
-    return {
-        "engine_tok_s": median([r["e2e_tok_s"] for r in eng]),
+    return {line: {
+        "engine_tok_s": median([r["e2e_tok_s"] for r in runs_]),
         "generate_tok_s": median([r["e2e_tok_s"] for r in gen]),
-        "rpc_per_token": median([r["rpc_per_token"] for r in eng]),
-        "step_ms": step_split(eng),
+        "rpc_per_token": median([r["rpc_per_token"] for r in runs_]),
+        "step_ms": step_split(runs_),
         "generate_itl_p50_ms": median([r["itl_p50_ms"] for r in gen]),
-        "engine_runs": eng,
+        "engine_runs": runs_,
         "generate_runs": [{k: v for k, v in r.items() if k != "tokens0"} for r in gen],
         # greedy on both sides: the engine's tokens are the server's own
-        "same_tokens": all(r["tokens0"] == gen[0]["tokens0"] for r in eng),
-    }
+        "same_tokens": all(r["tokens0"] == gen[0]["tokens0"] for r in runs_),
+    } for line, runs_ in eng.items()}
 
 
 def main(argv=None) -> int:
@@ -135,17 +153,22 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--executor", choices=("llama-cpp", "hf"), default="llama-cpp")
-    ap.add_argument("--release", action="store_true", help="build the engine example optimised")
+    ap.add_argument("--release", action="store_true", help="build the engine examples optimised")
     ap.add_argument("--unary", action="store_true",
-                    help="the engine's steps as unary UnifiedDecode calls (default: on one Session stream)")
+                    help="the 0.8 engine's steps as unary UnifiedDecode calls (default: on one Session stream)")
+    ap.add_argument("--lines", default="0.8,0.18", help="ferrum lines to run, comma-separated: 0.8, 0.18")
     a = ap.parse_args(argv)
+    lines = [x.strip() for x in a.lines.split(",") if x.strip()]
+    unknown = set(lines) - set(LINES)
+    if unknown or not lines:
+        ap.error(f"--lines: {sorted(unknown) or 'none'} (known: {', '.join(LINES)})")
     n = 16 if a.quick else 32
     runs = 1 if a.quick else 3
-    exe = build_example(a.release)
+    exes = {line: build_example(a.release, line) for line in lines}
     spec = (f"smollm2-llama,id=smollm2,threads={a.threads}" if a.executor == "llama-cpp"
             else "smollm2-hf,id=smollm2")
     rows, raw = [], {"threads": a.threads, "executor": a.executor, "max_tokens": n, "runs": runs,
-                     "profile": "release" if a.release else "debug",
+                     "profile": "release" if a.release else "debug", "lines": lines,
                      "steps": "unary" if a.unary else "session", "load_before": os.getloadavg()}
     print("| row | engine tok/s | Generate tok/s | ratio | target | RPCs / token | same tokens | drift | flag |\n"
           "|---|---|---|---|---|---|---|---|---|", flush=True)
@@ -153,22 +176,26 @@ def main(argv=None) -> int:
     with Server(spec, threads=a.threads, name="server-engine-rows") as srv:
         generate_streams(srv.target, "smollm2", PROMPT, 1, 4)  # warm-up
         for b in (1, 8):
-            r, drift = timed_row(lambda: paired(exe, srv.target, "smollm2", b, n, runs, a.unary))
-            raw[f"b{b}"] = r
-            x = row(f"ferrum engine, {b} concurrent ÷ {b} Generate streams ({a.executor})", r["engine_tok_s"],
-                    r["generate_tok_s"], r["engine_tok_s"] / r["generate_tok_s"], "≥ 0.9", target_value=0.9,
-                    drift=drift, unit="tok/s", rpc_per_token=r["rpc_per_token"], same_tokens=r["same_tokens"],
-                    step_ms=r["step_ms"], generate_itl_p50_ms=r["generate_itl_p50_ms"],
-                    note=f"{a.executor} executor, {n} tokens per request, greedy, {runs} runs per side alternated, "
-                         f"medians; {'release' if a.release else 'debug'} build of the engine example; steps "
-                         f"{'unary' if a.unary else 'on one Session stream'}")
-            rows.append(x)
-            print(f"| {x['name']} | {x['ours']:.1f} | {x['peer']:.1f} | {x['ratio']:.2f} | {x['target']} | "
-                  f"{r['rpc_per_token']:.2f} | {r['same_tokens']} | {100 * drift:.0f} % | "
-                  f"{'busy' if x['busy'] else ''} |", flush=True)
-            split[b] = (r["step_ms"], r["generate_itl_p50_ms"])
-    for b, (sm, itl) in split.items():
-        print(f"B={b}, ms per engine step: rpc {sm.get('rpc_ms')} = server {sm.get('server_total_ms')} "
+            per_line, drift = timed_row(lambda: paired(exes, srv.target, "smollm2", b, n, runs, a.unary))
+            for line, r in per_line.items():
+                raw[f"b{b}" if line == "0.8" else f"b{b}-{line}"] = r
+                steps = "unary" if (a.unary or line != "0.8") else "on one Session stream"
+                x = row(f"ferrum {line} engine, {b} concurrent ÷ {b} Generate streams ({a.executor})",
+                        r["engine_tok_s"], r["generate_tok_s"], r["engine_tok_s"] / r["generate_tok_s"], "≥ 0.9",
+                        target_value=0.9, drift=drift, unit="tok/s", rpc_per_token=r["rpc_per_token"],
+                        same_tokens=r["same_tokens"], step_ms=r["step_ms"],
+                        generate_itl_p50_ms=r["generate_itl_p50_ms"],
+                        note=f"ferrum-engine {'0.8.8' if line == '0.8' else '0.18.4'}; {a.executor} executor, {n} "
+                             f"tokens per request, greedy, {runs} runs per side alternated, medians; "
+                             f"{'release' if a.release else 'debug'} build of the engine example; steps {steps}")
+                rows.append(x)
+                print(f"| {x['name']} | {x['ours']:.1f} | {x['peer']:.1f} | {x['ratio']:.2f} | {x['target']} | "
+                      f"{r['rpc_per_token']:.2f} | {r['same_tokens']} | {100 * drift:.0f} % | "
+                      f"{'busy' if x['busy'] else ''} |", flush=True)
+                if r["step_ms"]:
+                    split[(line, b)] = (r["step_ms"], r["generate_itl_p50_ms"])
+    for (line, b), (sm, itl) in split.items():
+        print(f"{line} B={b}, ms per engine step: rpc {sm.get('rpc_ms')} = server {sm.get('server_total_ms')} "
               f"(forward {sm.get('server_forward_ms')}, queued {sm.get('server_queued_ms')}, other "
               f"{sm.get('server_other_ms')}) + wire {sm.get('wire_ms')}; client {sm.get('client_prep_ms')} + "
               f"{sm.get('client_post_ms')}; engine between steps {sm.get('between_steps_ms')}; rows/step "

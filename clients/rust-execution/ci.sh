@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CI for clients/rust-execution (ferrum-execution 0.18.4's ModelExecutor over the contract): build,
-# then `cargo test`: tests/mapping.rs (the protocol against live servers) and tests/upstream_*.rs
+# then `cargo test`: tests/mapping.rs (the protocol against live servers), tests/engine.rs (ferrum's
+# 0.18 engine on a real model) and tests/upstream_*.rs
 # (ferrum-engine 0.18.4's own integration tests, their executors served remotely). Each upstream
 # test binary prints "[upstream-shim] 0 caches left ..." at exit, or fails naming the test.
 #
@@ -34,5 +35,7 @@ log "build: $((SECONDS - t0)) s"
 t1=$SECONDS
 # mapping.rs starts a server per test (two load torch): one at a time on small machines.
 cargo test --locked --test mapping -- --test-threads=1
+# engine.rs: ferrum's 0.18 engine on a tiny real llama, tokens equal to Generate.
+cargo test --locked --test engine
 cargo test --locked --test 'upstream_*'
 log "tests: $((SECONDS - t1)) s"

@@ -8,6 +8,7 @@
 
 pub mod convert;
 pub mod executor;
+pub mod id_tokenizer;
 pub mod runtime;
 mod steps;
 
