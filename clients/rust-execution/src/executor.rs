@@ -52,6 +52,8 @@ pub struct TokenCounters {
     pub decode_rows: AtomicU64,
     /// `execute_tokens` calls answered `NotSubmitted(UnsupportedShape)` without an RPC.
     pub unsupported_shape: AtomicU64,
+    /// `ListCaches` reads after a failed step whose status carried no `StepProgress` detail.
+    pub list_caches: AtomicU64,
 }
 
 /// Completed prefill chunks and decode rows, read after the executor is gone.

@@ -4,10 +4,13 @@
 //! * Otherwise: all prompt chunks → one `BatchPrefill`, all decode tokens → one `BatchDecode`; a
 //!   mixed batch is `NotSubmitted(UnsupportedShape)` without an RPC (ferrum's engine splits it).
 //!
-//! A failed RPC does not say which rows ran. Before anything is reported the executor reads the
-//! server's caches (`ListCaches`): a row whose cache still holds the expected frontier did not run
-//! (retryable at the same frontier); any other row's progress is unknown and its incarnation is
-//! closed through a `Held` observer that releases its cache.
+//! A failed step's status carries the server's `StepProgress` detail (per row: `NOT_RUN`, `RAN`,
+//! `RAN_PARTIAL` with the tokens that ran): a row that did not run stays retryable at its frontier;
+//! a row that ran (wholly or partly) has no product to report, so its incarnation is closed through
+//! a `Held` observer that releases its cache, with the executed range it is known to have run.
+//! Without the detail (an older server, a malformed reply, a transport failure) the executor reads
+//! the server's caches instead (`ListCaches`): a row whose cache still holds the expected frontier
+//! did not run; any other row's progress is unknown.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -16,7 +19,7 @@ use ferrum_execution::model_executor::ExecutorExecutionDeferral;
 use ferrum_execution::token_execution::{
     ContinuationDisposition, ExecutedTokenWork, ExecutionBatch, ExecutionBatchOutcome, ExecutionCompletion,
     ExecutionFrontier, ExecutionInterruptionCause, ExecutionProduct, ExecutionProgress, ExecutionTerminalOutcome,
-    ExecutionWork, LastKnownExecutionStage, NoSubmissionReason, NoSubmissionStage, TokenWork,
+    ExecutionRange, ExecutionWork, LastKnownExecutionStage, NoSubmissionReason, NoSubmissionStage, TokenWork,
 };
 use ferrum_remote_executor::proto;
 use ferrum_types::{FerrumError, Result};
@@ -44,6 +47,33 @@ struct RowResult {
 
 /// One step's RPC, run on the executor's runtime.
 type RowCall = std::pin::Pin<Box<dyn std::future::Future<Output = std::result::Result<Vec<RowResult>, Status>> + Send>>;
+
+/// What a failed step did to one row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RowRan {
+    /// Nothing: its cache (if any) is as before the call.
+    Not,
+    /// Its first `n` tokens are in its cache (n ≥ 1).
+    Tokens(usize),
+    /// Unknown.
+    Unknown,
+}
+
+/// Each row's share of the failure from the status's `StepProgress` detail; None when there is
+/// none or it does not describe exactly these rows (then the caches are read instead).
+fn from_detail(status: &Status, rows: usize) -> Option<Vec<RowRan>> {
+    let progress = ferrum_remote_executor::step_progress(status)?;
+    let mut ran = vec![None; rows];
+    for item in progress.items {
+        let slot = ran.get_mut(item.index as usize)?;
+        *slot = Some(match proto::ItemState::try_from(item.state).ok()? {
+            proto::ItemState::NotRun => RowRan::Not,
+            proto::ItemState::Ran | proto::ItemState::RanPartial if item.tokens_ran > 0 => RowRan::Tokens(item.tokens_ran as usize),
+            _ => RowRan::Unknown,
+        });
+    }
+    ran.into_iter().collect()
+}
 
 fn is_prefill(w: &ExecutionWork<'_>) -> bool {
     matches!(w.work(), TokenWork::Prefill(_))
@@ -241,8 +271,25 @@ impl RemoteTokenExecutor {
         Ok(batch.completed(completions).unwrap_or_else(|rejected| rejected.into_outcome()))
     }
 
+    /// What each row did, read from the server's caches (the failure carried no `StepProgress`).
+    async fn from_probe(&self, rows: &[Row], status: Option<&Status>) -> Vec<RowRan> {
+        // A status the server produced (it carries ErrorInfo) for a row without a cache yet:
+        // BatchPrefill / UnifiedDecode create no cache when they fail.
+        let answered = status.is_some_and(|s| ferrum_remote_executor::error_reason(s).is_some());
+        let lengths = self.probe(rows).await;
+        rows.iter()
+            .zip(&lengths)
+            .map(|(r, len)| match (len, &r.cache_id) {
+                (Some(n), _) if *n == r.position as u64 => RowRan::Not,
+                (None, None) if answered => RowRan::Not,
+                _ => RowRan::Unknown,
+            })
+            .collect()
+    }
+
     /// The cache length of each row's cache on the server now (None: unknown).
     async fn probe(&self, rows: &[Row]) -> Vec<Option<u64>> {
+        self.counters.list_caches.fetch_add(1, Ordering::Relaxed);
         let client = self.client.clone();
         let listed = self.rt.run(async move { client.list_caches().await }).await;
         let lengths: Option<HashMap<String, u64>> = match listed {
@@ -268,19 +315,11 @@ impl RemoteTokenExecutor {
         error: FerrumError,
         status: Option<Status>,
     ) -> Result<ExecutionBatchOutcome> {
-        // A status the server produced (it carries ErrorInfo) for a row without a cache yet:
-        // BatchPrefill / UnifiedDecode create no cache when they fail.
-        let answered = status.as_ref().is_some_and(|s| ferrum_remote_executor::error_reason(s).is_some());
-        let lengths = self.probe(rows).await;
-        let untouched: Vec<bool> = rows
-            .iter()
-            .zip(&lengths)
-            .map(|(r, len)| match (len, &r.cache_id) {
-                (Some(n), _) => *n == r.position as u64,
-                (None, None) => answered,
-                (None, Some(_)) => false,
-            })
-            .collect();
+        let ran: Vec<RowRan> = match status.as_ref().and_then(|s| from_detail(s, rows.len())) {
+            Some(ran) => ran,
+            None => self.from_probe(rows, status.as_ref()).await,
+        };
+        let untouched: Vec<bool> = ran.iter().map(|r| matches!(r, RowRan::Not)).collect();
         if status.is_some() && untouched.iter().all(|&u| u) {
             return Ok(batch.not_submitted(self.no_submission(status.as_ref().unwrap(), rows, error).await));
         }
@@ -290,7 +329,13 @@ impl RemoteTokenExecutor {
                 let progress = ExecutionProgress::NotSubmitted { stage: NoSubmissionStage::DefinitelyNotEnqueued };
                 batch.participant(i, progress, ContinuationDisposition::Retryable(w.expected_frontier().clone()), 0)
             } else {
-                let progress = ExecutionProgress::Unknown { last_known: LastKnownExecutionStage::Submitted, known_executed_range: None };
+                let known = match ran[i] {
+                    // Within the planned range only (a longer claim is not trusted).
+                    RowRan::Tokens(n) if n <= rows[i].tokens.len() => ExecutionRange::new(rows[i].position, n).ok(),
+                    _ => None,
+                };
+                let last_known = if known.is_some() { LastKnownExecutionStage::ModelTerminal } else { LastKnownExecutionStage::Submitted };
+                let progress = ExecutionProgress::Unknown { last_known, known_executed_range: known };
                 batch.participant(i, progress, ContinuationDisposition::Held(self.close_unknown(w.expected_frontier())?), 0)
             };
             match participant {

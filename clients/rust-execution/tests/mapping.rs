@@ -262,3 +262,46 @@ async fn capacity_shortfall_defers_admission_and_shutdown_releases_live_sequence
     let client = server.client().await.with_model("tiny");
     assert_eq!(caches(&client).await, 0, "caches left after shutdown");
 }
+
+/// A step that fails on the server carries the `StepProgress` detail; the executor maps each row
+/// from it (no `ListCaches` read): here another row's cache vanished under it, so neither row ran,
+/// the batch is `NotSubmitted(Rejected)` and the live row steps again at the same frontier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_step_is_mapped_from_the_step_progress_detail() {
+    let dir = tiny_model_dir().expect("tiny model");
+    let server = ServerProcess::start(&[format!("hf-causal-lm,id=tiny,path={}", dir.display())]).await.expect("server");
+    let exec = connect(&server, "tiny").await;
+    let greedy = LogitsReturnPolicy::GreedyArgmax { token_mask: None, repetition_penalty: None };
+    let (pa, pb) = (ids(&[1, 100, 200, 300]), ids(&[5, 6, 7]));
+    let fa = admit(&exec, &RequestId::new(), &pa, 32).await;
+    let fb = admit(&exec, &RequestId::new(), &pb, 32).await;
+    let w = [
+        ExecutionWork::new(&fa, TokenWork::Prefill(PrefillChunk::new(0, 4, 4).unwrap()), &greedy).unwrap(),
+        ExecutionWork::new(&fb, TokenWork::Prefill(PrefillChunk::new(0, 3, 3).unwrap()), &greedy).unwrap(),
+    ];
+    let mut cs = completions(exec.execute_tokens(&w).await.unwrap());
+    let (cb, ca) = (cs.pop().unwrap(), cs.pop().unwrap());
+    let (fa, fb) = (ca.next_frontier().clone(), cb.next_frontier().clone());
+    // B's cache is freed behind the executor's back (as an operator's ReleaseCache would).
+    let gone = exec.cache_of(fb.sequence()).unwrap();
+    assert!(exec.client().release_cache(&gone).await.unwrap().released);
+    let step = [
+        ExecutionWork::new(&fa, TokenWork::Decode { token: TokenId::new(token(&ca)), position: 4 }, &greedy).unwrap(),
+        ExecutionWork::new(&fb, TokenWork::Decode { token: TokenId::new(token(&cb)), position: 3 }, &greedy).unwrap(),
+    ];
+    match exec.execute_tokens(&step).await.unwrap() {
+        ExecutionBatchOutcome::NotSubmitted(n) => {
+            assert!(matches!(n.reason(), NoSubmissionReason::Rejected(_)), "{:?}", n.reason())
+        }
+        other => panic!("a step with a vanished cache: {other:?}"),
+    }
+    assert_eq!(exec.counters().list_caches.load(std::sync::atomic::Ordering::Relaxed), 0, "read from the detail, no ListCaches");
+    // A did not run: the same work at the same frontier runs now.
+    let c = completions(exec.execute_tokens(&step[..1]).await.unwrap()).remove(0);
+    assert_eq!(c.next_frontier().consumed_tokens(), 5);
+    let fa = c.next_frontier().clone();
+    assert!(exec.finish_tokens(fa.sequence(), ExecutionEndReason::Cancelled).await.unwrap().error.is_none());
+    // B's cache is already gone: closing it still ends the incarnation.
+    let _ = exec.finish_tokens(fb.sequence(), ExecutionEndReason::Cancelled).await.unwrap();
+    assert_no_caches_left(&exec).await;
+}

@@ -114,7 +114,33 @@ pub fn step_error_to_status(e: &proto::StepError) -> Status {
     if e.retry_after_ms > 0 {
         details.set_retry_info(Some(Duration::from_millis(e.retry_after_ms)));
     }
-    Status::with_error_details(code, e.message.clone(), details)
+    let status = Status::with_error_details(code, e.message.clone(), details);
+    match &e.progress {
+        Some(progress) => with_step_progress(status, progress),
+        None => status,
+    }
+}
+
+/// `google.rpc.Status.details`' type URL of the `StepProgress` detail.
+const STEP_PROGRESS_TYPE: &str = "type.googleapis.com/ferrum.executor.v1.StepProgress";
+
+/// The `StepProgress` detail of a failed step's status (which items ran, which did not and why;
+/// types.proto), when the server sent one: every forward step of this server does.
+pub fn step_progress(status: &Status) -> Option<proto::StepProgress> {
+    use prost::Message;
+    let rpc = tonic_types::pb::Status::decode(status.details()).ok()?;
+    let any = rpc.details.iter().find(|a| a.type_url.rsplit('/').next() == STEP_PROGRESS_TYPE.rsplit('/').next())?;
+    proto::StepProgress::decode(any.value.as_slice()).ok()
+}
+
+/// `status` with `progress` added to its details (as a unary call carries it).
+fn with_step_progress(status: Status, progress: &proto::StepProgress) -> Status {
+    use prost::Message;
+    let mut rpc = tonic_types::pb::Status::decode(status.details()).unwrap_or_default();
+    rpc.code = status.code() as i32;
+    rpc.message = status.message().to_string();
+    rpc.details.push(prost_types::Any { type_url: STEP_PROGRESS_TYPE.into(), value: progress.encode_to_vec() });
+    Status::with_details(status.code(), status.message(), rpc.encode_to_vec().into())
 }
 
 /// ferrum's error for a `Session` step's `StepError` (as [`status_to_ferrum`] of its status).
@@ -125,6 +151,29 @@ pub fn step_error_to_ferrum(e: &proto::StepError) -> FerrumError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn step_progress_survives_the_in_band_step_error() {
+        let progress = proto::StepProgress {
+            items: vec![
+                proto::ItemProgress { index: 0, state: proto::ItemState::NotRun as i32, tokens_ran: 0, reason: "STEP_FAILED".into() },
+                proto::ItemProgress { index: 1, state: proto::ItemState::NotRun as i32, tokens_ran: 0, reason: "NOT_FOUND".into() },
+            ],
+        };
+        let e = proto::StepError {
+            code: Code::NotFound as i32,
+            message: "cache gone".into(),
+            kind: proto::ErrorKind::NotFound as i32,
+            progress: Some(progress.clone()),
+            ..Default::default()
+        };
+        let status = step_error_to_status(&e);
+        assert_eq!(status.code(), Code::NotFound);
+        assert_eq!(error_reason(&status).as_deref(), Some("NOT_FOUND"), "ErrorInfo kept beside the progress");
+        assert_eq!(step_progress(&status), Some(progress));
+        let bare = step_error_to_status(&proto::StepError { progress: None, ..e });
+        assert_eq!(step_progress(&bare), None);
+    }
 
     #[test]
     fn step_error_becomes_the_unary_status() {

@@ -158,7 +158,7 @@ pub use handoff::{handoff, prefill_and_handoff, Handoff, HandoffMode};
 pub use prefix_mirror::{BlockEventFollower, PrefixMirror};
 pub use prefix_state::PrefixStats;
 pub use router::{PrefixRouter, Route};
-pub use error::{error_reason, status_to_ferrum, step_error_to_status};
+pub use error::{error_reason, status_to_ferrum, step_error_to_status, step_progress};
 pub use executor::{logits_policy_to_proto, RemoteExecutorOptions, RemoteModelExecutor, RpcCounts};
 pub use kv::RemoteKvCacheHandle;
 pub use session::{Session, Step, StepResult};
