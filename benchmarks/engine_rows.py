@@ -9,8 +9,8 @@ driving the remote SmolLM2 through the Rust ``RemoteModelExecutor``, and ferrum-
 Each line is its own example: ``clients/rust/examples/engine_bench.rs`` (0.8.8) and
 ``clients/rust-execution/examples/engine_bench_018.rs`` (0.18.4); both print the same JSON line.
 Per round the sides go engine 0.8, engine 0.18, ``Generate`` (each line's ratio is against the
-``Generate`` runs of the same rounds). The 0.18 line sends unary ``UnifiedDecode`` steps (its
-executor has no ``Session`` stream) and has no step clock, so its rows carry no ``step_ms``.
+``Generate`` runs of the same rounds). Both lines send their steps on one ``Session`` stream
+(``--unary``: unary calls); the 0.18 line has no step clock, so its rows carry no ``step_ms``.
 
 Rows, at 1 and 8 concurrent requests of the same chat prompt (37 tokens), greedy, every request
 ``max_tokens`` long (EOS ignored on both sides):
@@ -133,7 +133,7 @@ def paired(exes: dict[str, Path], target: str, model: str, b: int, n: int, runs:
     gen = []
     for _ in range(runs):
         for line, exe in exes.items():
-            eng[line].append(engine_run(exe, target, model, PROMPT, b, n, unary and line == "0.8"))
+            eng[line].append(engine_run(exe, target, model, PROMPT, b, n, unary))
         gen.append(generate_streams(target, model, PROMPT, b, n))
     return {line: {
         "engine_tok_s": median([r["e2e_tok_s"] for r in runs_]),
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--executor", choices=("llama-cpp", "hf"), default="llama-cpp")
     ap.add_argument("--release", action="store_true", help="build the engine examples optimised")
     ap.add_argument("--unary", action="store_true",
-                    help="the 0.8 engine's steps as unary UnifiedDecode calls (default: on one Session stream)")
+                    help="the engines' steps as unary UnifiedDecode calls (default: on one Session stream)")
     ap.add_argument("--lines", default="0.8,0.18", help="ferrum lines to run, comma-separated: 0.8, 0.18")
     a = ap.parse_args(argv)
     lines = [x.strip() for x in a.lines.split(",") if x.strip()]
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
             per_line, drift = timed_row(lambda: paired(exes, srv.target, "smollm2", b, n, runs, a.unary))
             for line, r in per_line.items():
                 raw[f"b{b}" if line == "0.8" else f"b{b}-{line}"] = r
-                steps = "unary" if (a.unary or line != "0.8") else "on one Session stream"
+                steps = "unary" if a.unary else "on one Session stream"
                 x = row(f"ferrum {line} engine, {b} concurrent ÷ {b} Generate streams ({a.executor})",
                         r["engine_tok_s"], r["generate_tok_s"], r["engine_tok_s"] / r["generate_tok_s"], "≥ 0.9",
                         target_value=0.9, drift=drift, unit="tok/s", rpc_per_token=r["rpc_per_token"],

@@ -48,12 +48,16 @@ async fn main() {
     let b: usize = arg(&args, "--concurrency").map_or(1, |s| s.parse().expect("--concurrency"));
     let max_tokens: usize = arg(&args, "--max-tokens").map_or(32, |s| s.parse().expect("--max-tokens"));
     let runs: usize = arg(&args, "--runs").map_or(1, |s| s.parse().expect("--runs"));
+    // --unary: one unary UnifiedDecode per step instead of steps on one Session stream.
+    let unary = args.iter().any(|a| a == "--unary");
 
-    let exec = RemoteTokenExecutor::connect(endpoint, RemoteTokenOptions { model_id: model, ..Default::default() })
+    let exec = RemoteTokenExecutor::connect(endpoint, RemoteTokenOptions { model_id: model, session_steps: !unary, ..Default::default() })
         .await
         .expect("connect");
     let model = exec.info().model_id.to_string();
         let counters = exec.counters();
+    let session = exec.session();
+    let on_stream = || session.as_ref().map_or(0, |s| s.sent());
     let engine = Arc::new(rig::engine(exec));
     let text = IdTokenizer::text(&prompt);
     // Warm-up: one short request (connections, the engine's loop, the server's first step).
@@ -61,6 +65,7 @@ async fn main() {
 
     for _ in 0..runs {
         let before = rpcs(&counters);
+        let on_stream0 = on_stream();
         let t0 = Instant::now();
         let tasks: Vec<_> = (0..b)
             .map(|_| {
@@ -92,6 +97,7 @@ async fn main() {
                 "rpc_per_token": total_rpc as f64 / total as f64,
                 "same_tokens": tokens.iter().all(|t| t == &tokens[0]),
                 "tokens0": tokens[0],
+                "session_steps": on_stream() - on_stream0,
             })
         );
     }

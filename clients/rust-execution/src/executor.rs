@@ -31,11 +31,14 @@ pub struct RemoteTokenOptions {
     pub model_id: String,
     /// Per-RPC deadline.
     pub timeout: Option<Duration>,
+    /// `UnifiedDecode` steps on one `Session` stream (default) instead of unary calls
+    /// (`ferrum_remote_executor::session_steps`).
+    pub session_steps: bool,
 }
 
 impl Default for RemoteTokenOptions {
     fn default() -> Self {
-        Self { model_id: String::new(), timeout: Some(Duration::from_secs(60)) }
+        Self { model_id: String::new(), timeout: Some(Duration::from_secs(60)), session_steps: true }
     }
 }
 
@@ -103,6 +106,9 @@ pub struct RemoteTokenExecutor {
     pub(crate) issuer: ExecutorSequenceIssuer,
     pub(crate) entries: Mutex<HashMap<ExecutorSequence, Entry>>,
     pub(crate) counters: Arc<TokenCounters>,
+    /// The `Session` stream unified steps go on (None: `session_steps` off).
+    pub(crate) session: Option<Arc<ferrum_remote_executor::session_steps::SessionSteps>>,
+    pub(crate) timeout: Option<Duration>,
     /// `Some(false)` once the server answered "no paged admission": later admissions skip the RPC.
     paged: Mutex<Option<bool>>,
     pub(crate) domain: AllocatorCapacityDomain,
@@ -130,6 +136,8 @@ struct Described {
     caps: proto::ExecutorCapabilities,
     status: proto::StatusResponse,
     kv: proto::KvCapacity,
+    session_steps: bool,
+    timeout: Option<Duration>,
 }
 
 async fn describe(endpoint: String, opts: RemoteTokenOptions) -> Result<Described> {
@@ -156,7 +164,7 @@ async fn describe(endpoint: String, opts: RemoteTokenOptions) -> Result<Describe
     let caps = client.capabilities().await.map_err(st)?;
     let status = client.status().await.map_err(st)?;
     let kv = client.kv_capacity().await.map_err(st)?;
-    Ok(Described { client, info, caps, status, kv })
+    Ok(Described { client, info, caps, status, kv, session_steps: opts.session_steps, timeout: opts.timeout })
 }
 
 impl RemoteTokenExecutor {
@@ -186,6 +194,8 @@ impl RemoteTokenExecutor {
             issuer: ExecutorSequenceIssuer::new(),
             entries: Mutex::new(HashMap::new()),
             counters: Arc::default(),
+            session: d.session_steps.then(Arc::default),
+            timeout: d.timeout,
             paged: Mutex::new(None),
             domain: AllocatorCapacityDomain::new(),
             adapters: Mutex::new(HashSet::new()),
@@ -193,6 +203,13 @@ impl RemoteTokenExecutor {
             created: Arc::default(),
             next_name: AtomicU64::new(1),
         })
+    }
+
+    /// The `Session` stream's steps (`sent()`: `UnifiedDecode`s that went on it, the rest of
+    /// `TokenCounters::unified_decode` went unary); None with `session_steps` off. Shared: it
+    /// outlives the executor.
+    pub fn session(&self) -> Option<Arc<ferrum_remote_executor::session_steps::SessionSteps>> {
+        self.session.clone()
     }
 
     /// The RPC / row counters (shared: they outlive the executor).

@@ -1,6 +1,8 @@
 //! `execute_tokens`: one call, one RPC.
 //!
-//! * A model with native unified decode: one `UnifiedDecode` (prompt chunks and decode tokens mixed).
+//! * A model with native unified decode: one `UnifiedDecode` (prompt chunks and decode tokens
+//!   mixed), a step of the executor's `Session` stream when every row has a cache (the default,
+//!   `RemoteTokenOptions::session_steps`), else unary.
 //! * Otherwise: all prompt chunks → one `BatchPrefill`, all decode tokens → one `BatchDecode`; a
 //!   mixed batch is `NotSubmitted(UnsupportedShape)` without an RPC (ferrum's engine splits it).
 //!
@@ -140,8 +142,12 @@ impl RemoteTokenExecutor {
                     ..Default::default()
                 })
                 .collect();
+            let (session, timeout) = (self.session.clone(), self.timeout);
             Box::pin(async move {
-                let out = client.unified_decode(items).await?;
+                let out = match session {
+                    Some(s) => s.unified(&client, items, timeout).await?.results,
+                    None => client.unified_decode(items).await?,
+                };
                 Ok(out.into_iter().map(|r| RowResult { cache: r.cache.unwrap_or_default(), output: r.output }).collect())
             })
         } else {

@@ -1,7 +1,8 @@
 //! ferrum-engine 0.18.4's own `ContinuousBatchEngine` driving a real model (a tiny random-weight
 //! llama, transformers executor) through `RemoteTokenExecutor`: concurrent greedy requests with
 //! different prompts give exactly the server's own `Generate` tokens, the engine's steps are
-//! `UnifiedDecode`s that mix rows (fewer steps than rows), and no cache is left on the server.
+//! `UnifiedDecode`s that mix rows (fewer steps than rows), on the executor's `Session` stream, and
+//! no cache is left on the server.
 //! The same path, on SmolLM2, is `benchmarks/engine_rows.py`'s 0.18 row.
 
 #[path = "common/engine_rig.rs"]
@@ -32,6 +33,7 @@ async fn engine_018_concurrent_greedy_requests_equal_generate_and_leave_no_cache
     let exec = RemoteTokenExecutor::connect(server.endpoint.clone(), opts).await.expect("connect");
     let client = exec.client().clone();
     let counters = exec.counters();
+    let session = exec.session().expect("Session steps are the default");
     let engine = Arc::new(rig::engine(exec));
     let prompts: [&[u32]; 3] = [&[1, 100, 200, 300], &[5, 6, 7, 8, 9, 10, 11], &[42, 43]];
     let max_tokens = 8;
@@ -56,6 +58,7 @@ async fn engine_018_concurrent_greedy_requests_equal_generate_and_leave_no_cache
     assert_eq!(counters.batch_prefill.load(Ordering::Relaxed) + counters.batch_decode.load(Ordering::Relaxed), 0);
     assert!(steps > 0 && steps < rows, "rows batched into shared steps: {steps} steps for {rows} rows");
     assert_eq!(counters.reserve_kv_slots.load(Ordering::Relaxed), 3, "one admission per request");
+    assert!(session.sent() > 0 && session.sent() <= steps, "steps on the Session stream: {} of {steps}", session.sent());
     let mut left = usize::MAX;
     for _ in 0..50 {
         left = client.list_caches().await.expect("ListCaches").caches.len();

@@ -116,11 +116,8 @@ struct Shared {
     prefix: crate::prefix_state::PrefixState,
     /// Where `unified_decode` steps spend their time (client, wire, server; see `step_clock`).
     clock: crate::step_clock::StepClock,
-    /// The `Session` stream `unified_decode` steps go on (`session_steps`); None until the first
-    /// step, and again after the stream failed.
-    session: tokio::sync::Mutex<Option<crate::Session>>,
-    /// `unified_decode` steps sent on the stream.
-    session_steps: AtomicU64,
+    /// The `Session` stream `unified_decode` steps go on (`session_steps`).
+    session: crate::session_steps::SessionSteps,
 }
 
 /// Step RPCs sent by a [`RemoteModelExecutor`] (see [`RemoteModelExecutor::rpc_counts`]).
@@ -348,8 +345,7 @@ impl RemoteModelExecutor {
                 rpc: RpcCounters::default(),
                 prefix: Default::default(),
                 clock: Default::default(),
-                session: tokio::sync::Mutex::new(None),
-                session_steps: AtomicU64::new(0),
+                session: Default::default(),
             }),
             client,
             opts,
@@ -767,73 +763,18 @@ impl RemoteModelExecutor {
 
 impl RemoteModelExecutor {
     /// One `UnifiedDecode`: on the `Session` stream when [`RemoteExecutorOptions::session_steps`]
-    /// allows it (see there), else unary.
+    /// allows it (see there and [`crate::session_steps`]), else unary.
     async fn send_unified(&self, items: Vec<proto::UnifiedBatchItem>) -> std::result::Result<proto::UnifiedDecodeResponse, tonic::Status> {
-        if !self.opts.session_steps || items.iter().any(|i| i.cache_id.is_empty()) {
+        if !self.opts.session_steps {
             return self.client.unified_decode_response(items).await;
         }
-        let Ok(mut guard) = self.shared.session.try_lock() else {
-            return self.client.unified_decode_response(items).await;
-        };
-        // A step whose caller went away (its future dropped) left its answer on the stream: read
-        // it first, so this step gets its own answer (a stream that cannot give it is replaced).
-        if let Some(s) = guard.as_mut() {
-            while s.in_flight() > 0 && !s.is_over() {
-                let stale = match self.opts.timeout {
-                    Some(t) => tokio::time::timeout(t, s.recv()).await.ok(),
-                    None => Some(s.recv().await),
-                };
-                if !matches!(stale, Some(Ok(_))) {
-                    *guard = None;
-                    break;
-                }
-            }
-        }
-        if guard.as_ref().is_none_or(|s| s.is_over()) {
-            *guard = Some(self.client.session().await?);
-        }
-        let s = guard.as_mut().expect("opened above");
-        let req = proto::UnifiedDecodeRequest { model_id: self.client.model_id().to_string(), items, ..Default::default() };
-        let id = match s.send(req.clone()) {
-            Ok(id) => id,
-            Err(_) => {
-                // the stream had ended before this step: it never reached the server
-                *guard = None;
-                drop(guard);
-                return self.client.unified_decode_response(req.items).await;
-            }
-        };
-        bump(&self.shared.session_steps);
-        let answer = match self.opts.timeout {
-            Some(t) => tokio::time::timeout(t, s.recv()).await.map_err(|_| {
-                tonic::Status::deadline_exceeded(format!("UnifiedDecode on the Session stream: no answer in {t:?}"))
-            }),
-            None => Ok(s.recv().await),
-        };
-        match answer {
-            Ok(Ok((got, _))) if got != id => {
-                *guard = None;
-                Err(tonic::Status::internal(format!("the Session answered step {got} to step {id}")))
-            }
-            Ok(Ok((_, Ok(result)))) => result
-                .into_unified_decode()
-                .ok_or_else(|| tonic::Status::internal("the Session answered another kind of result to UnifiedDecode")),
-            Ok(Ok((_, Err(step_failed)))) => Err(step_failed),
-            Ok(Err(stream_failed)) => {
-                *guard = None;
-                Err(stream_failed)
-            }
-            Err(timed_out) => {
-                *guard = None; // dropping the stream cancels it (it owns no cache)
-                Err(timed_out)
-            }
-        }
+        self.shared.session.unified(&self.client, items, self.opts.timeout).await
     }
 
     /// `unified_decode` steps sent on the `Session` stream (see
     /// [`RemoteExecutorOptions::session_steps`]); the rest of [`RpcCounts::unified_decode`] went unary.
     pub fn session_unified_steps(&self) -> u64 {
-        self.shared.session_steps.load(Ordering::Relaxed)
+        self.shared.session.sent()
     }
 
     /// The RPC half of `unified_decode` (`t0`: when the call started, for the step clock).

@@ -141,6 +141,7 @@ pub mod prefix_mirror;
 pub mod prefix_state;
 pub mod router;
 pub mod session;
+pub mod session_steps;
 pub mod step_clock;
 pub mod tensor;
 pub mod testing;
