@@ -23,11 +23,8 @@ mod rig;
 use ferrum_engine::LlmInferenceEngine;
 use ferrum_execution::ModelExecutor;
 use ferrum_remote_execution::id_tokenizer::IdTokenizer;
+use ferrum_remote_execution::testing::EngineBenchArgs;
 use ferrum_remote_execution::{RemoteTokenExecutor, RemoteTokenOptions, TokenCounters};
-
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
-}
 
 /// The counters' RPC fields, read once.
 fn rpcs(c: &TokenCounters) -> [u64; 5] {
@@ -37,25 +34,13 @@ fn rpcs(c: &TokenCounters) -> [u64; 5] {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let endpoint = arg(&args, "--endpoint").unwrap_or_else(|| "http://127.0.0.1:50051".into());
-    let model = arg(&args, "--model").unwrap_or_default();
-    let prompt: Vec<u32> = arg(&args, "--prompt")
-        .unwrap_or_else(|| "1,2,3".into())
-        .split(',')
-        .map(|t| t.trim().parse().expect("--prompt: comma-separated token ids"))
-        .collect();
-    let b: usize = arg(&args, "--concurrency").map_or(1, |s| s.parse().expect("--concurrency"));
-    let max_tokens: usize = arg(&args, "--max-tokens").map_or(32, |s| s.parse().expect("--max-tokens"));
-    let runs: usize = arg(&args, "--runs").map_or(1, |s| s.parse().expect("--runs"));
-    // --unary: one unary UnifiedDecode per step instead of steps on one Session stream.
-    let unary = args.iter().any(|a| a == "--unary");
+    let EngineBenchArgs { endpoint, model, prompt, concurrency: b, max_tokens, runs, unary, .. } = EngineBenchArgs::from_env();
 
     let exec = RemoteTokenExecutor::connect(endpoint, RemoteTokenOptions { model_id: model, session_steps: !unary, ..Default::default() })
         .await
         .expect("connect");
     let model = exec.info().model_id.to_string();
-        let counters = exec.counters();
+    let counters = exec.counters();
     let session = exec.session();
     let on_stream = || session.as_ref().map_or(0, |s| s.sent());
     let engine = Arc::new(rig::engine(exec));

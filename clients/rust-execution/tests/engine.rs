@@ -14,16 +14,8 @@ use std::time::Duration;
 
 use ferrum_engine::LlmInferenceEngine;
 use ferrum_remote_execution::id_tokenizer::IdTokenizer;
-use ferrum_remote_execution::testing::{tiny_model_dir, ServerProcess};
-use ferrum_remote_execution::{proto, Client, RemoteTokenExecutor, RemoteTokenOptions};
-use ferrum_remote_executor::GenerateOptions;
-
-async fn server_generate(client: &Client, prompt: &[u32], max_tokens: u32) -> Vec<u32> {
-    let tokens = proto::generate_request::Prompt::TokenIds(proto::TokenIds { token_ids: prompt.iter().map(|&t| t as i32).collect() });
-    let opts = GenerateOptions { max_tokens, ignore_eos: true, ..Default::default() };
-    let out = client.generate_all(Some(tokens), opts).await.expect("Generate");
-    out.samples[0].iter().map(|&t| t as u32).collect()
-}
+use ferrum_remote_execution::testing::{generate_ids, tiny_model_dir, ServerProcess};
+use ferrum_remote_execution::{RemoteTokenExecutor, RemoteTokenOptions};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_018_concurrent_greedy_requests_equal_generate_and_leave_no_cache() {
@@ -51,7 +43,7 @@ async fn engine_018_concurrent_greedy_requests_equal_generate_and_leave_no_cache
     }
     for (p, tokens) in prompts.iter().zip(&got) {
         assert_eq!(tokens.len(), max_tokens, "runs to max_tokens (no EOS declared)");
-        assert_eq!(tokens, &server_generate(&client, p, max_tokens as u32).await, "prompt {p:?}: engine vs Generate");
+        assert_eq!(tokens, &generate_ids(&client, p, max_tokens as u32).await.unwrap(), "prompt {p:?}: engine vs Generate");
     }
     let steps = counters.unified_decode.load(Ordering::Relaxed);
     let rows = counters.prefill_rows.load(Ordering::Relaxed) + counters.decode_rows.load(Ordering::Relaxed);

@@ -12,9 +12,8 @@ use ferrum_execution::token_execution::{
     ExecutionFrontier, ExecutionProduct, ExecutionWork, NoSubmissionReason, TokenAdmissionOutcome, TokenWork,
 };
 use ferrum_execution::ModelExecutor;
-use ferrum_remote_execution::testing::{tiny_model_dir, ServerProcess};
-use ferrum_remote_execution::{proto, Client, RemoteTokenExecutor, RemoteTokenOptions};
-use ferrum_remote_executor::GenerateOptions;
+use ferrum_remote_execution::testing::{generate_ids, tiny_model_dir, ServerProcess};
+use ferrum_remote_execution::{Client, RemoteTokenExecutor, RemoteTokenOptions};
 use ferrum_types::{MemoryObservation, RequestId, TokenId};
 
 const SCRIPTED: &str = "configurable,id=mock,vocab_size=1000,token_sequence=10:20:30,counter=per_sequence";
@@ -170,14 +169,6 @@ async fn refusals_stale_frontier_foreign_sequence_closed_sequence_and_mixed_shap
     assert_no_caches_left(&exec).await;
 }
 
-/// The server's own greedy `Generate` for `prompt` (EOS ignored, as the steps above ignore it).
-async fn server_generate(client: &Client, prompt: &[u32], max_tokens: u32) -> Vec<u32> {
-    let tokens = proto::generate_request::Prompt::TokenIds(proto::TokenIds { token_ids: prompt.iter().map(|&t| t as i32).collect() });
-    let opts = GenerateOptions { max_tokens, ignore_eos: true, ..Default::default() };
-    let out = client.generate_all(Some(tokens), opts).await.expect("Generate");
-    out.samples[0].iter().map(|&t| t as u32).collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiny_llama_mixed_steps_in_one_unified_decode_equal_generate() {
     let dir = tiny_model_dir().expect("tiny model");
@@ -218,8 +209,8 @@ async fn tiny_llama_mixed_steps_in_one_unified_decode_equal_generate() {
         fa = ca.next_frontier().clone();
         fb = cb.next_frontier().clone();
     }
-    assert_eq!(ta, server_generate(exec.client(), &pa, steps as u32).await, "A vs Generate");
-    assert_eq!(tb, server_generate(exec.client(), &pb, tb.len() as u32).await, "B vs Generate");
+    assert_eq!(ta, generate_ids(exec.client(), &pa, steps as u32).await.unwrap(), "A vs Generate");
+    assert_eq!(tb, generate_ids(exec.client(), &pb, tb.len() as u32).await.unwrap(), "B vs Generate");
     let n = exec.counters();
     assert_eq!(n.batch_prefill.load(std::sync::atomic::Ordering::Relaxed) + n.batch_decode.load(std::sync::atomic::Ordering::Relaxed), 0);
     assert_eq!(n.reserve_kv_slots.load(std::sync::atomic::Ordering::Relaxed), 2);

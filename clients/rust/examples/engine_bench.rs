@@ -17,12 +17,8 @@ use std::time::Instant;
 
 use ferrum_engine::LlmInferenceEngine;
 use ferrum_interfaces::model_executor::ModelExecutor;
-use ferrum_remote_executor::testing::IdTokenizer;
+use ferrum_remote_executor::testing::{EngineBenchArgs, IdTokenizer};
 use ferrum_remote_executor::{HostTensorFactory, RemoteExecutorOptions, RemoteModelExecutor, RpcCounts};
-
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
-}
 
 fn delta(a: RpcCounts, b: RpcCounts) -> RpcCounts {
     RpcCounts {
@@ -40,24 +36,7 @@ fn delta(a: RpcCounts, b: RpcCounts) -> RpcCounts {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let endpoint = arg(&args, "--endpoint").unwrap_or_else(|| "http://127.0.0.1:50051".into());
-    let model = arg(&args, "--model").unwrap_or_default();
-    let prompt: Vec<u32> = arg(&args, "--prompt")
-        .unwrap_or_else(|| "1,2,3".into())
-        .split(',')
-        .map(|t| t.trim().parse().expect("--prompt: comma-separated token ids"))
-        .collect();
-    let b: usize = arg(&args, "--concurrency").map_or(1, |s| s.parse().expect("--concurrency"));
-    let max_tokens: usize = arg(&args, "--max-tokens").map_or(32, |s| s.parse().expect("--max-tokens"));
-    let runs: usize = arg(&args, "--runs").map_or(1, |s| s.parse().expect("--runs"));
-
-    // --raw MASK: no engine, the same greedy unified steps sent straight through the executor
-    // (MASK = none | ones: GreedyArgmax without / with an all-allowed token mask), to split the
-    // engine's own cost from the round trips'.
-    let raw = arg(&args, "--raw");
-    // --unary: one unary UnifiedDecode per step instead of steps on one Session stream.
-    let unary = args.iter().any(|a| a == "--unary");
+    let EngineBenchArgs { endpoint, model, prompt, concurrency: b, max_tokens, runs, unary, raw } = EngineBenchArgs::from_env();
     let exec = Arc::new(
         RemoteModelExecutor::connect(
             endpoint,
@@ -66,6 +45,9 @@ async fn main() {
             .await
             .expect("connect"),
     );
+    // --raw MASK: no engine, the same greedy unified steps sent straight through the executor
+    // (MASK = none | ones: GreedyArgmax without / with an all-allowed token mask), to split the
+    // engine's own cost from the round trips'.
     if let Some(mask) = raw {
         raw_steps(&exec, &prompt, max_tokens, runs, mask == "ones").await;
         return;

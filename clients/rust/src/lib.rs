@@ -134,6 +134,7 @@ pub mod convert;
 pub mod error;
 pub mod executor;
 pub mod handoff;
+mod id_tokenizer;
 pub mod kv;
 pub mod migration;
 pub mod prefix_keys;

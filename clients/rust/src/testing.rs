@@ -240,83 +240,58 @@ impl Drop for ServerProcess {
     }
 }
 
-/// A ferrum `Tokenizer` whose text *is* token ids ("1 100 200" ↔ `[1, 100, 200]`), for driving
-/// ferrum's engine with prompts tokenized elsewhere (the server's `Tokenize` /
-/// `ApplyChatTemplate`), so the engine's tokens can be compared with the server's own `Generate`.
-/// No special tokens are added; `eos` is the stop token the engine knows (None = none).
+crate::id_tokenizer!(ferrum_interfaces, ferrum_types);
+
+/// The server's own greedy `Generate` of `prompt` (token ids), EOS ignored: what an engine driving
+/// the same model greedily must produce.
+pub async fn generate_ids(client: &Client, prompt: &[u32], max_tokens: u32) -> Result<Vec<u32>, tonic::Status> {
+    let tokens = crate::proto::generate_request::Prompt::TokenIds(crate::proto::TokenIds {
+        token_ids: prompt.iter().map(|&t| t as i32).collect(),
+    });
+    let opts = crate::GenerateOptions { max_tokens, ignore_eos: true, ..Default::default() };
+    let out = client.generate_all(Some(tokens), opts).await?;
+    Ok(out.samples.first().map(|s| s.iter().map(|&t| t as u32).collect()).unwrap_or_default())
+}
+
+/// The command line both ferrum lines' engine benchmarks take (`examples/engine_bench.rs` here,
+/// `examples/engine_bench_018.rs` in `clients/rust-execution`; `benchmarks/engine_rows.py` runs
+/// both): `--endpoint URL --model ID --prompt 1,2,3 --concurrency B --max-tokens N --runs R
+/// [--unary] [--raw MASK]`.
 #[derive(Debug, Clone)]
-pub struct IdTokenizer {
-    vocab_size: usize,
-    special: ferrum_types::SpecialTokens,
+pub struct EngineBenchArgs {
+    pub endpoint: String,
+    pub model: String,
+    /// Token ids.
+    pub prompt: Vec<u32>,
+    /// Concurrent requests.
+    pub concurrency: usize,
+    pub max_tokens: usize,
+    pub runs: usize,
+    /// One unary `UnifiedDecode` per step instead of steps on one `Session` stream.
+    pub unary: bool,
+    /// `--raw MASK` (the 0.8 line only): steps without the engine.
+    pub raw: Option<String>,
 }
 
-impl IdTokenizer {
-    pub fn new(vocab_size: usize, eos: Option<u32>) -> Self {
+impl EngineBenchArgs {
+    /// From the process's arguments; panics with the flag's name on a malformed value.
+    pub fn from_env() -> Self {
+        let args: Vec<String> = std::env::args().collect();
+        let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned());
+        let number = |name: &str, default: usize| arg(name).map_or(default, |s| s.parse().expect(name));
         Self {
-            vocab_size,
-            special: ferrum_types::SpecialTokens {
-                bos_token: None,
-                eos_token: eos.map(ferrum_types::TokenId::new),
-                unk_token: None,
-                pad_token: None,
-                sep_token: None,
-                cls_token: None,
-                mask_token: None,
-                extra_eos_tokens: Vec::new(),
-            },
-        }
-    }
-
-    /// The prompt text that encodes to `ids`.
-    pub fn text(ids: &[u32]) -> String {
-        ids.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(" ")
-    }
-}
-
-impl ferrum_interfaces::Tokenizer for IdTokenizer {
-    fn encode(&self, text: &str, _add_special: bool) -> ferrum_types::Result<Vec<ferrum_types::TokenId>> {
-        text.split_whitespace()
-            .map(|w| {
-                w.parse::<u32>()
-                    .map(ferrum_types::TokenId::new)
-                    .map_err(|e| ferrum_types::FerrumError::invalid_parameter(format!("IdTokenizer: {w:?}: {e}")))
-            })
-            .collect()
-    }
-
-    fn decode(&self, tokens: &[ferrum_types::TokenId], _skip_special: bool) -> ferrum_types::Result<String> {
-        Ok(Self::text(&tokens.iter().map(|t| t.get()).collect::<Vec<_>>()))
-    }
-
-    fn decode_incremental(&self, prev: &[ferrum_types::TokenId], next: ferrum_types::TokenId) -> ferrum_types::Result<String> {
-        Ok(if prev.is_empty() { next.get().to_string() } else { format!(" {}", next.get()) })
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.vocab_size
-    }
-
-    fn special_tokens(&self) -> &ferrum_types::SpecialTokens {
-        &self.special
-    }
-
-    fn token_id(&self, text: &str) -> Option<ferrum_types::TokenId> {
-        text.trim().parse::<u32>().ok().map(ferrum_types::TokenId::new)
-    }
-
-    fn token_text(&self, _token_id: ferrum_types::TokenId) -> Option<&str> {
-        None
-    }
-
-    fn info(&self) -> ferrum_interfaces::tokenizer::TokenizerInfo {
-        ferrum_interfaces::tokenizer::TokenizerInfo {
-            tokenizer_type: ferrum_interfaces::tokenizer::TokenizerType::Custom,
-            vocab_size: self.vocab_size,
-            special_tokens: self.special.clone(),
-            supports_incremental: true,
-            supports_chat_template: false,
-            max_token_length: Some(16),
-            model_name: Some("token-ids".into()),
+            endpoint: arg("--endpoint").unwrap_or_else(|| "http://127.0.0.1:50051".into()),
+            model: arg("--model").unwrap_or_default(),
+            prompt: arg("--prompt")
+                .unwrap_or_else(|| "1,2,3".into())
+                .split(',')
+                .map(|t| t.trim().parse().expect("--prompt: comma-separated token ids"))
+                .collect(),
+            concurrency: number("--concurrency", 1),
+            max_tokens: number("--max-tokens", 32),
+            runs: number("--runs", 1),
+            unary: args.iter().any(|a| a == "--unary"),
+            raw: arg("--raw"),
         }
     }
 }

@@ -21,7 +21,7 @@ pub fn engine(exec: RemoteTokenExecutor) -> ContinuousBatchEngine {
     ContinuousBatchEngine::new(
         EngineConfig::default(),
         Arc::new(ContinuousBatchScheduler::new(SchedulerConfig::default())),
-        Arc::new(IdTokenizer::new(vocab)),
+        Arc::new(IdTokenizer::new(vocab, None)),
         Arc::new(real_ferrum_testkit::MockSampler),
         ExecutorOwner::new(Box::new(exec)),
     )
