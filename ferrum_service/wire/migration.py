@@ -37,6 +37,17 @@ import that fails leaves nothing on B (``kv_transfer.py``); a stream B parked bu
 (A died after B took it, the caller went away) is dropped after ``resume_s`` and its cache freed.
 A token event is sent once: A's last one before ``migrated``, B's first after the resume.
 
+Relay mode (``GenerateRequest.migration_mode = MIGRATION_MODE_RELAY``, and every vLLM-protocol
+stream, whose callers cannot follow ``GenerateMigrated``): the move is the same, with
+``AcceptMigration{relay}``; then A, instead of ending the stream, frees its cache and resumes it on
+B itself (``Generate{resume_token}`` with its peer token, on the caller's behalf: :meth:`Migrations.relay`)
+and sends B's token and finished events on the caller's stream as its own (``generate.py``,
+``Generation._relay``). B's first token is the step after A's last, so nothing repeats or goes
+missing. A relay-parked stream is taken only by a peer-authenticated ``Generate`` for its caller,
+and a peer token opens ``Generate`` for nothing else (``servicer.py``); ``Abort`` and the caller's
+cancel cancel the call to B; at most :data:`MAX_RELAYS` relays run at once (a move past it is
+refused before it starts).
+
 Trust (``kv_peers.py`` unchanged): A dials only its configured peers, with its own peer token, on
 the stream's caller's behalf; B accepts only calls that carry one of its peer tokens and pulls only
 from its configured peers. A resume token is 192 random bits, single use, bound to the caller that
