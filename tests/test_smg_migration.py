@@ -108,7 +108,7 @@ def test_moved_vllm_stream_through_smg(fleet):
     gw, workers = fleet
     pauses, base_gaps = [], []
     for i in range(5):
-        prompt = _prompt_text(160, seed=i)
+        prompt = _prompt_text(150, seed=i)
         n_prompt = len(json.loads(json.dumps(prompt)).split())
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
