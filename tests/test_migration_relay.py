@@ -146,7 +146,6 @@ def test_vllm_unary_moved_equals_unmoved(pair):
     with Client(a.target) as ca:
         ref, _ = _vllm(a.target, prompt, stream=False)
         _slow(a, gate=8)
-        th = threading.Timer(0.0, lambda: None)
         moved = []
 
         def mover():
@@ -280,9 +279,9 @@ def test_relay_parked_stream_is_not_the_callers_and_follow_parked_not_the_peers(
             req = pb.AcceptMigrationRequest(model_id=M, source=pb.KvSource(target=a.target, cache_id=fin.cache.cache_id,
                                                                            model_id=M),
                                             request=pb.GenerateRequest(model_id=M, stop=pb.StopConditions(max_tokens=16)),
-                                            generated_token_ids=[e.token.token_id for e in out if e.token.token_id][:2],
+                                            generated_token_ids=[e.token.token_id for e in out
+                                                                 if e.WhichOneof("event") == "token"][:1],
                                             prompt_tokens=8, relay=relay)
-            req.generated_token_ids[:] = [e.token.token_id for e in out if e.WhichOneof("event") == "token"][:1]
             # A's cache holds the prompt and 4 tokens: trim it to prompt + (generated - 1) = 8 tokens
             a.run(h.call(h.executor.truncate_kv, fin.cache.cache_id, 8, admit=False))
             resp = cb.stub.AcceptMigration(req, metadata=[("authorization", "Bearer tok-peer")])
@@ -344,7 +343,6 @@ def test_relay_pause_with_a_1024_token_context(tiny_llama_dir, tmp_path):  # noq
     """The caller-side pause of a relayed move (last token before it to the first after), p50 over
     several moves of streams with a 1,000-token prompt (pre-copied: only the tail moves in the
     pause); the tiny model's context is 1,024 tokens."""
-    from ferrum_service.testing.tiny_models import build_tiny_llama  # noqa: F401 - the fixture's model
     copy = tmp_path / "copy"
     shutil.copytree(tiny_llama_dir, copy)
     pauses = []
