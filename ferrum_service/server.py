@@ -235,7 +235,8 @@ class Server:
         add_guarded(self.grpc, self.servicer, executor_pb2.DESCRIPTOR.services_by_name["ModelExecutor"],
                     on_refusal=guard.refused)
         # vLLM's engine protocol on the same port, for gateways that drive vLLM workers (vllm_engine.py)
-        parts = VllmParts(models, ops, self.streams, self.events, self.metrics, guard, self.kv, role, advertise)
+        parts = VllmParts(models, ops, self.streams, self.events, self.metrics, guard, self.kv, role, advertise,
+                          migrations=self.migrations)
         self.vllm = VllmEngineServicer(parts, shared_prefix_cache=cfg.vllm_shared_prefix_cache,
                                        pairing_protocol=cfg.pairing_protocol,
                                        profiler=StepProfiler(cfg.profile_dir, cfg.profile_keep,

@@ -4,8 +4,9 @@ Callers send ``authorization: Bearer <token>``. Health checks and reflection are
 ``grpcurl list`` need no secret). Admin RPCs (``Warmup``, ``Shutdown``, ``LoadAdapter``,
 ``UnloadAdapter``, ``MigrateStreams``, and the vLLM protocol's ``FlushCache``, which drops every
 tenant's cached prefix, and ``StartProfile`` / ``StopProfile``, which record every tenant's steps) need an admin token when one is configured: a valid ordinary token gets PERMISSION_DENIED there, no token UNAUTHENTICATED.
-A KV peer token (``--kv-peer-token-file``, see ``kv_peers.py``) opens ``ExportKv`` and
-``AcceptMigration`` only.
+A KV peer token (``--kv-peer-token-file``, see ``kv_peers.py``) opens ``ExportKv``,
+``AcceptMigration`` and ``Generate`` only, the last only to resume a stream the peer moved there in
+relay mode (``servicer.py`` refuses any other ``Generate`` with a peer token).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ ADMIN_METHODS = tuple(f"/ferrum.executor.v1.ModelExecutor/{m}"
                       for m in ("Warmup", "Shutdown", "LoadAdapter", "UnloadAdapter", "MigrateStreams")) + (
     "/vllm.grpc.engine.VllmEngine/FlushCache", "/vllm.grpc.engine.VllmEngine/StartProfile",
     "/vllm.grpc.engine.VllmEngine/StopProfile")
-PEER_METHODS = ("/ferrum.executor.v1.ModelExecutor/ExportKv", "/ferrum.executor.v1.ModelExecutor/AcceptMigration")
+PEER_METHODS = ("/ferrum.executor.v1.ModelExecutor/ExportKv", "/ferrum.executor.v1.ModelExecutor/AcceptMigration",
+                # only to resume a stream the peer moved here in relay mode (servicer.py, migration.py)
+                "/ferrum.executor.v1.ModelExecutor/Generate")
 
 
 def _matches(token: str, allowed: list[str]) -> bool:

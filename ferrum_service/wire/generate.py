@@ -92,6 +92,7 @@ class _Sample:
         self.draft_tokens = 0
         self.accepted_drafts = 0
         self.migrated = False  # the stream moved to a peer (ended with GenerateMigrated)
+        self.relayed: pb.GenerateFinished | None = None  # moved in relay mode: the target's final event
 
     def step(self, token: int, draft: list[int]) -> HeldDecode:
         return HeldDecode(cache_id=self.cache_id, token_id=token, policy=self.policy, draft=draft, entry=self.entry)
@@ -105,10 +106,12 @@ def bind_stream(state: StreamState, host, request_id: str, cache_id: str) -> Non
 
 
 async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRequest, owner: str,
-                   state: StreamState, migrations: "Migrations | None" = None) -> AsyncIterator[pb.GenerateResponse]:
+                   state: StreamState, migrations: "Migrations | None" = None, relay: bool = False
+                   ) -> AsyncIterator[pb.GenerateResponse]:
     """The contract's ``Generate``: ``req`` checked into a :class:`GenerateSpec` and run by a
     :class:`Generation`. With ``req.resume_token``, a stream a peer moved here goes on (its spec
-    was built by this server when it took the stream: ``migration.Parked``)."""
+    was built by this server when it took the stream: ``migration.Parked``); ``relay``: the call
+    is that peer's, resuming a stream it moved in relay mode on its caller's behalf."""
     if not req.resume_token:
         state.unmovable = _NOT_STARTED
         host = models.get(req.model_id)
@@ -119,7 +122,7 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
         return
     if migrations is None:
         raise errors.not_found("resume_token: this server takes no migrated streams", field="resume_token")
-    parked = migrations.take(req.resume_token, req.model_id)
+    parked = migrations.take(req.resume_token, req.model_id, relay=relay)
     run = None
     try:
         host = models.get(parked.model_id)
@@ -310,7 +313,8 @@ class Generation:
         """After ``GenerateStarted``: whether the stream can move, its first-token time, the
         pipelining, the mover, and the prompt's n-gram index when it speculates."""
         spec, state = self.spec, self.state
-        movable = self.migrations is not None and spec.n == 1 and self.created and not spec.keep_cache
+        movable = (self.migrations is not None and spec.request is not None and spec.n == 1 and self.created
+                   and not spec.keep_cache)
         state.unmovable = "" if movable else _UNMOVABLE
         if state.unmovable and state.move_to:
             state.answer_move(errors.failed_precondition(state.unmovable))
@@ -338,7 +342,9 @@ class Generation:
             await self._drop_unfed(s)
         self.finished += 1
         self.state.stats.finished("migrated" if s.migrated else pb.FinishReason.Name(s.finish))
-        if not s.migrated:
+        if s.relayed is not None:
+            yield pb.GenerateResponse(finished=self._relayed_finish(s))
+        elif not s.migrated:
             yield pb.GenerateResponse(finished=self._finished(s))
 
     def _tokens(self, s: _Sample, row) -> list[pb.TokenEvent]:
@@ -410,9 +416,13 @@ class Generation:
                 state.check_aborted()
                 if moving and pending is None:
                     moved = await mover.hand_off(s)
-                    if moved is not None:
+                    if moved is not None and not mover.relay:
                         s.migrated = True
                         yield pb.GenerateResponse(migrated=moved)
+                        return
+                    if moved is not None:
+                        async for ev in self._relay(s, moved):
+                            yield ev
                         return
                 try:
                     if pending is not None:
@@ -428,6 +438,44 @@ class Generation:
                 pending.add_done_callback(lambda t: t.cancelled() or t.exception())
             if mover is not None:  # a pre-copy no move finished is dropped at the target
                 mover.close()
+
+    async def _relay(self, s: _Sample, moved: pb.GenerateMigrated) -> AsyncIterator[pb.GenerateResponse]:
+        """Relay mode (``GenerateRequest.migration_mode``, every vLLM-protocol stream): the stream
+        moved to ``moved.target``; its cache here is freed now (the target holds a copy) and the
+        target's token events go on on this stream (their indices go on from ``s.generated``: the
+        target's first token is the step after the last one sent here), its ``finished`` kept for
+        :meth:`_relayed_finish`."""
+        if s.cache_id in self.created:
+            self.created.remove(s.cache_id)
+            self.host.release_soon(s.cache_id, "released")
+        async for ev in self.migrations.relay(moved, self.host.model_id, self.state):
+            kind = ev.WhichOneof("event")
+            if kind == "token":
+                s.generated += 1
+                s.out_ids.append(ev.token.token_id)
+                ev.token.sample_index = s.index
+                self.state.stats.token(s.index)
+                yield ev
+            elif kind == "finished":
+                s.relayed = ev.finished
+                s.finish = ev.finished.finish_reason
+        if s.relayed is None:
+            raise errors.FerrumError(errors.ErrorKind.NETWORK, f"the stream moved to {moved.target}, which ended it "
+                                     "without its final event", code=grpc.StatusCode.UNAVAILABLE)
+
+    def _relayed_finish(self, s: _Sample) -> pb.GenerateFinished:
+        """The target's final event as this stream's own: its finish, counts and text (the whole
+        stream's: the target replays the tokens sent here), this stream's timings and sample
+        index, the speculation counts of both servers."""
+        fin = pb.GenerateFinished()
+        fin.CopyFrom(s.relayed)
+        fin.sample_index = s.index
+        fin.time_to_first_token_ns = self.ttft
+        fin.total_ns = time.perf_counter_ns() - self.t_start
+        fin.draft_tokens += s.draft_tokens
+        fin.accepted_draft_tokens += s.accepted_drafts
+        fin.ClearField("cache")
+        return fin
 
     def _cut_short(self, s: _Sample, e: errors.FerrumError) -> errors.FerrumError:
         """The error a failed step ends the stream with: its own, or, when the cache was to grow

@@ -37,6 +37,17 @@ import that fails leaves nothing on B (``kv_transfer.py``); a stream B parked bu
 (A died after B took it, the caller went away) is dropped after ``resume_s`` and its cache freed.
 A token event is sent once: A's last one before ``migrated``, B's first after the resume.
 
+Relay mode (``GenerateRequest.migration_mode = MIGRATION_MODE_RELAY``, and every vLLM-protocol
+stream, whose callers cannot follow ``GenerateMigrated``): the move is the same, with
+``AcceptMigration{relay}``; then A, instead of ending the stream, frees its cache and resumes it on
+B itself (``Generate{resume_token}`` with its peer token, on the caller's behalf: :meth:`Migrations.relay`)
+and sends B's token and finished events on the caller's stream as its own (``generate.py``,
+``Generation._relay``). B's first token is the step after A's last, so nothing repeats or goes
+missing. A relay-parked stream is taken only by a peer-authenticated ``Generate`` for its caller,
+and a peer token opens ``Generate`` for nothing else (``servicer.py``); ``Abort`` and the caller's
+cancel cancel the call to B; at most :data:`MAX_RELAYS` relays run at once (a move past it is
+refused before it starts).
+
 Trust (``kv_peers.py`` unchanged): A dials only its configured peers, with its own peer token, on
 the stream's caller's behalf; B accepts only calls that carry one of its peer tokens and pulls only
 from its configured peers. A resume token is 192 random bits, single use, bound to the caller that
@@ -50,7 +61,7 @@ import dataclasses
 import hmac
 import secrets
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
 import structlog
@@ -92,6 +103,13 @@ DEFAULT_PRECOPY_TOKENS = 256
 MAX_PRECOPIES = 64
 #: Seconds A waits for B to answer an ``abandon``.
 ABANDON_TIMEOUT_S = 10.0
+#: Streams one server relays at once (``MIGRATION_MODE_RELAY``, every vLLM-protocol stream): each
+#: holds a call to its target and a task here. A move past it is refused (RESOURCE_EXHAUSTED) and
+#: the stream goes on here.
+MAX_RELAYS = 256
+#: Times one relayed stream may move on again (its target moved it on, and it followed) before
+#: the relay gives up with UNAVAILABLE.
+MAX_RELAY_HOPS = 8
 
 
 @dataclasses.dataclass
@@ -112,6 +130,7 @@ class Parked:
     # the resumed stream sends), so that it does not wait on the caller's reconnection.
     first: "asyncio.Future | None" = None
     sampling: SamplingParams | None = None  # the request's sampling, checked and compiled when it was taken
+    relay: bool = False  # taken only by a peer resuming it on the caller's behalf (AcceptMigration.relay)
 
     def policy(self) -> LogitsPolicy:
         return LogitsPolicy(mode=OutputMode.SAMPLED_TOKEN, sampling=self.sampling,
@@ -181,6 +200,8 @@ class StreamMover:
         self.constrained = constrained
         self.task: asyncio.Task | None = None  # the pre-copy (a PreCopied, or the refusal)
         self.target = ""
+        # Relay mode: the stream goes on on the caller's stream, this server relaying the target's events.
+        self.relay = req.migration_mode == pb.MIGRATION_MODE_RELAY
 
     def _decode_state(self, s) -> tuple[int, int, int]:
         """(tokens the cache holds, the prompt's length, where the constraint started)."""
@@ -197,6 +218,9 @@ class StreamMover:
             st.answer_move(errors.FerrumError(errors.ErrorKind.CANCELLED, "the move was called off during its "
                                               "pre-copy", code=grpc.StatusCode.DEADLINE_EXCEEDED))
         if not st.move_to:
+            return False
+        if self.task is None and self.relay and not self.migrations.relay_room():
+            st.answer_move(self.migrations.relays_full())
             return False
         if self.task is None:
             n, prompt, start = self._decode_state(s)
@@ -217,18 +241,29 @@ class StreamMover:
         """Hand the paused stream over; None (the move answered with the refusal) if it stays here."""
         t0 = time.perf_counter_ns()
         st = self.state
+        held = False  # the relay slot this move took (given back unless it succeeds)
         try:
             pre = None
             if self.task is not None:
                 task, self.task = self.task, None
                 pre = task.result()  # a refused pre-copy is the move's refusal
+            if self.relay:
+                if not self.migrations.relay_room():
+                    raise self.migrations.relays_full()
+                self.migrations.relays += 1  # given back when the relay ends (Migrations.relay)
+                held = True
             _n, prompt, start = self._decode_state(s)
             moved, rep = await self.migrations.hand_off(self.host, self.req, s.cache_id, list(s.out_ids), prompt,
-                                                        start, st.tenant, st.move_to, pre)
-        except errors.FerrumError as e:
-            st.answer_move(e)
-            return None
-        except Exception as e:  # noqa: BLE001 - whatever failed, the stream goes on here
+                                                        start, st.tenant, st.move_to, pre, relay=self.relay)
+        except BaseException as e:
+            if held:
+                self.migrations.relays -= 1
+            if isinstance(e, errors.FerrumError):
+                st.answer_move(e)
+                return None
+            if not isinstance(e, Exception):
+                raise
+            # whatever failed, the stream goes on here
             st.answer_move(errors.FerrumError(errors.ErrorKind.INTERNAL, f"the hand-off failed: {e!r}",
                                               code=grpc.StatusCode.INTERNAL))
             return None
@@ -274,6 +309,8 @@ class Migrations:
         self.max_precopies = MAX_PRECOPIES
         self._staging = 0  # pre-copies being pulled
         self._tasks: set[asyncio.Task] = set()  # abandons in flight
+        self.relays = 0  # streams this server relays now (moved in relay mode)
+        self.max_relays = MAX_RELAYS
 
     # ---- the moving side (A) --------------------------------------------------------------------
     async def migrate(self, target: str, *, model_id: str = "", request_id: str = "",
@@ -322,6 +359,62 @@ class Migrations:
         log.info("streams migrated", target=t, migrated=sum(r.migrated for r in out),
                  refused=sum(not r.migrated for r in out))
         return out
+
+    def relay_room(self) -> bool:
+        return self.relays < self.max_relays
+
+    def relays_full(self) -> errors.FerrumError:
+        return errors.exhausted(f"this server already relays {self.max_relays} moved streams; the stream goes on "
+                                "here", limit=self.max_relays)
+
+    async def relay(self, moved: pb.GenerateMigrated, model_id: str, state) -> AsyncIterator[pb.GenerateResponse]:
+        """The moved stream's events from its target, for this server to send on the caller's
+        stream as its own (relay mode): ``Generate{resume_token}`` on the target on the caller's
+        behalf (``state.tenant``), with this server's peer token; the target's ``started`` is left
+        out (the caller had this server's), a ``migrated`` from it is followed (the target moved
+        the stream on). The stream's relay slot (taken by :meth:`StreamMover.hand_off`) is given
+        back at the end. Leaving the iteration (the caller cancelled, the stream was aborted)
+        cancels the call, which ends the stream on the target and frees its cache there; the
+        target's error ends the stream with its code."""
+        hops = 0
+        try:
+            while True:
+                t = await self.peers.check(moved.target)
+                stub = executor_pb2_grpc.ModelExecutorStub(self.peers.channel(t, False))
+                call = stub.Generate(pb.GenerateRequest(model_id=model_id, resume_token=moved.resume_token),
+                                     metadata=self.peers.metadata(state.tenant))
+                state.on_abort = call.cancel  # Abort here reaches the target at once
+                nxt = None
+                try:
+                    state.check_aborted()
+                    async for ev in call:
+                        kind = ev.WhichOneof("event")
+                        if kind == "migrated":
+                            nxt = ev.migrated
+                            break
+                        if kind != "started":
+                            yield ev
+                except asyncio.CancelledError:
+                    state.check_aborted()  # the call was cancelled by Abort: CANCELLED as a stream on A
+                    raise
+                except grpc.aio.AioRpcError as e:
+                    state.check_aborted()
+                    log.warning("relayed stream failed at its target", target=t, code=e.code().name,
+                                details=e.details())
+                    raise errors.FerrumError(
+                        errors.ErrorKind.NETWORK, f"the stream moved to {t}, which failed it: {e.details()}",
+                        code=e.code() if e.code() != grpc.StatusCode.OK else grpc.StatusCode.UNKNOWN) from None
+                finally:
+                    state.on_abort = None
+                    call.cancel()
+                if nxt is None:
+                    return
+                hops += 1
+                if hops > MAX_RELAY_HOPS:
+                    raise errors.unavailable(f"the relayed stream moved more than {MAX_RELAY_HOPS} times")
+                moved = nxt
+        finally:
+            self.relays -= 1
 
     def mover(self, host, req: pb.GenerateRequest, state, constrained: bool) -> StreamMover:
         """The moving side of one stream (its decode loop consults it)."""
@@ -390,11 +483,13 @@ class Migrations:
 
     async def hand_off(self, host, req: pb.GenerateRequest, cache_id: str, generated: list[int],
                        prompt_tokens: int, constraint_start: int, caller: str, target: str,
-                       pre: PreCopied | None = None) -> tuple[pb.GenerateMigrated, MoveReport]:
+                       pre: PreCopied | None = None, relay: bool = False) -> tuple[pb.GenerateMigrated, MoveReport]:
         """Give one paused stream to ``target`` (its ``AcceptMigration``; with ``pre``, B pulls
-        only the tail after that pre-copy); the refusal as a FerrumError (the stream then goes on
-        here). The report's ``handoff_ms`` is left for the caller to fill in."""
+        only the tail after that pre-copy; with ``relay``, B parks it for this server's resume on
+        the caller's behalf); the refusal as a FerrumError (the stream then goes on here). The
+        report's ``handoff_ms`` is left for the caller to fill in."""
         msg = self._message(host, req, cache_id, generated, prompt_tokens, constraint_start)
+        msg.relay = relay
         if pre is not None:
             msg.precopy_id, msg.source.from_token = pre.precopy_id, pre.tokens
             target = pre.target
@@ -564,7 +659,7 @@ class Migrations:
         token = secrets.token_urlsafe(24)
         loop = asyncio.get_running_loop()
         p = Parked(host.model_id, cache_id, caller, orig, gen, int(req.prompt_tokens), int(req.constraint_start),
-                   time.monotonic() + self.resume_s, cache_tokens=n_cache, sampling=sp)
+                   time.monotonic() + self.resume_s, cache_tokens=n_cache, sampling=sp, relay=req.relay)
         p.timer = loop.call_later(self.resume_s, self._expire, token)
         self.parked[token] = p
         if self.first_step:
@@ -592,12 +687,13 @@ class Migrations:
             log.info("migrated stream not resumed; dropped", cache_id=p.cache_id)
             self.models.get(p.model_id).release_soon(p.cache_id, CacheEvent.RECLAIMED)
 
-    def take(self, token: str, model_id: str) -> Parked:
+    def take(self, token: str, model_id: str, relay: bool = False) -> Parked:
         """The parked stream of ``token`` for the current caller (single use); NOT_FOUND for any
-        other token, another caller's, an expired one, or one of another model."""
+        other token, another caller's, an expired one, one of another model, or one parked for the
+        other kind of resume (``relay``: a peer's on the caller's behalf, else the caller's own)."""
         p = self.parked.get(token)
         if (p is None or not hmac.compare_digest(p.caller.encode(), current_caller.get().encode())
-                or (model_id and model_id != p.model_id) or p.expires < time.monotonic()):
+                or (model_id and model_id != p.model_id) or p.expires < time.monotonic() or p.relay != relay):
             raise errors.not_found("resume_token: no migrated stream of this caller waits under that token",
                                    field="resume_token")
         del self.parked[token]

@@ -331,15 +331,26 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
     async def _generate_stream(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
         owner = self.streams.new_owner("generate")
         self.guard.enter(context)
+        # A KV peer relaying a stream it moved here resumes it on the caller's behalf (migration.py).
+        relay = self.kv.peers.on_behalf(context.invocation_metadata())
+        if relay is not None:
+            current_caller.set(relay)
         tokens = 0
         with self.streams.running(), self.streams.generation(owner) as state:
             try:
                 async with self.guard.answer("Generate", context, request):
+                    if relay is not None:
+                        current_caller.set(relay)  # the guard set the peer's own identity again
+                        if not request.resume_token:
+                            raise errors.permission_denied(
+                                "a KV peer token opens Generate only to resume a stream it moved here in relay "
+                                "mode (resume_token)")
                     if request.resume_token:  # a resumed stream is no new prompt
                         self.ops.checks.check_decode_role("Generate")
                     else:
                         self.ops.checks.check_role_generate(request)
-                    async for ev in generate(self.models, self.ops.checks, request, owner, state, self.migrations):
+                    async for ev in generate(self.models, self.ops.checks, request, owner, state, self.migrations,
+                                             relay=relay is not None):
                         if ev.WhichOneof("event") == "token":
                             tokens += 1
                         yield ev

@@ -50,6 +50,9 @@ class StreamState:
     move_to: str = ""
     move_result: "asyncio.Future | None" = None
     unmovable: str = ""
+    # Called once when ``Abort`` names the stream (a relayed stream cancels its call to the target:
+    # migration.Migrations.relay), so an abort does not wait for the next step.
+    on_abort: "Callable[[], object] | None" = field(default=None, repr=False, compare=False)
     # the stream's serving-latency timings (serving_metrics.py); the registry gives it the server's metrics
     stats: StreamRecorder = field(default=None, repr=False)  # type: ignore[assignment]
 
@@ -73,6 +76,15 @@ class StreamState:
         self.move_to = ""
         if self.move_result is not None and not self.move_result.done():
             self.move_result.set_result(result)
+
+    def abort(self) -> bool:
+        """Mark the stream aborted (its loop stops at the next step); True the first time."""
+        if self.aborted:
+            return False
+        self.aborted = True
+        if self.on_abort is not None:
+            self.on_abort()
+        return True
 
     def check_aborted(self) -> None:
         """CANCELLED once ``Abort`` named this stream (checked between steps)."""
@@ -173,8 +185,7 @@ class StreamRegistry:
         for st in found:
             if host is not None and st.model_id and st.model_id != host.model_id:
                 continue
-            if not st.aborted:
-                st.aborted = True
+            if st.abort():
                 aborted += 1
         released = False
         if cache_id:
@@ -194,8 +205,7 @@ class StreamRegistry:
         aborted = 0
         for rid in request_ids:
             for st in self.with_request_id(rid) if rid else ():
-                if not st.aborted:
-                    st.aborted = True
+                if st.abort():
                     aborted += 1
         return aborted
 

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from ..hosting.profiler import StepProfiler
     from .kv_transfer import KvTransfer
     from .metrics import Metrics
+    from .migration import Migrations
     from .operations import Operations
     from .rpc_guard import RpcGuard
     from .streams import StreamRegistry
@@ -96,6 +97,9 @@ class VllmParts:
     kv: KvTransfer  # SMG's PD handoff pulls and exports (vllm_pd.py)
     role: Role
     advertise: str = ""  # HOST:PORT peers pull this server's KV from (a PD prefill leg names it)
+    # Live migration (migration.py): a stream here moves in relay mode (a vLLM client follows no
+    # GenerateMigrated); None = vLLM streams never move.
+    migrations: "Migrations | None" = None
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -117,6 +121,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.shared_prefix_cache = shared_prefix_cache
         self.pairing_protocol = pairing_protocol
         self.models = parts.models
+        self.migrations = parts.migrations
         hosts = list(self.models)
         self._host = next((h for h in hosts if h.supports_generation), hosts[0] if hosts else None)
         self.relay = BlockEventRelay(parts.events, self._host.model_id if self._host else "")
@@ -261,7 +266,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         entry = checks.live_entry(host, imported, "cache_id") if imported else None
         grow = 0 if sp.HasField("max_tokens") else UNSET_MAX_TOKENS_RESERVE
         spec = GenerateSpec(host, v.request_id, tuple(prompt), entry, policy, stops, n=n, salt=salt, speculation=draft,
-                            keep_cache=offer, reserve_output=grow, adopt_cache=bool(imported))
+                            keep_cache=offer, reserve_output=grow, adopt_cache=bool(imported),
+                            request=_contract_request(host, v, asked))
         await checks.ready(spec)
         return spec
 
@@ -305,7 +311,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         lps: dict[int, vpb.OutputLogProbs] = {}
         last: dict[int, pb.TokenEvent] = {}
         done: list[vpb.GenerateResponse] = []
-        async for ev in Generation(spec, self.checks, owner, state).events():
+        async for ev in Generation(spec, self.checks, owner, state, self.migrations).events():
             kind = ev.WhichOneof("event")
             if kind == "started":
                 prompt_tokens, cached = ev.started.prompt_tokens, ev.started.cached_tokens
@@ -591,6 +597,22 @@ def request_salt(shared: bool) -> str:
     if shared or current_caller.get():
         return ""
     return PRIVATE_SALT_PREFIX + secrets.token_hex(16)
+
+
+def _contract_request(host: "ModelHost", v: vpb.GenerateRequest, asked: "_Asked") -> pb.GenerateRequest:
+    """The vLLM request as the contract's ``GenerateRequest`` (prompt left out): what a move sends
+    the target (``AcceptMigrationRequest.request``), which checks and runs it as this server does.
+    Always ``MIGRATION_MODE_RELAY``: a vLLM client cannot follow ``GenerateMigrated``, so this server
+    relays the moved stream's tokens on the client's own stream."""
+    sp = v.sampling_params
+    req = pb.GenerateRequest(model_id=host.model_id, request_id=v.request_id, sampling=_sampling(sp),
+                             top_logprobs=asked.top_logprobs, cache_salt=asked.salt,
+                             migration_mode=pb.MIGRATION_MODE_RELAY)
+    req.stop.max_tokens = asked.max_tokens
+    req.stop.stop_token_ids.extend(sorted(asked.stop_ids))
+    req.stop.ignore_eos = sp.ignore_eos
+    req.stop.stop_sequences.extend(sp.stop)
+    return req
 
 
 def _refuse_unsupported(v: vpb.GenerateRequest) -> None:

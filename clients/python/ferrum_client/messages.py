@@ -140,7 +140,8 @@ def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, t
                      request_id: str = "", cache_salt: str = "", bypass_prefix_cache: bool = False,
                      n: int = 1, constraint: tpb.OutputConstraint | None = None,
                      adapter: str = "", resume_token: str = "",
-                     speculation: "pb.SpeculationOptions | int | None" = None) -> pb.GenerateRequest:
+                     speculation: "pb.SpeculationOptions | int | None" = None,
+                     migration_mode: "pb.MigrationMode | str" = 0) -> pb.GenerateRequest:
     """``GenerateRequest``: the prompt as ``token_ids``, ``text`` or ``chat`` (or continue
     ``cache_id`` from ``last_token_id``). ``n`` samples of one prompt share its prefilled KV
     (events carry ``sample_index``; sample ``i`` uses seed ``seed + i * 0x9E3779B9``); ``cache_salt`` /
@@ -150,7 +151,9 @@ def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, t
     ``cache_id``, "" = the cache's own); ``resume_token`` resumes a stream another server moved here
     (``GenerateMigrated``; the clients' ``generate`` follows those by itself); ``speculation``:
     server-side n-gram speculation, a ``SpeculationOptions`` or its ``max_draft_tokens`` (None = the
-    server's default)."""
+    server's default); ``migration_mode``: ``"relay"`` (``MIGRATION_MODE_RELAY``: a moved stream
+    goes on on this stream, the server relaying it) or ``"follow"`` (the default: it ends with
+    ``GenerateMigrated``, which the clients' ``generate`` follows)."""
     req = pb.GenerateRequest(
         model_id=model_id, cache_id=cache_id,
         sampling=sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -160,6 +163,8 @@ def generate_request(model_id: str, *, token_ids: Sequence[int] | None = None, t
         top_logprobs=top_logprobs, keep_cache=keep_cache, stream_text=stream_text, request_id=request_id,
         cache_salt=cache_salt, bypass_prefix_cache=bypass_prefix_cache, n=n, adapter=adapter,
         resume_token=resume_token,
+        migration_mode=(pb.MigrationMode.Value(f"MIGRATION_MODE_{migration_mode.upper()}")
+                        if isinstance(migration_mode, str) else migration_mode),
     )
     if token_ids is not None:
         req.token_ids.token_ids.extend(token_ids)

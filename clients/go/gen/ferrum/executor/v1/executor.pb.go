@@ -49,6 +49,67 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// How a moved `Generate` stream reaches its caller (`GenerateRequest.migration_mode`).
+type MigrationMode int32
+
+const (
+	// `MIGRATION_MODE_FOLLOW`.
+	MigrationMode_MIGRATION_MODE_UNSPECIFIED MigrationMode = 0
+	// The stream ends on this server with `GenerateMigrated`; the caller resumes it on the target
+	// (`resume_token`). This server is done with the stream at once (a drain can finish).
+	MigrationMode_MIGRATION_MODE_FOLLOW MigrationMode = 1
+	// Transparent: the caller's stream goes on where it is. This server resumes the stream on the
+	// target itself (on the caller's behalf, over its KV peer channel) and relays the target's token
+	// and `finished` events on the caller's stream: the caller sees the same events, indices,
+	// finish reason and usage as an unmoved run, and never a `migrated` event. This server keeps
+	// relaying until the stream ends (a drain waits for it). Cancelling the stream, or `Abort` here,
+	// cancels it on the target; an error on the target ends the stream with that error. A move
+	// when this server already relays its limit of streams is refused (the stream stays here).
+	// vLLM-protocol streams (`VllmEngine.Generate`) always move this way.
+	MigrationMode_MIGRATION_MODE_RELAY MigrationMode = 2
+)
+
+// Enum value maps for MigrationMode.
+var (
+	MigrationMode_name = map[int32]string{
+		0: "MIGRATION_MODE_UNSPECIFIED",
+		1: "MIGRATION_MODE_FOLLOW",
+		2: "MIGRATION_MODE_RELAY",
+	}
+	MigrationMode_value = map[string]int32{
+		"MIGRATION_MODE_UNSPECIFIED": 0,
+		"MIGRATION_MODE_FOLLOW":      1,
+		"MIGRATION_MODE_RELAY":       2,
+	}
+)
+
+func (x MigrationMode) Enum() *MigrationMode {
+	p := new(MigrationMode)
+	*p = x
+	return p
+}
+
+func (x MigrationMode) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (MigrationMode) Descriptor() protoreflect.EnumDescriptor {
+	return file_ferrum_executor_v1_executor_proto_enumTypes[0].Descriptor()
+}
+
+func (MigrationMode) Type() protoreflect.EnumType {
+	return &file_ferrum_executor_v1_executor_proto_enumTypes[0]
+}
+
+func (x MigrationMode) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use MigrationMode.Descriptor instead.
+func (MigrationMode) EnumDescriptor() ([]byte, []int) {
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{0}
+}
+
 // Why a generation ended. Mirrors `ferrum_types::FinishReason`.
 type FinishReason int32
 
@@ -98,11 +159,11 @@ func (x FinishReason) String() string {
 }
 
 func (FinishReason) Descriptor() protoreflect.EnumDescriptor {
-	return file_ferrum_executor_v1_executor_proto_enumTypes[0].Descriptor()
+	return file_ferrum_executor_v1_executor_proto_enumTypes[1].Descriptor()
 }
 
 func (FinishReason) Type() protoreflect.EnumType {
-	return &file_ferrum_executor_v1_executor_proto_enumTypes[0]
+	return &file_ferrum_executor_v1_executor_proto_enumTypes[1]
 }
 
 func (x FinishReason) Number() protoreflect.EnumNumber {
@@ -111,7 +172,7 @@ func (x FinishReason) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use FinishReason.Descriptor instead.
 func (FinishReason) EnumDescriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{0}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{1}
 }
 
 // What happened to a cache.
@@ -166,11 +227,11 @@ func (x KvEventKind) String() string {
 }
 
 func (KvEventKind) Descriptor() protoreflect.EnumDescriptor {
-	return file_ferrum_executor_v1_executor_proto_enumTypes[1].Descriptor()
+	return file_ferrum_executor_v1_executor_proto_enumTypes[2].Descriptor()
 }
 
 func (KvEventKind) Type() protoreflect.EnumType {
-	return &file_ferrum_executor_v1_executor_proto_enumTypes[1]
+	return &file_ferrum_executor_v1_executor_proto_enumTypes[2]
 }
 
 func (x KvEventKind) Number() protoreflect.EnumNumber {
@@ -179,7 +240,7 @@ func (x KvEventKind) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use KvEventKind.Descriptor instead.
 func (KvEventKind) EnumDescriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{1}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{2}
 }
 
 // What a server is deployed for, as `InfoResponse.role` advertises it (`--role`).
@@ -226,11 +287,11 @@ func (x ServerRole) String() string {
 }
 
 func (ServerRole) Descriptor() protoreflect.EnumDescriptor {
-	return file_ferrum_executor_v1_executor_proto_enumTypes[2].Descriptor()
+	return file_ferrum_executor_v1_executor_proto_enumTypes[3].Descriptor()
 }
 
 func (ServerRole) Type() protoreflect.EnumType {
-	return &file_ferrum_executor_v1_executor_proto_enumTypes[2]
+	return &file_ferrum_executor_v1_executor_proto_enumTypes[3]
 }
 
 func (x ServerRole) Number() protoreflect.EnumNumber {
@@ -239,7 +300,7 @@ func (x ServerRole) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use ServerRole.Descriptor instead.
 func (ServerRole) EnumDescriptor() ([]byte, []int) {
-	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{2}
+	return file_ferrum_executor_v1_executor_proto_rawDescGZIP(), []int{3}
 }
 
 type InfoRequest struct {
@@ -3763,11 +3824,18 @@ type GenerateRequest struct {
 	// field but `model_id` (which must then name the stream's model, or be empty) is ignored: the
 	// stream goes on with its original settings, and its next token event has index
 	// `GenerateMigrated.generated_tokens`. Single use, only by the caller that started the stream,
-	// within `GenerateMigrated.resume_deadline_ms`; any other token is NOT_FOUND.
+	// within `GenerateMigrated.resume_deadline_ms`; any other token is NOT_FOUND. A KV peer that
+	// relays a stream it moved (`MIGRATION_MODE_RELAY`) resumes it here on the caller's behalf: a
+	// `Generate` call with a KV peer token must carry a `resume_token` (else PERMISSION_DENIED) of a
+	// stream moved in relay mode (else NOT_FOUND).
 	ResumeToken string `protobuf:"bytes,17,opt,name=resume_token,json=resumeToken,proto3" json:"resume_token,omitempty"`
 	// Server-side speculative decoding for this request (see `SpeculationOptions`). Unset = the
 	// server's default (`--speculation-draft-tokens`, off unless set).
-	Speculation   *SpeculationOptions `protobuf:"bytes,18,opt,name=speculation,proto3" json:"speculation,omitempty"`
+	Speculation *SpeculationOptions `protobuf:"bytes,18,opt,name=speculation,proto3" json:"speculation,omitempty"`
+	// What the caller sees when this stream moves to another server (`MigrateStreams`, a drain with
+	// `--drain-to`). Unset = `MIGRATION_MODE_FOLLOW`, the behaviour before this field existed. On a
+	// resumed stream (`resume_token`) it is ignored: the stream keeps its original mode.
+	MigrationMode MigrationMode `protobuf:"varint,19,opt,name=migration_mode,json=migrationMode,proto3,enum=ferrum.executor.v1.MigrationMode" json:"migration_mode,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3939,6 +4007,13 @@ func (x *GenerateRequest) GetSpeculation() *SpeculationOptions {
 		return x.Speculation
 	}
 	return nil
+}
+
+func (x *GenerateRequest) GetMigrationMode() MigrationMode {
+	if x != nil {
+		return x.MigrationMode
+	}
+	return MigrationMode_MIGRATION_MODE_UNSPECIFIED
 }
 
 type isGenerateRequest_Prompt interface {
@@ -4609,7 +4684,7 @@ type StreamMigration struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	RequestId string                 `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	ModelId   string                 `protobuf:"bytes,2,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
-	// Moved: the stream ended here with `GenerateMigrated`.
+	// Moved: the stream ended here with `GenerateMigrated` (or, relayed, goes on through this server).
 	Migrated bool `protobuf:"varint,3,opt,name=migrated,proto3" json:"migrated,omitempty"`
 	// Not moved (the stream goes on here): the gRPC code name and message of the refusal.
 	ErrorCode    string `protobuf:"bytes,4,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
@@ -4808,7 +4883,13 @@ type AcceptMigrationRequest struct {
 	// caller and source it was made for (any other: NOT_FOUND); a finish that fails drops it.
 	PrecopyId string `protobuf:"bytes,8,opt,name=precopy_id,json=precopyId,proto3" json:"precopy_id,omitempty"`
 	// With `precopy_id`: only drop that pre-copy (the stream ended first, or the move was called off).
-	Abandon       bool `protobuf:"varint,9,opt,name=abandon,proto3" json:"abandon,omitempty"`
+	Abandon bool `protobuf:"varint,9,opt,name=abandon,proto3" json:"abandon,omitempty"`
+	// The calling server resumes the stream itself and relays it to the caller
+	// (`MIGRATION_MODE_RELAY`): the answered `resume_token` is then taken only by a `Generate` call
+	// authenticated with one of this server's KV peer tokens that carries the stream's caller's
+	// identity (the caller's own call is NOT_FOUND); without it, only by the caller's own call (a
+	// peer's is NOT_FOUND).
+	Relay         bool `protobuf:"varint,10,opt,name=relay,proto3" json:"relay,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -4902,6 +4983,13 @@ func (x *AcceptMigrationRequest) GetPrecopyId() string {
 func (x *AcceptMigrationRequest) GetAbandon() bool {
 	if x != nil {
 		return x.Abandon
+	}
+	return false
+}
+
+func (x *AcceptMigrationRequest) GetRelay() bool {
+	if x != nil {
+		return x.Relay
 	}
 	return false
 }
@@ -8108,7 +8196,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x0estop_token_ids\x18\x02 \x03(\x05B\v\xbaH\x06\x92\x01\x03\x10\x80\b\x10\x01R\fstopTokenIds\x12\x1d\n" +
 	"\n" +
 	"ignore_eos\x18\x03 \x01(\bR\tignoreEos\x126\n" +
-	"\x0estop_sequences\x18\x04 \x03(\tB\x0f\xbaH\f\x92\x01\t\x10@\"\x05r\x03\x18\x80\x02R\rstopSequences\"\xbd\x06\n" +
+	"\x0estop_sequences\x18\x04 \x03(\tB\x0f\xbaH\f\x92\x01\t\x10@\"\x05r\x03\x18\x80\x02R\rstopSequences\"\x87\a\n" +
 	"\x0fGenerateRequest\x12#\n" +
 	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x12;\n" +
 	"\ttoken_ids\x18\x02 \x01(\v2\x1c.ferrum.executor.v1.TokenIdsH\x00R\btokenIds\x12 \n" +
@@ -8133,7 +8221,8 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x01n\x18\x0f \x01(\rR\x01n\x12\"\n" +
 	"\aadapter\x18\x10 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\aadapter\x12+\n" +
 	"\fresume_token\x18\x11 \x01(\tB\b\xbaH\x05r\x03\x18\x80\bR\vresumeToken\x12H\n" +
-	"\vspeculation\x18\x12 \x01(\v2&.ferrum.executor.v1.SpeculationOptionsR\vspeculationB\b\n" +
+	"\vspeculation\x18\x12 \x01(\v2&.ferrum.executor.v1.SpeculationOptionsR\vspeculation\x12H\n" +
+	"\x0emigration_mode\x18\x13 \x01(\x0e2!.ferrum.executor.v1.MigrationModeR\rmigrationModeB\b\n" +
 	"\x06promptB\x10\n" +
 	"\x0e_last_token_id\"\x94\x01\n" +
 	"\x12SpeculationOptions\x12\x1a\n" +
@@ -8201,7 +8290,7 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\x16MigrateStreamsResponse\x12=\n" +
 	"\astreams\x18\x01 \x03(\v2#.ferrum.executor.v1.StreamMigrationR\astreams\x12\x1a\n" +
 	"\bmigrated\x18\x02 \x01(\rR\bmigrated\x12\x18\n" +
-	"\arefused\x18\x03 \x01(\rR\arefused\"\x9d\x03\n" +
+	"\arefused\x18\x03 \x01(\rR\arefused\"\xb3\x03\n" +
 	"\x16AcceptMigrationRequest\x12#\n" +
 	"\bmodel_id\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\amodelId\x124\n" +
 	"\x06source\x18\x02 \x01(\v2\x1c.ferrum.executor.v1.KvSourceR\x06source\x12=\n" +
@@ -8212,7 +8301,9 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"\aprecopy\x18\a \x01(\bR\aprecopy\x12'\n" +
 	"\n" +
 	"precopy_id\x18\b \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\tprecopyId\x12\x18\n" +
-	"\aabandon\x18\t \x01(\bR\aabandon\"\xd9\x01\n" +
+	"\aabandon\x18\t \x01(\bR\aabandon\x12\x14\n" +
+	"\x05relay\x18\n" +
+	" \x01(\bR\x05relay\"\xd9\x01\n" +
 	"\x17AcceptMigrationResponse\x12!\n" +
 	"\fresume_token\x18\x01 \x01(\tR\vresumeToken\x12'\n" +
 	"\x0fimported_tokens\x18\x02 \x01(\rR\x0eimportedTokens\x12,\n" +
@@ -8449,7 +8540,11 @@ const file_ferrum_executor_v1_executor_proto_rawDesc = "" +
 	"liveCaches\x12\x14\n" +
 	"\x05steps\x18\n" +
 	" \x01(\x04R\x05steps\x12$\n" +
-	"\x0eloaded_unix_ms\x18\v \x01(\x03R\floadedUnixMs*\xce\x01\n" +
+	"\x0eloaded_unix_ms\x18\v \x01(\x03R\floadedUnixMs*d\n" +
+	"\rMigrationMode\x12\x1e\n" +
+	"\x1aMIGRATION_MODE_UNSPECIFIED\x10\x00\x12\x19\n" +
+	"\x15MIGRATION_MODE_FOLLOW\x10\x01\x12\x18\n" +
+	"\x14MIGRATION_MODE_RELAY\x10\x02*\xce\x01\n" +
 	"\fFinishReason\x12\x1d\n" +
 	"\x19FINISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14FINISH_REASON_LENGTH\x10\x01\x12\x16\n" +
@@ -8529,322 +8624,324 @@ func file_ferrum_executor_v1_executor_proto_rawDescGZIP() []byte {
 	return file_ferrum_executor_v1_executor_proto_rawDescData
 }
 
-var file_ferrum_executor_v1_executor_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_ferrum_executor_v1_executor_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
 var file_ferrum_executor_v1_executor_proto_msgTypes = make([]protoimpl.MessageInfo, 102)
 var file_ferrum_executor_v1_executor_proto_goTypes = []any{
-	(FinishReason)(0),                 // 0: ferrum.executor.v1.FinishReason
-	(KvEventKind)(0),                  // 1: ferrum.executor.v1.KvEventKind
-	(ServerRole)(0),                   // 2: ferrum.executor.v1.ServerRole
-	(*InfoRequest)(nil),               // 3: ferrum.executor.v1.InfoRequest
-	(*InfoResponse)(nil),              // 4: ferrum.executor.v1.InfoResponse
-	(*CapabilitiesRequest)(nil),       // 5: ferrum.executor.v1.CapabilitiesRequest
-	(*CapabilitiesResponse)(nil),      // 6: ferrum.executor.v1.CapabilitiesResponse
-	(*StatusRequest)(nil),             // 7: ferrum.executor.v1.StatusRequest
-	(*StatusResponse)(nil),            // 8: ferrum.executor.v1.StatusResponse
-	(*KvCapacityRequest)(nil),         // 9: ferrum.executor.v1.KvCapacityRequest
-	(*KvCapacityResponse)(nil),        // 10: ferrum.executor.v1.KvCapacityResponse
-	(*AdmissionLimitsRequest)(nil),    // 11: ferrum.executor.v1.AdmissionLimitsRequest
-	(*AdmissionLimitsResponse)(nil),   // 12: ferrum.executor.v1.AdmissionLimitsResponse
-	(*PrefillInput)(nil),              // 13: ferrum.executor.v1.PrefillInput
-	(*PrefillOutput)(nil),             // 14: ferrum.executor.v1.PrefillOutput
-	(*PrefillRequest)(nil),            // 15: ferrum.executor.v1.PrefillRequest
-	(*PrefillResponse)(nil),           // 16: ferrum.executor.v1.PrefillResponse
-	(*BatchPrefillRequest)(nil),       // 17: ferrum.executor.v1.BatchPrefillRequest
-	(*BatchPrefillResponse)(nil),      // 18: ferrum.executor.v1.BatchPrefillResponse
-	(*DecodeInput)(nil),               // 19: ferrum.executor.v1.DecodeInput
-	(*DecodeOutput)(nil),              // 20: ferrum.executor.v1.DecodeOutput
-	(*DecodeRequest)(nil),             // 21: ferrum.executor.v1.DecodeRequest
-	(*DecodeResponse)(nil),            // 22: ferrum.executor.v1.DecodeResponse
-	(*BatchDecodeRequest)(nil),        // 23: ferrum.executor.v1.BatchDecodeRequest
-	(*BatchDecodeResponse)(nil),       // 24: ferrum.executor.v1.BatchDecodeResponse
-	(*UnifiedBatchItem)(nil),          // 25: ferrum.executor.v1.UnifiedBatchItem
-	(*UnifiedDecodeRequest)(nil),      // 26: ferrum.executor.v1.UnifiedDecodeRequest
-	(*UnifiedItemResult)(nil),         // 27: ferrum.executor.v1.UnifiedItemResult
-	(*UnifiedDecodeResponse)(nil),     // 28: ferrum.executor.v1.UnifiedDecodeResponse
-	(*ForwardRequest)(nil),            // 29: ferrum.executor.v1.ForwardRequest
-	(*ForwardResponse)(nil),           // 30: ferrum.executor.v1.ForwardResponse
-	(*ForwardVerifyRequest)(nil),      // 31: ferrum.executor.v1.ForwardVerifyRequest
-	(*ForwardVerifyResponse)(nil),     // 32: ferrum.executor.v1.ForwardVerifyResponse
-	(*TruncateKvRequest)(nil),         // 33: ferrum.executor.v1.TruncateKvRequest
-	(*TruncateKvResponse)(nil),        // 34: ferrum.executor.v1.TruncateKvResponse
-	(*ReleaseCacheRequest)(nil),       // 35: ferrum.executor.v1.ReleaseCacheRequest
-	(*ReleaseCacheResponse)(nil),      // 36: ferrum.executor.v1.ReleaseCacheResponse
-	(*ForkCacheRequest)(nil),          // 37: ferrum.executor.v1.ForkCacheRequest
-	(*ForkCacheResponse)(nil),         // 38: ferrum.executor.v1.ForkCacheResponse
-	(*ReserveKvSlotsRequest)(nil),     // 39: ferrum.executor.v1.ReserveKvSlotsRequest
-	(*ReserveKvSlotsResponse)(nil),    // 40: ferrum.executor.v1.ReserveKvSlotsResponse
-	(*KvSlotCapacityRequest)(nil),     // 41: ferrum.executor.v1.KvSlotCapacityRequest
-	(*KvSlotCapacityResponse)(nil),    // 42: ferrum.executor.v1.KvSlotCapacityResponse
-	(*CacheMetricsRequest)(nil),       // 43: ferrum.executor.v1.CacheMetricsRequest
-	(*CacheMetricsResponse)(nil),      // 44: ferrum.executor.v1.CacheMetricsResponse
-	(*LoraMetricsRequest)(nil),        // 45: ferrum.executor.v1.LoraMetricsRequest
-	(*LoraMetricsResponse)(nil),       // 46: ferrum.executor.v1.LoraMetricsResponse
-	(*WarmupRequest)(nil),             // 47: ferrum.executor.v1.WarmupRequest
-	(*WarmupResponse)(nil),            // 48: ferrum.executor.v1.WarmupResponse
-	(*ShutdownRequest)(nil),           // 49: ferrum.executor.v1.ShutdownRequest
-	(*ShutdownResponse)(nil),          // 50: ferrum.executor.v1.ShutdownResponse
-	(*TokenizeRequest)(nil),           // 51: ferrum.executor.v1.TokenizeRequest
-	(*TokenizeResponse)(nil),          // 52: ferrum.executor.v1.TokenizeResponse
-	(*DetokenizeRequest)(nil),         // 53: ferrum.executor.v1.DetokenizeRequest
-	(*DetokenizeResponse)(nil),        // 54: ferrum.executor.v1.DetokenizeResponse
-	(*ChatMessage)(nil),               // 55: ferrum.executor.v1.ChatMessage
-	(*ApplyChatTemplateRequest)(nil),  // 56: ferrum.executor.v1.ApplyChatTemplateRequest
-	(*ApplyChatTemplateResponse)(nil), // 57: ferrum.executor.v1.ApplyChatTemplateResponse
-	(*TokenIds)(nil),                  // 58: ferrum.executor.v1.TokenIds
-	(*ChatMessages)(nil),              // 59: ferrum.executor.v1.ChatMessages
-	(*StopConditions)(nil),            // 60: ferrum.executor.v1.StopConditions
-	(*GenerateRequest)(nil),           // 61: ferrum.executor.v1.GenerateRequest
-	(*SpeculationOptions)(nil),        // 62: ferrum.executor.v1.SpeculationOptions
-	(*GenerateStarted)(nil),           // 63: ferrum.executor.v1.GenerateStarted
-	(*TokenEvent)(nil),                // 64: ferrum.executor.v1.TokenEvent
-	(*GenerateFinished)(nil),          // 65: ferrum.executor.v1.GenerateFinished
-	(*GenerateResponse)(nil),          // 66: ferrum.executor.v1.GenerateResponse
-	(*GenerateMigrated)(nil),          // 67: ferrum.executor.v1.GenerateMigrated
-	(*MigrateStreamsRequest)(nil),     // 68: ferrum.executor.v1.MigrateStreamsRequest
-	(*StreamMigration)(nil),           // 69: ferrum.executor.v1.StreamMigration
-	(*MigrateStreamsResponse)(nil),    // 70: ferrum.executor.v1.MigrateStreamsResponse
-	(*AcceptMigrationRequest)(nil),    // 71: ferrum.executor.v1.AcceptMigrationRequest
-	(*AcceptMigrationResponse)(nil),   // 72: ferrum.executor.v1.AcceptMigrationResponse
-	(*SessionRequest)(nil),            // 73: ferrum.executor.v1.SessionRequest
-	(*SessionResponse)(nil),           // 74: ferrum.executor.v1.SessionResponse
-	(*LoadsRequest)(nil),              // 75: ferrum.executor.v1.LoadsRequest
-	(*LatencySummary)(nil),            // 76: ferrum.executor.v1.LatencySummary
-	(*ModelLoad)(nil),                 // 77: ferrum.executor.v1.ModelLoad
-	(*LoadsResponse)(nil),             // 78: ferrum.executor.v1.LoadsResponse
-	(*ListCachesRequest)(nil),         // 79: ferrum.executor.v1.ListCachesRequest
-	(*ListCachesResponse)(nil),        // 80: ferrum.executor.v1.ListCachesResponse
-	(*KvEvent)(nil),                   // 81: ferrum.executor.v1.KvEvent
-	(*SubscribeKvEventsRequest)(nil),  // 82: ferrum.executor.v1.SubscribeKvEventsRequest
-	(*KvBlockStored)(nil),             // 83: ferrum.executor.v1.KvBlockStored
-	(*KvBlockRemoved)(nil),            // 84: ferrum.executor.v1.KvBlockRemoved
-	(*KvBlocksCleared)(nil),           // 85: ferrum.executor.v1.KvBlocksCleared
-	(*KvBlockEvent)(nil),              // 86: ferrum.executor.v1.KvBlockEvent
-	(*ResyncRequired)(nil),            // 87: ferrum.executor.v1.ResyncRequired
-	(*SubscribeKvEventsResponse)(nil), // 88: ferrum.executor.v1.SubscribeKvEventsResponse
-	(*AbortRequest)(nil),              // 89: ferrum.executor.v1.AbortRequest
-	(*AbortResponse)(nil),             // 90: ferrum.executor.v1.AbortResponse
-	(*ExportKvRequest)(nil),           // 91: ferrum.executor.v1.ExportKvRequest
-	(*KvTransferHeader)(nil),          // 92: ferrum.executor.v1.KvTransferHeader
-	(*KvChunk)(nil),                   // 93: ferrum.executor.v1.KvChunk
-	(*ExportKvResponse)(nil),          // 94: ferrum.executor.v1.ExportKvResponse
-	(*KvSource)(nil),                  // 95: ferrum.executor.v1.KvSource
-	(*ImportKvRequest)(nil),           // 96: ferrum.executor.v1.ImportKvRequest
-	(*ImportKvResponse)(nil),          // 97: ferrum.executor.v1.ImportKvResponse
-	(*LoadAdapterRequest)(nil),        // 98: ferrum.executor.v1.LoadAdapterRequest
-	(*LoadAdapterResponse)(nil),       // 99: ferrum.executor.v1.LoadAdapterResponse
-	(*UnloadAdapterRequest)(nil),      // 100: ferrum.executor.v1.UnloadAdapterRequest
-	(*UnloadAdapterResponse)(nil),     // 101: ferrum.executor.v1.UnloadAdapterResponse
-	(*ListAdaptersRequest)(nil),       // 102: ferrum.executor.v1.ListAdaptersRequest
-	(*ListAdaptersResponse)(nil),      // 103: ferrum.executor.v1.ListAdaptersResponse
-	(*AdapterInfo)(nil),               // 104: ferrum.executor.v1.AdapterInfo
-	(*ModelInfo)(nil),                 // 105: ferrum.executor.v1.ModelInfo
-	(*ExecutorCapabilities)(nil),      // 106: ferrum.executor.v1.ExecutorCapabilities
-	(*ExecutorStatus)(nil),            // 107: ferrum.executor.v1.ExecutorStatus
-	(*ExecutorMetrics)(nil),           // 108: ferrum.executor.v1.ExecutorMetrics
-	(*KvCapacity)(nil),                // 109: ferrum.executor.v1.KvCapacity
-	(*ExecutorAdmissionLimits)(nil),   // 110: ferrum.executor.v1.ExecutorAdmissionLimits
-	(*LogitsPolicy)(nil),              // 111: ferrum.executor.v1.LogitsPolicy
-	(*structpb.Struct)(nil),           // 112: google.protobuf.Struct
-	(*KvCacheHandle)(nil),             // 113: ferrum.executor.v1.KvCacheHandle
-	(*LogitsOutput)(nil),              // 114: ferrum.executor.v1.LogitsOutput
-	(*Tensor)(nil),                    // 115: ferrum.executor.v1.Tensor
-	(*StepTimings)(nil),               // 116: ferrum.executor.v1.StepTimings
-	(DataType)(0),                     // 117: ferrum.executor.v1.DataType
-	(*KvSlotRequest)(nil),             // 118: ferrum.executor.v1.KvSlotRequest
-	(*KvSlotReservation)(nil),         // 119: ferrum.executor.v1.KvSlotReservation
-	(*KvSlotCapacitySnapshot)(nil),    // 120: ferrum.executor.v1.KvSlotCapacitySnapshot
-	(*SamplingParams)(nil),            // 121: ferrum.executor.v1.SamplingParams
-	(*TokenLogprob)(nil),              // 122: ferrum.executor.v1.TokenLogprob
-	(*StepError)(nil),                 // 123: ferrum.executor.v1.StepError
+	(MigrationMode)(0),                // 0: ferrum.executor.v1.MigrationMode
+	(FinishReason)(0),                 // 1: ferrum.executor.v1.FinishReason
+	(KvEventKind)(0),                  // 2: ferrum.executor.v1.KvEventKind
+	(ServerRole)(0),                   // 3: ferrum.executor.v1.ServerRole
+	(*InfoRequest)(nil),               // 4: ferrum.executor.v1.InfoRequest
+	(*InfoResponse)(nil),              // 5: ferrum.executor.v1.InfoResponse
+	(*CapabilitiesRequest)(nil),       // 6: ferrum.executor.v1.CapabilitiesRequest
+	(*CapabilitiesResponse)(nil),      // 7: ferrum.executor.v1.CapabilitiesResponse
+	(*StatusRequest)(nil),             // 8: ferrum.executor.v1.StatusRequest
+	(*StatusResponse)(nil),            // 9: ferrum.executor.v1.StatusResponse
+	(*KvCapacityRequest)(nil),         // 10: ferrum.executor.v1.KvCapacityRequest
+	(*KvCapacityResponse)(nil),        // 11: ferrum.executor.v1.KvCapacityResponse
+	(*AdmissionLimitsRequest)(nil),    // 12: ferrum.executor.v1.AdmissionLimitsRequest
+	(*AdmissionLimitsResponse)(nil),   // 13: ferrum.executor.v1.AdmissionLimitsResponse
+	(*PrefillInput)(nil),              // 14: ferrum.executor.v1.PrefillInput
+	(*PrefillOutput)(nil),             // 15: ferrum.executor.v1.PrefillOutput
+	(*PrefillRequest)(nil),            // 16: ferrum.executor.v1.PrefillRequest
+	(*PrefillResponse)(nil),           // 17: ferrum.executor.v1.PrefillResponse
+	(*BatchPrefillRequest)(nil),       // 18: ferrum.executor.v1.BatchPrefillRequest
+	(*BatchPrefillResponse)(nil),      // 19: ferrum.executor.v1.BatchPrefillResponse
+	(*DecodeInput)(nil),               // 20: ferrum.executor.v1.DecodeInput
+	(*DecodeOutput)(nil),              // 21: ferrum.executor.v1.DecodeOutput
+	(*DecodeRequest)(nil),             // 22: ferrum.executor.v1.DecodeRequest
+	(*DecodeResponse)(nil),            // 23: ferrum.executor.v1.DecodeResponse
+	(*BatchDecodeRequest)(nil),        // 24: ferrum.executor.v1.BatchDecodeRequest
+	(*BatchDecodeResponse)(nil),       // 25: ferrum.executor.v1.BatchDecodeResponse
+	(*UnifiedBatchItem)(nil),          // 26: ferrum.executor.v1.UnifiedBatchItem
+	(*UnifiedDecodeRequest)(nil),      // 27: ferrum.executor.v1.UnifiedDecodeRequest
+	(*UnifiedItemResult)(nil),         // 28: ferrum.executor.v1.UnifiedItemResult
+	(*UnifiedDecodeResponse)(nil),     // 29: ferrum.executor.v1.UnifiedDecodeResponse
+	(*ForwardRequest)(nil),            // 30: ferrum.executor.v1.ForwardRequest
+	(*ForwardResponse)(nil),           // 31: ferrum.executor.v1.ForwardResponse
+	(*ForwardVerifyRequest)(nil),      // 32: ferrum.executor.v1.ForwardVerifyRequest
+	(*ForwardVerifyResponse)(nil),     // 33: ferrum.executor.v1.ForwardVerifyResponse
+	(*TruncateKvRequest)(nil),         // 34: ferrum.executor.v1.TruncateKvRequest
+	(*TruncateKvResponse)(nil),        // 35: ferrum.executor.v1.TruncateKvResponse
+	(*ReleaseCacheRequest)(nil),       // 36: ferrum.executor.v1.ReleaseCacheRequest
+	(*ReleaseCacheResponse)(nil),      // 37: ferrum.executor.v1.ReleaseCacheResponse
+	(*ForkCacheRequest)(nil),          // 38: ferrum.executor.v1.ForkCacheRequest
+	(*ForkCacheResponse)(nil),         // 39: ferrum.executor.v1.ForkCacheResponse
+	(*ReserveKvSlotsRequest)(nil),     // 40: ferrum.executor.v1.ReserveKvSlotsRequest
+	(*ReserveKvSlotsResponse)(nil),    // 41: ferrum.executor.v1.ReserveKvSlotsResponse
+	(*KvSlotCapacityRequest)(nil),     // 42: ferrum.executor.v1.KvSlotCapacityRequest
+	(*KvSlotCapacityResponse)(nil),    // 43: ferrum.executor.v1.KvSlotCapacityResponse
+	(*CacheMetricsRequest)(nil),       // 44: ferrum.executor.v1.CacheMetricsRequest
+	(*CacheMetricsResponse)(nil),      // 45: ferrum.executor.v1.CacheMetricsResponse
+	(*LoraMetricsRequest)(nil),        // 46: ferrum.executor.v1.LoraMetricsRequest
+	(*LoraMetricsResponse)(nil),       // 47: ferrum.executor.v1.LoraMetricsResponse
+	(*WarmupRequest)(nil),             // 48: ferrum.executor.v1.WarmupRequest
+	(*WarmupResponse)(nil),            // 49: ferrum.executor.v1.WarmupResponse
+	(*ShutdownRequest)(nil),           // 50: ferrum.executor.v1.ShutdownRequest
+	(*ShutdownResponse)(nil),          // 51: ferrum.executor.v1.ShutdownResponse
+	(*TokenizeRequest)(nil),           // 52: ferrum.executor.v1.TokenizeRequest
+	(*TokenizeResponse)(nil),          // 53: ferrum.executor.v1.TokenizeResponse
+	(*DetokenizeRequest)(nil),         // 54: ferrum.executor.v1.DetokenizeRequest
+	(*DetokenizeResponse)(nil),        // 55: ferrum.executor.v1.DetokenizeResponse
+	(*ChatMessage)(nil),               // 56: ferrum.executor.v1.ChatMessage
+	(*ApplyChatTemplateRequest)(nil),  // 57: ferrum.executor.v1.ApplyChatTemplateRequest
+	(*ApplyChatTemplateResponse)(nil), // 58: ferrum.executor.v1.ApplyChatTemplateResponse
+	(*TokenIds)(nil),                  // 59: ferrum.executor.v1.TokenIds
+	(*ChatMessages)(nil),              // 60: ferrum.executor.v1.ChatMessages
+	(*StopConditions)(nil),            // 61: ferrum.executor.v1.StopConditions
+	(*GenerateRequest)(nil),           // 62: ferrum.executor.v1.GenerateRequest
+	(*SpeculationOptions)(nil),        // 63: ferrum.executor.v1.SpeculationOptions
+	(*GenerateStarted)(nil),           // 64: ferrum.executor.v1.GenerateStarted
+	(*TokenEvent)(nil),                // 65: ferrum.executor.v1.TokenEvent
+	(*GenerateFinished)(nil),          // 66: ferrum.executor.v1.GenerateFinished
+	(*GenerateResponse)(nil),          // 67: ferrum.executor.v1.GenerateResponse
+	(*GenerateMigrated)(nil),          // 68: ferrum.executor.v1.GenerateMigrated
+	(*MigrateStreamsRequest)(nil),     // 69: ferrum.executor.v1.MigrateStreamsRequest
+	(*StreamMigration)(nil),           // 70: ferrum.executor.v1.StreamMigration
+	(*MigrateStreamsResponse)(nil),    // 71: ferrum.executor.v1.MigrateStreamsResponse
+	(*AcceptMigrationRequest)(nil),    // 72: ferrum.executor.v1.AcceptMigrationRequest
+	(*AcceptMigrationResponse)(nil),   // 73: ferrum.executor.v1.AcceptMigrationResponse
+	(*SessionRequest)(nil),            // 74: ferrum.executor.v1.SessionRequest
+	(*SessionResponse)(nil),           // 75: ferrum.executor.v1.SessionResponse
+	(*LoadsRequest)(nil),              // 76: ferrum.executor.v1.LoadsRequest
+	(*LatencySummary)(nil),            // 77: ferrum.executor.v1.LatencySummary
+	(*ModelLoad)(nil),                 // 78: ferrum.executor.v1.ModelLoad
+	(*LoadsResponse)(nil),             // 79: ferrum.executor.v1.LoadsResponse
+	(*ListCachesRequest)(nil),         // 80: ferrum.executor.v1.ListCachesRequest
+	(*ListCachesResponse)(nil),        // 81: ferrum.executor.v1.ListCachesResponse
+	(*KvEvent)(nil),                   // 82: ferrum.executor.v1.KvEvent
+	(*SubscribeKvEventsRequest)(nil),  // 83: ferrum.executor.v1.SubscribeKvEventsRequest
+	(*KvBlockStored)(nil),             // 84: ferrum.executor.v1.KvBlockStored
+	(*KvBlockRemoved)(nil),            // 85: ferrum.executor.v1.KvBlockRemoved
+	(*KvBlocksCleared)(nil),           // 86: ferrum.executor.v1.KvBlocksCleared
+	(*KvBlockEvent)(nil),              // 87: ferrum.executor.v1.KvBlockEvent
+	(*ResyncRequired)(nil),            // 88: ferrum.executor.v1.ResyncRequired
+	(*SubscribeKvEventsResponse)(nil), // 89: ferrum.executor.v1.SubscribeKvEventsResponse
+	(*AbortRequest)(nil),              // 90: ferrum.executor.v1.AbortRequest
+	(*AbortResponse)(nil),             // 91: ferrum.executor.v1.AbortResponse
+	(*ExportKvRequest)(nil),           // 92: ferrum.executor.v1.ExportKvRequest
+	(*KvTransferHeader)(nil),          // 93: ferrum.executor.v1.KvTransferHeader
+	(*KvChunk)(nil),                   // 94: ferrum.executor.v1.KvChunk
+	(*ExportKvResponse)(nil),          // 95: ferrum.executor.v1.ExportKvResponse
+	(*KvSource)(nil),                  // 96: ferrum.executor.v1.KvSource
+	(*ImportKvRequest)(nil),           // 97: ferrum.executor.v1.ImportKvRequest
+	(*ImportKvResponse)(nil),          // 98: ferrum.executor.v1.ImportKvResponse
+	(*LoadAdapterRequest)(nil),        // 99: ferrum.executor.v1.LoadAdapterRequest
+	(*LoadAdapterResponse)(nil),       // 100: ferrum.executor.v1.LoadAdapterResponse
+	(*UnloadAdapterRequest)(nil),      // 101: ferrum.executor.v1.UnloadAdapterRequest
+	(*UnloadAdapterResponse)(nil),     // 102: ferrum.executor.v1.UnloadAdapterResponse
+	(*ListAdaptersRequest)(nil),       // 103: ferrum.executor.v1.ListAdaptersRequest
+	(*ListAdaptersResponse)(nil),      // 104: ferrum.executor.v1.ListAdaptersResponse
+	(*AdapterInfo)(nil),               // 105: ferrum.executor.v1.AdapterInfo
+	(*ModelInfo)(nil),                 // 106: ferrum.executor.v1.ModelInfo
+	(*ExecutorCapabilities)(nil),      // 107: ferrum.executor.v1.ExecutorCapabilities
+	(*ExecutorStatus)(nil),            // 108: ferrum.executor.v1.ExecutorStatus
+	(*ExecutorMetrics)(nil),           // 109: ferrum.executor.v1.ExecutorMetrics
+	(*KvCapacity)(nil),                // 110: ferrum.executor.v1.KvCapacity
+	(*ExecutorAdmissionLimits)(nil),   // 111: ferrum.executor.v1.ExecutorAdmissionLimits
+	(*LogitsPolicy)(nil),              // 112: ferrum.executor.v1.LogitsPolicy
+	(*structpb.Struct)(nil),           // 113: google.protobuf.Struct
+	(*KvCacheHandle)(nil),             // 114: ferrum.executor.v1.KvCacheHandle
+	(*LogitsOutput)(nil),              // 115: ferrum.executor.v1.LogitsOutput
+	(*Tensor)(nil),                    // 116: ferrum.executor.v1.Tensor
+	(*StepTimings)(nil),               // 117: ferrum.executor.v1.StepTimings
+	(DataType)(0),                     // 118: ferrum.executor.v1.DataType
+	(*KvSlotRequest)(nil),             // 119: ferrum.executor.v1.KvSlotRequest
+	(*KvSlotReservation)(nil),         // 120: ferrum.executor.v1.KvSlotReservation
+	(*KvSlotCapacitySnapshot)(nil),    // 121: ferrum.executor.v1.KvSlotCapacitySnapshot
+	(*SamplingParams)(nil),            // 122: ferrum.executor.v1.SamplingParams
+	(*TokenLogprob)(nil),              // 123: ferrum.executor.v1.TokenLogprob
+	(*StepError)(nil),                 // 124: ferrum.executor.v1.StepError
 }
 var file_ferrum_executor_v1_executor_proto_depIdxs = []int32{
-	105, // 0: ferrum.executor.v1.InfoResponse.models:type_name -> ferrum.executor.v1.ModelInfo
-	2,   // 1: ferrum.executor.v1.InfoResponse.role:type_name -> ferrum.executor.v1.ServerRole
-	106, // 2: ferrum.executor.v1.CapabilitiesResponse.capabilities:type_name -> ferrum.executor.v1.ExecutorCapabilities
-	107, // 3: ferrum.executor.v1.StatusResponse.status:type_name -> ferrum.executor.v1.ExecutorStatus
-	108, // 4: ferrum.executor.v1.StatusResponse.metrics:type_name -> ferrum.executor.v1.ExecutorMetrics
-	109, // 5: ferrum.executor.v1.KvCapacityResponse.capacity:type_name -> ferrum.executor.v1.KvCapacity
-	110, // 6: ferrum.executor.v1.AdmissionLimitsResponse.limits:type_name -> ferrum.executor.v1.ExecutorAdmissionLimits
-	111, // 7: ferrum.executor.v1.PrefillInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	112, // 8: ferrum.executor.v1.PrefillInput.metadata:type_name -> google.protobuf.Struct
-	113, // 9: ferrum.executor.v1.PrefillOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	114, // 10: ferrum.executor.v1.PrefillOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
-	114, // 11: ferrum.executor.v1.PrefillOutput.positions:type_name -> ferrum.executor.v1.LogitsOutput
-	115, // 12: ferrum.executor.v1.PrefillOutput.embedding:type_name -> ferrum.executor.v1.Tensor
-	13,  // 13: ferrum.executor.v1.PrefillRequest.input:type_name -> ferrum.executor.v1.PrefillInput
-	14,  // 14: ferrum.executor.v1.PrefillResponse.output:type_name -> ferrum.executor.v1.PrefillOutput
-	116, // 15: ferrum.executor.v1.PrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	13,  // 16: ferrum.executor.v1.BatchPrefillRequest.inputs:type_name -> ferrum.executor.v1.PrefillInput
-	14,  // 17: ferrum.executor.v1.BatchPrefillResponse.outputs:type_name -> ferrum.executor.v1.PrefillOutput
-	116, // 18: ferrum.executor.v1.BatchPrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	111, // 19: ferrum.executor.v1.DecodeInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	112, // 20: ferrum.executor.v1.DecodeInput.metadata:type_name -> google.protobuf.Struct
-	113, // 21: ferrum.executor.v1.DecodeOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	114, // 22: ferrum.executor.v1.DecodeOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
-	19,  // 23: ferrum.executor.v1.DecodeRequest.input:type_name -> ferrum.executor.v1.DecodeInput
-	20,  // 24: ferrum.executor.v1.DecodeResponse.output:type_name -> ferrum.executor.v1.DecodeOutput
-	116, // 25: ferrum.executor.v1.DecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	19,  // 26: ferrum.executor.v1.BatchDecodeRequest.inputs:type_name -> ferrum.executor.v1.DecodeInput
-	20,  // 27: ferrum.executor.v1.BatchDecodeResponse.outputs:type_name -> ferrum.executor.v1.DecodeOutput
-	116, // 28: ferrum.executor.v1.BatchDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	111, // 29: ferrum.executor.v1.UnifiedBatchItem.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	112, // 30: ferrum.executor.v1.UnifiedBatchItem.metadata:type_name -> google.protobuf.Struct
-	25,  // 31: ferrum.executor.v1.UnifiedDecodeRequest.items:type_name -> ferrum.executor.v1.UnifiedBatchItem
-	113, // 32: ferrum.executor.v1.UnifiedItemResult.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	114, // 33: ferrum.executor.v1.UnifiedItemResult.output:type_name -> ferrum.executor.v1.LogitsOutput
-	27,  // 34: ferrum.executor.v1.UnifiedDecodeResponse.results:type_name -> ferrum.executor.v1.UnifiedItemResult
-	116, // 35: ferrum.executor.v1.UnifiedDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	115, // 36: ferrum.executor.v1.ForwardRequest.input:type_name -> ferrum.executor.v1.Tensor
-	117, // 37: ferrum.executor.v1.ForwardRequest.logits_dtype:type_name -> ferrum.executor.v1.DataType
-	115, // 38: ferrum.executor.v1.ForwardResponse.output:type_name -> ferrum.executor.v1.Tensor
-	116, // 39: ferrum.executor.v1.ForwardResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	111, // 40: ferrum.executor.v1.ForwardVerifyRequest.logits:type_name -> ferrum.executor.v1.LogitsPolicy
-	114, // 41: ferrum.executor.v1.ForwardVerifyResponse.outputs:type_name -> ferrum.executor.v1.LogitsOutput
-	113, // 42: ferrum.executor.v1.ForwardVerifyResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	116, // 43: ferrum.executor.v1.ForwardVerifyResponse.timings:type_name -> ferrum.executor.v1.StepTimings
-	113, // 44: ferrum.executor.v1.TruncateKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	113, // 45: ferrum.executor.v1.ForkCacheResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	118, // 46: ferrum.executor.v1.ReserveKvSlotsRequest.requests:type_name -> ferrum.executor.v1.KvSlotRequest
-	119, // 47: ferrum.executor.v1.ReserveKvSlotsResponse.reservation:type_name -> ferrum.executor.v1.KvSlotReservation
-	120, // 48: ferrum.executor.v1.KvSlotCapacityResponse.snapshot:type_name -> ferrum.executor.v1.KvSlotCapacitySnapshot
-	112, // 49: ferrum.executor.v1.CacheMetricsResponse.metrics:type_name -> google.protobuf.Struct
-	112, // 50: ferrum.executor.v1.LoraMetricsResponse.metrics:type_name -> google.protobuf.Struct
-	55,  // 51: ferrum.executor.v1.ApplyChatTemplateRequest.messages:type_name -> ferrum.executor.v1.ChatMessage
-	55,  // 52: ferrum.executor.v1.ChatMessages.messages:type_name -> ferrum.executor.v1.ChatMessage
-	58,  // 53: ferrum.executor.v1.GenerateRequest.token_ids:type_name -> ferrum.executor.v1.TokenIds
-	59,  // 54: ferrum.executor.v1.GenerateRequest.chat:type_name -> ferrum.executor.v1.ChatMessages
-	121, // 55: ferrum.executor.v1.GenerateRequest.sampling:type_name -> ferrum.executor.v1.SamplingParams
-	60,  // 56: ferrum.executor.v1.GenerateRequest.stop:type_name -> ferrum.executor.v1.StopConditions
-	62,  // 57: ferrum.executor.v1.GenerateRequest.speculation:type_name -> ferrum.executor.v1.SpeculationOptions
-	113, // 58: ferrum.executor.v1.GenerateStarted.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	122, // 59: ferrum.executor.v1.TokenEvent.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
-	0,   // 60: ferrum.executor.v1.GenerateFinished.finish_reason:type_name -> ferrum.executor.v1.FinishReason
-	113, // 61: ferrum.executor.v1.GenerateFinished.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	63,  // 62: ferrum.executor.v1.GenerateResponse.started:type_name -> ferrum.executor.v1.GenerateStarted
-	64,  // 63: ferrum.executor.v1.GenerateResponse.token:type_name -> ferrum.executor.v1.TokenEvent
-	65,  // 64: ferrum.executor.v1.GenerateResponse.finished:type_name -> ferrum.executor.v1.GenerateFinished
-	67,  // 65: ferrum.executor.v1.GenerateResponse.migrated:type_name -> ferrum.executor.v1.GenerateMigrated
-	69,  // 66: ferrum.executor.v1.MigrateStreamsResponse.streams:type_name -> ferrum.executor.v1.StreamMigration
-	95,  // 67: ferrum.executor.v1.AcceptMigrationRequest.source:type_name -> ferrum.executor.v1.KvSource
-	61,  // 68: ferrum.executor.v1.AcceptMigrationRequest.request:type_name -> ferrum.executor.v1.GenerateRequest
-	15,  // 69: ferrum.executor.v1.SessionRequest.prefill:type_name -> ferrum.executor.v1.PrefillRequest
-	17,  // 70: ferrum.executor.v1.SessionRequest.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillRequest
-	21,  // 71: ferrum.executor.v1.SessionRequest.decode:type_name -> ferrum.executor.v1.DecodeRequest
-	23,  // 72: ferrum.executor.v1.SessionRequest.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeRequest
-	26,  // 73: ferrum.executor.v1.SessionRequest.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeRequest
-	31,  // 74: ferrum.executor.v1.SessionRequest.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyRequest
-	33,  // 75: ferrum.executor.v1.SessionRequest.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvRequest
-	35,  // 76: ferrum.executor.v1.SessionRequest.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheRequest
-	37,  // 77: ferrum.executor.v1.SessionRequest.fork_cache:type_name -> ferrum.executor.v1.ForkCacheRequest
-	16,  // 78: ferrum.executor.v1.SessionResponse.prefill:type_name -> ferrum.executor.v1.PrefillResponse
-	18,  // 79: ferrum.executor.v1.SessionResponse.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillResponse
-	22,  // 80: ferrum.executor.v1.SessionResponse.decode:type_name -> ferrum.executor.v1.DecodeResponse
-	24,  // 81: ferrum.executor.v1.SessionResponse.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeResponse
-	28,  // 82: ferrum.executor.v1.SessionResponse.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeResponse
-	32,  // 83: ferrum.executor.v1.SessionResponse.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyResponse
-	34,  // 84: ferrum.executor.v1.SessionResponse.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvResponse
-	36,  // 85: ferrum.executor.v1.SessionResponse.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheResponse
-	38,  // 86: ferrum.executor.v1.SessionResponse.fork_cache:type_name -> ferrum.executor.v1.ForkCacheResponse
-	123, // 87: ferrum.executor.v1.SessionResponse.error:type_name -> ferrum.executor.v1.StepError
-	76,  // 88: ferrum.executor.v1.ModelLoad.prefill_latency:type_name -> ferrum.executor.v1.LatencySummary
-	76,  // 89: ferrum.executor.v1.ModelLoad.decode_latency:type_name -> ferrum.executor.v1.LatencySummary
-	77,  // 90: ferrum.executor.v1.LoadsResponse.loads:type_name -> ferrum.executor.v1.ModelLoad
-	113, // 91: ferrum.executor.v1.ListCachesResponse.caches:type_name -> ferrum.executor.v1.KvCacheHandle
-	1,   // 92: ferrum.executor.v1.KvEvent.kind:type_name -> ferrum.executor.v1.KvEventKind
-	83,  // 93: ferrum.executor.v1.KvBlockEvent.stored:type_name -> ferrum.executor.v1.KvBlockStored
-	84,  // 94: ferrum.executor.v1.KvBlockEvent.removed:type_name -> ferrum.executor.v1.KvBlockRemoved
-	85,  // 95: ferrum.executor.v1.KvBlockEvent.cleared:type_name -> ferrum.executor.v1.KvBlocksCleared
-	81,  // 96: ferrum.executor.v1.SubscribeKvEventsResponse.event:type_name -> ferrum.executor.v1.KvEvent
-	87,  // 97: ferrum.executor.v1.SubscribeKvEventsResponse.resync_required:type_name -> ferrum.executor.v1.ResyncRequired
-	86,  // 98: ferrum.executor.v1.SubscribeKvEventsResponse.block_event:type_name -> ferrum.executor.v1.KvBlockEvent
-	117, // 99: ferrum.executor.v1.KvTransferHeader.kv_dtype:type_name -> ferrum.executor.v1.DataType
-	92,  // 100: ferrum.executor.v1.ExportKvResponse.header:type_name -> ferrum.executor.v1.KvTransferHeader
-	93,  // 101: ferrum.executor.v1.ExportKvResponse.chunk:type_name -> ferrum.executor.v1.KvChunk
-	95,  // 102: ferrum.executor.v1.ImportKvRequest.source:type_name -> ferrum.executor.v1.KvSource
-	92,  // 103: ferrum.executor.v1.ImportKvRequest.header:type_name -> ferrum.executor.v1.KvTransferHeader
-	93,  // 104: ferrum.executor.v1.ImportKvRequest.chunk:type_name -> ferrum.executor.v1.KvChunk
-	113, // 105: ferrum.executor.v1.ImportKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
-	104, // 106: ferrum.executor.v1.LoadAdapterResponse.adapter:type_name -> ferrum.executor.v1.AdapterInfo
-	104, // 107: ferrum.executor.v1.ListAdaptersResponse.adapters:type_name -> ferrum.executor.v1.AdapterInfo
-	3,   // 108: ferrum.executor.v1.ModelExecutor.Info:input_type -> ferrum.executor.v1.InfoRequest
-	5,   // 109: ferrum.executor.v1.ModelExecutor.Capabilities:input_type -> ferrum.executor.v1.CapabilitiesRequest
-	7,   // 110: ferrum.executor.v1.ModelExecutor.Status:input_type -> ferrum.executor.v1.StatusRequest
-	9,   // 111: ferrum.executor.v1.ModelExecutor.KvCapacity:input_type -> ferrum.executor.v1.KvCapacityRequest
-	11,  // 112: ferrum.executor.v1.ModelExecutor.AdmissionLimits:input_type -> ferrum.executor.v1.AdmissionLimitsRequest
-	15,  // 113: ferrum.executor.v1.ModelExecutor.Prefill:input_type -> ferrum.executor.v1.PrefillRequest
-	17,  // 114: ferrum.executor.v1.ModelExecutor.BatchPrefill:input_type -> ferrum.executor.v1.BatchPrefillRequest
-	21,  // 115: ferrum.executor.v1.ModelExecutor.Decode:input_type -> ferrum.executor.v1.DecodeRequest
-	23,  // 116: ferrum.executor.v1.ModelExecutor.BatchDecode:input_type -> ferrum.executor.v1.BatchDecodeRequest
-	26,  // 117: ferrum.executor.v1.ModelExecutor.UnifiedDecode:input_type -> ferrum.executor.v1.UnifiedDecodeRequest
-	29,  // 118: ferrum.executor.v1.ModelExecutor.Forward:input_type -> ferrum.executor.v1.ForwardRequest
-	31,  // 119: ferrum.executor.v1.ModelExecutor.ForwardVerify:input_type -> ferrum.executor.v1.ForwardVerifyRequest
-	33,  // 120: ferrum.executor.v1.ModelExecutor.TruncateKv:input_type -> ferrum.executor.v1.TruncateKvRequest
-	35,  // 121: ferrum.executor.v1.ModelExecutor.ReleaseCache:input_type -> ferrum.executor.v1.ReleaseCacheRequest
-	37,  // 122: ferrum.executor.v1.ModelExecutor.ForkCache:input_type -> ferrum.executor.v1.ForkCacheRequest
-	39,  // 123: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:input_type -> ferrum.executor.v1.ReserveKvSlotsRequest
-	41,  // 124: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:input_type -> ferrum.executor.v1.KvSlotCapacityRequest
-	43,  // 125: ferrum.executor.v1.ModelExecutor.CacheMetrics:input_type -> ferrum.executor.v1.CacheMetricsRequest
-	45,  // 126: ferrum.executor.v1.ModelExecutor.LoraMetrics:input_type -> ferrum.executor.v1.LoraMetricsRequest
-	47,  // 127: ferrum.executor.v1.ModelExecutor.Warmup:input_type -> ferrum.executor.v1.WarmupRequest
-	49,  // 128: ferrum.executor.v1.ModelExecutor.Shutdown:input_type -> ferrum.executor.v1.ShutdownRequest
-	51,  // 129: ferrum.executor.v1.ModelExecutor.Tokenize:input_type -> ferrum.executor.v1.TokenizeRequest
-	53,  // 130: ferrum.executor.v1.ModelExecutor.Detokenize:input_type -> ferrum.executor.v1.DetokenizeRequest
-	56,  // 131: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:input_type -> ferrum.executor.v1.ApplyChatTemplateRequest
-	61,  // 132: ferrum.executor.v1.ModelExecutor.Generate:input_type -> ferrum.executor.v1.GenerateRequest
-	73,  // 133: ferrum.executor.v1.ModelExecutor.Session:input_type -> ferrum.executor.v1.SessionRequest
-	75,  // 134: ferrum.executor.v1.ModelExecutor.Loads:input_type -> ferrum.executor.v1.LoadsRequest
-	79,  // 135: ferrum.executor.v1.ModelExecutor.ListCaches:input_type -> ferrum.executor.v1.ListCachesRequest
-	82,  // 136: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:input_type -> ferrum.executor.v1.SubscribeKvEventsRequest
-	89,  // 137: ferrum.executor.v1.ModelExecutor.Abort:input_type -> ferrum.executor.v1.AbortRequest
-	91,  // 138: ferrum.executor.v1.ModelExecutor.ExportKv:input_type -> ferrum.executor.v1.ExportKvRequest
-	96,  // 139: ferrum.executor.v1.ModelExecutor.ImportKv:input_type -> ferrum.executor.v1.ImportKvRequest
-	98,  // 140: ferrum.executor.v1.ModelExecutor.LoadAdapter:input_type -> ferrum.executor.v1.LoadAdapterRequest
-	100, // 141: ferrum.executor.v1.ModelExecutor.UnloadAdapter:input_type -> ferrum.executor.v1.UnloadAdapterRequest
-	102, // 142: ferrum.executor.v1.ModelExecutor.ListAdapters:input_type -> ferrum.executor.v1.ListAdaptersRequest
-	68,  // 143: ferrum.executor.v1.ModelExecutor.MigrateStreams:input_type -> ferrum.executor.v1.MigrateStreamsRequest
-	71,  // 144: ferrum.executor.v1.ModelExecutor.AcceptMigration:input_type -> ferrum.executor.v1.AcceptMigrationRequest
-	4,   // 145: ferrum.executor.v1.ModelExecutor.Info:output_type -> ferrum.executor.v1.InfoResponse
-	6,   // 146: ferrum.executor.v1.ModelExecutor.Capabilities:output_type -> ferrum.executor.v1.CapabilitiesResponse
-	8,   // 147: ferrum.executor.v1.ModelExecutor.Status:output_type -> ferrum.executor.v1.StatusResponse
-	10,  // 148: ferrum.executor.v1.ModelExecutor.KvCapacity:output_type -> ferrum.executor.v1.KvCapacityResponse
-	12,  // 149: ferrum.executor.v1.ModelExecutor.AdmissionLimits:output_type -> ferrum.executor.v1.AdmissionLimitsResponse
-	16,  // 150: ferrum.executor.v1.ModelExecutor.Prefill:output_type -> ferrum.executor.v1.PrefillResponse
-	18,  // 151: ferrum.executor.v1.ModelExecutor.BatchPrefill:output_type -> ferrum.executor.v1.BatchPrefillResponse
-	22,  // 152: ferrum.executor.v1.ModelExecutor.Decode:output_type -> ferrum.executor.v1.DecodeResponse
-	24,  // 153: ferrum.executor.v1.ModelExecutor.BatchDecode:output_type -> ferrum.executor.v1.BatchDecodeResponse
-	28,  // 154: ferrum.executor.v1.ModelExecutor.UnifiedDecode:output_type -> ferrum.executor.v1.UnifiedDecodeResponse
-	30,  // 155: ferrum.executor.v1.ModelExecutor.Forward:output_type -> ferrum.executor.v1.ForwardResponse
-	32,  // 156: ferrum.executor.v1.ModelExecutor.ForwardVerify:output_type -> ferrum.executor.v1.ForwardVerifyResponse
-	34,  // 157: ferrum.executor.v1.ModelExecutor.TruncateKv:output_type -> ferrum.executor.v1.TruncateKvResponse
-	36,  // 158: ferrum.executor.v1.ModelExecutor.ReleaseCache:output_type -> ferrum.executor.v1.ReleaseCacheResponse
-	38,  // 159: ferrum.executor.v1.ModelExecutor.ForkCache:output_type -> ferrum.executor.v1.ForkCacheResponse
-	40,  // 160: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:output_type -> ferrum.executor.v1.ReserveKvSlotsResponse
-	42,  // 161: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:output_type -> ferrum.executor.v1.KvSlotCapacityResponse
-	44,  // 162: ferrum.executor.v1.ModelExecutor.CacheMetrics:output_type -> ferrum.executor.v1.CacheMetricsResponse
-	46,  // 163: ferrum.executor.v1.ModelExecutor.LoraMetrics:output_type -> ferrum.executor.v1.LoraMetricsResponse
-	48,  // 164: ferrum.executor.v1.ModelExecutor.Warmup:output_type -> ferrum.executor.v1.WarmupResponse
-	50,  // 165: ferrum.executor.v1.ModelExecutor.Shutdown:output_type -> ferrum.executor.v1.ShutdownResponse
-	52,  // 166: ferrum.executor.v1.ModelExecutor.Tokenize:output_type -> ferrum.executor.v1.TokenizeResponse
-	54,  // 167: ferrum.executor.v1.ModelExecutor.Detokenize:output_type -> ferrum.executor.v1.DetokenizeResponse
-	57,  // 168: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:output_type -> ferrum.executor.v1.ApplyChatTemplateResponse
-	66,  // 169: ferrum.executor.v1.ModelExecutor.Generate:output_type -> ferrum.executor.v1.GenerateResponse
-	74,  // 170: ferrum.executor.v1.ModelExecutor.Session:output_type -> ferrum.executor.v1.SessionResponse
-	78,  // 171: ferrum.executor.v1.ModelExecutor.Loads:output_type -> ferrum.executor.v1.LoadsResponse
-	80,  // 172: ferrum.executor.v1.ModelExecutor.ListCaches:output_type -> ferrum.executor.v1.ListCachesResponse
-	88,  // 173: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:output_type -> ferrum.executor.v1.SubscribeKvEventsResponse
-	90,  // 174: ferrum.executor.v1.ModelExecutor.Abort:output_type -> ferrum.executor.v1.AbortResponse
-	94,  // 175: ferrum.executor.v1.ModelExecutor.ExportKv:output_type -> ferrum.executor.v1.ExportKvResponse
-	97,  // 176: ferrum.executor.v1.ModelExecutor.ImportKv:output_type -> ferrum.executor.v1.ImportKvResponse
-	99,  // 177: ferrum.executor.v1.ModelExecutor.LoadAdapter:output_type -> ferrum.executor.v1.LoadAdapterResponse
-	101, // 178: ferrum.executor.v1.ModelExecutor.UnloadAdapter:output_type -> ferrum.executor.v1.UnloadAdapterResponse
-	103, // 179: ferrum.executor.v1.ModelExecutor.ListAdapters:output_type -> ferrum.executor.v1.ListAdaptersResponse
-	70,  // 180: ferrum.executor.v1.ModelExecutor.MigrateStreams:output_type -> ferrum.executor.v1.MigrateStreamsResponse
-	72,  // 181: ferrum.executor.v1.ModelExecutor.AcceptMigration:output_type -> ferrum.executor.v1.AcceptMigrationResponse
-	145, // [145:182] is the sub-list for method output_type
-	108, // [108:145] is the sub-list for method input_type
-	108, // [108:108] is the sub-list for extension type_name
-	108, // [108:108] is the sub-list for extension extendee
-	0,   // [0:108] is the sub-list for field type_name
+	106, // 0: ferrum.executor.v1.InfoResponse.models:type_name -> ferrum.executor.v1.ModelInfo
+	3,   // 1: ferrum.executor.v1.InfoResponse.role:type_name -> ferrum.executor.v1.ServerRole
+	107, // 2: ferrum.executor.v1.CapabilitiesResponse.capabilities:type_name -> ferrum.executor.v1.ExecutorCapabilities
+	108, // 3: ferrum.executor.v1.StatusResponse.status:type_name -> ferrum.executor.v1.ExecutorStatus
+	109, // 4: ferrum.executor.v1.StatusResponse.metrics:type_name -> ferrum.executor.v1.ExecutorMetrics
+	110, // 5: ferrum.executor.v1.KvCapacityResponse.capacity:type_name -> ferrum.executor.v1.KvCapacity
+	111, // 6: ferrum.executor.v1.AdmissionLimitsResponse.limits:type_name -> ferrum.executor.v1.ExecutorAdmissionLimits
+	112, // 7: ferrum.executor.v1.PrefillInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	113, // 8: ferrum.executor.v1.PrefillInput.metadata:type_name -> google.protobuf.Struct
+	114, // 9: ferrum.executor.v1.PrefillOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	115, // 10: ferrum.executor.v1.PrefillOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
+	115, // 11: ferrum.executor.v1.PrefillOutput.positions:type_name -> ferrum.executor.v1.LogitsOutput
+	116, // 12: ferrum.executor.v1.PrefillOutput.embedding:type_name -> ferrum.executor.v1.Tensor
+	14,  // 13: ferrum.executor.v1.PrefillRequest.input:type_name -> ferrum.executor.v1.PrefillInput
+	15,  // 14: ferrum.executor.v1.PrefillResponse.output:type_name -> ferrum.executor.v1.PrefillOutput
+	117, // 15: ferrum.executor.v1.PrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	14,  // 16: ferrum.executor.v1.BatchPrefillRequest.inputs:type_name -> ferrum.executor.v1.PrefillInput
+	15,  // 17: ferrum.executor.v1.BatchPrefillResponse.outputs:type_name -> ferrum.executor.v1.PrefillOutput
+	117, // 18: ferrum.executor.v1.BatchPrefillResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	112, // 19: ferrum.executor.v1.DecodeInput.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	113, // 20: ferrum.executor.v1.DecodeInput.metadata:type_name -> google.protobuf.Struct
+	114, // 21: ferrum.executor.v1.DecodeOutput.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	115, // 22: ferrum.executor.v1.DecodeOutput.output:type_name -> ferrum.executor.v1.LogitsOutput
+	20,  // 23: ferrum.executor.v1.DecodeRequest.input:type_name -> ferrum.executor.v1.DecodeInput
+	21,  // 24: ferrum.executor.v1.DecodeResponse.output:type_name -> ferrum.executor.v1.DecodeOutput
+	117, // 25: ferrum.executor.v1.DecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	20,  // 26: ferrum.executor.v1.BatchDecodeRequest.inputs:type_name -> ferrum.executor.v1.DecodeInput
+	21,  // 27: ferrum.executor.v1.BatchDecodeResponse.outputs:type_name -> ferrum.executor.v1.DecodeOutput
+	117, // 28: ferrum.executor.v1.BatchDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	112, // 29: ferrum.executor.v1.UnifiedBatchItem.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	113, // 30: ferrum.executor.v1.UnifiedBatchItem.metadata:type_name -> google.protobuf.Struct
+	26,  // 31: ferrum.executor.v1.UnifiedDecodeRequest.items:type_name -> ferrum.executor.v1.UnifiedBatchItem
+	114, // 32: ferrum.executor.v1.UnifiedItemResult.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	115, // 33: ferrum.executor.v1.UnifiedItemResult.output:type_name -> ferrum.executor.v1.LogitsOutput
+	28,  // 34: ferrum.executor.v1.UnifiedDecodeResponse.results:type_name -> ferrum.executor.v1.UnifiedItemResult
+	117, // 35: ferrum.executor.v1.UnifiedDecodeResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	116, // 36: ferrum.executor.v1.ForwardRequest.input:type_name -> ferrum.executor.v1.Tensor
+	118, // 37: ferrum.executor.v1.ForwardRequest.logits_dtype:type_name -> ferrum.executor.v1.DataType
+	116, // 38: ferrum.executor.v1.ForwardResponse.output:type_name -> ferrum.executor.v1.Tensor
+	117, // 39: ferrum.executor.v1.ForwardResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	112, // 40: ferrum.executor.v1.ForwardVerifyRequest.logits:type_name -> ferrum.executor.v1.LogitsPolicy
+	115, // 41: ferrum.executor.v1.ForwardVerifyResponse.outputs:type_name -> ferrum.executor.v1.LogitsOutput
+	114, // 42: ferrum.executor.v1.ForwardVerifyResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	117, // 43: ferrum.executor.v1.ForwardVerifyResponse.timings:type_name -> ferrum.executor.v1.StepTimings
+	114, // 44: ferrum.executor.v1.TruncateKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	114, // 45: ferrum.executor.v1.ForkCacheResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	119, // 46: ferrum.executor.v1.ReserveKvSlotsRequest.requests:type_name -> ferrum.executor.v1.KvSlotRequest
+	120, // 47: ferrum.executor.v1.ReserveKvSlotsResponse.reservation:type_name -> ferrum.executor.v1.KvSlotReservation
+	121, // 48: ferrum.executor.v1.KvSlotCapacityResponse.snapshot:type_name -> ferrum.executor.v1.KvSlotCapacitySnapshot
+	113, // 49: ferrum.executor.v1.CacheMetricsResponse.metrics:type_name -> google.protobuf.Struct
+	113, // 50: ferrum.executor.v1.LoraMetricsResponse.metrics:type_name -> google.protobuf.Struct
+	56,  // 51: ferrum.executor.v1.ApplyChatTemplateRequest.messages:type_name -> ferrum.executor.v1.ChatMessage
+	56,  // 52: ferrum.executor.v1.ChatMessages.messages:type_name -> ferrum.executor.v1.ChatMessage
+	59,  // 53: ferrum.executor.v1.GenerateRequest.token_ids:type_name -> ferrum.executor.v1.TokenIds
+	60,  // 54: ferrum.executor.v1.GenerateRequest.chat:type_name -> ferrum.executor.v1.ChatMessages
+	122, // 55: ferrum.executor.v1.GenerateRequest.sampling:type_name -> ferrum.executor.v1.SamplingParams
+	61,  // 56: ferrum.executor.v1.GenerateRequest.stop:type_name -> ferrum.executor.v1.StopConditions
+	63,  // 57: ferrum.executor.v1.GenerateRequest.speculation:type_name -> ferrum.executor.v1.SpeculationOptions
+	0,   // 58: ferrum.executor.v1.GenerateRequest.migration_mode:type_name -> ferrum.executor.v1.MigrationMode
+	114, // 59: ferrum.executor.v1.GenerateStarted.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	123, // 60: ferrum.executor.v1.TokenEvent.top_logprobs:type_name -> ferrum.executor.v1.TokenLogprob
+	1,   // 61: ferrum.executor.v1.GenerateFinished.finish_reason:type_name -> ferrum.executor.v1.FinishReason
+	114, // 62: ferrum.executor.v1.GenerateFinished.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	64,  // 63: ferrum.executor.v1.GenerateResponse.started:type_name -> ferrum.executor.v1.GenerateStarted
+	65,  // 64: ferrum.executor.v1.GenerateResponse.token:type_name -> ferrum.executor.v1.TokenEvent
+	66,  // 65: ferrum.executor.v1.GenerateResponse.finished:type_name -> ferrum.executor.v1.GenerateFinished
+	68,  // 66: ferrum.executor.v1.GenerateResponse.migrated:type_name -> ferrum.executor.v1.GenerateMigrated
+	70,  // 67: ferrum.executor.v1.MigrateStreamsResponse.streams:type_name -> ferrum.executor.v1.StreamMigration
+	96,  // 68: ferrum.executor.v1.AcceptMigrationRequest.source:type_name -> ferrum.executor.v1.KvSource
+	62,  // 69: ferrum.executor.v1.AcceptMigrationRequest.request:type_name -> ferrum.executor.v1.GenerateRequest
+	16,  // 70: ferrum.executor.v1.SessionRequest.prefill:type_name -> ferrum.executor.v1.PrefillRequest
+	18,  // 71: ferrum.executor.v1.SessionRequest.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillRequest
+	22,  // 72: ferrum.executor.v1.SessionRequest.decode:type_name -> ferrum.executor.v1.DecodeRequest
+	24,  // 73: ferrum.executor.v1.SessionRequest.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeRequest
+	27,  // 74: ferrum.executor.v1.SessionRequest.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeRequest
+	32,  // 75: ferrum.executor.v1.SessionRequest.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyRequest
+	34,  // 76: ferrum.executor.v1.SessionRequest.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvRequest
+	36,  // 77: ferrum.executor.v1.SessionRequest.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheRequest
+	38,  // 78: ferrum.executor.v1.SessionRequest.fork_cache:type_name -> ferrum.executor.v1.ForkCacheRequest
+	17,  // 79: ferrum.executor.v1.SessionResponse.prefill:type_name -> ferrum.executor.v1.PrefillResponse
+	19,  // 80: ferrum.executor.v1.SessionResponse.batch_prefill:type_name -> ferrum.executor.v1.BatchPrefillResponse
+	23,  // 81: ferrum.executor.v1.SessionResponse.decode:type_name -> ferrum.executor.v1.DecodeResponse
+	25,  // 82: ferrum.executor.v1.SessionResponse.batch_decode:type_name -> ferrum.executor.v1.BatchDecodeResponse
+	29,  // 83: ferrum.executor.v1.SessionResponse.unified_decode:type_name -> ferrum.executor.v1.UnifiedDecodeResponse
+	33,  // 84: ferrum.executor.v1.SessionResponse.forward_verify:type_name -> ferrum.executor.v1.ForwardVerifyResponse
+	35,  // 85: ferrum.executor.v1.SessionResponse.truncate_kv:type_name -> ferrum.executor.v1.TruncateKvResponse
+	37,  // 86: ferrum.executor.v1.SessionResponse.release_cache:type_name -> ferrum.executor.v1.ReleaseCacheResponse
+	39,  // 87: ferrum.executor.v1.SessionResponse.fork_cache:type_name -> ferrum.executor.v1.ForkCacheResponse
+	124, // 88: ferrum.executor.v1.SessionResponse.error:type_name -> ferrum.executor.v1.StepError
+	77,  // 89: ferrum.executor.v1.ModelLoad.prefill_latency:type_name -> ferrum.executor.v1.LatencySummary
+	77,  // 90: ferrum.executor.v1.ModelLoad.decode_latency:type_name -> ferrum.executor.v1.LatencySummary
+	78,  // 91: ferrum.executor.v1.LoadsResponse.loads:type_name -> ferrum.executor.v1.ModelLoad
+	114, // 92: ferrum.executor.v1.ListCachesResponse.caches:type_name -> ferrum.executor.v1.KvCacheHandle
+	2,   // 93: ferrum.executor.v1.KvEvent.kind:type_name -> ferrum.executor.v1.KvEventKind
+	84,  // 94: ferrum.executor.v1.KvBlockEvent.stored:type_name -> ferrum.executor.v1.KvBlockStored
+	85,  // 95: ferrum.executor.v1.KvBlockEvent.removed:type_name -> ferrum.executor.v1.KvBlockRemoved
+	86,  // 96: ferrum.executor.v1.KvBlockEvent.cleared:type_name -> ferrum.executor.v1.KvBlocksCleared
+	82,  // 97: ferrum.executor.v1.SubscribeKvEventsResponse.event:type_name -> ferrum.executor.v1.KvEvent
+	88,  // 98: ferrum.executor.v1.SubscribeKvEventsResponse.resync_required:type_name -> ferrum.executor.v1.ResyncRequired
+	87,  // 99: ferrum.executor.v1.SubscribeKvEventsResponse.block_event:type_name -> ferrum.executor.v1.KvBlockEvent
+	118, // 100: ferrum.executor.v1.KvTransferHeader.kv_dtype:type_name -> ferrum.executor.v1.DataType
+	93,  // 101: ferrum.executor.v1.ExportKvResponse.header:type_name -> ferrum.executor.v1.KvTransferHeader
+	94,  // 102: ferrum.executor.v1.ExportKvResponse.chunk:type_name -> ferrum.executor.v1.KvChunk
+	96,  // 103: ferrum.executor.v1.ImportKvRequest.source:type_name -> ferrum.executor.v1.KvSource
+	93,  // 104: ferrum.executor.v1.ImportKvRequest.header:type_name -> ferrum.executor.v1.KvTransferHeader
+	94,  // 105: ferrum.executor.v1.ImportKvRequest.chunk:type_name -> ferrum.executor.v1.KvChunk
+	114, // 106: ferrum.executor.v1.ImportKvResponse.cache:type_name -> ferrum.executor.v1.KvCacheHandle
+	105, // 107: ferrum.executor.v1.LoadAdapterResponse.adapter:type_name -> ferrum.executor.v1.AdapterInfo
+	105, // 108: ferrum.executor.v1.ListAdaptersResponse.adapters:type_name -> ferrum.executor.v1.AdapterInfo
+	4,   // 109: ferrum.executor.v1.ModelExecutor.Info:input_type -> ferrum.executor.v1.InfoRequest
+	6,   // 110: ferrum.executor.v1.ModelExecutor.Capabilities:input_type -> ferrum.executor.v1.CapabilitiesRequest
+	8,   // 111: ferrum.executor.v1.ModelExecutor.Status:input_type -> ferrum.executor.v1.StatusRequest
+	10,  // 112: ferrum.executor.v1.ModelExecutor.KvCapacity:input_type -> ferrum.executor.v1.KvCapacityRequest
+	12,  // 113: ferrum.executor.v1.ModelExecutor.AdmissionLimits:input_type -> ferrum.executor.v1.AdmissionLimitsRequest
+	16,  // 114: ferrum.executor.v1.ModelExecutor.Prefill:input_type -> ferrum.executor.v1.PrefillRequest
+	18,  // 115: ferrum.executor.v1.ModelExecutor.BatchPrefill:input_type -> ferrum.executor.v1.BatchPrefillRequest
+	22,  // 116: ferrum.executor.v1.ModelExecutor.Decode:input_type -> ferrum.executor.v1.DecodeRequest
+	24,  // 117: ferrum.executor.v1.ModelExecutor.BatchDecode:input_type -> ferrum.executor.v1.BatchDecodeRequest
+	27,  // 118: ferrum.executor.v1.ModelExecutor.UnifiedDecode:input_type -> ferrum.executor.v1.UnifiedDecodeRequest
+	30,  // 119: ferrum.executor.v1.ModelExecutor.Forward:input_type -> ferrum.executor.v1.ForwardRequest
+	32,  // 120: ferrum.executor.v1.ModelExecutor.ForwardVerify:input_type -> ferrum.executor.v1.ForwardVerifyRequest
+	34,  // 121: ferrum.executor.v1.ModelExecutor.TruncateKv:input_type -> ferrum.executor.v1.TruncateKvRequest
+	36,  // 122: ferrum.executor.v1.ModelExecutor.ReleaseCache:input_type -> ferrum.executor.v1.ReleaseCacheRequest
+	38,  // 123: ferrum.executor.v1.ModelExecutor.ForkCache:input_type -> ferrum.executor.v1.ForkCacheRequest
+	40,  // 124: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:input_type -> ferrum.executor.v1.ReserveKvSlotsRequest
+	42,  // 125: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:input_type -> ferrum.executor.v1.KvSlotCapacityRequest
+	44,  // 126: ferrum.executor.v1.ModelExecutor.CacheMetrics:input_type -> ferrum.executor.v1.CacheMetricsRequest
+	46,  // 127: ferrum.executor.v1.ModelExecutor.LoraMetrics:input_type -> ferrum.executor.v1.LoraMetricsRequest
+	48,  // 128: ferrum.executor.v1.ModelExecutor.Warmup:input_type -> ferrum.executor.v1.WarmupRequest
+	50,  // 129: ferrum.executor.v1.ModelExecutor.Shutdown:input_type -> ferrum.executor.v1.ShutdownRequest
+	52,  // 130: ferrum.executor.v1.ModelExecutor.Tokenize:input_type -> ferrum.executor.v1.TokenizeRequest
+	54,  // 131: ferrum.executor.v1.ModelExecutor.Detokenize:input_type -> ferrum.executor.v1.DetokenizeRequest
+	57,  // 132: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:input_type -> ferrum.executor.v1.ApplyChatTemplateRequest
+	62,  // 133: ferrum.executor.v1.ModelExecutor.Generate:input_type -> ferrum.executor.v1.GenerateRequest
+	74,  // 134: ferrum.executor.v1.ModelExecutor.Session:input_type -> ferrum.executor.v1.SessionRequest
+	76,  // 135: ferrum.executor.v1.ModelExecutor.Loads:input_type -> ferrum.executor.v1.LoadsRequest
+	80,  // 136: ferrum.executor.v1.ModelExecutor.ListCaches:input_type -> ferrum.executor.v1.ListCachesRequest
+	83,  // 137: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:input_type -> ferrum.executor.v1.SubscribeKvEventsRequest
+	90,  // 138: ferrum.executor.v1.ModelExecutor.Abort:input_type -> ferrum.executor.v1.AbortRequest
+	92,  // 139: ferrum.executor.v1.ModelExecutor.ExportKv:input_type -> ferrum.executor.v1.ExportKvRequest
+	97,  // 140: ferrum.executor.v1.ModelExecutor.ImportKv:input_type -> ferrum.executor.v1.ImportKvRequest
+	99,  // 141: ferrum.executor.v1.ModelExecutor.LoadAdapter:input_type -> ferrum.executor.v1.LoadAdapterRequest
+	101, // 142: ferrum.executor.v1.ModelExecutor.UnloadAdapter:input_type -> ferrum.executor.v1.UnloadAdapterRequest
+	103, // 143: ferrum.executor.v1.ModelExecutor.ListAdapters:input_type -> ferrum.executor.v1.ListAdaptersRequest
+	69,  // 144: ferrum.executor.v1.ModelExecutor.MigrateStreams:input_type -> ferrum.executor.v1.MigrateStreamsRequest
+	72,  // 145: ferrum.executor.v1.ModelExecutor.AcceptMigration:input_type -> ferrum.executor.v1.AcceptMigrationRequest
+	5,   // 146: ferrum.executor.v1.ModelExecutor.Info:output_type -> ferrum.executor.v1.InfoResponse
+	7,   // 147: ferrum.executor.v1.ModelExecutor.Capabilities:output_type -> ferrum.executor.v1.CapabilitiesResponse
+	9,   // 148: ferrum.executor.v1.ModelExecutor.Status:output_type -> ferrum.executor.v1.StatusResponse
+	11,  // 149: ferrum.executor.v1.ModelExecutor.KvCapacity:output_type -> ferrum.executor.v1.KvCapacityResponse
+	13,  // 150: ferrum.executor.v1.ModelExecutor.AdmissionLimits:output_type -> ferrum.executor.v1.AdmissionLimitsResponse
+	17,  // 151: ferrum.executor.v1.ModelExecutor.Prefill:output_type -> ferrum.executor.v1.PrefillResponse
+	19,  // 152: ferrum.executor.v1.ModelExecutor.BatchPrefill:output_type -> ferrum.executor.v1.BatchPrefillResponse
+	23,  // 153: ferrum.executor.v1.ModelExecutor.Decode:output_type -> ferrum.executor.v1.DecodeResponse
+	25,  // 154: ferrum.executor.v1.ModelExecutor.BatchDecode:output_type -> ferrum.executor.v1.BatchDecodeResponse
+	29,  // 155: ferrum.executor.v1.ModelExecutor.UnifiedDecode:output_type -> ferrum.executor.v1.UnifiedDecodeResponse
+	31,  // 156: ferrum.executor.v1.ModelExecutor.Forward:output_type -> ferrum.executor.v1.ForwardResponse
+	33,  // 157: ferrum.executor.v1.ModelExecutor.ForwardVerify:output_type -> ferrum.executor.v1.ForwardVerifyResponse
+	35,  // 158: ferrum.executor.v1.ModelExecutor.TruncateKv:output_type -> ferrum.executor.v1.TruncateKvResponse
+	37,  // 159: ferrum.executor.v1.ModelExecutor.ReleaseCache:output_type -> ferrum.executor.v1.ReleaseCacheResponse
+	39,  // 160: ferrum.executor.v1.ModelExecutor.ForkCache:output_type -> ferrum.executor.v1.ForkCacheResponse
+	41,  // 161: ferrum.executor.v1.ModelExecutor.ReserveKvSlots:output_type -> ferrum.executor.v1.ReserveKvSlotsResponse
+	43,  // 162: ferrum.executor.v1.ModelExecutor.KvSlotCapacity:output_type -> ferrum.executor.v1.KvSlotCapacityResponse
+	45,  // 163: ferrum.executor.v1.ModelExecutor.CacheMetrics:output_type -> ferrum.executor.v1.CacheMetricsResponse
+	47,  // 164: ferrum.executor.v1.ModelExecutor.LoraMetrics:output_type -> ferrum.executor.v1.LoraMetricsResponse
+	49,  // 165: ferrum.executor.v1.ModelExecutor.Warmup:output_type -> ferrum.executor.v1.WarmupResponse
+	51,  // 166: ferrum.executor.v1.ModelExecutor.Shutdown:output_type -> ferrum.executor.v1.ShutdownResponse
+	53,  // 167: ferrum.executor.v1.ModelExecutor.Tokenize:output_type -> ferrum.executor.v1.TokenizeResponse
+	55,  // 168: ferrum.executor.v1.ModelExecutor.Detokenize:output_type -> ferrum.executor.v1.DetokenizeResponse
+	58,  // 169: ferrum.executor.v1.ModelExecutor.ApplyChatTemplate:output_type -> ferrum.executor.v1.ApplyChatTemplateResponse
+	67,  // 170: ferrum.executor.v1.ModelExecutor.Generate:output_type -> ferrum.executor.v1.GenerateResponse
+	75,  // 171: ferrum.executor.v1.ModelExecutor.Session:output_type -> ferrum.executor.v1.SessionResponse
+	79,  // 172: ferrum.executor.v1.ModelExecutor.Loads:output_type -> ferrum.executor.v1.LoadsResponse
+	81,  // 173: ferrum.executor.v1.ModelExecutor.ListCaches:output_type -> ferrum.executor.v1.ListCachesResponse
+	89,  // 174: ferrum.executor.v1.ModelExecutor.SubscribeKvEvents:output_type -> ferrum.executor.v1.SubscribeKvEventsResponse
+	91,  // 175: ferrum.executor.v1.ModelExecutor.Abort:output_type -> ferrum.executor.v1.AbortResponse
+	95,  // 176: ferrum.executor.v1.ModelExecutor.ExportKv:output_type -> ferrum.executor.v1.ExportKvResponse
+	98,  // 177: ferrum.executor.v1.ModelExecutor.ImportKv:output_type -> ferrum.executor.v1.ImportKvResponse
+	100, // 178: ferrum.executor.v1.ModelExecutor.LoadAdapter:output_type -> ferrum.executor.v1.LoadAdapterResponse
+	102, // 179: ferrum.executor.v1.ModelExecutor.UnloadAdapter:output_type -> ferrum.executor.v1.UnloadAdapterResponse
+	104, // 180: ferrum.executor.v1.ModelExecutor.ListAdapters:output_type -> ferrum.executor.v1.ListAdaptersResponse
+	71,  // 181: ferrum.executor.v1.ModelExecutor.MigrateStreams:output_type -> ferrum.executor.v1.MigrateStreamsResponse
+	73,  // 182: ferrum.executor.v1.ModelExecutor.AcceptMigration:output_type -> ferrum.executor.v1.AcceptMigrationResponse
+	146, // [146:183] is the sub-list for method output_type
+	109, // [109:146] is the sub-list for method input_type
+	109, // [109:109] is the sub-list for extension type_name
+	109, // [109:109] is the sub-list for extension extendee
+	0,   // [0:109] is the sub-list for field type_name
 }
 
 func init() { file_ferrum_executor_v1_executor_proto_init() }
@@ -8923,7 +9020,7 @@ func file_ferrum_executor_v1_executor_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ferrum_executor_v1_executor_proto_rawDesc), len(file_ferrum_executor_v1_executor_proto_rawDesc)),
-			NumEnums:      3,
+			NumEnums:      4,
 			NumMessages:   102,
 			NumExtensions: 0,
 			NumServices:   1,

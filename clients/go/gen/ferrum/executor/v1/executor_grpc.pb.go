@@ -206,7 +206,9 @@ type ModelExecutorClient interface {
 	// Move running `Generate` streams to another server (`target`, one of this server's KV peers)
 	// without losing or repeating a token: each stream stops at a step boundary, the target pulls
 	// its KV (`AcceptMigration`) and the stream ends here with a `GenerateMigrated` event that the
-	// caller follows to the target. A stream the target refuses goes on here. An admin RPC.
+	// caller follows to the target (or, in `MIGRATION_MODE_RELAY` and for every vLLM-protocol
+	// stream, that this server relays: the caller's stream goes on, see `MigrationMode`). A stream
+	// the target refuses goes on here. An admin RPC.
 	MigrateStreams(ctx context.Context, in *MigrateStreamsRequest, opts ...grpc.CallOption) (*MigrateStreamsResponse, error)
 	// Server to server: take over one stream from the calling server (the stream's KV is pulled
 	// from `source`, its decode state comes in the request) and hold it for the caller's resume
@@ -748,7 +750,9 @@ type ModelExecutorServer interface {
 	// Move running `Generate` streams to another server (`target`, one of this server's KV peers)
 	// without losing or repeating a token: each stream stops at a step boundary, the target pulls
 	// its KV (`AcceptMigration`) and the stream ends here with a `GenerateMigrated` event that the
-	// caller follows to the target. A stream the target refuses goes on here. An admin RPC.
+	// caller follows to the target (or, in `MIGRATION_MODE_RELAY` and for every vLLM-protocol
+	// stream, that this server relays: the caller's stream goes on, see `MigrationMode`). A stream
+	// the target refuses goes on here. An admin RPC.
 	MigrateStreams(context.Context, *MigrateStreamsRequest) (*MigrateStreamsResponse, error)
 	// Server to server: take over one stream from the calling server (the stream's KV is pulled
 	// from `source`, its decode state comes in the request) and hold it for the caller's resume

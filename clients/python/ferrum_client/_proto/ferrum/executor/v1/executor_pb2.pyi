@@ -10,6 +10,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class MigrationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MIGRATION_MODE_UNSPECIFIED: _ClassVar[MigrationMode]
+    MIGRATION_MODE_FOLLOW: _ClassVar[MigrationMode]
+    MIGRATION_MODE_RELAY: _ClassVar[MigrationMode]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -37,6 +43,9 @@ class ServerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVER_ROLE_BOTH: _ClassVar[ServerRole]
     SERVER_ROLE_PREFILL: _ClassVar[ServerRole]
     SERVER_ROLE_DECODE: _ClassVar[ServerRole]
+MIGRATION_MODE_UNSPECIFIED: MigrationMode
+MIGRATION_MODE_FOLLOW: MigrationMode
+MIGRATION_MODE_RELAY: MigrationMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -592,7 +601,7 @@ class StopConditions(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., stop_sequences: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model_id", "token_ids", "text", "chat", "cache_id", "last_token_id", "sampling", "stop", "top_logprobs", "keep_cache", "request_id", "stream_text", "cache_salt", "bypass_prefix_cache", "n", "adapter", "resume_token", "speculation")
+    __slots__ = ("model_id", "token_ids", "text", "chat", "cache_id", "last_token_id", "sampling", "stop", "top_logprobs", "keep_cache", "request_id", "stream_text", "cache_salt", "bypass_prefix_cache", "n", "adapter", "resume_token", "speculation", "migration_mode")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -611,6 +620,7 @@ class GenerateRequest(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_MODE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     token_ids: TokenIds
     text: str
@@ -629,7 +639,8 @@ class GenerateRequest(_message.Message):
     adapter: str
     resume_token: str
     speculation: SpeculationOptions
-    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., cache_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., keep_cache: _Optional[bool] = ..., request_id: _Optional[str] = ..., stream_text: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., n: _Optional[int] = ..., adapter: _Optional[str] = ..., resume_token: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ...) -> None: ...
+    migration_mode: MigrationMode
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., cache_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., keep_cache: _Optional[bool] = ..., request_id: _Optional[str] = ..., stream_text: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., n: _Optional[int] = ..., adapter: _Optional[str] = ..., resume_token: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., migration_mode: _Optional[_Union[MigrationMode, str]] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
     __slots__ = ("disabled", "max_draft_tokens", "min_ngram", "max_ngram")
@@ -766,7 +777,7 @@ class MigrateStreamsResponse(_message.Message):
     def __init__(self, streams: _Optional[_Iterable[_Union[StreamMigration, _Mapping]]] = ..., migrated: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class AcceptMigrationRequest(_message.Message):
-    __slots__ = ("model_id", "source", "request", "generated_token_ids", "prompt_tokens", "constraint_start", "precopy", "precopy_id", "abandon")
+    __slots__ = ("model_id", "source", "request", "generated_token_ids", "prompt_tokens", "constraint_start", "precopy", "precopy_id", "abandon", "relay")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -776,6 +787,7 @@ class AcceptMigrationRequest(_message.Message):
     PRECOPY_FIELD_NUMBER: _ClassVar[int]
     PRECOPY_ID_FIELD_NUMBER: _ClassVar[int]
     ABANDON_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     source: KvSource
     request: GenerateRequest
@@ -785,7 +797,8 @@ class AcceptMigrationRequest(_message.Message):
     precopy: bool
     precopy_id: str
     abandon: bool
-    def __init__(self, model_id: _Optional[str] = ..., source: _Optional[_Union[KvSource, _Mapping]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., constraint_start: _Optional[int] = ..., precopy: _Optional[bool] = ..., precopy_id: _Optional[str] = ..., abandon: _Optional[bool] = ...) -> None: ...
+    relay: bool
+    def __init__(self, model_id: _Optional[str] = ..., source: _Optional[_Union[KvSource, _Mapping]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., constraint_start: _Optional[int] = ..., precopy: _Optional[bool] = ..., precopy_id: _Optional[str] = ..., abandon: _Optional[bool] = ..., relay: _Optional[bool] = ...) -> None: ...
 
 class AcceptMigrationResponse(_message.Message):
     __slots__ = ("resume_token", "imported_tokens", "resume_deadline_ms", "precopy_id", "imported_bytes")

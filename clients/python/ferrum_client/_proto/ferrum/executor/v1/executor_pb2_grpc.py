@@ -526,7 +526,9 @@ class ModelExecutorServicer:
         Move running `Generate` streams to another server (`target`, one of this server's KV peers)
         without losing or repeating a token: each stream stops at a step boundary, the target pulls
         its KV (`AcceptMigration`) and the stream ends here with a `GenerateMigrated` event that the
-        caller follows to the target. A stream the target refuses goes on here. An admin RPC.
+        caller follows to the target (or, in `MIGRATION_MODE_RELAY` and for every vLLM-protocol
+        stream, that this server relays: the caller's stream goes on, see `MigrationMode`). A stream
+        the target refuses goes on here. An admin RPC.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -76,6 +76,61 @@ import {
  * Versioning. This package is v1: fields and RPCs are only ever added. `buf breaking` guards it.
  */
 
+/** How a moved `Generate` stream reaches its caller (`GenerateRequest.migration_mode`). */
+export enum MigrationMode {
+  /** MIGRATION_MODE_UNSPECIFIED - `MIGRATION_MODE_FOLLOW`. */
+  MIGRATION_MODE_UNSPECIFIED = 0,
+  /**
+   * MIGRATION_MODE_FOLLOW - The stream ends on this server with `GenerateMigrated`; the caller resumes it on the target
+   * (`resume_token`). This server is done with the stream at once (a drain can finish).
+   */
+  MIGRATION_MODE_FOLLOW = 1,
+  /**
+   * MIGRATION_MODE_RELAY - Transparent: the caller's stream goes on where it is. This server resumes the stream on the
+   * target itself (on the caller's behalf, over its KV peer channel) and relays the target's token
+   * and `finished` events on the caller's stream: the caller sees the same events, indices,
+   * finish reason and usage as an unmoved run, and never a `migrated` event. This server keeps
+   * relaying until the stream ends (a drain waits for it). Cancelling the stream, or `Abort` here,
+   * cancels it on the target; an error on the target ends the stream with that error. A move
+   * when this server already relays its limit of streams is refused (the stream stays here).
+   * vLLM-protocol streams (`VllmEngine.Generate`) always move this way.
+   */
+  MIGRATION_MODE_RELAY = 2,
+  UNRECOGNIZED = -1,
+}
+
+export function migrationModeFromJSON(object: any): MigrationMode {
+  switch (object) {
+    case 0:
+    case "MIGRATION_MODE_UNSPECIFIED":
+      return MigrationMode.MIGRATION_MODE_UNSPECIFIED;
+    case 1:
+    case "MIGRATION_MODE_FOLLOW":
+      return MigrationMode.MIGRATION_MODE_FOLLOW;
+    case 2:
+    case "MIGRATION_MODE_RELAY":
+      return MigrationMode.MIGRATION_MODE_RELAY;
+    case -1:
+    case "UNRECOGNIZED":
+    default:
+      return MigrationMode.UNRECOGNIZED;
+  }
+}
+
+export function migrationModeToJSON(object: MigrationMode): string {
+  switch (object) {
+    case MigrationMode.MIGRATION_MODE_UNSPECIFIED:
+      return "MIGRATION_MODE_UNSPECIFIED";
+    case MigrationMode.MIGRATION_MODE_FOLLOW:
+      return "MIGRATION_MODE_FOLLOW";
+    case MigrationMode.MIGRATION_MODE_RELAY:
+      return "MIGRATION_MODE_RELAY";
+    case MigrationMode.UNRECOGNIZED:
+    default:
+      return "UNRECOGNIZED";
+  }
+}
+
 /** Why a generation ended. Mirrors `ferrum_types::FinishReason`. */
 export enum FinishReason {
   FINISH_REASON_UNSPECIFIED = 0,
@@ -947,14 +1002,25 @@ export interface GenerateRequest {
    * field but `model_id` (which must then name the stream's model, or be empty) is ignored: the
    * stream goes on with its original settings, and its next token event has index
    * `GenerateMigrated.generated_tokens`. Single use, only by the caller that started the stream,
-   * within `GenerateMigrated.resume_deadline_ms`; any other token is NOT_FOUND.
+   * within `GenerateMigrated.resume_deadline_ms`; any other token is NOT_FOUND. A KV peer that
+   * relays a stream it moved (`MIGRATION_MODE_RELAY`) resumes it here on the caller's behalf: a
+   * `Generate` call with a KV peer token must carry a `resume_token` (else PERMISSION_DENIED) of a
+   * stream moved in relay mode (else NOT_FOUND).
    */
   resumeToken: string;
   /**
    * Server-side speculative decoding for this request (see `SpeculationOptions`). Unset = the
    * server's default (`--speculation-draft-tokens`, off unless set).
    */
-  speculation: SpeculationOptions | undefined;
+  speculation:
+    | SpeculationOptions
+    | undefined;
+  /**
+   * What the caller sees when this stream moves to another server (`MigrateStreams`, a drain with
+   * `--drain-to`). Unset = `MIGRATION_MODE_FOLLOW`, the behaviour before this field existed. On a
+   * resumed stream (`resume_token`) it is ignored: the stream keeps its original mode.
+   */
+  migrationMode: MigrationMode;
 }
 
 /**
@@ -1089,7 +1155,7 @@ export interface MigrateStreamsRequest {
 export interface StreamMigration {
   requestId: string;
   modelId: string;
-  /** Moved: the stream ended here with `GenerateMigrated`. */
+  /** Moved: the stream ended here with `GenerateMigrated` (or, relayed, goes on through this server). */
   migrated: boolean;
   /** Not moved (the stream goes on here): the gRPC code name and message of the refusal. */
   errorCode: string;
@@ -1155,6 +1221,14 @@ export interface AcceptMigrationRequest {
   precopyId: string;
   /** With `precopy_id`: only drop that pre-copy (the stream ended first, or the move was called off). */
   abandon: boolean;
+  /**
+   * The calling server resumes the stream itself and relays it to the caller
+   * (`MIGRATION_MODE_RELAY`): the answered `resume_token` is then taken only by a `Generate` call
+   * authenticated with one of this server's KV peer tokens that carries the stream's caller's
+   * identity (the caller's own call is NOT_FOUND); without it, only by the caller's own call (a
+   * peer's is NOT_FOUND).
+   */
+  relay: boolean;
 }
 
 export interface AcceptMigrationResponse {
@@ -7721,6 +7795,7 @@ function createBaseGenerateRequest(): GenerateRequest {
     adapter: "",
     resumeToken: "",
     speculation: undefined,
+    migrationMode: 0,
   };
 }
 
@@ -7781,6 +7856,9 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     }
     if (message.speculation !== undefined) {
       SpeculationOptions.encode(message.speculation, writer.uint32(146).fork()).join();
+    }
+    if (message.migrationMode !== 0) {
+      writer.uint32(152).int32(message.migrationMode);
     }
     return writer;
   },
@@ -7942,6 +8020,14 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
             message.speculation = SpeculationOptions.decode(reader, reader.uint32());
             continue;
           }
+          case 19: {
+            if (tag !== 152) {
+              break;
+            }
+
+            message.migrationMode = reader.int32() as any;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -8020,6 +8106,11 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
         ? globalThis.String(object.resume_token)
         : "",
       speculation: isSet(object.speculation) ? SpeculationOptions.fromJSON(object.speculation) : undefined,
+      migrationMode: isSet(object.migrationMode)
+        ? migrationModeFromJSON(object.migrationMode)
+        : isSet(object.migration_mode)
+        ? migrationModeFromJSON(object.migration_mode)
+        : 0,
     };
   },
 
@@ -8077,6 +8168,9 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     if (message.speculation !== undefined) {
       obj.speculation = SpeculationOptions.toJSON(message.speculation);
     }
+    if (message.migrationMode !== 0) {
+      obj.migrationMode = migrationModeToJSON(message.migrationMode);
+    }
     return obj;
   },
 
@@ -8126,6 +8220,7 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     message.speculation = (object.speculation !== undefined && object.speculation !== null)
       ? SpeculationOptions.fromPartial(object.speculation)
       : undefined;
+    message.migrationMode = object.migrationMode ?? 0;
     return message;
   },
 };
@@ -9579,6 +9674,7 @@ function createBaseAcceptMigrationRequest(): AcceptMigrationRequest {
     precopy: false,
     precopyId: "",
     abandon: false,
+    relay: false,
   };
 }
 
@@ -9614,6 +9710,9 @@ export const AcceptMigrationRequest: MessageFns<AcceptMigrationRequest> = {
     }
     if (message.abandon !== false) {
       writer.uint32(72).bool(message.abandon);
+    }
+    if (message.relay !== false) {
+      writer.uint32(80).bool(message.relay);
     }
     return writer;
   },
@@ -9713,6 +9812,14 @@ export const AcceptMigrationRequest: MessageFns<AcceptMigrationRequest> = {
             message.abandon = reader.bool();
             continue;
           }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.relay = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -9756,6 +9863,7 @@ export const AcceptMigrationRequest: MessageFns<AcceptMigrationRequest> = {
         ? globalThis.String(object.precopy_id)
         : "",
       abandon: isSet(object.abandon) ? globalThis.Boolean(object.abandon) : false,
+      relay: isSet(object.relay) ? globalThis.Boolean(object.relay) : false,
     };
   },
 
@@ -9788,6 +9896,9 @@ export const AcceptMigrationRequest: MessageFns<AcceptMigrationRequest> = {
     if (message.abandon !== false) {
       obj.abandon = message.abandon;
     }
+    if (message.relay !== false) {
+      obj.relay = message.relay;
+    }
     return obj;
   },
 
@@ -9809,6 +9920,7 @@ export const AcceptMigrationRequest: MessageFns<AcceptMigrationRequest> = {
     message.precopy = object.precopy ?? false;
     message.precopyId = object.precopyId ?? "";
     message.abandon = object.abandon ?? false;
+    message.relay = object.relay ?? false;
     return message;
   },
 };
@@ -15361,7 +15473,9 @@ export const ModelExecutorService = {
    * Move running `Generate` streams to another server (`target`, one of this server's KV peers)
    * without losing or repeating a token: each stream stops at a step boundary, the target pulls
    * its KV (`AcceptMigration`) and the stream ends here with a `GenerateMigrated` event that the
-   * caller follows to the target. A stream the target refuses goes on here. An admin RPC.
+   * caller follows to the target (or, in `MIGRATION_MODE_RELAY` and for every vLLM-protocol
+   * stream, that this server relays: the caller's stream goes on, see `MigrationMode`). A stream
+   * the target refuses goes on here. An admin RPC.
    */
   migrateStreams: {
     path: "/ferrum.executor.v1.ModelExecutor/MigrateStreams" as const,
@@ -15547,7 +15661,9 @@ export interface ModelExecutorServer extends UntypedServiceImplementation {
    * Move running `Generate` streams to another server (`target`, one of this server's KV peers)
    * without losing or repeating a token: each stream stops at a step boundary, the target pulls
    * its KV (`AcceptMigration`) and the stream ends here with a `GenerateMigrated` event that the
-   * caller follows to the target. A stream the target refuses goes on here. An admin RPC.
+   * caller follows to the target (or, in `MIGRATION_MODE_RELAY` and for every vLLM-protocol
+   * stream, that this server relays: the caller's stream goes on, see `MigrationMode`). A stream
+   * the target refuses goes on here. An admin RPC.
    */
   migrateStreams: handleUnaryCall<MigrateStreamsRequest, MigrateStreamsResponse>;
   /**
@@ -16165,7 +16281,9 @@ export interface ModelExecutorClient extends Client {
    * Move running `Generate` streams to another server (`target`, one of this server's KV peers)
    * without losing or repeating a token: each stream stops at a step boundary, the target pulls
    * its KV (`AcceptMigration`) and the stream ends here with a `GenerateMigrated` event that the
-   * caller follows to the target. A stream the target refuses goes on here. An admin RPC.
+   * caller follows to the target (or, in `MIGRATION_MODE_RELAY` and for every vLLM-protocol
+   * stream, that this server relays: the caller's stream goes on, see `MigrationMode`). A stream
+   * the target refuses goes on here. An admin RPC.
    */
   migrateStreams(
     request: MigrateStreamsRequest,
