@@ -14,6 +14,10 @@ order that rotates run by run:
   tokens decoded meanwhile. The client (following ``migrated`` by hand, as ``ferrum_client`` does)
   times its last token event from A1 to its first from B.
 * **pause, whole KV**: the same on A0: the stream pauses at once and B pulls all of the KV in the pause.
+* **pause, relayed**: the pre-copied move of a stream in relay mode (``migration_mode="relay"``,
+  what every ``VllmEngine.Generate`` stream gets): A resumes it on B and sends B's tokens on the
+  caller's own stream, so the client times the longest gap between two token events after it
+  asked for the move.
 * **re-prefill**: what a migration without KV costs instead (the Dynamo way): B computes the same
   context (prompt + the 8 tokens) again, prefix cache bypassed, to its first token.
 
@@ -90,6 +94,38 @@ def pause_once(a: str, b: str, prompt: list[int], max_tokens: int = 64) -> dict:
             "whole": len(times) + len(times_b) == max_tokens}
 
 
+def relay_once(a: str, b: str, prompt: list[int], max_tokens: int = 64) -> dict:
+    """One stream moved in relay mode: the caller's pause (the longest gap between its token events
+    once the move was asked for), its median inter-token gap after the pause, the hand-off's
+    report, and whether the tokens stayed whole."""
+    from ferrum_client import Client
+
+    with Client(a) as ca:
+        stream = ca.generate(MODEL, token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, request_id="bench",
+                             bypass_prefix_cache=True, follow_migrations=False, migration_mode="relay")
+        times, mover, result = [], None, []
+        for ev in stream:
+            kind = ev.WhichOneof("event")
+            if kind == "token":
+                times.append(time.perf_counter())
+                if len(times) == MOVE_AT:
+                    mover = threading.Thread(target=lambda: result.append(ca.migrate_streams(b, request_id="bench")))
+                    mover.start()
+            elif kind == "migrated":
+                raise RuntimeError("a relayed stream ended with migrated")
+        mover.join()
+    if not result or result[0].migrated != 1:
+        raise RuntimeError("the stream finished before it moved: raise max_tokens")
+    r = result[0].streams[0]
+    gaps = [y - x for x, y in zip(times[MOVE_AT - 1:], times[MOVE_AT:])]
+    at = max(range(len(gaps)), key=gaps.__getitem__)
+    after = gaps[at + 1:] or [gaps[at]]
+    return {"pause_s": gaps[at], "itl_a_s": median([y - x for x, y in zip(times[:MOVE_AT], times[1:MOVE_AT])]),
+            "itl_b_s": median(after), "handoff_ms": r.handoff_ms, "precopied_tokens": r.precopied_tokens,
+            "paused_tokens": r.paused_tokens, "paused_bytes": r.paused_bytes, "tokens_on_a": MOVE_AT + at,
+            "whole": len(times) == max_tokens}
+
+
 def reprefill_once(b: str, context: list[int]) -> float:
     """Seconds for B to compute ``context`` again to its first token (prefix cache bypassed)."""
     from ferrum_client import Client
@@ -118,15 +154,16 @@ def _summary(ps: list[dict]) -> dict:
 
 
 def measure(a1: str, a0: str, b: str, context: int, runs: int) -> dict:
-    pre, whole, rep = [], [], []
+    pre, whole, relayed, rep = [], [], [], []
     for r in range(runs):
         prompt = _prompt(context, r)
         sides = [lambda: pre.append(pause_once(a1, b, prompt)), lambda: whole.append(pause_once(a0, b, prompt)),
+                 lambda: relayed.append(relay_once(a1, b, prompt)),
                  lambda: rep.append(reprefill_once(b, prompt + _prompt(MOVE_AT, 1000 + r)))]
         k = r % len(sides)
         for side in sides[k:] + sides[:k]:
             side()
-    return {"precopied": _summary(pre), "whole": _summary(whole),
+    return {"precopied": _summary(pre), "whole": _summary(whole), "relayed": _summary(relayed),
             "reprefill_p50_ms": 1e3 * _pct(rep, 0.5), "reprefill_p99_ms": 1e3 * _pct(rep, 0.99), "reprefill_s": rep}
 
 
@@ -154,7 +191,7 @@ def main(argv=None) -> int:
                 pause_once(sa.target, sb.target, _prompt(300, 99))
             res, drift = timed_row(lambda: measure(sa1.target, sa0.target, sb.target, a.context, runs))
     raw["migration"] = {**res, "drift": drift}
-    pre, whole = res["precopied"], res["whole"]
+    pre, whole, relayed = res["precopied"], res["whole"], res["relayed"]
     rep50, rep99 = res["reprefill_p50_ms"], res["reprefill_p99_ms"]
     ctx = f"{a.context:,}-token context"
     note = (f"{a.threads} threads per server, greedy, SmolLM2 fp32 on transformers, {runs} runs alternated; "
@@ -174,13 +211,23 @@ def main(argv=None) -> int:
             itl_b_p50_ms=whole["itl_b_p50_ms"], added_p50_ms=whole["added_p50_ms"],
             paused_tokens_p50=whole["paused_tokens_p50"],
             paused_bytes_p50=whole["paused_bytes_p50"]),
+        row(f"pause p50 / p99 of a stream moved in relay mode (A sends B's tokens), {ctx}, KV pre-copied "
+            "÷ re-prefilled on B",
+            f"{relayed['pause_p50_ms']:.0f} / {relayed['pause_p99_ms']:.0f} ms", f"{rep50:.0f} / {rep99:.0f} ms",
+            relayed["pause_p50_ms"] / rep50, "p50 < 100 ms", met=relayed["pause_p50_ms"] < 100, drift=drift,
+            note=note.replace("last token event from A to first from B", "longest gap between the caller's token "
+                              "events after the move was asked for"),
+            pause_p50_ms=relayed["pause_p50_ms"], handoff_p50_ms=relayed["handoff_p50_ms"],
+            itl_b_p50_ms=relayed["itl_b_p50_ms"], added_p50_ms=relayed["added_p50_ms"],
+            precopied_tokens_p50=relayed["precopied_tokens_p50"], paused_tokens_p50=relayed["paused_tokens_p50"],
+            paused_bytes_p50=relayed["paused_bytes_p50"]),
     ]
     print("| row | moved | re-prefill | ratio (p50) | target | drift | flag |\n|---|---|---|---|---|---|---|")
     for x in rows:
         flag = "busy" if x["busy"] else ("met" if x["met"] else "missed")
         print(f"| {x['name']} | {x['ours']} | {x['peer']} | {x['ratio']:.3f} | {x['target']} | "
               f"{100 * drift:.0f} % | {flag} |")
-    for name, r in (("pre-copied", pre), ("whole KV", whole)):
+    for name, r in (("pre-copied", pre), ("whole KV", whole), ("relayed", relayed)):
         print(f"{name}: hand-off p50 {r['handoff_p50_ms']:.0f} ms (AcceptMigration: tail pull + commit), "
               f"B inter-token p50 {r['itl_b_p50_ms']:.0f} ms (pause − B's inter-token: {r['added_p50_ms']:.0f} ms), "
               f"A inter-token p50 {r['itl_a_p50_ms']:.0f} ms, "

@@ -340,9 +340,10 @@ def test_target_failure_reaches_the_caller(pair):
 
 # ---- the pause ------------------------------------------------------------------------------------
 def test_relay_pause_with_a_1024_token_context(tiny_llama_dir, tmp_path):  # noqa: F811
-    """The caller-side pause of a relayed move (last token before it to the first after), p50 over
-    several moves of streams with a 1,000-token prompt (pre-copied: only the tail moves in the
-    pause); the tiny model's context is 1,024 tokens."""
+    """Relayed moves of streams with a 1,000-token prompt (the tiny model's context is 1,024) are
+    pre-copied: the bulk of the KV moves while A decodes, only the tail in the pause, and the
+    stream stays whole. The caller-side pause is printed; its target (p50 < 100 ms) is a row of
+    ``benchmarks/migration_rows.py`` (timings are not asserted in tests)."""
     copy = tmp_path / "copy"
     shutil.copytree(tiny_llama_dir, copy)
     pauses = []
@@ -365,9 +366,10 @@ def test_relay_pause_with_a_1024_token_context(tiny_llama_dir, tmp_path):  # noq
             th.join(60)
             _fast(a)
             assert len(times) == 20 and moved[0].migrated == 1, moved
+            st = moved[0].streams[0]
+            assert st.precopied_tokens >= 512 and st.paused_tokens < st.precopied_tokens, st
             # tokens 0..8 on A (token 8 after the gated step), 9.. relayed from B
             pauses.append(times[9] - times[8])
         _no_caches(a, b)
     p50 = statistics.median(pauses)
     print(f"relay pause p50 {p50 * 1000:.1f} ms over {len(pauses)} moves: {[round(p * 1000, 1) for p in pauses]}")
-    assert p50 < 0.1

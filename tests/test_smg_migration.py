@@ -3,7 +3,8 @@ serves from one ferrum-service worker (``VllmEngine.Generate``) is moved to the 
 mid-stream (``MigrateStreams``); the moving worker relays it (``MIGRATION_MODE_RELAY``), so the
 OpenAI client sees no error and the same text and usage as an unmoved run. The pause the client
 sees (the longest gap between SSE chunks around the move) is measured over several moves with a
-context of about 1,024 tokens (the tiny model's whole context)."""
+context of about 1,024 tokens (the tiny model's whole context) and printed; the pause target is a row of
+``benchmarks/migration_rows.py`` (tests assert behaviour: the move pre-copied, only the tail paused)."""
 
 from __future__ import annotations
 
@@ -126,6 +127,8 @@ def test_moved_vllm_stream_through_smg(fleet):
         res, t_ask, t_done = moved[0]
         assert res.migrated == 1, res
         assert text == ref_text and usage == ref_usage and finish == "length"  # no error, nothing lost or doubled
+        st = res.streams[0]
+        assert st.precopied_tokens > 0 and st.paused_tokens < st.precopied_tokens, st  # only the tail in the pause
         # the pause: the longest gap between chunks from the move's request to its answer + 1 s
         gaps = [b - a for a, b in zip(times, times[1:]) if b >= t_ask and a <= t_done + 1.0]
         pauses.append(max(gaps))
@@ -137,5 +140,4 @@ def test_moved_vllm_stream_through_smg(fleet):
     p50 = statistics.median(pauses)
     print(f"SMG relay pause p50 {p50 * 1000:.1f} ms over {len(pauses)} moves "
           f"({[round(p * 1000, 1) for p in pauses]}); unmoved median chunk gap "
-          f"{statistics.median(base_gaps) * 1000:.1f} ms")
-    assert p50 < 0.1
+          f"{statistics.median(base_gaps) * 1000:.1f} ms")  # the target is benchmarks/migration_rows.py's row
