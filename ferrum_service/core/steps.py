@@ -163,6 +163,11 @@ class StepPlan:
     rows: list[StepRow]
     field: str = "inputs"
     refuse_broken: bool = True
+    #: The rows' raw logits are read only by this step's own sampling (:func:`run`), before the
+    #: executor's next forward (the batcher's steps: streams get tokens, never logits), so an
+    #: executor may hand back views of its own output buffer instead of copies. Unary steps, whose
+    #: callers may keep the logits, leave it False.
+    transient: bool = False
 
     # ---- cost -------------------------------------------------------------------------------------
     def cost(self, executor: "StepExecutor") -> StepCost:

@@ -428,7 +428,7 @@ class ContinuousBatcher:
     async def _step(self, rows: list[StepRow]):
         """One batched step on the worker (``steps.run``): its :class:`StepResult`. A row whose
         fed token broke its constraint is not refused here: streams sample under the mask."""
-        return (await self.host.step(StepPlan(rows, "inputs", refuse_broken=False), admit=False)).value
+        return (await self.host.step(StepPlan(rows, "inputs", refuse_broken=False, transient=True), admit=False)).value
 
 
 class _Batch:
