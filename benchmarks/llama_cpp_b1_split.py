@@ -51,6 +51,10 @@ steps.run = _wrap(steps.run, "run")
 import ferrum_service.hosting.host as host
 if hasattr(host, "run"):
     host.run = steps.run
+import ferrum_service.hosting.batcher as batcher
+for name, kind in (("_measure", "measure"), ("_next_batch", "next_batch")):
+    if hasattr(batcher.ContinuousBatcher, name):
+        setattr(batcher.ContinuousBatcher, name, _wrap(getattr(batcher.ContinuousBatcher, name), kind))
 
 def _dump():
     while True:
@@ -90,8 +94,23 @@ def split(events: list, w0: float, w1: float) -> dict:
     in_run = sum(b - a for a, b in runs) / len(runs) - dec
     between = sum(runs[i + 1][0] - runs[i][1] for i in range(len(runs) - 1)) / (len(runs) - 1)
     step = (runs[-1][0] - runs[0][0]) / (len(runs) - 1)
-    return {"steps": len(runs), "decode_ms": 1e3 * dec, "run_other_ms": 1e3 * in_run,
-            "between_ms": 1e3 * between, "step_period_ms": 1e3 * step}
+    out = {"steps": len(runs), "decode_ms": 1e3 * dec, "run_other_ms": 1e3 * in_run,
+           "between_ms": 1e3 * between, "step_period_ms": 1e3 * step}
+    # the loop's side of "between": the hop back (run end -> the batcher's _measure), the
+    # stream's turn (-> _next_batch of the next step) and the hop to the worker (-> run start)
+    meas = sorted(a for k, a, b in events if k == "measure" and w0 <= a <= w1)
+    nexts = sorted(a for k, a, b in events if k == "next_batch" and w0 <= a <= w1)
+    back, turn, there = [], [], []
+    for (r0, r1), (n0, _) in zip(runs, runs[1:]):
+        m = next((t for t in meas if r1 <= t <= n0), None)
+        nb = next((t for t in nexts if (m or r1) <= t <= n0), None)
+        if m is not None and nb is not None:
+            back.append(m - r1)
+            turn.append(nb - m)
+            there.append(n0 - nb)
+    if back:
+        out.update(hop_back_ms=1e3 * median(back), stream_turn_ms=1e3 * median(turn), hop_there_ms=1e3 * median(there))
+    return out
 
 
 PEER_DECODES: list[tuple[float, float]] = []
@@ -128,6 +147,7 @@ def peer_run(llm, n: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", action="append", required=True, help="NAME=PATH[@SPEC] of a source tree (SPEC: its executor spec fields, default --spec)")
+    ap.add_argument("--tree-env", action="append", default=[], help="NAME:VAR=VALUE set for that tree's server")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -150,6 +170,11 @@ def main(argv=None) -> int:
             path = str(Path(path).resolve())
             out = tmp / f"{name}.json"
             env = {"PYTHONPATH": f"{path}:{path}/clients/python", "B1_PROBE_OUT": str(out), "FERRUM_TORCH_THREADS": str(a.threads)}
+            for e in a.tree_env:
+                who, _, kv = e.partition(":")
+                if who == name:
+                    k, _, v = kv.partition("=")
+                    env[k] = v
             srv = ServerProcess(["--log-level", "warning", "--model",
                                  f"llama-cpp,id=llc,path={gguf},threads={a.threads},{extra}"],
                                 command=[sys.executable, str(tmp / "b1probe.py")], env=env, cwd=path,
@@ -182,7 +207,8 @@ def main(argv=None) -> int:
                 res["peer"].append(peer_run(llm, a.tokens))
         same = len({tuple(v) for v in ids0.values()}) == 1
         print(f"threads {a.threads}, {a.tokens} tokens, {a.rounds} rounds alternated; same tokens: {same}")
-        keys = ["tok_s", "decode_ms", "run_other_ms", "between_ms", "step_period_ms"]
+        keys = ["tok_s", "decode_ms", "run_other_ms", "between_ms", "hop_back_ms", "stream_turn_ms", "hop_there_ms",
+                "step_period_ms"]
         print("| tree | " + " | ".join(keys) + " | runs tok/s |")
         print("|---" * (len(keys) + 2) + "|")
         for name, recs in res.items():
