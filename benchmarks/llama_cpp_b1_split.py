@@ -18,7 +18,6 @@ sampling, bookkeeping) and the time between two steps on the worker (the event-l
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients" / "python
 from .common import median  # noqa: E402
 
 PROBE = r'''
-import json, os, threading, time
+import os, threading, time
 OUT = os.environ["B1_PROBE_OUT"]
 EV = []  # (kind, t0, t1)
 
@@ -60,8 +59,8 @@ def _dump():
     while True:
         time.sleep(0.3)
         tmp = OUT + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(EV[-20000:], f)
+        with open(tmp, "w") as f:  # one event a line: kind t0 t1 (the driver's split reads it)
+            f.writelines(f"{k} {a!r} {b!r}\n" for k, a, b in EV[-20000:])
         os.replace(tmp, OUT)
 
 threading.Thread(target=_dump, daemon=True).start()
@@ -168,7 +167,7 @@ def main(argv=None) -> int:
             path, _, extra = path.partition("@")
             extra = extra or a.spec
             path = str(Path(path).resolve())
-            out = tmp / f"{name}.json"
+            out = tmp / f"{name}.events"
             env = {"PYTHONPATH": f"{path}:{path}/clients/python", "B1_PROBE_OUT": str(out), "FERRUM_TORCH_THREADS": str(a.threads)}
             for e in a.tree_env:
                 who, _, kv = e.partition(":")
@@ -200,7 +199,7 @@ def main(argv=None) -> int:
                 stamps, ids = stream(srv.target, "llc", a.tokens)
                 ids0.setdefault(name, ids)
                 time.sleep(0.7)  # the probe's dump
-                events = json.loads(out.read_text())
+                events = [(k, float(a), float(b)) for k, a, b in (ln.split() for ln in out.read_text().splitlines())]
                 rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
                 res[name].append({"tok_s": rate, **split(events, stamps[1], stamps[-1])})
             if llm is not None:

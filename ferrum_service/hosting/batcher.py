@@ -13,6 +13,15 @@ pace while prompts arrive: a step costs at most their decodes plus one budget of
 milliseconds for the streams of the previous step to queue their next token (stragglers), so B
 streams share one forward per token. A step that fails is all or nothing; its rows are then rerun
 one by one so that one bad stream does not fail the others.
+
+A lone stream (one decode row, nothing else queued) on an executor whose steps chain
+(``chains_decodes``: the llama.cpp executor) does not return to the event loop between steps: the
+worker runs its next step itself, feeding the token it just sampled, and posts each row to the loop
+(:meth:`ContinuousBatcher._chain`). It runs at most one step ahead of the stream's asking for it;
+any other work for the worker (a prompt, another stream's step, a unary call, a release) stops the
+chain after the step it runs. A step run ahead that the stream never asks for is freed with the
+cache the stream frees at its end, or undone (``settle``: ``truncate_kv``) before a move reads the
+cache or a different step follows.
 """
 
 from __future__ import annotations
