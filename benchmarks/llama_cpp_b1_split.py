@@ -218,7 +218,11 @@ def main(argv=None) -> int:
         if res["peer"]:
             p = median([x["tok_s"] for x in res["peer"]])
             for name in servers:
-                print(f"{name} ÷ peer: {median([x['tok_s'] for x in res[name]]) / p:.3f}")
+                # per round: this tree's run ÷ the peer's run of the same round (a burst of load on
+                # the machine hits both), then the median over rounds
+                paired = median([x["tok_s"] / y["tok_s"] for x, y in zip(res[name], res["peer"])])
+                print(f"{name} ÷ peer: medians {median([x['tok_s'] for x in res[name]]) / p:.3f}, "
+                      f"paired by round {paired:.3f}, best runs {max(x['tok_s'] for x in res[name]) / max(x['tok_s'] for x in res['peer']):.3f}")
     finally:
         for srv, _ in servers.values():
             srv.stop()

@@ -483,7 +483,10 @@ class ContinuousBatcher:
         self._chains[ch.cache_id] = ch
 
         def post(value) -> None:
-            loop.call_soon_threadsafe(self._deliver, ch, value)
+            try:
+                loop.call_soon_threadsafe(self._deliver, ch, value)
+            except RuntimeError:  # the loop is closed (shutdown): nobody waits
+                pass
 
         def work(executor, plan: StepPlan) -> None:
             res = host.run_step(executor, plan)  # the first step's failure is the batch's (below)
@@ -494,17 +497,29 @@ class ContinuousBatcher:
                           and not r.no_selectable_finite_logit and not entry.released)
                     if go:
                         ch.claimed, ch.ahead, ch.token = False, True, r.token_id
-                post(res)
                 if not go:
+                    post(res)
                     return
                 host.progress.completed()  # a step completed (the call records its last one): no stall
-                nxt = StepPlan([StepRow.decode(dataclasses.replace(inp, token_id=ch.token, draft=[]), entry,
-                                               "inputs")], "inputs", refuse_broken=False, transient=True)
+                # This row is posted when the next step's llama_decode starts (it releases the GIL):
+                # the loop's work on it (the token's event, the send) then overlaps the forward
+                # instead of contending with the step's own Python for the GIL.
+                held = [res]
+
+                def flush() -> None:
+                    if held:
+                        post(held.pop())
+
+                nxt = StepPlan([StepRow.decode(dataclasses.replace(inp, token_id=r.token_id, draft=[]), entry,
+                                               "inputs")], "inputs", refuse_broken=False, transient=True,
+                               on_forward=flush)
                 try:
                     res = host.run_step(executor, nxt)
                 except BaseException as e:  # noqa: BLE001 - the stream gets it when it asks for this step
+                    flush()
                     post(e)
                     return
+                flush()  # an executor that does not call on_forward
 
         self._stepping, self._running_chain, host.interrupt = batch, ch, ch.halt
         try:

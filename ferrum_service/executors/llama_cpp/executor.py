@@ -580,12 +580,13 @@ class LlamaCppExecutor(ItemStepExecutor):
         batcher's steps, sampled before the next decode) logits rows are views of llama.cpp's
         buffer, not copies."""
         return [RowOutput(self.handle(e), logits, cached=cached)
-                for e, logits, cached in self._step(plan.rows, plan.field, views=plan.transient)]
+                for e, logits, cached in self._step(plan.rows, plan.field, views=plan.transient,
+                                                    on_forward=plan.on_forward)]
 
-    def _step(self, items: list[StepRow], field: str, views: bool = False
+    def _step(self, items: list[StepRow], field: str, views: bool = False, on_forward=None
               ) -> list[tuple[CacheEntry, np.ndarray | None, int]]:
         """Admit, run one ``llama_decode`` over all items, commit; undo everything on failure
-        (``views``: see :meth:`DecodeBatch.decode`)."""
+        (``views``, ``on_forward``: see :meth:`DecodeBatch.decode`)."""
         if self.state == "shutdown":
             raise errors.unavailable(f"model {self.model_id!r} is shut down")
         n_tokens = sum(len(it.tokens) for it in items)
@@ -662,7 +663,7 @@ class LlamaCppExecutor(ItemStepExecutor):
                 entries.append(e)
                 cached.append(take if new else 0)
                 placed.append((e.payload, past))
-            logits = self._decode.decode(work, placed, views)
+            logits = self._decode.decode(work, placed, views, on_forward)
         except BaseException:
             for seq, past in undo:
                 self._L.llama_memory_seq_rm(self._mem, seq, past, -1)
