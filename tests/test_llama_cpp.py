@@ -69,6 +69,29 @@ def test_prefill_then_decodes_equals_one_prefill(ex):
     assert ex.registry.get(cid).num_tokens == 24 and ex.kv_cells_used() == 24
 
 
+def test_transient_steps_sample_from_views_and_unary_steps_keep_copies(ex):
+    """A transient plan (the batcher's steps) gets zero-copy views of llama.cpp's logits and
+    samples the same token as a copying step; a unary step's rows are copies that the next decode
+    does not overwrite."""
+    from ferrum_service.core.steps import StepPlan, StepRow, Want, run
+
+    toks = prompt_ids(12, 3, **SMOLLM2)
+    a = ex.prefill(PrefillInput(token_ids=toks))
+    b = ex.prefill(PrefillInput(token_ids=toks))
+    ea, eb = ex.registry.get(a.cache.cache_id), ex.registry.get(b.cache.cache_id)
+    greedy = LogitsPolicy()
+    t = int(a.logits.argmax())
+    copied = run(ex, StepPlan([StepRow.decode(DecodeInput(cache_id=ea.cache_id, token_id=t, policy=greedy), ea, "x")]))
+    kept = np.array(copied.outputs[0].logits)
+    viewed = run(ex, StepPlan([StepRow.decode(DecodeInput(cache_id=eb.cache_id, token_id=t, policy=greedy), eb, "x")],
+                              transient=True))
+    assert viewed.outputs[0].logits.base is not None and copied.outputs[0].logits.base is None
+    assert viewed.rows[0].token_id == copied.rows[0].token_id
+    assert viewed.rows[0].logprob == pytest.approx(copied.rows[0].logprob, abs=1e-5)
+    ex.decode(DecodeInput(cache_id=ea.cache_id, token_id=3))  # the next decode leaves the copy alone
+    assert np.array_equal(copied.outputs[0].logits, kept)
+
+
 def test_truncate_then_decode_equals_a_fresh_prefill(ex):
     toks = prompt_ids(30, 2, **SMOLLM2)
     cid = ex.prefill(PrefillInput(token_ids=toks, policy=NONE)).cache.cache_id

@@ -60,10 +60,10 @@ def _slow_llama():
     from ferrum_service.executors.llama_cpp import LlamaCppExecutor
 
     class SlowLlama(LlamaCppExecutor):
-        def _step(self, items, field):
+        def _step(self, items, field, **kw):
             time.sleep(STEP_S)
             self.decodes += len(items)
-            return super()._step(items, field)
+            return super()._step(items, field, **kw)
 
     ex = SlowLlama(llama.gguf(), model_id="slow", threads=2, n_ctx=8192, n_seq=16)
     ex.decodes = 0

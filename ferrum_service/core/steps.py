@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from . import errors
 from .guided import mask_rows, overlapping, prepare_masks, refuse_broken
@@ -163,6 +163,16 @@ class StepPlan:
     rows: list[StepRow]
     field: str = "inputs"
     refuse_broken: bool = True
+    #: The rows' raw logits are read only by this step's own sampling (:func:`run`), before the
+    #: executor's next forward (the batcher's steps: streams get tokens, never logits), so an
+    #: executor may hand back views of its own output buffer instead of copies. Unary steps, whose
+    #: callers may keep the logits, leave it False.
+    transient: bool = False
+    #: Called once on the worker right before the forward's native call starts (which releases
+    #: the GIL), by an executor that supports it (llama.cpp's); the batcher's chained steps post
+    #: the previous step's row to the event loop there, so the loop's work on it overlaps the
+    #: forward instead of contending with the step's own Python. Whoever sets it checks that it ran.
+    on_forward: Callable[[], None] | None = None
 
     # ---- cost -------------------------------------------------------------------------------------
     def cost(self, executor: "StepExecutor") -> StepCost:

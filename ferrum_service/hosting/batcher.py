@@ -13,6 +13,15 @@ pace while prompts arrive: a step costs at most their decodes plus one budget of
 milliseconds for the streams of the previous step to queue their next token (stragglers), so B
 streams share one forward per token. A step that fails is all or nothing; its rows are then rerun
 one by one so that one bad stream does not fail the others.
+
+A lone stream (one decode row, nothing else queued) on an executor whose steps chain
+(``chains_decodes``: the llama.cpp executor) does not return to the event loop between steps: the
+worker runs its next step itself, feeding the token it just sampled, and posts each row to the loop
+(:meth:`ContinuousBatcher._chain`). It runs at most one step ahead of the stream's asking for it;
+any other work for the worker (a prompt, another stream's step, a unary call, a release) stops the
+chain after the step it runs. A step run ahead that the stream never asks for is freed with the
+cache the stream frees at its end, or undone (``settle``: ``truncate_kv``) before a move reads the
+cache or a different step follows.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,7 +40,7 @@ from ..core import errors
 from ..core.kv_registry import CacheEntry, CacheRegistry
 from ..core.sampling import RowResult
 from ..core.settings import default
-from ..core.steps import RowOutput, StepPlan, StepRow
+from ..core.steps import RowOutput, StepPlan, StepResult, StepRow
 from ..core.types import DecodeInput, LogitsPolicy, OutputMode, PrefillInput
 from .host import ModelHost
 from .step_costs import StepCostModel
@@ -44,6 +54,10 @@ class HeldDecode(DecodeInput):
     the step needs no look-up of the cache (its liveness is the entry's ``released``)."""
 
     entry: CacheEntry | None = None
+    #: The stream feeds each step's sampled token into its next step and nothing else (no drafts,
+    #: no constraint, one sample, a cache it owns and frees at its end): the worker may run the
+    #: next step ahead of the stream's asking for it (see :class:`_Chain`).
+    chain: bool = False
 
 
 @dataclass
@@ -117,6 +131,8 @@ class ContinuousBatcher:
         self._prompt_alone_next = False  # a prompt too costly to join the decodes goes first, alone
         self.costs = StepCostModel()  # measured: what a step's decode rows and prompt tokens cost
         self._stepping: _Batch | None = None  # the batch whose forward runs now
+        self._chains: dict[str, _Chain] = {}  # cache id -> its chain of decode steps (running, or one step ahead)
+        self._running_chain: _Chain | None = None
         host.attach(self)
 
     def configure(self, prefill_tokens_per_step: int, tail_step_factor: float) -> None:
@@ -144,7 +160,11 @@ class ContinuousBatcher:
         return queued + running, fresh, running
 
     def forget(self, cache_id: str) -> None:
-        """A stream's cache is gone: the next step does not wait for it."""
+        """A stream's cache is gone: the next step does not wait for it (and a step the worker
+        ran ahead for it is dropped with the cache)."""
+        ch = self._chains.pop(cache_id, None)
+        if ch is not None:
+            ch.halt()
         self._expected.discard(cache_id)
         self._arrived(cache_id)
 
@@ -153,7 +173,14 @@ class ContinuousBatcher:
         """One decode step + sampling, batched with whatever other streams run right now (the
         repetition-penalty history is the cache's tokens). A :class:`HeldDecode` carries its
         cache; a plain input's is looked up when the step is batched."""
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        ch = self._chains.get(inp.cache_id)
+        if ch is not None:
+            fut = self._claim(ch, inp)
+            if fut is not None:
+                return await fut
+            await self.settle(inp.cache_id)  # not the step the worker ran ahead: undo that one
+        self._halt_chain()
+        fut = asyncio.get_running_loop().create_future()
         self._decode_queue.append(_Pending(inp, fut, inp.entry if isinstance(inp, HeldDecode) else None))
         self._arrived(inp.cache_id)
         self._kick()
@@ -164,6 +191,7 @@ class ContinuousBatcher:
         streams' decode steps. New work: refused at once past the host's queue limit. If the stream
         is cancelled while its step runs, the cache the step created is reclaimed."""
         self.host.check_accepting()
+        self._halt_chain()
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._prefill_queue.append(_Pending(inp, fut))
         self._kick()
@@ -338,6 +366,11 @@ class ContinuousBatcher:
             self._expected = {p.inp.cache_id for p in batch.decodes}
             if not batch.rows:
                 continue
+            if self._chainable(batch):
+                await self._chain(batch)
+                await self._gather_stragglers()
+                gathered = True
+                continue
             self._stepping = batch
             try:
                 result = await self._step(batch.rows)
@@ -425,10 +458,166 @@ class ContinuousBatcher:
         elif isinstance(p.inp, PrefillInput) and not p.inp.cache_id:
             self.host.release_soon(result[0].cache.cache_id, "reclaimed")  # its stream is gone
 
+    # ---- a lone stream's steps chained on the worker --------------------------------------------
+    def _chainable(self, batch: "_Batch") -> bool:
+        """A batch of one decode step of a stream that allows chaining (:attr:`HeldDecode.chain`),
+        nothing else waiting, on an executor whose steps chain (``chains_decodes``)."""
+        if batch.prompts or len(batch.decodes) != 1 or self._decode_queue or self._prefill_queue:
+            return False
+        p = batch.decodes[0]
+        ex = self.host.executor
+        return (isinstance(p.inp, HeldDecode) and p.inp.chain and p.entry is not None and not p.inp.draft
+                and getattr(ex, "chains_decodes", False) and not ex.inline)
+
+    async def _chain(self, batch: "_Batch") -> None:
+        """Run the batch's one decode step, then, on the worker without a return to the event loop
+        in between, the stream's next steps (each feeding the token the last one sampled) while
+        the stream keeps asking for them (:meth:`_claim`) and nothing else waits for the worker.
+        Each step's row is posted to the loop as it is made. At most one step runs ahead of the
+        stream's asking: when the stream stops, the cache holds one token more than it fed (freed
+        with the cache; :meth:`settle` truncates it where the cache lives on)."""
+        p, row = batch.decodes[0], batch.decode_rows[0]
+        loop = asyncio.get_running_loop()
+        ch = _Chain(p, batch)
+        host, entry, inp = self.host, p.entry, p.inp
+        self._chains[ch.cache_id] = ch
+
+        def post(value) -> None:
+            try:
+                loop.call_soon_threadsafe(self._deliver, ch, value)
+            except RuntimeError:  # the loop is closed (shutdown): nobody waits
+                pass
+
+        def work(executor, plan: StepPlan) -> None:
+            res = host.run_step(executor, plan)  # the first step's failure is the batch's (below)
+            while True:
+                r = res.rows[0]
+                with ch.lock:
+                    go = (not ch.stop and ch.claimed and r is not None and r.token_id is not None and not r.extra
+                          and not r.no_selectable_finite_logit and not entry.released)
+                    if go:
+                        ch.claimed, ch.ahead, ch.token = False, True, r.token_id
+                if not go:
+                    post(res)
+                    return
+                host.progress.completed()  # a step completed (the call records its last one): no stall
+                # This row is posted when the next step's llama_decode starts (it releases the GIL):
+                # the loop's work on it (the token's event, the send) then overlaps the forward
+                # instead of contending with the step's own Python for the GIL.
+                held = [res]
+
+                def flush() -> None:
+                    if held:
+                        post(held.pop())
+
+                nxt = StepPlan([StepRow.decode(dataclasses.replace(inp, token_id=r.token_id, draft=[]), entry,
+                                               "inputs")], "inputs", refuse_broken=False, transient=True,
+                               on_forward=flush)
+                try:
+                    res = host.run_step(executor, nxt)
+                except BaseException as e:  # noqa: BLE001 - the stream gets it when it asks for this step
+                    flush()
+                    post(e)
+                    return
+                flush()  # an executor that does not call on_forward
+
+        self._stepping, self._running_chain, host.interrupt = batch, ch, ch.halt
+        try:
+            await host.call(work, host.executor, StepPlan([row], "inputs", refuse_broken=False, transient=True),
+                            admit=False, interrupts=False)
+        except Exception as e:  # noqa: BLE001 - the first step failed: nothing of it was applied
+            p.fail(e)
+        finally:
+            ch.halt()
+            self._stepping, self._running_chain, host.interrupt = None, None, None
+            ch.running = False
+            if not ch.ended.done():
+                ch.ended.set_result(None)
+            if not ch.ahead and self._chains.get(ch.cache_id) is ch:
+                del self._chains[ch.cache_id]
+
+    def _deliver(self, ch: "_Chain", value) -> None:
+        """A chained step's result (on the loop, in step order): to the stream waiting for it, or
+        kept until the stream asks (:meth:`_claim`)."""
+        if isinstance(value, StepResult):
+            self._measure(ch.batch, value.forward_s)
+            value = value.rows[0]
+        w, ch.waiter = ch.waiter, None
+        if w is not None and not w.done():
+            w.set_exception(value) if isinstance(value, BaseException) else w.set_result(value)
+        elif w is not None:  # the stream stopped waiting (it ends): run no further ahead
+            ch.halt()
+        else:
+            ch.parked = value
+
+    def _claim(self, ch: "_Chain", inp: DecodeInput) -> asyncio.Future | None:
+        """The stream asks for the step the worker runs (or ran) ahead: a future of its row, or
+        None when the ask is not that step (another token, drafts)."""
+        with ch.lock:
+            if not ch.ahead or ch.waiter is not None or inp.draft or inp.token_id != ch.token:
+                return None
+            ch.ahead, ch.claimed = False, True
+        fut = asyncio.get_running_loop().create_future()
+        if ch.parked is not None:
+            value, ch.parked = ch.parked, None
+            fut.set_exception(value) if isinstance(value, BaseException) else fut.set_result(value)
+        else:
+            ch.waiter = fut
+        if not ch.running and self._chains.get(ch.cache_id) is ch:
+            del self._chains[ch.cache_id]
+        return fut
+
+    def _halt_chain(self) -> None:
+        if self._running_chain is not None:
+            self._running_chain.halt()
+
+    async def settle(self, cache_id: str) -> None:
+        """Stop the cache's chain of steps; a step the worker ran ahead that its stream did not ask
+        for is taken out of the cache again (``truncate_kv``), so the cache holds exactly what the
+        stream fed (before a move reads it, or a different step follows)."""
+        ch = self._chains.get(cache_id)
+        if ch is None:
+            return
+        ch.halt()
+        await asyncio.shield(ch.ended)
+        if self._chains.get(cache_id) is ch:
+            del self._chains[cache_id]
+        extra = ch.ahead and isinstance(ch.parked, RowResult)  # a failed step undid itself
+        ch.ahead, ch.parked = False, None
+        entry = ch.entry
+        if extra and not entry.released:
+            await self.host.call(self.host.executor.truncate_kv, cache_id, entry.num_tokens - 1, admit=False)
+
     async def _step(self, rows: list[StepRow]):
         """One batched step on the worker (``steps.run``): its :class:`StepResult`. A row whose
         fed token broke its constraint is not refused here: streams sample under the mask."""
-        return (await self.host.step(StepPlan(rows, "inputs", refuse_broken=False), admit=False)).value
+        return (await self.host.step(StepPlan(rows, "inputs", refuse_broken=False, transient=True), admit=False)).value
+
+
+class _Chain:
+    """A lone stream's decode steps chained on the worker (:meth:`ContinuousBatcher._chain`).
+    ``lock`` guards what both threads read: ``stop``, ``claimed`` (the stream asked for the step
+    that runs now), ``ahead`` (a step runs or ran that the stream has not asked for yet) and
+    ``token`` (the token that step feeds)."""
+
+    def __init__(self, p: _Pending, batch: "_Batch") -> None:
+        self.cache_id = p.inp.cache_id
+        self.entry = p.entry
+        self.batch = batch
+        self.lock = threading.Lock()
+        self.stop = False
+        self.claimed = True
+        self.ahead = False
+        self.token: int | None = None
+        self.waiter: asyncio.Future | None = p.fut  # who gets the next step's row
+        self.parked = None  # a step's row (or error) made before the stream asked for it
+        self.running = True
+        self.ended: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def halt(self) -> None:
+        """Stop after the step that runs now (any thread)."""
+        with self.lock:
+            self.stop = True
 
 
 class _Batch:

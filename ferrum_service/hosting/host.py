@@ -111,6 +111,10 @@ class ModelHost:
         #: Called on the worker after each step while a profile waits or records (``profiler.py``);
         #: None otherwise, so a step costs nothing more.
         self.step_hook: Callable[[], None] | None = None
+        #: Set while the worker chains a lone stream's decode steps (``batcher.py``): asks it to
+        #: stop after the step it runs (thread-safe), so that other work for the worker waits one
+        #: step at most.
+        self.interrupt: Callable[[], None] | None = None
 
     def configure(self, settings: HostSettings) -> None:
         """Run under the server's ``settings`` (the server's wiring calls it once, before serving)."""
@@ -136,13 +140,21 @@ class ModelHost:
         metrics scrape reading the executor's native state, never while a step runs); blocks."""
         if self.executor.inline:
             return fn()
+        self.yield_worker()
         return self._pool.submit(fn).result(timeout)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         """Queue ``fn(*args)`` on the model's worker behind the work already queued, outside the
         step accounting of :meth:`call` (clean-up such as dropping a failed import). RuntimeError
         once the worker is shut down."""
+        self.yield_worker()
         return self._pool.submit(fn, *args)
+
+    def yield_worker(self) -> None:
+        """Other work wants the worker: a chain of decode steps stops after its current step."""
+        stop = self.interrupt
+        if stop is not None:
+            stop()
 
     @property
     def waiting(self) -> int:
@@ -179,13 +191,16 @@ class ModelHost:
             raise errors.unavailable(f"model {self.model_id!r} is shut down", model_id=self.model_id)
 
     async def call(self, fn: Callable[..., Any], *args: Any, admit: bool = True,
-                   on_orphan: Callable[[Any], None] | None = None) -> Timed:
+                   on_orphan: Callable[[Any], None] | None = None, interrupts: bool = True) -> Timed:
         """Run ``fn(*args)`` on the model's worker (inline for cheap executors).
 
         ``admit=False`` skips the queue limit (steps of work already admitted). ``on_orphan``:
         called with the result when the caller was cancelled while ``fn`` ran (or just after it
-        finished): whatever the step created (caches) has nobody to hand it to, so it is freed."""
+        finished): whatever the step created (caches) has nobody to hand it to, so it is freed.
+        ``interrupts``: stop a chain of decode steps the worker runs (:meth:`yield_worker`)."""
         self.check_accepting(fn) if admit else self.check_up()
+        if interrupts:
+            self.yield_worker()
         submitted = time.perf_counter_ns()
         self.progress.started(self.running)
         self.running += 1
@@ -289,6 +304,7 @@ class ModelHost:
                     if self.executor.inline:
                         self.executor.release_cache(cache_id, reason)
                         return
+                    self.yield_worker()
                     await asyncio.get_running_loop().run_in_executor(self._pool, self.executor.release_cache,
                                                                      cache_id, reason)
             except Exception:  # noqa: BLE001 - the pool is gone at shutdown; the executor frees all then
@@ -312,10 +328,13 @@ class ModelHost:
         hook = self.step_hook
         if hook is None:
             return await self.call(run, self.executor, plan, admit=admit, on_orphan=on_orphan)
+        return await self.call(self.run_step, self.executor, plan, admit=admit, on_orphan=on_orphan)
 
-        def hooked(executor: ModelExecutor, p: StepPlan) -> Any:
-            try:
-                return run(executor, p)
-            finally:
+    def run_step(self, executor: ModelExecutor, plan: StepPlan) -> Any:
+        """``steps.run`` with the step hook, on the worker."""
+        hook = self.step_hook
+        try:
+            return run(executor, plan)
+        finally:
+            if hook is not None:
                 hook()
-        return await self.call(hooked, self.executor, plan, admit=admit, on_orphan=on_orphan)

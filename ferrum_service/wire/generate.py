@@ -93,9 +93,11 @@ class _Sample:
         self.accepted_drafts = 0
         self.migrated = False  # the stream moved to a peer (ended with GenerateMigrated)
         self.relayed: pb.GenerateFinished | None = None  # moved in relay mode: the target's final event
+        self.chain = False  # the worker may run its next step ahead (HeldDecode.chain)
 
     def step(self, token: int, draft: list[int]) -> HeldDecode:
-        return HeldDecode(cache_id=self.cache_id, token_id=token, policy=self.policy, draft=draft, entry=self.entry)
+        return HeldDecode(cache_id=self.cache_id, token_id=token, policy=self.policy, draft=draft, entry=self.entry,
+                          chain=self.chain)
 
 
 def bind_stream(state: StreamState, host, request_id: str, cache_id: str) -> None:
@@ -336,6 +338,9 @@ class Generation:
         spec = self.spec
         if spec.speculation is not None:
             s.drafter = speculation.NgramDrafter(spec.speculation, self.prompt_index)
+        # One sample on a cache the stream frees at its end, each step feeding the last sampled
+        # token: a step the worker runs ahead is dropped with the cache if the stream stops.
+        s.chain = (self.pipeline and spec.n == 1 and s.drafter is None and s.policy.sampling.constraint is None)
         async for ev in self._decode(s):
             yield ev
         if not self.pipeline:
@@ -401,6 +406,8 @@ class Generation:
                 events = self._tokens(s, row)
                 nxt = s.step(events[-1].token_id, self._draft(s, row, events))
                 going_on = s.finish == pb.FINISH_REASON_UNSPECIFIED
+                if mover is not None and going_on and state.move_to:
+                    await batcher.settle(s.cache_id)  # the cache holds exactly what was fed before it moves
                 moving = mover is not None and going_on and mover.pause_now(s)
                 if self.pipeline and going_on and not moving:
                     pending = asyncio.ensure_future(batcher.decode(nxt))

@@ -1,10 +1,11 @@
 """The step's one ``llama_decode``: a reusable ``llama_batch`` filled from a step's rows, with logits
 requested only for the positions whose rows are wanted, and the logits rows read back as numpy
-arrays (no torch on this path)."""
+arrays (no torch on this path): copies, or for a step whose logits only its own sampling reads
+(``StepPlan.transient``) zero-copy views of llama.cpp's buffer."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -32,11 +33,15 @@ class DecodeBatch:
         """Give the batch's arrays back to llama.cpp (once, at teardown)."""
         self._L.llama_batch_free(self.batch)
 
-    def decode(self, items: list[StepRow], placed: list[tuple[int, int]]) -> list[np.ndarray | None]:
+    def decode(self, items: list[StepRow], placed: list[tuple[int, int]], views: bool = False,
+               on_forward: Callable[[], None] | None = None) -> list[np.ndarray | None]:
         """One ``llama_decode`` of ``items`` (row ``i``'s tokens written into sequence
         ``placed[i][0]`` from position ``placed[i][1]``): per row its logits (``[vocab]``,
         ``[n, vocab]`` for :attr:`Want.ALL`, None for :attr:`Want.NONE`). RESOURCE_EXHAUSTED when
-        llama.cpp finds no free KV cells."""
+        llama.cpp finds no free KV cells. ``views``: a :attr:`Want.LAST` row is a zero-copy view of
+        llama.cpp's logits buffer (``llama_get_logits_ith``), valid until the context's next
+        decode (and writable: a structured-output mask is applied to it in place); else a copy.
+        ``on_forward``: called right before ``llama_decode`` (``StepPlan.on_forward``)."""
         L, b = self._L, self.batch
         n = sum(len(it.tokens) for it in items)
         tok, pos, out = self._tok, self._pos, self._out
@@ -60,6 +65,8 @@ class DecodeBatch:
             rows[r] = (it.want, i, k)
             i += k
         b.n_tokens = n
+        if on_forward is not None:
+            on_forward()
         rc = L.llama_decode(self._ctx, b)
         if rc == 1:
             raise errors.exhausted("llama.cpp found no free KV cells for the step", needed=n)
@@ -73,7 +80,7 @@ class DecodeBatch:
                 continue
             if want == Want.LAST:
                 row = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, start + k - 1), shape=(V,))
-                result.append(row.copy())
+                result.append(row if views else row.copy())
                 continue
             arr = np.stack([np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, j), shape=(V,))
                             for j in range(start, start + k)])
