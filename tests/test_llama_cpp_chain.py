@@ -140,13 +140,21 @@ def test_other_work_stops_the_chain(counted):
         from ferrum_client import AsyncClient
 
         async with AsyncClient(s.target) as c:
-            async def one(n, delay):
-                await asyncio.sleep(delay)
-                return [e.token.token_id async for e in c.generate("chain", token_ids=prompt_ids(12, 2, **SMOLLM2),
-                                                                   max_tokens=n, ignore_eos=True)
-                        if e.WhichOneof("event") == "token"]
-            return await asyncio.gather(one(40, 0.0), one(8, 0.3))
+            chained = asyncio.Event()  # the first stream is well into its chained steps
+
+            async def one(n, wait=None):
+                if wait is not None:
+                    await wait.wait()
+                out = []
+                async for e in c.generate("chain", token_ids=prompt_ids(12, 2, **SMOLLM2), max_tokens=n,
+                                          ignore_eos=True):
+                    if e.WhichOneof("event") == "token":
+                        out.append(e.token.token_id)
+                        if len(out) == 5:
+                            chained.set()
+                return out
+            return await asyncio.gather(one(60), one(8, chained))
 
     a, b = asyncio.run(two())
-    assert len(a) == 40 and len(b) == 8
+    assert len(a) == 60 and len(b) == 8
     assert max(steps) == 2  # the two streams shared steps: the chain gave way

@@ -72,7 +72,7 @@ def test_relayed_stream_equals_unmoved(pair, mode):
         st = cb.status(M).metrics
         assert st.prefill_operations == 0 and 64 - st.decode_operations == 16  # B decoded tokens 16..63
     _no_caches(a, b)
-    assert a.server.migrations.relays == 0
+    assert a.server.migrations.relays.running == 0
 
 
 def test_follow_mode_is_still_the_default(pair):
@@ -193,7 +193,7 @@ def test_drain_moves_vllm_streams(pair):
 
 # ---- cancellation and abort -----------------------------------------------------------------------
 def _relaying(a) -> None:
-    wait_for(lambda: a.server.migrations.relays == 1, timeout=30, what="A relays the stream")
+    wait_for(lambda: a.server.migrations.relays.running == 1, timeout=30, what="A relays the stream")
 
 
 def test_caller_cancel_during_relay_frees_both(pair):
@@ -214,7 +214,7 @@ def test_caller_cancel_during_relay_frees_both(pair):
         _relaying(a)
         stream.cancel()
     _no_caches(a, b)
-    wait_for(lambda: a.server.migrations.relays == 0 and not b.server.streams.generations, timeout=20,
+    wait_for(lambda: a.server.migrations.relays.running == 0 and not b.server.streams.generations, timeout=20,
              what="the relay and B's stream ended")
 
 
@@ -249,7 +249,7 @@ def test_vllm_abort_on_a_reaches_the_relayed_stream(pair):
     else:
         assert _complete(box["out"]).finish_reason == "abort"
     _no_caches(a, b)
-    assert a.server.migrations.relays == 0
+    assert a.server.migrations.relays.running == 0
 
 
 # ---- trust and limits -----------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def test_relay_parked_stream_is_not_the_callers_and_follow_parked_not_the_peers(
 
 def test_relays_past_the_cap_are_refused_and_the_stream_goes_on(pair):
     a, b = pair
-    a.server.migrations.max_relays = 0
+    a.server.migrations.relays.limit = 0
     prompt = _prompt(14, seed=4)
     with Client(a.target) as ca:
         ref, *_ = _run(ca, prompt, max_tokens=40, **RELAY)

@@ -455,7 +455,7 @@ class Generation:
         if s.cache_id in self.created:
             self.created.remove(s.cache_id)
             self.host.release_soon(s.cache_id, "released")
-        async for ev in self.migrations.relay(moved, self.host.model_id, self.state):
+        async for ev in self.migrations.relays.events(moved, self.host.model_id, self.state):
             kind = ev.WhichOneof("event")
             if kind == "token":
                 s.generated += 1

@@ -40,12 +40,12 @@ A token event is sent once: A's last one before ``migrated``, B's first after th
 Relay mode (``GenerateRequest.migration_mode = MIGRATION_MODE_RELAY``, and every vLLM-protocol
 stream, whose callers cannot follow ``GenerateMigrated``): the move is the same, with
 ``AcceptMigration{relay}``; then A, instead of ending the stream, frees its cache and resumes it on
-B itself (``Generate{resume_token}`` with its peer token, on the caller's behalf: :meth:`Migrations.relay`)
+B itself (``Generate{resume_token}`` with its peer token, on the caller's behalf: :meth:`migration_relay.Relays.events`)
 and sends B's token and finished events on the caller's stream as its own (``generate.py``,
 ``Generation._relay``). B's first token is the step after A's last, so nothing repeats or goes
 missing. A relay-parked stream is taken only by a peer-authenticated ``Generate`` for its caller,
 and a peer token opens ``Generate`` for nothing else (``servicer.py``); ``Abort`` and the caller's
-cancel cancel the call to B; at most :data:`MAX_RELAYS` relays run at once (a move past it is
+cancel cancel the call to B; at most ``migration_relay.MAX_RELAYS`` relays run at once (a move past it is
 refused before it starts).
 
 Trust (``kv_peers.py`` unchanged): A dials only its configured peers, with its own peer token, on
@@ -61,7 +61,7 @@ import dataclasses
 import hmac
 import secrets
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -79,6 +79,7 @@ from ..hosting.batcher import HeldDecode
 from ..hosting.kv_peers import normalize_target
 from .convert import check_tokens, pb, sampling_params
 from .generate_spec import DEFAULT_MAX_TOKENS, GenerateSpec, Resume, Stops
+from .migration_relay import Relays
 from .validate import RequestChecks
 
 if TYPE_CHECKING:
@@ -103,13 +104,6 @@ DEFAULT_PRECOPY_TOKENS = 256
 MAX_PRECOPIES = 64
 #: Seconds A waits for B to answer an ``abandon``.
 ABANDON_TIMEOUT_S = 10.0
-#: Streams one server relays at once (``MIGRATION_MODE_RELAY``, every vLLM-protocol stream): each
-#: holds a call to its target and a task here. A move past it is refused (RESOURCE_EXHAUSTED) and
-#: the stream goes on here.
-MAX_RELAYS = 256
-#: Times one relayed stream may move on again (its target moved it on, and it followed) before
-#: the relay gives up with UNAVAILABLE.
-MAX_RELAY_HOPS = 8
 
 
 @dataclasses.dataclass
@@ -219,8 +213,8 @@ class StreamMover:
                                               "pre-copy", code=grpc.StatusCode.DEADLINE_EXCEEDED))
         if not st.move_to:
             return False
-        if self.task is None and self.relay and not self.migrations.relay_room():
-            st.answer_move(self.migrations.relays_full())
+        if self.task is None and self.relay and not self.migrations.relays.room():
+            st.answer_move(self.migrations.relays.full())
             return False
         if self.task is None:
             n, prompt, start = self._decode_state(s)
@@ -248,16 +242,14 @@ class StreamMover:
                 task, self.task = self.task, None
                 pre = task.result()  # a refused pre-copy is the move's refusal
             if self.relay:
-                if not self.migrations.relay_room():
-                    raise self.migrations.relays_full()
-                self.migrations.relays += 1  # given back when the relay ends (Migrations.relay)
+                self.migrations.relays.take()  # given back when the relay ends (Relays.events)
                 held = True
             _n, prompt, start = self._decode_state(s)
             moved, rep = await self.migrations.hand_off(self.host, self.req, s.cache_id, list(s.out_ids), prompt,
                                                         start, st.tenant, st.move_to, pre, relay=self.relay)
         except BaseException as e:
             if held:
-                self.migrations.relays -= 1
+                self.migrations.relays.give_back()
             if isinstance(e, errors.FerrumError):
                 st.answer_move(e)
                 return None
@@ -309,8 +301,7 @@ class Migrations:
         self.max_precopies = MAX_PRECOPIES
         self._staging = 0  # pre-copies being pulled
         self._tasks: set[asyncio.Task] = set()  # abandons in flight
-        self.relays = 0  # streams this server relays now (moved in relay mode)
-        self.max_relays = MAX_RELAYS
+        self.relays = Relays(peers)  # the streams this server relays (moved in relay mode)
 
     # ---- the moving side (A) --------------------------------------------------------------------
     async def migrate(self, target: str, *, model_id: str = "", request_id: str = "",
@@ -359,62 +350,6 @@ class Migrations:
         log.info("streams migrated", target=t, migrated=sum(r.migrated for r in out),
                  refused=sum(not r.migrated for r in out))
         return out
-
-    def relay_room(self) -> bool:
-        return self.relays < self.max_relays
-
-    def relays_full(self) -> errors.FerrumError:
-        return errors.exhausted(f"this server already relays {self.max_relays} moved streams; the stream goes on "
-                                "here", limit=self.max_relays)
-
-    async def relay(self, moved: pb.GenerateMigrated, model_id: str, state) -> AsyncIterator[pb.GenerateResponse]:
-        """The moved stream's events from its target, for this server to send on the caller's
-        stream as its own (relay mode): ``Generate{resume_token}`` on the target on the caller's
-        behalf (``state.tenant``), with this server's peer token; the target's ``started`` is left
-        out (the caller had this server's), a ``migrated`` from it is followed (the target moved
-        the stream on). The stream's relay slot (taken by :meth:`StreamMover.hand_off`) is given
-        back at the end. Leaving the iteration (the caller cancelled, the stream was aborted)
-        cancels the call, which ends the stream on the target and frees its cache there; the
-        target's error ends the stream with its code."""
-        hops = 0
-        try:
-            while True:
-                t = await self.peers.check(moved.target)
-                stub = executor_pb2_grpc.ModelExecutorStub(self.peers.channel(t, False))
-                call = stub.Generate(pb.GenerateRequest(model_id=model_id, resume_token=moved.resume_token),
-                                     metadata=self.peers.metadata(state.tenant))
-                state.on_abort = call.cancel  # Abort here reaches the target at once
-                nxt = None
-                try:
-                    state.check_aborted()
-                    async for ev in call:
-                        kind = ev.WhichOneof("event")
-                        if kind == "migrated":
-                            nxt = ev.migrated
-                            break
-                        if kind != "started":
-                            yield ev
-                except asyncio.CancelledError:
-                    state.check_aborted()  # the call was cancelled by Abort: CANCELLED as a stream on A
-                    raise
-                except grpc.aio.AioRpcError as e:
-                    state.check_aborted()
-                    log.warning("relayed stream failed at its target", target=t, code=e.code().name,
-                                details=e.details())
-                    raise errors.FerrumError(
-                        errors.ErrorKind.NETWORK, f"the stream moved to {t}, which failed it: {e.details()}",
-                        code=e.code() if e.code() != grpc.StatusCode.OK else grpc.StatusCode.UNKNOWN) from None
-                finally:
-                    state.on_abort = None
-                    call.cancel()
-                if nxt is None:
-                    return
-                hops += 1
-                if hops > MAX_RELAY_HOPS:
-                    raise errors.unavailable(f"the relayed stream moved more than {MAX_RELAY_HOPS} times")
-                moved = nxt
-        finally:
-            self.relays -= 1
 
     def mover(self, host, req: pb.GenerateRequest, state, constrained: bool) -> StreamMover:
         """The moving side of one stream (its decode loop consults it)."""
