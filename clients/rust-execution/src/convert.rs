@@ -64,7 +64,9 @@ pub fn logits_policy(p: &LogitsReturnPolicy) -> proto::LogitsPolicy {
         LogitsReturnPolicy::FullLogits => policy::full_logits(),
         LogitsReturnPolicy::GreedyArgmax { token_mask, repetition_penalty } => {
             let mut s = proto::SamplingParams::default();
-            if let Some(m) = token_mask {
+            // ferrum's engine builds a mask for every greedy request; one that allows every id is
+            // sent as none (49 KB a row a step for SmolLM2 otherwise, and a masked argmax).
+            if let Some(m) = token_mask.as_ref().filter(|m| m.valid_token_mask.iter().any(|&v| v == 0)) {
                 s.token_mask = m.valid_token_mask.iter().map(|&v| u8::from(v != 0)).collect();
             }
             if let Some(r) = repetition_penalty.as_ref().filter(|r| !r.is_empty()) {
@@ -120,5 +122,26 @@ pub fn error(status: &Status) -> FerrumError {
         ("DEVICE", _) => FerrumError::device(msg),
         ("CONFIG", _) => FerrumError::config(msg),
         _ => FerrumError::internal(msg),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrum_execution::model_executor::TokenSelectionMask;
+
+    fn mask_sent(mask: Vec<i8>) -> Vec<u8> {
+        let p = LogitsReturnPolicy::GreedyArgmax { token_mask: Some(TokenSelectionMask::new(mask)), repetition_penalty: None };
+        logits_policy(&p).sampling.expect("sampled-token policy").token_mask
+    }
+
+    #[test]
+    fn an_all_allowed_mask_is_sent_as_none_and_a_real_one_as_bytes() {
+        assert!(mask_sent(vec![1; 1000]).is_empty(), "every id allowed: no mask on the wire");
+        let mut m = vec![1i8; 1000];
+        m[7] = 0;
+        let sent = mask_sent(m);
+        assert_eq!(sent.len(), 1000);
+        assert_eq!((sent[6], sent[7]), (1, 0));
     }
 }
