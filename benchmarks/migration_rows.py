@@ -58,24 +58,32 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def _run_and_move(ca, b: str, prompt: list[int], max_tokens: int, **mode) -> tuple[list[float], object, list, threading.Thread]:
+    """A ``Generate`` on ``ca`` moved to ``b`` after ``MOVE_AT`` tokens (``MigrateStreams`` from a
+    thread): the caller's token stamps, the ``migrated`` event (None if none came), the move's
+    answer (filled by the thread) and the thread."""
+    stream = ca.generate(MODEL, token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, request_id="bench",
+                         bypass_prefix_cache=True, follow_migrations=False, **mode)
+    times, moved, mover, result = [], None, None, []
+    for ev in stream:
+        kind = ev.WhichOneof("event")
+        if kind == "token":
+            times.append(time.perf_counter())
+            if len(times) == MOVE_AT:
+                mover = threading.Thread(target=lambda: result.append(ca.migrate_streams(b, request_id="bench")))
+                mover.start()
+        elif kind == "migrated":
+            moved = ev.migrated
+    return times, moved, result, mover
+
+
 def pause_once(a: str, b: str, prompt: list[int], max_tokens: int = 64) -> dict:
     """One moved stream: pause (s), A's and B's median inter-token s, the hand-off's report, and
     whether the tokens stayed whole."""
     from ferrum_client import Client, pb
 
     with Client(a) as ca:
-        stream = ca.generate(MODEL, token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, request_id="bench",
-                             bypass_prefix_cache=True, follow_migrations=False)
-        times, moved, mover, result = [], None, None, []
-        for ev in stream:
-            kind = ev.WhichOneof("event")
-            if kind == "token":
-                times.append(time.perf_counter())
-                if len(times) == MOVE_AT:
-                    mover = threading.Thread(target=lambda: result.append(ca.migrate_streams(b, request_id="bench")))
-                    mover.start()
-            elif kind == "migrated":
-                moved = ev.migrated
+        times, moved, result, mover = _run_and_move(ca, b, prompt, max_tokens)
         if moved is None:
             raise RuntimeError("the stream finished before it moved: raise max_tokens")
         t_last_a = times[-1]
@@ -101,19 +109,11 @@ def relay_once(a: str, b: str, prompt: list[int], max_tokens: int = 64) -> dict:
     from ferrum_client import Client
 
     with Client(a) as ca:
-        stream = ca.generate(MODEL, token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, request_id="bench",
-                             bypass_prefix_cache=True, follow_migrations=False, migration_mode="relay")
-        times, mover, result = [], None, []
-        for ev in stream:
-            kind = ev.WhichOneof("event")
-            if kind == "token":
-                times.append(time.perf_counter())
-                if len(times) == MOVE_AT:
-                    mover = threading.Thread(target=lambda: result.append(ca.migrate_streams(b, request_id="bench")))
-                    mover.start()
-            elif kind == "migrated":
-                raise RuntimeError("a relayed stream ended with migrated")
-        mover.join()
+        times, moved, result, mover = _run_and_move(ca, b, prompt, max_tokens, migration_mode="relay")
+        if moved is not None:
+            raise RuntimeError("a relayed stream ended with migrated")
+        if mover is not None:
+            mover.join()
     if not result or result[0].migrated != 1:
         raise RuntimeError("the stream finished before it moved: raise max_tokens")
     r = result[0].streams[0]
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tok = Path(tmp) / "peer-token"
         tok.write_text("bench-peer-token\n")
-        common = ("--kv-peer", "127.0.0.1:*", "--kv-peer-token-file", str(tok), "--open-admin-rpcs",
+        common = ("--kv-peer", "127.0.0.1:1024-65535", "--kv-peer-token-file", str(tok), "--open-admin-rpcs",
                   "--kv-budget-tokens", str(4 * (a.context + 64)))
         with Server(a.model, threads=a.threads, extra=common, name="server-migration-b") as sb, \
                 Server(a.model, threads=a.threads, extra=(*common, "--migration-precopy-tokens", "256"),

@@ -16,34 +16,21 @@ import time
 import pytest
 
 from ferrum_client import Client, pb
-from ferrum_service.testing.smg_gateway import Gateway, gateway_venv
+from ferrum_service.testing.smg_gateway import Gateway
+from .conftest_models import tiny_llama_dir  # noqa: F401 - fixture
 from .support.servers import ServerProcess
 from .support.waits import wait_for
+from .test_smg_gateway import venv  # noqa: F401 - fixture (skips when the gateway venv cannot be built)
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def venv():
-    try:
-        return gateway_venv()
-    except Exception as e:  # noqa: BLE001 - no gateway, no test: say why
-        pytest.skip(f"the SMG gateway venv could not be built: {e}")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from ferrum_service.testing.tiny_models import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("gw-mig-tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def fleet(venv, tiny_dir, tmp_path_factory):
+def fleet(venv, tiny_llama_dir, tmp_path_factory):  # noqa: F811 - fixtures
     """Two tiny-Llama workers, KV peers of each other (one peer token), behind one SMG."""
     tok = tmp_path_factory.mktemp("peer") / "token"
     tok.write_text("tok-peer\n")
-    spec = f"hf-causal-lm,id=tiny,path={tiny_dir},device=cpu"
+    spec = f"hf-causal-lm,id=tiny,path={tiny_llama_dir},device=cpu"
     workers = [ServerProcess("--model", spec, "--kv-budget-tokens", "8192", "--kv-peer", "127.0.0.1:1024-65535",
                              "--kv-peer-token-file", str(tok), "--open-admin-rpcs") for _ in range(2)]
     gw = None
