@@ -207,8 +207,12 @@ class KvPeers:
         if ch is not None:
             self._channels.move_to_end(k)
             return ch
+        # A subchannel pool of its own: gRPC shares subchannels process-wide by address, and one
+        # left in reconnect back-off by an earlier peer on the same HOST:PORT (a restarted peer, or
+        # another server in this process) would fail this channel's first calls without dialling.
         opts = [("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.max_send_message_length", self.max_message_bytes)]
+                ("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.use_local_subchannel_pool", 1)]
         if use_tls:
             creds = grpc.ssl_channel_credentials(root_certificates=self._ca, private_key=self._key,
                                                  certificate_chain=self._cert)
