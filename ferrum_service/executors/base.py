@@ -179,6 +179,9 @@ class ModelExecutor(abc.ABC):
     profiler: str = ""
     #: Decode steps may carry draft tokens (``DecodeInput.draft``) verified in the same forward.
     supports_draft_rows: bool = False
+    #: A lone Generate stream's decode steps may run back to back on the worker (the batcher's
+    #: chain, ``hosting/batcher.py``).
+    chains_decodes: bool = False
 
     registry: CacheRegistry
     #: The LoRA adapters registered on this model (``lora.AdapterSet``); None = it serves none.

@@ -467,7 +467,7 @@ class ContinuousBatcher:
         p = batch.decodes[0]
         ex = self.host.executor
         return (isinstance(p.inp, HeldDecode) and p.inp.chain and p.entry is not None and not p.inp.draft
-                and getattr(ex, "chains_decodes", False) and not ex.inline)
+                and ex.chains_decodes and not ex.inline)
 
     async def _chain(self, batch: "_Batch") -> None:
         """Run the batch's one decode step, then, on the worker without a return to the event loop
