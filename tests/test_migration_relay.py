@@ -88,6 +88,17 @@ def test_follow_mode_is_still_the_default(pair):
     _no_caches(a, b)
 
 
+def test_unknown_migration_mode_is_refused(pair):
+    """A ``migration_mode`` the contract does not define is INVALID_ARGUMENT naming the field, not
+    quietly read as follow mode."""
+    a, _ = pair
+    with Client(a.target) as ca:
+        with pytest.raises(FerrumRpcError) as e:
+            list(ca.generate(M, token_ids=_prompt(8), max_tokens=4, migration_mode=7))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "migration_mode" in str(e.value), e.value
+    _no_caches(a, _)
+
+
 # ---- the vLLM protocol ----------------------------------------------------------------------------
 def _vllm(target: str, prompt, *, move=None, at: int = 10, rid: str = "vr", stream: bool = True, **sp):
     """A ``VllmEngine.Generate`` stream's responses; ``move()`` runs on a thread once ``at`` chunks came."""

@@ -301,6 +301,9 @@ class RequestChecks:
         """The contract's ``GenerateRequest`` checked into a :class:`GenerateSpec` (``reserve_output``
         and ``adopt_cache``: see ``generate.generate``)."""
         self.require_generation(host, "Generate")
+        if req.migration_mode not in pb.MigrationMode.values():
+            raise errors.invalid(f"migration_mode = {req.migration_mode} is not a known MigrationMode",
+                                 field="migration_mode")
         policy = self.sampling_policy(host, req.sampling, int(req.top_logprobs), "sampling")
         n = self.samples(host, int(req.n), req.cache_id)
         salt = self.salt(req.cache_salt, "cache_salt")
