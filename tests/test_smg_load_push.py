@@ -16,6 +16,7 @@ health probe takes it out and B answers everything."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 import urllib.request
@@ -60,6 +61,19 @@ def _chat(gw: Gateway, content: str, max_tokens: int = 1, timeout: float = 60.0)
                                             "messages": [{"role": "user", "content": content}]}, timeout=timeout)
 
 
+_WORDS = ("amber", "birch", "cobalt", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper",
+          "kelp", "lagoon", "maple", "nectar", "onyx", "pewter", "quartz", "russet", "sable", "tundra")
+
+
+def _distinct(tag: str, i: int) -> str:
+    """A prompt that shares (almost) no prefix with any other of this test's prompts: below SMG's
+    cache-match threshold (0.3) the cache-aware policy places it on the worker with the smaller
+    tree, so warm-ups alternate between A and B instead of all following the first one's worker
+    (prompts like "warm 0", "warm 1" match each other by > 90 % and all stuck to one worker)."""
+    rng = random.Random(f"{tag} {i}")
+    return f"{' '.join(rng.choice(_WORDS) for _ in range(12))} {tag} {i}"
+
+
 def _healthy(gw: Gateway, target: str) -> bool | None:
     """SMG's ``/workers`` view of the worker's health (None: not listed)."""
     st, body = gw.get("/workers")
@@ -88,9 +102,10 @@ def test_a_wedged_worker_leaves_smg_routing_and_comes_back(venv, tiny_llama_dir)
             on_a: list[str] = []
             for i in range(12):
                 before = _served(a)
-                assert _chat(gw, f"warm {i}")[0] == 200
+                prompt = _distinct("warm", i)
+                assert _chat(gw, prompt)[0] == 200
                 if _served(a) > before:
-                    on_a.append(f"warm {i}")
+                    on_a.append(prompt)
                 if i >= 3 and on_a:
                     break
             assert on_a, "SMG routed no warm-up request to A"
@@ -98,9 +113,11 @@ def test_a_wedged_worker_leaves_smg_routing_and_comes_back(venv, tiny_llama_dir)
             ex.execute = lambda plan: (release.wait(120), real(plan))[1]
             pool = ThreadPoolExecutor(4)
             stuck = []
+            stuck_prompt = ""
             for i in range(8):
                 before = _generations(a)
-                stuck.append(pool.submit(_chat, gw, f"the stuck one {i}", 4, 180))
+                stuck_prompt = _distinct("the stuck one", 20 + i)
+                stuck.append(pool.submit(_chat, gw, stuck_prompt, 4, 180))
                 landed = wait_for(lambda: (_generations(a), _generations(b)), lambda g: sum(g) > 0, 5, 0.02)
                 if _generations(a) > before:
                     break
@@ -119,7 +136,7 @@ def test_a_wedged_worker_leaves_smg_routing_and_comes_back(venv, tiny_llama_dir)
             # excluded: new requests (the same prompt included, which the cache-aware tree knows
             # on A) go to B and finish
             for i in range(4):
-                st, body = _chat(gw, "the stuck one 0" if i == 0 else f"while A is wedged {i}")
+                st, body = _chat(gw, stuck_prompt if i == 0 else _distinct("while A is wedged", 40 + i))
                 assert st == 200, body
             assert _generations(a) == 1
             release.set()
@@ -130,7 +147,7 @@ def test_a_wedged_worker_leaves_smg_routing_and_comes_back(venv, tiny_llama_dir)
             served_a = 0
             for i in range(12):
                 before = _served(a)
-                prompt = on_a[i % len(on_a)] if i % 2 == 0 else f"after release {i}"
+                prompt = on_a[i % len(on_a)] if i % 2 == 0 else _distinct("after release", 60 + i)
                 assert _chat(gw, prompt)[0] == 200
                 served_a += _served(a) > before
             assert served_a > 0, "A never served again after it came back"
