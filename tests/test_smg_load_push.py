@@ -8,7 +8,8 @@ and its step wedges. With no load records, SMG judges A only by its own pile of 
 deep): with one request in flight A keeps its place. With records (``vllm_load.py``),
 ``engine_silence_ms`` passes SMG's wedge bound (``--worker-wedge-secs``, 3 s) and SMG marks A
 stalled (``smg_worker_stalled{reason="wedged"}``): new requests go to B. Released, A steps again
-and SMG routes to it again. The time from A's last completed step to its exclusion is measured
+and SMG routes to it again. The time from A's silence beginning (its last completed step, or
+the stuck request's arrival on an idle A) to its exclusion is measured
 (busy machine).
 
 Drained: after ``MigrateStreams{drain}`` A's vLLM ``HealthCheck`` answers not healthy, SMG's
@@ -123,14 +124,17 @@ def test_a_wedged_worker_leaves_smg_routing_and_comes_back(venv, tiny_llama_dir)
                     break
                 stuck.pop().result(30)  # it went to B and finished; try again
             assert _generations(a) == 1, ("no request landed on A", landed)
-            last_step = a.models.get("tiny").progress.last_done  # monotonic, this process
+            # A's silence began at its last completed step or, if it sat idle before the stuck
+            # request, when that request queued work (what engine_silence_ms counts from)
+            progress = a.models.get("tiny").progress
+            last_step = max(progress.last_done, progress.busy_since or 0.0)  # monotonic, this process
             assert not _stalled(gw, a.target)
             # SMG's verdict, with one request in flight on A (no pile for its own rule)
             t_excluded = wait_for(lambda: time.monotonic() if _stalled(gw, a.target) else None,
                                   lambda t: t is not None, 20, 0.05)
             assert t_excluded is not None, f"SMG never marked the wedged worker stalled; {gw.log_tail()}"
             took = t_excluded - last_step
-            print(f"\nlast step -> SMG exclusion: {took:.2f} s (wedge bound {WEDGE_SECS} s; busy machine)")
+            print(f"\nsilence began -> SMG exclusion: {took:.2f} s (wedge bound {WEDGE_SECS} s; busy machine)")
             assert took <= EXCLUSION_BOUND_S, took
             assert _generations(a) == 1  # A still holds only the stuck request
             # excluded: new requests (the same prompt included, which the cache-aware tree knows
