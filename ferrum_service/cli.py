@@ -189,6 +189,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log.error("could not load model", executor=spec.executor, model_id=spec.model_id, error=str(e))
             worker.shutdown(wait=False)
             return 2
+        if st["warmup"]:
+            t1 = time.perf_counter()
+            worker.submit(ex.warmup).result()
+            log.info("model warmed up", model_id=spec.model_id, seconds=round(time.perf_counter() - t1, 3))
         info = ex.info()
         log.info("model ready", model_id=info.model_id, executor=info.executor, device=info.device,
                  dtype=info.dtype, layers=info.num_layers, vocab=info.vocab_size,

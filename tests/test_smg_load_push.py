@@ -38,9 +38,13 @@ WEDGE_SECS = 3  # SMG's --worker-wedge-secs default, passed explicitly
 #: Measured: 3.3 and 4.2 s on an idle 2-core machine, 8.1 s under CI's load (the wedge bound, one
 #: heartbeat, SMG's own check and a starved gateway); a worker that pushed no load is never excluded.
 EXCLUSION_BOUND_S = 15.0 + 2.0
-#: Bound on SMG listing the model -> its tokenizer registered: 3.0 s measured here (busy machine),
-#: 19.0 s when the worker converted the tokenizer on SMG's first GetTokenizer.
+#: Bound on SMG listing the model -> its /readiness 200: 1.0 s measured here (SMG's readiness
+#: checkpoint), 19.0 s when the worker converted the tokenizer on SMG's first GetTokenizer.
 TOKENIZER_REGISTERED_S = 6.0
+#: Bound on SMG listing the model -> the first chat answered (the issue's target: < 1 s). Measured
+#: 0.2-0.5 s with a busy machine once the worker warms up at start; 3.0-3.6 s before (its first
+#: forward on the just-converted F16 file). The bound leaves CI's load room.
+FIRST_CHAT_S = 1.5
 
 
 def _worker(path, **cfg):
@@ -193,9 +197,11 @@ def test_a_drained_worker_leaves_smg_routing(venv, tiny_llama_dir):  # noqa: F81
 
 def test_smg_registers_the_tokenizer_as_soon_as_it_lists_the_model(venv, tmp_path):  # noqa: F811 - fixture
     """A llama.cpp SmolLM2 worker on a fresh model cache: its tokenizer bundle (converted from the
-    GGUF by transformers, 12-15 s here) is built while the worker starts, so SMG has registered
-    it (``/readiness`` 200) soon after listing the model (3 s here, SMG's own steps), where it
-    waited 19 s when the bundle was built on SMG's first GetTokenizer."""
+    GGUF by transformers, 4-15 s here) is built and its model warmed up while the worker starts,
+    so a chat sent the moment SMG lists the model is answered within a second (SMG registers the
+    tokenizer ~0.2 s after listing, then the worker's first forward), where it waited 19 s when
+    the bundle was built on SMG's first GetTokenizer and 3 s when the first forward faulted in
+    the just-converted F16 weights."""
     from .support.packaged import smollm2_gguf
     from .support.servers import ServerProcess
 
@@ -213,17 +219,17 @@ def test_smg_registers_the_tokenizer_as_soon_as_it_lists_the_model(venv, tmp_pat
 
         assert wait_for(listed, bool, 120, 0.05), gw.log_tail()
         t_listed = time.monotonic()
-        # SMG's /readiness answers 503 "tokenizer not yet registered" until GetTokenizer returned
+        # chats from the moment the model is listed: SMG answers 503 "tokenizer not yet registered"
+        # until its GetTokenizer returned (~0.2 s of SMG's own work), then the worker's first forward
+        answered = wait_for(lambda: _first_chat(gw), lambda st: st == 200, 60, 0.02)
+        t_chat = time.monotonic()
+        # SMG's /readiness follows its tokenizer registry on a ~1 s checkpoint
         ready = wait_for(lambda: _status(gw, "/readiness"), lambda st: st == 200, 60, 0.02)
         t_ready = time.monotonic()
-        answered = wait_for(lambda: _first_chat(gw), lambda st: st == 200, 60, 0.05)
-        t_chat = time.monotonic()
-        print(f"\nSMG lists the model -> tokenizer registered: {t_ready - t_listed:.2f} s, first chat answered: "
-              f"{t_chat - t_listed:.2f} s (busy machine; the worker's first step is slow on its own)")
-        # Most of what is left is SMG's own registration steps before it calls GetTokenizer (2 s here);
-        # the worker answers that call in milliseconds (test_tokenizer_cache.py).
+        print(f"\nSMG lists the model -> first chat answered: {t_chat - t_listed:.2f} s, /readiness 200: "
+              f"{t_ready - t_listed:.2f} s")
+        assert answered == 200 and t_chat - t_listed < FIRST_CHAT_S, (answered, t_chat - t_listed, w.log())
         assert ready == 200 and t_ready - t_listed < TOKENIZER_REGISTERED_S, (ready, t_ready - t_listed)
-        assert answered == 200
         assert list(tmp_path.glob("tokenizer-bundles/*.tokenizer.zip"))  # kept for the next start
     finally:
         gw.stop()

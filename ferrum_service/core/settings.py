@@ -184,6 +184,9 @@ SETTINGS: tuple[Setting, ...] = (
        flag="--no-prefix-cache", env="FERRUM_NO_PREFIX_CACHE"),
     _s("cuda_graphs", CudaGraphs, CudaGraphs.AUTO, "transformers models on CUDA: decode-only steps replayed as CUDA "
        "graphs, one per batch-size bucket (auto); off = every step eager. No effect on CPU"),
+    _s("warmup", bool, True, "turn the start-up warm-up off (each model runs one tiny prefill and decode before the "
+       "port opens, so the first request does not pay for faulting in fresh weights, buffer allocation or CUDA graph "
+       "capture)", flag="--no-warmup", env="FERRUM_NO_WARMUP"),
     _s("torch_threads", int, 0, "threads torch uses on CPU", flag=None, yaml=None, shown="the CPU count"),
     # ---- network ---------------------------------------------------------------------------------
     _s("host", str, "0.0.0.0", "bind address"),
