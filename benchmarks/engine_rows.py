@@ -4,7 +4,7 @@ driving the remote SmolLM2 through the Rust ``RemoteModelExecutor``, and ferrum-
 ``Generate``, side by side in one run.
 
     .venv/bin/python -m benchmarks.engine_rows [--quick] [--threads N] [--executor llama-cpp|hf] [--release]
-        [--lines 0.8,0.18]
+        [--lines 0.8,0.18] [--runs N] [--tokens N]
 
 Each line is its own example: ``clients/rust/examples/engine_bench.rs`` (0.8.8) and
 ``clients/rust-execution/examples/engine_bench_018.rs`` (0.18.4); both print the same JSON line.
@@ -157,13 +157,15 @@ def main(argv=None) -> int:
     ap.add_argument("--unary", action="store_true",
                     help="the engines' steps as unary UnifiedDecode calls (default: on one Session stream)")
     ap.add_argument("--lines", default="0.8,0.18", help="ferrum lines to run, comma-separated: 0.8, 0.18")
+    ap.add_argument("--runs", type=int, default=0, help="runs per side, alternated (default 3; --quick 1)")
+    ap.add_argument("--tokens", type=int, default=0, help="tokens per request (default 32; --quick 16)")
     a = ap.parse_args(argv)
     lines = [x.strip() for x in a.lines.split(",") if x.strip()]
     unknown = set(lines) - set(LINES)
     if unknown or not lines:
         ap.error(f"--lines: {sorted(unknown) or 'none'} (known: {', '.join(LINES)})")
-    n = 16 if a.quick else 32
-    runs = 1 if a.quick else 3
+    n = a.tokens or (16 if a.quick else 32)
+    runs = a.runs or (1 if a.quick else 3)
     exes = {line: build_example(a.release, line) for line in lines}
     spec = (f"smollm2-llama,id=smollm2,threads={a.threads}" if a.executor == "llama-cpp"
             else "smollm2-hf,id=smollm2")

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.llama_server_rows [--threads 2] [--rounds 2] [--quick]
         [--b1-tokens 128] [--streams 16] [--gap-ms 100] [--prompt 200] [--tokens 64]
-        [--ours-flags "--prefill-tail-factor 2"] [--only b1|arrival]
+        [--ours-flags "--prefill-tail-factor 2"] [--ours-spec kv=streams] [--only b1|arrival]
 
 Both servers run the **same GGUF file** (the default preset's F16 copy of the packaged SmolLM2,
 ``weight_cache.converted_gguf``) with the same threads: ours is ``ferrum-service serve --model
@@ -225,6 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", default=None, help="GGUF file for both sides (default: the default preset's F16 copy)")
     ap.add_argument("--ours-flags", default="--prefill-tail-factor 2",
                     help="extra `serve` flags for our side (its best settings)")
+    ap.add_argument("--ours-spec", default="", help="extra key=value,... for our model spec (e.g. kv=streams)")
     ap.add_argument("--peer-flags", default="", help="extra llama-server flags")
     ap.add_argument("--ours-env", default="",
                     help="environment of our server, NAME=VALUE,... (e.g. GOMP_SPINCOUNT=1000: OpenMP workers "
@@ -243,7 +244,8 @@ def main(argv=None) -> int:
     ctx = -(-a.streams * per_slot // 256) * 256
     rng = random.Random(time.time_ns() if a.seed is None else a.seed)
     raw: dict = {"args": vars(a), "gguf": gguf, "llama_server": str(binary), "load_before": os.getloadavg()}
-    ours_spec = f"llama-cpp,id=llc,path={gguf},threads={th},n_ctx={max(ctx, 8192)}"
+    ours_spec = f"llama-cpp,id=llc,path={gguf},threads={th},n_ctx={max(ctx, 8192)}" + (
+        f",{a.ours_spec}" if a.ours_spec else "")
     ours = Server(ours_spec, threads=th, extra=("--max-batch", str(max(64, a.streams)), *shlex.split(a.ours_flags)),
                   name="llama-server-rows-ours")
     ours.env.update(_env(a.ours_env))
