@@ -161,6 +161,15 @@ def test_forward_equals_prefill_rows_and_keeps_nothing(ex):
         assert maxdiff(logits[i], ref) < TOL
 
 
+def test_warmup_leaves_no_cache_and_no_prefix_counts(ex):
+    """``serve`` warms every model up before its port opens: the warm-up frees its sequence and
+    leaves the prefix cache's counters (a worker's hit rate) as they were."""
+    before = ex.cache_metrics()["prefix_cache"]
+    ex.warmup()
+    assert_no_leak(ex)
+    assert ex.cache_metrics()["prefix_cache"] == before
+
+
 def test_reserve_kv_slots_books_the_budget(ex):
     from ferrum_service.core.types import KvSlotRequest
 

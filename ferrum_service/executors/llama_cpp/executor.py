@@ -559,7 +559,7 @@ class LlamaCppExecutor(ItemStepExecutor):
         """One tiny prefill + decode (allocates llama.cpp's compute buffers)."""
         if self.registry.free_tokens < 2 or not self._free_seq:
             return
-        ((entry, _, _),) = self._step([StepRow(None, [0], Want.LAST)], "warmup")
+        ((entry, _, _),) = self._step([StepRow(None, [0], Want.LAST, bypass=True)], "warmup")  # no prefix stats
         try:
             self._step([StepRow(entry, [0], Want.LAST)], "warmup")
         finally:
