@@ -277,15 +277,20 @@ def _entry_after(reg, row: StepRow, out) -> CacheEntry | None:
     return reg.get(out.cache.cache_id) if out.cache.cache_id in reg else None
 
 
+def _gone(reg, entry: CacheEntry, field: str) -> None:
+    """NOT_FOUND for a row whose cache was released since the plan was made (the registry's own
+    answer; "was replaced" when its id is live again with another entry)."""
+    reg.get(entry.cache_id, field)  # NOT_FOUND naming it released
+    raise errors.not_found(f"{field}: cache {entry.cache_id!r} was replaced", field=field)
+
+
 def run(executor: "StepExecutor", plan: StepPlan) -> StepResult:
     """Run ``plan`` on the model's worker: structured-output masks (during the forward where that
     pays), the executor's one forward, the model's counters, then each row's output."""
-    reg = executor.registry
     rows = plan.rows
     for k, r in enumerate(rows):  # planned on the event loop: each cache is still the one planned for
-        if r.entry is not None and reg.get(r.entry.cache_id, f"{plan.field}[{k}].cache_id") is not r.entry:
-            raise errors.not_found(f"{plan.field}[{k}].cache_id: cache {r.entry.cache_id!r} was replaced",
-                                   field=f"{plan.field}[{k}].cache_id")
+        if r.entry is not None and r.entry.released:  # the row holds its entry: no look-up while it lives
+            _gone(executor.registry, r.entry, f"{plan.field}[{k}].cache_id")
     prepared = _prepare(executor, rows)
     t0 = time.perf_counter()
     try:
