@@ -70,13 +70,14 @@ def trace(tokens: int, vllm: bool) -> dict:
     path = calls[start:]
     step = next((i for i, (m, f) in enumerate(path) if m.startswith("executors.") and f in STEP_ENTRIES), len(path))
     to_step, ret_step = _collapse([m for m, _ in path[:step + 1]])
+    named = [f"{m}:{f}" for k, (m, f) in enumerate(path[:step + 1]) if k == 0 or path[k - 1][0] != m]
     whole, ret_whole = _collapse([m for m, _ in path])
     lookups = sum(1 for m, f in path if m == "core.kv_registry" and f == "get")
     return {
         "protocol": "vllm" if vllm else "native",
         "tokens": tokens,
         "to_first_step": {"stops": len(to_step), "modules": len(set(to_step)), "returns": ret_step,
-                          "path": to_step},
+                          "path": named},
         "whole_request": {"stops": len(whole), "modules": len(set(whole)), "returns": ret_whole,
                           "calls": len(path), "registry_gets": lookups,
                           "busiest_modules": Counter(m for m, _ in path).most_common(8)},

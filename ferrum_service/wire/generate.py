@@ -107,9 +107,8 @@ def bind_stream(state: StreamState, host, request_id: str, cache_id: str) -> Non
     state.bind(host.model_id, request_id, cache_id)
 
 
-async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRequest, owner: str,
-                   state: StreamState, migrations: "Migrations | None" = None, relay: bool = False
-                   ) -> AsyncIterator[pb.GenerateResponse]:
+async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRequest, state: StreamState,
+                   migrations: "Migrations | None" = None, relay: bool = False) -> AsyncIterator[pb.GenerateResponse]:
     """The contract's ``Generate``: ``req`` checked into a :class:`GenerateSpec` and run by a
     :class:`Generation`. With ``req.resume_token``, a stream a peer moved here goes on (its spec
     was built by this server when it took the stream: ``migration.Parked``); ``relay``: the call
@@ -119,7 +118,7 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
         host = models.get(req.model_id)
         bind_stream(state, host, req.request_id, req.cache_id)
         spec = await checks.generate_spec(host, req)
-        async for ev in Generation(spec, checks, owner, state, migrations).events():
+        async for ev in Generation(spec, checks, state.owner, state, migrations).events():
             yield ev
         return
     if migrations is None:
@@ -129,7 +128,7 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
     try:
         host = models.get(parked.model_id)
         bind_stream(state, host, parked.request.request_id, parked.cache_id)
-        run = Generation(parked.resume_spec(host), checks, owner, state, migrations)
+        run = Generation(parked.resume_spec(host), checks, state.owner, state, migrations)
         async for ev in run.events():
             yield ev
     finally:

@@ -135,6 +135,14 @@ class RpcGuard:
         """Send a server stream's messages under the stream write timeout (write_deadline.py)."""
         await send_stream(rpc, messages, context, self.stream_write_timeout)
 
+    async def stream(self, rpc: str, context: grpc.aio.ServicerContext, request,
+                     body: Callable[[], AsyncIterator]) -> None:
+        """A server stream under the guard: :meth:`answer` (the caller entered once, the drain
+        refused, errors as statuses, timed, counted, traced) around ``body()``'s messages, each
+        written under the stream write timeout (:meth:`send`)."""
+        async with self.answer(rpc, context, request):
+            await send_stream(rpc, body(), context, self.stream_write_timeout)
+
     def refused(self, rpc: str, e: errors.FerrumError, seconds: float) -> None:
         """A call refused before its handler ran (a request over a declared limit, ``limits.py``):
         logged and counted as the guard counts the others."""

@@ -326,37 +326,33 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
 
     # ---- streams --------------------------------------------------------------------------------
     async def Generate(self, request, context) -> None:
-        await self.guard.send("Generate", self._generate_stream(request, context), context)
+        await self.guard.stream("Generate", context, request, lambda: self._generate_stream(request, context))
 
     async def _generate_stream(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
-        owner = self.streams.new_owner("generate")
-        self.guard.enter(context)
+        """The stream's events, under the guard (``RpcGuard.stream`` entered the caller)."""
         # A KV peer relaying a stream it moved here resumes it on the caller's behalf (migration.py).
         relay = self.kv.peers.on_behalf(context.invocation_metadata())
         if relay is not None:
             current_caller.set(relay)
         tokens = 0
-        with self.streams.running(), self.streams.generation(owner) as state:
+        with self.streams.generation("generate") as state:
             try:
-                async with self.guard.answer("Generate", context, request):
-                    if relay is not None:
-                        current_caller.set(relay)  # the guard set the peer's own identity again
-                        if not request.resume_token:
-                            raise errors.permission_denied(
-                                "a KV peer token opens Generate only to resume a stream it moved here in relay "
-                                "mode (resume_token)")
-                    if request.resume_token:  # a resumed stream is no new prompt
-                        self.ops.checks.check_decode_role("Generate")
-                    else:
-                        self.ops.checks.check_role_generate(request)
-                    async for ev in generate(self.models, self.ops.checks, request, owner, state, self.migrations,
-                                             relay=relay is not None):
-                        if ev.WhichOneof("event") == "token":
-                            tokens += 1
-                        yield ev
+                if relay is not None and not request.resume_token:
+                    raise errors.permission_denied(
+                        "a KV peer token opens Generate only to resume a stream it moved here in relay "
+                        "mode (resume_token)")
+                if request.resume_token:  # a resumed stream is no new prompt
+                    self.ops.checks.check_decode_role("Generate")
+                else:
+                    self.ops.checks.check_role_generate(request)
+                async for ev in generate(self.models, self.ops.checks, request, state, self.migrations,
+                                         relay=relay is not None):
+                    if ev.WhichOneof("event") == "token":
+                        tokens += 1
+                    yield ev
             except (asyncio.CancelledError, GeneratorExit):  # cancelled, or the stream closed on us (as Session)
                 self.metrics.cancelled_streams.inc()
-                log.info("stream cancelled", rpc="Generate", owner=owner, tokens=tokens)
+                log.info("stream cancelled", rpc="Generate", owner=state.owner, tokens=tokens)
                 raise
             finally:
                 self.metrics.tokens_generated.inc(tokens)

@@ -62,6 +62,8 @@ class StreamState:
     def __post_init__(self) -> None:
         if self.stats is None:
             self.stats = StreamRecorder(None, self)
+        elif self.stats.state is None:  # made for this stream (StreamRegistry.generation)
+            self.stats.state = self
 
     def bind(self, model_id: str, request_id: str, cache_id: str) -> None:
         """Name what the stream runs: its model, request id and cache (what ``Abort`` finds it by)."""
@@ -125,22 +127,26 @@ class StreamRegistry:
             self.active.discard(task)
 
     @contextlib.contextmanager
-    def generation(self, owner: str) -> Iterator[StreamState]:
-        """Register a ``Generate`` stream (findable by ``Abort``) while the block runs."""
-        state = StreamState(owner, tenant=current_caller.get(), _index=self._file)
-        state.stats = StreamRecorder(self.serving, state)
-        self.generations[owner] = state
-        error: BaseException | None = None
-        try:
-            yield state
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            self.generations.pop(owner, None)
-            self._unfile(state)
-            state.answer_move(errors.failed_precondition("the stream ended before it could move"))
-            state.stats.close(error)
+    def generation(self, kind: str) -> Iterator[StreamState]:
+        """A new generation stream of ``kind`` ("generate", "vllm"; its owner name is made from
+        it): counted as running (:meth:`running`) and registered (findable by ``Abort``) while
+        the block runs. Enter the call first (``callers.enter_call``): the stream belongs to the
+        current caller and origin."""
+        owner = self.new_owner(kind)
+        state = StreamState(owner, tenant=current_caller.get(), _index=self._file, stats=StreamRecorder(self.serving))
+        with self.running():
+            self.generations[owner] = state
+            error: BaseException | None = None
+            try:
+                yield state
+            except BaseException as e:
+                error = e
+                raise
+            finally:
+                self.generations.pop(owner, None)
+                self._unfile(state)
+                state.answer_move(errors.failed_precondition("the stream ended before it could move"))
+                state.stats.close(error)
 
     def _file(self, state: StreamState, request_id: str) -> None:
         """Index ``state`` under ``request_id`` (instead of its previous one)."""

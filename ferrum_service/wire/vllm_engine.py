@@ -170,26 +170,23 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     # ---- Generate ---------------------------------------------------------------------------------
     async def Generate(self, request, context) -> None:
-        await self.guard.send("VllmEngine.Generate", self._generate_stream(request, context), context)
+        await self.guard.stream("VllmEngine.Generate", context, request, lambda: self._generate_stream(request, context))
 
     async def _generate_stream(self, request, context) -> AsyncIterator[vpb.GenerateResponse]:
-        streams = self.streams
-        owner = streams.new_owner("vllm")
-        self.guard.enter(context)
+        """The stream's responses, under the guard (``RpcGuard.stream`` entered the caller)."""
         self.last_request = time.time()
         tokens = 0
-        with streams.running(), streams.generation(owner) as state:
+        with self.streams.generation("vllm") as state:
             try:
-                async with self.guard.answer("VllmEngine.Generate", context, request):
-                    asked = await self._request(request)
-                    handoff = parse_handoff(request)
-                    self._check_role(request)
-                    self._check_response_size(request, asked)
-                    async for out in self._responses(request, asked, owner, state, handoff,
-                                                     context.invocation_metadata()):
-                        if out.WhichOneof("response") == "chunk":
-                            tokens += len(out.chunk.token_ids)
-                        yield out
+                asked = await self._request(request)
+                handoff = parse_handoff(request)
+                self._check_role(request)
+                self._check_response_size(request, asked)
+                async for out in self._responses(request, asked, state.owner, state, handoff,
+                                                 context.invocation_metadata()):
+                    if out.WhichOneof("response") == "chunk":
+                        tokens += len(out.chunk.token_ids)
+                    yield out
             except (asyncio.CancelledError, GeneratorExit):  # the client went away, or cancelled
                 self.metrics.cancelled_streams.inc()
                 log.info("stream cancelled", rpc="VllmEngine.Generate", request_id=request.request_id)
