@@ -171,3 +171,27 @@ def test_the_vllm_pd_pull_counts_against_the_callers_cap(tiny_llama_dir):  # noq
         e = rpc_error(lambda: list(deng.Generate(req, metadata=auth(ALICE), timeout=60)))
         assert e.code() == C.RESOURCE_EXHAUSTED and "limit per caller is 1" in e.details(), e
         assert len(dec.models.get(M).executor.registry) == 1
+
+
+def test_the_registry_counts_each_callers_live_caches():
+    """The per-caller cap reads a count the registry keeps as caches are made, given to a caller
+    and freed (it scanned every live cache on each new one): the count follows each caller's
+    caches exactly, and a cache given to another caller moves between the counts."""
+    from ferrum_service.core.kv_registry import CacheRegistry
+
+    reg = CacheRegistry("m", total_tokens=1000)
+    made = [reg.create([1, 2]) for _ in range(5)]
+    assert reg.held_by("") == 5 and reg.held_by("alice") == 0
+    for e in made[:3]:
+        reg.set_tenant(e, "alice")
+    reg.set_tenant(made[3], "bob")
+    assert (reg.held_by(""), reg.held_by("alice"), reg.held_by("bob")) == (1, 3, 1)
+    reg.set_tenant(made[0], "bob")  # moved: one count down, the other up
+    assert (reg.held_by("alice"), reg.held_by("bob")) == (2, 2)
+    reg.release(made[1].cache_id)
+    reg.release(made[1].cache_id)  # a second release of the same id counts nothing
+    reg.release(made[4].cache_id)
+    assert (reg.held_by(""), reg.held_by("alice"), reg.held_by("bob")) == (0, 1, 2)
+    assert all(reg.held_by(t) == sum(1 for e in reg.entries() if e.tenant == t) for t in ("", "alice", "bob"))
+    reg.set_tenant(made[1], "carol")  # a released cache is no longer counted anywhere
+    assert reg.held_by("carol") == 0

@@ -104,6 +104,7 @@ class CacheRegistry:
         self.on_event = on_event
         self._lock = threading.RLock()
         self._caches: dict[str, CacheEntry] = {}
+        self._by_tenant: collections.Counter[str] = collections.Counter()  # live caches per tenant
         self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.created_total = 0
         self.released_total = 0
@@ -130,6 +131,10 @@ class CacheRegistry:
     def entries(self) -> list[CacheEntry]:
         with self._lock:
             return list(self._caches.values())
+
+    def held_by(self, tenant: str) -> int:
+        """Live caches that belong to ``tenant`` (counted as they come and go, not scanned)."""
+        return self._by_tenant[tenant]
 
     @property
     def used_tokens(self) -> int:
@@ -254,6 +259,7 @@ class CacheRegistry:
             cache_id = new_cache_id(self.id_prefix)
             entry = CacheEntry(cache_id, self.model_id, list(tokens), reserved_total=reserve_tokens, owner=owner)
             self._caches[cache_id] = entry
+            self._by_tenant[entry.tenant] += 1
             self.created_total += 1
             self._tokens_held += entry.num_tokens
             self._budget_held += entry.footprint
@@ -280,6 +286,21 @@ class CacheRegistry:
         self._emit(CacheEvent.TRUNCATED, entry)
         return removed
 
+    def set_tenant(self, entry: CacheEntry, tenant: str) -> None:
+        """Give a cache to ``tenant`` (the caller it belongs to; ``held_by`` counts it there)."""
+        with self._lock:
+            if entry.cache_id in self._caches and entry.tenant != tenant:
+                self._uncount(entry.tenant)
+                self._by_tenant[tenant] += 1
+            entry.tenant = tenant
+
+    def _uncount(self, tenant: str) -> None:
+        n = self._by_tenant[tenant] - 1
+        if n > 0:
+            self._by_tenant[tenant] = n
+        else:
+            del self._by_tenant[tenant]
+
     def set_reserved(self, entry: CacheEntry, reserved_total: int) -> None:
         """Set the tokens of budget promised to ``entry`` (its reservation)."""
         with self._lock:
@@ -300,6 +321,7 @@ class CacheRegistry:
             if entry is None:
                 return None
             entry.released = True
+            self._uncount(entry.tenant)
             self._tokens_held -= entry.num_tokens
             self._budget_held -= entry.footprint
             self._released[cache_id] = None

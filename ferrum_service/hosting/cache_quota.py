@@ -67,7 +67,7 @@ class CacheQuota:
             return _nothing
         caller = current_caller.get()
         key = (host.model_id, caller)
-        live = sum(1 for e in host.executor.registry.entries() if e.tenant == caller)
+        live = host.executor.registry.held_by(caller)
         pending = self._pending.get(key, 0)
         if live + pending + new > self.per_caller:
             raise errors.exhausted(

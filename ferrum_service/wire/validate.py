@@ -117,7 +117,11 @@ class RequestChecks:
     def adopt(self, entry: CacheEntry, owner: str = "") -> None:
         """Record who a new cache belongs to: the current caller, the stream that frees it, and
         where the call came from (for the idle-origin lease, ``leases.py``)."""
-        entry.tenant = current_caller.get()
+        host = self.models.hosts.get(entry.model_id)
+        if host is not None and host.executor.registry.model_id == entry.model_id:
+            host.executor.registry.set_tenant(entry, current_caller.get())
+        else:  # not a hosted model's cache: nothing counts it
+            entry.tenant = current_caller.get()
         entry.origin = current_origin.get()
         if owner and not entry.owner:
             entry.owner = owner
