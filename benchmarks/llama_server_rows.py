@@ -282,8 +282,9 @@ def main(argv=None) -> int:
     drift = (max(probes) - min(probes)) / min(probes)
     raw.update(b1=b1, arrival=arr, drift=drift, reference_s=probes)
     rows = []
+    spec_note = a.ours_spec.replace(",", ", ") + " in the model spec; " if a.ours_spec else ""
     note = (f"same GGUF ({Path(gguf).name}) on both sides, {th} threads, greedy; ours: Generate over gRPC "
-            f"({a.ours_flags or 'defaults'}; env {a.ours_env or 'as is'}), peer: llama-server /completion (stream; "
+            f"({spec_note}{a.ours_flags or 'defaults'}; env {a.ours_env or 'as is'}), peer: llama-server /completion (stream; "
             f"env {a.peer_env or 'as is'}); sides alternated, "
             f"{a.rounds} round(s), medians")
     print(f"| row | ours | llama-server | ratio | target | drift {drift:.0%}{' BUSY' if drift > DRIFT_LIMIT else ''} |")
@@ -324,7 +325,9 @@ def main(argv=None) -> int:
         print(f"| ITL p50 / p99 ms (p99 ÷ p50) | {o['itl_p50_ms']:.0f} / {o['itl_p99_ms']:.0f} ({tail['ours']:.1f}) | "
               f"{p['itl_p50_ms']:.0f} / {p['itl_p99_ms']:.0f} ({tail['peer']:.1f}) | {tail['ours']:.2f} | ≤ 3 | |")
     # a --quick check is not a row to publish: its file goes to the temp folder
-    out = write_rows("llama_server_rows" + (f"-{a.only}" if a.only else ""), rows, raw,
+    # our spec's extras name the file (kv=streams,n_seq=16 -> -kv_streams_n_seq_16): one file per layout
+    spec = "-" + "_".join("".join(ch if ch.isalnum() else " " for ch in a.ours_spec).split()) if a.ours_spec else ""
+    out = write_rows("llama_server_rows" + spec + (f"-{a.only}" if a.only else ""), rows, raw,
                      **({"folder": Path(tempfile.gettempdir())} if a.quick else {}))
     print(f"wrote {out}")
     return 0
