@@ -112,7 +112,7 @@ class StreamRecorder:
     """One ``Generate`` stream's timings (see the module doc); made when the stream arrives.
     ``state``: the stream's ``StreamState`` (model, request id, caller, whether it was aborted)."""
 
-    def __init__(self, metrics: ServingMetrics | None, state: Any = None) -> None:
+    def __init__(self, metrics: ServingMetrics | None, state: Any) -> None:
         self.metrics = metrics
         self.state = state
         self.t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import structlog
@@ -53,17 +53,16 @@ class StreamState:
     # Called once when ``Abort`` names the stream (a relayed stream cancels its call to the target:
     # migration.Migrations.relay), so an abort does not wait for the next step.
     on_abort: "Callable[[], object] | None" = field(default=None, repr=False, compare=False)
-    # the stream's serving-latency timings (serving_metrics.py); the registry gives it the server's metrics
-    stats: StreamRecorder = field(default=None, repr=False)  # type: ignore[assignment]
+    # the stream's serving-latency timings (serving_metrics.py), reported to ``serving`` (the
+    # server's metrics, which the registry hands in; none: timed, reported nowhere)
+    stats: StreamRecorder = field(init=False, repr=False)
+    serving: InitVar["ServingMetrics | None"] = None
 
     # Set by StreamRegistry.generation: files the stream under a new request id (bind).
     _index: "Callable[[StreamState, str], None] | None" = field(default=None, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        if self.stats is None:
-            self.stats = StreamRecorder(None, self)
-        elif self.stats.state is None:  # made for this stream (StreamRegistry.generation)
-            self.stats.state = self
+    def __post_init__(self, serving: "ServingMetrics | None") -> None:
+        self.stats = StreamRecorder(serving, self)
 
     def bind(self, model_id: str, request_id: str, cache_id: str) -> None:
         """Name what the stream runs: its model, request id and cache (what ``Abort`` finds it by)."""
@@ -133,7 +132,7 @@ class StreamRegistry:
         the block runs. Enter the call first (``callers.enter_call``): the stream belongs to the
         current caller and origin."""
         owner = self.new_owner(kind)
-        state = StreamState(owner, tenant=current_caller.get(), _index=self._file, stats=StreamRecorder(self.serving))
+        state = StreamState(owner, tenant=current_caller.get(), _index=self._file, serving=self.serving)
         with self.running():
             self.generations[owner] = state
             error: BaseException | None = None

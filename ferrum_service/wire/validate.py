@@ -118,9 +118,9 @@ class RequestChecks:
         """Record who a new cache belongs to: the current caller, the stream that frees it, and
         where the call came from (for the idle-origin lease, ``leases.py``)."""
         host = self.models.hosts.get(entry.model_id)
-        if host is not None and host.executor.registry.model_id == entry.model_id:
+        if host is not None:  # counted by the registry that holds it (held_by); it only assigns one it does not
             host.executor.registry.set_tenant(entry, current_caller.get())
-        else:  # not a hosted model's cache: nothing counts it
+        else:
             entry.tenant = current_caller.get()
         entry.origin = current_origin.get()
         if owner and not entry.owner:
