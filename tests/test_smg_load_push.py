@@ -97,33 +97,48 @@ def _generations(srv: InProcessServer) -> int:
     return len(srv.server.streams.generations)
 
 
+def _warm_up(gw: Gateway, w1: InProcessServer, w2: InProcessServer) -> tuple[InProcessServer, InProcessServer, list[str]]:
+    """Warm-up chats through SMG: ``(A, B, prompts A served)``, A being the worker SMG sends a
+    fresh prompt to. With nothing cached anywhere its event-driven policy picks the least-loaded
+    worker, ties to the one it lists first -- which of two workers registered at once that is
+    varies from run to run, so the test names A after the fact instead of hoping for one."""
+    first = None
+    served: list[str] = []
+    for i in range(4):
+        before = (_served(w1), _served(w2))
+        prompt = _distinct("warm", i)
+        assert _chat(gw, prompt)[0] == 200
+        now = (_served(w1), _served(w2))
+        on = w1 if now[0] > before[0] else w2 if now[1] > before[1] else None
+        assert on is not None, "neither worker served the warm-up"
+        first = first or on
+        if on is first:
+            served.append(prompt)
+    return first, (w2 if first is w1 else w1), served
+
+
 def test_a_wedged_worker_leaves_smg_routing_and_comes_back(venv, tiny_llama_dir):  # noqa: F811 - fixtures
-    with _worker(tiny_llama_dir) as a, _worker(tiny_llama_dir) as b:
-        gw = Gateway(venv, [a.target, b.target], policy="cache_aware",
+    with _worker(tiny_llama_dir) as w1, _worker(tiny_llama_dir) as w2:
+        gw = Gateway(venv, [w1.target, w2.target], policy="cache_aware",
                      extra=["--worker-wedge-secs", str(WEDGE_SECS)]).start("tiny")
         release = threading.Event()
-        ex = a.models.get("tiny").executor
-        real = ex.execute
+        ex = real = None
         try:
             # warm-ups, noting those A served: the cache-aware tree routes them back to A later
-            on_a: list[str] = []
-            for i in range(12):
-                before = _served(a)
-                prompt = _distinct("warm", i)
-                assert _chat(gw, prompt)[0] == 200
-                if _served(a) > before:
-                    on_a.append(prompt)
-                if i >= 3 and on_a:
-                    break
-            assert on_a, "SMG routed no warm-up request to A"
-            # One request that lands on A, whose step then never completes until released.
+            a, b, on_a = _warm_up(gw, w1, w2)
+            ex = a.models.get("tiny").executor
+            real = ex.execute
+            # One request that lands on A, whose step then never completes until released: a
+            # prompt A holds the blocks of (SMG scores that overlap first; a fresh prompt would
+            # go to whichever worker its min-load tie-break lists first)
             ex.execute = lambda plan: (release.wait(120), real(plan))[1]
             pool = ThreadPoolExecutor(4)
             stuck = []
             stuck_prompt = ""
+            time.sleep(0.5)  # A's block events reach SMG
             for i in range(8):
                 before = _generations(a)
-                stuck_prompt = _distinct("the stuck one", 20 + i)
+                stuck_prompt = on_a[i % len(on_a)]
                 stuck.append(pool.submit(_chat, gw, stuck_prompt, 4, 180))
                 landed = wait_for(lambda: (_generations(a), _generations(b)), lambda g: sum(g) > 0, 5, 0.02)
                 if _generations(a) > before:
@@ -163,7 +178,8 @@ def test_a_wedged_worker_leaves_smg_routing_and_comes_back(venv, tiny_llama_dir)
             assert served_a > 0, "A never served again after it came back"
         finally:
             release.set()
-            ex.execute = real
+            if ex is not None:
+                ex.execute = real
             gw.stop()
 
 
