@@ -20,18 +20,23 @@ pytest.importorskip("llama_cpp")
 M = "smollm2"
 
 
-def _llc(n_ctx: int = 1024, n_seq: int = 4):
+#: Both KV layouts (issue 39): one unified buffer, and one stream per sequence (``kv=streams``).
+LAYOUTS = ["unified", "streams"]
+
+
+def _llc(n_ctx: int = 1024, n_seq: int = 4, kv: str = "unified"):
     from ferrum_service.executors.llama_cpp import LlamaCppExecutor
 
-    return LlamaCppExecutor(smollm2_gguf_path(), model_id=M, threads=2, n_ctx=n_ctx, n_seq=n_seq)
+    return LlamaCppExecutor(smollm2_gguf_path(), model_id=M, threads=2, n_ctx=n_ctx, n_seq=n_seq, kv=kv)
 
 
 def _empty(ex) -> None:
     assert len(ex.registry) == 0 and ex.live_sequences() == 0 and ex.kv_cells_used() == 0
 
 
-def test_llama_cpp_handoff_pull_and_push():
-    a, b = _llc(), _llc()
+@pytest.mark.parametrize("kv", LAYOUTS)
+def test_llama_cpp_handoff_pull_and_push(kv):
+    a, b = _llc(kv=kv), _llc(kv=kv)
     rng = random.Random(0)
     p = [rng.randrange(100, 20000) for _ in range(40)]
     with InProcessServer([a]) as sa, InProcessServer([b], kv_peers=[sa.target]) as sb, Client(sa.target) as ca, \
@@ -101,7 +106,8 @@ def test_llama_cpp_import_refused_when_full():
     _empty(a)
 
 
-def test_llama_cpp_vllm_pd_handoff():
+@pytest.mark.parametrize("kv", LAYOUTS)
+def test_llama_cpp_vllm_pd_handoff(kv):
     """SMG's two PD legs (vLLM engine protocol) on llama.cpp, which exports whole caches only: the
     prefill keeps the prompt's state cut to all but its last token, the decode worker pulls it
     whole and answers what a worker computing the prompt answers."""
@@ -121,7 +127,7 @@ def test_llama_cpp_vllm_pd_handoff():
             r.kv_transfer_params_json = params
         return r
 
-    a, b = _llc(), _llc()
+    a, b = _llc(kv=kv), _llc(kv=kv)
     with InProcessServer([a], role="prefill") as sa, InProcessServer([b], role="decode", kv_peers=[sa.target]) as sb, \
             grpc.insecure_channel(sa.target) as cha, grpc.insecure_channel(sb.target) as chb:
         ea, eb = vllm_engine_pb2_grpc.VllmEngineStub(cha), vllm_engine_pb2_grpc.VllmEngineStub(chb)

@@ -16,14 +16,15 @@ pytest.importorskip("llama_cpp")
 M = "smollm2"
 
 
-def _llc():
+def _llc(kv: str):
     from ferrum_service.executors.llama_cpp import LlamaCppExecutor
-    return LlamaCppExecutor(_gguf(), model_id=M, threads=2, n_ctx=1024, n_seq=4)
+    return LlamaCppExecutor(_gguf(), model_id=M, threads=2, n_ctx=1024, n_seq=4, kv=kv)
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 5}], ids=["greedy", "seeded"])
-def test_llama_cpp_moved_stream_equals_unmoved(sampling):
-    with InProcessServer([_llc()], **PEER) as a, InProcessServer([_llc()], **PEER) as b, \
+@pytest.mark.parametrize("kv", ["unified", "streams"])  # both KV layouts (issue 39)
+def test_llama_cpp_moved_stream_equals_unmoved(sampling, kv):
+    with InProcessServer([_llc(kv)], **PEER) as a, InProcessServer([_llc(kv)], **PEER) as b, \
             Client(a.target) as ca, Client(b.target) as cb:
         prompt = ca.tokenize(M, "Write a short story about a lighthouse keeper.")
         ref, _, _, _, _ = _run(ca, prompt, model=M, max_tokens=48, **sampling)

@@ -16,9 +16,9 @@ PARAGRAPH = ("The committee met on Tuesday to review the budget for the new libr
 PROMPT = f"{PARAGRAPH}\n\n{PARAGRAPH}\n\n{PARAGRAPH[:30]}"
 
 
-@pytest.fixture(scope="module")
-def srv():
-    ex = llama.executor("llama", n_seq=4)
+@pytest.fixture(scope="module", params=["unified", "streams"])  # both KV layouts (issue 39)
+def srv(request):
+    ex = llama.executor("llama", n_seq=4, kv=request.param)
     with InProcessServer([ex]) as s:
         yield s
 

@@ -31,11 +31,12 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=["unified", "streams"])  # both KV layouts (issue 39)
+def server(request):
     from ferrum_service.executors.llama_cpp import LlamaCppExecutor
 
-    llc = LlamaCppExecutor(smollm2_gguf_path(), model_id="smollm2", threads=2, n_ctx=4096, n_seq=16)
+    llc = LlamaCppExecutor(smollm2_gguf_path(), model_id="smollm2", threads=2, n_ctx=4096, n_seq=16,
+                           kv=request.param)
     mock = ConfigurableModelExecutor.with_token_sequence(1000, [10, 20], model_id="mock")
     with InProcessServer([llc, mock], open_admin_rpcs=True) as srv, Client(srv.target) as c:
         yield srv, c
