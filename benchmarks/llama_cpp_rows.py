@@ -50,11 +50,22 @@ def reference_workload(repeats: int = 5) -> float:
     return median(times)
 
 
+#: Seconds a probe waits after llama.cpp work: its compute threads keep polling for work a while
+#: after a step, and a probe taken at once read 40-80 % slow on a quiet machine (22.0 vs 13.7 ms).
+SETTLE_S = 2.0
+
+
+def settled_reference_workload() -> float:
+    """:func:`reference_workload` once the llama.cpp work just run has gone quiet."""
+    time.sleep(SETTLE_S)
+    return reference_workload()
+
+
 def timed_row(fn):
     """(result, drift): ``fn()`` between two reference-workload probes."""
     before = reference_workload()
     out = fn()
-    after = reference_workload()
+    after = settled_reference_workload()
     return out, abs(after - before) / before
 
 

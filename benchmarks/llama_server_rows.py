@@ -49,10 +49,14 @@ from pathlib import Path
 from ferrum_service.testing.sse import sse_payloads
 
 from .common import REPO, Server, free_port, median, pct
-from .llama_cpp_rows import reference_workload
+from .llama_cpp_rows import settled_reference_workload
 from .schema import DRIFT_LIMIT, row, write_rows
 
 BUILD_SCRIPT = REPO / "benchmarks" / "peers" / "build_llama_server.sh"
+#: Our side's `serve` flags unless ``--ours-flags`` says otherwise: prompt chunks sized to keep a
+#: step within 2x a decode step (the ITL tail row's setting; the server's default is a fixed
+#: 512-token chunk, ``--prefill-tail-factor 0``).
+OURS_FLAGS = "--prefill-tail-factor 2"
 #: The fixed B=1 prompt (SmolLM2's chat template around "What is the capital of France?").
 B1_PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
              8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
@@ -223,7 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--gguf", default=None, help="GGUF file for both sides (default: the default preset's F16 copy)")
-    ap.add_argument("--ours-flags", default="--prefill-tail-factor 2",
+    ap.add_argument("--ours-flags", default=OURS_FLAGS,
                     help="extra `serve` flags for our side (its best settings)")
     ap.add_argument("--ours-spec", default="", help="extra key=value,... for our model spec (e.g. kv=streams)")
     ap.add_argument("--peer-flags", default="", help="extra llama-server flags")
@@ -261,10 +265,10 @@ def main(argv=None) -> int:
         # warm-up: first-call allocations and graphs on both sides
         ours_run(ours.target, "llc", fresh_prompts(rng, 2, 32), 8, 0.0)
         peer_run(peer, fresh_prompts(rng, 2, 32), 8, 0.0)
-        probes = [reference_workload()]
+        probes = [settled_reference_workload()]
         for r in range(a.rounds):
             if r:
-                probes.append(reference_workload())  # between rounds too: a burst mid-run shows
+                probes.append(settled_reference_workload())  # between rounds too: a burst mid-run shows
             for side in (("ours", "peer") if r % 2 == 0 else ("peer", "ours")):
                 if a.only != "arrival":
                     rec = (ours_run(ours.target, "llc", [B1_PROMPT], a.b1_tokens, 0.0) if side == "ours"
@@ -278,7 +282,7 @@ def main(argv=None) -> int:
     finally:
         ours.stop()
         peer.stop()
-    probes.append(reference_workload())
+    probes.append(settled_reference_workload())
     drift = (max(probes) - min(probes)) / min(probes)
     raw.update(b1=b1, arrival=arr, drift=drift, reference_s=probes)
     rows = []
@@ -325,12 +329,19 @@ def main(argv=None) -> int:
         print(f"| ITL p50 / p99 ms (p99 ÷ p50) | {o['itl_p50_ms']:.0f} / {o['itl_p99_ms']:.0f} ({tail['ours']:.1f}) | "
               f"{p['itl_p50_ms']:.0f} / {p['itl_p99_ms']:.0f} ({tail['peer']:.1f}) | {tail['ours']:.2f} | ≤ 3 | |")
     # a --quick check is not a row to publish: its file goes to the temp folder
-    # our spec's extras name the file (kv=streams,n_seq=16 -> -kv_streams_n_seq_16): one file per layout
-    spec = "-" + "_".join("".join(ch if ch.isalnum() else " " for ch in a.ours_spec).split()) if a.ours_spec else ""
+    # our spec's extras name the file (kv=streams,n_seq=16 -> -kv_streams_n_seq_16), and our flags
+    # where they are not the default ones: one file per layout and schedule
+    spec = _slug(a.ours_spec) + (_slug(a.ours_flags) if a.ours_flags != OURS_FLAGS else "")
     out = write_rows("llama_server_rows" + spec + (f"-{a.only}" if a.only else ""), rows, raw,
                      **({"folder": Path(tempfile.gettempdir())} if a.quick else {}))
     print(f"wrote {out}")
     return 0
+
+
+def _slug(text: str) -> str:
+    """``kv=streams,n_seq=16`` -> ``-kv_streams_n_seq_16`` ("" for "")."""
+    words = "".join(ch if ch.isalnum() else " " for ch in text).split()
+    return "-" + "_".join(words) if words else ""
 
 
 if __name__ == "__main__":
