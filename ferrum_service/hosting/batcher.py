@@ -15,13 +15,14 @@ streams share one forward per token. A step that fails is all or nothing; its ro
 one by one so that one bad stream does not fail the others.
 
 A lone stream (one decode row, nothing else queued) on an executor whose steps chain
-(``chains_decodes``: the llama.cpp executor) does not return to the event loop between steps: the
-worker runs its next step itself, feeding the token it just sampled, and posts each row to the loop
-(:meth:`ContinuousBatcher._chain`). It runs at most one step ahead of the stream's asking for it;
-any other work for the worker (a prompt, another stream's step, a unary call, a release) stops the
-chain after the step it runs. A step run ahead that the stream never asks for is freed with the
-cache the stream frees at its end, or undone (``settle``: ``truncate_kv``) before a move reads the
-cache or a different step follows.
+(``chains_decodes``: the llama.cpp and transformers executors) does not return to the event loop
+between steps: the worker runs its next step itself, feeding the token it just sampled, and posts
+each row to the loop (:meth:`ContinuousBatcher._chain`). It runs at most one step ahead of the
+stream's asking for it, and none after a step the stream marks its last (``HeldDecode.chain``
+false: its ``max_tokens``); any other work for the worker (a prompt, another stream's step, a
+unary call, a release) stops the chain after the step it runs. A step run ahead that the stream
+never asks for is freed with the cache the stream frees at its end, or undone (``settle``:
+``truncate_kv``) before a move reads the cache or a different step follows.
 """
 
 from __future__ import annotations
@@ -557,6 +558,8 @@ class ContinuousBatcher:
             if not ch.ahead or ch.waiter is not None or inp.draft or inp.token_id != ch.token:
                 return None
             ch.ahead, ch.claimed = False, True
+            if not (isinstance(inp, HeldDecode) and inp.chain):  # the stream's last step: none after it
+                ch.stop = True
         fut = asyncio.get_running_loop().create_future()
         if ch.parked is not None:
             value, ch.parked = ch.parked, None

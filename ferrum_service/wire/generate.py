@@ -95,9 +95,11 @@ class _Sample:
         self.relayed: pb.GenerateFinished | None = None  # moved in relay mode: the target's final event
         self.chain = False  # the worker may run its next step ahead (HeldDecode.chain)
 
-    def step(self, token: int, draft: list[int]) -> HeldDecode:
+    def step(self, token: int, draft: list[int], last: bool) -> HeldDecode:
+        """The decode step feeding ``token``; ``last``: it makes the sample's last token by
+        ``max_tokens``, so the worker runs no step after it."""
         return HeldDecode(cache_id=self.cache_id, token_id=token, policy=self.policy, draft=draft, entry=self.entry,
-                          chain=self.chain)
+                          chain=self.chain and not last)
 
 
 def bind_stream(state: StreamState, host, request_id: str, cache_id: str) -> None:
@@ -403,7 +405,8 @@ class Generation:
             while True:
                 state.check_aborted()
                 events = self._tokens(s, row)
-                nxt = s.step(events[-1].token_id, self._draft(s, row, events))
+                nxt = s.step(events[-1].token_id, self._draft(s, row, events),
+                             last=s.generated + 1 >= self.spec.stops.max_tokens)
                 going_on = s.finish == pb.FINISH_REASON_UNSPECIFIED
                 if mover is not None and going_on and state.move_to:
                     await batcher.settle(s.cache_id)  # the cache holds exactly what was fed before it moves

@@ -13,14 +13,14 @@ import collections
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 import torch
 
 from ...core import errors
 from ...core.kv_registry import CacheEntry, CacheRegistry
-from ...core.steps import StepRow, Want
+from ...core.steps import RowOutput, StepPlan, StepRow, Want
 from ...core.types import (
     AdmissionLimits,
     CacheHandle,
@@ -74,6 +74,10 @@ class HfCausalLmExecutor(ItemStepExecutor):
 
     kind = "hf-causal-lm"
     profiler = "torch"
+    #: A lone stream's decode steps run back to back on the worker (the batcher's chain): on a GPU
+    #: the next step starts without waiting for the event loop, whose work on the previous token
+    #: overlaps the step (each row is posted as the next forward starts: ``StepPlan.on_forward``).
+    chains_decodes = True
 
     def __init__(
         self,
@@ -596,11 +600,18 @@ class HfCausalLmExecutor(ItemStepExecutor):
         finally:
             self.release_cache(entry.cache_id)
 
+    def execute(self, plan: StepPlan) -> list[RowOutput]:
+        """The plan's rows in one forward (``_step``), ``plan.on_forward`` called as it starts."""
+        return [RowOutput(self.handle(e), logits, cached=cached)
+                for e, logits, cached in self._step(plan.rows, plan.field, plan.on_forward)]
+
     @torch.inference_mode()
-    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, torch.Tensor | None, int]]:
+    def _step(self, items: list[StepRow], field: str, on_forward: Callable[[], None] | None = None
+              ) -> list[tuple[CacheEntry, torch.Tensor | None, int]]:
         """Admit, allocate, run one forward over all items, commit. On failure the step leaves no
         trace: caches it created are released, blocks it grew are returned, reservations and the
-        adapter bindings of empty caches are put back."""
+        adapter bindings of empty caches are put back. ``on_forward``: called right before the
+        forward (``StepPlan.on_forward``)."""
         self.check_up()
         if len(items) > self.max_batch_size:
             raise errors.invalid(
@@ -620,6 +631,8 @@ class HfCausalLmExecutor(ItemStepExecutor):
         try:
             lora = self._adapters_of(items, field, bound)
             step = self.kv.allocate_step(items, field)
+            if on_forward is not None:
+                on_forward()
             try:
                 logits = self.forward_rows([
                     Row(step.blocks(i), step.pasts[i], step.new_tokens[i], it.want,
