@@ -10,7 +10,9 @@ with 8,192 positions; another caller's ``Loads`` is timed every 50 ms meanwhile.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import time
 
 import pytest
 
@@ -50,12 +52,30 @@ class LoopLag:
             self.worst = max(self.worst, loop.time() - t0 - 0.01)
 
     def __enter__(self) -> "LoopLag":
+        # The server shares this process with every test before it: a full collection of that
+        # heap stops every thread (0.4-0.8 s seen in CI's run of the whole suite, 20 ms alone), which
+        # is not the server holding its loop. Collect it now and keep it out of later collections
+        # while the block runs; the longest collection inside it is reported (``gc_worst``).
+        gc.collect()
+        gc.freeze()
+        self.gc_worst, self._gc_t0 = 0.0, 0.0
+        gc.callbacks.append(self._gc)
         self._fut = asyncio.run_coroutine_threadsafe(self._probe(), self.srv.loop)
         return self
 
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_worst = max(self.gc_worst, time.perf_counter() - self._gc_t0)
+
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._fut.result(10)
+        try:
+            self._fut.result(10)
+        finally:
+            gc.callbacks.remove(self._gc)
+            gc.unfreeze()
 
 
 def test_many_samples_with_wide_ngrams_on_a_long_prompt_do_not_stall_loads(srv):
@@ -71,11 +91,13 @@ def test_many_samples_with_wide_ngrams_on_a_long_prompt_do_not_stall_loads(srv):
     assert all(f.generated_tokens == 3 for f in finished)
     assert alice.calls > 0
     print(f"n={SAMPLES} x {PROMPT_TOKENS}-token prompt x n-grams 1..8: alice's slowest Loads "
-          f"{alice.worst * 1000:.0f} ms over {alice.calls} calls, longest event-loop turn {lag.worst * 1000:.0f} ms")
+          f"{alice.worst * 1000:.0f} ms over {alice.calls} calls, longest event-loop turn {lag.worst * 1000:.0f} ms "
+          f"(longest garbage collection {lag.gc_worst * 1000:.0f} ms)")
     assert alice.worst < 1.0, f"another caller's Loads waited {alice.worst:.2f} s"
     # the documented bound is 1 s; the loop itself must not be held for a large part of it
     # (the 64 drafters built on the loop held it for 1.0-1.1 s on the busy 2-core test VM)
-    assert lag.worst < 0.4, f"the server's event loop was held for {lag.worst:.2f} s"
+    assert lag.worst < 0.4, (f"the server's event loop was held for {lag.worst:.2f} s (longest garbage "
+                             f"collection meanwhile {lag.gc_worst:.2f} s)")
     assert srv.live_caches() == {"tiny": 0}
 
 

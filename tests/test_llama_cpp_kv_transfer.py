@@ -137,5 +137,8 @@ def test_llama_cpp_vllm_pd_handoff(kv):
         c = list(eb.Generate(req(max_tokens=5, params=params), timeout=120))[-1].complete
         assert c.cached_tokens == len(p) - 1 and list(c.output_ids) == want
         for ex in (a, b):
-            wait_for(lambda ex=ex: len(ex.registry), lambda n: n == 0, 20, 0.05)
+            # the worker frees a released cache's sequence after the registry drops it (with
+            # kv=streams it also moves a retired sequence up: a state copy): wait for all three
+            wait_for(lambda ex=ex: (len(ex.registry), ex.live_sequences(), ex.kv_cells_used()),
+                     lambda t: t == (0, 0, 0), 20, 0.05)
             _empty(ex)
