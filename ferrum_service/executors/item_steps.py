@@ -11,7 +11,7 @@ of rows built by :class:`~ferrum_service.core.steps.StepRow` — so each executo
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..core import errors
 from ..core.kv_registry import CacheEntry
@@ -40,15 +40,17 @@ class ItemStepExecutor(ModelExecutor):
     supports_draft_rows = True
 
     @abc.abstractmethod
-    def _step(self, items: list[StepRow], field: str) -> list[tuple[CacheEntry, Rows | None, int]]:
+    def _step(self, items: list[StepRow], field: str, on_forward: Callable[[], None] | None = None
+              ) -> list[tuple[CacheEntry, Rows | None, int]]:
         """Admit, run one forward over ``items`` and commit them (nothing on failure): per row its
-        cache, its logits and the leading tokens it took from the prefix cache. A torch executor
-        runs it under ``torch.inference_mode``."""
+        cache, its logits and the leading tokens it took from the prefix cache; ``on_forward``
+        called right before the forward (``StepPlan.on_forward``). A torch executor runs it under
+        ``torch.inference_mode``."""
 
     def execute(self, plan: StepPlan) -> list[RowOutput]:
         """The plan's rows in one forward (``_step``), all or nothing."""
         return [RowOutput(self.handle(e), logits, cached=cached)
-                for e, logits, cached in self._step(plan.rows, plan.field)]
+                for e, logits, cached in self._step(plan.rows, plan.field, on_forward=plan.on_forward)]
 
     # ---- the interface, as plans ------------------------------------------------------------------
     def _prompts(self, inputs: list[PrefillInput], field: str) -> list[StepRow]:

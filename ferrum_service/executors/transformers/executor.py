@@ -20,7 +20,7 @@ import torch
 
 from ...core import errors
 from ...core.kv_registry import CacheEntry, CacheRegistry
-from ...core.steps import RowOutput, StepPlan, StepRow, Want
+from ...core.steps import StepRow, Want
 from ...core.types import (
     AdmissionLimits,
     CacheHandle,
@@ -599,11 +599,6 @@ class HfCausalLmExecutor(ItemStepExecutor):
             self._step([StepRow(entry, [self._pad_id], Want.LAST)], "warmup")
         finally:
             self.release_cache(entry.cache_id)
-
-    def execute(self, plan: StepPlan) -> list[RowOutput]:
-        """The plan's rows in one forward (``_step``), ``plan.on_forward`` called as it starts."""
-        return [RowOutput(self.handle(e), logits, cached=cached)
-                for e, logits, cached in self._step(plan.rows, plan.field, plan.on_forward)]
 
     @torch.inference_mode()
     def _step(self, items: list[StepRow], field: str, on_forward: Callable[[], None] | None = None
