@@ -16,16 +16,17 @@ order that rotates run by run:
 * **pause, whole KV**: the same on A0: the stream pauses at once and B pulls all of the KV in the pause.
 * **pause, relayed**: the pre-copied move of a stream in relay mode (``migration_mode="relay"``,
   what every ``VllmEngine.Generate`` stream gets): A resumes it on B and sends B's tokens on the
-  caller's own stream, so the client times the longest gap between two token events after it
-  asked for the move.
+  caller's own stream; the client times the gap from the last token A made (known from the
+  move's report: the tokens the cache held at the pause) to the first A relayed from B.
 * **re-prefill**: what a migration without KV costs instead (the Dynamo way): B computes the same
   context (prompt + the 8 tokens) again, prefix cache bypassed, to its first token.
 
 What the pause is made of is reported too: A's hand-off (``StreamMigration.handoff_ms``: the
 ``AcceptMigration`` call, B's pull of the tail and its commit), B's inter-token latency (B runs the
 stream's first step as soon as it holds it, while the client reconnects, so at most what is left of
-that step adds to the pause), the tokens pre-copied and pulled in the pause, and A's inter-token
-latency. Drift: the reference workload of ``llama_cpp_rows`` is timed before and after
+that step adds to the pause), the tokens pre-copied and pulled in the pause, A's inter-token
+latency, and the longest gap from the move's request to the pause (A decoding while its KV is
+exported; here B's import shares the two cores too). Drift: the reference workload of ``llama_cpp_rows`` is timed before and after
 the whole measurement; drift > 15 % flags the rows ``busy`` (do not publish a busy row). Target:
 pause p50 < 100 ms on this machine.
 """
@@ -97,15 +98,24 @@ def pause_once(a: str, b: str, prompt: list[int], max_tokens: int = 64) -> dict:
     itl = [y - x for x, y in zip(times, times[1:])]
     itl_b = [y - x for x, y in zip(times_b, times_b[1:])]
     return {"pause_s": times_b[0] - t_last_a, "itl_a_s": median(itl), "itl_b_s": median(itl_b),
+            "precopy_gap_s": _precopy_gap(times, len(times)),
             "handoff_ms": r.handoff_ms, "precopied_tokens": r.precopied_tokens, "paused_tokens": r.paused_tokens,
             "paused_bytes": r.paused_bytes, "tokens_on_a": len(times),
             "whole": len(times) + len(times_b) == max_tokens}
 
 
+def _precopy_gap(times: list[float], paused_at: int) -> float:
+    """The longest gap between the caller's token events from the move's request to the pause
+    (the stream decoding on A while its KV is pre-copied; 0 without a pre-copy)."""
+    gaps = [y - x for x, y in zip(times[MOVE_AT - 1:paused_at], times[MOVE_AT:paused_at])]
+    return max(gaps, default=0.0)
+
+
 def relay_once(a: str, b: str, prompt: list[int], max_tokens: int = 64) -> dict:
-    """One stream moved in relay mode: the caller's pause (the longest gap between its token events
-    once the move was asked for), its median inter-token gap after the pause, the hand-off's
-    report, and whether the tokens stayed whole."""
+    """One stream moved in relay mode: the caller's pause (from the last token A made to the first
+    it relayed from B, as :func:`pause_once` times it), the longest gap while the KV was
+    pre-copied, the median inter-token gap after the pause, the hand-off's report, and whether
+    the tokens stayed whole."""
     from ferrum_client import Client
 
     with Client(a) as ca:
@@ -117,13 +127,18 @@ def relay_once(a: str, b: str, prompt: list[int], max_tokens: int = 64) -> dict:
     if not result or result[0].migrated != 1:
         raise RuntimeError("the stream finished before it moved: raise max_tokens")
     r = result[0].streams[0]
-    gaps = [y - x for x, y in zip(times[MOVE_AT - 1:], times[MOVE_AT:])]
-    at = max(range(len(gaps)), key=gaps.__getitem__)
-    after = gaps[at + 1:] or [gaps[at]]
-    return {"pause_s": gaps[at], "itl_a_s": median([y - x for x, y in zip(times[:MOVE_AT], times[1:MOVE_AT])]),
-            "itl_b_s": median(after), "handoff_ms": r.handoff_ms, "precopied_tokens": r.precopied_tokens,
-            "paused_tokens": r.paused_tokens, "paused_bytes": r.paused_bytes, "tokens_on_a": MOVE_AT + at,
-            "whole": len(times) == max_tokens}
+    # The pause: from the last token A made to the first relayed from B. A made the tokens its
+    # cache held at the pause (the pre-copied ones and those pulled in the pause) past the
+    # prompt, plus the one it had sampled but not fed back.
+    at = r.precopied_tokens + r.paused_tokens - len(prompt) + 1
+    if not MOVE_AT <= at < len(times):
+        raise RuntimeError(f"the pause falls after token {at} of {len(times)}")
+    after = [y - x for x, y in zip(times[at:], times[at + 1:])]
+    return {"pause_s": times[at] - times[at - 1],
+            "itl_a_s": median([y - x for x, y in zip(times[:MOVE_AT], times[1:MOVE_AT])]),
+            "itl_b_s": median(after), "precopy_gap_s": _precopy_gap(times, at), "handoff_ms": r.handoff_ms,
+            "precopied_tokens": r.precopied_tokens, "paused_tokens": r.paused_tokens, "paused_bytes": r.paused_bytes,
+            "tokens_on_a": at, "whole": len(times) == max_tokens}
 
 
 def reprefill_once(b: str, context: list[int]) -> float:
@@ -149,6 +164,7 @@ def _summary(ps: list[dict]) -> dict:
             "paused_tokens_p50": median([p["paused_tokens"] for p in ps]),
             "paused_tokens_max": max(p["paused_tokens"] for p in ps),
             "paused_bytes_p50": median([p["paused_bytes"] for p in ps]),
+            "precopy_gap_p50_ms": 1e3 * median([p["precopy_gap_s"] for p in ps]),
             # what the move adds to an ordinary inter-token gap (B's first token costs one step anyway)
             "added_p50_ms": 1e3 * median([p["pause_s"] - p["itl_b_s"] for p in ps]), "runs": ps}
 
@@ -203,7 +219,7 @@ def main(argv=None) -> int:
             pause_p50_ms=pre["pause_p50_ms"], handoff_p50_ms=pre["handoff_p50_ms"], itl_b_p50_ms=pre["itl_b_p50_ms"],
             added_p50_ms=pre["added_p50_ms"],
             precopied_tokens_p50=pre["precopied_tokens_p50"], paused_tokens_p50=pre["paused_tokens_p50"],
-            paused_bytes_p50=pre["paused_bytes_p50"]),
+            paused_bytes_p50=pre["paused_bytes_p50"], precopy_gap_p50_ms=pre["precopy_gap_p50_ms"]),
         row(f"pause p50 / p99 of a moved stream, {ctx}, whole KV pulled in the pause ÷ re-prefilled on B",
             f"{whole['pause_p50_ms']:.0f} / {whole['pause_p99_ms']:.0f} ms", f"{rep50:.0f} / {rep99:.0f} ms",
             whole["pause_p50_ms"] / rep50, "p50 < 100 ms", met=whole["pause_p50_ms"] < 100, drift=drift, note=note,
@@ -215,12 +231,11 @@ def main(argv=None) -> int:
             "÷ re-prefilled on B",
             f"{relayed['pause_p50_ms']:.0f} / {relayed['pause_p99_ms']:.0f} ms", f"{rep50:.0f} / {rep99:.0f} ms",
             relayed["pause_p50_ms"] / rep50, "p50 < 100 ms", met=relayed["pause_p50_ms"] < 100, drift=drift,
-            note=note.replace("last token event from A to first from B", "longest gap between the caller's token "
-                              "events after the move was asked for"),
+            note=note.replace("first from B", "first A relayed from B"),
             pause_p50_ms=relayed["pause_p50_ms"], handoff_p50_ms=relayed["handoff_p50_ms"],
             itl_b_p50_ms=relayed["itl_b_p50_ms"], added_p50_ms=relayed["added_p50_ms"],
             precopied_tokens_p50=relayed["precopied_tokens_p50"], paused_tokens_p50=relayed["paused_tokens_p50"],
-            paused_bytes_p50=relayed["paused_bytes_p50"]),
+            paused_bytes_p50=relayed["paused_bytes_p50"], precopy_gap_p50_ms=relayed["precopy_gap_p50_ms"]),
     ]
     print("| row | moved | re-prefill | ratio (p50) | target | drift | flag |\n|---|---|---|---|---|---|---|")
     for x in rows:
@@ -230,7 +245,8 @@ def main(argv=None) -> int:
     for name, r in (("pre-copied", pre), ("whole KV", whole), ("relayed", relayed)):
         print(f"{name}: hand-off p50 {r['handoff_p50_ms']:.0f} ms (AcceptMigration: tail pull + commit), "
               f"B inter-token p50 {r['itl_b_p50_ms']:.0f} ms (pause − B's inter-token: {r['added_p50_ms']:.0f} ms), "
-              f"A inter-token p50 {r['itl_a_p50_ms']:.0f} ms, "
+              f"A inter-token p50 {r['itl_a_p50_ms']:.0f} ms (longest gap from the move's request to the pause "
+              f"p50 {r['precopy_gap_p50_ms']:.0f} ms), "
               f"tokens pre-copied p50 {r['precopied_tokens_p50']:.0f}, pulled in the pause p50 "
               f"{r['paused_tokens_p50']:.0f} (max {r['paused_tokens_max']}), {r['paused_bytes_p50'] / 1e6:.2f} MB")
     write_rows("migration_rows", rows, raw)
