@@ -24,6 +24,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2
 
 from .core.callers import CallerActivity
 from .core.modes import Role
+from .core.serving_state import ServingState
 from .core.settings import default
 from .hosting.batcher import ContinuousBatcher
 from .hosting.cache_quota import CacheQuota
@@ -170,7 +171,7 @@ class Server:
         self.activity = CallerActivity()
         self.leases = LeaseReaper(models, self.metrics, cfg.cache_ttl, origin_idle_ttl=cfg.origin_idle_ttl,
                                   activity=self.activity)
-        self.draining = False
+        self.serving = ServingState()  # the drain flags every RPC's guard reads
         self.health = health.aio.HealthServicer()
         self.streams = StreamRegistry(models, self.activity, serving=self.metrics.serving)
         self.serving_log = ServingLog(models, self.streams, self.metrics.serving, interval=cfg.stats_log_interval,
@@ -222,10 +223,11 @@ class Server:
                              peers=self.kv_peers, import_idle_s=cfg.kv_import_idle_timeout,
                              import_total_s=cfg.kv_import_timeout)
         self.migrations = Migrations(models, checks, self.kv, self.kv_peers, self.streams, advertise,
-                                     resume_s=cfg.migration_resume_s, precopy_tokens=cfg.migration_precopy_tokens)
+                                     resume_s=cfg.migration_resume_s, precopy_tokens=cfg.migration_precopy_tokens,
+                                     serving=self.serving)
         guard = RpcGuard(self.metrics, activity=self.activity, tokens_checked=bool(cfg.auth_tokens),
                          admin_open=bool(cfg.admin_tokens) or cfg.open_admin_rpcs,
-                         shutting_down=lambda: self.draining, migrating=lambda: self.migrations.draining,
+                         serving=self.serving,
                          stream_write_timeout=cfg.stream_write_timeout)
         hooks = ServerHooks(is_admin=lambda metadata: is_admin_call(metadata, cfg.admin_tokens, cfg.open_admin_rpcs),
                             on_model_shutdown=self._model_down, start_drain=self._start_drain_by_migration)
@@ -271,7 +273,7 @@ class Server:
     async def _set_progress_health(self, model_id: str, serving: bool) -> None:
         """The stall watch's verdict (``progress.py``): the model's health, and the server's overall
         "" (the probes' service) NOT_SERVING while any model is stalled."""
-        if self.draining:
+        if self.serving.shutting_down:
             return
         st = health_pb2.HealthCheckResponse
         await self.health.set(model_id, st.SERVING if serving else st.NOT_SERVING)
@@ -330,7 +332,7 @@ class Server:
                          refused=[(r.request_id, r.error_code) for r in out if not r.migrated])
             except Exception:  # noqa: BLE001 - a failed move leaves the streams to the ordinary drain
                 log.exception("drain: moving the streams failed", target=self.cfg.drain_to)
-        self.draining = True
+        self.serving.shutting_down = True
         await self.health.enter_graceful_shutdown()  # every service -> NOT_SERVING
         log.info("draining", grace_period_s=grace, active_streams=len(self.streams.active))
         loop = asyncio.get_running_loop()
@@ -359,7 +361,7 @@ class Server:
                 log.exception("executor shutdown failed", model_id=host.model_id)
             host.shutdown_pool()
         self.metrics.stop()
-        if self.cfg.otlp_endpoint or tracing.enabled():
+        if self.cfg.otlp_endpoint or tracing.on:
             tracing.shutdown()
         log.info("stopped", released_caches=freed)
 

@@ -366,11 +366,11 @@ def test_precopy_hostile_calls_deadline_and_abandon(pair):
                 assert len(cb.generate(M, resume_token=done.resume_token).tokens()) == 39
             # B starts draining between a pre-copy and its finish: the finish is refused, the pre-copy dropped
             resp = call(req())
-            mig.draining = True
+            mig.serving.migrating = True
             assert code(call, req(precopy=False, precopy_id=resp.precopy_id,
                                   source=pb.KvSource(target=a.target, cache_id=cache, from_token=40))) == "UNAVAILABLE"
             assert not mig.precopies and reg.staged_tokens == 0
-            mig.draining = False
+            mig.serving.migrating = False
             # nobody finishes it: dropped at the deadline
             mig.resume_s = 0.5
             call(req())

@@ -69,7 +69,6 @@ class IncrementalDetokenizer:
 # the low 32 bits of two samples' seeds stay more than 2^25 apart for all 64 samples, so no two
 # samples share a draw at any position below that.
 _SAMPLE_SEED_STRIDE = 0x9E3779B9
-_NOT_STARTED = "the stream has not sent its first token yet"
 _UNMOVABLE = "only a single-sample stream on a cache it created, without keep_cache, moves"
 
 
@@ -102,13 +101,6 @@ class _Sample:
                           chain=self.chain and not last)
 
 
-def bind_stream(state: StreamState, host, request_id: str, cache_id: str) -> None:
-    """Name a stream that is about to be checked (what ``Abort`` finds it by); it cannot move
-    before its first token."""
-    state.unmovable = _NOT_STARTED
-    state.bind(host.model_id, request_id, cache_id)
-
-
 async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRequest, state: StreamState,
                    migrations: "Migrations | None" = None, relay: bool = False) -> AsyncIterator[pb.GenerateResponse]:
     """The contract's ``Generate``: ``req`` checked into a :class:`GenerateSpec` and run by a
@@ -116,9 +108,8 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
     was built by this server when it took the stream: ``migration.Parked``); ``relay``: the call
     is that peer's, resuming a stream it moved in relay mode on its caller's behalf."""
     if not req.resume_token:
-        state.unmovable = _NOT_STARTED
         host = models.get(req.model_id)
-        bind_stream(state, host, req.request_id, req.cache_id)
+        state.bind(host.model_id, req.request_id, req.cache_id)
         spec = await checks.generate_spec(host, req)
         async for ev in Generation(spec, checks, state.owner, state, migrations).events():
             yield ev
@@ -129,7 +120,7 @@ async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRe
     run = None
     try:
         host = models.get(parked.model_id)
-        bind_stream(state, host, parked.request.request_id, parked.cache_id)
+        state.bind(host.model_id, parked.request.request_id, parked.cache_id)
         run = Generation(parked.resume_spec(host), checks, state.owner, state, migrations)
         async for ev in run.events():
             yield ev
@@ -193,7 +184,7 @@ class Generation:
                 else:
                     async for ev in _merged([self._run(s) for s in self.samples]):
                         yield ev
-            if tracing.enabled():
+            if tracing.on:
                 tracing.interval("generate.decode", self.t_start + self.ttft, time.perf_counter_ns(),
                                  generated_tokens=sum(s.generated for s in self.samples),
                                  finish_reason=pb.FinishReason.Name(self.samples[0].finish))
@@ -322,7 +313,7 @@ class Generation:
         if state.unmovable and state.move_to:
             state.answer_move(errors.failed_precondition(state.unmovable))
         self.ttft = time.perf_counter_ns() - self.t_start
-        if tracing.enabled():
+        if tracing.on:
             tracing.annotate(cache_id=self.cache_id)
             tracing.interval("generate.prompt", self.t_start, self.t_start + self.ttft, prompt_tokens=len(spec.prompt))
         self.pipeline = bool(self.created) and not spec.keep_cache
@@ -558,4 +549,4 @@ async def _merged(streams: list[AsyncIterator[pb.GenerateResponse]]) -> AsyncIte
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "MAX_SAMPLES", "Generation", "IncrementalDetokenizer", "bind_stream", "generate"]
+__all__ = ["DEFAULT_MAX_TOKENS", "MAX_SAMPLES", "Generation", "IncrementalDetokenizer", "generate"]

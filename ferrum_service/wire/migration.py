@@ -71,6 +71,7 @@ from ..core import errors, speculation
 from ..core.callers import current_caller
 from ..core.guided import GuideState, new_matcher
 from ..core.modes import CacheEvent
+from ..core.serving_state import ServingState
 from ..core.settings import default
 from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, StopStrings, check_stop_sequences
 from ..core.types import LogitsPolicy, OutputMode, SamplingParams
@@ -284,7 +285,7 @@ class Migrations:
 
     def __init__(self, models: "ModelSet", checks: "RequestChecks", kv: "KvTransfer", peers: "KvPeers",
                  streams: "StreamRegistry", advertise: str = "", resume_s: float = DEFAULT_RESUME_S,
-                 precopy_tokens: int = DEFAULT_PRECOPY_TOKENS) -> None:
+                 precopy_tokens: int = DEFAULT_PRECOPY_TOKENS, serving: ServingState | None = None) -> None:
         self.models = models
         self.checks = checks
         self.kv = kv
@@ -293,7 +294,7 @@ class Migrations:
         self.advertise = advertise  # HOST:PORT peers pull this server's KV from
         self.resume_s = resume_s
         self.parked: dict[str, Parked] = {}
-        self.draining = False  # MigrateStreams(drain) or --drain-to: no new work
+        self.serving = serving if serving is not None else ServingState()  # its ``migrating``: no new work
         self.max_parked = MAX_PARKED
         self.precopy_tokens = precopy_tokens  # 0 = never pre-copy
         self.first_step = True  # run a parked stream's first step before its caller is back
@@ -443,7 +444,7 @@ class Migrations:
         if req.abandon:
             await self._drop(self._take_precopy(req, caller))
             return pb.AcceptMigrationResponse()
-        if self.draining:
+        if self.serving.migrating:
             if req.precopy_id:  # no move will finish it here
                 try:
                     await self._drop(self._take_precopy(req, caller))
@@ -638,7 +639,7 @@ class Migrations:
 
     def start_draining(self) -> bool:
         """Take no new work from now on (MigrateStreams(drain), --drain-to); True the first time."""
-        first, self.draining = not self.draining, True
+        first, self.serving.migrating = not self.serving.migrating, True
         return first
 
     def close(self) -> None:

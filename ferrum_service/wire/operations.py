@@ -40,7 +40,7 @@ def _n_items(req) -> int:
 
 def _timings(t_start: int, timed, sampling_ns: int) -> tpb.StepTimings:
     """The step's ``StepTimings`` (and its trace spans, when tracing is on)."""
-    if tracing.enabled():
+    if tracing.on:
         tracing.step(timed.submitted_ns, timed.queued_ns, timed.forward_ns, sampling_ns)
     return tpb.StepTimings(
         queued_ns=timed.queued_ns,

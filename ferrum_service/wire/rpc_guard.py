@@ -20,6 +20,7 @@ from grpc_status import rpc_status
 
 from ..core import errors
 from ..core.callers import CallerActivity, enter_call
+from ..core.serving_state import ServingState
 from ..core.settings import default
 from . import tracing
 from .convert import as_ferrum_error, status_of
@@ -58,27 +59,25 @@ class RpcGuard:
     """Draining, errors as statuses, metrics and tracing for every RPC (see the module doc)."""
 
     def __init__(self, metrics: Metrics, *, activity: CallerActivity | None = None, tokens_checked: bool = False,
-                 admin_open: bool = False, shutting_down: Callable[[], bool] = lambda: False,
-                 migrating: Callable[[], bool] = lambda: False,
+                 admin_open: bool = False, serving: ServingState | None = None,
                  stream_write_timeout: float = default("stream_write_timeout")) -> None:
         """``tokens_checked``: bearer tokens are verified (they then name the caller that owns a
         cache); ``admin_open``: the admin RPCs may be called (admin tokens guard them, or the
         operator opened them); ``activity``: where each call's origin is recorded (for the lease
-        reaper's idle-origin rule); ``shutting_down`` / ``migrating``: the server drains (every
-        RPC refused) / drains by migration (only :data:`WHILE_MIGRATING` answered);
+        reaper's idle-origin rule); ``serving``: the server's drain flags (``shutting_down``: every
+        RPC refused; ``migrating``: only :data:`WHILE_MIGRATING` answered);
         ``stream_write_timeout``: seconds a server stream's next message may wait for its client
         (write_deadline.py; 0 = none)."""
         self.metrics = metrics
         self.activity = activity if activity is not None else CallerActivity()
         self.tokens_checked = tokens_checked
         self.admin_open = admin_open
-        self.shutting_down = shutting_down
-        self.migrating = migrating
+        self.serving = serving if serving is not None else ServingState()
         self.stream_write_timeout = stream_write_timeout
 
     def paused(self) -> bool:
         """No new work is taken (the server drains, or drains by migration)."""
-        return self.shutting_down() or self.migrating()
+        return self.serving.paused()
 
     def enter(self, context: grpc.aio.ServicerContext) -> str:
         """Record the call's caller and origin (``callers.enter_call``); returns the origin."""
@@ -86,7 +85,7 @@ class RpcGuard:
 
     def check_serving(self) -> None:
         """UNAVAILABLE while the server shuts down."""
-        if self.shutting_down():
+        if self.serving.shutting_down:
             raise errors.unavailable("the server is shutting down; retry on another replica")
 
     def check_admin(self, rpc: str) -> None:
@@ -104,10 +103,10 @@ class RpcGuard:
         outcome = _Outcome()
         self.enter(context)
         span = (tracing.start_rpc(rpc, context.invocation_metadata(), **request_ids(request))
-                if tracing.enabled() else None)
+                if tracing.on else None)
         try:
             self.check_serving()
-            if self.migrating() and rpc not in WHILE_MIGRATING:
+            if self.serving.migrating and rpc not in WHILE_MIGRATING:
                 raise errors.unavailable("the server drains (its streams move to a peer); retry on another replica")
             yield outcome
         except asyncio.CancelledError:
@@ -135,13 +134,13 @@ class RpcGuard:
         """Send a server stream's messages under the stream write timeout (write_deadline.py)."""
         await send_stream(rpc, messages, context, self.stream_write_timeout)
 
-    async def stream(self, rpc: str, context: grpc.aio.ServicerContext, request,
-                     body: Callable[[], AsyncIterator]) -> None:
+    async def stream(self, rpc: str, context: grpc.aio.ServicerContext, request, body: AsyncIterator) -> None:
         """A server stream under the guard: :meth:`answer` (the caller entered once, the drain
-        refused, errors as statuses, timed, counted, traced) around ``body()``'s messages, each
-        written under the stream write timeout (:meth:`send`)."""
+        refused, errors as statuses, timed, counted, traced) around ``body``'s messages, each
+        written under the stream write timeout (:meth:`send`). ``body`` is an async generator
+        not started yet: a refused call never runs it."""
         async with self.answer(rpc, context, request):
-            await send_stream(rpc, body(), context, self.stream_write_timeout)
+            await send_stream(rpc, body, context, self.stream_write_timeout)
 
     def refused(self, rpc: str, e: errors.FerrumError, seconds: float) -> None:
         """A call refused before its handler ran (a request over a declared limit, ``limits.py``):

@@ -326,7 +326,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
 
     # ---- streams --------------------------------------------------------------------------------
     async def Generate(self, request, context) -> None:
-        await self.guard.stream("Generate", context, request, lambda: self._generate_stream(request, context))
+        await self.guard.stream("Generate", context, request, self._generate_stream(request, context))
 
     async def _generate_stream(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
         """The stream's events, under the guard (``RpcGuard.stream`` entered the caller)."""
@@ -378,7 +378,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
         code = "OK"
         steps = 0
         self.guard.enter(context)
-        span = tracing.start_rpc("Session", context.invocation_metadata()) if tracing.enabled() else None
+        span = tracing.start_rpc("Session", context.invocation_metadata()) if tracing.on else None
         log.info("session opened", owner=owner, peer=context.peer())
         with self.streams.running():
             try:
@@ -502,7 +502,7 @@ class ModelExecutorServicer(executor_pb2_grpc.ModelExecutorServicer):
                     yield pb.SubscribeKvEventsResponse(resync_required=pb.ResyncRequired(
                         requested_seq=from_seq, oldest_available_seq=gone, next_seq=next_seq))
                 while True:
-                    if self.guard.shutting_down():
+                    if self.guard.serving.shutting_down:
                         return
                     ev = await sub.next()
                     if ev.block_kind:

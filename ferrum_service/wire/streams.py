@@ -33,6 +33,8 @@ log = structlog.get_logger("ferrum_service.wire.streams")
 MAX_ABORT_REQUEST_IDS = 1024
 """Most request ids one vLLM ``Abort`` may name (``request_ids``): counted before any is read, so a
 flood of ids is refused at once (INVALID_ARGUMENT naming the field and this limit)."""
+#: Why a stream bound to its request cannot move yet (``MigrateStreams`` answers it FAILED_PRECONDITION).
+NOT_STARTED = "the stream has not sent its first token yet"
 
 
 @dataclass
@@ -49,7 +51,7 @@ class StreamState:
     # that gets the outcome (hand-off ms, or the refusal), and why the stream cannot move ("" = it can).
     move_to: str = ""
     move_result: "asyncio.Future | None" = None
-    unmovable: str = ""
+    unmovable: str = ""  # why the stream cannot move now ("" = it can)
     # Called once when ``Abort`` names the stream (a relayed stream cancels its call to the target:
     # migration.Migrations.relay), so an abort does not wait for the next step.
     on_abort: "Callable[[], object] | None" = field(default=None, repr=False, compare=False)
@@ -65,7 +67,10 @@ class StreamState:
         self.stats = StreamRecorder(serving, self)
 
     def bind(self, model_id: str, request_id: str, cache_id: str) -> None:
-        """Name what the stream runs: its model, request id and cache (what ``Abort`` finds it by)."""
+        """Name what the stream runs: its model, request id and cache (what ``Abort`` finds it by),
+        before its request is checked; it cannot move before its first token (the generation
+        clears :attr:`unmovable` then, or says why it never can)."""
+        self.unmovable = NOT_STARTED
         self.model_id, self.cache_id = model_id, cache_id
         if self._index is not None:
             self._index(self, request_id)

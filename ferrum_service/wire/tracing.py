@@ -40,9 +40,13 @@ _current: contextvars.ContextVar[Any] = contextvars.ContextVar("ferrum_span", de
 _EPOCH_OFFSET = time.time_ns() - time.perf_counter_ns()
 
 
+#: Whether spans are recorded (read as a plain attribute on every RPC; ``configure`` / ``shutdown`` set it).
+on = False
+
+
 def configure(endpoint: str | None = None, *, provider: Any = None, service_name: str = "ferrum-service") -> bool:
     """Turn tracing on when asked to (see the module doc); returns whether it is on."""
-    global _tracer, _propagator, _provider
+    global _tracer, _propagator, _provider, on
     wanted = provider is not None or bool(endpoint) or env("OTEL_TRACES_EXPORTER") == "otlp" or bool(
         env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env("OTEL_EXPORTER_OTLP_ENDPOINT"))
     if not wanted or (env("OTEL_SDK_DISABLED") or "").lower() == "true":
@@ -62,19 +66,17 @@ def configure(endpoint: str | None = None, *, provider: Any = None, service_name
     _provider = provider
     _tracer = provider.get_tracer("ferrum_service")
     _propagator = TraceContextTextMapPropagator()
+    on = True
     return True
 
 
 def shutdown() -> None:
     """Flush and stop the exporter (the server calls it when it stops); tracing is off after."""
-    global _tracer, _provider
+    global _tracer, _provider, on
     if _provider is not None and hasattr(_provider, "shutdown"):
         _provider.shutdown()
     _tracer = _provider = None
-
-
-def enabled() -> bool:
-    return _tracer is not None
+    on = False
 
 
 def _epoch(perf_ns: int) -> int:

@@ -38,7 +38,7 @@ from ..core.modes import ExecutorState
 from ..core.stop_conditions import MAX_STOP_TOKEN_IDS, check_stop_sequences
 from . import vllm_profile
 from .convert import MAX_TOP_LOGPROBS, check_tokens, pb, tpb
-from .generate import Generation, bind_stream
+from .generate import Generation
 from .generate_spec import DEFAULT_MAX_TOKENS as DEFAULT_GENERATE_MAX_TOKENS
 from .generate_spec import GenerateSpec, Stops
 from .metrics import cache_layout
@@ -170,7 +170,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     # ---- Generate ---------------------------------------------------------------------------------
     async def Generate(self, request, context) -> None:
-        await self.guard.stream("VllmEngine.Generate", context, request, lambda: self._generate_stream(request, context))
+        await self.guard.stream("VllmEngine.Generate", context, request, self._generate_stream(request, context))
 
     async def _generate_stream(self, request, context) -> AsyncIterator[vpb.GenerateResponse]:
         """The stream's responses, under the guard (``RpcGuard.stream`` entered the caller)."""
@@ -285,7 +285,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         kept = ""
         started = False
         try:
-            bind_stream(state, host, v.request_id, imported)
+            state.bind(host.model_id, v.request_id, imported)
             spec = await self._spec(v, asked, imported, offer)
             async for out in self._events(v, spec, owner, state, bool(imported)):
                 if isinstance(out, str):
@@ -388,9 +388,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def HealthCheck(self, request, context):
         if self._host is None:
             return vpb.HealthCheckResponse(healthy=False, message="this server hosts no model")
-        if self.guard.shutting_down():
+        if self.guard.serving.shutting_down:
             return vpb.HealthCheckResponse(healthy=False, message="the server is shutting down")
-        if self.guard.migrating():  # every new request is refused: the gateway must route elsewhere
+        if self.guard.serving.migrating:  # every new request is refused: the gateway must route elsewhere
             return vpb.HealthCheckResponse(healthy=False, message="the server drains (its streams move to a peer)")
         if self.host.executor.state == ExecutorState.SHUTDOWN:
             return vpb.HealthCheckResponse(healthy=False, message=f"model {self.host.model_id!r} is shut down")
