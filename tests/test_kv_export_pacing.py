@@ -4,7 +4,8 @@ While A's stream decodes, the export B pulls for its pre-copy reads a batch of l
 the pacing's byte budget is set below a layer) per step of A's model, so the stream's steps and the
 export's layer reads alternate; the tail pulled in the pause and any other ``ExportKv`` are read
 back to back; a stream that ends mid pre-copy (or a host that runs no step) unpaces the export at
-once, so the pre-copy finishes; and the moved stream's tokens are an unmoved run's.
+once, so the pre-copy finishes; and the moved stream's tokens are an unmoved run's. While a move
+is under way A runs no step twice (no decode step is run ahead of the stream and undone).
 
 Behaviour, not timings: A's decode steps are gated on the export's progress (each waits for one
 more layer read), so a paced export's layer reads see the step count advance between them, and an
@@ -63,6 +64,19 @@ def _record_reads(srv) -> list[tuple[int, int, int, int]]:
     return out
 
 
+def _count_steps(srv) -> list[int]:
+    """One entry per forward ``srv``'s model runs from now on (rows in it)."""
+    ex = srv.models.get(M).executor
+    real, out = ex._step, []
+
+    def step(items, field, on_forward=None):
+        out.append(len(items))
+        return real(items, field, on_forward)
+
+    ex._step = step
+    return out
+
+
 def _gate_on_reads(srv, reads, done, gate: int) -> None:
     """``srv``'s decode steps: step number ``gate`` waits until a move of the stream was asked for,
     and each later one until the pre-copy's export began one more layer read than when the step
@@ -105,6 +119,7 @@ def test_paced_precopy_interleaves_with_the_streams_steps(pair, mode):
         staged = _count_stagings(b)
         reads = _record_reads(a)
         _gate_on_reads(a, reads, lambda: bool(staged), gate=12)
+        steps = _count_steps(a)
         toks, idx, fin, res, _ = _stream(ca, prompt, move=lambda: ca.migrate_streams(b.target, request_id="mv"),
                                          at=12, **kw)
         _fast(a)
@@ -121,6 +136,10 @@ def test_paced_precopy_interleaves_with_the_streams_steps(pair, mode):
     assert [layer for layer, _ in tail] == list(range(LAYERS)) and len({n for _, n in tail}) == 1, tail
     assert pacing.stats["paced"] == 1 and not pacing.stats["idle"] and not pacing.stats["stopped"], pacing.stats
     assert not pacing._live  # unmarked once answered
+    # A ran each step of the stream once: the ones that made the tokens it sent (the prompt's
+    # included), plus at most the step its chain ran ahead when the move was asked (undone)
+    sent_by_a = r.precopied_tokens + r.paused_tokens - 120 + 1
+    assert sent_by_a <= len(steps) <= sent_by_a + 1, (len(steps), sent_by_a)
     assert a.live_caches() == {M: 0}
 
 

@@ -30,7 +30,9 @@ frees it under the read). The pre-copy's export is paced against the model's ste
 (``kv_export_pacing.py``): the stream's mover marks its cache in the ``ExportPacing`` registry this
 object owns (``KvTransfer`` reads it) until B answers, the stream ends or the move is called off,
 and meanwhile A exports at most ``PACED_EXPORT_BYTES_PER_STEP`` (at least a layer) per step, so the
-export's CPU does not stall the stream it copies; the tail pull in the pause is never paced.
+export's CPU does not stall the stream it copies; the tail pull in the pause is never paced. While
+a move is under way the worker runs no decode step ahead of the stream (``HeldDecode.chain``
+false): each boundary settles the cache, which would undo that step and run it again.
 
 A pre-copy B holds is used once, by the caller and source it was made for; a stream that ends on A
 (or a move called off) with a pre-copy made sends ``abandon`` (and B drops it after ``resume_s``
