@@ -37,6 +37,7 @@ from .hosting.profiler import StepProfiler
 from .hosting.progress import StallWatch
 from .wire import tracing
 from .wire.auth import AuthInterceptor, is_admin_call
+from .wire.kv_export_pacing import ExportPacing
 from .wire.kv_transfer import KvTransfer
 from .wire.leases import LeaseReaper
 from .wire.limits import add_guarded
@@ -219,12 +220,14 @@ class Server:
         else:
             advertise = ""
         ops = Operations(models, checks)
+        # the pre-copies' exports are paced against their streams' steps: Migrations marks them, KvTransfer paces
+        pacing = ExportPacing()
         self.kv = KvTransfer(models, checks, max_message_bytes=cfg.max_message_bytes, metrics=self.metrics,
                              peers=self.kv_peers, import_idle_s=cfg.kv_import_idle_timeout,
-                             import_total_s=cfg.kv_import_timeout)
+                             import_total_s=cfg.kv_import_timeout, pacing=pacing)
         self.migrations = Migrations(models, checks, self.kv, self.kv_peers, self.streams, advertise,
                                      resume_s=cfg.migration_resume_s, precopy_tokens=cfg.migration_precopy_tokens,
-                                     serving=self.serving)
+                                     serving=self.serving, pacing=pacing)
         guard = RpcGuard(self.metrics, activity=self.activity, tokens_checked=bool(cfg.auth_tokens),
                          admin_open=bool(cfg.admin_tokens) or cfg.open_admin_rpcs,
                          serving=self.serving,

@@ -540,6 +540,7 @@ class ContinuousBatcher:
     def _deliver(self, ch: "_Chain", value) -> None:
         """A chained step's result (on the loop, in step order): to the stream waiting for it, or
         kept until the stream asks (:meth:`_claim`)."""
+        self.host.steps.tick()
         if isinstance(value, StepResult):
             self._measure(ch.batch, value.forward_s)
             value = value.rows[0]

@@ -28,7 +28,7 @@ from ..core import errors
 from ..core.settings import default
 from ..core.steps import StepLimits, StepPlan, run
 from ..executors.base import ModelExecutor
-from .progress import Progress
+from .progress import Progress, StepClock
 
 
 def new_worker(name: str) -> concurrent.futures.ThreadPoolExecutor:
@@ -108,6 +108,8 @@ class ModelHost:
         self._pending_releases: set[asyncio.Task] = set()
         self.batcher: StepQueue | Any = None  # the model's step queue for Generate streams (``attach``)
         self.progress = Progress()  # completed calls: the service rate (retry hints) and stall health
+        #: The model's steps as they end, on the loop (:meth:`step`, and each chained step: ``batcher.py``).
+        self.steps = StepClock()
         #: Called on the worker after each step while a profile waits or records (``profiler.py``);
         #: None otherwise, so a step costs nothing more.
         self.step_hook: Callable[[], None] | None = None
@@ -324,11 +326,15 @@ class ModelHost:
 
     async def step(self, plan: StepPlan, *, admit: bool = True,
                    on_orphan: Callable[[Any], None] | None = None) -> Timed:
-        """Run ``plan`` on the worker (``steps.run``); the value is its :class:`StepResult`."""
+        """Run ``plan`` on the worker (``steps.run``); the value is its :class:`StepResult`. Ticks
+        :attr:`steps` when it ends."""
         hook = self.step_hook
-        if hook is None:
-            return await self.call(run, self.executor, plan, admit=admit, on_orphan=on_orphan)
-        return await self.call(self.run_step, self.executor, plan, admit=admit, on_orphan=on_orphan)
+        try:
+            if hook is None:
+                return await self.call(run, self.executor, plan, admit=admit, on_orphan=on_orphan)
+            return await self.call(self.run_step, self.executor, plan, admit=admit, on_orphan=on_orphan)
+        finally:
+            self.steps.tick()
 
     def run_step(self, executor: ModelExecutor, plan: StepPlan) -> Any:
         """``steps.run`` with the step hook, on the worker."""

@@ -16,6 +16,10 @@ Every executor call a model's worker completes (a step, a release, a fork) is re
   NOT_SERVING, and the server's overall "" too (the ModelExecutor service follows shutdown only),
   so a readiness probe takes the replica out of rotation while it cannot make progress. Both return to SERVING
   when a call completes. A model that was shut down, or a draining server, is left as it is.
+* **Step clock** (:class:`StepClock`, ``ModelHost.steps``): the model's steps, counted on the event
+  loop as each one ends (a batched or unary step, each step of a lone stream's chain), and awaitable:
+  what work that must not crowd the model's steps paces itself by (a migration's pre-copy export,
+  ``wire/kv_export_pacing.py``).
 """
 
 from __future__ import annotations
@@ -86,6 +90,29 @@ class Progress:
         return max(0.0, now - since)
 
 
+class StepClock:
+    """The model's steps ended so far (on the event loop only; see the module doc). Costs a counter
+    increment per step while nobody waits."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._next: asyncio.Future | None = None  # resolved by the next tick (made when someone waits)
+
+    def tick(self) -> None:
+        """A step ended (whatever its outcome): wake whoever waits for the next one."""
+        self.count += 1
+        nxt, self._next = self._next, None
+        if nxt is not None and not nxt.done():
+            nxt.set_result(self.count)
+
+    def next(self) -> asyncio.Future:
+        """A future resolved (with the new count) when the next step ends; shared by every waiter,
+        so a waiter that gives up must not cancel it."""
+        if self._next is None or self._next.done():
+            self._next = asyncio.get_running_loop().create_future()
+        return self._next
+
+
 class StallWatch:
     """Checks the progress of every hosted model (``models``: the ``ModelSet``, iterated as its
     ``ModelHost``s) every ``interval`` seconds and calls ``set_health(model_id,
@@ -128,4 +155,4 @@ class StallWatch:
                 await self.set_health(host.model_id, True)
 
 
-__all__ = ["DEFAULT_STALL_TIMEOUT_S", "Progress", "StallWatch"]
+__all__ = ["DEFAULT_STALL_TIMEOUT_S", "Progress", "StallWatch", "StepClock"]

@@ -94,11 +94,13 @@ class _Sample:
         self.relayed: pb.GenerateFinished | None = None  # moved in relay mode: the target's final event
         self.chain = False  # the worker may run its next step ahead (HeldDecode.chain)
 
-    def step(self, token: int, draft: list[int], last: bool) -> HeldDecode:
+    def step(self, token: int, draft: list[int], last: bool, moving: bool = False) -> HeldDecode:
         """The decode step feeding ``token``; ``last``: it makes the sample's last token by
-        ``max_tokens``, so the worker runs no step after it."""
+        ``max_tokens``, so the worker runs no step after it; ``moving``: a move of the stream is
+        under way, so neither (each boundary until the pause settles the cache: a step run ahead
+        would be run twice, and the stream wait for it)."""
         return HeldDecode(cache_id=self.cache_id, token_id=token, policy=self.policy, draft=draft, entry=self.entry,
-                          chain=self.chain and not last)
+                          chain=self.chain and not last and not moving)
 
 
 async def generate(models: "ModelSet", checks: RequestChecks, req: pb.GenerateRequest, state: StreamState,
@@ -397,7 +399,7 @@ class Generation:
                 state.check_aborted()
                 events = self._tokens(s, row)
                 nxt = s.step(events[-1].token_id, self._draft(s, row, events),
-                             last=s.generated + 1 >= self.spec.stops.max_tokens)
+                             last=s.generated + 1 >= self.spec.stops.max_tokens, moving=bool(state.move_to))
                 going_on = s.finish == pb.FINISH_REASON_UNSPECIFIED
                 if mover is not None and going_on and state.move_to:
                     await batcher.settle(s.cache_id)  # the cache holds exactly what was fed before it moves

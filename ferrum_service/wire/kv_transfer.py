@@ -24,7 +24,7 @@ Staged pulls (a migration's pre-copy, ``migration.py``): ``stage_pull`` runs ste
 server pull of tokens [0, k) and stops before 3 (the staged blocks stay private: no cache, no
 prefix key); ``extend_pull`` later pulls [k, n) of the same cache and appends it (the executor's
 ``import_extend``, inside the reservation taken at step 1); ``commit_staged`` is step 3;
-``abort_staged`` gives the blocks back.
+``abort_staged`` gives the blocks back. The source paces a pre-copy's export (``kv_export_pacing.py``).
 
 Server pull: with ``source`` set, this server calls ``ExportKv`` on ``source.target`` itself and
 feeds the stream through the same steps. Only peers the operator configured are dialled, with this
@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import time
 import zlib
 from typing import Any, AsyncIterator, Callable
@@ -64,6 +65,7 @@ from ..core.settings import default
 from ..executors.base import KvLayout
 from ..hosting.kv_peers import KvPeers
 from .convert import handle_pb, pb, tpb
+from .kv_export_pacing import ExportPacing, layer_reads
 
 log = structlog.get_logger("ferrum_service.wire.kv_transfer")
 
@@ -99,8 +101,11 @@ class KvTransfer:
     """The two RPCs' server side (the servicer hands them the request and the call context)."""
 
     def __init__(self, models, checks, *, max_message_bytes: int, metrics=None, peers: KvPeers | None = None,
-                 import_idle_s: float = DEFAULT_IMPORT_IDLE_S, import_total_s: float = DEFAULT_IMPORT_TOTAL_S) -> None:
+                 import_idle_s: float = DEFAULT_IMPORT_IDLE_S, import_total_s: float = DEFAULT_IMPORT_TOTAL_S,
+                 pacing: ExportPacing | None = None) -> None:
+        """``pacing``: the caches whose exports are paced (``Migrations``' pre-copies); default none."""
         self.models = models
+        self.pacing = pacing if pacing is not None else ExportPacing()
         self.metrics = metrics
         self.checks = checks
         self.max_message_bytes = max_message_bytes
@@ -207,24 +212,18 @@ class KvTransfer:
             if entry.adapter:
                 header.adapter_digest = ex.adapter_digest(entry.adapter)
             yield pb.ExportKvResponse(header=header)
-            # The next layer is read while this one is sent.
-            nxt = asyncio.ensure_future(read(0))
-            try:
-                for layer in range(layout.num_layers):
-                    msgs = await nxt
-                    if layer + 1 < layout.num_layers:
-                        nxt = asyncio.ensure_future(read(layer + 1))
+            # The next layer is read while this one is sent; the pre-copy of a stream decoding here
+            # goes a batch of layers per model step (kv_export_pacing.py).
+            pacer = self.pacing.pacer(host.model_id, req.cache_id, host.steps, (end - start) * (k_tok + v_tok))
+            async with contextlib.aclosing(layer_reads(read, layout.num_layers, pacer)) as layers:
+                async for msgs in layers:
                     for msg in msgs:
                         yield msg
                     if self.metrics is not None:
                         self.metrics.kv_transfer_bytes.labels(host.model_id, "export").inc(
                             sum(len(x.chunk.key) + len(x.chunk.value) for x in msgs))
-                for callback in self._on_exported:
-                    callback(host.model_id, req.cache_id)
-            finally:
-                if not nxt.done():
-                    nxt.cancel()
-                    nxt.add_done_callback(lambda f: f.cancelled() or f.exception())
+            for callback in self._on_exported:
+                callback(host.model_id, req.cache_id)
 
     async def _export_state(self, host, req, layout: KvLayout, start: int, end: int, n: int):
         """An executor's own serialisation of a whole sequence (e.g. llama.cpp's), cut into chunks.

@@ -26,10 +26,17 @@ the first step boundary after B answered, A pauses as above and asks B to finish
 meanwhile (``extend_pull``: the executor's ``import_extend`` then the usual writes), commits and
 parks. Nothing writes A's full blocks while B reads them (a decode writes past the cache's last
 token, and copies on write only the block it writes into; ``ExportKv`` holds the cache, so nothing
-frees it under the read). A pre-copy B holds is used once, by the
-caller and source it was made for; a stream that ends on A (or a move called off) with a pre-copy
-made sends ``abandon`` (and B drops it after ``resume_s`` anyway); a pre-copy that B refuses, or a
-finish that fails, leaves the stream on A and nothing on B.
+frees it under the read). The pre-copy's export is paced against the model's steps
+(``kv_export_pacing.py``): the stream's mover marks its cache in the ``ExportPacing`` registry this
+object owns (``KvTransfer`` reads it) until B answers, the stream ends or the move is called off,
+and meanwhile A exports at most ``PACED_EXPORT_BYTES_PER_STEP`` (at least a layer) per step, so the
+export's CPU does not stall the stream it copies; the tail pull in the pause is never paced. While
+a move is under way the worker runs no decode step ahead of the stream (``HeldDecode.chain``
+false): each boundary settles the cache, which would undo that step and run it again.
+
+A pre-copy B holds is used once, by the caller and source it was made for; a stream that ends on A
+(or a move called off) with a pre-copy made sends ``abandon`` (and B drops it after ``resume_s``
+anyway); a pre-copy that B refuses, or a finish that fails, leaves the stream on A and nothing on B.
 
 Failure: any refusal by B (no room, another model or fingerprint, adapter missing, not a peer,
 a pull that breaks off) reaches A before it sent anything, and the stream goes on at A. An
@@ -80,6 +87,7 @@ from ..hosting.batcher import HeldDecode
 from ..hosting.kv_peers import normalize_target
 from .convert import check_tokens, pb, sampling_params
 from .generate_spec import DEFAULT_MAX_TOKENS, GenerateSpec, Resume, Stops
+from .kv_export_pacing import ExportPacing
 from .migration_relay import Relays
 from .validate import RequestChecks
 
@@ -195,6 +203,7 @@ class StreamMover:
         self.constrained = constrained
         self.task: asyncio.Task | None = None  # the pre-copy (a PreCopied, or the refusal)
         self.target = ""
+        self.paced = ""  # the cache whose pre-copy export is paced (kv_export_pacing.py), until answered
         # Relay mode: the stream goes on on the caller's stream, this server relaying the target's events.
         self.relay = req.migration_mode == pb.MIGRATION_MODE_RELAY
 
@@ -226,11 +235,28 @@ class StreamMover:
             if not upto or not self.migrations.can_precopy(self.host, n):
                 return True
             self.target = st.move_to
-            self.task = asyncio.ensure_future(self.migrations.precopy(
-                self.host, self.req, s.cache_id, list(s.out_ids), prompt, start, st.tenant, st.move_to, upto))
+            # the stream decodes on while its KV is exported: that export is paced (until answered)
+            self.paced = s.cache_id
+            self.migrations.pacing.start(self.host.model_id, s.cache_id)
+            self.task = asyncio.ensure_future(self._precopy(s.cache_id, list(s.out_ids), prompt, start, upto))
             self.task.add_done_callback(lambda t: t.cancelled() or t.exception())
             return False
         return self.task.done()
+
+    async def _precopy(self, cache_id: str, generated: list[int], prompt: int, start: int, upto: int) -> "PreCopied":
+        """The pre-copy, its export paced until it is answered (unpaced before the task is done:
+        the tail pulled in the pause is not paced)."""
+        st = self.state
+        try:
+            return await self.migrations.precopy(self.host, self.req, cache_id, generated, prompt, start, st.tenant,
+                                                 self.target, upto)
+        finally:
+            self._unpace()
+
+    def _unpace(self) -> None:
+        if self.paced:
+            self.migrations.pacing.stop(self.host.model_id, self.paced)
+            self.paced = ""
 
     async def hand_off(self, s) -> pb.GenerateMigrated | None:
         """Hand the paused stream over; None (the move answered with the refusal) if it stays here."""
@@ -267,7 +293,9 @@ class StreamMover:
     def close(self) -> None:
         """The stream ended (or its move was called off) with a pre-copy no move will finish: have
         the target drop it, once it answered if its pull is still under way (cancelling the call
-        could lose an answer the target already gave, and leave the staged KV to its deadline)."""
+        could lose an answer the target already gave, and leave the staged KV to its deadline).
+        The pre-copy's export, if still under way, goes on unpaced."""
+        self._unpace()
         task, self.task = self.task, None
         if task is None:
             return
@@ -285,7 +313,11 @@ class Migrations:
 
     def __init__(self, models: "ModelSet", checks: "RequestChecks", kv: "KvTransfer", peers: "KvPeers",
                  streams: "StreamRegistry", advertise: str = "", resume_s: float = DEFAULT_RESUME_S,
-                 precopy_tokens: int = DEFAULT_PRECOPY_TOKENS, serving: ServingState | None = None) -> None:
+                 precopy_tokens: int = DEFAULT_PRECOPY_TOKENS, serving: ServingState | None = None,
+                 pacing: ExportPacing | None = None) -> None:
+        """``serving``: the server's drain flags (this object sets ``migrating``); ``pacing``: where
+        the streams pre-copied from here are marked while they decode (the registry ``kv`` reads to
+        pace their exports: the server hands both the same one)."""
         self.models = models
         self.checks = checks
         self.kv = kv
@@ -303,6 +335,7 @@ class Migrations:
         self._staging = 0  # pre-copies being pulled
         self._tasks: set[asyncio.Task] = set()  # abandons in flight
         self.relays = Relays(peers)  # the streams this server relays (moved in relay mode)
+        self.pacing = pacing if pacing is not None else ExportPacing()
 
     # ---- the moving side (A) --------------------------------------------------------------------
     async def migrate(self, target: str, *, model_id: str = "", request_id: str = "",
@@ -643,6 +676,7 @@ class Migrations:
         return first
 
     def close(self) -> None:
+        self.pacing.close()
         for token in list(self.parked):
             self._expire(token)
         for pid in list(self.precopies):
