@@ -571,6 +571,12 @@ class ContinuousBatcher:
             del self._chains[ch.cache_id]
         return fut
 
+    def ran_ahead(self, cache_id: str) -> bool:
+        """Whether the worker runs (or ran) a step of the cache's chain that its stream has not
+        asked for yet (known before the stream gets the row of the step before it)."""
+        ch = self._chains.get(cache_id)
+        return ch is not None and ch.ahead
+
     def _halt_chain(self) -> None:
         if self._running_chain is not None:
             self._running_chain.halt()

@@ -401,9 +401,16 @@ class Generation:
                 nxt = s.step(events[-1].token_id, self._draft(s, row, events),
                              last=s.generated + 1 >= self.spec.stops.max_tokens, moving=bool(state.move_to))
                 going_on = s.finish == pb.FINISH_REASON_UNSPECIFIED
-                if mover is not None and going_on and state.move_to:
-                    await batcher.settle(s.cache_id)  # the cache holds exactly what was fed before it moves
-                moving = mover is not None and going_on and mover.pause_now(s)
+                if mover is not None and going_on and state.move_to and mover.will_precopy(s) \
+                        and batcher.ran_ahead(s.cache_id):
+                    # the move starts a pre-copy, during which the stream decodes on: ``nxt`` takes
+                    # the step the worker ran ahead and ends the chain, and the pre-copy starts at
+                    # the next boundary (not undone and run again, nor waited for before this token)
+                    moving = False
+                else:
+                    if mover is not None and going_on and state.move_to:
+                        await batcher.settle(s.cache_id)  # the cache holds exactly what was fed before it moves
+                    moving = mover is not None and going_on and mover.pause_now(s)
                 if self.pipeline and going_on and not moving:
                     pending = asyncio.ensure_future(batcher.decode(nxt))
                     # two loop turns: the step is queued, then the batcher starts it (it waits for

@@ -213,6 +213,12 @@ class StreamMover:
         start = entry.guide.start if entry.guide is not None and self.constrained else 0
         return entry.num_tokens, entry.num_tokens - (len(s.out_ids) - 1), start
 
+    def will_precopy(self, s) -> bool:
+        """Whether the move asked for would start with a pre-copy (none started yet; the cache
+        long enough: read from the registry, so within a token of what the stream fed)."""
+        return self.task is None and self.migrations.can_precopy(
+            self.host, self.host.executor.registry.get(s.cache_id).num_tokens)
+
     def pause_now(self, s) -> bool:
         """Whether the stream pauses at this boundary (no step of it queued) for :meth:`hand_off`;
         starts the pre-copy the first time a move is asked for."""
