@@ -144,7 +144,7 @@ def test_paced_precopy_interleaves_with_the_streams_steps(pair, mode):
 
 
 def test_stream_ending_mid_precopy_unpaces_its_export(pair):
-    """The stream reaches max_tokens three steps into a six-layer paced pre-copy: its export goes
+    """The stream reaches max_tokens two or three steps into a six-layer paced pre-copy: its export goes
     on unpaced at once (not after the 30 s step wait), B stages the whole pre-copy, the move is
     FAILED_PRECONDITION, the tokens are whole, and B drops what it staged."""
     a, b = pair
@@ -166,9 +166,14 @@ def test_stream_ending_mid_precopy_unpaces_its_export(pair):
     assert staged == [48]  # the whole pre-copy arrived (unpaced, it did not wait 30 s for a step)
     pre = [(layer, n) for start, end, layer, n in reads if start == 0]
     assert [layer for layer, _ in pre] == list(range(LAYERS))
-    # steps 9, 10, 11 came between the first four layers; the last two were read after the stream's end
-    assert all(n1 > n0 for (_, n0), (_, n1) in zip(pre[:4], pre[1:4])), pre
-    assert len({n for _, n in pre[3:]}) == 1, pre
+    # the stream's last steps came between the first layers, one a layer (two or three of them: the
+    # pre-copy starts a boundary later when the worker had run a step ahead); the layers left when
+    # the stream ended were read back to back
+    end = pre[-1][1]
+    during = sum(1 for _, n in pre if n < end)
+    assert 2 <= during <= 3, pre
+    assert all(n1 > n0 for (_, n0), (_, n1) in zip(pre[:during + 1], pre[1:during + 1])), pre
+    assert all(n == end for _, n in pre[during:]), pre
     assert pacing.stats["paced"] == 1 and pacing.stats["stopped"] == 1 and not pacing.stats["idle"], pacing.stats
     assert not pacing._live
     assert a.live_caches() == {M: 0}
