@@ -401,16 +401,7 @@ class Generation:
                 nxt = s.step(events[-1].token_id, self._draft(s, row, events),
                              last=s.generated + 1 >= self.spec.stops.max_tokens, moving=bool(state.move_to))
                 going_on = s.finish == pb.FINISH_REASON_UNSPECIFIED
-                if mover is not None and going_on and state.move_to and mover.will_precopy(s) \
-                        and batcher.ran_ahead(s.cache_id):
-                    # the move starts a pre-copy, during which the stream decodes on: ``nxt`` takes
-                    # the step the worker ran ahead and ends the chain, and the pre-copy starts at
-                    # the next boundary (not undone and run again, nor waited for before this token)
-                    moving = False
-                else:
-                    if mover is not None and going_on and state.move_to:
-                        await batcher.settle(s.cache_id)  # the cache holds exactly what was fed before it moves
-                    moving = mover is not None and going_on and mover.pause_now(s)
+                moving = going_on and await self._pauses(s)
                 if self.pipeline and going_on and not moving:
                     pending = asyncio.ensure_future(batcher.decode(nxt))
                     # two loop turns: the step is queued, then the batcher starts it (it waits for
@@ -447,6 +438,20 @@ class Generation:
                 pending.add_done_callback(lambda t: t.cancelled() or t.exception())
             if mover is not None:  # a pre-copy no move finished is dropped at the target
                 mover.close()
+
+    async def _pauses(self, s: _Sample) -> bool:
+        """At a step boundary of a sample that goes on: whether it pauses here for its move
+        (``mover.pause_now``), its cache first settled to exactly what was fed. A move that starts
+        a pre-copy while the worker has run a step ahead waits one boundary: the next step takes
+        that step and ends the chain (not undone and run again, nor waited for before this token)."""
+        mover, batcher = self.mover, self.host.batcher
+        if mover is None:
+            return False
+        if self.state.move_to:
+            if batcher.ran_ahead(s.cache_id) and mover.will_precopy(s):
+                return False
+            await batcher.settle(s.cache_id)
+        return mover.pause_now(s)
 
     async def _relay(self, s: _Sample, moved: pb.GenerateMigrated) -> AsyncIterator[pb.GenerateResponse]:
         """Relay mode (``GenerateRequest.migration_mode``, every vLLM-protocol stream): the stream

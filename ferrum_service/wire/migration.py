@@ -32,7 +32,9 @@ object owns (``KvTransfer`` reads it) until B answers, the stream ends or the mo
 and meanwhile A exports at most ``PACED_EXPORT_BYTES_PER_STEP`` (at least a layer) per step, so the
 export's CPU does not stall the stream it copies; the tail pull in the pause is never paced. While
 a move is under way the worker runs no decode step ahead of the stream (``HeldDecode.chain``
-false): each boundary settles the cache, which would undo that step and run it again.
+false): each boundary settles the cache, which would undo that step and run it again. A step the
+worker had already run ahead when a move that pre-copies is asked is kept (the stream's next step
+takes it) and the pre-copy starts one boundary later (``Generation._pauses``).
 
 A pre-copy B holds is used once, by the caller and source it was made for; a stream that ends on A
 (or a move called off) with a pre-copy made sends ``abandon`` (and B drops it after ``resume_s``
